@@ -1,0 +1,316 @@
+"""Per-group quantization with stochastic rounding, and dense bit packing.
+
+Layout (ActNN §4.1): the leading axis is the sample axis. Each sample is
+flattened to D values, padded to a multiple of the group size G and split
+into groups of G. Every group stores its minimum and its step (range / B,
+B = 2**bits - 1) in bfloat16 -- the minimum rounded *down* and the step
+rounded *up*, so the stored grid always covers the group and stochastic
+rounding stays unbiased -- plus one `bits`-wide code per element, packed
+densely into uint8 in a planar layout: with k = 8 // bits codes per byte and
+Q = G // k bytes per group, byte j holds the group's elements j, j+Q, j+2Q, ...
+(contiguous slices only, which fuse well in XLA and lower in Triton).
+
+Non-finite values: a group's minimum and step are computed from its *finite*
+values only, so one inf or NaN never poisons its neighbours; +inf is stored
+as the group's largest finite value, -inf and NaN as its smallest, and a group
+with no finite value stores zeros. Dequantized data is therefore always
+finite (no NaN flood); non-finite activations are a training failure that the
+forward output (which is exact) still shows.
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.linspace(-1.0, 1.0, 2 * 320).reshape(2, 320)
+>>> p = quantize(x, jax.random.key(0), bits=4)
+>>> p.data.shape, p.data.dtype, p.nbytes, p.group_size
+((2, 2, 80), dtype('uint8'), 336, 160)
+>>> bool(jnp.abs(dequantize(p) - x).max() <= 2 / 15)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact import rng
+
+__all__ = [
+    "Packed", "PackedBits", "quantize", "dequantize", "pack_bits", "unpack_bits",
+    "pack_codes", "unpack_codes", "check_bits", "check_group_size", "effective_group_size",
+    "SUPPORTED_BITS", "FLOAT_DTYPES",
+]
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_bits(bits: Any) -> int:
+  """Validates a bit width; returns it as int."""
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+    raise ValueError(
+        f"bits must be one of {SUPPORTED_BITS}, got {bits!r}. Pick 1, 2, 4 or 8 "
+        "(use bits=None on an op to keep its residual uncompressed).")
+  return int(bits)
+
+
+def check_group_size(group_size: Any) -> int:
+  """Validates a group size (a positive multiple of 8); returns it as int."""
+  if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
+      or group_size <= 0 or group_size % 8):
+    raise ValueError(
+        f"group_size must be a positive multiple of 8 (so 1-bit codes fill whole "
+        f"bytes), got {group_size!r}; the usual value is 256.")
+  return int(group_size)
+
+
+def _check_float(x) -> jnp.dtype:
+  dtype = jnp.dtype(x.dtype)
+  if dtype not in FLOAT_DTYPES:
+    raise TypeError(
+        f"quantize takes float32, bfloat16 or float16 arrays, got {dtype}. Cast "
+        "the input (x.astype(jnp.float32)); integer and boolean residuals are "
+        "stored exactly instead (see jact.pack_codes for masks).")
+  return dtype
+
+
+# ----------------------------------------------------------------------------- bit packing
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+  """Packs uint codes < 2**bits along the last axis, planar layout.
+
+  The last axis n must be a multiple of k = 8 // bits; the result has n // k
+  bytes on that axis, byte j holding codes j, j + n//k, j + 2n//k, ...
+  """
+  bits = check_bits(bits)
+  k = 8 // bits
+  n = codes.shape[-1]
+  if n % k:
+    raise ValueError(f"last axis ({n}) must be a multiple of {k} to pack {bits}-bit codes")
+  codes = codes.astype(jnp.uint8)
+  if k == 1:
+    return codes
+  q = n // k
+  planes = codes.reshape(*codes.shape[:-1], k, q)
+  out = planes[..., 0, :]
+  for i in range(1, k):
+    out = out | (planes[..., i, :] << jnp.uint8(bits * i))
+  return out
+
+
+def unpack_bits(data: jax.Array, bits: int) -> jax.Array:
+  """Inverse of `pack_bits`: uint8 bytes -> uint8 codes (last axis grows k-fold)."""
+  bits = check_bits(bits)
+  k = 8 // bits
+  if k == 1:
+    return data
+  mask = jnp.uint8((1 << bits) - 1)
+  planes = [(data >> jnp.uint8(bits * i)) & mask for i in range(k)]
+  out = jnp.stack(planes, axis=-2)
+  return out.reshape(*data.shape[:-1], k * data.shape[-1])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedBits:
+  """Integer codes < 2**bits (masks, arg-max positions) packed losslessly.
+
+  Attributes:
+    data: uint8 bytes, planar layout over the flattened codes.
+    shape: shape of the original code array (static).
+    bits: width of one code (static).
+  """
+  data: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  bits: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.data.size)
+
+
+def pack_codes(codes: jax.Array, bits: int) -> PackedBits:
+  """Packs an integer or boolean array of codes < 2**bits losslessly.
+
+  >>> import jax.numpy as jnp
+  >>> m = jnp.arange(10) % 3 == 0
+  >>> p = pack_codes(m, 1)
+  >>> p.nbytes, bool((unpack_codes(p) == m).all())
+  (2, True)
+  """
+  bits = check_bits(bits)
+  k = 8 // bits
+  flat = jnp.ravel(codes).astype(jnp.uint8)
+  n = flat.size
+  padded = -(-max(n, 1) // k) * k
+  flat = jnp.pad(flat, (0, padded - n))
+  return PackedBits(pack_bits(flat, bits), tuple(codes.shape), bits)
+
+
+def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
+  """Inverse of `pack_codes` (booleans come back as bool when bits == 1 and dtype is None)."""
+  n = math.prod(packed.shape)
+  flat = unpack_bits(packed.data, packed.bits)[:n].reshape(packed.shape)
+  if dtype is None:
+    return flat.astype(jnp.bool_) if packed.bits == 1 else flat
+  return flat.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- quantizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A per-group quantized tensor.
+
+  Attributes:
+    data: uint8[N, groups, group_size * bits // 8] packed codes.
+    minimum: bfloat16[N, groups] group minimum (rounded down).
+    scale: bfloat16[N, groups] quantization step (rounded up).
+    shape, dtype, bits, group_size: static description of the original tensor.
+  """
+  data: jax.Array
+  minimum: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+  bits: int = dataclasses.field(metadata=dict(static=True))
+  group_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes actually stored (codes + bf16 group statistics)."""
+    return int(self.data.size + 2 * self.minimum.size + 2 * self.scale.size)
+
+
+def _bf16_directed(x: jax.Array, up: bool) -> jax.Array:
+  """Rounds float32 to bfloat16 towards +inf (up) or -inf (down), exactly."""
+  u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  truncated = u & jnp.uint32(0xFFFF0000)
+  inexact = (u & jnp.uint32(0xFFFF)) != 0
+  negative = (u >> 31) == 1
+  # Truncation moves toward zero; move one bf16 ulp away from zero when that is the wrong way.
+  bump = inexact & (negative if not up else ~negative)
+  out = truncated + jnp.where(bump, jnp.uint32(0x10000), jnp.uint32(0))
+  return jax.lax.bitcast_convert_type(out, jnp.float32).astype(jnp.bfloat16)
+
+
+def effective_group_size(sample_size: int, group_size: int) -> int:
+  """The group size actually used for samples of `sample_size` values.
+
+  Padding a sample to a multiple of the group size costs a full copy of the
+  tensor on XLA:CPU (pad is never fused there), so when the requested size
+  does not divide the sample, the largest multiple of 8 that does divide it
+  and is at least a quarter of the request is used instead; only when there
+  is none is the sample padded. Samples shorter than a group use one group of
+  their own length rounded up to 8.
+
+  >>> effective_group_size(32 * 32 * 64, 256), effective_group_size(784, 256), effective_group_size(10, 256)
+  (256, 112, 16)
+  """
+  group_size = check_group_size(group_size)
+  if sample_size <= group_size:
+    return max(8, -(-sample_size // 8) * 8)
+  for g in range(group_size, max(8, group_size // 4) - 1, -8):
+    if sample_size % g == 0:
+      return g
+  return group_size
+
+
+def _grouped(x: jax.Array, group_size: int):
+  """(N, ...) -> (N, groups, G) view in the input dtype, padded with NaN."""
+  n = x.shape[0] if x.ndim else 1
+  d = math.prod(x.shape[1:]) if x.ndim else 1
+  groups = -(-d // group_size)
+  flat = x.reshape(n, d)
+  if groups * group_size != d:
+    # NaN padding is ignored by the finite-aware min/max and coded as 0.
+    flat = jnp.pad(flat, ((0, 0), (0, groups * group_size - d)), constant_values=jnp.nan)
+  return flat.reshape(n, groups, group_size), (n, groups, d)
+
+
+def _finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Min and max over the last axis of the finite values (+inf/-inf if none).
+
+  One variadic reduce with a finite-aware reducer: XLA keeps the producer
+  (padding, dtype conversion) inside the reduce fusion, whereas a plain
+  `jnp.min(jnp.where(...))` is lowered on CPU to a library reduction that
+  materializes the masked tensor (a full f32 copy per statistic).
+  """
+  def reducer(a, b):
+    (a_lo, a_hi), (b_lo, b_hi) = a, b
+    lo = jnp.where(jnp.isfinite(b_lo) & ~(b_lo >= a_lo), b_lo, a_lo)
+    hi = jnp.where(jnp.isfinite(b_hi) & ~(b_hi <= a_hi), b_hi, a_hi)
+    return lo, hi
+
+  g = g.astype(jnp.float32)
+  init = (jnp.float32(jnp.inf), jnp.float32(-jnp.inf))
+  return jax.lax.reduce((g, g), init, reducer, (g.ndim - 1,))
+
+
+def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
+             stochastic: bool = True, seed: jax.Array | None = None) -> Packed:
+  """Quantizes `x` per sample and per group of `group_size` values.
+
+  Args:
+    x: float32, bfloat16 or float16 array; axis 0 is the sample axis.
+    key: JAX PRNG key for the rounding noise (required when stochastic and
+      `seed` is not given).
+    bits: 1, 2, 4 or 8.
+    group_size: values per group, a positive multiple of 8.
+    stochastic: unbiased stochastic rounding (default) or round-to-nearest.
+    seed: a uint32 scalar seed (see `jact.rng.seed_from_key`) used instead of key.
+
+  Returns:
+    A `Packed` pytree; `dequantize` reverses it, E[dequantize(quantize(x))] = x.
+  """
+  bits = check_bits(bits)
+  group_size = check_group_size(group_size)
+  dtype = _check_float(x)
+  if stochastic and seed is None:
+    seed = rng.seed_from_key(key)
+  levels = float((1 << bits) - 1)
+  d = math.prod(x.shape[1:]) if x.ndim else 1
+  group_size = effective_group_size(d, group_size)
+  g, (n, groups, d) = _grouped(x, group_size)
+  lo, hi = _finite_min_max(g)
+  any_finite = lo <= hi
+  lo = jnp.where(any_finite, lo, 0.0)
+  hi = jnp.where(any_finite, hi, 0.0)
+  minimum = _bf16_directed(lo, up=False)
+  lo_b = minimum.astype(jnp.float32)
+  scale = _bf16_directed((hi - lo_b) / levels, up=True)
+  step = scale.astype(jnp.float32)
+  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+
+  g = g.astype(jnp.float32)
+  clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
+  v = (clipped - lo_b[..., None]) * inv_step[..., None]
+  if stochastic:
+    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
+    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
+  else:
+    noise = jnp.float32(0.5)
+  codes = jnp.clip(jnp.floor(v + noise), 0.0, levels)
+  codes = codes.astype(jnp.uint8)
+  data = pack_bits(codes, bits)
+  return Packed(data, minimum, scale, tuple(x.shape), dtype, bits, group_size)
+
+
+def dequantize(packed: Packed, dtype=None) -> jax.Array:
+  """Reconstructs the tensor from a `Packed` (in its own dtype unless `dtype` is given)."""
+  codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
+  g = codes * packed.scale.astype(jnp.float32)[..., None] + packed.minimum.astype(jnp.float32)[..., None]
+  n = g.shape[0]
+  d = math.prod(packed.shape[1:]) if packed.shape else 1
+  flat = g.reshape(n, -1)
+  if flat.shape[1] != d:
+    flat = flat[:, :d]
+  return flat.reshape(packed.shape).astype(dtype or packed.dtype)
