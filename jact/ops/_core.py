@@ -1,0 +1,133 @@
+"""The engine shared by the compressed ops.
+
+`save_compressed(fn, *args, compress=...)` evaluates `fn(*args)` exactly and
+keeps, for the backward pass, a quantized copy of each argument marked in
+`compress` (the others are kept as they are: weights are alive anyway). The
+backward starts with an optimization barrier that ties the residuals to the
+incoming cotangent -- without it XLA hoists every dequantization into the
+forward pass and the compiled step uses more memory than plain training --
+and then runs the exact VJP of `fn` at the reconstructed arguments. For a
+function that is linear in each compressed argument (matmul, convolution)
+the resulting gradients are unbiased.
+
+Every residual piece is tagged with `jax.ad_checkpoint.checkpoint_name`, so
+`jax.checkpoint` policies such as `save_only_these_names` can select it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jact import quantize as q
+from jact import rng
+
+__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "barrier"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+  """Static compression settings of one op call.
+
+  Attributes:
+    bits: 1, 2, 4 or 8, or None to keep the residual uncompressed.
+    group_size: values per quantization group (multiple of 8).
+    stochastic: stochastic (unbiased) or round-to-nearest rounding.
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+
+  def __post_init__(self):
+    if self.bits is not None:
+      q.check_bits(self.bits)
+    q.check_group_size(self.group_size)
+
+  @property
+  def needs_key(self) -> bool:
+    return self.bits is not None and self.stochastic
+
+
+def check_name(name: Any) -> str:
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"a residual name must be a non-empty string, got {name!r}")
+  return name
+
+
+def make_seed(key, rounding: Rounding, op: str) -> jax.Array:
+  """uint32 seed for an op call; a clear error when a needed key is missing."""
+  if not rounding.needs_key:
+    return jnp.uint32(0)
+  if key is None:
+    raise ValueError(
+        f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "
+        f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
+        f"or pass stochastic=False for round-to-nearest, or bits=None to store "
+        f"the residual uncompressed.")
+  return rng.seed_from_key(key)
+
+
+def tag(tree, name: str):
+  """Tags every array leaf of a residual with `name` (for checkpoint policies)."""
+  return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
+
+
+def barrier(residuals, cotangent):
+  """Optimization barrier at the start of a backward rule."""
+  return jax.lax.optimization_barrier((residuals, cotangent))
+
+
+def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
+  """Quantizes a float residual (or returns it unchanged when bits is None)."""
+  if rounding.bits is None:
+    return x
+  return q.quantize(x, bits=rounding.bits, group_size=rounding.group_size,
+                    stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
+
+
+def restore_residual(r):
+  return q.dequantize(r) if isinstance(r, q.Packed) else r
+
+
+def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],
+                    seed: jax.Array, rounding: Rounding, names: Sequence[str]) -> Any:
+  """Evaluates `fn(*args)` exactly, saving compressed copies of marked arguments.
+
+  Args:
+    fn: the primal function, differentiable in all of `args`.
+    *args: floating-point arrays.
+    compress: one flag per argument: quantize it (True) or keep it (False).
+    seed: uint32 scalar seed (from `make_seed`).
+    rounding: the compression settings.
+    names: one residual name per argument (used for the compressed ones).
+
+  Returns:
+    `fn(*args)`, whose VJP uses the reconstructed arguments.
+  """
+  compress = tuple(bool(c) for c in compress)
+  if len(compress) != len(args) or len(names) != len(args):
+    raise ValueError("compress and names need one entry per argument")
+
+  @jax.custom_vjp
+  def op(seed, *args):
+    return fn(*args)
+
+  def fwd(seed, *args):
+    out = fn(*args)
+    residuals = tuple(
+        tag(compress_residual(a, seed, i, rounding), names[i]) if c else a
+        for i, (a, c) in enumerate(zip(args, compress)))
+    return out, residuals
+
+  def bwd(residuals, g):
+    residuals, g = barrier(residuals, g)
+    restored = tuple(restore_residual(r) for r in residuals)
+    _, vjp = jax.vjp(fn, *restored)
+    return (None, *vjp(g))
+
+  op.defvjp(fwd, bwd)
+  return op(seed, *args)

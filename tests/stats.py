@@ -1,0 +1,41 @@
+"""Statistical assertions shared by the tests (fixed seeds, stated tolerances)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def assert_unbiased(samples, exact, *, max_pooled_z: float = 4.0, max_mean_z2: float = 1.6,
+                    rel_floor: float = 1e-6, atol: float = 1e-5) -> dict:
+  """Checks that `samples` (K draws stacked on axis 0) average to `exact`.
+
+  Three checks, each a stated tolerance:
+    * pooled z = sum(mean - exact) / sqrt(sum(var) / K) within +-max_pooled_z
+      (catches a systematic bias of one sign, even a tiny one);
+    * mean of per-element z^2 below max_mean_z2 (~1 when unbiased; catches
+      element-wise biases of either sign);
+    * elements whose standard error is negligible (deterministic given the
+      inputs) equal the exact value within atol.
+  Returns the statistics, for messages.
+  """
+  s = np.asarray(samples, np.float64)
+  e = np.asarray(exact, np.float64)
+  k = s.shape[0]
+  mean = s.mean(0)
+  var = s.var(0, ddof=1)
+  se = np.sqrt(var / k)
+  scale = max(np.abs(e).max(), 1e-30)
+  noisy = se > rel_floor * scale
+  err = mean - e
+  stats = {"k": k, "noisy_fraction": float(noisy.mean())}
+  if noisy.any():
+    pooled = err[noisy].sum() / np.sqrt((var[noisy] / k).sum())
+    z2 = float(np.mean((err[noisy] / se[noisy]) ** 2))
+    stats.update(pooled_z=float(pooled), mean_z2=z2)
+    assert abs(pooled) < max_pooled_z, f"biased: pooled z = {pooled:.2f} ({stats})"
+    assert z2 < max_mean_z2, f"biased per element: mean z^2 = {z2:.2f} ({stats})"
+  if (~noisy).any():
+    worst = float(np.abs(err[~noisy]).max())
+    stats["deterministic_max_err"] = worst
+    assert worst <= atol + 1e-4 * scale, f"deterministic elements differ: {worst} ({stats})"
+  return stats
