@@ -93,13 +93,21 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
     raise ValueError(f"last axis ({n}) must be a multiple of {k} to pack {bits}-bit codes")
   codes = codes.astype(jnp.uint8)
   if k == 1:
-    return codes
-  q = n // k
-  planes = codes.reshape(*codes.shape[:-1], k, q)
-  out = planes[..., 0, :]
-  for i in range(1, k):
-    out = out | (planes[..., i, :] << jnp.uint8(bits * i))
-  return out
+    # One code per byte: split it into two nibble planes so that packing is
+    # still the reduction below (see there).
+    planes = jnp.stack([codes & jnp.uint8(15), codes >> jnp.uint8(4)], axis=-2)
+    shifts = jnp.array([0, 4], jnp.uint8)
+  else:
+    planes = codes.reshape(*codes.shape[:-1], k, n // k)
+    shifts = jnp.arange(k, dtype=jnp.uint8) * jnp.uint8(bits)
+  # Packing is a *reduction* over the plane axis (the fields are disjoint, so
+  # the sum is their bitwise or). XLA never fuses a reduction into a consumer
+  # that reads its elements several times, so the packed bytes are
+  # materialized right here in the forward pass. Written as elementwise ors,
+  # XLA:CPU (which expands optimization barriers before fusion) fused the
+  # packing into the unpacking in the backward pass and kept the
+  # full-precision input alive until then.
+  return jnp.sum(planes << shifts[:, None], axis=-2, dtype=jnp.uint8)
 
 
 def unpack_bits(data: jax.Array, bits: int) -> jax.Array:

@@ -26,7 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jact import quantize as q
 from jact import rng
 
-__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "barrier"]
+__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "barrier",
+           "after_residuals", "materialize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +78,77 @@ def tag(tree, name: str):
 
 
 def barrier(residuals, cotangent):
-  """Optimization barrier at the start of a backward rule."""
-  return jax.lax.optimization_barrier((residuals, cotangent))
+  """Orders a backward rule's decompression after the arrival of its cotangent.
+
+  Two mechanisms, because one is not enough everywhere:
+    * `jax.lax.optimization_barrier` ties the residuals to the cotangent;
+    * XLA:CPU expands optimization barriers before fusion and scheduling, so
+      the residuals' small per-group statistics are also given a real data
+      dependency on the cotangent: they are selected by `g0 == g0` (g0 one
+      element of the cotangent), which is true unless the cotangent is
+      already NaN. Without it the scheduler hoists every dequantization to
+      the start of the backward pass and all reconstructions are alive at once.
+  """
+  residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
+  leaves = [c for c in jax.tree.leaves(cotangent) if jnp.size(c)]
+  if not leaves:
+    return residuals, cotangent
+  first = leaves[0]
+  g0 = jnp.reshape(first, (-1,))[0]
+  arrived = g0 == g0  # pylint: disable=comparison-with-itself
+
+  def tie(r):
+    if isinstance(r, q.Packed):
+      return dataclasses.replace(r, scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
+    if isinstance(r, q.PackedBits):
+      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
+    return r
+
+  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (q.Packed, q.PackedBits)))
+  return residuals, cotangent
+
+
+def after_residuals(out, residuals):
+  """Makes a forward output depend on its op's compressed residuals.
+
+  XLA schedules a computation whose result is only needed in the backward
+  pass as late as it can, so the compression of a residual would run after
+  the forward pass and keep the full-precision input alive until then (the
+  optimization barrier that says otherwise is expanded away by XLA:CPU
+  before scheduling). Selecting the output by `t == t`, with `t` a float made
+  from one packed byte of every residual (never NaN, and not foldable),
+  forces compression to finish before the output is used. The select fuses
+  into the output's consumer: no extra memory pass.
+  """
+  ready = _ready(residuals)
+  return jax.tree.map(lambda o: jnp.where(ready, o, jnp.zeros_like(o)), out)
+
+
+def _ready(residuals) -> jax.Array:
+  """A boolean scalar that is always True but depends on every packed residual."""
+  packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
+  if not packed:
+    return jnp.bool_(True)
+  t = sum(jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
+  return t == t  # pylint: disable=comparison-with-itself
+
+
+def materialize(x: jax.Array, residuals) -> jax.Array:
+  """Returns x, as a value XLA materializes once instead of re-fusing it.
+
+  XLA duplicates cheap elementwise producers into every consumer fusion; a
+  residual stream such as x_i = relu(h_i + x_{i-1}) then gets recomputed from
+  all earlier layer outputs inside later compression fusions, keeping all of
+  them alive. XLA does not duplicate *expensive* producers, so an elementwise
+  op whose output is materialized anyway (it feeds a matmul or convolution)
+  divides it elementwise by a runtime 1.0 -- exact, not foldable (it is selected by a
+  byte of the op's packed residuals, which also orders it after compression),
+  and fused into the op's own single memory pass.
+  """
+  ready = _ready(residuals)
+  # The divisor is per element (a scalar divisor is rewritten by XLA into a
+  # cheap multiplication by its reciprocal).
+  return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)
 
 
 def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
@@ -121,7 +191,11 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
     residuals = tuple(
         tag(compress_residual(a, seed, i, rounding), names[i]) if c else a
         for i, (a, c) in enumerate(zip(args, compress)))
-    return out, residuals
+    # Tie the output to the compressed residuals: the next layer cannot start
+    # before compression is done, so the full-precision inputs die right here
+    # instead of staying alive until XLA's scheduler gets round to packing them.
+    out, residuals = barrier(out, residuals)
+    return after_residuals(out, residuals), residuals
 
   def bwd(residuals, g):
     residuals, g = barrier(residuals, g)
