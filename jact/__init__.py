@@ -1,0 +1,27 @@
+"""jact: activation compressed training for JAX and Flax.
+
+Each layer keeps a compressed, stochastically rounded copy of what its
+backward pass needs instead of the full-precision activation.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> x = jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)
+>>> packed = jact.quantize(x, jax.random.key(0), bits=2)
+>>> packed.nbytes, x.nbytes
+(136, 2048)
+>>> jact.dequantize(packed).shape
+(2, 256)
+"""
+
+from jact import ops, rng
+from jact.flax import linen as nn
+from jact.flax import nnx
+from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
+from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
+    "ops", "nn", "nnx", "rng",
+    "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
+]

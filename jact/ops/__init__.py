@@ -1,8 +1,31 @@
-"""Compressed ops: exact forward, compressed residuals, exact VJP formulas."""
+"""Compressed ops: exact forward, compressed residuals, exact backward formulas.
+
+Every op is a `jax.custom_vjp` whose inputs and outputs stay in the model
+dtype; only what the backward pass keeps is compressed. Residuals are tagged
+with `jax.ad_checkpoint.checkpoint_name` (the op's `name=` plus a role), so
+`jax.checkpoint` policies can select them.
+
+>>> import jax, jax.numpy as jnp
+>>> from jact import ops
+>>> x, w = jnp.ones((4, 8)), jnp.ones((8, 3))
+>>> y = ops.relu(ops.dense(x, w, key=jax.random.key(0), bits=4))
+>>> y.shape
+(4, 3)
+"""
 
 from jact.ops._core import Rounding
+from jact.ops.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
+from jact.ops.attention import dot_product_attention
+from jact.ops.dropout import dropout
+from jact.ops.embedding import embed
 from jact.ops.linear import conv, conv_general_dilated, conv_transpose, dense, dot_general, einsum
+from jact.ops.norm import batch_norm, layer_norm, rms_norm, update_running_stats
+from jact.ops.pooling import avg_pool, max_pool
 
 __all__ = [
-    "Rounding", "dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose",
+    "Rounding",
+    "dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose",
+    "batch_norm", "layer_norm", "rms_norm", "update_running_stats",
+    "relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax",
+    "dropout", "max_pool", "avg_pool", "embed", "dot_product_attention",
 ]
