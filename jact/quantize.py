@@ -117,9 +117,11 @@ def unpack_bits(data: jax.Array, bits: int) -> jax.Array:
   if k == 1:
     return data
   mask = jnp.uint8((1 << bits) - 1)
-  planes = [(data >> jnp.uint8(bits * i)) & mask for i in range(k)]
-  out = jnp.stack(planes, axis=-2)
-  return out.reshape(*data.shape[:-1], k * data.shape[-1])
+  shifts = jnp.arange(k, dtype=jnp.uint8) * jnp.uint8(bits)
+  # Broadcast the shifts over a new plane axis (a stack of k slices would be a
+  # concatenate, which XLA:CPU never fuses into the consumer).
+  planes = (data[..., None, :] >> shifts[:, None]) & mask
+  return planes.reshape(*data.shape[:-1], k * data.shape[-1])
 
 
 @jax.tree_util.register_dataclass

@@ -83,7 +83,7 @@ def barrier(residuals, cotangent):
   Two mechanisms, because one is not enough everywhere:
     * `jax.lax.optimization_barrier` ties the residuals to the cotangent;
     * XLA:CPU expands optimization barriers before fusion and scheduling, so
-      the residuals' small per-group statistics are also given a real data
+      the packed residuals (bytes and group statistics) are also given a real data
       dependency on the cotangent: they are selected by `g0 == g0` (g0 one
       element of the cotangent), which is true unless the cotangent is
       already NaN. Without it the scheduler hoists every dequantization to
@@ -99,7 +99,8 @@ def barrier(residuals, cotangent):
 
   def tie(r):
     if isinstance(r, q.Packed):
-      return dataclasses.replace(r, scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
+      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
+                                 scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
     if isinstance(r, q.PackedBits):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
     return r

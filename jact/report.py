@@ -1,0 +1,402 @@
+"""Memory reports: the residuals a backward pass keeps, and compiled memory.
+
+Two views of the memory a training step needs (see DESIGN finding 10 --
+they can disagree):
+
+* `residual_report(fn, *args)` lists every value `fn`'s VJP saves for the
+  backward pass (traced with `jax.vjp`, nothing runs), with its
+  `checkpoint_name` if it has one. Values that *are* `fn`'s arguments (weights,
+  inputs) are alive anyway and are counted apart from `total_bytes`.
+* `compiled_memory(fn, *args)` compiles `jax.jit(fn)` and reads XLA's buffer
+  sizes: `temp_bytes` is the scratch memory the compiled program needs besides
+  its arguments and outputs -- the figure that decides whether a step fits.
+  It compiles only; on CPU a peak or device statistic would be meaningless
+  and is not reported.
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.ones((4, 256))
+>>> r = residual_report(lambda x: jnp.sin(x).sum(), x)  # keeps cos(x)
+>>> r.total_bytes == x.nbytes, r.argument_bytes
+(True, 0)
+>>> m = compiled_memory(lambda x: 2 * x, jax.ShapeDtypeStruct((1024,), jnp.float32))
+>>> m.output_bytes
+4096
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = [
+    "Residual", "ResidualGroup", "ResidualReport", "residual_report",
+    "CompiledMemory", "compiled_memory", "format_bytes",
+]
+
+_IDENTITIES = ("optimization_barrier", "reduce_precision")
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_PATH = re.compile(r"(?:[^\s(]*/)([^/\s:]+:\d+)")
+
+
+def format_bytes(n: int) -> str:
+  """Human-readable binary byte count.
+
+  >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 2**30)
+  ('512 B', '1.50 KiB', '3.00 GiB')
+  """
+  n = int(n)
+  if abs(n) < 1024:
+    return f"{n} B"
+  value = float(n)
+  for unit in ("KiB", "MiB", "GiB", "TiB"):
+    value /= 1024.0
+    if abs(value) < 1024 or unit == "TiB":
+      break
+  return f"{value:.2f} {unit}"
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+  size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+  return size * int(dtype.itemsize)
+
+
+def _count(n: int, word: str) -> str:
+  return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _short_source(source: str) -> str:
+  """Drops directories from file paths in a residual description."""
+  return _PATH.sub(r"\1", source)
+
+
+# ----------------------------------------------------------------------------- residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """One value saved for the backward pass.
+
+  Attributes:
+    name: its `checkpoint_name`, or None when unnamed.
+    shape: array shape.
+    dtype: array dtype.
+    bytes: size in bytes (elements x itemsize).
+    source: where it comes from, worded like jax's `saved_residuals`:
+      "from the argument x", "named 'dense.lhs' from file:line (fn)",
+      "output of cos from file:line (fn)", ...
+    is_argument: the value is one of fn's (flattened) arguments, alive anyway
+      (possibly under a name: an uncompressed input saved as `dense.lhs`).
+  """
+  name: str | None
+  shape: tuple[int, ...]
+  dtype: Any
+  bytes: int
+  source: str
+  is_argument: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualGroup:
+  """The pieces saved under one name (a `Packed` is codes + minimum + scale).
+
+  `name` is None for the group of all unnamed, non-argument residuals.
+  """
+  name: str | None
+  pieces: tuple[Residual, ...]
+
+  @property
+  def bytes(self) -> int:
+    return sum(p.bytes for p in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualReport:
+  """Every residual of a function's VJP; see `residual_report`.
+
+  Attributes:
+    residuals: one row per saved value, in the order the VJP keeps them.
+  """
+  residuals: tuple[Residual, ...]
+
+  @property
+  def total_bytes(self) -> int:
+    """Bytes saved for the backward pass, EXCLUDING fn's own arguments."""
+    return sum(r.bytes for r in self.residuals if not r.is_argument)
+
+  @property
+  def argument_bytes(self) -> int:
+    """Bytes of residuals that are fn's arguments (alive anyway)."""
+    return sum(r.bytes for r in self.residuals if r.is_argument)
+
+  def by_name(self) -> dict[str | None, ResidualGroup]:
+    """Non-argument residuals grouped by name (None: the unnamed ones).
+
+    Keys are in order of first appearance; the bytes of all groups add up
+    to `total_bytes`.
+    """
+    groups: dict[str | None, list[Residual]] = {}
+    for r in self.residuals:
+      if not r.is_argument:
+        groups.setdefault(r.name, []).append(r)
+    return {k: ResidualGroup(k, tuple(v)) for k, v in groups.items()}
+
+  def __str__(self) -> str:
+    rows = [("name", "shape", "dtype", "bytes", "source")]
+    for r in self.residuals:
+      rows.append((r.name or ("(argument)" if r.is_argument else "-"),
+                   "[" + ",".join(map(str, r.shape)) + "]", str(r.dtype),
+                   format_bytes(r.bytes), _short_source(r.source)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join([c.ljust(w) if i != 3 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row[:4], widths))] + [row[4]])
+             for row in rows]
+    lines.append(f"saved for backward: {format_bytes(self.total_bytes)} "
+                 f"in {_count(sum(not r.is_argument for r in self.residuals), 'array')} "
+                 f"(+ {format_bytes(self.argument_bytes)} of fn's own arguments)")
+    groups = self.by_name()
+    if any(k is not None for k in groups):
+      lines.append("by name:")
+      width = max(len(k or "(unnamed)") for k in groups)
+      for k, g in groups.items():
+        lines.append(f"  {(k or '(unnamed)').ljust(width)}  {format_bytes(g.bytes):>10}"
+                     f"  ({_count(len(g.pieces), 'piece')})")
+    return "\n".join(lines)
+
+  def print(self) -> None:
+    """Prints the table (`print(str(report))`)."""
+    print(str(self))
+
+
+def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ResidualReport:
+  """Lists what `jax.vjp(fn, *args, **kwargs)` saves for the backward pass.
+
+  Traces `fn` abstractly (nothing is computed), so `args` may be arrays or
+  `jax.ShapeDtypeStruct`s. `fn` must return an array (typically a scalar
+  loss) or a pytree of arrays -- whatever `jax.vjp` accepts; all its array
+  arguments, including keyword arguments, count as arguments. Residuals that
+  are arguments are flagged `is_argument` and left out of `total_bytes`.
+
+  The trace and the wording of `Residual.source` follow
+  `jax.ad_checkpoint.saved_residuals`, but optimization barriers (which jact
+  ops put around their residuals) and jitted functions are looked through,
+  so names and arguments behind them are still recognised (a named residual
+  that is just an argument is flagged `is_argument`); a buffer saved twice
+  counts once. Names inside `scan`/`cond`/`jax.checkpoint` bodies are
+  not looked into: such residuals read "output of <primitive>".
+
+  Args:
+    fn: the function to differentiate, e.g. a loss of (params, batch).
+    *args, **kwargs: its arguments (pytrees of arrays).
+
+  Returns:
+    A `ResidualReport`; `print(report)` shows a table.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jact.ops.linear import dense
+  >>> x, w = jnp.ones((8, 512)), jnp.ones((512, 4))
+  >>> r = residual_report(lambda x, w: dense(x, w, key=jax.random.key(0), bits=2).sum(), x, w)
+  >>> g = r.by_name()["dense.lhs"]   # 2-bit codes + bf16 min and scale per group of 256
+  >>> len(g.pieces), g.bytes == 8 * 512 * 2 // 8 + 8 * 2 * 4, r.argument_bytes == w.nbytes
+  (3, True, True)
+  """
+  rows, seen = [], set()
+  for aval, name, source, var, is_argument in _saved_values(fn, args, kwargs):
+    if var is not None:
+      if var in seen:  # the same buffer saved twice (e.g. through a barrier) counts once
+        continue
+      seen.add(var)
+    shape = tuple(int(d) for d in aval.shape)
+    rows.append(Residual(name=name, shape=shape, dtype=aval.dtype, bytes=_nbytes(shape, aval.dtype),
+                         source=source, is_argument=is_argument))
+  return ResidualReport(tuple(rows))
+
+
+def _arg_names(fn, args, kwargs) -> list[str]:
+  """Names of the flattened arguments, like jax's ("x", "params['w']", "scale")."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    params = []
+  positional = [p.name for p in params
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+  names = []
+  for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+    which, head, rest = path[0].idx, path[1], path[2:]
+    if which == 1:
+      base = str(head.key)
+    elif head.idx < len(positional):
+      base = positional[head.idx]
+    else:
+      base = f"{star or 'args'}[{head.idx - len(positional) if star else head.idx}]"
+    names.append(base + jax.tree_util.keystr(tuple(rest)))
+  return names
+
+
+def _summarize(eqn) -> str:
+  try:
+    from jax._src import source_info_util
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # private helper; the description is cosmetic  # pragma: no cover
+    return "?"
+
+
+def _checkpoint_name(eqn) -> str | None:
+  if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str):
+    return eqn.params["name"]
+  prim = eqn.params.get("_prim")  # newer jax: checkpoint_name as a hi-primitive
+  if type(prim).__name__ == "CheckpointName":
+    return getattr(prim, "name", None)
+  return None
+
+
+def _inner_jaxpr(eqn):
+  """The body of a call-like eqn (jit, closed_call) whose ins/outs map 1:1, else None."""
+  if eqn.primitive.name not in _CALLS:
+    return None
+  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  inner = getattr(inner, "jaxpr", inner)
+  if inner is None or len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
+    return None
+  return inner
+
+
+def _saved_values(fn, args, kwargs):
+  """(aval, name, description, identity, is_argument) of every residual of jax.vjp(fn, ...).
+
+  Like `jax.ad_checkpoint.saved_residuals` (same trace, same wording), but
+  looks through identity-like producers -- optimization barriers, which jact
+  ops put around their residuals, reduce_precision, checkpoint names -- and
+  into jitted functions, so a residual keeps its `checkpoint_name` and an
+  argument passed through a barrier or a name is still recognised as one.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+
+  def flat_fn(*leaves):
+    a, k = jax.tree_util.tree_unflatten(treedef, leaves)
+    return fn(*a, **k)
+
+  closed, out_shape = jax.make_jaxpr(lambda *l: jax.vjp(flat_fn, *l), return_shape=True)(*leaves)
+  top = closed.jaxpr
+  num_res = len(jax.tree_util.tree_leaves(out_shape[1]))
+  arg_names = _arg_names(fn, args, kwargs)
+  producers: dict[int, dict] = {}
+
+  def producer_map(jaxpr):
+    if id(jaxpr) not in producers:
+      producers[id(jaxpr)] = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+    return producers[id(jaxpr)]
+
+  for v in top.outvars[len(top.outvars) - num_res:]:
+    aval, name, named_src = v.aval, None, ""
+    stack = []  # (call eqn, outer jaxpr) frames entered through jitted functions
+    jaxpr = top
+    while True:
+      if isinstance(v, jex_core.Literal):
+        yield aval, name, "from a literal", None, False
+        break
+      if v in jaxpr.invars:
+        if stack:  # an input of a jitted function: continue with the caller's operand
+          j = jaxpr.invars.index(v)
+          eqn, jaxpr = stack.pop()
+          v = eqn.invars[j]
+          continue
+        arg = f"the argument {arg_names[top.invars.index(v)]}"
+        yield aval, name, f"{named_src}, {arg}" if name else f"from {arg}", v, True
+        break
+      if v in jaxpr.constvars:
+        yield aval, name, f"{named_src}, a constant" if name else "from a constant", v, False
+        break
+      eqn, i = producer_map(jaxpr)[v]
+      if eqn.primitive.name in _IDENTITIES:
+        v = eqn.invars[i]
+        continue
+      inner = _inner_jaxpr(eqn)
+      if inner is not None:
+        stack.append((eqn, jaxpr))
+        jaxpr, v = inner, inner.outvars[i]
+        continue
+      eqn_name = _checkpoint_name(eqn)
+      if eqn_name is not None:  # an identity too: keep the outermost name, look further
+        if name is None:
+          name, named_src = eqn_name, f"named '{eqn_name}' from {_summarize(eqn)}"
+        v = eqn.invars[0]
+        continue
+      if name is not None:
+        src = named_src
+      elif eqn.primitive.name in _CALLS:
+        src = f"output of jitted function '{eqn.params.get('name')}' from {_summarize(eqn)}"
+      else:
+        src = f"output of {eqn.primitive.name} from {_summarize(eqn)}"
+      yield aval, name, src, v, False
+      break
+
+
+# ----------------------------------------------------------------------------- compiled memory
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """XLA's buffer sizes for one compiled function (bytes).
+
+  Attributes:
+    temp_bytes: scratch memory besides arguments and outputs.
+    argument_bytes: the arguments' buffers.
+    output_bytes: the outputs' buffers.
+    alias_bytes: outputs that reuse (donated) argument buffers.
+    generated_code_bytes: size of the generated code.
+  """
+  temp_bytes: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+
+  def __str__(self) -> str:
+    fields = [("temp", self.temp_bytes), ("arguments", self.argument_bytes),
+              ("outputs", self.output_bytes), ("aliased", self.alias_bytes),
+              ("code", self.generated_code_bytes)]
+    return "\n".join(f"{k:<10} {format_bytes(v):>12}" for k, v in fields)
+
+
+def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Sequence[int] = (),
+                    **kwargs: Any) -> CompiledMemory:
+  """Compiles `jax.jit(fn, static_argnums=...)` for `args` and reports its buffers.
+
+  Lowers and compiles only -- nothing runs and, with `jax.ShapeDtypeStruct`
+  arguments, nothing is allocated, so tensors larger than the machine's
+  memory can be measured.
+
+  Args:
+    fn: the function (e.g. a whole training step).
+    *args, **kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them;
+      positions in `static_argnums` are hashable Python values.
+    static_argnums: as for `jax.jit`.
+
+  Returns:
+    A `CompiledMemory`.
+
+  >>> import jax, jax.numpy as jnp
+  >>> big = jax.ShapeDtypeStruct((2**16, 2**16), jnp.float32)   # 16 GiB, never allocated
+  >>> m = compiled_memory(lambda x: x.sum(0), big)
+  >>> m.argument_bytes == 2**34, m.output_bytes == 2**18
+  (True, True)
+  """
+  compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args, **kwargs).compile()
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise RuntimeError(
+        f"the {jax.default_backend()!r} backend gives no memory analysis for compiled "
+        "functions; measure on CPU or GPU, or use residual_report for saved bytes.")
+  return CompiledMemory(
+      temp_bytes=int(stats.temp_size_in_bytes),
+      argument_bytes=int(stats.argument_size_in_bytes),
+      output_bytes=int(stats.output_size_in_bytes),
+      alias_bytes=int(stats.alias_size_in_bytes),
+      generated_code_bytes=int(stats.generated_code_size_in_bytes))
