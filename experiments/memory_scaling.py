@@ -103,11 +103,17 @@ def _zeros(tree):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16)) -> dict:
+def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, **param_kwargs) -> dict:
   """Compiled temp memory of the train step for each stack size, and the
   residual bytes of one block (measured on a 2-block stack minus a 1-block
-  stack, so the loss's own residuals cancel)."""
-  block, make_params, x_shape = BLOCKS[name]
+  stack, so the loss's own residuals cancel).
+
+  `x_shape` and `param_kwargs` (channels=, or dim=/mlp=) shrink the block for tests.
+  """
+  block, make_params, default_shape = BLOCKS[name]
+  x_shape = tuple(x_shape or default_shape)
+  if param_kwargs:
+    make_params = functools.partial(make_params, **param_kwargs)
   loss = functools.partial(_loss, block=block, bits=bits)
   step = jax.grad(loss)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
