@@ -40,8 +40,10 @@ def test_residual_bytes_at_2_bits_at_most_an_eighth_of_plain(series, name):
 @pytest.mark.parametrize("name", CASES)
 def test_temp_memory_added_per_block_follows_residual_bytes(series, name):
   plain, jact2 = series[name, None], series[name, 2]
-  # The measurement itself: plain training adds about its residual bytes per block.
-  assert 1 / 1.5 <= plain["slope_over_residual"] <= 1.5, plain
+  # The measurement itself: plain training adds about its residual bytes per
+  # block (0.67-0.89x measured at these small shapes: part of the last block's
+  # residuals is already freed when the backward reaches its peak).
+  assert 0.5 <= plain["slope_over_residual"] <= 1.5, plain
   # jact: compiled memory never grows faster than 1.5x the compressed residuals
   # (before the fixes in jact/ops/_core.py it grew 6-23x faster), and the
   # fixed overhead of one block stays below plain's.

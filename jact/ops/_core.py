@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jact import quantize as q
+# Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
+from jact.quantize import Packed, PackedBits, check_bits, check_group_size, dequantize, quantize
 from jact import rng
 
 __all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "barrier",
@@ -45,8 +46,8 @@ class Rounding:
 
   def __post_init__(self):
     if self.bits is not None:
-      q.check_bits(self.bits)
-    q.check_group_size(self.group_size)
+      check_bits(self.bits)
+    check_group_size(self.group_size)
 
   @property
   def needs_key(self) -> bool:
@@ -98,14 +99,14 @@ def barrier(residuals, cotangent):
   arrived = g0 == g0  # pylint: disable=comparison-with-itself
 
   def tie(r):
-    if isinstance(r, q.Packed):
+    if isinstance(r, Packed):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
                                  scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
-    if isinstance(r, q.PackedBits):
+    if isinstance(r, PackedBits):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
     return r
 
-  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (q.Packed, q.PackedBits)))
+  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits)))
   return residuals, cotangent
 
 
@@ -156,12 +157,12 @@ def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Roundi
   """Quantizes a float residual (or returns it unchanged when bits is None)."""
   if rounding.bits is None:
     return x
-  return q.quantize(x, bits=rounding.bits, group_size=rounding.group_size,
+  return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
                     stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
 
 
 def restore_residual(r):
-  return q.dequantize(r) if isinstance(r, q.Packed) else r
+  return dequantize(r) if isinstance(r, Packed) else r
 
 
 def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],

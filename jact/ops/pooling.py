@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jact import quantize as q
+# Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
+from jact.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
 from jact.ops._core import barrier, check_name, tag
 
 __all__ = ["max_pool", "avg_pool", "argmax_bits"]
@@ -47,7 +48,7 @@ def argmax_bits(window_size: int) -> int:
   >>> argmax_bits(4), argmax_bits(9), argmax_bits(256)
   (2, 4, 8)
   """
-  for bits in q.SUPPORTED_BITS:
+  for bits in SUPPORTED_BITS:
     if window_size <= 1 << bits:
       return bits
   raise ValueError(
@@ -186,11 +187,11 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     y = forward(x)
     code = _argmax_codes(x, y, offsets, full_strides, pads, out_shape)
     # Tie the output to the packed codes so x can die as soon as they exist.
-    return barrier(y, tag(q.pack_codes(code, bits), f"{name}.argmax"))
+    return barrier(y, tag(pack_codes(code, bits), f"{name}.argmax"))
 
   def bwd(packed, g):
     packed, g = barrier(packed, g)
-    code = q.unpack_codes(packed, jnp.uint8)
+    code = unpack_codes(packed, jnp.uint8)
     zero = jnp.zeros((), g.dtype)
     parts = [jnp.where(code == jnp.uint8(k), g, zero) for k in range(len(offsets))]
     slices = functools.partial(_window_slices, offsets=offsets, strides=full_strides, pads=pads,

@@ -1,0 +1,11 @@
+"""Flax integration: compressed twins of the common layers.
+
+`jact.flax.linen` mirrors `flax.linen` layers (rounding noise from the 'jact'
+RNG stream of `apply`), `jact.flax.nnx` mirrors `flax.nnx` layers (a 'jact'
+stream forked from `rngs` at construction). Both keep Flax's variables, so
+plain checkpoints load unchanged.
+"""
+
+from jact.flax import linen, nnx
+
+__all__ = ["linen", "nnx"]

@@ -1,0 +1,175 @@
+"""Plumbing shared by the linen and nnx twins (private).
+
+Flax layers call their matmul, convolution and attention through hooks
+(`dot_general`, `conv_general_dilated`, `attention_fn`) fixed when the layer is
+built, but a compressed op also needs a fresh PRNG key on every call. A twin
+therefore installs a `Hook` -- a static, hashable stand-in -- and, around each
+call of Flax's own forward, `provide`s the concrete op (key and residual name
+bound) that the hook forwards to. The provided ops live in a context variable,
+so nothing traced ever ends up in a module attribute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax.linen.attention import dot_product_attention as flax_attention
+
+from jact.ops._core import Rounding
+from jact.ops.attention import dot_product_attention
+
+_ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jact_flax_ops", default=None)
+
+
+@contextlib.contextmanager
+def provide(**ops: Callable[..., Any]):
+  """Makes `ops` (slot name -> callable) visible to the `Hook`s called inside."""
+  outer = _ACTIVE.get() or {}
+  token = _ACTIVE.set({**outer, **ops})
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def lookup(slot: str) -> Callable[..., Any]:
+  ops = _ACTIVE.get() or {}
+  if slot not in ops:
+    raise RuntimeError(
+        f"a jact hook for {slot!r} was called outside a jact layer's forward. The hooks "
+        f"are installed by jact's Flax twins (jact.nn.Dense, jact.nnx.Linear, ...) and only "
+        f"work inside their __call__; do not copy them into plain Flax layers.")
+  return ops[slot]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """Static stand-in for a Flax op hook; forwards to the op provided for `slot`."""
+  slot: str
+
+  def __call__(self, *args, **kwargs):
+    return lookup(self.slot)(*args, **kwargs)
+
+
+def _drop_sharding(kwargs: dict, op: str) -> dict:
+  sharding = kwargs.pop("out_sharding", None)
+  if sharding is not None:
+    raise NotImplementedError(f"jact's {op} does not support out_sharding; pass out_sharding=None.")
+  return kwargs
+
+
+class Calls:
+  """Calls a compressed op with a fresh key and the next residual name per call.
+
+  Several Flax sub-layers can share one hook (attention's query/key/value
+  projections), so the i-th call gets `fold_in(key, i)` and `names[i]`.
+  With `key=None` (no stochastic rounding) no key is passed.
+  """
+
+  def __init__(self, op: Callable[..., Any], key, names: Sequence[str], op_name: str,
+               **settings):
+    self.op, self.key, self.names, self.op_name = op, key, tuple(names), op_name
+    self.settings = settings
+    self.count = 0
+
+  def next_key_and_name(self):
+    i = self.count
+    self.count += 1
+    name = self.names[i] if i < len(self.names) else f"{self.names[-1]}.{i}"
+    key = None if self.key is None else jax.random.fold_in(self.key, i)
+    return key, name
+
+  def __call__(self, *args, **kwargs):
+    key, name = self.next_key_and_name()
+    kwargs = _drop_sharding(dict(kwargs), self.op_name)
+    return self.op(*args, key=key, name=name, **self.settings, **kwargs)
+
+
+def rounding_kwargs(bits, group_size, stochastic) -> dict:
+  """Validates the compression settings (clear errors) and returns them as keywords."""
+  Rounding(bits, group_size, stochastic)
+  return dict(bits=bits, group_size=group_size, stochastic=stochastic)
+
+
+def needs_key(bits, group_size, stochastic) -> bool:
+  return Rounding(bits, group_size, stochastic).needs_key
+
+
+def linen_missing_stream(layer: str) -> ValueError:
+  return ValueError(
+      f"jact.nn.{layer} rounds its saved activations stochastically and needs an RNG "
+      f"stream named 'jact'. Fixes: pass a fresh key per step, e.g. "
+      f"model.apply(variables, x, rngs={{'jact': key}}); or build the layer with "
+      f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+
+
+def nnx_missing_stream(layer: str) -> ValueError:
+  return ValueError(
+      f"jact.nnx.{layer} rounds its saved activations stochastically and needs an RNG "
+      f"stream named 'jact' (or a 'default' stream). Fixes: build it with "
+      f"rngs=nnx.Rngs(params=0, jact=1) (or nnx.Rngs(0)); or pass stochastic=False "
+      f"(round-to-nearest) or bits=None (no compression).")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _causal_mask(query, key):
+  t, s = query.shape[-3], key.shape[-3]
+  return jnp.tril(jnp.ones((t, s), bool))[None, :, :]
+
+
+def attention_slot(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
+                   is_causal: bool = False):
+  """`attention_fn` installed in the attention twins (the signature Flax inspects)."""
+  return lookup("attention")(
+      query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+      dtype=dtype, precision=precision, module=module,
+      force_fp32_for_softmax=force_fp32_for_softmax, is_causal=is_causal)
+
+
+def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
+  """The op behind `attention_slot`: jact's attention with the layer's key and settings.
+
+  Dropout (when active) draws its mask from the same key as the rounding noise;
+  with no rounding key, Flax's dropout key is used. Flax's `broadcast_dropout`
+  (one mask shared over batch and heads) is not reproduced: jact drops
+  attention weights element-wise.
+  """
+  def op(query, keys, value, *, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
+         deterministic, dtype, precision, module, force_fp32_for_softmax, is_causal):
+    del broadcast_dropout, dtype, force_fp32_for_softmax
+    if module is not None:
+      raise NotImplementedError(
+          "jact attention does not return the attention weights, so sow_weights=True is not "
+          "supported; call with sow_weights=False.")
+    if is_causal:
+      causal = _causal_mask(query, keys)
+      mask = causal if mask is None else jnp.logical_and(mask, causal)
+    dropping = dropout_rate > 0.0 and not deterministic
+    op_key = key if key is not None or not dropping else dropout_rng
+    return dot_product_attention(
+        query, keys, value, bias=bias, mask=mask, dropout_rate=dropout_rate,
+        deterministic=deterministic, key=op_key, precision=precision, name=name, **settings)
+
+  return op
+
+
+def plain_attention(query, keys, value, *, bias, mask, broadcast_dropout, dropout_rng,
+                    dropout_rate, deterministic, dtype, precision, module,
+                    force_fp32_for_softmax, is_causal):
+  """Flax's own attention (the fallback while initializing a linen model)."""
+  del is_causal
+  return flax_attention(
+      query, keys, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+      dtype=dtype, precision=precision, module=module,
+      force_fp32_for_softmax=force_fp32_for_softmax)

@@ -1,0 +1,444 @@
+"""Drop-in `flax.linen` layers that save compressed activations.
+
+Every twin has exactly the variables (names, shapes, dtypes, initializers) of
+the Flax layer it replaces, so a plain model's checkpoint loads into its
+compressed twin, and its forward is Flax's. What differs is what is kept for
+the backward pass: a stochastically rounded low-bit copy (`bits`, default 4)
+instead of the full-precision activation. Rounding noise comes from an RNG
+stream named 'jact'; during `init` without that stream the plain op is used.
+Residuals are tagged with the layer's module path (e.g. "Dense_0.lhs"), or
+the class name for a top-level layer.
+
+>>> import jax, jax.numpy as jnp
+>>> import flax.linen as nn
+>>> from jact.flax import linen as jnn
+>>> class MLP(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     return jnn.Dense(2, bits=2)(jnn.ReLU()(jnn.Dense(8, bits=2)(x)))
+>>> x = jnp.ones((4, 3))
+>>> variables = MLP().init(jax.random.key(0), x)
+>>> y = MLP().apply(variables, x, rngs={'jact': jax.random.key(1)})
+>>> y.shape
+(4, 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import dtypes as flax_dtypes
+from jax import lax
+
+from jact.flax import _hooks
+from jact.ops import activation, embedding, linear, norm, pooling
+from jact.ops.dropout import dropout as dropout_op
+from jact.flax._hooks import Hook
+
+__all__ = [
+    "Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
+    "MultiHeadDotProductAttention", "SelfAttention", "ReLU", "LeakyReLU", "GELU", "SiLU",
+    "Tanh", "Sigmoid", "Softmax", "MaxPool", "AvgPool",
+]
+
+
+class _Twin:
+  """Mixin: RNG stream, settings and residual name of a linen twin."""
+
+  def _rounding(self) -> dict:
+    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic)
+
+  def _residual_name(self) -> str:
+    path = self.path
+    return "/".join(path) if path else type(self).__name__
+
+  def _key(self) -> tuple[bool, Any]:
+    """(compress?, key): the 'jact' key when rounding needs one; plain op during init without it."""
+    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic):
+      return True, None
+    if self.has_rng("jact"):
+      return True, self.make_rng("jact")
+    if self.is_initializing():
+      return False, None
+    raise _hooks.linen_missing_stream(type(self).__name__)
+
+  def _check_hook(self, field: str) -> None:
+    if not isinstance(getattr(self, field), Hook) or getattr(self, f"{field}_cls") is not None:
+      raise TypeError(f"jact.nn.{type(self).__name__} installs its own {field!r}; do not pass "
+                      f"{field} or {field}_cls.")
+
+  def _provide(self, slot: str, op: Callable, plain: Callable, **static):
+    self._check_hook(slot)
+    compress, key = self._key()
+    if not compress:
+      return _hooks.provide(**{slot: plain})
+    calls = _hooks.Calls(op, key, (self._residual_name(),), slot, **self._rounding(), **static)
+    return _hooks.provide(**{slot: calls})
+
+
+def _last_axis_only(axes, ndim: int) -> bool:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return len(axes) == 1 and axes[0] % ndim == ndim - 1
+
+
+def _norm_options_supported(module, mask, layer: str) -> None:
+  if mask is not None:
+    raise NotImplementedError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
+  if module.axis_name is not None or module.axis_index_groups is not None:
+    raise NotImplementedError(
+        f"jact.nn.{layer} does not support axis_name/axis_index_groups (pmap statistics); "
+        f"use flax.linen.{layer}, or jit with sharded inputs.")
+  if not module.force_float32_reductions:
+    raise NotImplementedError(f"jact.nn.{layer} needs force_float32_reductions=True.")
+
+
+def _output_dtype(x, params, dtype):
+  return flax_dtypes.canonicalize_dtype(x, *[p for p in params if p is not None], dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+class Dense(_Twin, nn.Dense):
+  """`flax.linen.Dense` storing its input compressed (residual "<path>.lhs").
+
+  Attributes (besides Flax's): bits (1, 2, 4, 8 or None), group_size,
+  stochastic.
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  dot_general: Any = Hook("dot_general")
+
+  @nn.compact
+  def __call__(self, inputs):
+    with self._provide("dot_general", linear.dot_general, lax.dot_general,
+                       compress=(True, False)):
+      return super().__call__(inputs)
+
+
+class Conv(_Twin, nn.Conv):
+  """`flax.linen.Conv` storing its input compressed (residual "<path>.lhs")."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  conv_general_dilated: Any = Hook("conv_general_dilated")
+
+  @nn.compact
+  def __call__(self, inputs):
+    with self._provide("conv_general_dilated", linear.conv_general_dilated,
+                       lax.conv_general_dilated, compress=(True, False)):
+      return super().__call__(inputs)
+
+
+class Embed(_Twin, nn.Embed):
+  """`flax.linen.Embed` whose backward keeps only the integer ids (no key needed)."""
+
+  def __call__(self, inputs):
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+    if self.num_embeddings == 1:
+      return jnp.broadcast_to(table, inputs.shape + (self.features,))
+    return embedding.embed(inputs, table, name=self._residual_name())
+
+
+# ----------------------------------------------------------------------------- normalization
+
+
+class BatchNorm(_Twin, nn.BatchNorm):
+  """`flax.linen.BatchNorm`; in training mode the normalized input is stored compressed.
+
+  `use_running_average=True` runs Flax's own inference path. Same variables
+  ('params': scale, bias; 'batch_stats': mean, var); running statistics are
+  updated exactly as Flax does. Single feature axis only; no mask/axis_name.
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+
+  @nn.compact
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    call_arg = use_running_average
+    use_running_average = nn.merge_param(
+        "use_running_average", self.use_running_average, use_running_average)
+    compress, key = (False, None) if use_running_average else self._key()
+    if not compress:
+      return super().__call__(x, call_arg, mask=mask)
+    _norm_options_supported(self, mask, "BatchNorm")
+    axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
+    if len(axes) != 1:
+      raise NotImplementedError("jact.nn.BatchNorm supports a single feature axis.")
+    axis = axes[0] % x.ndim
+    feature_shape = [x.shape[axis]]
+    ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32),
+                            feature_shape)
+    ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32),
+                           feature_shape)
+    scale = (self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+             if self.use_scale else None)
+    bias = (self.param("bias", self.bias_init, feature_shape, self.param_dtype)
+            if self.use_bias else None)
+    out_dtype = _output_dtype(x, (scale, bias), self.dtype)
+    compute = jnp.promote_types(x.dtype, out_dtype)
+    y, mean, var = norm.batch_norm(
+        x.astype(compute), scale, bias, axis=axis, epsilon=self.epsilon,
+        use_fast_variance=self.use_fast_variance, key=key, name=self._residual_name(),
+        **self._rounding())
+    if not self.is_initializing():
+      ra_mean.value, ra_var.value = norm.update_running_stats(
+          ra_mean.value, ra_var.value, mean, var, self.momentum)
+    return y.astype(out_dtype)
+
+
+class LayerNorm(_Twin, nn.LayerNorm):
+  """`flax.linen.LayerNorm` (last-axis normalization) storing the normalized input compressed."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    compress, key = self._key()
+    if not compress:
+      return super().__call__(x, mask=mask)
+    _norm_options_supported(self, mask, "LayerNorm")
+    if not (_last_axis_only(self.reduction_axes, x.ndim)
+            and _last_axis_only(self.feature_axes, x.ndim)):
+      raise NotImplementedError(
+          "jact.nn.LayerNorm normalizes over the last axis only (reduction_axes=-1, "
+          "feature_axes=-1).")
+    feature_shape = [x.shape[-1]]
+    scale = (self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+             if self.use_scale else None)
+    bias = (self.param("bias", self.bias_init, feature_shape, self.param_dtype)
+            if self.use_bias else None)
+    out_dtype = _output_dtype(x, (scale, bias), self.dtype)
+    y = norm.layer_norm(x.astype(jnp.promote_types(x.dtype, out_dtype)), scale, bias,
+                        epsilon=self.epsilon, use_fast_variance=self.use_fast_variance, key=key,
+                        name=self._residual_name(), **self._rounding())
+    return y.astype(out_dtype)
+
+
+class RMSNorm(_Twin, nn.RMSNorm):
+  """`flax.linen.RMSNorm` (last-axis normalization) storing the normalized input compressed."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    compress, key = self._key()
+    if not compress:
+      return super().__call__(x, mask=mask)
+    _norm_options_supported(self, mask, "RMSNorm")
+    if not (_last_axis_only(self.reduction_axes, x.ndim)
+            and _last_axis_only(self.feature_axes, x.ndim)):
+      raise NotImplementedError(
+          "jact.nn.RMSNorm normalizes over the last axis only (reduction_axes=-1, "
+          "feature_axes=-1).")
+    scale = (self.param("scale", self.scale_init, [x.shape[-1]], self.param_dtype)
+             if self.use_scale else None)
+    out_dtype = _output_dtype(x, (scale,), self.dtype)
+    y = norm.rms_norm(x.astype(jnp.promote_types(x.dtype, out_dtype)), scale,
+                      epsilon=self.epsilon, key=key, name=self._residual_name(),
+                      **self._rounding())
+    return y.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+class Dropout(_Twin, nn.Dropout):
+  """`flax.linen.Dropout` (same 'dropout' stream) whose backward keeps only a 4-byte seed.
+
+  The mask comes from jact's hash PRNG, so it differs from Flax's for the same key.
+  """
+
+  @nn.compact
+  def __call__(self, inputs, deterministic: bool | None = None, rng=None):
+    deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+    if self.rate == 0.0 or deterministic:
+      return inputs
+    if self.rate == 1.0:
+      return jnp.zeros_like(inputs)
+    if rng is None:
+      rng = self.make_rng(self.rng_collection)
+    return dropout_op(inputs, self.rate, key=rng, broadcast_dims=self.broadcast_dims,
+                      name=self._residual_name())
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
+  """`flax.linen.MultiHeadDotProductAttention` with compressed projections and attention.
+
+  Residual names: "<path>/query", "/key", "/value", "/out" (projection inputs)
+  and "<path>/attention" (jact attention). Not supported: sow_weights=True and
+  Flax's broadcast dropout (jact drops attention weights element-wise, with
+  the mask drawn from the 'jact' key when there is one).
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  attention_fn: Callable[..., Any] = _hooks.attention_slot
+  qkv_dot_general: Any = Hook("qkv")
+  out_dot_general: Any = Hook("out")
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
+    self._check_hook("qkv_dot_general")
+    self._check_hook("out_dot_general")
+    if self.attention_fn is not _hooks.attention_slot:
+      raise TypeError(f"jact.nn.{type(self).__name__} installs its own attention_fn; do not "
+                      f"pass one.")
+    compress, key = self._key()
+    if not compress:
+      with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
+                          attention=_hooks.plain_attention):
+        return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+    name = self._residual_name()
+    sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
+    rounding = self._rounding()
+    qkv = _hooks.Calls(linear.dot_general, sub(0),
+                       tuple(f"{name}/{p}" for p in ("query", "key", "value")), "dot_general",
+                       compress=(True, False), **rounding)
+    out = _hooks.Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
+                       compress=(True, False), **rounding)
+    attention = _hooks.compressed_attention(sub(2), f"{name}/attention", **rounding)
+    with _hooks.provide(qkv=qkv, out=out, attention=attention):
+      return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+
+
+class SelfAttention(MultiHeadDotProductAttention):
+  """`flax.linen.SelfAttention` (same parameters) built on the compressed attention."""
+
+  @nn.compact
+  def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,
+               sow_weights: bool = False):
+    return super().__call__(inputs_q, mask=mask, deterministic=deterministic,
+                            dropout_rng=dropout_rng, sow_weights=sow_weights)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+class ReLU(_Twin, nn.Module):
+  """ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
+
+  def __call__(self, x):
+    return activation.relu(x, name=self._residual_name())
+
+
+class LeakyReLU(_Twin, nn.Module):
+  """Leaky ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
+  negative_slope: float = 0.01
+
+  def __call__(self, x):
+    return activation.leaky_relu(x, self.negative_slope, name=self._residual_name())
+
+
+class _StoredDerivative(_Twin, nn.Module):
+  # subclasses declare their own fields (op options first, then bits,
+  # group_size, stochastic) so that e.g. GELU(False) sets `approximate`.
+  _op_name = ""
+  _plain = staticmethod(lambda x: x)
+
+  def _apply(self, x, **extra):
+    compress, key = self._key()
+    if not compress:
+      return type(self)._plain(x, **extra)
+    op = getattr(activation, self._op_name)
+    return op(x, **extra, key=key, name=self._residual_name(), **self._rounding())
+
+
+class GELU(_StoredDerivative):
+  """GELU storing its quantized derivative (unbiased input gradient)."""
+  approximate: bool = True
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  _op_name = "gelu"
+  _plain = staticmethod(lambda x, approximate: jax.nn.gelu(x, approximate=approximate))
+
+  def __call__(self, x):
+    return self._apply(x, approximate=self.approximate)
+
+
+class SiLU(_StoredDerivative):
+  """SiLU (swish) storing its quantized derivative (unbiased input gradient)."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  _op_name = "silu"
+  _plain = staticmethod(jax.nn.silu)
+
+  def __call__(self, x):
+    return self._apply(x)
+
+
+class Tanh(_StoredDerivative):
+  """tanh storing its quantized derivative (unbiased input gradient)."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  _op_name = "tanh"
+  _plain = staticmethod(jnp.tanh)
+
+  def __call__(self, x):
+    return self._apply(x)
+
+
+class Sigmoid(_StoredDerivative):
+  """Sigmoid storing its quantized derivative (unbiased input gradient)."""
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  _op_name = "sigmoid"
+  _plain = staticmethod(jax.nn.sigmoid)
+
+  def __call__(self, x):
+    return self._apply(x)
+
+
+class Softmax(_StoredDerivative):
+  """Softmax over `axis` storing its quantized output (nearly unbiased gradient)."""
+  axis: int = -1
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  _op_name = "softmax"
+  _plain = staticmethod(lambda x, axis: jax.nn.softmax(x, axis=axis))
+
+  def __call__(self, x):
+    return self._apply(x, axis=self.axis)
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+class MaxPool(_Twin, nn.Module):
+  """`flax.linen.max_pool` as a layer; keeps only the arg-max position per window."""
+  window_shape: Sequence[int]
+  strides: Sequence[int] | None = None
+  padding: Any = "VALID"
+
+  def __call__(self, x):
+    return pooling.max_pool(x, tuple(self.window_shape), self.strides, self.padding,
+                            name=self._residual_name())
+
+
+class AvgPool(_Twin, nn.Module):
+  """`flax.linen.avg_pool` as a layer; keeps nothing for the backward."""
+  window_shape: Sequence[int]
+  strides: Sequence[int] | None = None
+  padding: Any = "VALID"
+  count_include_pad: bool = True
+
+  def __call__(self, x):
+    return pooling.avg_pool(x, tuple(self.window_shape), self.strides, self.padding,
+                            self.count_include_pad, name=self._residual_name())

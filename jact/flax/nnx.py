@@ -1,0 +1,449 @@
+"""Drop-in `flax.nnx` layers that save compressed activations.
+
+Each twin subclasses the Flax layer, so its `nnx.Param` / `nnx.BatchStat`
+state is exactly the plain layer's and `nnx.update(twin, nnx.state(plain,
+nnx.Param))` loads plain weights. Layers that round stochastically fork an RNG
+stream named 'jact' (falling back to 'default', as nnx streams do) at
+construction, like `nnx.Dropout` does with 'dropout', and draw a fresh key on
+every call. Residual names default to the class name; `name_residuals(model)`
+sets every twin's name to its attribute path in the model.
+
+>>> import jax, jax.numpy as jnp
+>>> from flax import nnx
+>>> from jact.flax import nnx as jnnx
+>>> layer = jnnx.Linear(3, 4, bits=2, rngs=nnx.Rngs(params=0, jact=1))
+>>> layer(jnp.ones((2, 3))).shape
+(2, 4)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import rnglib
+from flax.nnx.module import first_from
+
+from jact.flax import _hooks
+from jact.flax._hooks import Hook
+from jact.ops import activation, embedding, linear, norm, pooling
+from jact.ops.dropout import dropout as dropout_op
+
+__all__ = [
+    "Linear", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
+    "MultiHeadAttention", "ReLU", "LeakyReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax",
+    "MaxPool", "AvgPool", "name_residuals",
+]
+
+
+class _Twin:
+  """Mixin: settings, RNG stream and residual name of an nnx twin."""
+
+  @classmethod
+  def _check_settings(cls, rngs, bits, group_size, stochastic) -> None:
+    """Fails fast (before any parameter is initialized) on bad settings or a missing stream."""
+    _hooks.rounding_kwargs(bits, group_size, stochastic)
+    if _hooks.needs_key(bits, group_size, stochastic):
+      has_stream = isinstance(rngs, rnglib.RngStream) or (
+          isinstance(rngs, rnglib.Rngs) and ("jact" in rngs or "default" in rngs))
+      if not has_stream:
+        raise _hooks.nnx_missing_stream(cls.__name__)
+
+  def _init_jact(self, rngs, bits, group_size, stochastic, name):
+    self._check_settings(rngs, bits, group_size, stochastic)
+    self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
+    self.residual_name = name or type(self).__name__
+    stream = None
+    if _hooks.needs_key(bits, group_size, stochastic):
+      stream = rngs["jact"].fork() if isinstance(rngs, rnglib.Rngs) else rngs.fork()
+    self.jact_rngs = stream if stream is not None else nnx.data(None)
+
+  def _rounding(self) -> dict:
+    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic)
+
+  def _key(self):
+    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic):
+      return None
+    if self.jact_rngs is None:
+      raise _hooks.nnx_missing_stream(type(self).__name__)
+    return self.jact_rngs()
+
+  def _provide(self, slot: str, op, **static):
+    calls = _hooks.Calls(op, self._key(), (self.residual_name,), slot, **self._rounding(),
+                         **static)
+    return _hooks.provide(**{slot: calls})
+
+
+def _no_hook(kwargs: dict, *hooks: str) -> None:
+  for h in hooks:
+    if kwargs.get(h) is not None:
+      raise TypeError(f"a jact twin installs its own {h!r}; do not pass one.")
+    kwargs.pop(h, None)
+
+
+def name_residuals(model: nnx.Module) -> nnx.Module:
+  """Names every twin's residuals after its attribute path ("encoder/layers/0"); in place.
+
+  >>> from flax import nnx
+  >>> class Net(nnx.Module):
+  ...   def __init__(self, rngs):
+  ...     self.fc = Linear(2, 2, rngs=rngs)
+  >>> name_residuals(Net(nnx.Rngs(0))).fc.residual_name
+  'fc'
+  """
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, _Twin) and path:
+      module.residual_name = "/".join(str(p) for p in path)
+  return model
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+class Linear(_Twin, nnx.Linear):
+  """`nnx.Linear` storing its input compressed (residual "<name>.lhs").
+
+  Extra keywords: bits (1, 2, 4, 8 or None), group_size, stochastic, name.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, bits: int | None = 4,
+               group_size: int = 256, stochastic: bool = True, name: str | None = None,
+               rngs: rnglib.Rngs, **kwargs):
+    _no_hook(kwargs, "dot_general")
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs,
+                     **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, inputs, out_sharding=None):
+    with self._provide("dot_general", linear.dot_general, compress=(True, False)):
+      return super().__call__(inputs, out_sharding=out_sharding)
+
+
+class Conv(_Twin, nnx.Conv):
+  """`nnx.Conv` storing its input compressed (residual "<name>.lhs")."""
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
+               strides: int | Sequence[int] | None = 1, *, bits: int | None = 4,
+               group_size: int = 256, stochastic: bool = True, name: str | None = None,
+               rngs: rnglib.Rngs, **kwargs):
+    _no_hook(kwargs, "conv_general_dilated")
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(in_features, out_features, kernel_size, strides,
+                     conv_general_dilated=Hook("conv_general_dilated"), rngs=rngs, **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, inputs, out_sharding=None):
+    with self._provide("conv_general_dilated", linear.conv_general_dilated,
+                       compress=(True, False)):
+      return super().__call__(inputs, out_sharding=out_sharding)
+
+
+class Embed(_Twin, nnx.Embed):
+  """`nnx.Embed` whose backward keeps only the integer ids (no key needed)."""
+
+  def __init__(self, num_embeddings: int, features: int, *, name: str | None = None,
+               rngs: rnglib.Rngs, **kwargs):
+    super().__init__(num_embeddings, features, rngs=rngs, **kwargs)
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, inputs, out_sharding=None):
+    if out_sharding is not None:
+      raise NotImplementedError("jact.nnx.Embed does not support out_sharding.")
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    if self.num_embeddings == 1:
+      return jnp.broadcast_to(table, inputs.shape + (self.features,))
+    return embedding.embed(inputs, table, name=self.residual_name)
+
+
+# ----------------------------------------------------------------------------- normalization
+
+
+def _check_norm_options(module, mask, layer: str) -> None:
+  if mask is not None:
+    raise NotImplementedError(f"jact.nnx.{layer} does not support mask=; use nnx.{layer}.")
+  if module.axis_name is not None or module.axis_index_groups is not None:
+    raise NotImplementedError(
+        f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}.")
+
+
+def _last_axis_only(axes, ndim: int) -> bool:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return len(axes) == 1 and axes[0] % ndim == ndim - 1
+
+
+def _check_last_axis(module, x, layer: str) -> None:
+  if not (_last_axis_only(module.reduction_axes, x.ndim)
+          and _last_axis_only(module.feature_axes, x.ndim)):
+    raise NotImplementedError(
+        f"jact.nnx.{layer} normalizes over the last axis only (reduction_axes=-1, "
+        f"feature_axes=-1).")
+
+
+class BatchNorm(_Twin, nnx.BatchNorm):
+  """`nnx.BatchNorm`; in training mode the normalized input is stored compressed.
+
+  `use_running_average=True` runs Flax's inference path. Running statistics
+  update as in Flax. Single feature axis; no mask/axis_name.
+  """
+
+  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               **kwargs):
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(num_features, rngs=rngs, **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    use_running_average = first_from(
+        use_running_average, self.use_running_average,
+        error_msg="No `use_running_average` argument was provided to jact.nnx.BatchNorm: "
+                  "pass it to the constructor or to __call__, or use nnx.view.")
+    if use_running_average:
+      return super().__call__(x, True, mask=mask)
+    _check_norm_options(self, mask, "BatchNorm")
+    if not isinstance(self.axis, int):
+      raise NotImplementedError("jact.nnx.BatchNorm supports a single feature axis.")
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    y, mean, var = norm.batch_norm(
+        x, scale, bias, axis=self.axis, epsilon=self.epsilon,
+        use_fast_variance=self.use_fast_variance, key=self._key(), name=self.residual_name,
+        **self._rounding())
+    self.mean[...], self.var[...] = norm.update_running_stats(
+        self.mean[...], self.var[...], mean, var, self.momentum)
+    return y
+
+
+class LayerNorm(_Twin, nnx.LayerNorm):
+  """`nnx.LayerNorm` (last axis) storing the normalized input compressed."""
+
+  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               **kwargs):
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(num_features, rngs=rngs, **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, x, *, mask=None):
+    _check_norm_options(self, mask, "LayerNorm")
+    _check_last_axis(self, x, "LayerNorm")
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+    return norm.layer_norm(x, scale, bias, epsilon=self.epsilon,
+                           use_fast_variance=self.use_fast_variance, key=self._key(),
+                           name=self.residual_name, **self._rounding())
+
+
+class RMSNorm(_Twin, nnx.RMSNorm):
+  """`nnx.RMSNorm` (last axis) storing the normalized input compressed."""
+
+  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               **kwargs):
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(num_features, rngs=rngs, **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, x, mask=None):
+    _check_norm_options(self, mask, "RMSNorm")
+    _check_last_axis(self, x, "RMSNorm")
+    scale = self.scale[...] if self.scale is not None else None
+    x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+    return norm.rms_norm(x, scale, epsilon=self.epsilon, key=self._key(),
+                         name=self.residual_name, **self._rounding())
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+class Dropout(_Twin, nnx.Dropout):
+  """`nnx.Dropout` (same 'dropout' stream) whose backward keeps only a 4-byte seed.
+
+  The mask comes from jact's hash PRNG, so it differs from Flax's for the same key.
+  """
+
+  def __init__(self, rate: float, *, name: str | None = None, **kwargs):
+    super().__init__(rate, **kwargs)
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
+    deterministic = first_from(
+        deterministic, self.deterministic,
+        error_msg="No `deterministic` argument was provided to jact.nnx.Dropout: pass it to "
+                  "the constructor or to __call__, or use nnx.view.")
+    if self.rate == 0.0 or deterministic:
+      return inputs
+    if self.rate == 1.0:
+      return jnp.zeros_like(inputs)
+    rngs = first_from(
+        rngs, self.rngs,
+        error_msg="jact.nnx.Dropout has deterministic=False but no rngs: build it with "
+                  "rngs=nnx.Rngs(dropout=0) or pass rngs= at call time.")
+    if isinstance(rngs, rnglib.Rngs):
+      key = rngs[self.rng_collection]()
+    elif isinstance(rngs, rnglib.RngStream):
+      key = rngs()
+    else:
+      key = rngs
+    return dropout_op(inputs, self.rate, key=key, broadcast_dims=self.broadcast_dims,
+                      name=self.residual_name)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
+  """`nnx.MultiHeadAttention` with compressed projections and attention.
+
+  Residual names: "<name>/query", "/key", "/value", "/out" and
+  "<name>/attention". Not supported: sow_weights=True, Flax's broadcast
+  dropout (jact drops attention weights element-wise, with the mask drawn
+  from the 'jact' key when there is one).
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, bits: int | None = 4,
+               group_size: int = 256, stochastic: bool = True, name: str | None = None,
+               rngs: rnglib.Rngs, **kwargs):
+    _no_hook(kwargs, "attention_fn", "qkv_dot_general", "out_dot_general",
+             "qkv_dot_general_cls", "out_dot_general_cls")
+    self._check_settings(rngs, bits, group_size, stochastic)
+    super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                     in_kv_features, attention_fn=_hooks.attention_slot,
+                     qkv_dot_general=Hook("qkv"), out_dot_general=Hook("out"), rngs=rngs,
+                     **kwargs)
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
+    key = self._key()
+    sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
+    rounding = self._rounding()
+    name = self.residual_name
+    qkv = _hooks.Calls(linear.dot_general, sub(0),
+                       tuple(f"{name}/{p}" for p in ("query", "key", "value")), "dot_general",
+                       compress=(True, False), **rounding)
+    out = _hooks.Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
+                       compress=(True, False), **rounding)
+    attention = _hooks.compressed_attention(sub(2), f"{name}/attention", **rounding)
+    with _hooks.provide(qkv=qkv, out=out, attention=attention):
+      return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+class ReLU(_Twin, nnx.Module):
+  """ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
+
+  def __init__(self, *, name: str | None = None):
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, x):
+    return activation.relu(x, name=self.residual_name)
+
+
+class LeakyReLU(_Twin, nnx.Module):
+  """Leaky ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
+
+  def __init__(self, negative_slope: float = 0.01, *, name: str | None = None):
+    self.negative_slope = negative_slope
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, x):
+    return activation.leaky_relu(x, self.negative_slope, name=self.residual_name)
+
+
+class _StoredDerivative(_Twin, nnx.Module):
+
+  def __init__(self, *, bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+               name: str | None = None, rngs: rnglib.Rngs | rnglib.RngStream | None = None):
+    self._init_jact(rngs, bits, group_size, stochastic, name)
+
+  def _apply(self, op, x, **extra):
+    return op(x, **extra, key=self._key(), name=self.residual_name, **self._rounding())
+
+
+class GELU(_StoredDerivative):
+  """GELU storing its quantized derivative (unbiased input gradient)."""
+
+  def __init__(self, approximate: bool = True, **kwargs):
+    super().__init__(**kwargs)
+    self.approximate = approximate
+
+  def __call__(self, x):
+    return self._apply(activation.gelu, x, approximate=self.approximate)
+
+
+class SiLU(_StoredDerivative):
+  """SiLU (swish) storing its quantized derivative (unbiased input gradient)."""
+
+  def __call__(self, x):
+    return self._apply(activation.silu, x)
+
+
+class Tanh(_StoredDerivative):
+  """tanh storing its quantized derivative (unbiased input gradient)."""
+
+  def __call__(self, x):
+    return self._apply(activation.tanh, x)
+
+
+class Sigmoid(_StoredDerivative):
+  """Sigmoid storing its quantized derivative (unbiased input gradient)."""
+
+  def __call__(self, x):
+    return self._apply(activation.sigmoid, x)
+
+
+class Softmax(_StoredDerivative):
+  """Softmax over `axis` storing its quantized output (nearly unbiased gradient)."""
+
+  def __init__(self, axis: int = -1, **kwargs):
+    super().__init__(**kwargs)
+    self.axis = axis
+
+  def __call__(self, x):
+    return self._apply(activation.softmax, x, axis=self.axis)
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+class MaxPool(_Twin, nnx.Module):
+  """Max pooling layer (Flax `max_pool` semantics) keeping only the arg-max per window."""
+
+  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+               padding: Any = "VALID", *, name: str | None = None):
+    self.window_shape = tuple(window_shape)
+    self.strides = None if strides is None else tuple(strides)
+    self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, x):
+    return pooling.max_pool(x, self.window_shape, self.strides, self.padding,
+                            name=self.residual_name)
+
+
+class AvgPool(_Twin, nnx.Module):
+  """Average pooling layer (Flax `avg_pool` semantics); keeps nothing for the backward."""
+
+  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
+               padding: Any = "VALID", count_include_pad: bool = True, *,
+               name: str | None = None):
+    self.window_shape = tuple(window_shape)
+    self.strides = None if strides is None else tuple(strides)
+    self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
+    self.count_include_pad = count_include_pad
+    self._init_jact(None, None, 256, True, name)
+
+  def __call__(self, x):
+    return pooling.avg_pool(x, self.window_shape, self.strides, self.padding,
+                            self.count_include_pad, name=self.residual_name)

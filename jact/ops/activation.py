@@ -1,0 +1,227 @@
+"""Compressed activation functions and softmax (ActNN Appendix B.3).
+
+An elementwise activation y = f(x) has the input gradient g * f'(x), which is
+linear in f'(x). Storing a stochastically rounded copy of the *derivative*
+(not of x) therefore keeps the input gradient unbiased. ReLU and leaky ReLU
+need only the sign of x: a 1-bit packed mask, and their gradient is exact.
+Softmax stores its quantized output y; its backward y * (g - sum(g * y)) is
+quadratic in y, so it is only nearly unbiased (bias -Var(y_hat) * g).
+
+The forward of every op is exactly the plain JAX function.
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32)
+>>> bool((gelu(x, key=jax.random.key(0)) == jax.nn.gelu(x)).all())
+True
+>>> g = jax.grad(lambda x: relu(x).sum())(x)
+>>> bool((g == (x > 0)).all())
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+# Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
+from jact.quantize import FLOAT_DTYPES, Packed, dequantize, pack_codes, unpack_codes
+from jact.ops._core import (Rounding, after_residuals, materialize, barrier, check_name, compress_residual,
+                            make_seed, tag)
+
+__all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax"]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+# (private; also used by norm.py and dropout.py)
+
+
+def _check_float(x, op: str) -> jax.Array:
+  x = jnp.asarray(x)
+  if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+    raise TypeError(
+        f"jact.ops.{op} takes a float32, bfloat16 or float16 input, got {x.dtype}; "
+        f"cast it first (x.astype(jnp.float32)).")
+  return x
+
+
+def _compress(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
+  """Quantizes a residual; tensors with tiny samples are quantized as one row.
+
+  The quantizer groups values inside each sample (axis 0). A 1-D tensor, or
+  samples shorter than a group, would waste most bytes on padding and group
+  statistics, so those are viewed as a single row (a free reshape).
+  """
+  if rounding.bits is None:
+    return x
+  d = math.prod(x.shape[1:]) if x.ndim else 1
+  if x.ndim <= 1 or d < rounding.group_size:
+    x = x.reshape(1, -1)
+  return compress_residual(x, seed, site, rounding)
+
+
+def _finish_forward(out, residuals):
+  """Forward epilogue shared with `save_compressed`: the output waits for the
+  compressed residuals, so the full-precision input dies in the forward pass."""
+  out, residuals = barrier(out, residuals)
+  # Elementwise outputs are materialized anyway (they feed a matmul or a
+  # convolution): emit them as a value XLA cannot re-fuse into later
+  # compression fusions (see `materialize`).
+  return materialize(out, residuals), residuals
+
+
+def _restore(r, shape) -> jax.Array:
+  """Inverse of `_compress` (float32 result)."""
+  if isinstance(r, Packed):
+    r = dequantize(r, jnp.float32)
+  return r.astype(jnp.float32).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- mask activations
+
+
+def _mask_op(x, negative_slope, name: str, op: str, fn: Callable, mask_fn: Callable):
+  x = _check_float(x, op)
+  name = check_name(name)
+
+  @jax.custom_vjp
+  def apply(x):
+    return fn(x)
+
+  def fwd(x):
+    return _finish_forward(fn(x), tag(pack_codes(mask_fn(x), 1), f"{name}.mask"))
+
+  def bwd(res, g):
+    res, g = barrier(res, g)
+    m = unpack_codes(res)
+    other = jnp.zeros_like(g) if negative_slope is None else g * negative_slope
+    return (jnp.where(m, g, other),)
+
+  apply.defvjp(fwd, bwd)
+  return apply(x)
+
+
+def relu(x: jax.Array, *, name: str = "relu") -> jax.Array:
+  """`jax.nn.relu` storing a 1-bit mask (x > 0) as its only residual (`name.mask`).
+
+  The gradient equals `jax.grad` of `jax.nn.relu` exactly (0 at x == 0). No key needed.
+  """
+  return _mask_op(x, None, name, "relu", jax.nn.relu, lambda x: x > 0)
+
+
+def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
+               name: str = "leaky_relu") -> jax.Array:
+  """`jax.nn.leaky_relu` storing a 1-bit mask (x >= 0) as its only residual.
+
+  `negative_slope` must be a static number. The gradient equals JAX's exactly.
+  """
+  try:
+    negative_slope = float(negative_slope)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError("leaky_relu: negative_slope must be a static Python number") from e
+  fn = lambda x: jax.nn.leaky_relu(x, negative_slope)
+  return _mask_op(x, negative_slope, name, "leaky_relu", fn, lambda x: x >= 0)
+
+
+# ----------------------------------------------------------------------------- stored derivative
+
+
+def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, name: str,
+                       op: str) -> jax.Array:
+  x = _check_float(x, op)
+  rounding = Rounding(bits, group_size, stochastic)
+  name = check_name(name)
+  seed = make_seed(key, rounding, op)
+
+  @jax.custom_vjp
+  def apply(seed, x):
+    return f(x)
+
+  def fwd(seed, x):
+    x32 = x.astype(jnp.float32)
+    _, dydx = jax.jvp(f, (x32,), (jnp.ones_like(x32),))
+    if rounding.bits is None:
+      dydx = dydx.astype(x.dtype)
+    return _finish_forward(f(x), tag(_compress(dydx, seed, 0, rounding), f"{name}.dydx"))
+
+  def bwd(res, g):
+    res, g = barrier(res, g)
+    dydx = _restore(res, g.shape)
+    return None, (g.astype(jnp.float32) * dydx).astype(g.dtype)
+
+  apply.defvjp(fwd, bwd)
+  return apply(seed, x)
+
+
+def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
+         group_size: int = 256, stochastic: bool = True, name: str = "gelu") -> jax.Array:
+  """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
+  approximate = bool(approximate)
+  return _stored_derivative(lambda x: jax.nn.gelu(x, approximate=approximate), x, key=key,
+                            bits=bits, group_size=group_size, stochastic=stochastic, name=name,
+                            op="gelu")
+
+
+def silu(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+         stochastic: bool = True, name: str = "silu") -> jax.Array:
+  """`jax.nn.silu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
+  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, group_size=group_size,
+                            stochastic=stochastic, name=name, op="silu")
+
+
+def tanh(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+         stochastic: bool = True, name: str = "tanh") -> jax.Array:
+  """`jnp.tanh` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
+  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, group_size=group_size,
+                            stochastic=stochastic, name=name, op="tanh")
+
+
+def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+            stochastic: bool = True, name: str = "sigmoid") -> jax.Array:
+  """`jax.nn.sigmoid` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
+  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, group_size=group_size,
+                            stochastic=stochastic, name=name, op="sigmoid")
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: int | None = 4,
+            group_size: int = 256, stochastic: bool = True, name: str = "softmax") -> jax.Array:
+  """`jax.nn.softmax` storing its quantized output (residual `name.y`).
+
+  The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
+  stored y_hat, so its expectation is off by -Var(y_hat) * g elementwise
+  (at most step**2 / 4 * |g|, step = group range / (2**bits - 1)): nearly
+  unbiased, negligible at 8 bits.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x = jnp.arange(12.0).reshape(3, 4)
+  >>> bool(jnp.allclose(softmax(x, key=jax.random.key(0)), jax.nn.softmax(x)))
+  True
+  """
+  x = _check_float(x, "softmax")
+  rounding = Rounding(bits, group_size, stochastic)
+  name = check_name(name)
+  seed = make_seed(key, rounding, "softmax")
+  axis = axis if isinstance(axis, int) else tuple(axis)
+
+  @jax.custom_vjp
+  def apply(seed, x):
+    return jax.nn.softmax(x, axis=axis)
+
+  def fwd(seed, x):
+    y = jax.nn.softmax(x, axis=axis)
+    return _finish_forward(y, tag(_compress(y, seed, 0, rounding), f"{name}.y"))
+
+  def bwd(res, g):
+    res, g = barrier(res, g)
+    y = _restore(res, g.shape)
+    g32 = g.astype(jnp.float32)
+    dx = y * (g32 - jnp.sum(g32 * y, axis=axis, keepdims=True))
+    return None, dx.astype(g.dtype)
+
+  apply.defvjp(fwd, bwd)
+  return apply(seed, x)

@@ -1,0 +1,109 @@
+"""Dropout whose only residual is a 4-byte seed.
+
+The keep mask is a hash of (seed, element index) compared with a uint32
+threshold (`jact.rng.hash_uint32`), computed inside the elementwise fusion,
+so no tensor-sized random temporaries exist. The backward regenerates the
+very same mask from the stored uint32 seed. Kept values are scaled by
+1 / (1 - rate), like `flax.linen.Dropout`.
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.ones((4, 256))
+>>> y = dropout(x, 0.25, key=jax.random.key(0))
+>>> bool(jnp.isin(y, jnp.array([0.0, 1 / 0.75])).all())
+True
+>>> g = jax.grad(lambda x: dropout(x, 0.25, key=jax.random.key(0)).sum())(x)
+>>> bool((g == y).all())
+True
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact import rng
+from jact.ops._core import barrier, check_name, tag
+from jact.ops.activation import _check_float
+
+__all__ = ["dropout", "keep_mask", "check_rate"]
+
+
+def check_rate(rate) -> float:
+  """Validates a dropout rate: a static number in [0, 1); returns it as float."""
+  try:
+    value = float(rate)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(
+        f"dropout rate must be a static Python number in [0, 1), got {rate!r}") from e
+  if not 0.0 <= value < 1.0:
+    raise ValueError(
+        f"dropout rate must be in [0, 1), got {value}; rate is the probability of "
+        f"dropping a value (use deterministic=True, or rate=0.0, to disable dropout).")
+  return value
+
+
+def _threshold(rate: float) -> np.uint32:
+  # An element is kept when its 32 hash bits are >= threshold: P(keep) = 1 - threshold / 2**32.
+  return np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+
+
+def keep_mask(seed: jax.Array, shape: Sequence[int], rate: float) -> jax.Array:
+  """Boolean keep mask of `shape` from a uint32 seed (P(keep) = 1 - rate to 2**-32)."""
+  shape = tuple(int(s) for s in shape)
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+    stride *= shape[axis]
+  return rng.hash_uint32(seed, index) >= _threshold(rate)
+
+
+def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
+            broadcast_dims: Sequence[int] = (), name: str = "dropout") -> jax.Array:
+  """Zeroes each value with probability `rate` and scales the rest by 1 / (1 - rate).
+
+  Args:
+    x: float32, bfloat16 or float16 array.
+    rate: drop probability, a static number in [0, 1).
+    key: JAX PRNG key (may be None when deterministic or rate == 0).
+    deterministic: if True, return x unchanged.
+    broadcast_dims: axes that share one mask value (as in flax).
+    name: residual name; the saved seed is tagged `name.seed`.
+
+  Returns:
+    An array like x. Its backward keeps only the uint32 seed.
+  """
+  rate = check_rate(rate)
+  name = check_name(name)
+  if deterministic or rate == 0.0:
+    return x
+  x = _check_float(x, "dropout")
+  if key is None:
+    raise ValueError(
+        "jact.ops.dropout needs a PRNG key when deterministic=False and rate > 0: pass "
+        "key=jax.random.key(...) (a fresh key per step), or deterministic=True.")
+  dims = {d % x.ndim for d in broadcast_dims} if x.ndim else set()
+  mask_shape = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
+  keep_prob = 1.0 - rate
+  seed = rng.seed_from_key(key)
+
+  def apply_mask(seed, v):
+    m = jnp.broadcast_to(keep_mask(seed, mask_shape, rate), v.shape)
+    return jax.lax.select(m, v / jnp.asarray(keep_prob, v.dtype), jnp.zeros_like(v))
+
+  @jax.custom_vjp
+  def apply(seed, x):
+    return apply_mask(seed, x)
+
+  def fwd(seed, x):
+    return apply_mask(seed, x), tag(seed, f"{name}.seed")
+
+  def bwd(seed, g):
+    seed, g = barrier(seed, g)
+    return None, apply_mask(seed, g)
+
+  apply.defvjp(fwd, bwd)
+  return apply(seed, x)

@@ -1,0 +1,199 @@
+"""Compressed batch, layer and RMS normalization (ActNN Appendix B.2).
+
+The forward matches `flax.linen.BatchNorm` (train mode), `LayerNorm` and
+`RMSNorm` (statistics in float32). The residual is the quantized normalized
+input x_hat (`name.xhat`) plus the small float32 1/std per feature (batch
+norm) or per row (layer/RMS norm), `name.inv_std`. The backward uses the
+closed-form formulas, with h = g * scale and means over the reduced axes:
+
+  d_bias = sum(g),  d_scale = sum(g * x_hat)               (linear in x_hat: unbiased)
+  d_x = inv_std * (h - mean(h) - x_hat * mean(h * x_hat))   (RMS norm: no mean(h))
+
+d_x is quadratic in the single stored copy of x_hat, so its expectation is
+off by -inv_std * scale * Var(x_hat) * g / N elementwise (N = reduced size):
+nearly unbiased, as in ActNN.
+
+>>> import jax, jax.numpy as jnp
+>>> x = jax.random.normal(jax.random.key(1), (4, 64))
+>>> y = layer_norm(x, jnp.ones(64), jnp.zeros(64), key=jax.random.key(0))
+>>> bool(jnp.allclose(y.mean(-1), 0.0, atol=1e-5))
+True
+>>> y, mean, var = batch_norm(x, key=jax.random.key(0), bits=8)
+>>> mean.shape, var.shape
+((64,), (64,))
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jact.ops._core import Rounding, barrier, check_name, make_seed, tag
+from jact.ops.activation import _check_float, _compress, _finish_forward, _restore
+
+__all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
+
+_F32 = jnp.float32
+
+
+def _axes(ndim: int, axes) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  for a in axes:
+    if not -ndim <= a < ndim:
+      raise ValueError(f"axis {a} is out of range for an input of rank {ndim}")
+  return tuple(sorted({a % ndim for a in axes}))
+
+
+def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
+  if p is None:
+    return None
+  p = _check_float(p, op)
+  size = 1
+  for s in feature_shape:
+    size *= s
+  if p.size != size:
+    raise ValueError(
+        f"jact.ops.{op}: {what} has shape {p.shape}, expected {size} values for the "
+        f"feature shape {tuple(s for s in feature_shape if s != 1) or (1,)}")
+  return p
+
+
+def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
+               use_fast_variance, key, bits, group_size, stochastic, name, op):
+  """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient."""
+  x = _check_float(x, op)
+  rounding = Rounding(bits, group_size, stochastic)
+  name = check_name(name)
+  seed = make_seed(key, rounding, op)
+  red = reduction_axes
+  # scale and bias broadcast over every axis but the feature axes
+  bshape = tuple(s if a in feature_axes else 1 for a, s in enumerate(x.shape))
+  param_red = tuple(a for a in range(x.ndim) if a not in feature_axes)
+  scale = _check_param(scale, bshape, "scale", op)
+  bias = _check_param(bias, bshape, "bias", op)
+  epsilon = float(epsilon)
+
+  def stats(x32):
+    if not use_mean:
+      var = jnp.mean(lax.square(x32), red)
+      return jnp.zeros_like(var), var
+    mu = jnp.mean(x32, red)
+    if use_fast_variance:
+      var = jnp.maximum(0.0, jnp.mean(lax.square(x32), red) - lax.square(mu))
+    else:
+      var = jnp.mean(lax.square(x32 - jnp.expand_dims(mu, red)), red)
+    return mu, var
+
+  def forward(x, scale, bias):
+    x32 = x.astype(_F32)
+    mu, var = stats(x32)
+    inv = lax.rsqrt(jnp.expand_dims(var, red) + epsilon)
+    xc = x32 - jnp.expand_dims(mu, red)
+    mul = inv if scale is None else inv * scale.astype(_F32).reshape(bshape)
+    y = xc * mul
+    if bias is not None:
+      y = y + bias.astype(_F32).reshape(bshape)
+    return y.astype(x.dtype), mu, var, xc, inv
+
+  @jax.custom_vjp
+  def apply(seed, x, scale, bias):
+    y, mu, var, _, _ = forward(x, scale, bias)
+    return y, mu, var
+
+  def fwd(seed, x, scale, bias):
+    y, mu, var, xc, inv = forward(x, scale, bias)
+    xhat = xc * inv
+    if rounding.bits is None:
+      xhat = xhat.astype(x.dtype)
+    packed = (tag(_compress(xhat, seed, 0, rounding), f"{name}.xhat"),
+              tag(inv, f"{name}.inv_std"))
+    out, packed = _finish_forward((y, mu, var), packed)
+    return out, (*packed, scale)
+
+  def bwd(res, cts):
+    (xhat, inv, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
+    xhat = _restore(xhat, g.shape)
+    g32 = g.astype(_F32)
+    d_bias = None
+    if bias_shape is not None:
+      d_bias = jnp.sum(g32, param_red).reshape(bias_shape).astype(bias_dtype)
+    d_scale = None
+    h = g32
+    if scale is not None:
+      d_scale = jnp.sum(g32 * xhat, param_red).reshape(scale.shape).astype(scale.dtype)
+      h = g32 * scale.astype(_F32).reshape(bshape)
+    dx = h - xhat * jnp.mean(h * xhat, red, keepdims=True)
+    if use_mean:
+      dx = dx - jnp.mean(h, red, keepdims=True)
+    return None, (inv * dx).astype(g.dtype), d_scale, d_bias
+
+  bias_shape = None if bias is None else bias.shape
+  bias_dtype = None if bias is None else bias.dtype
+  apply.defvjp(fwd, bwd)
+  y, mu, var = apply(seed, x, scale, bias)
+  return y, lax.stop_gradient(mu), lax.stop_gradient(var)
+
+
+def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
+               axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
+               use_fast_variance: bool = True, key=None, bits: int | None = 4,
+               group_size: int = 256, stochastic: bool = True,
+               name: str = "batch_norm") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Train-mode batch norm over all axes except the feature `axis`.
+
+  Matches `flax.linen.BatchNorm(use_running_average=False)` with output dtype
+  x.dtype. Returns (y, batch_mean, batch_var); the statistics are float32,
+  shaped like the feature axes and carry no gradient (feed them to
+  `update_running_stats`).
+  """
+  x = _check_float(x, "batch_norm")
+  feature = _axes(x.ndim, axis)
+  red = tuple(a for a in range(x.ndim) if a not in feature)
+  return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
+                    use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
+                    group_size=group_size, stochastic=stochastic, name=name, op="batch_norm")
+
+
+def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.Array,
+                         batch_var: jax.Array, momentum: float = 0.99
+                         ) -> tuple[jax.Array, jax.Array]:
+  """Flax's running-average update: momentum * running + (1 - momentum) * batch.
+
+  >>> import jax.numpy as jnp
+  >>> update_running_stats(jnp.zeros(2), jnp.ones(2), jnp.ones(2), jnp.zeros(2), 0.9)[0]
+  Array([0.1, 0.1], dtype=float32)
+  """
+  new_mean = momentum * ra_mean + (1 - momentum) * batch_mean.astype(ra_mean.dtype)
+  new_var = momentum * ra_var + (1 - momentum) * batch_var.astype(ra_var.dtype)
+  return new_mean, new_var
+
+
+def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
+               epsilon: float = 1e-6, use_fast_variance: bool = True, key=None,
+               bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+               name: str = "layer_norm") -> jax.Array:
+  """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
+  x = _check_float(x, "layer_norm")
+  return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
+                    feature_axes=(x.ndim - 1,), epsilon=epsilon,
+                    use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
+                    group_size=group_size, stochastic=stochastic, name=name,
+                    op="layer_norm")[0]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1e-6, key=None,
+             bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+             name: str = "rms_norm") -> jax.Array:
+  """RMS norm over the last axis, matching `flax.linen.RMSNorm` (output dtype x.dtype).
+
+  The residual row statistic is 1/rms, tagged `name.inv_std`.
+  """
+  x = _check_float(x, "rms_norm")
+  return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
+                    feature_axes=(x.ndim - 1,), epsilon=epsilon,
+                    use_mean=False, use_fast_variance=True, key=key, bits=bits,
+                    group_size=group_size, stochastic=stochastic, name=name,
+                    op="rms_norm")[0]

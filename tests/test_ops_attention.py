@@ -1,0 +1,141 @@
+"""Compressed dot-product attention against flax.linen.dot_product_attention."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+from jact.ops.attention import dot_product_attention as attn
+from stats import assert_unbiased
+
+K = 768  # draws for the statistical tests (a multiple of 128)
+SHAPE = (2, 8, 2, 16)  # batch, length, heads, depth
+Q, KT, V = (jax.random.normal(jax.random.key(i), SHAPE) for i in range(3))
+COT = jax.random.normal(jax.random.key(3), SHAPE)
+BIAS = 0.5 * jax.random.normal(jax.random.key(4), (1, 2, 8, 8))
+MASK = jnp.tril(jnp.ones((8, 8), bool))[None, None]  # causal
+
+
+def over_keys(one, keys):
+  """jit(vmap(one)) over the keys, in chunks of at most 2**16 output values.
+
+  Chunked because XLA:CPU in jaxlib 0.10.2 miscompiles (YNN fusion) a row
+  reduction whose operand is broadcast along a leading batch axis once the
+  batched tensor reaches ~2**18 values (e.g. an unbatched cotangent against
+  batched residuals under vmap): every row after the first 512 came out
+  wrong. K must be a multiple of 128.
+  """
+  size = sum(a.size for a in jax.tree.leaves(jax.eval_shape(one, keys[0])))
+  chunk = 128
+  while chunk > 1 and chunk * size > 2**16:
+    chunk //= 2
+  run = jax.jit(jax.vmap(one))
+  outs = [run(keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
+  return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
+
+def residuals(f, *args):
+  return [(a, d) for a, d in saved_residuals(f, *args) if not d.startswith("from the argument")]
+
+
+def residual_bytes(f, *args):
+  return sum(a.size * a.dtype.itemsize for a, _ in residuals(f, *args))
+
+
+def grads(fn, q, k, v, cot=COT):
+  loss = lambda q, k, v: jnp.vdot(fn(q, k, v).astype(jnp.float32), cot)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def flax_attn(q, k, v):
+  return nn.dot_product_attention(q, k, v, bias=BIAS, mask=MASK)
+
+
+def sampled_grads(keys, **kw):
+  one = lambda key: grads(lambda q, k, v: attn(q, k, v, BIAS, MASK, key=key, **kw), Q, KT, V)
+  return over_keys(one, keys)
+
+
+def test_forward_matches_flax():
+  for bias, mask in [(None, None), (BIAS, None), (None, MASK), (BIAS, MASK)]:
+    y = jax.jit(lambda: attn(Q, KT, V, bias, mask, key=jax.random.key(0), bits=2))()
+    want = nn.dot_product_attention(Q, KT, V, bias=bias, mask=mask)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_uncompressed_backward_equals_flax_autodiff():
+  got = grads(lambda q, k, v: attn(q, k, v, BIAS, MASK, bits=None), Q, KT, V)
+  want = grads(flax_attn, Q, KT, V)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_value_gradient_is_unbiased_at_2_bits():
+  # d_v = p_hat^T g is linear in the stored attention weights: unbiased
+  # (default assert_unbiased tolerances; masked weights are exactly 0).
+  dv = sampled_grads(jax.random.split(jax.random.key(2), K), bits=2)[2]
+  assert_unbiased(dv, grads(flax_attn, Q, KT, V)[2])
+
+
+def test_gradients_at_8_bits_are_close_and_unbiased():
+  # Closeness of one draw: every operand carries ~0.4% rounding noise
+  # (step/sqrt(12) of a range-8 tensor), compounded through two einsums and
+  # softmax: relative L2 error below 3%.
+  # Unbiasedness over K draws: the only bias, the softmax's -Var(p_hat) * dp
+  # <= (1/255)^2/4 |dp| at 8 bits, is far below the standard error of K draws:
+  # default assert_unbiased tolerances.
+  got = sampled_grads(jax.random.split(jax.random.key(3), K), bits=8)
+  want = grads(flax_attn, Q, KT, V)
+  for a, b in zip(got, want):
+    assert np.linalg.norm(a[0] - b) <= 0.03 * np.linalg.norm(b)
+    assert_unbiased(a, b)
+
+
+def test_attention_dropout_is_unbiased_over_keys():
+  keys = jax.random.split(jax.random.key(5), K)
+  run = lambda key: attn(Q, KT, V, BIAS, MASK, dropout_rate=0.3, deterministic=False, key=key)
+  ys = over_keys(run, keys)
+  assert not np.allclose(ys[0], flax_attn(Q, KT, V))
+  assert_unbiased(ys, flax_attn(Q, KT, V))
+
+
+def test_residuals_are_named_and_at_2_bits_an_eighth_of_flax():
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, 32)) for i in range(3))
+  key = jax.random.key(0)
+  f = lambda q, k, v: attn(q, k, v, dropout_rate=0.1, deterministic=False, key=key, bits=2)
+  got = residual_bytes(f, q, k, v)
+  want = residual_bytes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v)
+  assert 0 < got <= want / 8, (got, want)
+  # Every piece is tagged: a remat policy keeping the six names saves all of it
+  # up to scalars (1/sqrt(depth), the closed-over PRNG key).
+  names = {"attention.qk.lhs", "attention.qk.rhs", "attention.softmax.y",
+           "attention.dropout.seed", "attention.pv.lhs", "attention.pv.rhs"}
+  pol = jax.checkpoint_policies.save_only_these_names(*names)
+  saved = residuals(jax.checkpoint(f, policy=pol), q, k, v)
+  assert {d.split("'")[1] for _, d in saved if d.startswith("named")} == names
+  assert abs(sum(a.size * a.dtype.itemsize for a, _ in saved) - got) <= 8
+
+
+def test_bf16_in_bf16_out():
+  q, k, v = (a.astype(jnp.bfloat16) for a in (Q, KT, V))
+  fn = lambda q, k, v: attn(q, k, v, BIAS, MASK, key=jax.random.key(0))
+  assert jax.jit(fn)(q, k, v).dtype == jnp.bfloat16
+  assert all(g.dtype == jnp.bfloat16 for g in grads(fn, q, k, v))
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    attn(Q, KT, V)
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    attn(Q, KT, V, bits=None, dropout_rate=0.1, deterministic=False)
+  with pytest.raises(ValueError, match="bits must be one of"):
+    attn(Q, KT, V, key=jax.random.key(0), bits=16)
+  with pytest.raises(ValueError, match=r"rate must be in \[0, 1\)"):
+    attn(Q, KT, V, key=jax.random.key(0), dropout_rate=1.0)
+  with pytest.raises(ValueError, match="same rank"):
+    attn(Q, KT[0], V, key=jax.random.key(0))
+  # no key needed when nothing is random
+  y = attn(Q, KT, V, bits=None)
+  np.testing.assert_allclose(y, nn.dot_product_attention(Q, KT, V), rtol=1e-5, atol=1e-6)
