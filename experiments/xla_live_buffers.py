@@ -1,26 +1,73 @@
-"""Which buffers are live at the temp-memory peak of a dumped XLA:CPU module."""
-import re, glob, sys
+"""Which buffers are alive at the temp-memory peak of a compiled XLA module.
+
+Dump a compilation with `XLA_FLAGS=--xla_dump_to=DIR`, then
+
+    python experiments/xla_live_buffers.py DIR [MODULE_SUBSTRING] [--top N]
+
+reads DIR's `*live-range.txt` and `*buffer-assignment.txt` for the module
+(default: the largest one), sums the sizes of the values alive at each point
+of XLA's schedule (parameters and live-out values excluded) and prints the
+biggest values alive at the peak with their live ranges. A value whose range
+spans from the forward pass into the backward pass is what keeps memory up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+
 import numpy as np
-d = sys.argv[1]; pat = sys.argv[2] if len(sys.argv) > 2 else 'jit_step'
-f = glob.glob(f'{d}/module_*{pat}*live-range.txt')[0]
-lines = open(f).read().split('\n')
-seq, rng = {}, []
-for l in lines:
-    m = re.match(r'\s+(\d+):(\S+)$', l)
-    if m: seq[int(m.group(1))] = m.group(2); continue
-    m = re.match(r'\s+(\S+?)(\{[\d,]*\})?:(\d+)-(\d+)$', l)
-    if m: rng.append((m.group(1) + (m.group(2) or '{}'), int(m.group(3)), int(m.group(4))))
-ba = open(glob.glob(f'{d}/module_*{pat}*buffer-assignment.txt')[0]).read()
-sizes, shapes, params = {}, {}, set()
-for m in re.finditer(r'value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=\d+\): (\S+)', ba):
-    k = m.group(1) + (m.group(2) or '{}'); sizes[k] = int(m.group(3)); shapes[k] = m.group(4)
-T = max(e for _, _, e in rng) + 1
-use = np.zeros(T)
-for n, s, e in rng:
-    if s == 0 and e >= T - 1: continue  # params / live-out
-    use[s:e+1] += sizes.get(n, 0)
-t = int(use.argmax()); print('peak at', t, seq.get(t), '%.1f MiB' % (use[t]/2**20))
-live = sorted([(sizes.get(n,0), n, s, e) for n, s, e in rng if s <= t <= e and not (s == 0 and e >= T-1)], reverse=True)
-for sz, n, s, e in live[:int(sys.argv[3]) if len(sys.argv) > 3 else 30]:
-    if sz < 2**19: break
-    print(f"{sz/2**20:7.2f} MiB {n:45s} {shapes.get(n,''):28s} {s}-{e}")
+
+
+def _files(dump_dir: str, module: str | None) -> tuple[str, str]:
+  ranges = glob.glob(os.path.join(dump_dir, f"module_*{module or ''}*live-range.txt"))
+  if not ranges:
+    raise SystemExit(f"no *live-range.txt for {module!r} in {dump_dir}")
+  live = max(ranges, key=os.path.getsize)
+  return live, live.replace("live-range.txt", "buffer-assignment.txt")
+
+
+def live_at_peak(dump_dir: str, module: str | None = None):
+  """Returns (peak instruction, peak bytes, [(bytes, value, shape, start, end)])."""
+  live_file, assignment_file = _files(dump_dir, module)
+  sequence, ranges = {}, []
+  for line in open(live_file).read().splitlines():
+    m = re.match(r"\s+(\d+):(\S+)$", line)
+    if m:
+      sequence[int(m.group(1))] = m.group(2)
+      continue
+    m = re.match(r"\s+(\S+?)(\{[\d,]*\})?:(\d+)-(\d+)$", line)
+    if m:
+      ranges.append((m.group(1) + (m.group(2) or "{}"), int(m.group(3)), int(m.group(4))))
+  sizes, shapes = {}, {}
+  pattern = r"value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=\d+\): (\S+)"
+  for m in re.finditer(pattern, open(assignment_file).read()):
+    key = m.group(1) + (m.group(2) or "{}")
+    sizes[key], shapes[key] = int(m.group(3)), m.group(4)
+  end_time = max(e for _, _, e in ranges) + 1
+  inner = [(n, s, e) for n, s, e in ranges if not (s == 0 and e >= end_time - 1)]
+  usage = np.zeros(end_time)
+  for name, start, end in inner:
+    usage[start:end + 1] += sizes.get(name, 0)
+  peak = int(usage.argmax())
+  alive = sorted(((sizes.get(n, 0), n, shapes.get(n, ""), s, e) for n, s, e in inner if s <= peak <= e),
+                 reverse=True)
+  return sequence.get(peak), float(usage[peak]), alive
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("dump_dir")
+  parser.add_argument("module", nargs="?", default=None)
+  parser.add_argument("--top", type=int, default=30)
+  args = parser.parse_args(argv)
+  instruction, total, alive = live_at_peak(args.dump_dir, args.module)
+  print(f"peak at {instruction}: {total / 2**20:.1f} MiB alive (values, before buffer reuse)")
+  for size, name, shape, start, end in alive[:args.top]:
+    print(f"{size / 2**20:8.2f} MiB  {name:45s} {shape:30s} {start}-{end}")
+
+
+if __name__ == "__main__":
+  main()
