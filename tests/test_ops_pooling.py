@@ -156,7 +156,8 @@ def test_avg_pool_saves_nothing(count_include_pad):
 
 @pytest.mark.parametrize("window, strides, padding", [((3, 3), (2, 2), "SAME"), ((3, 3), (1, 1), "SAME")])
 def test_max_pool_compiled_memory_below_flax(window, strides, padding):
-  """Compile-only: the training step's temporaries stay well below one input copy."""
+  """Compile-only: the training step's temporaries stay below Flax's and within a
+  few input copies (the backward upsamples the cotangent onto the input grid once)."""
   x = jax.ShapeDtypeStruct((8, 32, 32, 32), jnp.float32)  # 1 MiB
 
   def temp(pool):
@@ -165,9 +166,12 @@ def test_max_pool_compiled_memory_below_flax(window, strides, padding):
 
   ours, flax_temp = temp(P.max_pool), temp(nn.max_pool)
   n_out = math.prod(jax.eval_shape(lambda x: P.max_pool(x, window, strides, padding), x).shape)
-  # The step must hold sin's cotangent/residual (output-sized); beyond that only
-  # uint8 codes. Bound: two output-sized float32 buffers plus 2 bytes per output.
-  assert ours <= 2 * 4 * n_out + 2 * n_out, (ours, n_out)
+  # Beyond sin's output-sized cotangent/residual and the uint8 codes, the backward
+  # holds one upsampled cotangent (input-sized float32) and its upsampled codes;
+  # it never holds one tensor per window offset (9 here), which is what a
+  # transposed-slices backward did inside a ResNet stem (see bench_memory).
+  n_in = math.prod(x.shape)
+  assert ours <= 2 * 4 * n_out + 2 * n_out + 5 * n_in + 4096, (ours, n_out, n_in)
   assert ours < flax_temp, (ours, flax_temp)
 
 

@@ -152,6 +152,31 @@ def _argmax_codes(x, y, offsets, strides, pads, out_shape):
   return code
 
 
+def _scatter_to_argmax(g, code, shape, dims, strides, pads, out_shape, offsets):
+  """dx[i] = sum over windows o containing i of g[o] * (code[o] == offset of i in o).
+
+  The cotangent and the codes are upsampled onto the (padded) input grid with
+  one interior-padded `lax.pad` each, shifted by window - 1, so that window
+  offset k of every output reads one contiguous slice; the K slices are then
+  summed in a single elementwise fusion. Off-grid positions hold a zero
+  cotangent, so their codes do not matter. (Transposing the K strided window
+  slices instead materializes K input-sized tensors at once on XLA:CPU.)
+  """
+  cfg = [(w - 1, (h + lo + hi) - s * (m - 1) - 1, s - 1)
+         for h, w, s, (lo, hi), m in zip(shape, dims, strides, pads, out_shape)]
+  g_up = lax.pad(g, jnp.zeros((), g.dtype), cfg)
+  code_up = lax.pad(code, jnp.uint8(0), cfg)
+  # Accumulate like jax's select_and_scatter_add (windows in increasing output
+  # order, i.e. decreasing offset, in g's dtype), so gradients match it bit for bit.
+  dx = jnp.zeros(shape, g.dtype)
+  for k in reversed(range(len(offsets))):
+    start = [lo - o + w - 1 for (lo, _), o, w in zip(pads, offsets[k], dims)]
+    limit = [a + h for a, h in zip(start, shape)]
+    hit = lax.slice(code_up, start, limit) == jnp.uint8(k)
+    dx = dx + jnp.where(hit, lax.slice(g_up, start, limit), jnp.zeros((), g.dtype))
+  return dx
+
+
 def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
              padding: Any = "VALID", *, name: str = "max_pool") -> jax.Array:
   """`flax.linen.max_pool` whose backward keeps only the arg-max position per window.
@@ -192,12 +217,7 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
   def bwd(packed, g):
     packed, g = barrier(packed, g)
     code = unpack_codes(packed, jnp.uint8)
-    zero = jnp.zeros((), g.dtype)
-    parts = [jnp.where(code == jnp.uint8(k), g, zero) for k in range(len(offsets))]
-    slices = functools.partial(_window_slices, offsets=offsets, strides=full_strides, pads=pads,
-                               out_shape=out_shape)
-    (dx,) = jax.linear_transpose(slices, jax.ShapeDtypeStruct(shape, dtype))(parts)
-    return (dx,)
+    return (_scatter_to_argmax(g, code, shape, dims, full_strides, pads, out_shape, offsets),)
 
   op.defvjp(fwd, bwd)
   return op(x)
