@@ -158,7 +158,7 @@ def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Roundi
   if rounding.bits is None:
     return x
   return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
-                    stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
+                  stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
 
 
 def restore_residual(r):
