@@ -59,7 +59,7 @@ class Hook:
 def _drop_sharding(kwargs: dict, op: str) -> dict:
   sharding = kwargs.pop("out_sharding", None)
   if sharding is not None:
-    raise NotImplementedError(f"jact's {op} does not support out_sharding; pass out_sharding=None.")
+    raise ValueError(f"jact's {op} does not support out_sharding; pass out_sharding=None.")
   return kwargs
 
 
@@ -148,7 +148,7 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
          deterministic, dtype, precision, module, force_fp32_for_softmax, is_causal):
     del broadcast_dropout, dtype, force_fp32_for_softmax
     if module is not None:
-      raise NotImplementedError(
+      raise ValueError(
           "jact attention does not return the attention weights, so sow_weights=True is not "
           "supported; call with sow_weights=False.")
     if is_causal:

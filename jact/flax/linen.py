@@ -86,13 +86,13 @@ def _last_axis_only(axes, ndim: int) -> bool:
 
 def _norm_options_supported(module, mask, layer: str) -> None:
   if mask is not None:
-    raise NotImplementedError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
+    raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
   if module.axis_name is not None or module.axis_index_groups is not None:
-    raise NotImplementedError(
+    raise ValueError(
         f"jact.nn.{layer} does not support axis_name/axis_index_groups (pmap statistics); "
         f"use flax.linen.{layer}, or jit with sharded inputs.")
   if not module.force_float32_reductions:
-    raise NotImplementedError(f"jact.nn.{layer} needs force_float32_reductions=True.")
+    raise ValueError(f"jact.nn.{layer} needs force_float32_reductions=True.")
 
 
 def _output_dtype(x, params, dtype):
@@ -171,7 +171,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
     _norm_options_supported(self, mask, "BatchNorm")
     axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
     if len(axes) != 1:
-      raise NotImplementedError("jact.nn.BatchNorm supports a single feature axis.")
+      raise ValueError("jact.nn.BatchNorm supports a single feature axis.")
     axis = axes[0] % x.ndim
     feature_shape = [x.shape[axis]]
     ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32),
@@ -208,7 +208,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
     _norm_options_supported(self, mask, "LayerNorm")
     if not (_last_axis_only(self.reduction_axes, x.ndim)
             and _last_axis_only(self.feature_axes, x.ndim)):
-      raise NotImplementedError(
+      raise ValueError(
           "jact.nn.LayerNorm normalizes over the last axis only (reduction_axes=-1, "
           "feature_axes=-1).")
     feature_shape = [x.shape[-1]]
@@ -237,7 +237,7 @@ class RMSNorm(_Twin, nn.RMSNorm):
     _norm_options_supported(self, mask, "RMSNorm")
     if not (_last_axis_only(self.reduction_axes, x.ndim)
             and _last_axis_only(self.feature_axes, x.ndim)):
-      raise NotImplementedError(
+      raise ValueError(
           "jact.nn.RMSNorm normalizes over the last axis only (reduction_axes=-1, "
           "feature_axes=-1).")
     scale = (self.param("scale", self.scale_init, [x.shape[-1]], self.param_dtype)

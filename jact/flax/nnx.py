@@ -151,7 +151,7 @@ class Embed(_Twin, nnx.Embed):
 
   def __call__(self, inputs, out_sharding=None):
     if out_sharding is not None:
-      raise NotImplementedError("jact.nnx.Embed does not support out_sharding.")
+      raise ValueError("jact.nnx.Embed does not support out_sharding.")
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError("Input type must be an integer or unsigned integer.")
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
@@ -165,9 +165,9 @@ class Embed(_Twin, nnx.Embed):
 
 def _check_norm_options(module, mask, layer: str) -> None:
   if mask is not None:
-    raise NotImplementedError(f"jact.nnx.{layer} does not support mask=; use nnx.{layer}.")
+    raise ValueError(f"jact.nnx.{layer} does not support mask=; use nnx.{layer}.")
   if module.axis_name is not None or module.axis_index_groups is not None:
-    raise NotImplementedError(
+    raise ValueError(
         f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}.")
 
 
@@ -179,7 +179,7 @@ def _last_axis_only(axes, ndim: int) -> bool:
 def _check_last_axis(module, x, layer: str) -> None:
   if not (_last_axis_only(module.reduction_axes, x.ndim)
           and _last_axis_only(module.feature_axes, x.ndim)):
-    raise NotImplementedError(
+    raise ValueError(
         f"jact.nnx.{layer} normalizes over the last axis only (reduction_axes=-1, "
         f"feature_axes=-1).")
 
@@ -207,7 +207,7 @@ class BatchNorm(_Twin, nnx.BatchNorm):
       return super().__call__(x, True, mask=mask)
     _check_norm_options(self, mask, "BatchNorm")
     if not isinstance(self.axis, int):
-      raise NotImplementedError("jact.nnx.BatchNorm supports a single feature axis.")
+      raise ValueError("jact.nnx.BatchNorm supports a single feature axis.")
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
