@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax._src.ad_checkpoint import saved_residuals
 
 
 def assert_unbiased(samples, exact, *, max_pooled_z: float = 4.0, max_mean_z2: float = 1.6,
@@ -39,3 +42,36 @@ def assert_unbiased(samples, exact, *, max_pooled_z: float = 4.0, max_mean_z2: f
     stats["deterministic_max_err"] = worst
     assert worst <= atol + 1e-4 * scale, f"deterministic elements differ: {worst} ({stats})"
   return stats
+
+
+def over_keys(one, keys):
+  """jit(vmap(one)) over the keys, in chunks of at most 2**16 output values.
+
+  Chunked because XLA:CPU in jaxlib 0.10.2 miscompiles (YNN fusion) a row
+  reduction whose operand is broadcast along a leading batch axis once the
+  batched tensor reaches ~2**18 values (e.g. an unbatched cotangent against
+  batched residuals under vmap): every row after the first 512 came out
+  wrong. K must be a multiple of 128.
+  """
+  size = sum(a.size for a in jax.tree.leaves(jax.eval_shape(one, keys[0])))
+  chunk = 128
+  while chunk > 1 and chunk * size > 2**16:
+    chunk //= 2
+  run = jax.jit(jax.vmap(one))
+  outs = [run(keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
+  return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
+
+def residual_bytes(f, *args):
+  """Bytes saved for the backward pass, excluding the function's own arguments."""
+  return sum(a.size * a.dtype.itemsize for a, d in saved_residuals(f, *args)
+             if not d.startswith("from the argument"))
+
+
+def saved_under_names(f, names, *args):
+  """(names, bytes) of what `jax.checkpoint` saves under save_only_these_names(*names)."""
+  pol = jax.checkpoint_policies.save_only_these_names(*names)
+  res = [(a, d) for a, d in saved_residuals(jax.checkpoint(f, policy=pol), *args)
+         if not d.startswith("from the argument")]
+  return ({d.split("'")[1] for _, d in res if d.startswith("named")},
+          sum(a.size * a.dtype.itemsize for a, _ in res))

@@ -8,7 +8,7 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from jact.ops.attention import dot_product_attention as attn
-from stats import assert_unbiased
+from stats import assert_unbiased, over_keys, residual_bytes
 
 K = 768  # draws for the statistical tests (a multiple of 128)
 SHAPE = (2, 8, 2, 16)  # batch, length, heads, depth
@@ -18,30 +18,12 @@ BIAS = 0.5 * jax.random.normal(jax.random.key(4), (1, 2, 8, 8))
 MASK = jnp.tril(jnp.ones((8, 8), bool))[None, None]  # causal
 
 
-def over_keys(one, keys):
-  """jit(vmap(one)) over the keys, in chunks of at most 2**16 output values.
-
-  Chunked because XLA:CPU in jaxlib 0.10.2 miscompiles (YNN fusion) a row
-  reduction whose operand is broadcast along a leading batch axis once the
-  batched tensor reaches ~2**18 values (e.g. an unbatched cotangent against
-  batched residuals under vmap): every row after the first 512 came out
-  wrong. K must be a multiple of 128.
-  """
-  size = sum(a.size for a in jax.tree.leaves(jax.eval_shape(one, keys[0])))
-  chunk = 128
-  while chunk > 1 and chunk * size > 2**16:
-    chunk //= 2
-  run = jax.jit(jax.vmap(one))
-  outs = [run(keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
-  return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
 def residuals(f, *args):
   return [(a, d) for a, d in saved_residuals(f, *args) if not d.startswith("from the argument")]
 
 
-def residual_bytes(f, *args):
-  return sum(a.size * a.dtype.itemsize for a, _ in residuals(f, *args))
 
 
 def grads(fn, q, k, v, cot=COT):
