@@ -16,10 +16,14 @@ with the bytes saved for backward per block. Two blocks, written directly with
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import math
+import platform
+import sys
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +150,11 @@ def main(argv=None):
             f"{r['temp_per_block'] / mib:6.2f} MiB, residual {r['residual_per_block'] / mib:6.2f} MiB, "
             f"ratio {r['slope_over_residual']:.2f}", flush=True)
   if args.json:
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(),
-            "command": "python -m experiments.memory_scaling " + " ".join(argv or [])}
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
+            "device": str(jax.devices()[0]) + " (compile-only)", "python": platform.python_version(),
+            "command": "python -m experiments.memory_scaling " + " ".join(
+                argv if argv is not None else sys.argv[1:])}
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
   return rows
