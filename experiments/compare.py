@@ -204,6 +204,19 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def run_metadata(argv=None) -> dict:
+  """Device, versions, date and command of a run, stored with its results."""
+  import datetime
+  import platform
+  import sys
+
+  import flax
+  return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "command": "python -m experiments.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+          "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
+          "device": str(jax.devices()[0]), "python": platform.python_version()}
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__.split(
       "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   print(format_table(rows))
   if a.json:
     with open(a.json, "w") as f:
-      json.dump(rows, f, indent=2)
+      json.dump({"meta": run_metadata(argv), "rows": rows}, f, indent=2)
   return rows
 
 

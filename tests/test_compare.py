@@ -59,7 +59,9 @@ def test_memory_columns(run):
 
 def test_json_and_table(run):
   rows, out = run
-  assert json.loads(out.read_text()) == rows
+  written = json.loads(out.read_text())
+  assert written["rows"] == rows
+  assert {"date", "command", "jax", "flax", "device"} <= set(written["meta"])
   table = compare.format_table(rows)
   lines = table.splitlines()
   assert lines[0].split()[0] == "variant" and len(lines) == 2 + len(rows) + 1
