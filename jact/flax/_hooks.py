@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax.linen.attention import dot_product_attention as flax_attention
 
 from jact.ops._core import Rounding
+from jact.ops import linear
 from jact.ops.attention import dot_product_attention
 
 _ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jact_flax_ops", default=None)
@@ -161,6 +162,18 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
         deterministic=deterministic, key=op_key, precision=precision, name=name, **settings)
 
   return op
+
+
+def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any]]:
+  """The compressed ops an attention twin provides: q/k/v projections, output
+  projection and the attention itself, each with its own key and residual name."""
+  sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
+  qkv = Calls(linear.dot_general, sub(0), tuple(f"{name}/{p}" for p in ("query", "key", "value")),
+              "dot_general", compress=(True, False), **rounding)
+  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
+              compress=(True, False), **rounding)
+  return {"qkv": qkv, "out": out,
+          "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}
 
 
 def plain_attention(query, keys, value, *, bias, mask, broadcast_dropout, dropout_rng,

@@ -301,16 +301,7 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
       with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
                           attention=_hooks.plain_attention):
         return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
-    name = self._residual_name()
-    sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
-    rounding = self._rounding()
-    qkv = _hooks.Calls(linear.dot_general, sub(0),
-                       tuple(f"{name}/{p}" for p in ("query", "key", "value")), "dot_general",
-                       compress=(True, False), **rounding)
-    out = _hooks.Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
-                       compress=(True, False), **rounding)
-    attention = _hooks.compressed_attention(sub(2), f"{name}/attention", **rounding)
-    with _hooks.provide(qkv=qkv, out=out, attention=attention):
+    with _hooks.provide(**_hooks.attention_ops(key, self._residual_name(), self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import rnglib
@@ -324,16 +323,7 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
     key = self._key()
-    sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
-    rounding = self._rounding()
-    name = self.residual_name
-    qkv = _hooks.Calls(linear.dot_general, sub(0),
-                       tuple(f"{name}/{p}" for p in ("query", "key", "value")), "dot_general",
-                       compress=(True, False), **rounding)
-    out = _hooks.Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
-                       compress=(True, False), **rounding)
-    attention = _hooks.compressed_attention(sub(2), f"{name}/attention", **rounding)
-    with _hooks.provide(qkv=qkv, out=out, attention=attention):
+    with _hooks.provide(**_hooks.attention_ops(key, self.residual_name, self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
 
 

@@ -17,6 +17,7 @@ Every residual piece is tagged with `jax.ad_checkpoint.checkpoint_name`, so
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -24,11 +25,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
-from jact.quantize import Packed, PackedBits, check_bits, check_group_size, dequantize, quantize
+from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_group_size,
+                           dequantize, quantize)
 from jact import rng
 
-__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "barrier",
-           "after_residuals", "materialize"]
+__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "check_float", "barrier",
+           "after_residuals", "materialize", "finish_forward", "compress_residual",
+           "restore_residual"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +156,51 @@ def materialize(x: jax.Array, residuals) -> jax.Array:
   return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)
 
 
+def finish_forward(out, residuals, *, elementwise: bool = False):
+  """Forward epilogue of every compressed op: the output waits for the
+  compressed residuals (`barrier`, `after_residuals`), so the full-precision
+  input dies in the forward pass. Elementwise outputs, which are materialized
+  anyway, are emitted through `materialize` instead."""
+  out, residuals = barrier(out, residuals)
+  if elementwise:
+    return materialize(out, residuals), residuals
+  return after_residuals(out, residuals), residuals
+
+
+def check_float(x, op: str) -> jax.Array:
+  """x as an array, or a clear error if it is not float32, bfloat16 or float16."""
+  x = jnp.asarray(x)
+  if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+    raise TypeError(
+        f"jact.ops.{op} takes a floating-point input (float32, bfloat16 or float16), got "
+        f"{x.dtype}; cast it first (x.astype(jnp.float32)).")
+  return x
+
+
 def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
-  """Quantizes a float residual (or returns it unchanged when bits is None)."""
+  """Quantizes a float residual (or returns it unchanged when bits is None).
+
+  The quantizer groups values inside each sample (axis 0). A 1-D tensor, or
+  samples shorter than a group, would waste most bytes on padding and group
+  statistics, so those are quantized as a single row (a free reshape);
+  `restore_residual` takes the original shape back.
+  """
   if rounding.bits is None:
     return x
+  d = math.prod(x.shape[1:]) if x.ndim else 1
+  if x.ndim <= 1 or d < rounding.group_size:
+    x = x.reshape(1, -1)
   return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
                   stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
 
 
-def restore_residual(r):
-  return dequantize(r) if isinstance(r, Packed) else r
+def restore_residual(r, shape=None, dtype=None):
+  """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`."""
+  if isinstance(r, Packed):
+    r = dequantize(r, dtype)
+  elif dtype is not None:
+    r = r.astype(dtype)
+  return r if shape is None else r.reshape(shape)
 
 
 def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],
@@ -184,6 +222,8 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
   if len(compress) != len(args) or len(names) != len(args):
     raise ValueError("compress and names need one entry per argument")
 
+  shapes = tuple(jnp.shape(a) for a in args)
+
   @jax.custom_vjp
   def op(seed, *args):
     return fn(*args)
@@ -193,15 +233,11 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
     residuals = tuple(
         tag(compress_residual(a, seed, i, rounding), names[i]) if c else a
         for i, (a, c) in enumerate(zip(args, compress)))
-    # Tie the output to the compressed residuals: the next layer cannot start
-    # before compression is done, so the full-precision inputs die right here
-    # instead of staying alive until XLA's scheduler gets round to packing them.
-    out, residuals = barrier(out, residuals)
-    return after_residuals(out, residuals), residuals
+    return finish_forward(out, residuals)
 
   def bwd(residuals, g):
     residuals, g = barrier(residuals, g)
-    restored = tuple(restore_residual(r) for r in residuals)
+    restored = tuple(restore_residual(r, shape) for r, shape in zip(residuals, shapes))
     _, vjp = jax.vjp(fn, *restored)
     return (None, *vjp(g))
 

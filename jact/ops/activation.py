@@ -20,70 +20,24 @@ True
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
-from jact.quantize import FLOAT_DTYPES, Packed, dequantize, pack_codes, unpack_codes
-from jact.ops._core import (Rounding, after_residuals, materialize, barrier, check_name, compress_residual,
-                            make_seed, tag)
+from jact.quantize import pack_codes, unpack_codes
+from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
+                            finish_forward, make_seed, restore_residual, tag)
 
 __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax"]
-
-
-# ----------------------------------------------------------------------------- shared helpers
-# (private; also used by norm.py and dropout.py)
-
-
-def _check_float(x, op: str) -> jax.Array:
-  x = jnp.asarray(x)
-  if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-    raise TypeError(
-        f"jact.ops.{op} takes a float32, bfloat16 or float16 input, got {x.dtype}; "
-        f"cast it first (x.astype(jnp.float32)).")
-  return x
-
-
-def _compress(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
-  """Quantizes a residual; tensors with tiny samples are quantized as one row.
-
-  The quantizer groups values inside each sample (axis 0). A 1-D tensor, or
-  samples shorter than a group, would waste most bytes on padding and group
-  statistics, so those are viewed as a single row (a free reshape).
-  """
-  if rounding.bits is None:
-    return x
-  d = math.prod(x.shape[1:]) if x.ndim else 1
-  if x.ndim <= 1 or d < rounding.group_size:
-    x = x.reshape(1, -1)
-  return compress_residual(x, seed, site, rounding)
-
-
-def _finish_forward(out, residuals):
-  """Forward epilogue shared with `save_compressed`: the output waits for the
-  compressed residuals, so the full-precision input dies in the forward pass."""
-  out, residuals = barrier(out, residuals)
-  # Elementwise outputs are materialized anyway (they feed a matmul or a
-  # convolution): emit them as a value XLA cannot re-fuse into later
-  # compression fusions (see `materialize`).
-  return materialize(out, residuals), residuals
-
-
-def _restore(r, shape) -> jax.Array:
-  """Inverse of `_compress` (float32 result)."""
-  if isinstance(r, Packed):
-    r = dequantize(r, jnp.float32)
-  return r.astype(jnp.float32).reshape(shape)
 
 
 # ----------------------------------------------------------------------------- mask activations
 
 
 def _mask_op(x, negative_slope, name: str, op: str, fn: Callable, mask_fn: Callable):
-  x = _check_float(x, op)
+  x = check_float(x, op)
   name = check_name(name)
 
   @jax.custom_vjp
@@ -91,7 +45,8 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable, mask_fn: Calla
     return fn(x)
 
   def fwd(x):
-    return _finish_forward(fn(x), tag(pack_codes(mask_fn(x), 1), f"{name}.mask"))
+    mask = tag(pack_codes(mask_fn(x), 1), f"{name}.mask")
+    return finish_forward(fn(x), mask, elementwise=True)
 
   def bwd(res, g):
     res, g = barrier(res, g)
@@ -130,7 +85,7 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
 
 def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, name: str,
                        op: str) -> jax.Array:
-  x = _check_float(x, op)
+  x = check_float(x, op)
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
@@ -144,11 +99,12 @@ def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, nam
     _, dydx = jax.jvp(f, (x32,), (jnp.ones_like(x32),))
     if rounding.bits is None:
       dydx = dydx.astype(x.dtype)
-    return _finish_forward(f(x), tag(_compress(dydx, seed, 0, rounding), f"{name}.dydx"))
+    packed = tag(compress_residual(dydx, seed, 0, rounding), f"{name}.dydx")
+    return finish_forward(f(x), packed, elementwise=True)
 
   def bwd(res, g):
     res, g = barrier(res, g)
-    dydx = _restore(res, g.shape)
+    dydx = restore_residual(res, g.shape, jnp.float32)
     return None, (g.astype(jnp.float32) * dydx).astype(g.dtype)
 
   apply.defvjp(fwd, bwd)
@@ -202,7 +158,7 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
   >>> bool(jnp.allclose(softmax(x, key=jax.random.key(0)), jax.nn.softmax(x)))
   True
   """
-  x = _check_float(x, "softmax")
+  x = check_float(x, "softmax")
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, "softmax")
@@ -214,11 +170,12 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
 
   def fwd(seed, x):
     y = jax.nn.softmax(x, axis=axis)
-    return _finish_forward(y, tag(_compress(y, seed, 0, rounding), f"{name}.y"))
+    packed = tag(compress_residual(y, seed, 0, rounding), f"{name}.y")
+    return finish_forward(y, packed, elementwise=True)
 
   def bwd(res, g):
     res, g = barrier(res, g)
-    y = _restore(res, g.shape)
+    y = restore_residual(res, g.shape, jnp.float32)
     g32 = g.astype(jnp.float32)
     dx = y * (g32 - jnp.sum(g32 * y, axis=axis, keepdims=True))
     return None, dx.astype(g.dtype)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jact.ops._core import Rounding, check_name
-from jact.ops.activation import _check_float, softmax
+from jact.ops._core import Rounding, check_float, check_name
+from jact.ops.activation import softmax
 from jact.ops.dropout import check_rate, dropout
 from jact.ops.linear import einsum
 
@@ -59,9 +59,9 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   name = check_name(name)
   rate = check_rate(dropout_rate)
   use_dropout = not deterministic and rate > 0.0
-  query = _check_float(query, "dot_product_attention")
-  keys = _check_float(keys, "dot_product_attention")
-  value = _check_float(value, "dot_product_attention")
+  query = check_float(query, "dot_product_attention")
+  keys = check_float(keys, "dot_product_attention")
+  value = check_float(value, "dot_product_attention")
   dtype = jnp.result_type(query, keys, value)
   query, keys, value = (a.astype(dtype) for a in (query, keys, value))
   if not query.ndim == keys.ndim == value.ndim or query.ndim < 3:

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import rng
-from jact.ops._core import barrier, check_name, tag
-from jact.ops.activation import _check_float
+from jact.ops._core import barrier, check_float, check_name, tag
 
 __all__ = ["dropout", "keep_mask", "check_rate"]
 
@@ -80,7 +79,7 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
   name = check_name(name)
   if deterministic or rate == 0.0:
     return x
-  x = _check_float(x, "dropout")
+  x = check_float(x, "dropout")
   if key is None:
     raise ValueError(
         "jact.ops.dropout needs a PRNG key when deterministic=False and rate > 0: pass "

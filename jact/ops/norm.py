@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jact.ops._core import Rounding, barrier, check_name, make_seed, tag
-from jact.ops.activation import _check_float, _compress, _finish_forward, _restore
+from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
+                            finish_forward, make_seed, restore_residual, tag)
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
 
@@ -50,7 +50,7 @@ def _axes(ndim: int, axes) -> tuple[int, ...]:
 def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
   if p is None:
     return None
-  p = _check_float(p, op)
+  p = check_float(p, op)
   size = 1
   for s in feature_shape:
     size *= s
@@ -64,7 +64,7 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
 def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
                use_fast_variance, key, bits, group_size, stochastic, name, op):
   """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient."""
-  x = _check_float(x, op)
+  x = check_float(x, op)
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
@@ -108,14 +108,14 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     xhat = xc * inv
     if rounding.bits is None:
       xhat = xhat.astype(x.dtype)
-    packed = (tag(_compress(xhat, seed, 0, rounding), f"{name}.xhat"),
+    packed = (tag(compress_residual(xhat, seed, 0, rounding), f"{name}.xhat"),
               tag(inv, f"{name}.inv_std"))
-    out, packed = _finish_forward((y, mu, var), packed)
+    out, packed = finish_forward((y, mu, var), packed, elementwise=True)
     return out, (*packed, scale)
 
   def bwd(res, cts):
     (xhat, inv, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
-    xhat = _restore(xhat, g.shape)
+    xhat = restore_residual(xhat, g.shape, jnp.float32)
     g32 = g.astype(_F32)
     d_bias = None
     if bias_shape is not None:
@@ -149,7 +149,7 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   shaped like the feature axes and carry no gradient (feed them to
   `update_running_stats`).
   """
-  x = _check_float(x, "batch_norm")
+  x = check_float(x, "batch_norm")
   feature = _axes(x.ndim, axis)
   red = tuple(a for a in range(x.ndim) if a not in feature)
   return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
@@ -176,7 +176,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
                bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
                name: str = "layer_norm") -> jax.Array:
   """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
-  x = _check_float(x, "layer_norm")
+  x = check_float(x, "layer_norm")
   return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
@@ -191,7 +191,7 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1
 
   The residual row statistic is 1/rms, tagged `name.inv_std`.
   """
-  x = _check_float(x, "rms_norm")
+  x = check_float(x, "rms_norm")
   return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=False, use_fast_variance=True, key=key, bits=bits,

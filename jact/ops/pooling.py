@@ -25,7 +25,6 @@ Array([[ 5.,  7.],
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Sequence
@@ -37,7 +36,7 @@ from jax import lax
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
-from jact.ops._core import barrier, check_name, tag
+from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
 
 __all__ = ["max_pool", "avg_pool", "argmax_bits"]
 
@@ -54,13 +53,6 @@ def argmax_bits(window_size: int) -> int:
   raise ValueError(
       f"max_pool stores the arg-max position in at most 8 bits, so a window may hold at "
       f"most 256 positions; got {window_size}. Use a smaller window, or pool in two steps.")
-
-
-def _check_float(x: jax.Array, op: str) -> None:
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(
-        f"jact.ops.{op} takes a floating-point input (float32, bfloat16 or float16), got "
-        f"{x.dtype}; cast it first (x.astype(jnp.float32)).")
 
 
 def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
@@ -193,7 +185,7 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     The window maxima, in x's dtype. Ties send the gradient to the first
     (row-major) maximal position of the window.
   """
-  _check_float(x, "max_pool")
+  check_float(x, "max_pool")
   name = check_name(name)
   dims, full_strides, pads = _geometry(x, window_shape, strides, padding, "max_pool")
   bits = argmax_bits(math.prod(dims))
@@ -211,8 +203,8 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
   def fwd(x):
     y = forward(x)
     code = _argmax_codes(x, y, offsets, full_strides, pads, out_shape)
-    # Tie the output to the packed codes so x can die as soon as they exist.
-    return barrier(y, tag(pack_codes(code, bits), f"{name}.argmax"))
+    # The output waits for the packed codes, so x can die as soon as they exist.
+    return finish_forward(y, tag(pack_codes(code, bits), f"{name}.argmax"))
 
   def bwd(packed, g):
     packed, g = barrier(packed, g)
@@ -245,7 +237,7 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
          [1., 1., 1.],
          [1., 1., 1.]], dtype=float32)
   """
-  _check_float(x, "avg_pool")
+  check_float(x, "avg_pool")
   check_name(name)
   dims, full_strides, pads = _geometry(x, window_shape, strides, padding, "avg_pool")
   shape, dtype = x.shape, x.dtype
