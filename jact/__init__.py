@@ -16,7 +16,9 @@ from jact import ops, rng
 from jact.flax import linen as nn
 from jact.flax import nnx
 from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
+from jact.remat import checkpoint, offload_compressed, save_compressed, save_inputs_only
 from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
+from jact.residuals import compressed
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,5 @@ __all__ = [
     "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
     "ops", "nn", "nnx", "rng",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
+    "compressed", "checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
 ]

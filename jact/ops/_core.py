@@ -29,7 +29,7 @@ from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_g
                            dequantize, quantize)
 from jact import rng
 
-__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "check_name", "check_float", "barrier",
+__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
            "after_residuals", "materialize", "finish_forward", "compress_residual",
            "restore_residual"]
 
@@ -76,9 +76,21 @@ def make_seed(key, rounding: Rounding, op: str) -> jax.Array:
   return rng.seed_from_key(key)
 
 
+_TAGGED_NAMES: set[str] = set()
+
+
 def tag(tree, name: str):
-  """Tags every array leaf of a residual with `name` (for checkpoint policies)."""
+  """Tags every array leaf of a residual with `name` (for checkpoint policies).
+
+  The name is also recorded in `tagged_names()`, so that policies can tell
+  jact's residuals from other named values."""
+  _TAGGED_NAMES.add(name)
   return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
+
+
+def tagged_names() -> frozenset[str]:
+  """Every residual name jact has tagged so far in this process."""
+  return frozenset(_TAGGED_NAMES)
 
 
 def barrier(residuals, cotangent):

@@ -1,0 +1,203 @@
+"""Compressed rematerialization and `jax.checkpoint` policies for jact residuals.
+
+`checkpoint(fn)` is `jax.checkpoint` whose saved values are compressed
+(GACT's CB1): the forward pass keeps a quantized copy of the segment's
+inputs (and of whatever `policy` saves); the backward pass recomputes the
+segment from the reconstructed inputs, with `fn`'s own residuals compressed
+by `jact.compressed`, and runs its VJP.
+
+The policies select jact's compressed residuals by name for `jax.checkpoint`
+(or `jact.checkpoint`): save them, or offload them to host memory (ActNN
+L4 / GACT L2 swapping, the JAX way), and recompute everything else.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> def block(w, x):
+...   return x + jnp.tanh(x @ w)
+>>> w, x = jnp.eye(256) / 16, jnp.ones((64, 256))
+>>> ckpt = jact.checkpoint(block, bits=4, compress_argnums=(1,))
+>>> loss = lambda w, x: ckpt(w, x, key=jax.random.key(0)).sum()
+>>> jax.jit(jax.grad(loss, argnums=1))(w, x).shape
+(64, 256)
+>>> plain = jact.residual_report(lambda w, x: jax.checkpoint(block)(w, x).sum(), w, x)
+>>> plain.total_bytes + plain.argument_bytes - w.nbytes   # plain remat keeps x: 64 KiB
+65536
+>>> jact.residual_report(loss, w, x).total_bytes           # a 4-bit copy of x (+ an 8-byte key)
+8456
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jact.ops._core import tagged_names
+from jact.residuals import DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, compressed
+
+__all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
+           "CompressedNamesPolicy"]
+
+
+@functools.lru_cache(maxsize=256)
+def _jax_policy(saved: frozenset, offloaded: frozenset, src: str, dst: str):
+  if offloaded:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=sorted(saved), names_which_can_be_offloaded=sorted(offloaded),
+        offload_src=src, offload_dst=dst)
+  return jax.checkpoint_policies.save_only_these_names(*sorted(saved))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedNamesPolicy:
+  """A `jax.checkpoint` policy that saves (or offloads) jact's compressed residuals.
+
+  A value is selected when it carries a residual name jact has tagged
+  (see `jact.ops._core.tag`) that starts with one of `prefixes` (all jact
+  residuals when `prefixes` is empty). Every other value is recomputed.
+  Decisions are delegated to `jax.checkpoint_policies.save_only_these_names`
+  or `save_and_offload_only_these_names` with the selected names.
+
+  Attributes:
+    prefixes: residual-name prefixes to select (empty: all).
+    offload_to: None to keep selected values on the device, or a memory
+      kind such as 'pinned_host' to offload them there.
+    offload_from: the memory kind they are offloaded from.
+  """
+  prefixes: tuple[str, ...] = ()
+  offload_to: str | None = None
+  offload_from: str = "device"
+
+  def selects(self, name: str) -> bool:
+    return name in tagged_names() and (
+        not self.prefixes or any(name.startswith(p) for p in self.prefixes))
+
+  def __call__(self, prim, *avals, **params):
+    names = frozenset(n for n in tagged_names() if self.selects(n))
+    if self.offload_to is None:
+      policy = _jax_policy(names, frozenset(), "", "")
+    else:
+      policy = _jax_policy(frozenset(), names, self.offload_from, self.offload_to)
+    return policy(prim, *avals, **params)
+
+
+def _check_prefixes(prefixes) -> tuple[str, ...]:
+  for p in prefixes:
+    if not isinstance(p, str) or not p:
+      raise ValueError(f"residual-name prefixes must be non-empty strings, got {p!r}")
+  return tuple(prefixes)
+
+
+def save_compressed(*prefixes: str) -> CompressedNamesPolicy:
+  """Policy: keep jact's compressed residuals (those whose names start with
+  one of `prefixes`; all when none is given), recompute everything else.
+
+  Args:
+    *prefixes: residual-name prefixes, e.g. "block" or "Dense_0".
+
+  Returns:
+    A policy for `jax.checkpoint(..., policy=...)` or `jact.checkpoint`.
+
+  Example: `jax.checkpoint(jact.compressed(block, name="block"),
+  policy=jact.save_compressed("block"))` stores only the compressed copies
+  (the same memory as `jact.compressed` alone, but the block's output and other
+  uncompressed values are recomputed instead of kept).
+  """
+  return CompressedNamesPolicy(_check_prefixes(prefixes))
+
+
+def offload_compressed(*prefixes: str, src: str = "device",
+                       dst: str = "pinned_host") -> CompressedNamesPolicy:
+  """Policy: offload jact's compressed residuals from `src` to `dst` memory
+  (ActNN L4 / GACT L2 swapping), recompute everything else.
+
+  On CPU the offload is a no-op; on GPU/TPU the compressed bytes live in
+  pinned host memory between the forward and the backward pass.
+
+  Args:
+    *prefixes: residual-name prefixes (all jact residuals when none).
+    src, dst: memory kinds, as in `jax.checkpoint_policies.save_and_offload_only_these_names`.
+  """
+  for kind, value in (("src", src), ("dst", dst)):
+    if not isinstance(value, str) or not value:
+      raise ValueError(f"{kind} must be a memory kind such as 'device' or 'pinned_host', "
+                       f"got {value!r}")
+  return CompressedNamesPolicy(_check_prefixes(prefixes), offload_to=dst, offload_from=src)
+
+
+def save_inputs_only():
+  """Policy for `jact.checkpoint`: keep nothing but the compressed segment
+  inputs (`jax.checkpoint_policies.nothing_saveable`)."""
+  return jax.checkpoint_policies.nothing_saveable
+
+
+def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., Any] | None = None,
+               bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+               min_size: int = DEFAULT_MIN_SIZE, name: str = "checkpoint",
+               compress_argnums: Sequence[int] | None = None, prevent_cse: bool = True):
+  """`jax.checkpoint` whose saved values are compressed (GACT CB1).
+
+  The forward pass runs `fn` exactly and keeps compressed copies of the
+  floating inputs in `compress_argnums` (the segment's activations) and of
+  whatever `policy` saves; other inputs (parameters) are kept by reference.
+  The backward pass recomputes `fn` from the reconstructed inputs, with its
+  residuals compressed by `jact.compressed` (named `f"{name}.body.{i}"`),
+  and runs its VJP. Recomputing from reconstructed inputs adds rounding
+  noise to the whole segment's backward pass (GACT §5: negligible).
+
+  Args:
+    fn: the segment, a function of pytrees of arrays.
+    policy: a `jax.checkpoint` policy for the recomputation (default: save
+      nothing, i.e. `save_inputs_only()`); values it saves are compressed.
+      `save_compressed()` keeps the body's compressed residuals instead of
+      recomputing them.
+    bits, group_size, stochastic, min_size: compression settings (see
+      `jact.compressed`).
+    name: residual-name prefix: inputs are `f"{name}.{i}"`, the body's
+      residuals `f"{name}.body.{i}"`.
+    compress_argnums: positional arguments whose floating leaves are
+      stored compressed; default: all arguments. Exclude parameters, which
+      are alive anyway.
+    prevent_cse: as in `jax.checkpoint`.
+
+  Returns:
+    `wrapped(*args, key=None, **kwargs)`.
+  """
+  if fn is None:
+    return functools.partial(checkpoint, policy=policy, bits=bits, group_size=group_size,
+                             stochastic=stochastic, min_size=min_size, name=name,
+                             compress_argnums=compress_argnums, prevent_cse=prevent_cse)
+  if not callable(fn):
+    raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
+  if compress_argnums is not None:
+    compress_argnums = tuple(compress_argnums)
+    if not all(isinstance(i, int) and i >= 0 for i in compress_argnums):
+      raise ValueError(f"compress_argnums must be non-negative ints, got {compress_argnums!r}")
+  config = ResidualConfig(bits, group_size, stochastic, min_size, name)
+  body = compressed(fn, bits=bits, group_size=group_size, stochastic=stochastic,
+                    min_size=min_size, name=f"{name}.body")
+  rematted = jax.checkpoint(lambda key, args, kwargs: body(*args, key=key, **kwargs),
+                            policy=policy, prevent_cse=prevent_cse)
+
+  @functools.wraps(fn)
+  def wrapped(*args, key=None, **kwargs):
+    if compress_argnums is not None and any(i >= len(args) for i in compress_argnums):
+      raise ValueError(f"compress_argnums={compress_argnums} but {fn.__name__} got "
+                       f"{len(args)} positional arguments")
+    body_key = None if key is None else jax.random.fold_in(key, 1)
+    flags = _input_flags(args, kwargs, compress_argnums)
+    return call_compressed(lambda *a, **k: rematted(body_key, a, k), args, kwargs, key=key,
+                           config=config, compress_inputs=flags)
+
+  wrapped.residual_config = config
+  return wrapped
+
+
+def _input_flags(args, kwargs, argnums) -> tuple[bool, ...]:
+  """One flag per array leaf of (args, kwargs): store a compressed copy?"""
+  flags = []
+  for i, a in enumerate(args):
+    flags += [argnums is None or i in argnums] * len(jax.tree.leaves(a))
+  flags += [argnums is None] * len(jax.tree.leaves(kwargs))
+  return tuple(flags)

@@ -1,0 +1,362 @@
+"""`jact.compressed`: compress the residuals of any JAX function (GACT's engine).
+
+The tensors a function saves for its backward pass are exactly the
+residuals of its VJP. `compressed(fn)` evaluates `fn` exactly, captures the
+residuals of `jax.vjp(fn, ...)` (the VJP object is a pytree whose leaves are
+the primal inputs it uses followed by the residuals), and keeps for the
+backward pass:
+
+* nothing new for residuals that are `fn`'s own inputs (parameters, the
+  block input): they are alive anyway and are stored by reference;
+* one copy of a residual that appears several times;
+* boolean residuals (masks) packed losslessly to 1 bit;
+* floating residuals of at least `min_size` values quantized with
+  stochastic rounding to `bits` bits;
+* everything else (integers, small tensors) as it is.
+
+The backward starts with an optimization barrier, reconstructs the
+residuals and feeds them to the original VJP, so the gradients are exactly
+those of `fn` evaluated on the reconstructions.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> def mlp(w1, w2, x):
+...   return jnp.tanh(x @ w1) @ w2
+>>> block = jact.compressed(mlp, bits=2, name="mlp")
+>>> w1, w2, x = jnp.ones((64, 256)) / 64, jnp.ones((256, 8)), jnp.ones((32, 64))
+>>> bool(jnp.allclose(block(w1, w2, x, key=jax.random.key(0)), mlp(w1, w2, x)))
+True
+>>> loss = lambda w1, w2, x: block(w1, w2, x, key=jax.random.key(0)).sum()
+>>> jax.grad(loss)(w1, w2, x).shape
+(64, 256)
+>>> plain = jact.residual_report(lambda *a: mlp(*a).sum(), w1, w2, x).total_bytes
+>>> plain // jact.residual_report(loss, w1, w2, x).total_bytes
+15
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact.ops._core import (Rounding, barrier, check_name, compress_residual, make_seed,
+                            materialize, restore_residual, tag)
+from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
+
+__all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
+
+DEFAULT_MIN_SIZE = 1024
+"""Floating residuals with fewer values than this are kept as they are."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualConfig:
+  """Static settings of a `compressed` function.
+
+  Attributes:
+    bits: default bit width (1, 2, 4 or 8) of floating residuals, or None
+      to keep them uncompressed (booleans are still bit-packed).
+    group_size: values per quantization group (multiple of 8).
+    stochastic: stochastic (unbiased) or round-to-nearest rounding.
+    min_size: floating residuals with fewer values are kept as they are.
+    name: prefix of the residual names (`name.0`, `name.1`, ...).
+    overrides: bit widths for particular residual names (a mapping, or
+      any object with a `bits_for(name, default)` method, such as a plan).
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  min_size: int = DEFAULT_MIN_SIZE
+  name: str = "compressed"
+  overrides: Any = None
+
+  def __post_init__(self):
+    Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
+    check_name(self.name)
+    if not isinstance(self.min_size, int) or self.min_size < 1:
+      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}")
+    if self.overrides is not None and not (isinstance(self.overrides, Mapping)
+                                           or hasattr(self.overrides, "bits_for")):
+      raise TypeError("overrides must be a mapping from residual names to bits, or an object "
+                      f"with a bits_for(name, default) method; got {type(self.overrides).__name__}")
+
+  def rounding_for(self, name: str) -> Rounding:
+    bits = self.bits
+    if isinstance(self.overrides, Mapping):
+      bits = self.overrides.get(name, bits)
+    elif self.overrides is not None:
+      bits = self.overrides.bits_for(name, bits)
+    return Rounding(bits, self.group_size, self.stochastic)
+
+  @property
+  def needs_key(self) -> bool:
+    if not self.stochastic:
+      return False
+    if self.bits is not None:
+      return True
+    return self.overrides is not None  # a name might get bits
+
+
+# ---------------------------------------------------------------------------
+# How one residual is stored.
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+  """Static description of one VJP leaf: where its value is kept and how.
+
+  kind: 'stored' (an entry of the saved tuple, kept or compressed) or
+    'same' (the same value as an earlier leaf).
+  index: the saved entry (for 'stored') or the earlier leaf (for 'same').
+  shape, dtype: the leaf's, to reconstruct it.
+  """
+  kind: str
+  index: int
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+  """What the forward pass keeps: the stored values and, statically, the layout."""
+  values: tuple
+  slots: tuple = dataclasses.field(metadata=dict(static=True))
+  vjp_def: Any = dataclasses.field(metadata=dict(static=True))
+
+
+def _is_float(x) -> bool:
+  dtype = x.dtype
+  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jnp.issubdtype(dtype, jnp.floating))
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
+
+
+# Leaves that an inner `compressed` call already stores in compressed form.
+# An enclosing `compressed` sees them among its own residuals and must keep
+# them as they are (re-quantizing group statistics would be lossy twice).
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def _collecting():
+  stack = getattr(_tls, "stack", None)
+  if stack is None:
+    stack = _tls.stack = []
+  stack.append([])
+  try:
+    yield stack[-1]
+  finally:
+    stack.pop()
+
+
+def _announce_compressed(leaves) -> None:
+  for collector in getattr(_tls, "stack", ()):
+    collector.extend(leaves)
+
+
+def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
+  """The stored form of one residual leaf (compressed, bit-packed or kept)."""
+  if leaf.dtype == jnp.bool_:
+    return tag(pack_codes(leaf, 1), name)
+  if _is_float(leaf) and leaf.size >= config.min_size:
+    rounding = config.rounding_for(name)
+    if rounding.bits is not None:
+      return tag(compress_residual(leaf, seed, site, rounding), name)
+  return leaf
+
+
+def _restore(value, slot: _Slot):
+  if isinstance(value, PackedBits):
+    return unpack_codes(value).astype(slot.dtype).reshape(slot.shape)
+  if isinstance(value, Packed):
+    return restore_residual(value, slot.shape, slot.dtype)
+  return value
+
+
+def _capture(vjp_leaves, inputs, compress_inputs, already_compressed, seed,
+             config: ResidualConfig):
+  """Decides how every leaf of a VJP object is kept. Returns (values, slots)."""
+  values, slots, firsts = [], [], []
+  for position, leaf in enumerate(vjp_leaves):
+    shape, dtype = tuple(jnp.shape(leaf)), getattr(leaf, "dtype", None)
+    earlier = next((i for i, seen in firsts if seen is leaf), None)
+    if earlier is not None:
+      slots.append(_Slot("same", earlier, shape, dtype))
+      continue
+    firsts.append((position, leaf))
+    as_input = next((c for x, c in zip(inputs, compress_inputs) if leaf is x), None)
+    if not _is_array(leaf) or as_input is False or any(leaf is c for c in already_compressed):
+      value = leaf  # alive anyway, or already compressed by an inner call
+    else:
+      value = _store(leaf, f"{config.name}.{position}", seed, position, config)
+    slots.append(_Slot("stored", len(values), shape, dtype))
+    values.append(value)
+  return tuple(values), tuple(slots)
+
+
+def _rebuild(values, slots):
+  leaves = []
+  for slot in slots:
+    leaves.append(leaves[slot.index] if slot.kind == "same" else _restore(values[slot.index], slot))
+  return leaves
+
+
+def _output_epilogue(out, values):
+  """The output waits for the compressed residuals; float outputs are
+  materialized once (see `jact.ops._core.materialize`). Values kept by
+  reference (inputs) do not go through the barrier, so that they stay the
+  very objects an enclosing `compressed` recognises as its own inputs."""
+  is_packed = [isinstance(v, (Packed, PackedBits)) for v in values]
+  packed = [v for v, p in zip(values, is_packed) if p]
+  out, packed = barrier(out, packed)
+  ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
+
+  def finish(o):
+    if not _is_array(o) or not jnp.size(o):
+      return o
+    if _is_float(o):
+      return materialize(o, packed)
+    return jnp.where(ready, o, jnp.zeros_like(o))
+
+  it = iter(packed)
+  values = tuple(next(it) if p else v for v, p in zip(values, is_packed))
+  return jax.tree.map(finish, out), values
+
+
+# ---------------------------------------------------------------------------
+# The transform.
+
+def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
+               group_size: int = 256, stochastic: bool = True, min_size: int = DEFAULT_MIN_SIZE,
+               name: str = "compressed", overrides: Any = None,
+               policy: Callable[..., Any] | None = None):
+  """Returns `fn` with compressed residuals: same signature plus keyword `key`.
+
+  The forward pass runs `fn` exactly; the backward pass runs `fn`'s VJP on
+  reconstructions of its residuals (see the module docstring for what is
+  stored how). Works under `jit`, `vmap`, `lax.scan`, `jax.checkpoint`, and
+  nested (a compressed block inside a compressed model).
+
+  Args:
+    fn: any function of pytrees of arrays (non-array leaves are treated as
+      static). Can also be used as a decorator with keyword arguments only.
+    bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
+    group_size: values per quantization group.
+    stochastic: stochastic rounding (unbiased; needs `key`) or round-to-nearest.
+    min_size: floating residuals with fewer values are kept as they are.
+    name: prefix of residual names: a residual is named `f"{name}.{i}"`,
+      `i` its position among the VJP's leaves (stable for a given `fn`
+      and argument shapes). Names tag the stored pieces with
+      `checkpoint_name`, so `jax.checkpoint` policies can select them.
+    overrides: per-name bit widths (mapping or object with `bits_for`).
+    policy: optional `jax.checkpoint` policy deciding which intermediates
+      are residuals; e.g. `jax.checkpoint_policies.dots_saveable` keeps only
+      matmul/convolution outputs (compressed) and recomputes the elementwise
+      ops between them in the backward pass from their reconstructions.
+
+  Returns:
+    `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
+    residuals are stochastically rounded; use a fresh key every step.
+  """
+  config = ResidualConfig(bits, group_size, stochastic, min_size, name, overrides)
+  if fn is None:
+    return functools.partial(_wrap, config=config, policy=policy)
+  return _wrap(fn, config=config, policy=policy)
+
+
+def _wrap(fn, *, config: ResidualConfig, policy=None):
+  if not callable(fn):
+    raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
+
+  @functools.wraps(fn)
+  def wrapped(*args, key=None, **kwargs):
+    return call_compressed(fn, args, kwargs, key=key, config=config, policy=policy)
+
+  wrapped.residual_config = config
+  return wrapped
+
+
+def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
+                    compress_inputs=None):
+  """`fn(*args, **kwargs)` with compressed residuals (the body of `compressed`).
+
+  `policy`, when given, is a `jax.checkpoint` policy applied to `fn` before
+  its residuals are captured: it chooses which intermediates are residuals
+  (the rest is recomputed in the backward pass from the reconstructions).
+  `compress_inputs` has one flag per leaf of `(args, kwargs)`: store a
+  compressed copy of that input instead of keeping it by reference.
+  """
+  if config.needs_key and key is None:
+    raise ValueError(
+        f"jact.compressed({config.name!r}) quantizes residuals with stochastic rounding and "
+        f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
+        f"build it with stochastic=False (round-to-nearest) or bits=None (keep residuals).")
+  seed = make_seed(key, Rounding(8, config.group_size, config.stochastic), "compressed") \
+      if config.needs_key else jnp.uint32(0)
+
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  static_leaves = list(leaves)
+
+  def call(*dynamic_leaves):
+    full = list(static_leaves)
+    for i, leaf in zip(dynamic, dynamic_leaves):
+      full[i] = leaf
+    a, k = jax.tree.unflatten(treedef, full)
+    return fn(*a, **k)
+
+  dynamic_leaves = [leaves[i] for i in dynamic]
+  if compress_inputs is None:
+    compress_inputs = [False] * len(leaves)
+  if len(compress_inputs) != len(leaves):
+    raise ValueError("compress_inputs needs one flag per leaf of (args, kwargs)")
+  if policy is not None:
+    call = jax.checkpoint(call, policy=policy)
+  # Closed-over arrays being differentiated (tracers) become explicit inputs.
+  converted, consts = jax.closure_convert(call, *dynamic_leaves)
+  inputs = list(dynamic_leaves) + list(consts)
+  input_flags = [bool(compress_inputs[i]) for i in dynamic] + [False] * len(consts)
+  differentiable = tuple(_is_float(x) for x in inputs)
+
+  def run(*inputs):
+    return converted(*inputs[:len(dynamic_leaves)], *inputs[len(dynamic_leaves):])
+
+  def split(inputs):
+    return [x for x, d in zip(inputs, differentiable) if d]
+
+  def merged(diff_inputs, inputs):
+    it = iter(diff_inputs)
+    return [next(it) if d else x for x, d in zip(inputs, differentiable)]
+
+  @jax.custom_vjp
+  def op(seed, *inputs):
+    return run(*inputs)
+
+  def fwd(seed, *inputs):
+    with _collecting() as inner:
+      out, vjp = jax.vjp(lambda *diff: run(*merged(diff, inputs)), *split(inputs))
+    vjp_leaves, vjp_def = jax.tree.flatten(vjp)
+    values, slots = _capture(vjp_leaves, inputs, input_flags, inner, seed, config)
+    out, values = _output_epilogue(out, values)
+    _announce_compressed([leaf for v in values if isinstance(v, (Packed, PackedBits))
+                          for leaf in jax.tree.leaves(v)])
+    return out, _Saved(values, slots, vjp_def)
+
+  def bwd(saved, g):
+    values, g = barrier(saved.values, g)
+    vjp = jax.tree.unflatten(saved.vjp_def, _rebuild(values, saved.slots))
+    grads = iter(vjp(g))
+    return (None, *[next(grads) if d else None for d in differentiable])
+
+  op.defvjp(fwd, bwd)
+  return op(seed, *inputs)
