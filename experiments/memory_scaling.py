@@ -10,6 +10,12 @@ with the bytes saved for backward per block. Two blocks, written directly with
 * `transformer`: pre-LN encoder block (LayerNorm, 4-head self-attention,
   LayerNorm, GELU MLP), residual adds.
 
+Each block is measured in one of four modes: `ops` (the block written with
+`jact.ops` at `bits`; bits=None is plain jax), `compressed` (the plain block
+wrapped in `jact.compressed(bits=...)`, one call per block), `checkpoint`
+(each block in `jact.checkpoint(bits=...)`) and `remat` (each plain block in
+`jax.checkpoint`, bits ignored).
+
     python -m experiments.memory_scaling [--json PATH]
 """
 
@@ -29,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import ops
+from jact.remat import checkpoint
 from jact.report import compiled_memory, residual_report
+from jact.residuals import compressed
 
 __all__ = ["BLOCKS", "scaling", "main"]
 
@@ -97,9 +105,29 @@ BLOCKS = {
 }
 
 
-def _loss(params, x, key, *, block, bits):
+MODES = ("ops", "compressed", "checkpoint", "remat")
+
+
+def wrap_block(block, bits, mode: str):
+  """`(p, x, key) -> y` for one block in the given mode."""
+  if mode == "ops":
+    return lambda p, x, key: block(p, x, key, bits)
+  plain = lambda p, x: block(p, x, jax.random.key(0), None)
+  if mode == "compressed":
+    c = compressed(plain, bits=bits, name="block")
+    return lambda p, x, key: c(p, x, key=key)
+  if mode == "checkpoint":
+    c = checkpoint(plain, bits=bits, name="block", compress_argnums=(1,))
+    return lambda p, x, key: c(p, x, key=key)
+  if mode == "remat":
+    c = jax.checkpoint(plain)
+    return lambda p, x, key: c(p, x)
+  raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _loss(params, x, key, *, block):
   for i, p in enumerate(params):
-    x = block(p, x, jax.random.fold_in(key, i), bits)
+    x = block(p, x, jax.random.fold_in(key, i))
   return jnp.mean(x)
 
 
@@ -107,7 +135,8 @@ def _zeros(tree):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, **param_kwargs) -> dict:
+def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, mode: str = "ops",
+            **param_kwargs) -> dict:
   """Compiled temp memory of the train step for each stack size, and the
   residual bytes of one block (measured on a 2-block stack minus a 1-block
   stack, so the loss's own residuals cancel).
@@ -118,7 +147,7 @@ def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, **param_kwarg
   x_shape = tuple(x_shape or default_shape)
   if param_kwargs:
     make_params = functools.partial(make_params, **param_kwargs)
-  loss = functools.partial(_loss, block=block, bits=bits)
+  loss = functools.partial(_loss, block=wrap_block(block, bits, mode))
   step = jax.grad(loss)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
   key = jax.random.key(0)
@@ -128,7 +157,7 @@ def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, **param_kwarg
   per_block_residual = res[1] - res[0]
   slope = (temps[-1] - temps[-2]) / (sizes[-1] - sizes[-2])
   return {
-      "block": name, "bits": bits, "sizes": list(sizes), "temp_bytes": temps,
+      "block": name, "mode": mode, "bits": bits, "sizes": list(sizes), "temp_bytes": temps,
       "temp_per_block": slope, "residual_per_block": per_block_residual,
       "slope_over_residual": slope / per_block_residual, "fixed_overhead": temps[0],
   }
@@ -138,15 +167,18 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", help="write the rows to this file")
   parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
+  parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
   args = parser.parse_args(argv)
   rows = []
   mib = 2.0 ** 20
+  runs = [(m, b) for m in args.modes for b in ([None, *args.bits] if m == "ops" else
+                                                [None] if m == "remat" else args.bits)]
   for name in BLOCKS:
-    for bits in [None, *args.bits]:
-      r = scaling(name, bits)
+    for mode, bits in runs:
+      r = scaling(name, bits, mode=mode)
       rows.append(r)
       temps = " ".join(f"{t / mib:7.1f}" for t in r["temp_bytes"])
-      print(f"{name:12s} bits={str(bits):4s} temp MiB [{temps}]  per block: temp "
+      print(f"{name:12s} {mode:10s} bits={str(bits):4s} temp MiB [{temps}]  per block: temp "
             f"{r['temp_per_block'] / mib:6.2f} MiB, residual {r['residual_per_block'] / mib:6.2f} MiB, "
             f"ratio {r['slope_over_residual']:.2f}", flush=True)
   if args.json:

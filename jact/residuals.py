@@ -35,19 +35,19 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend import core as jex_core
+
 from jact.ops._core import (Rounding, barrier, check_name, compress_residual, make_seed,
-                            materialize, restore_residual, tag)
+                            materialize, restore_residual, tag, tagged_names)
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 
 __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
@@ -107,27 +107,25 @@ class ResidualConfig:
 # ---------------------------------------------------------------------------
 # How one residual is stored.
 
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-  """Static description of one VJP leaf: where its value is kept and how.
-
-  kind: 'stored' (an entry of the saved tuple, kept or compressed) or
-    'same' (the same value as an earlier leaf).
-  index: the saved entry (for 'stored') or the earlier leaf (for 'same').
-  shape, dtype: the leaf's, to reconstruct it.
-  """
-  kind: str
-  index: int
-  shape: tuple[int, ...]
-  dtype: Any
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Saved:
-  """What the forward pass keeps: the stored values and, statically, the layout."""
+  """What the forward pass keeps: the stored values and, statically, how to
+  rebuild the VJP object from them.
+
+  plan: one (kind, detail) per VJP leaf (see `_plan`); `index` maps each
+    leaf to its entry of `values` (or -1).
+  shapes, dtypes: of the VJP leaves, to reconstruct them.
+  capture: the closed jaxpr of the forward pass (to recompute constants).
+  vjp_def: the VJP object's tree structure.
+  """
   values: tuple
-  slots: tuple = dataclasses.field(metadata=dict(static=True))
+  plan: tuple = dataclasses.field(metadata=dict(static=True))
+  index: tuple = dataclasses.field(metadata=dict(static=True))
+  shapes: tuple = dataclasses.field(metadata=dict(static=True))
+  dtypes: tuple = dataclasses.field(metadata=dict(static=True))
+  capture: Any = dataclasses.field(metadata=dict(static=True))
+  residual_vars: tuple = dataclasses.field(metadata=dict(static=True))
   vjp_def: Any = dataclasses.field(metadata=dict(static=True))
 
 
@@ -141,29 +139,6 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
 
 
-# Leaves that an inner `compressed` call already stores in compressed form.
-# An enclosing `compressed` sees them among its own residuals and must keep
-# them as they are (re-quantizing group statistics would be lossy twice).
-_tls = threading.local()
-
-
-@contextlib.contextmanager
-def _collecting():
-  stack = getattr(_tls, "stack", None)
-  if stack is None:
-    stack = _tls.stack = []
-  stack.append([])
-  try:
-    yield stack[-1]
-  finally:
-    stack.pop()
-
-
-def _announce_compressed(leaves) -> None:
-  for collector in getattr(_tls, "stack", ()):
-    collector.extend(leaves)
-
-
 def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
   """The stored form of one residual leaf (compressed, bit-packed or kept)."""
   if leaf.dtype == jnp.bool_:
@@ -175,40 +150,85 @@ def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
   return leaf
 
 
-def _restore(value, slot: _Slot):
+def _restore(value, shape, dtype):
   if isinstance(value, PackedBits):
-    return unpack_codes(value).astype(slot.dtype).reshape(slot.shape)
+    return unpack_codes(value).astype(dtype).reshape(shape)
   if isinstance(value, Packed):
-    return restore_residual(value, slot.shape, slot.dtype)
+    return restore_residual(value, shape, dtype)
   return value
 
 
-def _capture(vjp_leaves, inputs, compress_inputs, already_compressed, seed,
-             config: ResidualConfig):
-  """Decides how every leaf of a VJP object is kept. Returns (values, slots)."""
-  values, slots, firsts = [], [], []
-  for position, leaf in enumerate(vjp_leaves):
-    shape, dtype = tuple(jnp.shape(leaf)), getattr(leaf, "dtype", None)
-    earlier = next((i for i, seen in firsts if seen is leaf), None)
-    if earlier is not None:
-      slots.append(_Slot("same", earlier, shape, dtype))
-      continue
-    firsts.append((position, leaf))
-    as_input = next((c for x, c in zip(inputs, compress_inputs) if leaf is x), None)
-    if not _is_array(leaf) or as_input is False or any(leaf is c for c in already_compressed):
-      value = leaf  # alive anyway, or already compressed by an inner call
+def _jact_named(var, producers) -> bool:
+  """Whether `var` is a piece an inner jact op or `compressed` call stored
+  compressed: a value tagged with a jact residual name, possibly seen
+  through optimization barriers."""
+  while var in producers:
+    eqn, i = producers[var]
+    name = _checkpoint_name(eqn)
+    if name is not None:
+      return name in tagged_names()
+    if eqn.primitive.name != "optimization_barrier":
+      return False
+    var = eqn.invars[i]
+  return False
+
+
+def _checkpoint_name(eqn) -> str | None:
+  if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str):
+    return eqn.params["name"]
+  prim = eqn.params.get("_prim")  # newer jax: checkpoint_name as a hi-primitive
+  if type(prim).__name__ == "CheckpointName":
+    return getattr(prim, "name", None)
+  return None
+
+
+def _input_dependent(jaxpr) -> set:
+  """The variables of `jaxpr` that depend on one of its inputs."""
+  dependent = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  return dependent
+
+
+def _plan(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
+  """How each residual (an output variable of the capture jaxpr) is kept.
+
+  Returns one tuple per residual: (kind, detail) with kind
+  'input' (detail: input index, kept by reference), 'compress' (quantize or
+  bit-pack), 'keep' (as it is), 'same' (detail: an earlier residual) or
+  'constant' (independent of the inputs: recomputed in the backward pass).
+  """
+  dependent = _input_dependent(jaxpr)
+  producers = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+  inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+  plan, first = [], {}
+  for position, var in enumerate(residual_vars):
+    if isinstance(var, jex_core.Literal) or var not in dependent:
+      plan.append(("constant", None))
+    elif var in first:
+      plan.append(("same", first[var]))
     else:
-      value = _store(leaf, f"{config.name}.{position}", seed, position, config)
-    slots.append(_Slot("stored", len(values), shape, dtype))
-    values.append(value)
-  return tuple(values), tuple(slots)
+      first[var] = position
+      if var in inputs:
+        plan.append(("compress" if compress_inputs[inputs[var]] else "input", inputs[var]))
+      elif _jact_named(var, producers):
+        plan.append(("keep", None))
+      else:
+        plan.append(("compress", None))
+  return tuple(plan)
 
 
-def _rebuild(values, slots):
-  leaves = []
-  for slot in slots:
-    leaves.append(leaves[slot.index] if slot.kind == "same" else _restore(values[slot.index], slot))
-  return leaves
+def _eval_constants(jaxpr, consts, wanted):
+  """Evaluates the input-independent variables `wanted` of `jaxpr`."""
+  needed = {v for v in wanted if isinstance(v, jex_core.Var)}
+  eqns = []
+  for eqn in reversed(jaxpr.eqns):
+    if needed.intersection(eqn.outvars):
+      eqns.append(eqn)
+      needed.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+  pruned = jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
+  return jax.core.eval_jaxpr(pruned, consts)
 
 
 def _output_epilogue(out, values):
@@ -277,6 +297,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
 def _wrap(fn, *, config: ResidualConfig, policy=None):
   if not callable(fn):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
+  from jact.flax import compressed_module  # linen and nnx modules have their own path
+  if compressed_module.is_flax(fn):
+    return compressed_module.wrap(fn, config, policy)
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
@@ -343,18 +366,50 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     return run(*inputs)
 
   def fwd(seed, *inputs):
-    with _collecting() as inner:
+    trees = {}
+
+    def forward_and_residuals(*inputs):
       out, vjp = jax.vjp(lambda *diff: run(*merged(diff, inputs)), *split(inputs))
-    vjp_leaves, vjp_def = jax.tree.flatten(vjp)
-    values, slots = _capture(vjp_leaves, inputs, input_flags, inner, seed, config)
-    out, values = _output_epilogue(out, values)
-    _announce_compressed([leaf for v in values if isinstance(v, (Packed, PackedBits))
-                          for leaf in jax.tree.leaves(v)])
-    return out, _Saved(values, slots, vjp_def)
+      out_leaves, trees["out"] = jax.tree.flatten(out)
+      vjp_leaves, trees["vjp"] = jax.tree.flatten(vjp)
+      return out_leaves, vjp_leaves
+
+    capture = jax.make_jaxpr(forward_and_residuals)(*inputs)
+    results = jax.core.eval_jaxpr(capture.jaxpr, capture.consts, *inputs)
+    n_out = trees["out"].num_leaves
+    out = jax.tree.unflatten(trees["out"], results[:n_out])
+    residual_vars = tuple(capture.jaxpr.outvars[n_out:])
+    plan = _plan(capture.jaxpr, residual_vars, input_flags, config)
+    values, index = [], []
+    for position, ((kind, detail), leaf) in enumerate(zip(plan, results[n_out:])):
+      if kind in ("same", "constant"):
+        index.append(-1)
+        continue
+      if kind == "compress":
+        leaf = _store(leaf, f"{config.name}.{position}", seed, position, config)
+      index.append(len(values))
+      values.append(leaf)
+    out, values = _output_epilogue(out, tuple(values))
+    shapes = tuple(tuple(v.aval.shape) for v in residual_vars)
+    dtypes = tuple(v.aval.dtype for v in residual_vars)
+    return out, _Saved(values, plan, tuple(index), shapes, dtypes, capture, residual_vars,
+                       trees["vjp"])
 
   def bwd(saved, g):
     values, g = barrier(saved.values, g)
-    vjp = jax.tree.unflatten(saved.vjp_def, _rebuild(values, saved.slots))
+    constants = iter(_eval_constants(
+        saved.capture.jaxpr, saved.capture.consts,
+        [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
+    leaves = []
+    for (kind, detail), i, shape, dtype in zip(saved.plan, saved.index, saved.shapes,
+                                               saved.dtypes):
+      if kind == "same":
+        leaves.append(leaves[detail])
+      elif kind == "constant":
+        leaves.append(next(constants))
+      else:
+        leaves.append(_restore(values[i], shape, dtype))
+    vjp = jax.tree.unflatten(saved.vjp_def, leaves)
     grads = iter(vjp(g))
     return (None, *[next(grads) if d else None for d in differentiable])
 
