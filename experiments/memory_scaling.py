@@ -114,7 +114,7 @@ def wrap_block(block, bits, mode: str):
     return lambda p, x, key: block(p, x, key, bits)
   plain = lambda p, x: block(p, x, jax.random.key(0), None)
   if mode == "compressed":
-    c = compressed(plain, bits=bits, name="block")
+    c = compressed(plain, bits=bits, name="block", compress_argnums=(1,))
     return lambda p, x, key: c(p, x, key=key)
   if mode == "checkpoint":
     c = checkpoint(plain, bits=bits, name="block", compress_argnums=(1,))

@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jact.ops._core import tagged_names
-from jact.residuals import DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, compressed
+from jact.residuals import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, check_argnums,
+                            compressed, input_flags)
 
 __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
            "CompressedNamesPolicy"]
@@ -171,9 +172,7 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
   if compress_argnums is not None:
-    compress_argnums = tuple(compress_argnums)
-    if not all(isinstance(i, int) and i >= 0 for i in compress_argnums):
-      raise ValueError(f"compress_argnums must be non-negative ints, got {compress_argnums!r}")
+    compress_argnums = check_argnums(compress_argnums)
   config = ResidualConfig(bits, group_size, stochastic, min_size, name)
   body = compressed(fn, bits=bits, group_size=group_size, stochastic=stochastic,
                     min_size=min_size, name=f"{name}.body")
@@ -182,22 +181,10 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
-    if compress_argnums is not None and any(i >= len(args) for i in compress_argnums):
-      raise ValueError(f"compress_argnums={compress_argnums} but {fn.__name__} got "
-                       f"{len(args)} positional arguments")
     body_key = None if key is None else jax.random.fold_in(key, 1)
-    flags = _input_flags(args, kwargs, compress_argnums)
+    flags = input_flags(fn, args, kwargs, compress_argnums)
     return call_compressed(lambda *a, **k: rematted(body_key, a, k), args, kwargs, key=key,
                            config=config, compress_inputs=flags)
 
   wrapped.residual_config = config
   return wrapped
-
-
-def _input_flags(args, kwargs, argnums) -> tuple[bool, ...]:
-  """One flag per array leaf of (args, kwargs): store a compressed copy?"""
-  flags = []
-  for i, a in enumerate(args):
-    flags += [argnums is None or i in argnums] * len(jax.tree.leaves(a))
-  flags += [argnums is None] * len(jax.tree.leaves(kwargs))
-  return tuple(flags)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -259,7 +259,7 @@ def _output_epilogue(out, values):
 def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
                group_size: int = 256, stochastic: bool = True, min_size: int = DEFAULT_MIN_SIZE,
                name: str = "compressed", overrides: Any = None,
-               policy: Callable[..., Any] | None = None):
+               policy: Callable[..., Any] | None = None, compress_argnums: Sequence[int] = ()):
   """Returns `fn` with compressed residuals: same signature plus keyword `key`.
 
   The forward pass runs `fn` exactly; the backward pass runs `fn`'s VJP on
@@ -283,18 +283,44 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
       are residuals; e.g. `jax.checkpoint_policies.dots_saveable` keeps only
       matmul/convolution outputs (compressed) and recomputes the elementwise
       ops between them in the backward pass from their reconstructions.
+    compress_argnums: positional arguments that are activations rather than
+      parameters: the backward pass keeps a compressed copy of them instead
+      of the argument itself. In a stack of compressed blocks, pass the
+      block input's position, so that the previous block's output can die
+      after the forward pass.
 
   Returns:
     `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
     residuals are stochastically rounded; use a fresh key every step.
   """
   config = ResidualConfig(bits, group_size, stochastic, min_size, name, overrides)
+  argnums = check_argnums(compress_argnums)
   if fn is None:
-    return functools.partial(_wrap, config=config, policy=policy)
-  return _wrap(fn, config=config, policy=policy)
+    return functools.partial(_wrap, config=config, policy=policy, compress_argnums=argnums)
+  return _wrap(fn, config=config, policy=policy, compress_argnums=argnums)
 
 
-def _wrap(fn, *, config: ResidualConfig, policy=None):
+def check_argnums(argnums) -> tuple[int, ...]:
+  argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  if not all(isinstance(i, int) and i >= 0 for i in argnums):
+    raise ValueError(f"compress_argnums must be non-negative ints, got {argnums!r}")
+  return argnums
+
+
+def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
+  """One flag per leaf of (args, kwargs): store a compressed copy of it?
+  `argnums` None means every argument, keyword arguments included."""
+  if argnums is not None and any(i >= len(args) for i in argnums):
+    raise ValueError(f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
+                     f"{len(args)} positional arguments")
+  flags = []
+  for i, a in enumerate(args):
+    flags += [argnums is None or i in argnums] * len(jax.tree.leaves(a))
+  flags += [argnums is None] * len(jax.tree.leaves(kwargs))
+  return tuple(flags)
+
+
+def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   if not callable(fn):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
   from jact.flax import compressed_module  # linen and nnx modules have their own path
@@ -303,7 +329,8 @@ def _wrap(fn, *, config: ResidualConfig, policy=None):
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
-    return call_compressed(fn, args, kwargs, key=key, config=config, policy=policy)
+    return call_compressed(fn, args, kwargs, key=key, config=config, policy=policy,
+                           compress_inputs=input_flags(fn, args, kwargs, compress_argnums))
 
   wrapped.residual_config = config
   return wrapped

@@ -1,0 +1,141 @@
+"""`jact.checkpoint` and the residual-name policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jact
+from test_compressed import rel_err, transformer_block, transformer_params
+
+DEPTH = 3
+
+
+def stack_setup():
+  params = [transformer_params(jax.random.key(i)) for i in range(DEPTH)]
+  x = jax.random.normal(jax.random.key(10), (4, 16, 32))
+  r = jax.random.normal(jax.random.key(11), x.shape)
+  return params, x, r
+
+
+def stack_loss(block_call, r):
+  def loss(params, x, key):
+    for i, p in enumerate(params):
+      x = block_call(p, x, jax.random.fold_in(key, i))
+    return jnp.sum(x) if r is None else jnp.sum(x * r)
+  return loss
+
+
+def test_checkpoint_saves_less_than_plain_remat_and_plain_training():
+  params, x, r = stack_setup()
+  key = jax.random.key(0)
+  ckpt = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,))
+  blocks = {
+      "plain": lambda p, x, k: transformer_block(p, x),
+      "remat": lambda p, x, k: jax.checkpoint(transformer_block)(p, x),
+      "jact": lambda p, x, k: ckpt(p, x, key=k),
+  }
+  # (a plain sum as the loss, which saves nothing of its own)
+  saved = {n: jact.residual_report(stack_loss(f, None), params, x, key) for n, f in blocks.items()}
+  # Remat keeps each block's input (the first is the loss's argument, not
+  # counted); jact.checkpoint keeps 4-bit copies of all three (5.2x measured;
+  # the issue's target, after GACT Table 7's 4.7x, is 4x).
+  assert saved["jact"].total_bytes * 4 < saved["remat"].total_bytes
+  assert saved["remat"].total_bytes < saved["plain"].total_bytes
+  # Parameters are kept by reference, not copied.
+  assert saved["jact"].argument_bytes == sum(a.nbytes for a in jax.tree.leaves(params))
+
+
+def test_checkpoint_gradients_match_uncompressed_remat():
+  params, x, r = stack_setup()
+  key = jax.random.key(0)
+  remat = stack_loss(lambda p, x, k: jax.checkpoint(transformer_block)(p, x), r)
+  exact = jax.grad(remat, argnums=(0, 1))(params, x, key)
+  for bits, tol in ((None, 1e-5), (8, 0.03)):
+    ckpt = jact.checkpoint(transformer_block, bits=bits, compress_argnums=(1,))
+    loss = stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x, key)
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(exact)):
+      assert rel_err(g, e) < tol, (bits, rel_err(g, e))
+  # The same key gives the same gradient (the recomputation re-draws the same noise).
+  ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,))
+  loss = jax.jit(jax.grad(stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)))
+  np.testing.assert_array_equal(loss(params, x, key)[0]["wq"], loss(params, x, key)[0]["wq"])
+
+
+def test_policy_saving_compressed_residuals_skips_the_recomputation_of_compression():
+  params, x, r = stack_setup()
+  key = jax.random.key(0)
+  inputs_only = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,), name="a")
+  with_saved = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,), name="b",
+                               policy=jact.save_compressed("b.body"))
+  n_inputs = jact.residual_report(stack_loss(lambda p, x, k: inputs_only(p, x, key=k), r),
+                                  params, x, key)
+  n_saved = jact.residual_report(stack_loss(lambda p, x, k: with_saved(p, x, key=k), r),
+                                 params, x, key)
+  names = {n for n in n_saved.by_name() if n}
+  assert any(n.startswith("b.body.") for n in names)  # the body's compressed residuals are kept
+  assert n_saved.total_bytes > n_inputs.total_bytes
+
+
+def test_compressed_names_work_with_jax_policies():
+  params, x, r = stack_setup()
+  key = jax.random.key(0)
+  block = jact.compressed(transformer_block, bits=2, name="blk")
+  names = [n for n in jact.residual_report(lambda p, x: block(p, x, key=key).sum(),
+                                           params[0], x).by_name() if n]
+  policy = jax.checkpoint_policies.save_only_these_names(*names)
+  rem = jax.checkpoint(lambda p, x: block(p, x, key=key), policy=policy)
+  report = jact.residual_report(lambda p, x: jnp.sum(rem(p, x) * r), params[0], x)
+  assert {n for n in report.by_name() if n} == set(names)
+  g = jax.grad(lambda p: jnp.sum(rem(p, x) * r))(params[0])
+  g2 = jax.grad(lambda p: jnp.sum(block(p, x, key=key) * r))(params[0])
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _cuda_hlo(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_offload_policy_places_compressed_residuals_on_host_when_lowered_for_cuda():
+  params, x, r = stack_setup()
+  block = jact.compressed(transformer_block, bits=2, name="off")
+  rem = jax.checkpoint(lambda p, x: block(p, x, key=jax.random.key(0)),
+                       policy=jact.offload_compressed("off"))
+  text = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(rem(p, x) * r)), params[0], x)
+  placements = [line for line in text.splitlines() if "annotate_device_placement" in line
+                and 'pinned_host' in line]
+  assert placements and all("ui8" in line or "bf16" in line for line in placements)
+  # The plain policy-less version has no host placement.
+  plain = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(block(p, x, key=jax.random.key(0)) * r)),
+                    params[0], x)
+  assert "pinned_host" not in plain
+
+
+def test_offload_inside_jact_checkpoint_lowers_for_cuda():
+  params, x, r = stack_setup()
+  ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,), name="cko",
+                         policy=jact.offload_compressed("cko.body"))
+  text = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(ckpt(p, x, key=jax.random.key(0)) * r)),
+                   params[0], x)
+  assert "pinned_host" in text
+
+
+def test_policies_validate_their_arguments():
+  with pytest.raises(ValueError, match="prefixes"):
+    jact.save_compressed("")
+  with pytest.raises(ValueError, match="memory kind"):
+    jact.offload_compressed(dst="")
+  with pytest.raises(ValueError, match="compress_argnums"):
+    jact.checkpoint(transformer_block, compress_argnums=(-1,))
+  with pytest.raises(TypeError, match="takes a function"):
+    jact.checkpoint(None or 3)
+  ckpt = jact.checkpoint(transformer_block, compress_argnums=(5,))
+  params, x, _ = stack_setup()
+  with pytest.raises(ValueError, match="compress_argnums"):
+    ckpt(params[0], x, key=jax.random.key(0))
+  with pytest.raises(ValueError, match="key=jax.random.key"):
+    jax.grad(lambda x: jact.checkpoint(transformer_block)(params[0], x).sum())(x)
+  assert jact.save_compressed("a") == jact.save_compressed("a")  # hashable, comparable
+  assert hash(jact.offload_compressed("a"))
