@@ -11,6 +11,14 @@ transformer encoder stack, prints and records
 with ratios to plain float32 training in the same run.
 
     python -m experiments.bench_memory [--models resnet18_cifar ...] [--json PATH]
+
+With `--stack`, it instead compares ways of training a stack of 8 pre-LN
+transformer blocks written in plain JAX (`experiments.memory_scaling`'s
+block, 16x256x256 tokens): plain, plain `jax.checkpoint` per block,
+`jact.compressed` per block and `jact.checkpoint` per block (4 and 2 bits),
+and the same block written with `jact.ops`:
+
+    python -m experiments.bench_memory --stack --json experiments/results/bench_stack.json
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from experiments import models
+from experiments import memory_scaling, models
 from jact.report import compiled_memory, residual_report
 
 __all__ = ["MODELS", "measure", "main"]
@@ -80,15 +88,63 @@ def measure(name: str, bits) -> dict:
           "temp_bytes": temp, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+STACK_MODES = (("ops", None), ("remat", None), ("compressed", 4), ("compressed", 2),
+               ("checkpoint", 4), ("checkpoint", 2), ("ops", 4), ("ops", 2))
+
+
+def measure_stack(mode: str, bits, depth: int = 8, x_shape=(16, 256, 256)) -> dict:
+  """Residual bytes and compiled temp memory of the train step (gradient) of a
+  stack of `depth` transformer blocks in one mode (see `memory_scaling.MODES`)."""
+  block, make_params, _ = memory_scaling.BLOCKS["transformer"]
+  loss = lambda params, x, key: memory_scaling._loss(
+      params, x, key, block=memory_scaling.wrap_block(block, bits, mode))
+  params = [make_params()] * depth
+  key = jax.random.key(0, impl="rbg")
+  t0 = time.perf_counter()
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+  residual = residual_report(loss, zeros, jnp.zeros(x_shape, jnp.float32), key).total_bytes
+  temp = compiled_memory(jax.grad(loss), params, jax.ShapeDtypeStruct(x_shape, jnp.float32),
+                         key).temp_bytes
+  return {"stack": f"transformer x{depth}", "mode": mode, "bits": bits, "input_shape": list(x_shape),
+          "residual_bytes": residual, "temp_bytes": temp,
+          "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def stack_rows() -> list[dict]:
+  rows, mib = [], 2.0 ** 20
+  print(f"{'mode':12s} {'bits':>5s} {'saved for bwd':>14s} {'ratio':>7s} {'temp':>10s} {'ratio':>7s}")
+  base = remat = None
+  for mode, bits in STACK_MODES:
+    row = measure_stack(mode, bits)
+    base = base or row
+    remat = row if mode == "remat" else remat
+    row["residual_reduction"] = base["residual_bytes"] / row["residual_bytes"]
+    row["temp_reduction"] = base["temp_bytes"] / row["temp_bytes"]
+    if mode == "checkpoint":
+      row["residual_reduction_vs_remat"] = remat["residual_bytes"] / row["residual_bytes"]
+      row["temp_reduction_vs_remat"] = remat["temp_bytes"] / row["temp_bytes"]
+    rows.append(row)
+    print(f"{mode:12s} {str(bits or 'plain'):>5s} {row['residual_bytes'] / mib:11.1f} MiB "
+          f"{row['residual_reduction']:6.1f}x {row['temp_bytes'] / mib:7.1f} MiB "
+          f"{row['temp_reduction']:6.1f}x", flush=True)
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
   parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 2])
   parser.add_argument("--json", default="experiments/results/bench_memory.json")
+  parser.add_argument("--stack", action="store_true",
+                      help="compare plain / remat / jact.compressed / jact.checkpoint on a transformer stack")
   args = parser.parse_args(argv)
   rows = []
   mib = 2.0 ** 20
-  print(f"{'model':16s} {'bits':>5s} {'saved for bwd':>14s} {'ratio':>7s} {'temp':>10s} {'ratio':>7s}")
+  if args.stack:
+    rows = stack_rows()
+    args.models = []
+  else:
+    print(f"{'model':16s} {'bits':>5s} {'saved for bwd':>14s} {'ratio':>7s} {'temp':>10s} {'ratio':>7s}")
   for name in args.models:
     base = None
     for bits in [None, *args.bits]:
