@@ -15,6 +15,7 @@ backward pass needs instead of the full-precision activation.
 from jact import ops, rng
 from jact.flax import linen as nn
 from jact.flax import nnx
+from jact.flax.convert import convert
 from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
 from jact.remat import checkpoint, offload_compressed, save_compressed, save_inputs_only
 from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
@@ -26,5 +27,5 @@ __all__ = [
     "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
     "ops", "nn", "nnx", "rng",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
-    "compressed", "checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
+    "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",
 ]
