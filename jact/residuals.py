@@ -325,10 +325,13 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
   from jact.flax import compressed_module  # linen and nnx modules have their own path
   if compressed_module.is_flax(fn):
-    return compressed_module.wrap(fn, config, policy)
+    return compressed_module.wrap(fn, config, policy, compress_argnums)
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
+    if compressed_module.has_graph_nodes(args, kwargs):  # nnx modules/Rngs passed as arguments
+      return compressed_module.call_function(fn, args, kwargs, key=key, config=config,
+                                             policy=policy, compress_argnums=compress_argnums)
     return call_compressed(fn, args, kwargs, key=key, config=config, policy=policy,
                            compress_inputs=input_flags(fn, args, kwargs, compress_argnums))
 

@@ -1,0 +1,433 @@
+"""`jact.compressed` for whole Flax modules (linen and nnx).
+
+`jact.compressed(fn)` stores the VJP residuals of a JAX function compressed
+(see `jact.residuals`). Applied to a Flax module it does the same for the
+module's forward pass, keeping the module's variables exactly as they are:
+
+* **linen** -- `jact.compressed(SomeModule, bits=2)` returns a module class, a
+  lifted transform in the manner of `nn.remat`: its `__call__` runs the
+  original one (variables, RNG streams and mutable collections lifted in and
+  out) through `call_compressed`. The class keeps the original's name, so
+  autonamed submodules ("MLP_0") and every parameter path and value are those
+  of the undecorated module. Rounding keys come from the RNG stream 'jact'
+  (`make_rng('jact')`); `init` without that stream runs the plain module;
+  `apply` without it raises a ValueError naming the fix. Mutable collections
+  (BatchNorm's `batch_stats` under `mutable=['batch_stats']`) update as in the
+  plain module. An *unbound* top-level instance can be decorated too
+  (`jact.compressed(MLP(features=8))`); an instance already attached to a
+  parent (created inside `setup`/`@compact`) cannot -- decorate its class.
+* **nnx, a class** -- `jact.compressed(Block, bits=2)` returns a subclass of
+  `Block` with the same constructor; it forks a 'jact' stream from the
+  constructor's `rngs` (after the parent constructor ran, so parameters are
+  those of the plain class; without a 'jact' stream it derives one from
+  'default' without consuming it) and draws a fresh key per call.
+  `nnx.state(model, nnx.Param)` is exactly the plain module's.
+* **nnx, an instance** -- `jact.compressed(module, bits=2)` returns a
+  `CompressedModule` wrapper (an nnx.Module holding `module` as
+  `.module`, so parameter paths gain the prefix 'module'). Its keys come from
+  `CompressedModule(module, rngs=nnx.Rngs(jact=0), ...)` when built directly,
+  or from a `key=` (a PRNG key, an `nnx.Rngs` or an `nnx.RngStream`) passed at
+  call time.
+
+For nnx the forward splits the module into graphdef and state, runs a pure
+function of (state, inputs) through `call_compressed` and writes back, with
+`nnx.update`, the Variables whose value the call replaced (batch statistics,
+RNG counts of inner Dropout streams, sown intermediates); graph nodes passed
+as arguments (an `nnx.Rngs` for dropout, another module) are lifted in and
+written back the same way. It composes with
+`nnx.jit`, `nnx.grad` / `nnx.value_and_grad` (also inside an `nnx.Optimizer`
+step), `nnx.remat` (the key drawn inside is written back) and `nnx.scan` over
+a stack of decorated blocks built with `nnx.split_rngs` + `nnx.vmap` (each
+layer then has its own 'jact' stream, advanced by the scan). Calls take
+`key=` explicitly too (nnx and linen), so `key` is a reserved keyword of the
+decorated `__call__`.
+
+Residual names default to the module's path (linen, e.g. "Block_0") or class
+name (nnx; set `.residual_name` to change it); a `name=` other than the
+default "compressed" is used as given. Residuals are then named
+"<name>.<i>", `i` the position of the residual among the VJP's leaves.
+
+Limits: only `__call__` is compressed (other methods run plain); every
+floating VJP residual is compressed (pass `policy=` to keep fewer, e.g.
+`jax.checkpoint_policies.dots_saveable`). A plain *function* taking nnx
+modules, `jact.compressed(lambda m, x: m(x))`, goes through the function path,
+which flattens the module like any pytree: what the call writes into the
+module (batch statistics) is dropped. `call_function` is the nnx-aware
+equivalent (it lifts the modules' state in and out like `nnx_call`).
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn, jact
+>>> class MLP(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     return nn.Dense(4)(nn.gelu(nn.Dense(512)(x)))
+>>> CMLP = jact.compressed(MLP, bits=2)
+>>> x = jnp.ones((16, 32))
+>>> params = CMLP().init(jax.random.key(0), x)
+>>> jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, MLP().init(jax.random.key(0), x))
+True
+>>> loss = lambda p, x: CMLP().apply(p, x, rngs={'jact': jax.random.key(1)}).sum()
+>>> plain = lambda p, x: MLP().apply(p, x).sum()
+>>> saved = lambda f: jact.residual_report(f, params, x).total_bytes
+>>> saved(plain) // saved(loss)
+15
+>>> from flax import nnx
+>>> class Block(nnx.Module):
+...   def __init__(self, rngs):
+...     self.fc = nnx.Linear(32, 512, rngs=rngs)
+...   def __call__(self, x):
+...     return nnx.gelu(self.fc(x))
+>>> model = jact.compressed(Block, bits=2)(nnx.Rngs(params=0, jact=1))
+>>> model(x).shape
+(16, 512)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+from flax import linen as nn
+from flax import nnx
+from flax.core import lift
+from flax.linen import transforms as linen_transforms
+from flax.nnx import rnglib
+
+from jact.residuals import ResidualConfig, call_compressed, check_argnums, input_flags
+
+__all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function",
+           "has_graph_nodes"]
+
+_DEFAULT_NAME = "compressed"  # `compressed`'s default name: replaced by the module's path
+
+
+def is_flax(obj) -> bool:
+  """True for a linen or nnx Module class or instance (what `wrap` handles)."""
+  if inspect.isclass(obj):
+    return issubclass(obj, (nn.Module, nnx.Module))
+  return isinstance(obj, (nn.Module, nnx.Module))
+
+
+def wrap(obj, config: ResidualConfig, policy=None, compress_argnums=()):
+  """`jact.compressed(obj, ...)` for a Flax module class or instance (see module docstring).
+
+  `compress_argnums` are positions of `__call__`'s arguments (after `self`) that are
+  activations: a compressed copy of them is stored instead of the argument itself.
+  """
+  argnums = check_argnums(compress_argnums)
+  if inspect.isclass(obj) and issubclass(obj, nn.Module):
+    return _linen_class(obj, config, policy, argnums)
+  if isinstance(obj, nn.Module):
+    return _linen_instance(obj, config, policy, argnums)
+  if inspect.isclass(obj) and issubclass(obj, nnx.Module):
+    return _nnx_class(obj, config, policy, argnums)
+  if isinstance(obj, nnx.Module):
+    return CompressedModule(obj, config=config, policy=policy, compress_argnums=argnums)
+  raise TypeError(f"not a Flax module: {type(obj).__name__}")
+
+
+def _check_call(module_class) -> None:
+  if not any("__call__" in vars(c) for c in module_class.__mro__ if c is not object):
+    raise TypeError(f"jact.compressed compresses a module's __call__; {module_class.__name__} "
+                    f"has none.")
+
+
+def _named(config: ResidualConfig, name: str) -> ResidualConfig:
+  if config.name != _DEFAULT_NAME or not name:
+    return config
+  return dataclasses.replace(config, name=name)
+
+
+def _missing_stream(what: str, fix: str) -> ValueError:
+  return ValueError(
+      f"jact.compressed({what}) rounds its saved activations stochastically and needs an "
+      f"RNG stream named 'jact'. Fixes: {fix}; or decorate it with stochastic=False "
+      f"(round-to-nearest) or bits=None (no compression).")
+
+
+# ----------------------------------------------------------------------------- linen
+
+
+def _flags(fn, prefix, args, kwargs, argnums) -> list[bool]:
+  """`compress_inputs` for a call of `(*prefix, args..., kwargs)`: only the chosen args."""
+  return [False] * len(jax.tree.leaves(prefix)) + list(input_flags(fn, args, kwargs, argnums))
+
+
+def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy, argnums,
+                     name_of=None):
+  """Lifted transform (cf. `flax.core.lift.checkpoint`): runs the scope function `fn`
+  with variables and RNGs as explicit inputs of `call_compressed`, and returns the
+  updated mutable collections as outputs, which `pack` publishes to the outer scope."""
+
+  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+
+    def pure(variable_groups, rng_groups, *args, **kwargs):
+      scope = scope_fn(variable_groups, rng_groups)
+      y = fn(scope, *args, **kwargs)
+      return y, repack_fn(scope)
+
+    if not compress:
+      return pure(variable_groups, rng_groups, *args, **kwargs)
+    flags = _flags(name_of, (variable_groups, rng_groups), args, kwargs, argnums)
+    return call_compressed(pure, (variable_groups, rng_groups, *args), kwargs, key=key,
+                           config=config, policy=policy, compress_inputs=flags)
+
+  return lift.pack(inner, (True,), (True,), (True,), name="compressed", enable_kwargs=True)
+
+
+def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
+  _check_call(module_class)
+  fn = module_class.__call__
+
+  @functools.wraps(fn)
+  def __call__(self, *args, key=None, **kwargs):
+    path = "/".join(self.path) if self.scope is not None else ""
+    cfg = _named(config, path or module_class.__name__)
+    compress = True
+    if key is None and cfg.needs_key:
+      if self.has_rng("jact"):
+        key = self.make_rng("jact")
+      elif self.is_initializing():
+        compress = False  # init without the stream: the plain module (same parameters)
+      else:
+        raise _missing_stream(
+            module_class.__name__,
+            "pass a fresh key per step, e.g. model.apply(variables, x, rngs={'jact': key})")
+    state = self._state.export()
+
+    # As in `flax.linen.transforms.module_class_lift_transform`.
+    def core_fn(scopes, *args, **kwargs):
+      attrs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "parent" and f.init}
+      cloned = module_class(parent=None, **attrs)
+      cloned, args, kwargs = linen_transforms.set_module_scopes(cloned, args, kwargs, scopes)
+      object.__setattr__(cloned, "_state", state.export())
+      out = fn(cloned, *args, **kwargs)
+      self._state.reimport(cloned._state)
+      return out
+
+    lifted = _lift_compressed(core_fn, key=key, compress=compress, config=cfg, policy=policy,
+                              argnums=argnums, name_of=module_class)
+    scopes, args, kwargs = linen_transforms.get_module_scopes(self, args, kwargs)
+    return lifted(scopes, *args, **kwargs)
+
+  # Same class name as the original, so that parents autoname it identically.
+  return type(module_class.__name__, (module_class,), {
+      "__call__": __call__, "__module__": module_class.__module__,
+      "__qualname__": module_class.__qualname__, "__doc__": module_class.__doc__,
+      "residual_config": config,
+  })
+
+
+def _linen_instance(module: nn.Module, config: ResidualConfig, policy, argnums=()):
+  if module.scope is not None or isinstance(module.parent, nn.Module):
+    raise TypeError(
+        f"jact.compressed got a {type(module).__name__} instance that already belongs to a "
+        f"parent module (created inside setup or @nn.compact); decorate the class instead, "
+        f"e.g. jact.compressed({type(module).__name__}, bits=...)(...)(x).")
+  attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+           if f.name != "parent" and f.init}
+  return _linen_class(type(module), config, policy, argnums)(**attrs)
+
+
+# ----------------------------------------------------------------------------- nnx
+
+
+class _Static:
+  """A static attribute compared by identity (the config may hold unhashable overrides)."""
+
+  def __init__(self, config: ResidualConfig, policy, argnums):
+    self.config, self.policy, self.argnums = config, policy, argnums
+
+  def __repr__(self):
+    return f"{self.config!r}"
+
+
+def _jact_stream(rngs) -> rnglib.RngStream | None:
+  """A private 'jact' stream from a constructor's `rngs`.
+
+  Forked from an explicit 'jact' stream. With only a 'default' stream, derived
+  from its key and count *without* consuming it, so that the parameters of
+  modules built later from the same `rngs` stay those of the plain model.
+  """
+  if isinstance(rngs, rnglib.RngStream):
+    return rngs.fork()
+  if not isinstance(rngs, rnglib.Rngs):
+    return None
+  if "jact" in rngs:
+    return rngs["jact"].fork()
+  if "default" in rngs:
+    stream = rngs["default"]
+    key = jax.random.fold_in(stream.key[...], stream.count[...])
+    return rnglib.RngStream(jax.random.fold_in(key, 0x6A616374), tag="jact")  # "jact"
+  return None
+
+
+def _key_from(key):
+  """A PRNG key from what a caller passed as `key=` (key, nnx.Rngs or nnx.RngStream)."""
+  if isinstance(key, rnglib.Rngs):
+    return key["jact"]()
+  if isinstance(key, rnglib.RngStream):
+    return key()
+  return key
+
+
+def _draw_key(module, key, config: ResidualConfig, what: str):
+  if key is not None:
+    return _key_from(key)
+  if not config.needs_key:
+    return None
+  stream = getattr(module, "jact_rngs", None)
+  if stream is None:
+    raise _missing_stream(
+        what, "build the decorated class with rngs=nnx.Rngs(params=0, jact=1), or wrap the "
+        "instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...), or call it with "
+        "key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>")
+  return stream()
+
+
+def _leaf(variable):
+  leaves = jax.tree.leaves(variable)
+  return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def _same(a, b) -> bool:
+  if isinstance(a, tuple) and isinstance(b, tuple):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+  return a is b
+
+
+def _is_graph_node(x) -> bool:
+  return isinstance(x, (nnx.Pytree, nnx.Variable))  # modules, Rngs, optimizers, Variables
+
+
+def has_graph_nodes(args, kwargs) -> bool:
+  """True when `(args, kwargs)` holds nnx graph nodes: modules, Rngs, Variables (see
+  `call_function`)."""
+  return any(_is_graph_node(leaf)
+             for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_graph_node))
+
+
+def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
+                  compress_argnums=(), name: str | None = None):
+  """`fn(*args, **kwargs)` with compressed residuals, where the arguments may hold nnx
+  modules, `nnx.Rngs` or Variables (graph nodes).
+
+  The graph nodes are split into (graphdef, state); `call_compressed` runs a pure
+  function of (state, other leaves) that merges them, calls `fn` and returns its
+  output and the Variables whose value the call replaced (batch statistics, RNG
+  counts, sown intermediates); those are written back with `nnx.update`, as nnx
+  transforms do. (The function path of `jact.compressed` flattens an nnx module
+  like any pytree, so what the call writes into it is lost; this is the call to
+  route such arguments to.) `compress_argnums`: positional arguments whose array
+  leaves are activations, stored compressed instead of by reference.
+  """
+  argnums = check_argnums(compress_argnums)
+  if any(i >= len(args) for i in argnums):
+    raise ValueError(f"compress_argnums={argnums} but {name or getattr(fn, '__name__', 'fn')} "
+                     f"got {len(args)} positional arguments")
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
+  arg_flags = [i in argnums for i, a in enumerate(args)
+               for _ in jax.tree.leaves(a, is_leaf=_is_graph_node)]
+  arg_flags += [False] * (len(leaves) - len(arg_flags))
+  is_node = [_is_graph_node(leaf) for leaf in leaves]
+  nodes = [leaf for leaf, n in zip(leaves, is_node) if n]
+  rest = [leaf for leaf, n in zip(leaves, is_node) if not n]
+  rest_flags = [f for f, n in zip(arg_flags, is_node) if not n]
+  graphdef, state = nnx.split(nodes)
+
+  def pure(state, rest):
+    # values, not Variables: merge reuses the state's Variable objects
+    before = {path: _leaf(var) for path, var in nnx.to_flat_state(state)}
+    merged = nnx.merge(graphdef, state)
+    it_nodes, it_rest = iter(merged), iter(rest)
+    a, k = jax.tree.unflatten(treedef, [next(it_nodes) if n else next(it_rest) for n in is_node])
+    out = fn(*a, **k)
+    changed = [(path, var) for path, var in nnx.to_flat_state(nnx.state(merged))
+               if path not in before or not _same(_leaf(var), before[path])]
+    return out, nnx.from_flat_state(changed)
+
+  flags = [False] * len(jax.tree.leaves(state)) + [
+      f for f, leaf in zip(rest_flags, rest) if jax.tree.leaves(leaf)]
+  out, updates = call_compressed(pure, (state, rest), {}, key=key, config=config,
+                                 policy=policy, compress_inputs=flags)
+  if jax.tree.leaves(updates):
+    nnx.update(nodes, updates)
+  return out
+
+
+def nnx_call(module: nnx.Module, method: Callable[..., Any], args, kwargs, *, key,
+             config: ResidualConfig, policy=None, compress_argnums=()):
+  """`method(module, *args, **kwargs)` with compressed residuals and the state changes
+  of `module` (and of graph nodes among the arguments, e.g. an `nnx.Rngs` passed
+  for dropout) written back; see `call_function`."""
+  return call_function(method, (module, *args), kwargs, key=key, config=config, policy=policy,
+                       compress_argnums=tuple(i + 1 for i in check_argnums(compress_argnums)),
+                       name=type(module).__name__)
+
+
+def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
+  _check_call(module_class)
+  base_call = module_class.__call__
+
+  def __init__(self, *args, **kwargs):
+    module_class.__init__(self, *args, **kwargs)
+    rngs = kwargs.get("rngs")
+    if rngs is None:
+      rngs = next((a for a in args if isinstance(a, (rnglib.Rngs, rnglib.RngStream))), None)
+    stream = _jact_stream(rngs) if config.needs_key else None
+    self.jact_rngs = stream if stream is not None else nnx.data(None)
+    self.residual_name = _named(config, module_class.__name__).name
+
+  @functools.wraps(base_call)
+  def __call__(self, *args, key=None, **kwargs):
+    key = _draw_key(self, key, config, module_class.__name__)
+    cfg = dataclasses.replace(config, name=self.residual_name)
+    return nnx_call(self, base_call, args, kwargs, key=key, config=cfg, policy=policy,
+                    compress_argnums=argnums)
+
+  functools.update_wrapper(__init__, module_class.__init__)
+  return type(module_class.__name__, (module_class,), {
+      "__init__": __init__, "__call__": __call__, "__module__": module_class.__module__,
+      "__qualname__": module_class.__qualname__, "__doc__": module_class.__doc__,
+      "residual_config": config,
+  })
+
+
+class CompressedModule(nnx.Module):
+  """An nnx module whose calls store their residuals compressed.
+
+  `CompressedModule(module, rngs=nnx.Rngs(jact=0), bits=2)` (settings as for
+  `jact.compressed`, or `config=ResidualConfig(...)`); `jact.compressed(module)`
+  builds one without a stream. Calling it calls `module` (state updates written
+  back into `module`, which is kept as `.module`, shared, not copied); pass
+  `key=` (a PRNG key, nnx.Rngs or nnx.RngStream) to override the stored stream.
+  """
+
+  def __init__(self, module: nnx.Module, *, rngs=None, config: ResidualConfig | None = None,
+               policy=None, compress_argnums=(), **settings):
+    if not isinstance(module, nnx.Module):
+      raise TypeError(f"CompressedModule wraps an nnx.Module, got {type(module).__name__}")
+    _check_call(type(module))
+    if config is None:
+      config = ResidualConfig(**settings)
+    elif settings:
+      raise TypeError("pass either config= or settings, not both")
+    self.module = module
+    self.residual_settings = _Static(config, policy, check_argnums(compress_argnums))
+    self.residual_name = _named(config, type(module).__name__).name
+    stream = _jact_stream(rngs) if config.needs_key else None
+    self.jact_rngs = stream if stream is not None else nnx.data(None)
+
+  @property
+  def residual_config(self) -> ResidualConfig:
+    return self.residual_settings.config
+
+  def __call__(self, *args, key=None, **kwargs):
+    settings = self.residual_settings
+    key = _draw_key(self, key, settings.config, type(self.module).__name__)
+    cfg = dataclasses.replace(settings.config, name=self.residual_name)
+    return nnx_call(self.module, type(self.module).__call__, args, kwargs, key=key, config=cfg,
+                    policy=settings.policy, compress_argnums=settings.argnums)
