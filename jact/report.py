@@ -247,7 +247,8 @@ def _summarize(eqn) -> str:
     return "?"
 
 
-def _checkpoint_name(eqn) -> str | None:
+def checkpoint_name_of(eqn) -> str | None:
+  """The `checkpoint_name` an equation applies, or None (any jax version)."""
   if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str):
     return eqn.params["name"]
   prim = eqn.params.get("_prim")  # newer jax: checkpoint_name as a hi-primitive
@@ -322,7 +323,7 @@ def _saved_values(fn, args, kwargs):
         stack.append((eqn, jaxpr))
         jaxpr, v = inner, inner.outvars[i]
         continue
-      eqn_name = _checkpoint_name(eqn)
+      eqn_name = checkpoint_name_of(eqn)
       if eqn_name is not None:  # an identity too: keep the outermost name, look further
         if name is None:
           name, named_src = eqn_name, f"named '{eqn_name}' from {_summarize(eqn)}"

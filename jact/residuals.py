@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -49,6 +48,7 @@ from jax.extend import core as jex_core
 from jact.ops._core import (Rounding, barrier, check_name, compress_residual, make_seed,
                             materialize, restore_residual, tag, tagged_names)
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
+from jact.report import checkpoint_name_of
 
 __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
 
@@ -164,22 +164,13 @@ def _jact_named(var, producers) -> bool:
   through optimization barriers."""
   while var in producers:
     eqn, i = producers[var]
-    name = _checkpoint_name(eqn)
+    name = checkpoint_name_of(eqn)
     if name is not None:
       return name in tagged_names()
     if eqn.primitive.name != "optimization_barrier":
       return False
     var = eqn.invars[i]
   return False
-
-
-def _checkpoint_name(eqn) -> str | None:
-  if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str):
-    return eqn.params["name"]
-  prim = eqn.params.get("_prim")  # newer jax: checkpoint_name as a hi-primitive
-  if type(prim).__name__ == "CheckpointName":
-    return getattr(prim, "name", None)
-  return None
 
 
 def _input_dependent(jaxpr) -> set:
