@@ -512,7 +512,7 @@ def test_nnx_unsupported_layers_stay_plain():
 
 
 def test_linen_training_on_digits_lowers_the_loss():
-  x_train, y_train, _, _ = load_image_dataset("sklearn_digits")  # real 8x8 digits
+  x_train, y_train, _, _ = load_image_dataset("digits")  # real 8x8 digits, from the data kit
   model = convert(CNN(), bits=4)
   variables = _jit(CNN().init)(KEY, x_train[:2])
   params, batch_stats = variables["params"], variables["batch_stats"]

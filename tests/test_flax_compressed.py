@@ -410,7 +410,7 @@ def test_is_flax():
 
 @pytest.fixture(scope="module")
 def digits():
-  x_train, y_train, _, _ = load_image_dataset("sklearn_digits")  # real 8x8 handwritten digits
+  x_train, y_train, _, _ = load_image_dataset("digits")  # real 8x8 handwritten digits, from the data kit
   return x_train.reshape(len(x_train), -1), y_train
 
 
