@@ -183,8 +183,13 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   def wrapped(*args, key=None, **kwargs):
     body_key = None if key is None else jax.random.fold_in(key, 1)
     flags = input_flags(fn, args, kwargs, compress_argnums)
+    # The incoming cotangent of a segment in a residual stream is an elementwise
+    # sum over all later segments' backward passes; unless it is materialized,
+    # XLA re-fuses that chain into every earlier segment's backward and keeps
+    # each segment's input cotangents alive to the end (measured: 1.2 MiB per
+    # transformer block at small size, 9 MiB at 16x256x256).
     return call_compressed(lambda *a, **k: rematted(body_key, a, k), args, kwargs, key=key,
-                           config=config, compress_inputs=flags)
+                           config=config, compress_inputs=flags, materialize_cotangent=True)
 
   wrapped.residual_config = config
   return wrapped

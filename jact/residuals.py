@@ -331,7 +331,7 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
 
 
 def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
-                    compress_inputs=None):
+                    compress_inputs=None, materialize_cotangent: bool = False):
   """`fn(*args, **kwargs)` with compressed residuals (the body of `compressed`).
 
   `policy`, when given, is a `jax.checkpoint` policy applied to `fn` before
@@ -339,6 +339,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   (the rest is recomputed in the backward pass from the reconstructions).
   `compress_inputs` has one flag per leaf of `(args, kwargs)`: store a
   compressed copy of that input instead of keeping it by reference.
+  `materialize_cotangent` makes the backward materialize its incoming
+  cotangent once (see `jact.remat.checkpoint`).
   """
   if config.needs_key and key is None:
     raise ValueError(
@@ -418,6 +420,9 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
 
   def bwd(saved, g):
     values, g = barrier(saved.values, g)
+    if materialize_cotangent:
+      g = jax.tree.map(lambda t: materialize(t, values) if _is_array(t) and _is_float(t)
+                       and jnp.size(t) else t, g)
     constants = iter(_eval_constants(
         saved.capture.jaxpr, saved.capture.consts,
         [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
