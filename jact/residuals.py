@@ -3,12 +3,17 @@
 The tensors a function saves for its backward pass are exactly the
 residuals of its VJP. `compressed(fn)` evaluates `fn` exactly, captures the
 residuals of `jax.vjp(fn, ...)` (the VJP object is a pytree whose leaves are
-the primal inputs it uses followed by the residuals), and keeps for the
-backward pass:
+the primal inputs it uses followed by the residuals) as variables of one
+traced jaxpr, and keeps for the backward pass:
 
-* nothing new for residuals that are `fn`'s own inputs (parameters, the
-  block input): they are alive anyway and are stored by reference;
+* nothing new for residuals that are `fn`'s own inputs (parameters): they
+  are alive anyway and are stored by reference -- unless the argument is
+  listed in `compress_argnums` (an activation, such as a block's input);
 * one copy of a residual that appears several times;
+* nothing for residuals that do not depend on the inputs (constants, such
+  as the broadcast zero `jax.nn.relu` saves): recomputed in the backward;
+* pieces already compressed by an inner jact op or `compressed` call as
+  they are;
 * boolean residuals (masks) packed losslessly to 1 bit;
 * floating residuals of at least `min_size` values quantized with
   stochastic rounding to `bits` bits;
