@@ -75,3 +75,20 @@ def saved_under_names(f, names, *args):
          if not d.startswith("from the argument")]
   return ({d.split("'")[1] for _, d in res if d.startswith("named")},
           sum(a.size * a.dtype.itemsize for a, _ in res))
+
+
+def assert_same_tree(a, b):
+  """Same structure, shapes, dtypes and values, leaf by leaf."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert u.shape == v.shape and u.dtype == v.dtype
+    np.testing.assert_array_equal(u, v)
+
+
+def tree_rel_err(a, b):
+  """Largest per-leaf relative L2 error of `a` against `b`; leaves whose exact
+  value is ~0 (attention's key bias gradient) are measured against 5% of the
+  whole tree's norm."""
+  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in jax.tree.leaves(b))))
+  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
+             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

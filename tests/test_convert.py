@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from experiments.data import batches, load_image_dataset
+from stats import assert_same_tree, tree_rel_err
 from jact.flax import nnx as jnnx
 from jact.flax.convert import ConversionWarning, convert
 from jact.report import residual_report
@@ -41,20 +42,6 @@ GRAD_RTOL = 5e-2
 
 def _normal(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _rel_err(a, b):
-  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
-  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in b)))
-  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
-             for u, v in zip(a, b))
-
-
-def _assert_same_tree(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert u.shape == v.shape and u.dtype == v.dtype
-    np.testing.assert_array_equal(u, v)
 
 
 # ============================================================================ linen models
@@ -115,8 +102,8 @@ def _linen_loss(model, variables, x, rngs):
 def test_linen_init_gives_the_plain_variables(name):
   model, x, _ = LINEN[name]
   ref = _plain_variables(name)
-  _assert_same_tree(_jit(convert(model).init)(KEY, x), ref)  # no 'jact' stream needed
-  _assert_same_tree(_jit(convert(model, bits=2).init)({"params": KEY, **JACT}, x), ref)
+  assert_same_tree(_jit(convert(model).init)(KEY, x), ref)  # no 'jact' stream needed
+  assert_same_tree(_jit(convert(model, bits=2).init)({"params": KEY, **JACT}, x), ref)
 
 
 @pytest.mark.parametrize("name", LINEN)
@@ -136,7 +123,7 @@ def test_linen_forward_exact_and_8bit_gradients_close(name):
   # Dense/Conv run the same lax op; norms and attention reassociate float32 sums
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(upd, upd_ref, rtol=1e-6, atol=1e-7)  # running statistics
-  assert _rel_err(g, g_ref) < GRAD_RTOL
+  assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
 @pytest.mark.parametrize("name", LINEN)
@@ -215,7 +202,7 @@ def test_linen_shared_layers_setup_methods_and_submodules():
   x = _normal((4, 6))
   model, converted = Shared(), convert(Shared())
   variables = _jit(model.init)(KEY, x)
-  _assert_same_tree(_jit(converted.init)(KEY, x), variables)
+  assert_same_tree(_jit(converted.init)(KEY, x), variables)
   y = _jit(lambda v, x: converted.apply(v, x, rngs=JACT))(variables, x)
   np.testing.assert_allclose(y, model.apply(variables, x), rtol=1e-5, atol=1e-6)
   loss = lambda m, **kw: lambda p: jnp.sum(m.apply({"params": p}, x, rngs=JACT, **kw))
@@ -276,7 +263,7 @@ def test_linen_embed_dropout_and_sequential():
   ids = jnp.arange(6).reshape(2, 3)
   model, converted = Tokens(), convert(Tokens())
   variables = model.init(KEY, ids)
-  _assert_same_tree(converted.init(KEY, ids), variables)
+  assert_same_tree(converted.init(KEY, ids), variables)
   np.testing.assert_array_equal(converted.apply(variables, ids), model.apply(variables, ids))
   rngs = {"dropout": jax.random.key(1)}  # Embed and Dropout need no 'jact' stream
   report = residual_report(
@@ -423,7 +410,7 @@ def test_nnx_convert_in_place_keeps_state_and_forward(name):
   # new state is each converted layer's 'jact' RNG stream
   assert _variables(model) == variables
   for kind in STATE:
-    _assert_same_tree(nnx.to_pure_dict(nnx.state(model, kind)),
+    assert_same_tree(nnx.to_pure_dict(nnx.state(model, kind)),
                       nnx.to_pure_dict(nnx.state(plain, kind)))
   after = nnx.state(model, nnx.Not(nnx.RngState))
   assert jax.tree.structure(after) == jax.tree.structure(before)
@@ -446,8 +433,8 @@ def test_nnx_8bit_gradients_close_and_residuals_compressed(name):
     # residuals (compiling its backward is slow); the twins' own tests check its gradients
     g_ref = _jit(jax.grad(f_ref, argnums=(0, 1)))(p_ref, x)
     g = _jit(jax.grad(f, argnums=(0, 1)))(p, x)
-    assert _rel_err(nnx.to_pure_dict(g[0]), nnx.to_pure_dict(g_ref[0])) < GRAD_RTOL
-    assert _rel_err(g[1], g_ref[1]) < GRAD_RTOL
+    assert tree_rel_err(nnx.to_pure_dict(g[0]), nnx.to_pure_dict(g_ref[0])) < GRAD_RTOL
+    assert tree_rel_err(g[1], g_ref[1]) < GRAD_RTOL
   report = residual_report(f, p, x)
   assert names <= set(report.by_name()), set(report.by_name())
   # Measured at 8 bits: cnn 136.8 -> 57.9 KiB (42%), block 51.6 -> 23.0 KiB

@@ -20,6 +20,7 @@ import jact
 from experiments.data import batches, load_image_dataset
 from jact.flax import compressed_module
 from jact.residuals import ResidualConfig
+from stats import assert_same_tree, tree_rel_err
 
 # Relative L2 error of each 8-bit gradient leaf against the plain module's
 # (leaves whose exact gradient is ~0, such as a bias before BatchNorm, are
@@ -40,20 +41,6 @@ def _rngs(**streams):
 
 def _normal(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _assert_same_tree(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert u.shape == v.shape and u.dtype == v.dtype
-    np.testing.assert_array_equal(u, v)
-
-
-def _rel_err(a, b):
-  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
-  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in b)))
-  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
-             for u, v in zip(a, b))
 
 
 def _saved_bytes(loss, params, x):
@@ -113,8 +100,8 @@ def test_linen_variables_equal_plain(linen_variables):
   decorated = LinenNet(block=jact.compressed(LinenBlock, bits=2))
   # without a 'jact' stream init runs the plain module; with one, the compressed
   # path; both give exactly the plain variables (autonames "LinenBlock_0", ...)
-  _assert_same_tree(jax.jit(decorated.init)(_key(0), X), linen_variables)
-  _assert_same_tree(
+  assert_same_tree(jax.jit(decorated.init)(_key(0), X), linen_variables)
+  assert_same_tree(
       jax.jit(decorated.init)({"params": _key(0), "jact": _key(1)}, X), linen_variables)
   assert set(linen_variables["params"]) == {"LinenBlock_0", "LinenBlock_1"}
   top = jact.compressed(LinenBlock, bits=2)
@@ -127,7 +114,7 @@ def test_linen_forward_and_batch_stats_equal_plain(linen_variables):
   net = LinenNet(block=jact.compressed(LinenBlock, bits=2))
   y, s = net.apply(linen_variables, X, mutable=["batch_stats"], rngs={"jact": _key(1)})
   np.testing.assert_array_equal(y, y_ref)
-  _assert_same_tree(s, s_ref)
+  assert_same_tree(s, s_ref)
   mean = lambda v: v["batch_stats"]["LinenBlock_0"]["BatchNorm_0"]["mean"]
   assert not np.allclose(mean(s), mean(linen_variables))  # the statistics did move
   # inference (no mutable collection) runs too
@@ -143,7 +130,7 @@ def test_linen_8bit_gradients_close_and_2bit_residuals_small(linen_variables):
   g_ref, s_ref = jax.jit(jax.grad(_linen_loss(LinenNet(), stats, has_aux=True), has_aux=True))(
       params, X)
   g, s = jax.jit(jax.grad(c8, has_aux=True))(params, X)
-  assert _rel_err(g, g_ref) < GRAD_RTOL
+  assert tree_rel_err(g, g_ref) < GRAD_RTOL
   # batch statistics flow out of the compressed call under jit(grad)
   chex.assert_trees_all_close(s, s_ref, rtol=1e-6, atol=1e-7)
   plain = _linen_loss(LinenNet(act=nn.gelu), stats)
@@ -193,7 +180,7 @@ def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
   # an unbound instance keeps its attributes
   inst = jact.compressed(LinenBlock(width=128), bits=2)
   assert isinstance(inst, LinenBlock) and inst.width == 128
-  _assert_same_tree(inst.init(_key(0), X), LinenBlock(width=128).init(_key(0), X))
+  assert_same_tree(inst.init(_key(0), X), LinenBlock(width=128).init(_key(0), X))
 
   class Parent(nn.Module):
     @nn.compact
@@ -219,7 +206,7 @@ def test_linen_composes_with_remat_and_dropout():
   l_ref, g_ref = value_and_grad(variables["params"], Drop())
   l, g = value_and_grad(variables["params"], remat())
   np.testing.assert_allclose(l, l_ref, rtol=1e-6)
-  assert _rel_err(g, g_ref) < GRAD_RTOL
+  assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
 # ----------------------------------------------------------------------------- nnx
@@ -273,7 +260,7 @@ def test_nnx_class_state_equals_plain(rngs):
   plain = NnxNet(NnxBlock, rngs=_rngs(default=0))
   model = NnxNet(jact.compressed(NnxBlock, bits=2), rngs=rngs())
   for kind in (nnx.Param, nnx.BatchStat):
-    _assert_same_tree(_pure(model, kind), _pure(plain, kind))
+    assert_same_tree(_pure(model, kind), _pure(plain, kind))
   assert isinstance(model.b0, NnxBlock) and type(model.b0).__name__ == "NnxBlock"
   assert model.b0.residual_name == "NnxBlock" and model.b0.jact_rngs is not None
 
@@ -282,7 +269,7 @@ def test_nnx_forward_and_batch_stats_equal_plain():
   plain = NnxNet(NnxBlock, rngs=_rngs(default=0))
   model = NnxNet(jact.compressed(NnxBlock, bits=2), rngs=_rngs(params=0, jact=1))
   np.testing.assert_array_equal(model(X), plain(X))
-  _assert_same_tree(_pure(model, nnx.BatchStat), _pure(plain, nnx.BatchStat))
+  assert_same_tree(_pure(model, nnx.BatchStat), _pure(plain, nnx.BatchStat))
   assert np.abs(model.b0.bn.mean[...]).max() > 0  # the statistics did move
   assert int(model.b0.jact_rngs.count[...]) == 1  # one key drawn
 
@@ -292,7 +279,7 @@ def test_nnx_8bit_gradients_close_and_2bit_residuals_small():
   loss8, params8 = _nnx_loss_of_params(
       NnxNet(jact.compressed(NnxBlock, bits=8), rngs=_rngs(params=0, jact=1)))
   g_ref, g = jax.jit(jax.grad(plain_loss))(params, X), jax.jit(jax.grad(loss8))(params8, X)
-  assert _rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
+  assert tree_rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
   plain_loss, params = _nnx_loss_of_params(NnxNet(NnxBlock, nnx.gelu, rngs=_rngs(default=0)))
   loss2, params2 = _nnx_loss_of_params(
       NnxNet(jact.compressed(NnxBlock, bits=2), nnx.gelu, rngs=_rngs(params=0, jact=1)))
@@ -304,11 +291,11 @@ def test_nnx_instance_wrapper_and_missing_stream():
   plain = NnxBlock(16, 64, True, rngs=_rngs(default=0))
   wrapped = jact.compressed(block, bits=2)
   assert isinstance(wrapped, compressed_module.CompressedModule) and wrapped.module is block
-  _assert_same_tree(_pure(wrapped, nnx.Param)["module"], _pure(plain, nnx.Param))
+  assert_same_tree(_pure(wrapped, nnx.Param)["module"], _pure(plain, nnx.Param))
   with pytest.raises(ValueError, match="needs an RNG stream named 'jact'.*key="):
     wrapped(X)
   np.testing.assert_array_equal(wrapped(X, key=_key(0)), plain(X))
-  _assert_same_tree(_pure(block, nnx.BatchStat), _pure(plain, nnx.BatchStat))
+  assert_same_tree(_pure(block, nnx.BatchStat), _pure(plain, nnx.BatchStat))
   # key= also takes an nnx.Rngs; a stream can be kept on the wrapper
   wrapped(X, key=_rngs(jact=3))
   kept = compressed_module.CompressedModule(block, rngs=_rngs(jact=3), bits=2)
@@ -345,7 +332,7 @@ def test_nnx_remat_composition():
   loss = lambda m, x: jnp.mean(m(x) * _normal((64, 16), seed=5))
   g = nnx.jit(nnx.grad(nnx.remat(loss)))(model, X)
   g_ref = nnx.jit(nnx.grad(loss))(plain, X)
-  assert _rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
+  assert tree_rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
   assert int(model.jact_rngs.count[...]) == 1  # the key drawn inside remat is written back
 
 
@@ -375,7 +362,7 @@ def test_nnx_scan_over_a_stack_of_blocks():
   value_and_grad = nnx.jit(nnx.value_and_grad(loss))
   (l, g), (l_ref, g_ref) = value_and_grad(model, X), value_and_grad(plain, X)
   np.testing.assert_allclose(l, l_ref, rtol=1e-6)  # same forward
-  assert _rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
+  assert tree_rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
   counts = np.asarray(model.jact_rngs.count[...])
   assert counts.shape == (layers,) and (counts == 1).all()  # per-layer streams, advanced
   keys = jax.random.key_data(model.jact_rngs.key[...])
@@ -393,7 +380,7 @@ def test_nnx_call_function_writes_state_back():
   y = compressed_module.call_function(fn, (bn, x, 2.0, rngs), {}, key=_key(0),
                                       config=ResidualConfig(bits=8))
   np.testing.assert_array_equal(y, fn(plain, x, 2.0, rngs_ref))
-  _assert_same_tree(_pure(bn, nnx.BatchStat), _pure(plain, nnx.BatchStat))
+  assert_same_tree(_pure(bn, nnx.BatchStat), _pure(plain, nnx.BatchStat))
   assert int(rngs.dropout.count[...]) == 1  # an nnx.Rngs argument advances too
 
 

@@ -14,7 +14,7 @@ from jax._src.ad_checkpoint import saved_residuals  # not re-exported in jax 0.1
 
 from jact.flax import linen as jnn
 from jact.report import residual_report
-from stats import assert_unbiased
+from stats import assert_same_tree, assert_unbiased, tree_rel_err
 
 KEY = jax.random.key(0)
 JACT = {"jact": jax.random.key(7)}
@@ -60,29 +60,14 @@ def _apply(layer, variables, x, rngs=None, mutable=False):
   return out[0] if mutable else out
 
 
-def _assert_same_tree(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert u.shape == v.shape and u.dtype == v.dtype
-    np.testing.assert_array_equal(u, v)
-
-
-def _rel_err(a, b):
-  """Largest per-leaf relative L2 error; leaves whose exact gradient is ~0
-  (attention's key bias) are measured against 5% of the whole gradient's norm."""
-  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in jax.tree.leaves(b))))
-  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
-             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 @pytest.mark.parametrize("name", [*LAYERS, "Embed"])
 def test_variables_equal_plain(name):
   plain, twin, x, _ = EMBED if name == "Embed" else LAYERS[name]
   ref = plain.init(KEY, x)
   # init with a single key (no 'jact' stream) falls back to the plain op ...
-  _assert_same_tree(twin.init(KEY, x), ref)
+  assert_same_tree(twin.init(KEY, x), ref)
   # ... and init with the stream creates the very same variables.
-  _assert_same_tree(twin.init({"params": KEY, **JACT}, x), ref)
+  assert_same_tree(twin.init({"params": KEY, **JACT}, x), ref)
 
 
 @pytest.mark.parametrize("name", [*LAYERS, "Embed"])
@@ -125,7 +110,7 @@ def test_8bit_gradients_close_to_plain(name):
 
   g_ref = loss(plain, None)
   g = loss(twin, JACT)
-  assert _rel_err(g, g_ref) < GRAD_RTOL
+  assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
 def test_dense_weight_gradient_unbiased_at_2_bits():
@@ -168,7 +153,7 @@ def test_activation_modules(twin, fn):
   if isinstance(twin, (jnn.ReLU, jnn.LeakyReLU)):
     np.testing.assert_array_equal(g, g_ref)  # 1-bit masks are exact
   else:
-    assert _rel_err(g, g_ref) < GRAD_RTOL
+    assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
 @pytest.mark.parametrize("twin, fn", [

@@ -14,6 +14,7 @@ from jax._src.ad_checkpoint import saved_residuals  # not re-exported in jax 0.1
 
 from jact.flax import nnx as jnnx
 from jact.report import residual_report
+from stats import assert_same_tree, tree_rel_err
 
 # Relative L2 error of each 8-bit gradient leaf against the plain layer's
 # (leaves whose exact gradient is ~0 are measured against 5% of the whole
@@ -55,18 +56,7 @@ STATE = (nnx.Param, nnx.BatchStat)
 
 
 def _assert_same_state(a, b):
-  a, b = nnx.to_pure_dict(a), nnx.to_pure_dict(b)
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert u.shape == v.shape and u.dtype == v.dtype
-    np.testing.assert_array_equal(u, v)
-
-
-def _rel_err(a, b):
-  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
-  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in b)))
-  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
-             for u, v in zip(a, b))
+  assert_same_tree(nnx.to_pure_dict(a), nnx.to_pure_dict(b))
 
 
 @pytest.mark.parametrize("name", [*LAYERS])
@@ -119,8 +109,8 @@ def test_8bit_gradients_close_to_plain(name):
 
   g_ref = grads(make_plain(nnx.Rngs(params=0)), x)
   g = grads(make_twin(_rngs(0)), x)
-  assert _rel_err(nnx.to_pure_dict(g[0]), nnx.to_pure_dict(g_ref[0])) < GRAD_RTOL
-  assert _rel_err(g[1], g_ref[1]) < GRAD_RTOL
+  assert tree_rel_err(nnx.to_pure_dict(g[0]), nnx.to_pure_dict(g_ref[0])) < GRAD_RTOL
+  assert tree_rel_err(g[1], g_ref[1]) < GRAD_RTOL
 
 
 def test_embed_gradient_exact():
@@ -160,7 +150,7 @@ def test_activation_modules(twin, fn):
   if isinstance(twin, (jnnx.ReLU, jnnx.LeakyReLU)):
     np.testing.assert_array_equal(g, g_ref)  # 1-bit masks are exact
   else:
-    assert _rel_err(g, g_ref) < GRAD_RTOL
+    assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
 @pytest.mark.parametrize("twin, fn", [

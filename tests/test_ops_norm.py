@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals
 
 from jact.ops import norm as N
 from stats import assert_unbiased, over_keys, residual_bytes, saved_under_names
