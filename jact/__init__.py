@@ -12,10 +12,11 @@ backward pass needs instead of the full-precision activation.
 (2, 256)
 """
 
-from jact import ops, rng
+from jact import acgc, ops, rng, sensitivity
 from jact.flax import linen as nn
 from jact.flax import nnx
 from jact.flax.convert import convert
+from jact.plan import BitPlan, planned, use_plan
 from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
 from jact.remat import checkpoint, offload_compressed, save_compressed, save_inputs_only
 from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
@@ -25,7 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
-    "ops", "nn", "nnx", "rng",
+    "ops", "nn", "nnx", "rng", "sensitivity", "acgc",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
     "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",
+    "BitPlan", "use_plan", "planned",
 ]

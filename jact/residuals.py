@@ -50,8 +50,9 @@ import numpy as np
 
 from jax.extend import core as jex_core
 
-from jact.ops._core import (Rounding, barrier, check_name, compress_residual, make_seed,
-                            materialize, restore_residual, tag, tagged_names)
+from jact import _context
+from jact.ops._core import (Rounding, SaltedSeed, barrier, check_name, compress_residual,
+                            make_seed, materialize, restore_residual, salt_seed, tag, tagged_names)
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 from jact.report import checkpoint_name_of
 
@@ -151,7 +152,7 @@ def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
   if _is_float(leaf) and leaf.size >= config.min_size:
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
-      return tag(compress_residual(leaf, seed, site, rounding), name)
+      return tag(compress_residual(leaf, seed, site, rounding, name), name)
   return leaf
 
 
@@ -353,7 +354,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
         f"build it with stochastic=False (round-to-nearest) or bits=None (keep residuals).")
   seed = make_seed(key, Rounding(8, config.group_size, config.stochastic), "compressed") \
-      if config.needs_key else jnp.uint32(0)
+      if config.needs_key else salt_seed(jnp.uint32(0))
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
@@ -394,6 +395,12 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     return run(*inputs)
 
   def fwd(seed, *inputs):
+    if isinstance(seed, SaltedSeed):  # inner ops see this trace's salt, not a closed-over one
+      with _context.salted(seed.names, seed.salt):
+        return _fwd(seed, *inputs)
+    return _fwd(seed, *inputs)
+
+  def _fwd(seed, *inputs):
     trees = {}
 
     def forward_and_residuals(*inputs):

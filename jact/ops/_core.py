@@ -27,9 +27,9 @@ from jax.ad_checkpoint import checkpoint_name
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_group_size,
                            dequantize, quantize)
-from jact import rng
+from jact import _context, rng
 
-__all__ = ["Rounding", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
+__all__ = ["Rounding", "SaltedSeed", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
            "after_residuals", "materialize", "finish_forward", "compress_residual",
            "restore_residual"]
 
@@ -63,8 +63,22 @@ def check_name(name: Any) -> str:
   return name
 
 
-def make_seed(key, rounding: Rounding, op: str) -> jax.Array:
-  """uint32 seed for an op call; a clear error when a needed key is missing."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SaltedSeed:
+  """An op's seed while a sensitivity estimator re-draws chosen residuals'
+  noise: `salt[i]` is mixed into the seed of residual `names[i]` (0: no change).
+  Passed into the custom VJPs as an ordinary input."""
+  base: jax.Array
+  salt: jax.Array
+  names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def make_seed(key, rounding: Rounding, op: str):
+  """uint32 seed for an op call; a clear error when a needed key is missing.
+
+  Inside a sensitivity estimator's salt scope the result is a `SaltedSeed`.
+  """
   if not rounding.needs_key:
     return jnp.uint32(0)
   if key is None:
@@ -73,7 +87,25 @@ def make_seed(key, rounding: Rounding, op: str) -> jax.Array:
         f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
         f"or pass stochastic=False for round-to-nearest, or bits=None to store "
         f"the residual uncompressed.")
-  return rng.seed_from_key(key)
+  return salt_seed(rng.seed_from_key(key))
+
+
+def salt_seed(seed):
+  """`seed` with the active salt attached (unchanged outside a salt scope)."""
+  salt = _context.current("salt")
+  if salt is None:
+    return seed
+  return SaltedSeed(jnp.asarray(seed, jnp.uint32), salt.values, salt.names)
+
+
+def site_seed(seed, site: int, name: str | None = None) -> jax.Array:
+  """The uint32 seed of one residual of an op call."""
+  if isinstance(seed, SaltedSeed):
+    s = rng.split_seed(seed.base, site)
+    if name is not None and name in seed.names:
+      s = s ^ (seed.salt[seed.names.index(name)] * jnp.uint32(0x9E3779B9))
+    return s
+  return rng.split_seed(seed, site)
 
 
 _TAGGED_NAMES: set[str] = set()
@@ -189,21 +221,29 @@ def check_float(x, op: str) -> jax.Array:
   return x
 
 
-def compress_residual(x: jax.Array, seed: jax.Array, site: int, rounding: Rounding):
+def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: str | None = None):
   """Quantizes a float residual (or returns it unchanged when bits is None).
+
+  `name` (the residual's name) lets the active bit plan change the width
+  (`jact.use_plan`) and estimators find and re-seed the residual.
 
   The quantizer groups values inside each sample (axis 0). A 1-D tensor, or
   samples shorter than a group, would waste most bytes on padding and group
   statistics, so those are quantized as a single row (a free reshape);
   `restore_residual` takes the original shape back.
   """
+  if name is not None and rounding.bits is not None:
+    bits = _context.planned_bits(name, rounding.bits)
+    if bits != rounding.bits:
+      rounding = dataclasses.replace(rounding, bits=bits)
+    _context.record(name, x, rounding.bits)
   if rounding.bits is None:
     return x
   d = math.prod(x.shape[1:]) if x.ndim else 1
   if x.ndim <= 1 or d < rounding.group_size:
     x = x.reshape(1, -1)
   return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
-                  stochastic=rounding.stochastic, seed=rng.split_seed(seed, site))
+                  stochastic=rounding.stochastic, seed=site_seed(seed, site, name))
 
 
 def restore_residual(r, shape=None, dtype=None):
@@ -243,7 +283,7 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
   def fwd(seed, *args):
     out = fn(*args)
     residuals = tuple(
-        tag(compress_residual(a, seed, i, rounding), names[i]) if c else a
+        tag(compress_residual(a, seed, i, rounding, names[i]), names[i]) if c else a
         for i, (a, c) in enumerate(zip(args, compress)))
     return finish_forward(out, residuals)
 

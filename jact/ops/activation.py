@@ -99,7 +99,7 @@ def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, nam
     _, dydx = jax.jvp(f, (x32,), (jnp.ones_like(x32),))
     if rounding.bits is None:
       dydx = dydx.astype(x.dtype)
-    packed = tag(compress_residual(dydx, seed, 0, rounding), f"{name}.dydx")
+    packed = tag(compress_residual(dydx, seed, 0, rounding, f"{name}.dydx"), f"{name}.dydx")
     return finish_forward(f(x), packed, elementwise=True)
 
   def bwd(res, g):
@@ -170,7 +170,7 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
 
   def fwd(seed, x):
     y = jax.nn.softmax(x, axis=axis)
-    packed = tag(compress_residual(y, seed, 0, rounding), f"{name}.y")
+    packed = tag(compress_residual(y, seed, 0, rounding, f"{name}.y"), f"{name}.y")
     return finish_forward(y, packed, elementwise=True)
 
   def bwd(res, g):

@@ -353,7 +353,8 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   def fwd(seed, q, k, v, bias, mask):
     out, lse = forward(q, k, v, bias, mask)
     saved = (q, k, v) if recompute else (q, k, v, out)
-    residuals = tuple(tag(compress_residual(a, seed, site, rounding), f"{name}.{role}")
+    residuals = tuple(tag(compress_residual(a, seed, site, rounding, f"{name}.{role}"),
+                          f"{name}.{role}")
                       for site, (a, role) in enumerate(zip(saved, "q k v out".split())))
     if not recompute:
       residuals = (*residuals, tag(lse, f"{name}.lse"))

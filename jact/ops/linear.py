@@ -16,23 +16,48 @@ True
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jact import _probe
 from jact.ops._core import Rounding, check_name, make_seed, save_compressed
 
 __all__ = ["dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose"]
 
 
-def _apply(fn, args, *, compress, key, bits, group_size, stochastic, name, op):
+def _apply(fn, args, *, compress, key, bits, group_size, stochastic, name, op, layer=None):
+  """`layer`: (kind, info) for the analytic estimators when the lhs is the
+  stored activation of a dense layer or a channels-last convolution."""
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
   names = tuple(f"{name}.{role}" for role in ("lhs", "rhs", "arg2")[:len(args)])
-  return save_compressed(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names)
+  y = save_compressed(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names)
+  collector = _probe.active()
+  if collector is not None and layer is not None and compress[0] and bits is not None:
+    kind, info = layer
+    y = _probe.observe_linear(collector, names[0], kind, args[0], y, group_size=group_size, **info)
+  return y
+
+
+def _dense_layer(lhs, dimension_numbers, compress):
+  """('dense', {}) when lhs is an activation contracted over its last axis."""
+  (lc, _), (lb, _) = dimension_numbers
+  if tuple(compress)[:2] == (True, False) and tuple(lc) == (lhs.ndim - 1,) and not tuple(lb):
+    return ("dense", {})
+  return None
+
+
+def _conv_layer(lhs, rhs, window_strides, dimension_numbers, feature_group_count):
+  """('conv', info) for a channels-last convolution (Flax's layout)."""
+  if dimension_numbers != _channels_last(lhs.ndim) or lhs.ndim < 3:
+    return None
+  return ("conv", dict(kernel_locations=math.prod(rhs.shape[:-2]),
+                       stride=math.prod(window_strides), feature_groups=feature_group_count))
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
@@ -51,7 +76,8 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
                          precision=precision, preferred_element_type=preferred_element_type,
                          **kwargs)
   return _apply(fn, (lhs, rhs), compress=compress, key=key, bits=bits, group_size=group_size,
-                stochastic=stochastic, name=name, op="dot_general")
+                stochastic=stochastic, name=name, op="dot_general",
+                layer=_dense_layer(lhs, dimension_numbers, compress))
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, key=None,
@@ -91,8 +117,11 @@ def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Sequenc
       dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
       batch_group_count=batch_group_count, precision=precision,
       preferred_element_type=preferred_element_type)
+  layer = None
+  if tuple(compress)[:2] == (True, False) and lhs_dilation is None and batch_group_count == 1:
+    layer = _conv_layer(lhs, rhs, tuple(window_strides), dimension_numbers, feature_group_count)
   return _apply(fn, (lhs, rhs), compress=compress, key=key, bits=bits, group_size=group_size,
-                stochastic=stochastic, name=name, op="conv_general_dilated")
+                stochastic=stochastic, name=name, op="conv_general_dilated", layer=layer)
 
 
 def _channels_last(ndim: int):

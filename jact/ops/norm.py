@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jact import _probe
 from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
                             finish_forward, make_seed, restore_residual, tag)
 
@@ -108,7 +109,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     xhat = xc * inv
     if rounding.bits is None:
       xhat = xhat.astype(x.dtype)
-    packed = (tag(compress_residual(xhat, seed, 0, rounding), f"{name}.xhat"),
+    packed = (tag(compress_residual(xhat, seed, 0, rounding, f"{name}.xhat"), f"{name}.xhat"),
               tag(inv, f"{name}.inv_std"))
     out, packed = finish_forward((y, mu, var), packed, elementwise=True)
     return out, (*packed, scale)
@@ -134,6 +135,12 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   bias_dtype = None if bias is None else bias.dtype
   apply.defvjp(fwd, bwd)
   y, mu, var = apply(seed, x, scale, bias)
+  collector = _probe.active()
+  if collector is not None and bits is not None:
+    _, _, _, xc, inv = forward(x, scale, bias)
+    y = _probe.observe_norm(collector, f"{name}.xhat", op, xc * inv, inv,
+                            None if scale is None else scale.reshape(bshape), y,
+                            reduction_axes=red, group_size=group_size)
   return y, lax.stop_gradient(mu), lax.stop_gradient(var)
 
 

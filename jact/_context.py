@@ -1,0 +1,144 @@
+"""Trace-time contexts read by every compression site.
+
+Three things reach the compression sites of ops and `jact.compressed`
+without changing their signatures:
+
+* the active bit plan (static: it decides buffer shapes at trace time);
+* a recorder, which notes every compressed residual (name, shape, dtype,
+  bits) while a function is traced -- how estimators find the residuals;
+* a *salt*: a traced uint32 vector with one entry per residual name, mixed
+  into that residual's rounding seed. Salting one entry re-draws the
+  rounding noise of that residual only (GACT Algorithm 1). The salt enters
+  the compressed ops' custom VJPs as an explicit input (see
+  `jact.ops._core.make_seed`), never as a closed-over tracer.
+
+All three are thread-local stacks; they act on traces made while they are
+entered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+
+_STATE = threading.local()
+
+
+def _stack(kind: str) -> list:
+  stacks = getattr(_STATE, "stacks", None)
+  if stacks is None:
+    stacks = _STATE.stacks = {"plan": [], "recorder": [], "salt": [], "stats": []}
+  return stacks[kind]
+
+
+@contextlib.contextmanager
+def _pushed(kind: str, value) -> Iterator[Any]:
+  stack = _stack(kind)
+  stack.append(value)
+  try:
+    yield value
+  finally:
+    stack.pop()
+
+
+def current(kind: str):
+  """The innermost active value of `kind` ('plan', 'recorder', 'salt', 'stats'), or None."""
+  stack = _stack(kind)
+  return stack[-1] if stack else None
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_scope(plan):
+  return _pushed("plan", plan)
+
+
+def planned_bits(name: str, bits):
+  """The width the active plan gives residual `name` (call-site width `bits`).
+
+  Residuals the call site keeps uncompressed (bits None) stay so: a plan
+  changes widths, it does not add rounding noise where no key was asked for.
+  """
+  plan = current("plan")
+  if plan is None or bits is None:
+    return bits
+  return plan.bits_for(name, bits)
+
+
+def planned_budget(name: str):
+  """The per-sample average-bit budget of `name` in the active plan, or None."""
+  plan = current("plan")
+  return None if plan is None else plan.budget_for(name)
+
+
+# ----------------------------------------------------------------------------- recorder
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """One compressed residual seen while tracing."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: Any
+  bits: int | None
+
+  @property
+  def size(self) -> int:
+    n = 1
+    for s in self.shape:
+      n *= s
+    return n
+
+
+class Recorder:
+  """Collects the compressed residuals of a trace, first occurrence per name."""
+
+  def __init__(self):
+    self.sites: dict[str, Site] = {}
+
+  def add(self, name: str, x, bits) -> None:
+    if name not in self.sites:
+      self.sites[name] = Site(name, tuple(x.shape), jnp.dtype(x.dtype), bits)
+
+
+def recording():
+  return _pushed("recorder", Recorder())
+
+
+def record(name: str | None, x, bits) -> None:
+  recorder = current("recorder")
+  if recorder is not None and name is not None:
+    recorder.add(name, x, bits)
+
+
+# ----------------------------------------------------------------------------- salt
+
+
+@dataclasses.dataclass(frozen=True)
+class Salt:
+  """Per-name salts: `values[i]` is mixed into the seed of residual `names[i]`."""
+  names: tuple[str, ...]
+  values: jax.Array
+
+  def index(self, name: str) -> int | None:
+    try:
+      return self.names.index(name)
+    except ValueError:
+      return None
+
+
+def salted(names, values):
+  return _pushed("salt", Salt(tuple(names), values))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def collecting(collector):
+  return _pushed("stats", collector)

@@ -1,0 +1,179 @@
+"""AC-GC: bit widths from an allowed loss increase (AC-GC Sec. 3-5, Table 1).
+
+The user allows the loss to grow by a factor (1 + e^2); AC-GC turns that
+into a bound e^2 V^2 on the squared gradient error (V^2 ~ ||grad||^2) and,
+per layer type, into a closed-form tolerance on the squared error of each
+stored activation value:
+
+    dense  (input X: N rows x C):   dx*^2 = e^2 V^2 / (2 N C ||dY||^2)
+    conv   (kernel RxS, stride T):  dx*^2 = e^2 V^2 T^2 / (2 R S M C ||dY||^2),  M = N H W
+    batch / layer norm:             dx*^2 = e^2 V^2 M s^4 / (C gamma^2 g^2)
+
+(s: the normalization's standard deviation, g^2 >= the squared gradient of
+gamma, M values per statistic, C statistics). jact's norms store
+xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. A tolerance becomes a
+width of jact's per-group stochastic quantizer, whose per-value error
+variance is at most (R / (2 B))^2 for a group range R and B = 2^b - 1 steps:
+B >= R_max / (2 dx*), rounded up to 1, 2, 4 or 8 bits (wider: kept
+uncompressed). Statistics are recomputed every call of `update` (the
+recalculation interval is how often one calls it) and summarized over the
+last `window` (10) recalculations by their mean or max, as in AC-GC Sec. 5.
+
+Only residuals of jact's dense, convolution and normalization ops have a
+bound; the plan leaves every other residual at its call site's width.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> def loss(w, x, key):
+...   return jnp.sum(jnp.tanh(jact.ops.dense(x, w, key=key, name="fc")) ** 2)
+>>> w, x = jnp.ones((256, 8)) / 16, jax.random.normal(jax.random.key(0), (16, 256))
+>>> bounds = jact.acgc.error_bounded(loss, error=0.5)
+>>> state = bounds.update(bounds.init(w, x, jax.random.key(1)), w, x, jax.random.key(2))
+>>> bounds.plan(state)["fc.lhs"] in (1, 2, 4, 8, None)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact.plan import BitPlan
+from jact.sensitivity import collect_layer_stats, find_residuals
+
+__all__ = ["ACGCState", "ErrorBounded", "error_bounded", "tolerance", "bits_for_levels"]
+
+_ALLOWED = (1, 2, 4, 8)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ACGCState:
+  """Last `window` recalculations of the needed quantization steps B^2 per residual.
+
+  Attributes:
+    levels_sq: float32[window, L] ring buffer of (R_max / (2 dx*))^2 (NaN:
+      residual without a bound, or slot not yet filled).
+    count: int32, recalculations so far.
+    names: static residual names.
+  """
+  levels_sq: jax.Array
+  count: jax.Array
+  names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, error: float):
+  """Table 1's tolerance dx*^2 for one residual (in the stored residual's units)."""
+  grad_y = grad_y.astype(jnp.float32)
+  if info["kind"] == "dense":
+    rows = info["batch"] * info["positions"]
+    return error * v_sq / (2.0 * rows * info["channels"] * jnp.sum(jnp.square(grad_y)))
+  if info["kind"] == "conv":
+    m = info["batch"] * info["positions"]
+    t_sq = info["stride"]  # product of the strides = T^2 for a square stride T
+    return error * v_sq * t_sq / (
+        2.0 * info["kernel_locations"] * m * info["channels"] * jnp.sum(jnp.square(grad_y)))
+  # Normalization: dx*^2 = e^2 V^2 M s^4 / (C gamma^2 g^2); stored xhat = dx / s.
+  xhat, inv, scale = stats["xhat"], stats["inv"], stats["scale"]
+  m = info["reduction"]
+  c = xhat.size / m
+  gamma_sq = jnp.broadcast_to(jnp.square(scale), xhat.shape)
+  g_sq = jnp.broadcast_to(jnp.square(grad_scale), xhat.shape)
+  per_value = error * v_sq * m / (c * jnp.maximum(gamma_sq * g_sq, 1e-30) * jnp.square(inv))
+  return jnp.min(per_value)
+
+
+def bits_for_levels(levels_sq: float) -> int | None:
+  """The smallest width in (1, 2, 4, 8) with 2^b - 1 >= sqrt(levels_sq); None if wider than 8."""
+  if not np.isfinite(levels_sq):
+    return None
+  need = math.sqrt(max(float(levels_sq), 0.0))
+  for b in _ALLOWED:
+    if (1 << b) - 1 >= need:
+      return b
+  return None
+
+
+class ErrorBounded(NamedTuple):
+  """init(params, batch, key) -> state; update(state, params, batch, key) -> state;
+  plan(state) -> BitPlan."""
+  init: Callable[..., ACGCState]
+  update: Callable[..., ACGCState]
+  plan: Callable[[ACGCState], BitPlan]
+
+
+def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: int = 10,
+                  summary: str = "mean", scale_grads: Callable[[Any, Any], dict] | None = None
+                  ) -> ErrorBounded:
+  """AC-GC bounds as an estimator producing a `BitPlan`.
+
+  Args:
+    loss_fn: `loss_fn(params, batch, key) -> scalar` written with jact ops
+      called at the top level (not inside scan / checkpoint / compressed).
+    error: e^2, the allowed relative loss increase (AC-GC's default 0.5).
+    window: recalculations summarized (10 in AC-GC).
+    summary: "mean" (AC-GC's choice, more compression) or "max".
+  """
+  if not error > 0:
+    raise ValueError(f"error (e^2) must be positive, got {error!r}")
+  if summary not in ("mean", "max"):
+    raise ValueError(f"summary must be 'mean' or 'max', got {summary!r}")
+  if not isinstance(window, int) or window < 1:
+    raise ValueError(f"window must be a positive int, got {window!r}")
+
+  def init(params, batch, key) -> ACGCState:
+    names = tuple(sorted(find_residuals(loss_fn, params, batch, key)))
+    return ACGCState(jnp.full((window, len(names)), jnp.nan, jnp.float32),
+                     jnp.zeros((), jnp.int32), names)
+
+  @jax.jit
+  def update(state: ACGCState, params, batch, key) -> ACGCState:
+    probes = collect_layer_stats(loss_fn, params, batch, key)
+    g_params, g_probes, info, stats = collect_layer_stats(loss_fn, params, batch, key, probes)
+    v_sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(g_params))
+    row = []
+    for name in state.names:
+      if name not in info:
+        row.append(jnp.float32(jnp.nan))
+        continue
+      grad_scale = None
+      if info[name]["kind"] not in ("dense", "conv"):
+        xhat = stats[name]["xhat"]
+        gy = g_probes[name].astype(jnp.float32)
+        red = info[name]["reduction_axes"]
+        # d gamma = sum of dy * xhat over the non-feature axes (the parameter's gradient)
+        grad_scale = jnp.sum(gy * xhat, axis=_param_axes(xhat.ndim, red, info[name]["kind"]),
+                             keepdims=True)
+      tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error)
+      row.append(jnp.square(stats[name]["range_max"]) / (4.0 * tol))
+    slot = state.count % window
+    return dataclasses.replace(state, levels_sq=state.levels_sq.at[slot].set(jnp.stack(row)),
+                               count=state.count + 1)
+
+  def plan(state: ACGCState) -> BitPlan:
+    history = np.asarray(state.levels_sq, np.float64)
+    filled = min(int(state.count), window)
+    if filled == 0:
+      raise ValueError("no statistics yet: call update at least once before plan")
+    bits = {}
+    for i, name in enumerate(state.names):
+      column = history[:filled, i] if int(state.count) <= window else history[:, i]
+      if np.all(np.isnan(column)):
+        continue  # no bound for this residual: its call site decides
+      value = np.nanmean(column) if summary == "mean" else np.nanmax(column)
+      bits[name] = bits_for_levels(value)
+    return BitPlan(bits)
+
+  return ErrorBounded(init, update, plan)
+
+
+def _param_axes(ndim: int, reduction_axes, kind: str):
+  """Axes summed to get the scale's gradient: batch norm sums over its reduction
+  axes; layer / RMS norm (scale over the last axis) over every other axis."""
+  if kind == "batch_norm":
+    return tuple(reduction_axes)
+  return tuple(range(ndim - 1))
