@@ -149,11 +149,12 @@ def barrier(residuals, cotangent):
     if isinstance(r, Packed):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
                                  scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
-    if isinstance(r, PackedBits):
+    if isinstance(r, PackedBits) or _is_per_sample(r):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
     return r
 
-  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits)))
+  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits))
+                           or _is_per_sample(r))
   return residuals, cotangent
 
 
@@ -232,23 +233,49 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   statistics, so those are quantized as a single row (a free reshape);
   `restore_residual` takes the original shape back.
   """
+  budget = None
   if name is not None and rounding.bits is not None:
     bits = _context.planned_bits(name, rounding.bits)
     if bits != rounding.bits:
       rounding = dataclasses.replace(rounding, bits=bits)
     _context.record(name, x, rounding.bits)
+    if bits is not None:
+      budget = _context.planned_budget(name)
   if rounding.bits is None:
     return x
   d = math.prod(x.shape[1:]) if x.ndim else 1
   if x.ndim <= 1 or d < rounding.group_size:
     x = x.reshape(1, -1)
+  if budget is not None:
+    return _compress_per_sample(x, site_seed(seed, site, name), rounding, budget)
   return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
                   stochastic=rounding.stochastic, seed=site_seed(seed, site, name))
 
 
+def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
+  """ActNN L3 per-sample widths: samples with larger group ranges (per-sample
+  sensitivity ||R_n||^2, the gradient factor being a per-layer moving average)
+  get more bits; the widths are chosen here, inside the step, and the codes
+  packed into a buffer sized for `avg_bits` on average."""
+  from jact import _probe, allocate, persample  # pylint: disable=import-outside-toplevel
+  ranges_sq, _, _ = _probe.group_ranges_sq(x, rounding.group_size)
+  widths = allocate.allocate_per_sample(ranges_sq, avg_bits)
+  capacity = persample.per_sample_capacity(x.shape, avg_bits, rounding.group_size)
+  return persample.quantize_per_sample(x, widths, capacity_bytes=capacity,
+                                       group_size=rounding.group_size,
+                                       stochastic=rounding.stochastic, seed=seed)
+
+
+def _is_per_sample(r) -> bool:
+  return type(r).__name__ == "PackedPerSample"
+
+
 def restore_residual(r, shape=None, dtype=None):
   """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`."""
-  if isinstance(r, Packed):
+  if _is_per_sample(r):
+    from jact import persample  # pylint: disable=import-outside-toplevel
+    r = persample.dequantize_per_sample(r, dtype)
+  elif isinstance(r, Packed):
     r = dequantize(r, dtype)
   elif dtype is not None:
     r = r.astype(dtype)

@@ -1,0 +1,320 @@
+"""Bit allocation: which width each tensor (or sample) gets under a bit budget.
+
+The per-group stochastic quantizer at b bits adds variance proportional to
+S(b) = (2**b - 1)**-2 (ActNN Eq. 9, GACT Eq. 4), so with a sensitivity c_l
+and a size of D_l values per tensor the problem is
+
+    minimize sum_l c_l * S(b_l)   subject to   sum_l b_l * D_l <= budget,
+
+with every b_l taken from an allowed set of widths (ActNN Eq. 10). The width
+`UNCOMPRESSED` (32) means "kept in full precision" and has S(32) = 0.
+
+* `greedy_allocate` is ActNN's heap greedy (host side, O(L log L)): start at
+  the widest width and keep lowering the tensor whose next step down costs
+  the least variance per bit saved until the budget holds, then spend what is
+  left on the upgrades that fit, best variance reduction per bit first.
+* `optimal_allocate` is the exact dynamic program, for checking the greedy on
+  small instances.
+* `allocate_per_sample` is the same greedy over the samples of one tensor
+  (ActNN L3, stage 1) in pure JAX, to run inside `jax.jit`.
+
+Plans from the host allocators are plain tuples of ints (static for jit).
+
+>>> greedy_allocate([1.0, 100.0], [64, 64], budget_bits=6 * 64)
+(2, 4)
+>>> optimal_allocate([1.0, 100.0], [64, 64], budget_bits=6 * 64)
+(2, 4)
+>>> import jax.numpy as jnp
+>>> allocate_per_sample(jnp.array([0.0, 1.0, 1e4, 5.0]), avg_bits=2.5).tolist()
+[1, 2, 4, 2]
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "UNCOMPRESSED", "variance_factor", "greedy_allocate", "optimal_allocate",
+    "total_variance", "total_bits", "allocate_per_sample",
+]
+
+UNCOMPRESSED = 32
+_WIDTHS = (1, 2, 4, 8, UNCOMPRESSED)
+_MAX_DP_CELLS = 50_000_000
+
+
+def variance_factor(bits: int) -> float:
+  """S(b) = (2**b - 1)**-2, the variance factor of a b-bit quantizer (0 for 32).
+
+  >>> variance_factor(1), variance_factor(2), variance_factor(32)
+  (1.0, 0.1111111111111111, 0.0)
+  """
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in _WIDTHS:
+    raise ValueError(f"bits must be one of {_WIDTHS} (32 = uncompressed), got {bits!r}.")
+  bits = int(bits)
+  return 0.0 if bits == UNCOMPRESSED else 1.0 / float((1 << bits) - 1) ** 2
+
+
+def _check_allowed(allowed, uncompressed: bool = True) -> tuple[int, ...]:
+  """Sorted, distinct widths from (1, 2, 4, 8[, 32])."""
+  try:
+    widths = tuple(allowed)
+  except TypeError:
+    widths = None
+  valid = _WIDTHS if uncompressed else _WIDTHS[:-1]
+  if (not widths or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or int(b) not in valid
+                        for b in widths)):
+    raise ValueError(f"allowed must be a non-empty sequence of widths from {valid}, got {allowed!r}.")
+  return tuple(sorted({int(b) for b in widths}))
+
+
+def _check_problem(sensitivity, sizes, budget_bits, allowed):
+  c = np.asarray(sensitivity, dtype=np.float64).reshape(-1)
+  d = np.asarray(sizes)
+  if d.ndim != 1 or (d.size and (d.dtype.kind not in "iu" or (d <= 0).any())):
+    raise ValueError(f"sizes must be a 1-D sequence of positive ints, got {sizes!r}.")
+  if c.shape != d.shape:
+    raise ValueError(f"sensitivity has {c.size} entries but sizes has {d.size}; give one of each per tensor.")
+  if not np.isfinite(c).all() or (c < 0).any():
+    raise ValueError("sensitivities must be finite and >= 0 (a variance scale); got "
+                     f"{c[~(np.isfinite(c) & (c >= 0))][:4].tolist()} among them.")
+  if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float, np.integer, np.floating)):
+    raise ValueError(f"budget_bits must be a number of bits, got {budget_bits!r}.")
+  widths = _check_allowed(allowed)
+  d = [int(v) for v in d]
+  minimum = widths[0] * sum(d)
+  if not budget_bits >= minimum:
+    raise ValueError(f"budget_bits={budget_bits} is below the smallest possible allocation (every tensor "
+                     f"at {widths[0]} bits): raise the budget to at least {minimum} bits.")
+  return [float(v) for v in c], d, widths
+
+
+def total_variance(sensitivity: Sequence[float], bits: Sequence[int]) -> float:
+  """sum_l c_l * S(b_l).
+
+  >>> total_variance([1.0, 9.0], [1, 2])
+  2.0
+  """
+  return float(sum(float(c) * variance_factor(b) for c, b in zip(sensitivity, bits, strict=True)))
+
+
+def total_bits(sizes: Sequence[int], bits: Sequence[int]) -> int:
+  """sum_l b_l * D_l.
+
+  >>> total_bits([10, 3], [4, 32])
+  136
+  """
+  return int(sum(int(d) * int(b) for d, b in zip(sizes, bits, strict=True)))
+
+
+def greedy_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_bits: int,
+                    allowed: Sequence[int] = (1, 2, 4, 8)) -> tuple[int, ...]:
+  """ActNN's greedy for min sum c_l S(b_l) s.t. sum b_l D_l <= budget_bits.
+
+  Downward pass: every tensor starts at the widest allowed width; a binary
+  heap holds each tensor's next step down keyed by the variance it adds per
+  bit it saves, c_l (S(lower) - S(cur)) / ((cur - lower) D_l), and the
+  cheapest step is applied while the budget is not met. The step that would
+  meet it can save far more bits than are missing, so it is compared with
+  the cheapest way to save the missing bits by lowering any single tensor
+  (one or more steps). Fill pass, on both: the bits left over go to the
+  upgrades that still fit, largest variance reduction per bit first (ties:
+  lower tensor index first); the one with less variance is returned (the
+  plain greedy on a tie). S is convex over the widths, so each tensor's steps
+  come out of the heap in order. O(L log L) for a fixed allowed set.
+
+  Args:
+    sensitivity: c_l >= 0 per tensor.
+    sizes: D_l, positive ints (values per tensor).
+    budget_bits: total bits allowed; at least min(allowed) * sum(D).
+    allowed: widths from (1, 2, 4, 8, 32); 32 keeps a tensor uncompressed.
+
+  Returns:
+    One width per tensor; their total never exceeds the budget.
+  """
+  c, d, widths = _check_problem(sensitivity, sizes, budget_bits, allowed)
+  s = [variance_factor(b) for b in widths]
+  top = len(widths) - 1
+
+  def ratio(l, lo):  # variance per bit between levels lo and lo + 1 of tensor l
+    return c[l] * (s[lo] - s[lo + 1]) / ((widths[lo + 1] - widths[lo]) * d[l])
+
+  def fill(level):
+    level = list(level)
+    used = total_bits(d, [widths[k] for k in level])
+    heap = [(-ratio(l, level[l]), l) for l in range(len(c)) if level[l] < top and c[l] > 0]
+    heapq.heapify(heap)
+    while heap:
+      _, l = heapq.heappop(heap)
+      cost = (widths[level[l] + 1] - widths[level[l]]) * d[l]
+      if used + cost <= budget_bits:  # else its further steps cost more: drop the tensor
+        used += cost
+        level[l] += 1
+        if level[l] < top:
+          heapq.heappush(heap, (-ratio(l, level[l]), l))
+    return level
+
+  level = [top] * len(c)
+  used = widths[top] * sum(d)
+  heap = [(ratio(l, top - 1), l) for l in range(len(c))] if top else []
+  heapq.heapify(heap)
+  while used > budget_bits:
+    _, l = heapq.heappop(heap)
+    step = (widths[level[l]] - widths[level[l] - 1]) * d[l]
+    if used - step > budget_bits:
+      level[l] -= 1
+      used -= step
+      if level[l]:
+        heapq.heappush(heap, (ratio(l, level[l] - 1), l))
+      continue
+    # The crossing step, and the cheapest single-tensor way to save the missing bits.
+    missing, best = used - budget_bits, None
+    for m in range(len(c)):
+      lower = max((k for k in range(level[m]) if (widths[level[m]] - widths[k]) * d[m] >= missing),
+                  default=None)
+      if lower is not None and (best is None or c[m] * (s[lower] - s[level[m]]) < best[0]):
+        best = (c[m] * (s[lower] - s[level[m]]), m, lower)
+    plain = list(level)
+    plain[l] -= 1
+    plain = fill(plain)
+    level[best[1]] = best[2]
+    level = fill(level)
+    if not sum(c[m] * (s[plain[m]] - s[level[m]]) for m in range(len(c))) > 0:
+      level = plain
+    break
+  return tuple(widths[k] for k in level)
+
+
+def optimal_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_bits: int,
+                     allowed: Sequence[int] = (1, 2, 4, 8)) -> tuple[int, ...]:
+  """The exact optimum by dynamic programming (a multiple-choice knapsack).
+
+  Costs are counted in units of g = gcd(D_l), so the table has
+  L * (budget / g + 1) cells; it is meant for small instances (checking
+  `greedy_allocate`) and refuses tables over 5e7 cells. Ties go to the
+  narrower width. Same arguments and result as `greedy_allocate`.
+  """
+  c, d, widths = _check_problem(sensitivity, sizes, budget_bits, allowed)
+  if not c:
+    return ()
+  g = math.gcd(*d)
+  cap = int(min(budget_bits // g, widths[-1] * sum(d) // g))
+  if len(c) * (cap + 1) > _MAX_DP_CELLS:
+    raise ValueError(f"optimal_allocate is for small instances: its table would have "
+                     f"{len(c) * (cap + 1):.3g} cells (limit {_MAX_DP_CELLS:.0e}); use greedy_allocate.")
+  s = np.array([variance_factor(b) for b in widths])
+  best = np.zeros(cap + 1)  # least variance of the tensors so far within a capacity
+  choice = np.zeros((len(c), cap + 1), np.uint8)
+  for l in range(len(c)):
+    options = np.full((len(widths), cap + 1), np.inf)
+    for k, b in enumerate(widths):
+      cost = b * d[l] // g
+      if cost <= cap:
+        options[k, cost:] = best[:cap + 1 - cost] + c[l] * s[k]
+    choice[l] = np.argmin(options, axis=0)
+    best = options[choice[l], np.arange(cap + 1)]
+  out, rest = [], cap
+  for l in reversed(range(len(c))):
+    k = int(choice[l, rest])
+    out.append(widths[k])
+    rest -= widths[k] * d[l] // g
+  return tuple(reversed(out))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _allocate_per_sample(w, avg_bits, widths):
+  n = w.shape[0]
+  budget = math.floor(avg_bits * n)
+  top = len(widths) - 1  # also the number of steps down per sample
+  if n == 0 or top == 0 or widths[-1] * n <= budget:
+    return jnp.full((n,), widths[-1], jnp.int32)
+  s = jnp.array([variance_factor(b) for b in widths], jnp.float32)
+  width = jnp.array(widths, jnp.int32)
+  # Step m of a sample lowers it from level top - m to top - m - 1.
+  dbits = [widths[top - m] - widths[top - m - 1] for m in range(top)]
+  dvar = [(variance_factor(widths[top - m - 1]) - variance_factor(widths[top - m])) / dbits[m]
+          for m in range(top)]
+  w = jnp.asarray(w, jnp.float32)
+  w = jnp.where(jnp.isnan(w) | (w < 0), 0.0, jnp.minimum(w, jnp.finfo(jnp.float32).max))
+  # The heap pops steps in (key, sample) order and each sample's keys grow
+  # with every step, so the downward pass takes a prefix of the stably sorted
+  # steps: up to the first one whose running saving meets the budget.
+  key = (w[:, None] * jnp.array(dvar, jnp.float32)).reshape(-1)
+  order = jnp.argsort(key, stable=True)
+  key = key[order]
+  cost = jnp.tile(jnp.array(dbits, jnp.int32), n)[order]
+  owner = order // top
+  step = order % top
+  saved = jnp.cumsum(cost)
+  pos = jnp.arange(n * top, dtype=jnp.int32)
+  cross = jnp.sum(saved < widths[-1] * n - budget)
+  level = top - jnp.zeros((n,), jnp.int32).at[owner].add((pos < cross).astype(jnp.int32))
+  missing = widths[-1] * n - jnp.where(cross > 0, saved[cross - 1], 0) - budget
+  # Alternative to the crossing step: the cheapest single sample that saves
+  # the missing bits alone, at its highest level that does.
+  below = jnp.arange(top + 1)[None, :] < level[:, None]
+  enough = width[level][:, None] - width[None, :] >= missing
+  lower = jnp.max(jnp.where(below & enough, jnp.arange(top + 1), -1), axis=1)
+  extra = jnp.where(lower >= 0, w * (s[jnp.maximum(lower, 0)] - s[level]), jnp.inf)
+  m = jnp.argmin(extra)
+  plain = level.at[owner[cross]].add(-1)
+  alt = level.at[m].set(lower[m])
+  in_plain = pos <= cross
+  in_alt = (pos < cross) | ((owner == m) & (step >= top - level[m]) & (step < top - lower[m]))
+
+  def fill(level, taken):
+    # Undo taken steps in reverse sorted order whenever one fits: the host
+    # heap visits them in that order, and one that does not fit only blocks
+    # costlier ones. Fewer than max(dbits) bits are left and each undo
+    # spends >= 1, so max(dbits) - 1 rounds of "the next one that fits" do.
+    def body(_, state):
+      level, left, end = state
+      p = jnp.max(jnp.where(taken & (pos < end) & (cost <= left) & (key > 0), pos, -1))
+      q = jnp.maximum(p, 0)
+      level = level.at[owner[q]].add((p >= 0).astype(jnp.int32))
+      return level, left - jnp.where(p >= 0, cost[q], 0), jnp.where(p >= 0, p, end)
+
+    left = budget - jnp.sum(width[level])
+    return jax.lax.fori_loop(0, max(dbits) - 1, body, (level, left, n * top))[0]
+
+  plain, alt = jax.vmap(fill)(jnp.stack([plain, alt]), jnp.stack([in_plain, in_alt]))
+  better = jnp.sum(w * (s[plain] - s[alt])) > 0
+  return width[jnp.where(better, alt, plain)]
+
+
+def allocate_per_sample(weights: jax.Array, avg_bits: float,
+                        allowed: Sequence[int] = (1, 2, 4, 8)) -> jax.Array:
+  """Per-sample widths for one tensor under an average-bits budget, in JAX.
+
+  The result equals `greedy_allocate(weights, [1] * N, floor(avg_bits * N),
+  allowed)` (up to float32 ties among the sort keys): every sample has the
+  same size, so the budget is floor(avg_bits * N) bits per value summed over
+  the samples. Instead of a heap loop, the downward pass is one stable sort
+  of the N * (len(allowed) - 1) possible steps and a prefix sum, and the fill
+  pass is max(gap between widths) - 1 rounds of masked max: O(N log N) work,
+  no data-dependent loop, deterministic. Runs under `jax.jit` and `vmap`.
+
+  Args:
+    weights: float[N] per-sample sensitivity (e.g. ||grad_n||^2 ||R_n||^2);
+      NaN and negative weights count as 0, +inf as the largest float32.
+    avg_bits: static Python number >= min(allowed).
+    allowed: widths from (1, 2, 4, 8) (no 32: a sample is never kept raw).
+
+  Returns:
+    int32[N] widths with sum <= floor(avg_bits * N).
+  """
+  widths = _check_allowed(allowed, uncompressed=False)
+  if (isinstance(avg_bits, bool) or not isinstance(avg_bits, (int, float, np.integer, np.floating))
+      or not avg_bits >= widths[0] or not math.isfinite(avg_bits)):
+    raise ValueError(f"avg_bits must be a static finite number >= {widths[0]} (the narrowest "
+                     f"allowed width), got {avg_bits!r}.")
+  if jnp.ndim(weights) != 1:
+    raise ValueError(f"weights must be a 1-D array (one per sample), got shape {jnp.shape(weights)}.")
+  return _allocate_per_sample(weights, float(avg_bits), widths)

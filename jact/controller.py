@@ -1,0 +1,190 @@
+"""`Controller`: adaptive bit plans inside an ordinary training loop.
+
+The controller lives at the loop level, next to the optimizer: the jitted
+train step takes the plan as a static argument, and every `adapt_interval`
+steps (after `warmup`) the controller runs its estimator, re-allocates the
+bits under the average-bit budget, checks GACT's failure alert (compression
+variance against the gradient's sampling variance) and hands back a new
+plan -- one retrace when the plan changed, none when it did not.
+
+    controller = jact.Controller(loss_fn, estimator="numeric", avg_bits=2.0)
+    state = controller.init(params, batch, key)
+    step = jax.jit(jact.planned(train_step), static_argnames="plan")
+    for batch in data:
+      params, opt_state = step(params, opt_state, batch, key, plan=state.plan)
+      state = controller.update(state, params, batch, key)   # cheap unless due
+
+`save`/`restore` write and read the controller state with orbax; a restored
+controller continues with the same plan, estimates and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jact import acgc as _acgc
+from jact import allocate, sensitivity
+from jact.plan import BitPlan
+
+__all__ = ["Controller", "ControllerState", "CompressionVarianceWarning"]
+
+_ESTIMATORS = ("numeric", "analytic", "acgc")
+
+
+class CompressionVarianceWarning(UserWarning):
+  """The predicted compression variance is a large fraction of the sampling variance."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerState:
+  """Host-side controller state.
+
+  Attributes:
+    estimates: the estimator's state pytree (arrays).
+    plan: the current `BitPlan`.
+    step: number of `update` calls so far.
+    report: the last adaptation's figures (step, average bits, predicted
+      compression variance, sampling variance, their ratio).
+  """
+  estimates: Any
+  plan: BitPlan
+  step: int
+  report: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Controller:
+  """Runs a sensitivity estimator every `adapt_interval` steps and re-plans.
+
+  Args:
+    loss_fn: `loss_fn(params, batch, key) -> scalar` using jact compression.
+    estimator: "numeric" (GACT Alg. 1), "analytic" (ActNN) or "acgc" (AC-GC
+      error bounds; `avg_bits` is then not used, `error` is).
+    avg_bits: average bits per value over the estimated residuals.
+    allowed: widths the allocator may pick (32: keep uncompressed).
+    adapt_interval: steps between estimations.
+    warmup: steps before the first estimation (the initial plan is uniform).
+    alert_fraction: warn when predicted compression variance exceeds this
+      fraction of the sampling variance (GACT Sec. 4.2).
+    per_sample: give each estimated residual its per-layer budget as a
+      per-sample entry (ActNN L3: widths split among samples in the step).
+    error: e^2 of AC-GC.
+    decay, chunk_size: estimator settings (see `jact.sensitivity`).
+  """
+  loss_fn: Callable[..., Any]
+  estimator: str = "numeric"
+  avg_bits: float = 2.0
+  allowed: tuple[int, ...] = (1, 2, 4, 8)
+  adapt_interval: int = 50
+  warmup: int = 0
+  alert_fraction: float = 0.5
+  per_sample: bool = False
+  error: float = 0.5
+  decay: float = 0.9
+  chunk_size: int | None = None
+
+  def __post_init__(self):
+    if self.estimator not in _ESTIMATORS:
+      raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {self.estimator!r}")
+    if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+      raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval!r}")
+    if not isinstance(self.warmup, int) or self.warmup < 0:
+      raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
+    if not 1 <= self.avg_bits <= 32:
+      raise ValueError(f"avg_bits must be in [1, 32], got {self.avg_bits!r}")
+    object.__setattr__(self, "allowed", tuple(self.allowed))
+    object.__setattr__(self, "_impl", self._make_estimator())
+
+  def _make_estimator(self):
+    if self.estimator == "numeric":
+      return sensitivity.numeric(self.loss_fn, decay=self.decay, chunk_size=self.chunk_size)
+    if self.estimator == "analytic":
+      return sensitivity.analytic(self.loss_fn, decay=self.decay)
+    return _acgc.error_bounded(self.loss_fn, error=self.error)
+
+  # ------------------------------------------------------------------ loop
+
+  def init(self, params, batch, key) -> ControllerState:
+    """Finds the residuals; the first plan is uniform at the nearest allowed width."""
+    estimates = self._impl.init(params, batch, key)
+    sizes = dict(zip(estimates.names, getattr(estimates, "sizes", None) or self._sizes(
+        params, batch, key, estimates.names)))
+    uniform = min((b for b in self.allowed if b != allocate.UNCOMPRESSED),
+                  key=lambda b: (abs(b - self.avg_bits), b))
+    return ControllerState(estimates, BitPlan.uniform(sizes, uniform), 0, {})
+
+  def _sizes(self, params, batch, key, names):
+    sites = sensitivity.find_residuals(self.loss_fn, params, batch, key)
+    return tuple(sites[n].size for n in names)
+
+  def due(self, step: int) -> bool:
+    """Whether `update` at this step count runs the estimator."""
+    return step >= self.warmup and (step - self.warmup) % self.adapt_interval == 0
+
+  def update(self, state: ControllerState, params, batch, key) -> ControllerState:
+    """Counts a step; every `adapt_interval` steps estimates, re-plans and reports."""
+    if not self.due(state.step):
+      return dataclasses.replace(state, step=state.step + 1)
+    k_est, k_var = jax.random.split(key)
+    estimates = self._impl.update(state.estimates, params, batch, k_est)
+    plan = self._replan(estimates, state.plan)
+    report = {"step": state.step, "average_bits": plan.average_bits()}
+    if self.estimator != "acgc":
+      predicted = sensitivity.predicted_variance(estimates, plan)
+      sampled = float(sensitivity.sampling_variance(self.loss_fn, params, batch, k_var))
+      ratio = predicted / sampled if sampled > 0 else float("inf")
+      report.update(predicted_variance=predicted, sampling_variance=sampled, ratio=ratio)
+      if ratio > self.alert_fraction:
+        warnings.warn(
+            f"jact: predicted compression variance is {ratio:.2f}x the gradient's sampling "
+            f"variance at step {state.step} (alert above {self.alert_fraction}): raise "
+            "avg_bits, or check the learning rate", CompressionVarianceWarning, stacklevel=2)
+    return ControllerState(estimates, plan, state.step + 1, report)
+
+  def _replan(self, estimates, previous: BitPlan) -> BitPlan:
+    sizes = dict(previous.sizes)
+    if self.estimator == "acgc":
+      return self._impl.plan(estimates).replace(sizes=sizes)
+    c = np.asarray(estimates.sensitivity, np.float64)
+    known = [i for i, v in enumerate(c) if np.isfinite(v)]
+    if not known:
+      return previous
+    names = [estimates.names[i] for i in known]
+    d = [sizes[n] for n in names]
+    budget = int(self.avg_bits * sum(d))
+    bits = allocate.greedy_allocate(np.maximum(c[known], 0.0), d, budget, self.allowed)
+    chosen = dict(zip(names, bits))
+    if self.per_sample:
+      layer_avg = {n: float(b) for n, b in chosen.items() if b != allocate.UNCOMPRESSED}
+      return previous.replace({n: b for n, b in chosen.items()}, budgets=layer_avg)
+    return previous.replace(chosen)
+
+  # ------------------------------------------------------------------ checkpoints
+
+  def save(self, state: ControllerState, directory: str | os.PathLike) -> None:
+    """Writes the controller state to `directory` (orbax; must not exist yet)."""
+    import orbax.checkpoint as ocp
+    meta = {"plan": state.plan.to_dict(), "step": state.step, "report": state.report,
+            "estimator": self.estimator}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+      ckpt.save(os.fspath(os.path.abspath(directory)), args=ocp.args.Composite(
+          estimates=ocp.args.StandardSave(state.estimates), meta=ocp.args.JsonSave(meta)))
+
+  def restore(self, directory: str | os.PathLike, like: ControllerState) -> ControllerState:
+    """Reads a state written by `save`; `like` (e.g. from `init`) gives its structure."""
+    import orbax.checkpoint as ocp
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+      restored = ckpt.restore(os.fspath(os.path.abspath(directory)), args=ocp.args.Composite(
+          estimates=ocp.args.StandardRestore(like.estimates), meta=ocp.args.JsonRestore()))
+    meta = restored["meta"]
+    if meta["estimator"] != self.estimator:
+      raise ValueError(f"checkpoint was written by a {meta['estimator']!r} controller, "
+                       f"this one uses {self.estimator!r}")
+    return ControllerState(restored["estimates"], BitPlan.from_dict(meta["plan"]),
+                           int(meta["step"]), dict(meta["report"]))

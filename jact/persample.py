@@ -1,0 +1,204 @@
+"""Per-sample mixed precision (ActNN L3): one width per sample, one static buffer.
+
+Sample n of x (axis 0) is quantized per group exactly like `jact.quantize`
+(same groups, bf16 statistics, non-finite handling and hash noise) but with
+its own width b_n in (1, 2, 4, 8), decided at run time (e.g. by
+`jact.allocate.allocate_per_sample` inside the same jit). Its codes are
+packed at b_n bits per value -- planar within the sample: with k = 8 // b_n
+codes per byte and Q = Dp // k bytes, byte j holds the sample's values j,
+j+Q, j+2Q, ... (Dp = values per sample padded to whole groups) -- and the
+samples lie back to back in ONE uint8 buffer of static length
+`capacity_bytes`, sample n at byte sum_{m<n} b_m Dp / 8. Shapes never depend
+on the widths, so the buffer is an ordinary jit value and residual.
+
+Widths that do not fit the capacity are the caller's bug, but cannot be
+reported from inside jit: every sample then falls back to 1 bit (which
+always fits, checked at trace time), so memory is never overrun and no NaN
+appears. Values outside (1, 2, 4, 8) are rounded down to one (at least 1).
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
+>>> cap = per_sample_capacity(x.shape, avg_bits=3.0)  # 12 bits per value in all
+>>> p = quantize_per_sample(x, jnp.array([1, 2, 4, 4]), capacity_bytes=cap, key=jax.random.key(0))
+>>> p.data.shape, p.nbytes
+((96,), 116)
+>>> bool(jnp.all(jnp.abs(dequantize_per_sample(p) - x) <= p.scale[:, :1].astype(jnp.float32)))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact import rng
+from jact.quantize import (SUPPORTED_BITS, _bf16_directed, _check_float, _finite_min_max, _grouped,
+                           check_group_size, effective_group_size, pack_bits, unpack_bits)
+
+__all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedPerSample:
+  """A tensor quantized with one width per sample, packed into one buffer.
+
+  Attributes:
+    data: uint8[capacity] packed codes, samples back to back.
+    bits: uint8[N] width used for each sample (after any fallback).
+    minimum: bfloat16[N, groups] group minimum (rounded down).
+    scale: bfloat16[N, groups] quantization step (rounded up).
+    shape, dtype, group_size: static description of the original tensor.
+  """
+  data: jax.Array
+  bits: jax.Array
+  minimum: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+  group_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes stored (buffer + widths + bf16 group statistics); static."""
+    return int(self.data.size + self.bits.size + 2 * self.minimum.size + 2 * self.scale.size)
+
+
+def _layout(shape: tuple[int, ...], group_size: int) -> tuple[int, int, int]:
+  """(N, effective group size, padded values per sample Dp) for a tensor shape."""
+  if len(shape) < 1:
+    raise ValueError("per-sample quantization needs a leading sample axis; got a scalar.")
+  d = math.prod(shape[1:])
+  g = effective_group_size(d, check_group_size(group_size))
+  return shape[0], g, -(-d // g) * g
+
+
+def per_sample_capacity(shape: tuple[int, ...], avg_bits: float, group_size: int = 256) -> int:
+  """Static buffer bytes for `shape` at `avg_bits` bits per value on average.
+
+  ceil(floor(avg_bits * N) * Dp / 8), with Dp the per-sample size padded to
+  whole groups (as in `jact.quantize`); averages above 8 count as 8. Widths
+  from `allocate_per_sample(w, avg_bits)` always fit it.
+
+  >>> per_sample_capacity((16, 28, 28), 2.5), per_sample_capacity((16, 28, 28), 9.0)
+  (3920, 12544)
+  """
+  n, _, dp = _layout(tuple(shape), group_size)
+  if (isinstance(avg_bits, bool) or not isinstance(avg_bits, (int, float, np.integer, np.floating))
+      or not math.isfinite(avg_bits) or avg_bits < 1):
+    raise ValueError(f"avg_bits must be a finite number >= 1 (every value needs at least 1 bit), "
+                     f"got {avg_bits!r}.")
+  return -(-min(math.floor(avg_bits * n), 8 * n) * dp // 8)
+
+
+def _scatter_rows(buf: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
+  """buf[starts[i] : starts[i] + rows.shape[1]] = rows[i]; out-of-bounds rows are dropped."""
+  dnums = jax.lax.ScatterDimensionNumbers(
+      update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,))
+  return jax.lax.scatter(buf, starts[:, None], rows, dnums,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _offsets(bits: jax.Array, dp: int) -> jax.Array:
+  """Byte offset of each sample's segment (exclusive prefix sum of b_n Dp / 8)."""
+  size = bits.astype(jnp.int32) * (dp // 8)
+  return jnp.cumsum(size) - size
+
+
+def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int = 256,
+                        stochastic: bool = True, seed: jax.Array | None = None,
+                        key=None) -> PackedPerSample:
+  """Quantizes each sample n of `x` at its own width `bits[n]` into one buffer.
+
+  Args:
+    x: float32, bfloat16 or float16 array, shape (N, ...).
+    bits: int[N] widths in (1, 2, 4, 8); may be traced (decided under jit).
+    capacity_bytes: static buffer length, at least N * Dp / 8 (1 bit per
+      value); see `per_sample_capacity`. Widths needing more than this make
+      every sample fall back to 1 bit.
+    group_size: values per group, a positive multiple of 8 (adapted to the
+      sample size exactly as in `jact.quantize`).
+    stochastic: unbiased stochastic rounding (default) or round-to-nearest.
+    seed: uint32 scalar seed for the hash noise; drawn from `key` when None.
+    key: JAX PRNG key (needed when stochastic and no seed is given).
+
+  Returns:
+    A `PackedPerSample`; `dequantize_per_sample` reverses it, unbiased.
+  """
+  dtype = _check_float(x)
+  n, group_size, dp = _layout(tuple(x.shape), group_size)
+  if (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer))
+      or capacity_bytes < n * dp // 8):
+    raise ValueError(f"capacity_bytes={capacity_bytes!r} cannot hold {n} samples of {dp} values at "
+                     f"even 1 bit each ({n * dp // 8} bytes); size the buffer with "
+                     f"per_sample_capacity(x.shape, avg_bits) for an average of at least 1 bit.")
+  capacity = int(capacity_bytes)
+  if capacity + n * dp >= 2**31:
+    raise ValueError(f"tensor too large for int32 byte offsets ({n} x {dp} values, capacity {capacity}).")
+  bits = jnp.asarray(bits)
+  if bits.shape != (n,) or not jnp.issubdtype(bits.dtype, jnp.integer):
+    raise ValueError(f"bits must be an integer array of shape ({n},) (one width per sample), got "
+                     f"{bits.dtype}{list(bits.shape)}.")
+  bits = bits.astype(jnp.int32)
+  bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
+  bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
+  if stochastic and seed is None:
+    seed = rng.seed_from_key(key)
+
+  # Group statistics and codes as in jact.quantize, with per-sample levels.
+  g, (_, groups, _) = _grouped(x, group_size)
+  levels = ((1 << bits) - 1).astype(jnp.float32)[:, None]
+  lo, hi = _finite_min_max(g)
+  any_finite = lo <= hi
+  lo = jnp.where(any_finite, lo, 0.0)
+  hi = jnp.where(any_finite, hi, 0.0)
+  minimum = _bf16_directed(lo, up=False)
+  lo_b = minimum.astype(jnp.float32)
+  scale = _bf16_directed((hi - lo_b) / levels, up=True)
+  step = scale.astype(jnp.float32)
+  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+  g = g.astype(jnp.float32)
+  clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
+  v = (clipped - lo_b[..., None]) * inv_step[..., None]
+  if stochastic:
+    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
+    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
+  else:
+    noise = jnp.float32(0.5)
+  codes = jnp.clip(jnp.floor(v + noise), 0.0, levels[..., None]).astype(jnp.uint8).reshape(n, dp)
+
+  # One packing per width (static shapes); each sample's segment comes from
+  # its own width, the others are dropped by an out-of-bounds start.
+  offsets = _offsets(bits, dp)
+  data = jnp.zeros((capacity,), jnp.uint8)
+  for b in SUPPORTED_BITS:
+    if dp * b // 8 <= capacity:
+      data = _scatter_rows(data, pack_bits(codes, b), jnp.where(bits == b, offsets, capacity))
+  return PackedPerSample(data, bits.astype(jnp.uint8), minimum, scale, tuple(x.shape), dtype,
+                         group_size)
+
+
+def dequantize_per_sample(p: PackedPerSample, dtype=None) -> jax.Array:
+  """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given)."""
+  n, groups = p.scale.shape
+  group_size, dp = p.group_size, groups * p.group_size
+  capacity = p.data.shape[0]
+  bits = p.bits.astype(jnp.int32)
+  offsets = _offsets(bits, dp)
+  codes = jnp.zeros((n, dp), jnp.uint8)
+  for b in SUPPORTED_BITS:
+    size = dp * b // 8
+    if size <= capacity:
+      seg = jax.vmap(lambda o, size=size: jax.lax.dynamic_slice(p.data, (o,), (size,)))(offsets)
+      codes = jnp.where((bits == b)[:, None], unpack_bits(seg, b), codes)
+  codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
+  g = codes * p.scale.astype(jnp.float32)[..., None] + p.minimum.astype(jnp.float32)[..., None]
+  d = math.prod(p.shape[1:])
+  return g.reshape(n, dp)[:, :d].reshape(p.shape).astype(dtype or p.dtype)
