@@ -11,8 +11,10 @@ with every b_l taken from an allowed set of widths (ActNN Eq. 10). The width
 
 * `greedy_allocate` is ActNN's heap greedy (host side, O(L log L)): start at
   the widest width and keep lowering the tensor whose next step down costs
-  the least variance per bit saved until the budget holds, then spend what is
-  left on the upgrades that fit, best variance reduction per bit first.
+  the least variance per bit saved until the budget holds (the step that
+  meets it is weighed against the cheapest single tensor that saves the
+  missing bits), then spend what is left on the upgrades that fit, best
+  variance reduction per bit first.
 * `optimal_allocate` is the exact dynamic program, for checking the greedy on
   small instances.
 * `allocate_per_sample` is the same greedy over the samples of one tensor
@@ -76,8 +78,10 @@ def _check_allowed(allowed, uncompressed: bool = True) -> tuple[int, ...]:
 
 
 def _check_problem(sensitivity, sizes, budget_bits, allowed):
-  c = np.asarray(sensitivity, dtype=np.float64).reshape(-1)
+  c = np.asarray(sensitivity, dtype=np.float64)
   d = np.asarray(sizes)
+  if c.ndim != 1:
+    raise ValueError(f"sensitivity must be a 1-D sequence (one per tensor), got shape {c.shape}.")
   if d.ndim != 1 or (d.size and (d.dtype.kind not in "iu" or (d <= 0).any())):
     raise ValueError(f"sizes must be a 1-D sequence of positive ints, got {sizes!r}.")
   if c.shape != d.shape:
@@ -269,22 +273,30 @@ def _allocate_per_sample(w, avg_bits, widths):
   in_plain = pos <= cross
   in_alt = (pos < cross) | ((owner == m) & (step >= top - level[m]) & (step < top - lower[m]))
 
+  # Fill: the host heap visits the upgrades (undoing taken steps) by
+  # decreasing key, ties by sample index -- the order of a stable sort of
+  # -key over the sorted steps. Each sample's upgrades appear in it in the
+  # order the heap offers them, each costlier than the one before, so
+  # scanning the taken steps in this order and undoing every one that fits
+  # is the heap (once one does not fit, the sample's later ones cannot).
+  # Fewer than max(dbits) bits are left and each undo spends >= 1, so
+  # max(dbits) - 1 rounds of "the next one that fits" finish it.
+  back = jnp.argsort(-key, stable=True)
+  key, cost, owner = key[back], cost[back], owner[back]
+
   def fill(level, taken):
-    # Undo taken steps in reverse sorted order whenever one fits: the host
-    # heap visits them in that order, and one that does not fit only blocks
-    # costlier ones. Fewer than max(dbits) bits are left and each undo
-    # spends >= 1, so max(dbits) - 1 rounds of "the next one that fits" do.
     def body(_, state):
-      level, left, end = state
-      p = jnp.max(jnp.where(taken & (pos < end) & (cost <= left) & (key > 0), pos, -1))
-      q = jnp.maximum(p, 0)
-      level = level.at[owner[q]].add((p >= 0).astype(jnp.int32))
-      return level, left - jnp.where(p >= 0, cost[q], 0), jnp.where(p >= 0, p, end)
+      level, left, last = state
+      i = jnp.min(jnp.where(taken & (pos > last) & (cost <= left) & (key > 0), pos, n * top))
+      hit = i < n * top
+      j = jnp.minimum(i, n * top - 1)
+      level = level + ((jnp.arange(n) == owner[j]) & hit).astype(jnp.int32)
+      return level, left - jnp.where(hit, cost[j], 0), jnp.where(hit, i, last)
 
     left = budget - jnp.sum(width[level])
-    return jax.lax.fori_loop(0, max(dbits) - 1, body, (level, left, n * top))[0]
+    return jax.lax.fori_loop(0, max(dbits) - 1, body, (level, left, -1))[0]
 
-  plain, alt = jax.vmap(fill)(jnp.stack([plain, alt]), jnp.stack([in_plain, in_alt]))
+  plain, alt = jax.vmap(fill)(jnp.stack([plain, alt]), jnp.stack([in_plain[back], in_alt[back]]))
   better = jnp.sum(w * (s[plain] - s[alt])) > 0
   return width[jnp.where(better, alt, plain)]
 
@@ -296,10 +308,12 @@ def allocate_per_sample(weights: jax.Array, avg_bits: float,
   The result equals `greedy_allocate(weights, [1] * N, floor(avg_bits * N),
   allowed)` (up to float32 ties among the sort keys): every sample has the
   same size, so the budget is floor(avg_bits * N) bits per value summed over
-  the samples. Instead of a heap loop, the downward pass is one stable sort
-  of the N * (len(allowed) - 1) possible steps and a prefix sum, and the fill
-  pass is max(gap between widths) - 1 rounds of masked max: O(N log N) work,
-  no data-dependent loop, deterministic. Runs under `jax.jit` and `vmap`.
+  the samples. Instead of heap loops, the downward pass is one stable sort
+  of the N * (len(allowed) - 1) possible steps and a prefix sum, the
+  single-sample alternative is a masked argmin, and each fill pass is
+  max(gap between widths) - 1 (3 by default) rounds of masked min over the
+  steps re-sorted by decreasing key: O(N log N) work, static shapes, no
+  data-dependent loop, deterministic. Runs under `jax.jit` and `vmap`.
 
   Args:
     weights: float[N] per-sample sensitivity (e.g. ||grad_n||^2 ||R_n||^2);

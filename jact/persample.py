@@ -19,10 +19,14 @@ appears. Values outside (1, 2, 4, 8) are rounded down to one (at least 1).
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
 >>> cap = per_sample_capacity(x.shape, avg_bits=3.0)  # 12 bits per value in all
->>> p = quantize_per_sample(x, jnp.array([1, 2, 4, 4]), capacity_bytes=cap, key=jax.random.key(0))
->>> p.data.shape, p.nbytes
-((96,), 116)
->>> bool(jnp.all(jnp.abs(dequantize_per_sample(p) - x) <= p.scale[:, :1].astype(jnp.float32)))
+>>> @jax.jit
+... def roundtrip(x, bits, key):
+...   p = quantize_per_sample(x, bits, capacity_bytes=cap, key=key)
+...   return p, dequantize_per_sample(p)
+>>> p, y = roundtrip(x, jnp.array([1, 2, 4, 4]), jax.random.key(0))
+>>> p.data.shape, p.nbytes, p.bits.tolist()
+((96,), 116, [1, 2, 4, 4])
+>>> bool(jnp.all(jnp.abs(y - x) <= p.scale.astype(jnp.float32)))
 True
 """
 
@@ -37,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import rng
-from jact.quantize import (SUPPORTED_BITS, _bf16_directed, _check_float, _finite_min_max, _grouped,
-                           check_group_size, effective_group_size, pack_bits, unpack_bits)
+from jact.quantize import (_bf16_directed, _check_float, _finite_min_max, _grouped,
+                           check_group_size, effective_group_size, unpack_bits)
 
 __all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity"]
 
@@ -140,6 +144,8 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   capacity = int(capacity_bytes)
   if capacity + n * dp >= 2**31:
     raise ValueError(f"tensor too large for int32 byte offsets ({n} x {dp} values, capacity {capacity}).")
+  if stochastic and seed is None:
+    seed = rng.seed_from_key(key)
   bits = jnp.asarray(bits)
   if bits.shape != (n,) or not jnp.issubdtype(bits.dtype, jnp.integer):
     raise ValueError(f"bits must be an integer array of shape ({n},) (one width per sample), got "
@@ -147,8 +153,6 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   bits = bits.astype(jnp.int32)
   bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
-  if stochastic and seed is None:
-    seed = rng.seed_from_key(key)
 
   # Group statistics and codes as in jact.quantize, with per-sample levels.
   g, (_, groups, _) = _grouped(x, group_size)
@@ -174,13 +178,36 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
     noise = jnp.float32(0.5)
   codes = jnp.clip(jnp.floor(v + noise), 0.0, levels[..., None]).astype(jnp.uint8).reshape(n, dp)
 
-  # One packing per width (static shapes); each sample's segment comes from
-  # its own width, the others are dropped by an out-of-bounds start.
-  offsets = _offsets(bits, dp)
-  data = jnp.zeros((capacity,), jnp.uint8)
-  for b in SUPPORTED_BITS:
-    if dp * b // 8 <= capacity:
-      data = _scatter_rows(data, pack_bits(codes, b), jnp.where(bits == b, offsets, capacity))
+  # Every width is packed for every sample (static shapes), in units of
+  # Dp / 8 bytes: sample n's segment is its first bits[n] units, and one
+  # scatter writes those at the sample's offset (the other units get an
+  # out-of-bounds start and are dropped). The codes are first paired
+  # losslessly into uint16 (values j and j + Dp/2) by a reduction, which XLA
+  # materializes, so the noise is hashed once; the planar packings are then
+  # cheap folds of the pairs: a fold halves a segment, or-ing its second half
+  # in shifted by the new width (8 -> 4 -> 2 -> 1 bits keeps the order).
+  unit = dp // 8
+  if not n * unit:  # no values: nothing to pack
+    return PackedPerSample(jnp.zeros((capacity,), jnp.uint8), bits.astype(jnp.uint8), minimum, scale,
+                           tuple(x.shape), dtype, group_size)
+  pairs = jnp.sum(codes.reshape(n, 2, 4 * unit).astype(jnp.uint16)
+                  << jnp.array([0, 8], jnp.uint16)[:, None], axis=1, dtype=jnp.uint16)
+  lo, hi = (pairs & 255).astype(jnp.uint8), (pairs >> 8).astype(jnp.uint8)
+  f4 = (lo & 15) | (hi << 4)
+  f2 = f4[:, :2 * unit] | (f4[:, 2 * unit:] << 2)
+  f1 = f2[:, :unit] | (f2[:, unit:] << 1)
+
+  def units(a):  # (n, k units) -> (n, 4 units), repeated (units past k are dropped)
+    k = a.shape[1] // unit
+    return jnp.broadcast_to(a.reshape(n, 1, k, unit), (n, 4 // k, k, unit)).reshape(n, 4, unit)
+
+  w = bits[:, None, None]
+  first = jnp.select([w == 8, w == 4, w == 2], [units(lo), units(f4), units(f2)], units(f1))
+  second = jax.lax.broadcasted_iota(jnp.int32, (n, 2, 4, unit), 1) == 1
+  chunks = jnp.where(second, units(hi)[:, None], first[:, None]).reshape(n * 8, unit)
+  k = jnp.arange(8, dtype=jnp.int32)
+  starts = jnp.where(k < bits[:, None], _offsets(bits, dp)[:, None] + k * unit, capacity)
+  data = _scatter_rows(jnp.zeros((capacity,), jnp.uint8), chunks, starts.reshape(-1))
   return PackedPerSample(data, bits.astype(jnp.uint8), minimum, scale, tuple(x.shape), dtype,
                          group_size)
 
@@ -189,15 +216,18 @@ def dequantize_per_sample(p: PackedPerSample, dtype=None) -> jax.Array:
   """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given)."""
   n, groups = p.scale.shape
   group_size, dp = p.group_size, groups * p.group_size
-  capacity = p.data.shape[0]
   bits = p.bits.astype(jnp.int32)
-  offsets = _offsets(bits, dp)
-  codes = jnp.zeros((n, dp), jnp.uint8)
-  for b in SUPPORTED_BITS:
-    size = dp * b // 8
-    if size <= capacity:
-      seg = jax.vmap(lambda o, size=size: jax.lax.dynamic_slice(p.data, (o,), (size,)))(offsets)
-      codes = jnp.where((bits == b)[:, None], unpack_bits(seg, b), codes)
+  unit = dp // 8
+  if not n * unit:
+    return jnp.zeros(p.shape, dtype or p.dtype)
+  starts = _offsets(bits, dp)[:, None] + jnp.arange(8, dtype=jnp.int32) * unit
+  # Eight units per sample (clamped into the buffer; past bits[n] they are unused).
+  seg = jax.vmap(lambda o: jax.lax.dynamic_slice(p.data, (o,), (unit,)))(starts.reshape(-1))
+  seg = seg.reshape(n, dp)
+  w = bits[:, None]
+  codes = jnp.select([w == 8, w == 4, w == 2],
+                     [seg, unpack_bits(seg[:, :4 * unit], 4), unpack_bits(seg[:, :2 * unit], 2)],
+                     unpack_bits(seg[:, :unit], 1))
   codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
   g = codes * p.scale.astype(jnp.float32)[..., None] + p.minimum.astype(jnp.float32)[..., None]
   d = math.prod(p.shape[1:])

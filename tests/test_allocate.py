@@ -151,7 +151,7 @@ def test_greedy_errors():
 
 
 @pytest.mark.parametrize("n,avg_bits,allowed", [
-    (24, 2.5, (1, 2, 4, 8)), (37, 5.3, (1, 2, 4, 8)), (16, 2.0, (1, 8)),
+    (24, 2.5, (1, 2, 4, 8)), (20, 1.3, (1, 4, 8)),
 ])
 def test_per_sample_equals_host_greedy(n, avg_bits, allowed):
   traces = []
@@ -165,14 +165,17 @@ def test_per_sample_equals_host_greedy(n, avg_bits, allowed):
   w = np.concatenate([
       rng.lognormal(0.0, 3.0, (20, n)),                         # spread over decades
       rng.integers(0, 4, (10, n)).astype(float),                # many exact ties and zeros
+      np.where(rng.random((10, n)) < 0.25, 100.0, 1.0),         # ties decided in the fill
       rng.lognormal(0.0, 2.0, (10, n)) * (rng.random((10, n)) > 0.3),
   ]).astype(np.float32)
+  w[-1, :3] = np.nan, -1.0, np.inf  # NaN and negative count as 0, +inf as the largest float32
   budget = math.floor(avg_bits * n)
   for row in w:
     out = np.asarray(alloc(jnp.asarray(row)))
     assert out.dtype == np.int32 and out.shape == (n,)
     assert out.sum() <= budget and set(out.tolist()) <= set(allowed)
-    assert tuple(out.tolist()) == greedy_allocate(row.astype(np.float64), [1] * n, budget, allowed)
+    c = np.where(np.isnan(row) | (row < 0), 0.0, np.minimum(row, np.finfo(np.float32).max))
+    assert tuple(out.tolist()) == greedy_allocate(c.astype(np.float64), [1] * n, budget, allowed)
   assert len(traces) == 1
 
 
@@ -180,13 +183,8 @@ def test_per_sample_edges():
   w = jnp.array([0.0, 1.0, 1e4, 5.0])
   assert allocate_per_sample(w, 8.0).tolist() == [8, 8, 8, 8]
   assert allocate_per_sample(w, 20).tolist() == [8, 8, 8, 8]
-  assert allocate_per_sample(w, 1.0).tolist() == [1, 1, 1, 1]
   assert allocate_per_sample(w, 4.0, (4,)).tolist() == [4, 4, 4, 4]
   assert allocate_per_sample(jnp.zeros((0,)), 2.0).shape == (0,)
-  # NaN and negative weights count as 0, +inf as the largest weight.
-  got = allocate_per_sample(jnp.array([jnp.nan, -1.0, jnp.inf, 1.0]), 3.0)
-  assert got.tolist() == allocate_per_sample(jnp.array([0.0, 0.0, 3e38, 1.0]), 3.0).tolist()
-  assert int(got.sum()) <= 12 and got[2] == 8
 
 
 def test_per_sample_errors():
