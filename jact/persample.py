@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import rng
-from jact.quantize import (_bf16_directed, _check_float, _finite_min_max, _grouped,
-                           check_group_size, effective_group_size, unpack_bits)
+from jact.quantize import (_check_float, _grouped, check_group_size, effective_group_size,
+                           group_codes, unpack_bits)
 
 __all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity"]
 
@@ -155,28 +155,10 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
 
   # Group statistics and codes as in jact.quantize, with per-sample levels.
-  g, (_, groups, _) = _grouped(x, group_size)
+  g, _ = _grouped(x, group_size)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None]
-  lo, hi = _finite_min_max(g)
-  any_finite = lo <= hi
-  lo = jnp.where(any_finite, lo, 0.0)
-  hi = jnp.where(any_finite, hi, 0.0)
-  minimum = _bf16_directed(lo, up=False)
-  lo_b = minimum.astype(jnp.float32)
-  scale = _bf16_directed((hi - lo_b) / levels, up=True)
-  step = scale.astype(jnp.float32)
-  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
-  g = g.astype(jnp.float32)
-  clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
-  v = (clipped - lo_b[..., None]) * inv_step[..., None]
-  if stochastic:
-    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
-    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
-  else:
-    noise = jnp.float32(0.5)
-  codes = jnp.clip(jnp.floor(v + noise), 0.0, levels[..., None]).astype(jnp.uint8).reshape(n, dp)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
+  codes = codes.reshape(n, dp)
 
   # Every width is packed for every sample (static shapes), in units of
   # Dp / 8 bytes: sample n's segment is its first bits[n] units, and one

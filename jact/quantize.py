@@ -263,6 +263,40 @@ def _finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jax.lax.reduce((g, g), init, reducer, (g.ndim - 1,))
 
 
+def group_codes(g: jax.Array, levels, seed: jax.Array | None):
+  """Group statistics and integer codes of grouped values g[N, groups, G].
+
+  `levels` (2**bits - 1) is a number or an array broadcasting against the
+  statistics [N, groups] (one per sample: `jact.persample`). With a `seed`
+  the rounding is stochastic (noise hashed from each value's flat index),
+  without it round-to-nearest. Returns (minimum, scale) in bf16 and uint8 codes.
+  """
+  _, groups, group_size = g.shape
+  levels = jnp.asarray(levels, jnp.float32)
+  lo, hi = _finite_min_max(g)
+  any_finite = lo <= hi
+  lo = jnp.where(any_finite, lo, 0.0)
+  hi = jnp.where(any_finite, hi, 0.0)
+  minimum = _bf16_directed(lo, up=False)
+  lo_b = minimum.astype(jnp.float32)
+  scale = _bf16_directed((hi - lo_b) / levels, up=True)
+  step = scale.astype(jnp.float32)
+  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+
+  g = g.astype(jnp.float32)
+  clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
+  v = (clipped - lo_b[..., None]) * inv_step[..., None]
+  if seed is not None:
+    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
+             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
+    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
+  else:
+    noise = jnp.float32(0.5)
+  codes = jnp.clip(jnp.floor(v + noise), 0.0, jnp.expand_dims(levels, -1))
+  return minimum, scale, codes.astype(jnp.uint8)
+
+
 def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
              stochastic: bool = True, seed: jax.Array | None = None) -> Packed:
   """Quantizes `x` per sample and per group of `group_size` values.
@@ -288,28 +322,7 @@ def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
   d = math.prod(x.shape[1:]) if x.ndim else 1
   group_size = effective_group_size(d, group_size)
   g, (n, groups, d) = _grouped(x, group_size)
-  lo, hi = _finite_min_max(g)
-  any_finite = lo <= hi
-  lo = jnp.where(any_finite, lo, 0.0)
-  hi = jnp.where(any_finite, hi, 0.0)
-  minimum = _bf16_directed(lo, up=False)
-  lo_b = minimum.astype(jnp.float32)
-  scale = _bf16_directed((hi - lo_b) / levels, up=True)
-  step = scale.astype(jnp.float32)
-  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
-
-  g = g.astype(jnp.float32)
-  clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
-  v = (clipped - lo_b[..., None]) * inv_step[..., None]
-  if stochastic:
-    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
-    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
-  else:
-    noise = jnp.float32(0.5)
-  codes = jnp.clip(jnp.floor(v + noise), 0.0, levels)
-  codes = codes.astype(jnp.uint8)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
   data = pack_bits(codes, bits)
   return Packed(data, minimum, scale, tuple(x.shape), dtype, bits, group_size)
 

@@ -53,6 +53,7 @@ from jax.extend import core as jex_core
 from jact import _context
 from jact.ops._core import (Rounding, SaltedSeed, barrier, check_name, compress_residual,
                             make_seed, materialize, restore_residual, salt_seed, tag, tagged_names)
+from jact.persample import PackedPerSample
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 from jact.report import checkpoint_name_of
 
@@ -159,7 +160,7 @@ def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
 def _restore(value, shape, dtype):
   if isinstance(value, PackedBits):
     return unpack_codes(value).astype(dtype).reshape(shape)
-  if isinstance(value, Packed) or type(value).__name__ == "PackedPerSample":
+  if isinstance(value, (Packed, PackedPerSample)):
     return restore_residual(value, shape, dtype)
   return value
 
@@ -233,8 +234,7 @@ def _output_epilogue(out, values):
   materialized once (see `jact.ops._core.materialize`). Values kept by
   reference (inputs) do not go through the barrier, so that they stay the
   very objects an enclosing `compressed` recognises as its own inputs."""
-  is_packed = [isinstance(v, (Packed, PackedBits)) or type(v).__name__ == "PackedPerSample"
-               for v in values]
+  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample)) for v in values]
   packed = [v for v, p in zip(values, is_packed) if p]
   out, packed = barrier(out, packed)
   ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1

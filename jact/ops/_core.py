@@ -27,7 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_group_size,
                            dequantize, quantize)
-from jact import _context, rng
+from jact import _context, _probe, allocate, persample, rng
+from jact.persample import PackedPerSample
 
 __all__ = ["Rounding", "SaltedSeed", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
            "after_residuals", "materialize", "finish_forward", "compress_residual",
@@ -149,12 +150,11 @@ def barrier(residuals, cotangent):
     if isinstance(r, Packed):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
                                  scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
-    if isinstance(r, PackedBits) or _is_per_sample(r):
+    if isinstance(r, (PackedBits, PackedPerSample)):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
     return r
 
-  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits))
-                           or _is_per_sample(r))
+  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample)))
   return residuals, cotangent
 
 
@@ -257,7 +257,6 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
   sensitivity ||R_n||^2, the gradient factor being a per-layer moving average)
   get more bits; the widths are chosen here, inside the step, and the codes
   packed into a buffer sized for `avg_bits` on average."""
-  from jact import _probe, allocate, persample  # pylint: disable=import-outside-toplevel
   ranges_sq, _, _ = _probe.group_ranges_sq(x, rounding.group_size)
   widths = allocate.allocate_per_sample(ranges_sq, avg_bits)
   capacity = persample.per_sample_capacity(x.shape, avg_bits, rounding.group_size)
@@ -266,14 +265,9 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
                                        stochastic=rounding.stochastic, seed=seed)
 
 
-def _is_per_sample(r) -> bool:
-  return type(r).__name__ == "PackedPerSample"
-
-
 def restore_residual(r, shape=None, dtype=None):
   """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`."""
-  if _is_per_sample(r):
-    from jact import persample  # pylint: disable=import-outside-toplevel
+  if isinstance(r, PackedPerSample):
     r = persample.dequantize_per_sample(r, dtype)
   elif isinstance(r, Packed):
     r = dequantize(r, dtype)
