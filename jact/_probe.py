@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jact import _context
 from jact.quantize import _finite_min_max, _grouped, effective_group_size
 
-__all__ = ["Collector", "group_ranges_sq", "observe_linear", "observe_norm"]
+__all__ = ["Collector", "abs_max", "group_ranges_sq", "observe_linear", "observe_norm"]
 
 
 class Collector:
@@ -61,6 +61,12 @@ def group_ranges_sq(x: jax.Array, group_size: int) -> jax.Array:
   return jnp.sum(r * r, axis=-1), jnp.max(r), effective_group_size(d, group_size)
 
 
+def abs_max(x: jax.Array) -> jax.Array:
+  """The largest finite |x| (the scale of a max-abs fixed-point quantizer)."""
+  a = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32))
+  return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
+
+
 def observe_linear(collector: Collector, name: str, kind: str, x: jax.Array, y: jax.Array,
                    *, group_size: int, kernel_locations: int = 1, stride: int = 1,
                    feature_groups: int = 1) -> jax.Array:
@@ -73,7 +79,7 @@ def observe_linear(collector: Collector, name: str, kind: str, x: jax.Array, y: 
                               feature_groups=feature_groups, batch=x.shape[0] if x.ndim else 1,
                               channels=x.shape[-1] if x.ndim else 1,
                               samples_quantized=ranges_sq.shape[0])
-  collector.stats[name] = dict(ranges_sq=ranges_sq, range_max=range_max)
+  collector.stats[name] = dict(ranges_sq=ranges_sq, range_max=range_max, abs_max=abs_max(x))
   return collector.probe(name, y)
 
 
@@ -87,7 +93,7 @@ def observe_norm(collector: Collector, name: str, kind: str, xhat: jax.Array, in
                               samples_quantized=ranges_sq.shape[0],
                               reduction_axes=tuple(reduction_axes))
   collector.stats[name] = dict(
-      ranges_sq=ranges_sq, range_max=range_max, xhat=xhat,
+      ranges_sq=ranges_sq, range_max=range_max, abs_max=abs_max(xhat), xhat=xhat,
       inv=jax.lax.stop_gradient(jnp.broadcast_to(inv, xhat.shape)).astype(jnp.float32),
       scale=(jnp.ones((), jnp.float32) if scale is None
              else jax.lax.stop_gradient(scale).astype(jnp.float32)))

@@ -15,7 +15,12 @@ xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. A tolerance becomes a
 width of jact's per-group stochastic quantizer, whose per-value error
 variance is at most (R / (2 B))^2 for a group range R and B = 2^b - 1 steps:
 B >= R_max / (2 dx*), rounded up to 1, 2, 4 or 8 bits (wider: kept
-uncompressed). Statistics are recomputed every call of `update` (the
+uncompressed). With `compressor=` a fixed-point method (AC-GC's AutoQuant,
+`jact.compressors.Fixpoint`, or AutoQuantZ, `ZeroValue(Fixpoint(...))`),
+whose round-to-nearest error is at most s / (2 L) for the max-abs scale s and
+L = 2^(b-1) - 1 levels per sign, the width is the smallest b in (2, 4, 8)
+with L >= max|x| / (2 dx*), and the plan's entries are that compressor at
+that width. Statistics are recomputed every call of `update` (the
 recalculation interval is how often one calls it) and summarized over the
 last `window` (10) recalculations by their mean or max, as in AC-GC Sec. 5.
 
@@ -87,15 +92,26 @@ def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, erro
   return jnp.min(per_value)
 
 
-def bits_for_levels(levels_sq: float) -> int | None:
-  """The smallest width in (1, 2, 4, 8) with 2^b - 1 >= sqrt(levels_sq); None if wider than 8."""
+def bits_for_levels(levels_sq: float, signed: bool = False) -> int | None:
+  """The smallest width in (1, 2, 4, 8) with 2^b - 1 >= sqrt(levels_sq) -- or,
+  `signed` (fixed point), in (2, 4, 8) with 2^(b-1) - 1 >= sqrt(levels_sq);
+  None if wider than 8."""
   if not np.isfinite(levels_sq):
     return None
   need = math.sqrt(max(float(levels_sq), 0.0))
   for b in _ALLOWED:
-    if (1 << b) - 1 >= need:
+    levels = (1 << (b - 1)) - 1 if signed else (1 << b) - 1
+    if levels >= max(need, 1e-30 if signed else 0.0):
       return b
   return None
+
+
+def _is_fixpoint(compressor) -> bool:
+  """Whether `compressor` is a max-abs fixed-point method (possibly inside ZVC)."""
+  from jact.compressors import Fixpoint, ZeroValue  # pylint: disable=import-outside-toplevel
+  if isinstance(compressor, ZeroValue):
+    return compressor.inner is None or isinstance(compressor.inner, Fixpoint)
+  return isinstance(compressor, Fixpoint)
 
 
 class ErrorBounded(NamedTuple):
@@ -107,8 +123,7 @@ class ErrorBounded(NamedTuple):
 
 
 def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: int = 10,
-                  summary: str = "mean", scale_grads: Callable[[Any, Any], dict] | None = None
-                  ) -> ErrorBounded:
+                  summary: str = "mean", compressor=None) -> ErrorBounded:
   """AC-GC bounds as an estimator producing a `BitPlan`.
 
   Args:
@@ -117,7 +132,14 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
     error: e^2, the allowed relative loss increase (AC-GC's default 0.5).
     window: recalculations summarized (10 in AC-GC).
     summary: "mean" (AC-GC's choice, more compression) or "max".
+    compressor: None (plan entries are widths of jact's per-group
+      quantizer), or a compressor whose `with_bits` the widths are applied to:
+      for `Fixpoint` / `ZeroValue(Fixpoint(...))` the widths follow the
+      fixed-point error bound (see the module docstring).
   """
+  if compressor is not None and not hasattr(compressor, "with_bits"):
+    raise TypeError(f"compressor must be a jact.compressors compressor, got {compressor!r}")
+  signed = compressor is not None and _is_fixpoint(compressor)
   if not error > 0:
     raise ValueError(f"error (e^2) must be positive, got {error!r}")
   if summary not in ("mean", "max"):
@@ -149,7 +171,8 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
         grad_scale = jnp.sum(gy * xhat, axis=_param_axes(xhat.ndim, red, info[name]["kind"]),
                              keepdims=True)
       tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error)
-      row.append(jnp.square(stats[name]["range_max"]) / (4.0 * tol))
+      spread = stats[name]["abs_max"] if signed else stats[name]["range_max"]
+      row.append(jnp.square(spread) / (4.0 * tol))
     slot = state.count % window
     return dataclasses.replace(state, levels_sq=state.levels_sq.at[slot].set(jnp.stack(row)),
                                count=state.count + 1)
@@ -165,7 +188,8 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
       if np.all(np.isnan(column)):
         continue  # no bound for this residual: its call site decides
       value = np.nanmean(column) if summary == "mean" else np.nanmax(column)
-      bits[name] = bits_for_levels(value)
+      b = bits_for_levels(value, signed)
+      bits[name] = compressor.with_bits(b) if compressor is not None and b is not None else b
     return BitPlan(bits)
 
   return ErrorBounded(init, update, plan)

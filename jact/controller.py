@@ -75,6 +75,8 @@ class Controller:
     per_sample: give each estimated residual its per-layer budget as a
       per-sample entry (ActNN L3: widths split among samples in the step).
     error: e^2 of AC-GC.
+    compressor: for "acgc", the fixed-point compressor the widths are for
+      (see `jact.acgc.error_bounded`); None: jact's per-group quantizer.
     decay, chunk_size: estimator settings (see `jact.sensitivity`).
   """
   loss_fn: Callable[..., Any]
@@ -86,6 +88,7 @@ class Controller:
   alert_fraction: float = 0.5
   per_sample: bool = False
   error: float = 0.5
+  compressor: Any = None
   decay: float = 0.9
   chunk_size: int | None = None
 
@@ -106,7 +109,7 @@ class Controller:
       return sensitivity.numeric(self.loss_fn, decay=self.decay, chunk_size=self.chunk_size)
     if self.estimator == "analytic":
       return sensitivity.analytic(self.loss_fn, decay=self.decay)
-    return _acgc.error_bounded(self.loss_fn, error=self.error)
+    return _acgc.error_bounded(self.loss_fn, error=self.error, compressor=self.compressor)
 
   # ------------------------------------------------------------------ loop
 

@@ -2,7 +2,9 @@
 
 A plan maps residual names (the names jact ops and `jact.compressed` give
 their residuals, see `jact.residual_report`) to widths: 1, 2, 4, 8, or None
-(kept uncompressed; 32 is accepted as an alias). Names not in the plan get
+(kept uncompressed; 32 is accepted as an alias), or a compressor from
+`jact.compressors` (which replaces the call site's method; an integer entry
+changes the width of the call site's method). Names not in the plan get
 `default`, or -- with the default `"call"` -- the width their call site asked
 for. A per-sample entry (`budgets`) gives a residual an average number of
 bits that is split among the samples inside the step (ActNN L3).
@@ -37,6 +39,7 @@ import math
 from typing import Any, Callable, Iterator, Mapping
 
 from jact import _context
+from jact.compressors import Compressor, from_dict as compressor_from_dict
 from jact.quantize import check_bits
 
 __all__ = ["BitPlan", "use_plan", "planned", "CALL_SITE"]
@@ -48,6 +51,10 @@ _GROUP_STATS_BYTES = 4  # bf16 minimum + bf16 step per group
 
 
 def _check_width(bits, what: str):
+  if isinstance(bits, Compressor):
+    return bits
+  if isinstance(bits, Mapping) and "method" in bits:
+    return compressor_from_dict(bits)
   if bits is None or (isinstance(bits, int) and not isinstance(bits, bool) and bits == 32):
     return None
   try:
@@ -68,7 +75,8 @@ class BitPlan(Mapping):
   """Immutable, hashable residual name -> bit width mapping.
 
   Args:
-    bits: mapping of residual names to 1, 2, 4, 8 or None (uncompressed).
+    bits: mapping of residual names to 1, 2, 4, 8, None (uncompressed) or a
+      `jact.compressors.Compressor`.
     default: width of unlisted names, or `CALL_SITE` ("call") to keep the
       width each call site asked for.
     budgets: per-sample entries: name -> average bits per value; the step
@@ -147,6 +155,8 @@ class BitPlan(Mapping):
     if avg is not None:
       return avg
     b = self.bits_for(name, None)
+    if isinstance(b, Compressor):
+      return b.average_bits
     return float(float_bits if b is None else b)
 
   def average_bits(self) -> float:
@@ -158,8 +168,11 @@ class BitPlan(Mapping):
     return sum(self.stored_bits(n) * d for n, d in sizes.items()) / total
 
   def nbytes(self, name: str, group_size: int = 256) -> int:
-    """Stored bytes of residual `name` (codes plus bf16 group statistics)."""
+    """Stored bytes of residual `name` (codes plus bf16 group statistics; a
+    compressor entry: its `average_bits`)."""
     d = dict(self.sizes)[name]
+    if isinstance(self.bits_for(name, None), Compressor) and self.budget_for(name) is None:
+      return math.ceil(d * self.stored_bits(name) / 8)
     bits = self.stored_bits(name)
     if bits == 32:
       return 4 * d
@@ -173,7 +186,11 @@ class BitPlan(Mapping):
     for n in names:
       d = sizes.get(n)
       b = self.budget_for(n)
-      shown = f"~{b:g}" if b is not None else str(self.bits_for(n, None) or 32)
+      entry = self.bits_for(n, None)
+      if isinstance(entry, Compressor):
+        shown = f"{entry.method}:{entry.bits}"
+      else:
+        shown = f"~{b:g}" if b is not None else str(entry or 32)
       rows.append(f"{n:<32} {d if d else '?':>10} {shown:>6} "
                   f"{self.nbytes(n, group_size) if d else '?':>12}")
     default = "call site" if self.default == CALL_SITE else (self.default or 32)
@@ -190,7 +207,9 @@ class BitPlan(Mapping):
   # ------------------------------------------------------------------ JSON
 
   def to_dict(self) -> dict[str, Any]:
-    return {"bits": dict(self.entries), "default": self.default,
+    def plain(b):
+      return b.to_dict() if isinstance(b, Compressor) else b
+    return {"bits": {n: plain(b) for n, b in self.entries}, "default": plain(self.default),
             "budgets": dict(self.budgets), "sizes": dict(self.sizes)}
 
   @classmethod

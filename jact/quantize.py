@@ -182,7 +182,9 @@ class Packed:
     data: uint8[N, groups, group_size * bits // 8] packed codes.
     minimum: bfloat16[N, groups] group minimum (rounded down).
     scale: bfloat16[N, groups] quantization step (rounded up).
-    shape, dtype, bits, group_size: static description of the original tensor.
+    shape, dtype, bits, group_size: static description of the quantized tensor.
+    view_shape: shape `dequantize` returns when the tensor was quantized as a
+      reshaped view (small samples as one row), else None.
   """
   data: jax.Array
   minimum: jax.Array
@@ -191,6 +193,7 @@ class Packed:
   dtype: Any = dataclasses.field(metadata=dict(static=True))
   bits: int = dataclasses.field(metadata=dict(static=True))
   group_size: int = dataclasses.field(metadata=dict(static=True))
+  view_shape: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def nbytes(self) -> int:
@@ -336,4 +339,4 @@ def dequantize(packed: Packed, dtype=None) -> jax.Array:
   flat = g.reshape(n, -1)
   if flat.shape[1] != d:
     flat = flat[:, :d]
-  return flat.reshape(packed.shape).astype(dtype or packed.dtype)
+  return flat.reshape(packed.view_shape or packed.shape).astype(dtype or packed.dtype)

@@ -51,8 +51,10 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jact import _context
-from jact.ops._core import (Rounding, SaltedSeed, barrier, check_name, compress_residual,
-                            make_seed, materialize, restore_residual, salt_seed, tag, tagged_names)
+from jact.compressors import Compressed
+from jact.ops._core import (Rounding, SaltedSeed, apply_plan_entry, barrier, check_name,
+                            compress_residual,
+                            make_seed, materialize, restore_residual, salt_seed, tag, tagged_names, NoKey)
 from jact.persample import PackedPerSample
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 from jact.report import checkpoint_name_of
@@ -68,14 +70,16 @@ class ResidualConfig:
   """Static settings of a `compressed` function.
 
   Attributes:
-    bits: default bit width (1, 2, 4 or 8) of floating residuals, or None
-      to keep them uncompressed (booleans are still bit-packed).
+    bits: default bit width (1, 2, 4 or 8) of floating residuals, a
+      compressor (`jact.compressors`), or None to keep them uncompressed
+      (booleans are still bit-packed).
     group_size: values per quantization group (multiple of 8).
     stochastic: stochastic (unbiased) or round-to-nearest rounding.
     min_size: floating residuals with fewer values are kept as they are.
     name: prefix of the residual names (`name.0`, `name.1`, ...).
-    overrides: bit widths for particular residual names (a mapping, or
-      any object with a `bits_for(name, default)` method, such as a plan).
+    overrides: bit widths or compressors for particular residual names (a
+      mapping, or any object with a `bits_for(name, default)` method, such as
+      a plan); an integer applied to a compressor changes its width.
   """
   bits: int | None = 4
   group_size: int = 256
@@ -97,18 +101,16 @@ class ResidualConfig:
   def rounding_for(self, name: str) -> Rounding:
     bits = self.bits
     if isinstance(self.overrides, Mapping):
-      bits = self.overrides.get(name, bits)
+      bits = apply_plan_entry(bits, self.overrides.get(name, bits))
     elif self.overrides is not None:
-      bits = self.overrides.bits_for(name, bits)
+      bits = apply_plan_entry(bits, self.overrides.bits_for(name, bits))
     return Rounding(bits, self.group_size, self.stochastic)
 
   @property
   def needs_key(self) -> bool:
-    if not self.stochastic:
-      return False
-    if self.bits is not None:
+    if Rounding(self.bits, self.group_size, self.stochastic).needs_key:
       return True
-    return self.overrides is not None  # a name might get bits
+    return self.overrides is not None and self.stochastic  # a name might get bits
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
 def _restore(value, shape, dtype):
   if isinstance(value, PackedBits):
     return unpack_codes(value).astype(dtype).reshape(shape)
-  if isinstance(value, (Packed, PackedPerSample)):
+  if isinstance(value, (Packed, PackedPerSample, Compressed)):
     return restore_residual(value, shape, dtype)
   return value
 
@@ -234,7 +236,7 @@ def _output_epilogue(out, values):
   materialized once (see `jact.ops._core.materialize`). Values kept by
   reference (inputs) do not go through the barrier, so that they stay the
   very objects an enclosing `compressed` recognises as its own inputs."""
-  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample)) for v in values]
+  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample, Compressed)) for v in values]
   packed = [v for v, p in zip(values, is_packed) if p]
   out, packed = barrier(out, packed)
   ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
@@ -354,8 +356,10 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         f"jact.compressed({config.name!r}) quantizes residuals with stochastic rounding and "
         f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
         f"build it with stochastic=False (round-to-nearest) or bits=None (keep residuals).")
-  seed = make_seed(key, Rounding(8, config.group_size, config.stochastic), "compressed") \
-      if config.needs_key else salt_seed(jnp.uint32(0))
+  seed = make_seed(key, Rounding(config.bits, config.group_size, config.stochastic),
+                   "compressed")
+  if isinstance(seed, NoKey) and _context.current("salt") is not None:
+    seed = salt_seed(jnp.uint32(0))  # carries the estimator's salt into the forward rule
 
   leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]

@@ -17,7 +17,6 @@ Every residual piece is tagged with `jax.ad_checkpoint.checkpoint_name`, so
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -26,11 +25,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_group_size,
-                           dequantize, quantize)
+                           dequantize)
 from jact import _context, _probe, allocate, persample, rng
+from jact.compressors import Compressed, Compressor, PerGroup
+from jact.compressors.pergroup import as_rows
 from jact.persample import PackedPerSample
 
-__all__ = ["Rounding", "SaltedSeed", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
+__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "as_compressor", "apply_plan_entry", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
            "after_residuals", "materialize", "finish_forward", "compress_residual",
            "restore_residual"]
 
@@ -40,22 +41,52 @@ class Rounding:
   """Static compression settings of one op call.
 
   Attributes:
-    bits: 1, 2, 4 or 8, or None to keep the residual uncompressed.
-    group_size: values per quantization group (multiple of 8).
-    stochastic: stochastic (unbiased) or round-to-nearest rounding.
+    bits: 1, 2, 4 or 8 (ActNN's per-group quantizer), a `jact.compressors`
+      compressor (BLPA, DIVISION, fixpoint, zero-value, ...), or None to
+      keep the residual uncompressed.
+    group_size: values per quantization group (multiple of 8) of an integer `bits`.
+    stochastic: stochastic (unbiased) or round-to-nearest rounding, for an integer `bits`.
   """
-  bits: int | None = 4
+  bits: int | Compressor | None = 4
   group_size: int = 256
   stochastic: bool = True
 
   def __post_init__(self):
-    if self.bits is not None:
-      check_bits(self.bits)
+    if self.bits is not None and not isinstance(self.bits, Compressor):
+      try:
+        check_bits(self.bits)
+      except ValueError as e:
+        raise ValueError(f"{e} Or pass a compressor from jact.compressors "
+                         "(e.g. bits=jact.compressors.Division()).") from None
     check_group_size(self.group_size)
 
   @property
+  def compressor(self) -> Compressor | None:
+    """The compressor `bits` stands for (None: uncompressed)."""
+    return as_compressor(self.bits, self.group_size, self.stochastic)
+
+  @property
   def needs_key(self) -> bool:
-    return self.bits is not None and self.stochastic
+    c = self.compressor
+    return c is not None and c.needs_key
+
+
+def as_compressor(bits, group_size: int = 256, stochastic: bool = True) -> Compressor | None:
+  """`bits` (an int, a compressor or None) as a compressor."""
+  if bits is None or isinstance(bits, Compressor):
+    return bits
+  return PerGroup(bits, group_size, stochastic)
+
+
+def apply_plan_entry(call_bits, entry):
+  """What a plan entry makes of a call site's `bits`: an integer entry
+  changes the width of the call site's method (`with_bits`), a compressor
+  entry replaces it, None keeps the residual uncompressed."""
+  if isinstance(entry, Compressor) or entry is None:
+    return entry
+  if isinstance(call_bits, Compressor):
+    return call_bits.with_bits(entry)
+  return entry
 
 
 def check_name(name: Any) -> str:
@@ -75,14 +106,24 @@ class SaltedSeed:
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NoKey:
+  """The seed of an op called without a PRNG key (a pytree with no leaves)."""
+
+
+NO_KEY = NoKey()
+
+
 def make_seed(key, rounding: Rounding, op: str):
   """uint32 seed for an op call; a clear error when a needed key is missing.
 
-  Inside a sensitivity estimator's salt scope the result is a `SaltedSeed`.
+  Without a key (and none needed) the seed is `NO_KEY`; inside a sensitivity
+  estimator's salt scope the result is a `SaltedSeed`.
   """
-  if not rounding.needs_key:
-    return jnp.uint32(0)
   if key is None:
+    if not rounding.needs_key:
+      return NO_KEY
     raise ValueError(
         f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "
         f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
@@ -152,9 +193,13 @@ def barrier(residuals, cotangent):
                                  scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
     if isinstance(r, (PackedBits, PackedPerSample)):
       return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
+    if isinstance(r, Compressed):
+      return dataclasses.replace(r, arrays=jax.tree.map(
+          lambda a: jnp.where(arrived, a, jnp.zeros_like(a)), r.arrays))
     return r
 
-  residuals = jax.tree.map(tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample)))
+  residuals = jax.tree.map(
+      tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed)))
   return residuals, cotangent
 
 
@@ -228,28 +273,40 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   `name` (the residual's name) lets the active bit plan change the width
   (`jact.use_plan`) and estimators find and re-seed the residual.
 
-  The quantizer groups values inside each sample (axis 0). A 1-D tensor, or
-  samples shorter than a group, would waste most bytes on padding and group
-  statistics, so those are quantized as a single row (a free reshape);
-  `restore_residual` takes the original shape back.
+  `rounding.bits` may be a compressor (`jact.compressors`); a plan's integer
+  entry changes its width, a compressor entry replaces it. The per-group
+  quantizer quantizes a 1-D tensor, or samples shorter than a group, as a
+  single row (see `jact.compressors.pergroup.as_rows`).
   """
   budget = None
   if name is not None and rounding.bits is not None:
-    bits = _context.planned_bits(name, rounding.bits)
+    bits = apply_plan_entry(rounding.bits, _context.planned_bits(name, rounding.bits))
     if bits != rounding.bits:
       rounding = dataclasses.replace(rounding, bits=bits)
     _context.record(name, x, rounding.bits)
     if bits is not None:
       budget = _context.planned_budget(name)
-  if rounding.bits is None:
+  compressor = rounding.compressor
+  if compressor is None:
     return x
-  d = math.prod(x.shape[1:]) if x.ndim else 1
-  if x.ndim <= 1 or d < rounding.group_size:
-    x = x.reshape(1, -1)
   if budget is not None:
-    return _compress_per_sample(x, site_seed(seed, site, name), rounding, budget)
-  return quantize(x, bits=rounding.bits, group_size=rounding.group_size,
-                  stochastic=rounding.stochastic, seed=site_seed(seed, site, name))
+    if not isinstance(compressor, PerGroup):
+      raise ValueError(
+          f"the plan gives residual {name!r} a per-sample budget, which only the per-group "
+          f"quantizer supports, but its compressor is {compressor!r}; drop the budget or "
+          "give the residual an integer width.")
+    rows = as_rows(tuple(x.shape), compressor.group_size)
+    return _compress_per_sample(x.reshape(rows), site_seed(seed, site, name), rounding, budget)
+  if not compressor.needs_key:
+    return compressor.compress(x, None)
+  if isinstance(seed, NoKey):
+    raise ValueError(
+        f"residual {name!r} is to be stored with {compressor!r}, which rounds stochastically "
+        "and needs a PRNG key, but its op was called without one (its call site asked for "
+        f"{rounding.bits if rounding.compressor is None else 'a deterministic method'}): pass "
+        "key=jax.random.key(...) to the op (a Flax layer: an RNG stream named 'jact'), or "
+        "give the residual a deterministic compressor in the plan.")
+  return compressor.compress(x, site_seed(seed, site, name))
 
 
 def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
@@ -271,6 +328,8 @@ def restore_residual(r, shape=None, dtype=None):
     r = persample.dequantize_per_sample(r, dtype)
   elif isinstance(r, Packed):
     r = dequantize(r, dtype)
+  elif isinstance(r, Compressed):
+    r = r.decompress(dtype)
   elif dtype is not None:
     r = r.astype(dtype)
   return r if shape is None else r.reshape(shape)

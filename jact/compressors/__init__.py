@@ -1,0 +1,20 @@
+"""Compressors: how a residual is stored for the backward pass.
+
+Every method is a `Compressor` (compress, decompress, stored bytes, unbiased?)
+and plugs in wherever jact takes `bits`: the compressed ops, the Flax
+layers, `jact.compressed` and `jact.BitPlan` entries. An integer width is
+shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> from jact import compressors
+>>> x, w = jnp.ones((4, 256)), jnp.ones((256, 3))
+>>> y = jact.ops.dense(x, w, key=jax.random.key(0), bits=compressors.PerGroup(2))
+>>> y.shape
+(4, 3)
+"""
+
+from jact.compressors._base import Compressed, Compressor, from_dict, registered
+from jact.compressors.division import Division
+from jact.compressors.pergroup import PerGroup
+
+__all__ = ["Compressor", "Compressed", "from_dict", "registered", "PerGroup", "Division"]

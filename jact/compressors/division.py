@@ -1,0 +1,213 @@
+"""DIVISION (dual activation precision, Wang et al. 2022, Sec. 4) as a `Compressor`.
+
+A channels-last activation map (N, [D,] [H,] W, C) is split into a
+low-frequency component (LFC), its average pooling with block B and stride B
+over every spatial axis, stored in `lfc_dtype`, and a high-frequency
+component HFC = x - upsample(LFC), stored with per-sample per-group
+stochastic rounding at Q bits (`PerGroup(Q, group_size)`). The
+reconstruction upsample(LFC) + dequantized HFC is unbiased: the residual is
+taken against the LFC *as stored*, so E[decompress] = x up to float rounding.
+
+Blocks: a spatial axis shorter than B is one block (its whole extent); when B
+does not divide an axis the last, partial block averages only its valid
+elements. A rank-2 input (N, C) has no spatial axes, hence no LFC: it is
+stored as plain per-group quantization of x.
+
+Stored bytes: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) for the LFC
+plus `PerGroup(Q, group_size).stored_bytes(shape)` for the HFC (Q/8 bytes a
+value and 4 bytes of bf16 minimum and step a group). For float32 x with a
+float32 LFC and 2-D maps divisible by B this is a compression rate of
+(B^-2 + Q/32 + 1/group_size)^-1, the paper's (B^-2 + Q/32)^-1 (Appendix B)
+plus the group statistics.
+
+>>> import jax, jax.numpy as jnp
+>>> from jact.compressors.division import Division
+>>> c = Division(block=4, bits=2)
+>>> x = jnp.linspace(-1.0, 1.0, 2 * 8 * 8 * 16).reshape(2, 8, 8, 16)
+>>> stored = jax.jit(c.compress)(x, jnp.uint32(3))
+>>> stored.arrays["lfc"].shape, jax.jit(c.decompress)(stored).shape
+((2, 2, 2, 16), (2, 8, 8, 16))
+>>> stored.nbytes == c.stored_bytes(x.shape, x.dtype), c.unbiased
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jact.compressors._base import Compressed, Compressor
+from jact.compressors.pergroup import PerGroup
+from jact.quantize import FLOAT_DTYPES, check_bits, check_group_size, dequantize
+
+__all__ = ["Division"]
+
+
+def _check_rank(shape: tuple[int, ...]) -> None:
+  if not 2 <= len(shape) <= 5:
+    raise ValueError(
+        f"Division takes channels-last inputs of rank 2 to 5 ((N, C), (N, L, C), "
+        f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(shape)}; reshape the "
+        "residual to one of these layouts or use PerGroup for other shapes.")
+
+
+def _blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
+  """Block size per spatial axis: B, or the whole axis when it is shorter."""
+  return tuple(min(block, s) for s in spatial)
+
+
+def _counts(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
+  """Valid elements in each pooling block, shape (n_1, ..., n_k) (static)."""
+  count = np.ones((), np.float32)
+  for s, b in zip(spatial, blocks):
+    n = -(-s // b)
+    per_axis = np.minimum(b, s - b * np.arange(n)).astype(np.float32)
+    count = np.multiply.outer(count, per_axis)
+  return count
+
+
+def _pool(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
+  """Average pooling (float32) over the spatial axes, partial blocks over valid elements."""
+  spatial = x.shape[1:-1]
+  n = tuple(-(-s // b) for s, b in zip(spatial, blocks))
+  x = x.astype(jnp.float32)
+  pad = tuple(m * b - s for s, b, m in zip(spatial, blocks, n))
+  if any(pad):
+    # Window sums with implicit zero padding (no padded copy of x); the counts exclude it.
+    window = (1, *blocks, 1)
+    sums = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window,
+                                 ((0, 0), *((0, p) for p in pad), (0, 0)))
+  else:
+    split = [x.shape[0]]
+    for m, b in zip(n, blocks):
+      split += [m, b]
+    split.append(x.shape[-1])
+    sums = x.reshape(split).sum(axis=tuple(range(2, 2 * len(n) + 1, 2)))
+  return sums / jnp.asarray(_counts(spatial, blocks))[None, ..., None]
+
+
+def _upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...]) -> jax.Array:
+  """Nearest-neighbour upsampling of the pooled map back to `spatial` (float32)."""
+  lfc = lfc.astype(jnp.float32)
+  n = lfc.shape[1:-1]
+  expanded, tiled = [lfc.shape[0]], [lfc.shape[0]]
+  for m, b in zip(n, blocks):
+    expanded += [m, 1]
+    tiled += [m, b]
+  expanded.append(lfc.shape[-1])
+  tiled.append(lfc.shape[-1])
+  up = jnp.broadcast_to(lfc.reshape(expanded), tiled)
+  up = up.reshape((lfc.shape[0],) + tuple(m * b for m, b in zip(n, blocks)) + (lfc.shape[-1],))
+  if up.shape[1:-1] != tuple(spatial):
+    up = up[(slice(None),) + tuple(slice(0, s) for s in spatial)]
+  return up
+
+
+@dataclasses.dataclass(frozen=True)
+class Division(Compressor):
+  """DIVISION: average-pooled LFC kept in `lfc_dtype`, HFC quantized to `bits`.
+
+  Attributes:
+    block: pooling block and stride B over each spatial axis (positive int).
+    bits: HFC width Q: 1, 2, 4 or 8.
+    group_size: HFC values per quantization group (multiple of 8).
+    lfc_dtype: LFC storage dtype: bfloat16 (default), float32 or float16.
+    keep: "both" (DIVISION); "lfc" or "hfc" store and reconstruct only that
+      part -- the paper's ablations "w/o HFC" and "w/o LFC" (biased).
+  """
+  block: int = 8
+  bits: int = 2
+  group_size: int = 256
+  lfc_dtype: Any = jnp.bfloat16
+  keep: str = "both"
+
+  method = "division"
+
+  def __post_init__(self):
+    if (isinstance(self.block, bool) or not isinstance(self.block, (int, np.integer))
+        or self.block <= 0):
+      raise ValueError(f"block must be a positive int (the pooling block and stride, "
+                       f"e.g. 8), got {self.block!r}.")
+    check_bits(self.bits)
+    check_group_size(self.group_size)
+    if self.keep not in ("both", "lfc", "hfc"):
+      raise ValueError(f"keep must be 'both' (DIVISION), 'lfc' or 'hfc' (ablations), "
+                       f"got {self.keep!r}.")
+    try:
+      dtype = jnp.dtype(self.lfc_dtype)
+    except TypeError:
+      dtype = None
+    if dtype not in FLOAT_DTYPES:
+      raise ValueError(f"lfc_dtype must be float32, bfloat16 or float16, got "
+                       f"{self.lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32.")
+    object.__setattr__(self, "block", int(self.block))
+    object.__setattr__(self, "lfc_dtype", dtype)  # compares equal after to_dict/from_dict
+
+  @property
+  def unbiased(self) -> bool:
+    return self.keep == "both"
+
+  @property
+  def needs_key(self) -> bool:
+    return self.keep != "lfc"
+
+  @property
+  def average_bits(self) -> float:
+    """Q + group statistics + LFC bits per value, nominal for 2-D maps (B^2 blocks)."""
+    return self.bits + 32.0 / self.group_size + self.lfc_dtype.itemsize * 8.0 / self.block**2
+
+  def with_bits(self, bits: int) -> "Division":
+    return dataclasses.replace(self, bits=bits)
+
+  def _hfc_quantizer(self) -> PerGroup:
+    return PerGroup(self.bits, self.group_size, True)
+
+  def compress(self, x: jax.Array, seed) -> Compressed:
+    self.check_input(x)
+    shape = tuple(x.shape)
+    self._check_keep(shape)
+    if x.ndim == 2:  # no spatial axes: no LFC, plain per-group quantization of x
+      return Compressed({"hfc": self._hfc_quantizer().compress(x, seed)}, self, shape, x.dtype)
+    spatial = shape[1:-1]
+    blocks = _blocks(spatial, self.block)
+    lfc = _pool(x, blocks).astype(self.lfc_dtype)
+    arrays = {}
+    if self.keep != "hfc":
+      arrays["lfc"] = lfc
+    if self.keep != "lfc":
+      hfc = x.astype(jnp.float32) - _upsample(lfc, blocks, spatial)
+      arrays["hfc"] = self._hfc_quantizer().compress(hfc, seed)
+    return Compressed(arrays, self, shape, x.dtype)
+
+  def _check_keep(self, shape) -> None:
+    _check_rank(shape)
+    if len(shape) == 2 and self.keep == "lfc":
+      raise ValueError("Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
+                       "input has no low-frequency part.")
+
+  def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
+    if "hfc" in stored.arrays:
+      out = dequantize(stored.arrays["hfc"], jnp.float32)
+    else:
+      out = jnp.zeros(stored.shape, jnp.float32)
+    if "lfc" in stored.arrays:
+      spatial = tuple(stored.shape[1:-1])
+      out = out + _upsample(stored.arrays["lfc"], _blocks(spatial, self.block), spatial)
+    return out.reshape(stored.shape).astype(dtype or stored.dtype)
+
+  def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
+    """LFC: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) (none for rank 2);
+    HFC: `PerGroup(bits, group_size).stored_bytes(shape)`."""
+    shape = tuple(int(s) for s in shape)
+    self._check_keep(shape)
+    hfc = self._hfc_quantizer().stored_bytes(shape) if self.keep != "lfc" else 0
+    if len(shape) == 2 or self.keep == "hfc":
+      return hfc
+    spatial = shape[1:-1]
+    pooled = math.prod(-(-s // b) for s, b in zip(spatial, _blocks(spatial, self.block)))
+    return hfc + shape[0] * pooled * shape[-1] * self.lfc_dtype.itemsize
