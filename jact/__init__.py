@@ -12,7 +12,7 @@ backward pass needs instead of the full-precision activation.
 (2, 256)
 """
 
-from jact import acgc, allocate, levels, ops, rng, sensitivity
+from jact import acgc, allocate, compressors, levels, ops, rng, sensitivity
 from jact.controller import CompressionVarianceWarning, Controller, ControllerState
 from jact.flax import linen as nn
 from jact.flax import nnx
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
-    "ops", "nn", "nnx", "rng", "sensitivity", "acgc", "allocate", "levels",
+    "ops", "nn", "nnx", "rng", "compressors", "sensitivity", "acgc", "allocate", "levels",
     "Controller", "ControllerState", "CompressionVarianceWarning",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
     "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",

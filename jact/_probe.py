@@ -91,7 +91,7 @@ def observe_norm(collector: Collector, name: str, kind: str, xhat: jax.Array, in
   m = math.prod(xhat.shape[a] for a in reduction_axes)
   collector.info[name] = dict(kind=kind, group_size=g, reduction=m, batch=xhat.shape[0],
                               samples_quantized=ranges_sq.shape[0],
-                              reduction_axes=tuple(reduction_axes))
+                              reduction_axes=tuple(reduction_axes), has_scale=scale is not None)
   collector.stats[name] = dict(
       ranges_sq=ranges_sq, range_max=range_max, abs_max=abs_max(xhat), xhat=xhat,
       inv=jax.lax.stop_gradient(jnp.broadcast_to(inv, xhat.shape)).astype(jnp.float32),

@@ -8,10 +8,14 @@ stored activation value:
     dense  (input X: N rows x C):   dx*^2 = e^2 V^2 / (2 N C ||dY||^2)
     conv   (kernel RxS, stride T):  dx*^2 = e^2 V^2 T^2 / (2 R S M C ||dY||^2),  M = N H W
     batch / layer norm:             dx*^2 = e^2 V^2 M s^4 / (C gamma^2 g^2)
+                                    and (jact) dxhat^2 <= e^2 V^2 / (2 T ||dY||^2)
 
 (s: the normalization's standard deviation, g^2 >= the squared gradient of
 gamma, M values per statistic, C statistics). jact's norms store
-xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. A tolerance becomes a
+xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. Table 1 bounds only
+the norm's input gradient (AC-GC notes the scale's own gradient is not
+bounded and the bound may be violated); jact also bounds the scale gradient
+d gamma = sum over T values of dY * xhat, like a dense layer's. A tolerance becomes a
 width of jact's per-group stochastic quantizer, whose per-value error
 variance is at most (R / (2 B))^2 for a group range R and B = 2^b - 1 steps:
 B >= R_max / (2 dx*), rounded up to 1, 2, 4 or 8 bits (wider: kept
@@ -89,7 +93,15 @@ def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, erro
   gamma_sq = jnp.broadcast_to(jnp.square(scale), xhat.shape)
   g_sq = jnp.broadcast_to(jnp.square(grad_scale), xhat.shape)
   per_value = error * v_sq * m / (c * jnp.maximum(gamma_sq * g_sq, 1e-30) * jnp.square(inv))
-  return jnp.min(per_value)
+  if grad_scale is None or not info.get("has_scale", True):
+    return jnp.min(per_value)
+  # Beyond Table 1 (which bounds only the input gradient, and warns that BN's own
+  # parameter gradients are unbounded): d gamma = sum over `terms` values of
+  # dY * xhat, so its error is at most terms * dx^2 * ||dY||^2 (Cauchy-Schwarz);
+  # keep it below e^2 V^2 / 2 as for a dense layer.
+  terms = xhat.size / max(int(grad_scale.size), 1)
+  param = error * v_sq / (2.0 * terms * jnp.maximum(jnp.sum(jnp.square(grad_y)), 1e-30))
+  return jnp.minimum(jnp.min(per_value), param)
 
 
 def bits_for_levels(levels_sq: float, signed: bool = False) -> int | None:

@@ -14,7 +14,11 @@ shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
 """
 
 from jact.compressors._base import Compressed, Compressor, from_dict, registered
+from jact.compressors.blpa import BLPA
 from jact.compressors.division import Division
+from jact.compressors.fixed_point import Fixpoint
 from jact.compressors.pergroup import PerGroup
+from jact.compressors.zero_value import ZeroValue
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered", "PerGroup", "Division"]
+__all__ = ["Compressor", "Compressed", "from_dict", "registered", "PerGroup", "Division", "BLPA", "Fixpoint",
+           "ZeroValue"]

@@ -41,7 +41,7 @@ from jact.flax._hooks import Hook
 __all__ = [
     "Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
     "MultiHeadDotProductAttention", "SelfAttention", "ReLU", "LeakyReLU", "GELU", "SiLU",
-    "Tanh", "Sigmoid", "Softmax", "MaxPool", "AvgPool",
+    "Tanh", "Sigmoid", "Softmax", "MaxPool", "AvgPool", "BLPABlock",
 ]
 
 
@@ -433,3 +433,6 @@ class AvgPool(_Twin, nn.Module):
   def __call__(self, x):
     return pooling.avg_pool(x, tuple(self.window_shape), self.strides, self.padding,
                             self.count_include_pad, name=self._residual_name())
+
+
+from jact.flax.blpa import LinenBLPABlock as BLPABlock  # noqa: E402  (fused BN -> ReLU -> conv, BLPA)

@@ -33,7 +33,7 @@ from jact.ops.dropout import dropout as dropout_op
 __all__ = [
     "Linear", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
     "MultiHeadAttention", "ReLU", "LeakyReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax",
-    "MaxPool", "AvgPool", "name_residuals",
+    "MaxPool", "AvgPool", "BLPABlock", "name_residuals",
 ]
 
 
@@ -93,7 +93,7 @@ def name_residuals(model: nnx.Module) -> nnx.Module:
   'fc'
   """
   for path, module in nnx.iter_modules(model):
-    if isinstance(module, _Twin) and path:
+    if isinstance(module, (_Twin, BLPABlock)) and path:
       module.residual_name = "/".join(str(p) for p in path)
   return model
 
@@ -437,3 +437,6 @@ class AvgPool(_Twin, nnx.Module):
   def __call__(self, x):
     return pooling.avg_pool(x, self.window_shape, self.strides, self.padding,
                             self.count_include_pad, name=self.residual_name)
+
+
+from jact.flax.blpa import NnxBLPABlock as BLPABlock  # noqa: E402  (fused BN -> ReLU -> conv, BLPA)

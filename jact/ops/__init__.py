@@ -16,6 +16,7 @@ with `jax.ad_checkpoint.checkpoint_name` (the op's `name=` plus a role), so
 from jact.ops._core import Rounding
 from jact.ops.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from jact.ops.attention import dot_product_attention
+from jact.ops.blpa import blpa_block
 from jact.ops.chunked_attention import chunked_attention
 from jact.ops.dropout import dropout
 from jact.ops.embedding import embed
@@ -29,5 +30,5 @@ __all__ = [
     "batch_norm", "layer_norm", "rms_norm", "update_running_stats",
     "relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax",
     "dropout", "max_pool", "avg_pool", "embed", "dot_product_attention",
-    "chunked_attention",
+    "chunked_attention", "blpa_block",
 ]

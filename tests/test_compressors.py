@@ -1,0 +1,193 @@
+"""The Compressor interface: every method plugs into ops, Flax layers,
+`jact.compressed` and plans, with its stored bytes reported; the DIVISION
+ablation and AC-GC fixed-point widths on real CIFAR-10 activations."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jact
+from jact import compressors as C
+from experiments import data, preact
+
+ALL = [
+    C.PerGroup(2), C.PerGroup(4, stochastic=False), C.Division(), C.Division(block=4, bits=4),
+    C.BLPA(4), C.BLPA(8), C.Fixpoint(8), C.Fixpoint(2), C.ZeroValue(), C.ZeroValue(C.Fixpoint(4)),
+]
+
+
+def _relu_like(shape, seed=0):
+  return np.maximum(np.random.default_rng(seed).normal(size=shape) - 0.3, 0).astype(np.float32)
+
+
+@pytest.mark.parametrize("c", ALL, ids=repr)
+def test_interface_bytes_json_and_dense_op(c):
+  x = jnp.asarray(_relu_like((8, 4, 4, 32)))
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(32, 5)).astype(np.float32))
+  assert C.from_dict(c.to_dict()) == c and hash(C.from_dict(c.to_dict())) == hash(c)
+  stored = jax.jit(c.compress)(x, jnp.uint32(3) if c.needs_key else None)
+  assert stored.nbytes == c.stored_bytes(x.shape, x.dtype)
+  x_hat = jax.jit(c.decompress)(stored)
+  assert x_hat.shape == x.shape and x_hat.dtype == x.dtype and bool(jnp.all(jnp.isfinite(x_hat)))
+  assert c.stored_bytes(x.shape, x.dtype) < x.nbytes
+
+  key = jax.random.key(0) if c.needs_key else None
+
+  def loss(w):
+    return jnp.sum(jact.ops.dense(x, w, key=key, bits=c, name="fc") ** 2)
+
+  report = jact.residual_report(loss, w)
+  assert report.by_name()["fc.lhs"].bytes == c.stored_bytes(x.shape, x.dtype)
+  # The weight gradient is the exact formula at the reconstruction (same seed).
+  g = jax.grad(loss)(w)
+  y = x @ w
+  if c.needs_key:
+    site = jact.ops._core.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
+    x_hat = c.decompress(c.compress(x, site))
+  expected = jnp.einsum("nhwc,nhwk->ck", x_hat, 2 * y)
+  np.testing.assert_allclose(g, expected, rtol=2e-4, atol=2e-4 * float(jnp.abs(expected).max()))
+
+
+@pytest.mark.parametrize("c", [C.Division(), C.Fixpoint(4), C.ZeroValue(C.Fixpoint(8))], ids=repr)
+def test_compressed_function_and_flax_layer_take_a_compressor(c):
+  x = jnp.asarray(_relu_like((4, 8, 8, 16), 2))
+  block = jact.compressed(lambda k, x: jnp.tanh(jax.lax.conv_general_dilated(
+      x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))).sum(), bits=c, name="blk")
+  k = jnp.asarray(np.random.default_rng(3).normal(size=(3, 3, 16, 16)).astype(np.float32)) / 12
+  key = jax.random.key(0) if c.needs_key else None
+  g = jax.grad(block)(k, x, key=key)
+  exact = jax.grad(lambda k, x: jnp.tanh(jax.lax.conv_general_dilated(
+      x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))).sum())(k, x)
+  assert float(jnp.linalg.norm(g - exact) / jnp.linalg.norm(exact)) < 0.3
+  names = jact.residual_report(lambda k: block(k, x, key=key), k).by_name()
+  float_groups = [n for n in names if n and n.startswith("blk")]
+  assert float_groups, names
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jact.nn.Conv(8, (3, 3), bits=c)(x).sum()
+
+  net = Net()
+  rngs = {"params": jax.random.key(1), "jact": jax.random.key(2)}
+  variables = net.init(rngs, x)
+  grads = jax.grad(lambda v: net.apply(v, x, rngs={"jact": jax.random.key(3)}))(variables)
+  assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(grads))
+
+
+def test_plan_entries_change_width_or_method_and_round_trip():
+  x = jnp.asarray(_relu_like((8, 16, 16, 8), 4))
+  w = jnp.ones((3, 3, 8, 4)) / 10
+  key = jax.random.key(0)
+
+  def loss(w, plan=None):
+    with jact.use_plan(plan):
+      return jact.ops.conv(x, w, key=key, bits=C.Division(), name="c").sum()
+
+  def stored(plan):
+    return jact.residual_report(lambda w: loss(w, plan), w).by_name()["c.lhs"].bytes
+
+  assert stored(None) == C.Division().stored_bytes(x.shape)
+  assert stored(jact.BitPlan({"c.lhs": 4})) == C.Division(bits=4).stored_bytes(x.shape)
+  assert stored(jact.BitPlan({"c.lhs": C.Fixpoint(8)})) == C.Fixpoint(8).stored_bytes(x.shape)
+  assert stored(jact.BitPlan({"c.lhs": None})) == x.nbytes
+  plan = jact.BitPlan({"c.lhs": C.ZeroValue(C.Fixpoint(4), capacity=0.6), "d": 2},
+                      default=C.Division(block=4))
+  assert jact.BitPlan.from_json(plan.to_json()) == plan
+  assert "zero_value" in plan.replace(sizes={"c.lhs": x.size}).summary()
+
+  traces = []
+
+  def step(w, plan):
+    traces.append(1)
+    return jax.grad(loss)(w, plan)
+
+  jitted = jax.jit(step, static_argnames="plan")
+  for p in [jact.BitPlan({"c.lhs": C.Fixpoint(4)}), jact.BitPlan({"c.lhs": C.Fixpoint(4)}),
+            jact.BitPlan({"c.lhs": C.Fixpoint(8)})]:
+    jitted(w, p)
+  assert len(traces) == 2
+
+
+def test_clear_errors():
+  x, w = jnp.ones((4, 256)), jnp.ones((256, 2))
+  with pytest.raises(ValueError, match="jact.compressors"):
+    jact.ops.dense(x, w, key=jax.random.key(0), bits=3)
+
+  def no_key(w):  # a deterministic call site, a plan asking for stochastic rounding
+    with jact.use_plan(jact.BitPlan({"fc.lhs": C.Division()})):
+      return jact.ops.dense(x, w, bits=C.Fixpoint(8), name="fc").sum()
+
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    jax.grad(no_key)(w)
+  with pytest.raises(ValueError, match="per-sample budget"):
+    with jact.use_plan(jact.BitPlan({"fc.lhs": C.Fixpoint(8)}, budgets={"fc.lhs": 2})):
+      jax.grad(lambda w: jact.ops.dense(x, w, bits=C.Fixpoint(8), name="fc").sum())(w)
+  with pytest.raises(ValueError, match="unknown compressor method"):
+    C.from_dict({"method": "jpeg"})
+  with pytest.raises(ValueError, match="Fixpoint|bits"):
+    jact.BitPlan({"a": C.Fixpoint(8)}).bits_for("a").with_bits(1)
+
+
+# ----------------------------------------------------------------------------- real CIFAR-10
+
+
+@pytest.fixture(scope="module")
+def cifar_net():
+  x, y, _, _ = data.load_image_dataset("cifar10", train_size=16)
+  x = x - x.mean(axis=(0, 1, 2))
+  params = preact.init(jax.random.key(0), widths=(8, 16), blocks=1)
+  batch = (jnp.asarray(x[:16]), jnp.asarray(y[:16]))
+  exact = jax.grad(preact.loss)(params, batch, form="plain")
+  return params, batch, exact
+
+
+def _rel_err(g, exact):
+  flat = lambda t: jnp.concatenate([jnp.ravel(a) for a in jax.tree.leaves(t)])
+  return float(jnp.linalg.norm(flat(g) - flat(exact)) / jnp.linalg.norm(flat(exact)))
+
+
+def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
+  """DIVISION Sec. 5.5 on real activations: dropping the LFC (keeping a 2-bit
+  HFC) hurts the gradient more than dropping the HFC (keeping a B=4 LFC); the
+  full method is better than either."""
+  params, batch, exact = cifar_net
+  grad = jax.jit(jax.grad(preact.loss, argnums=0), static_argnames=("form", "bits"))
+
+  def err(c, keys=4):
+    return np.mean([_rel_err(grad(params, batch, jax.random.key(i), form="layers", bits=c),
+                             exact) for i in range(keys if c.needs_key else 1)])
+
+  without_hfc = err(C.Division(block=4, keep="lfc"))
+  without_lfc = err(C.Division(block=4, bits=2, keep="hfc"))
+  both = err(C.Division(block=4, bits=2))
+  assert without_lfc > 1.5 * without_hfc, (without_lfc, without_hfc)
+  assert both < without_hfc and both < without_lfc, (both, without_hfc, without_lfc)
+
+
+def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
+  """AC-GC with the fixed-point compressor: the plan holds Fixpoint widths in
+  (2, 4, 8), wider for a tighter e^2, and the measured squared gradient error
+  stays below e^2 ||g||^2 (AutoQuant)."""
+  params, batch, exact = cifar_net
+  loss = lambda p, b, k: preact.loss(p, b, k, form="layers", bits=C.Fixpoint(8))
+  widths = {}
+  for e2 in (0.05, 2.0):
+    bounds = jact.acgc.error_bounded(loss, error=e2, compressor=C.Fixpoint())
+    state = bounds.update(bounds.init(params, batch, jax.random.key(0)), params, batch,
+                          jax.random.key(1))
+    plan = bounds.plan(state)
+    assert plan and all(isinstance(c, C.Fixpoint) and c.bits in (2, 4, 8)
+                        for c in plan.values() if c is not None), plan
+
+    def planned(p):
+      with jact.use_plan(plan):
+        return loss(p, batch, None)
+
+    err = _rel_err(jax.grad(planned)(params), exact) ** 2
+    assert err <= e2, (e2, err, plan)
+    widths[e2] = {n: (c.bits if c is not None else 32) for n, c in plan.items()}
+  assert all(widths[0.05][n] >= widths[2.0][n] for n in widths[2.0])
+  assert sum(widths[0.05].values()) > sum(widths[2.0].values())
