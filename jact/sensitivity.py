@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import _context, _probe
+from jact.compressors import PerGroup
 from jact.plan import BitPlan, use_plan
 
 __all__ = ["SensitivityState", "Estimator", "find_residuals", "numeric", "analytic",
@@ -149,13 +150,22 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
   _check_decay(decay)
   grad_fn = jax.grad(loss_fn)
 
+  probes = {}
+
   def init(params, batch, key) -> SensitivityState:
-    return _empty_state(find_residuals(loss_fn, params, batch, key))
+    sites = find_residuals(loss_fn, params, batch, key)
+    state = _empty_state(sites)
+    # Sensitivity is measured for the per-group stochastic quantizer: a site with
+    # another (possibly deterministic) compressor is probed with PerGroup.
+    probes[state.names] = BitPlan({
+        n: probe_bits if isinstance(sites[n].bits, (int, PerGroup)) else PerGroup(probe_bits)
+        for n in state.names})
+    return state
 
   @jax.jit
   def update(state: SensitivityState, params, batch, key) -> SensitivityState:
     names = state.names
-    probe = BitPlan({n: probe_bits for n in names})
+    probe = probes.get(names) or BitPlan({n: probe_bits for n in names})
 
     def grads(salt):
       with use_plan(probe), _context.salted(names, salt):

@@ -191,3 +191,17 @@ def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
     widths[e2] = {n: (c.bits if c is not None else 32) for n, c in plan.items()}
   assert all(widths[0.05][n] >= widths[2.0][n] for n in widths[2.0])
   assert sum(widths[0.05].values()) > sum(widths[2.0].values())
+
+
+def test_numeric_estimator_probes_deterministic_sites_with_the_per_group_quantizer():
+  """GACT's estimate is for stochastic per-group rounding; a Fixpoint call site
+  (deterministic: re-drawing its noise would change nothing) is probed with it."""
+  x = jnp.asarray(_relu_like((16, 256), 5))
+  w = jnp.asarray(np.random.default_rng(6).normal(size=(256, 8)).astype(np.float32)) / 16
+
+  def loss(w, x, key):
+    return jnp.sum(jnp.tanh(jact.ops.dense(x, w, key=key, bits=C.Fixpoint(8), name="fc")) ** 2)
+
+  est = jact.sensitivity.numeric(loss)
+  state = est.update(est.init(w, x, jax.random.key(0)), w, x, jax.random.key(1))
+  assert state.names == ("fc.lhs",) and float(state.sensitivity[0]) > 0
