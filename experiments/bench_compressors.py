@@ -19,7 +19,8 @@ exact gradient over `--keys` rounding keys:
 Methods: ActNN per-group 2/4 bits, BLPA 4/8 bits (fused units), DIVISION
 (B=8, Q=2), AC-GC fixpoint at the widths its bound gives for each e^2 in `--errors`
 (AutoQuant), and the same with zero-value compression of the (sparse) conv
-inputs (AutoQuantZ, capacity `--capacity`).
+inputs (AutoQuantZ, capacity `--capacity`; conv inputs the bound leaves
+uncompressed get lossless ZVC).
 
     python -m experiments.bench_compressors --json experiments/results/bench_compressors.json
 """
@@ -88,10 +89,12 @@ def acgc_plan(params, batch, error: float, updates: int, compressor):
 
 
 def zvc_on_conv_inputs(plan: jact.BitPlan, capacity: float) -> jact.BitPlan:
-  """The plan with every conv input (a ReLU output, sparse) zero-value compressed."""
+  """The plan with every conv input (a ReLU output, sparse) zero-value compressed:
+  its fixed-point codes (AutoQuantZ), or, where the bound leaves it
+  uncompressed, its exact values (lossless ZVC)."""
   entries = {}
   for name, c in plan.items():
-    if name.endswith(".conv.lhs") and isinstance(c, compressors.Fixpoint):
+    if name.endswith(".conv.lhs") and (c is None or isinstance(c, compressors.Fixpoint)):
       c = compressors.ZeroValue(c, capacity=capacity)
     entries[name] = c
   return jact.BitPlan(entries, default=plan.default)
