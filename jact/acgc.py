@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jact.compressors import Fixpoint, ZeroValue
 from jact.plan import BitPlan
 from jact.sensitivity import collect_layer_stats, find_residuals
 
@@ -120,7 +121,6 @@ def bits_for_levels(levels_sq: float, signed: bool = False) -> int | None:
 
 def _is_fixpoint(compressor) -> bool:
   """Whether `compressor` is a max-abs fixed-point method (possibly inside ZVC)."""
-  from jact.compressors import Fixpoint, ZeroValue  # pylint: disable=import-outside-toplevel
   if isinstance(compressor, ZeroValue):
     return compressor.inner is None or isinstance(compressor.inner, Fixpoint)
   return isinstance(compressor, Fixpoint)

@@ -19,9 +19,14 @@ import jax.numpy as jnp
 
 from jact.quantize import FLOAT_DTYPES
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered"]
+__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels"]
 
 _REGISTRY: dict[str, type["Compressor"]] = {}
+
+
+def channels(shape: tuple[int, ...]) -> int:
+  """Channels of a residual: its last axis (one channel for a 0-D or 1-D tensor)."""
+  return int(shape[-1]) if len(shape) >= 2 else 1
 
 
 class Compressor(abc.ABC):

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact.compressors._base import Compressed, Compressor
+from jact.compressors._base import Compressed, Compressor, channels as _channels
 from jact.quantize import FLOAT_DTYPES, pack_codes, unpack_codes
 
 __all__ = ["BLPA", "BLPA_BITS", "check_blpa_bits", "blpa_grid", "blpa_encode", "blpa_decode",
@@ -83,11 +83,6 @@ def check_blpa_bits(bits: Any) -> int:
     raise ValueError(f"BLPA needs bits in {BLPA_BITS} (the paper uses 4 or 8), got {bits!r}."
                      + hint)
   return int(bits)
-
-
-def _channels(shape: tuple[int, ...]) -> int:
-  """Channels of a tensor: its last axis (one channel for a 0-D/1-D tensor)."""
-  return int(shape[-1]) if len(shape) >= 2 else 1
 
 
 def blpa_grid(beta: jax.Array, gamma: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -205,10 +200,6 @@ class BLPA(Compressor):
 
   @property
   def unbiased(self) -> bool:
-    return False
-
-  @property
-  def needs_key(self) -> bool:
     return False
 
   def with_bits(self, bits: int) -> "BLPA":

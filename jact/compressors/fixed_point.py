@@ -24,16 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jact.compressors._base import Compressed, Compressor
+from jact.compressors._base import Compressed, Compressor, channels
 from jact.quantize import pack_codes, unpack_codes
 
 __all__ = ["Fixpoint", "FIXPOINT_BITS"]
 
 FIXPOINT_BITS = (2, 4, 8)
-
-
-def _channels(shape: tuple[int, ...]) -> int:
-  return int(shape[-1]) if len(shape) >= 2 else 1
 
 
 def _check_fixpoint_bits(bits: Any) -> int:
@@ -75,13 +71,13 @@ class Fixpoint(Compressor):
 
   def scales(self, x: jax.Array) -> jax.Array:
     """float32[C]: the largest finite |x| per channel."""
-    c = _channels(tuple(x.shape))
+    c = channels(tuple(x.shape))
     a = jnp.abs(x.astype(jnp.float32)).reshape(-1, c)
     return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=0)
 
   def codes(self, x: jax.Array, scale: jax.Array) -> jax.Array:
     """int32 codes in [-L, L], shaped (values / C, C)."""
-    c = _channels(tuple(x.shape))
+    c = channels(tuple(x.shape))
     v = x.astype(jnp.float32).reshape(-1, c)
     v = jnp.where(jnp.isnan(v), 0.0, jnp.clip(v, -scale, scale))
     inv = jnp.where(scale > 0, self.levels / jnp.where(scale > 0, scale, 1.0), 0.0)
@@ -107,4 +103,4 @@ class Fixpoint(Compressor):
     """ceil(size / k) bytes of codes (k = 8 // bits codes per byte) + 4 * C."""
     shape = tuple(int(s) for s in shape)
     k = 8 // self.bits
-    return -(-max(math.prod(shape), 1) // k) + 4 * _channels(shape)
+    return -(-max(math.prod(shape), 1) // k) + 4 * channels(shape)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jact.compressors._base import Compressed, Compressor
+from jact.compressors._base import Compressed, Compressor, channels
 from jact.compressors.fixed_point import FIXPOINT_BITS, Fixpoint
 from jact.quantize import pack_codes, unpack_bits
 
@@ -91,7 +91,7 @@ class ZeroValue(Compressor):
   def _layout(self, shape, dtype):
     """(n, C, K, mask bytes, value bytes, fallback width)."""
     n = max(math.prod(shape), 1)
-    c = int(shape[-1]) if len(shape) >= 2 else 1
+    c = channels(shape)
     k = math.ceil(self.capacity * n)
     mask_bytes = -(-n // 8)
     if self.inner is None:
@@ -122,12 +122,8 @@ class ZeroValue(Compressor):
           "capacity; raise the capacity.")
     fixpoint = self.inner or Fixpoint(8)
     scale = fixpoint.scales(x)
-    if self.inner is None:
-      values = x.reshape(-1)
-      mask = values != 0
-    else:
-      values = self.inner.codes(x, scale).reshape(-1)
-      mask = values != 0
+    values = (x if self.inner is None else self.inner.codes(x, scale)).reshape(-1)
+    mask = values != 0
     count = jnp.sum(mask, dtype=jnp.int32)
 
     def sparse(_):
@@ -140,8 +136,8 @@ class ZeroValue(Compressor):
       return jnp.concatenate([pack_codes(mask, 1).data, payload])
 
     def dense(_):
-      q = Fixpoint(fallback).codes(x, scale)
-      data = pack_codes(q + Fixpoint(fallback).levels, fallback).data
+      f = Fixpoint(fallback)
+      data = pack_codes(f.codes(x, scale) + f.levels, fallback).data
       return jnp.pad(data, (0, mask_bytes + value_bytes - data.size))
 
     buffer = lax.cond(count <= k, sparse, dense, None)

@@ -42,6 +42,7 @@ from jax import lax
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
 from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
+from jact.ops.linear import _channels_last
 from jact.quantize import pack_codes, unpack_codes
 
 __all__ = ["blpa_block", "blpa_block_reference", "block_conv"]
@@ -64,8 +65,7 @@ def block_conv(a: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] 
   if a.ndim == 2:
     return jnp.matmul(a, kernel)
   n = a.ndim - 2
-  spatial = "DHW"[3 - n:]
-  dims = ("N" + spatial + "C", spatial + "IO", "N" + spatial + "C")
+  dims = _channels_last(a.ndim)
   pad = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
   return lax.conv_general_dilated(a, kernel, _tuple(strides, n, "strides"), pad,
                                   rhs_dilation=_tuple(dilation, n, "dilation"),
