@@ -39,7 +39,7 @@ import numpy as np
 from jact import rng
 
 __all__ = [
-    "Packed", "PackedBits", "quantize", "dequantize", "pack_bits", "unpack_bits",
+    "Packed", "PackedBits", "quantize", "dequantize", "quantize_reference", "dequantize_reference", "pack_bits", "unpack_bits",
     "pack_codes", "unpack_codes", "check_bits", "check_group_size", "effective_group_size",
     "SUPPORTED_BITS", "FLOAT_DTYPES",
 ]
@@ -278,7 +278,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   levels = jnp.asarray(levels, jnp.float32)
   lo, hi = _finite_min_max(g)
   any_finite = lo <= hi
-  lo = jnp.where(any_finite, lo, 0.0)
+  lo = jnp.where(any_finite & (lo != 0), lo, 0.0)  # a zero minimum is +0, whatever the order
   hi = jnp.where(any_finite, hi, 0.0)
   minimum = _bf16_directed(lo, up=False)
   lo_b = minimum.astype(jnp.float32)
@@ -301,7 +301,8 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
 
 
 def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
-             stochastic: bool = True, seed: jax.Array | None = None) -> Packed:
+             stochastic: bool = True, seed: jax.Array | None = None,
+             implementation: str | None = None) -> Packed:
   """Quantizes `x` per sample and per group of `group_size` values.
 
   Args:
@@ -312,26 +313,51 @@ def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
     group_size: values per group, a positive multiple of 8.
     stochastic: unbiased stochastic rounding (default) or round-to-nearest.
     seed: a uint32 scalar seed (see `jact.rng.seed_from_key`) used instead of key.
+    implementation: kernel to run ("xla", "pallas_triton", see
+      `jact.kernels.available("quantize")`); default: the best one for the
+      backend, or the one chosen with `jact.kernels.use(quantize=...)`.
 
   Returns:
     A `Packed` pytree; `dequantize` reverses it, E[dequantize(quantize(x))] = x.
+    Every implementation returns the same bits for the same seed.
   """
+  from jact import kernels  # the registry imports this module
+
   bits = check_bits(bits)
   group_size = check_group_size(group_size)
-  dtype = _check_float(x)
+  _check_float(x)
   if stochastic and seed is None:
     seed = rng.seed_from_key(key)
-  levels = float((1 << bits) - 1)
   d = math.prod(x.shape[1:]) if x.ndim else 1
   group_size = effective_group_size(d, group_size)
+  impl = kernels.select("quantize", implementation, size=x.size)
+  return impl.fn(x, seed if stochastic else None, bits=bits, group_size=group_size,
+                 stochastic=bool(stochastic))
+
+
+def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
+                       stochastic: bool = True) -> Packed:
+  """The XLA reference of `quantize` (validated arguments; `group_size` already
+  the effective one, `seed` a uint32 scalar or None when not stochastic)."""
+  levels = float((1 << bits) - 1)
   g, (n, groups, d) = _grouped(x, group_size)
   minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
   data = pack_bits(codes, bits)
-  return Packed(data, minimum, scale, tuple(x.shape), dtype, bits, group_size)
+  return Packed(data, minimum, scale, tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
 
 
-def dequantize(packed: Packed, dtype=None) -> jax.Array:
-  """Reconstructs the tensor from a `Packed` (in its own dtype unless `dtype` is given)."""
+def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None) -> jax.Array:
+  """Reconstructs the tensor from a `Packed` (in its own dtype unless `dtype` is given).
+
+  `implementation` picks the kernel as in `quantize`.
+  """
+  from jact import kernels
+
+  return kernels.select("dequantize", implementation, size=packed.data.size).fn(packed, dtype)
+
+
+def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
+  """The XLA reference of `dequantize`."""
   codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
   g = codes * packed.scale.astype(jnp.float32)[..., None] + packed.minimum.astype(jnp.float32)[..., None]
   n = g.shape[0]

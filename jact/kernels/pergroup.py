@@ -1,0 +1,202 @@
+"""Pallas (Triton backend) kernels for per-group quantization.
+
+`quantize` reads each value once and writes its packed code and its group's
+bf16 minimum and step: the finite-only min/max, the directed bf16 rounding,
+the hashed stochastic rounding and the planar bit packing all happen in one
+pass. `dequantize` is the inverse pass. Both are bit-exact with
+`jact.quantize.quantize_reference` / `dequantize_reference` for the same seed.
+
+One program handles `rows` groups; group r (sample r // groups, group
+r % groups) covers flat elements [sample * D + g * G, ... + G) of the
+(N, D) input, clipped to the sample (the reference pads that tail with NaN,
+here it is masked out with NaN). Each of the k = 8 // bits planes of a group
+is a contiguous run of Q = G / k values, loaded as a power-of-two tile.
+
+>>> import jax, jax.numpy as jnp
+>>> from jact.quantize import quantize_reference
+>>> x = jax.random.normal(jax.random.key(0), (4, 300))
+>>> seed = jnp.uint32(5)
+>>> p = quantize(x, seed, bits=2, group_size=152, stochastic=True, interpret=True)
+>>> r = quantize_reference(x, seed, bits=2, group_size=152, stochastic=True)
+>>> bool((p.data == r.data).all() & (p.scale == r.scale).all() & (p.minimum == r.minimum).all())
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jact.kernels import _triton as T
+from jact.quantize import Packed
+
+__all__ = ["quantize", "dequantize", "encode_tile"]
+
+_TILE = 4096  # values per program (a power of two)
+
+
+def rows_per_program(group_size: int, rows: int | None = None) -> int:
+  """Groups per program: `rows` (rounded up to a power of two) or ~_TILE values."""
+  if rows is not None:
+    return T.next_pow2(rows)
+  return max(1, _TILE // T.next_pow2(group_size))
+
+
+def _layout(shape) -> tuple[int, int]:
+  """(N, values per sample) of a tensor quantized per sample."""
+  n = shape[0] if len(shape) else 1
+  d = math.prod(shape[1:]) if len(shape) > 1 else 1
+  return n, d
+
+
+def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool):
+  """Statistics and packed bytes for a tile of R groups (the reference's math).
+
+  Args:
+    planes: k = 8 // bits float32 arrays [R, P]; plane p holds each group's
+      values p*Q .. p*Q + Q - 1 in its first Q columns, NaN elsewhere (NaN is
+      ignored by the statistics and coded 0, like the reference's padding).
+    levels: float32 2**bits - 1, a scalar or [R, 1] (one width per row).
+    seed: uint32 scalar, or None for round-to-nearest.
+    index: k uint32 arrays [R, P], the flat index of each value (the hash input).
+
+  Returns:
+    (minimum, step) float32 [R] holding bf16 values, and the packed bytes as
+    int32 [R, P] (byte j of a group is the or of code_p(j) << p * bits).
+  """
+  lo = hi = None
+  for v in planes:
+    finite = jnp.isfinite(v)
+    p_lo = jnp.min(jnp.where(finite, v, jnp.inf), axis=1)
+    p_hi = jnp.max(jnp.where(finite, v, -jnp.inf), axis=1)
+    lo = p_lo if lo is None else jnp.minimum(lo, p_lo)
+    hi = p_hi if hi is None else jnp.maximum(hi, p_hi)
+  any_finite = lo <= hi
+  lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
+  hi = jnp.where(any_finite, hi, 0.0)
+  row_levels = levels if jnp.ndim(levels) == 0 else levels[:, 0]
+  minimum = T.bf16_down(lo)
+  step = T.bf16_up(T.div(hi - minimum, row_levels, interpret))
+  positive = step > 0
+  inv_step = jnp.where(positive, T.div(jnp.float32(1.0), jnp.where(positive, step, 1.0),
+                                       interpret), 0.0)
+  packed = None
+  for p, (v, idx) in enumerate(zip(planes, index)):
+    clipped = jnp.where(jnp.isnan(v), minimum[:, None], jnp.clip(v, minimum[:, None], hi[:, None]))
+    scaled = T.mul(clipped - minimum[:, None], inv_step[:, None], interpret)
+    u = jnp.float32(0.5) if seed is None else T.noise(seed, idx)
+    code = jnp.clip(jnp.floor(T.add(scaled, u, interpret)), 0.0, levels).astype(jnp.int32)
+    code = code << (p * bits)
+    packed = code if packed is None else packed | code
+  return minimum, step, packed
+
+
+def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, stochastic,
+                     interpret):
+  if stochastic:
+    x_ref, seed_ref, data_ref, min_ref, scale_ref = refs
+    seed = seed_ref[0]
+  else:
+    x_ref, data_ref, min_ref, scale_ref = refs
+    seed = None
+  k = 8 // bits
+  q = group_size // k
+  pid = pl.program_id(0)
+  row = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 1)
+  sample, group = row // groups, row % groups
+  row_ok = row < n_rows
+  nan = jnp.array(jnp.nan, x_ref.dtype)
+  planes, index = [], []
+  for p in range(k):
+    col = group * group_size + p * q + j
+    mask = row_ok & (j < q) & (col < d)
+    planes.append(T.load(x_ref, sample * d + col, mask, nan).astype(jnp.float32))
+    index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
+  levels = jnp.float32((1 << bits) - 1)
+  minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret)
+  T.store(data_ref, row * q + j, packed.astype(jnp.uint8), row_ok & (j < q))
+  r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  T.store(min_ref, r, minimum.astype(jnp.bfloat16), r < n_rows)
+  T.store(scale_ref, r, step.astype(jnp.bfloat16), r < n_rows)
+
+
+def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
+             stochastic: bool = True, interpret: bool | None = None,
+             rows: int | None = None) -> Packed:
+  """Per-group quantization of x (N, ...) in one Pallas pass.
+
+  Same contract as `jact.quantize.quantize_reference`: `group_size` is the
+  effective group size (a multiple of 8), `seed` a uint32 scalar (ignored
+  when not stochastic). `interpret` defaults to True off GPU; `rows` sets
+  the groups per program (tests use it to bound the grid).
+  """
+  if interpret is None:
+    interpret = not T.on_gpu()
+  n, d = _layout(x.shape)
+  T.check_int32(n * d, "the input")
+  groups = -(-d // group_size)
+  n_rows = n * groups
+  k = 8 // bits
+  q = group_size // k
+  q_pad = T.next_pow2(q)
+  r = rows_per_program(k * q_pad, rows)
+  grid = max(1, -(-n_rows // r))
+  kernel = functools.partial(
+      _quantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=group_size, bits=bits,
+      rows=r, q_pad=q_pad, stochastic=stochastic, interpret=interpret)
+  out_shape = (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
+               jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+               jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16))
+  args = [x.reshape(-1)]
+  if stochastic:
+    args.append(jnp.asarray(seed, jnp.uint32).reshape(1))
+  data, minimum, scale = T.call(kernel, grid=grid, out_shape=out_shape, name="jact_quantize",
+                                interpret=interpret)(*args)
+  return Packed(data.reshape(n, groups, q), minimum.reshape(n, groups), scale.reshape(n, groups),
+                tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
+
+
+def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups, d, group_size,
+                       bits, rows, q_pad, interpret):
+  k = 8 // bits
+  q = group_size // k
+  pid = pl.program_id(0)
+  row = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 1)
+  sample, group = row // groups, row % groups
+  in_group = (row < n_rows) & (j < q)
+  byte = T.load(data_ref, row * q + j, in_group, jnp.uint8(0)).astype(jnp.int32)
+  r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  minimum = T.load(min_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
+  step = T.load(scale_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
+  mask = (1 << bits) - 1
+  for p in range(k):
+    code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
+    value = T.add(T.mul(code, step, interpret), minimum, interpret)
+    col = group * group_size + p * q + j
+    T.store(out_ref, sample * d + col, value.astype(out_ref.dtype), in_group & (col < d))
+
+
+def dequantize(packed: Packed, dtype=None, *, interpret: bool | None = None,
+               rows: int | None = None) -> jax.Array:
+  """Inverse of `quantize` in one Pallas pass (same contract as the reference)."""
+  if interpret is None:
+    interpret = not T.on_gpu()
+  dtype = jnp.dtype(dtype or packed.dtype)
+  n, groups, q = packed.data.shape
+  d = math.prod(packed.shape[1:]) if len(packed.shape) > 1 else 1
+  T.check_int32(n * groups * packed.group_size, "the tensor")
+  n_rows = n * groups
+  r = rows_per_program((8 // packed.bits) * T.next_pow2(q), rows)
+  kernel = functools.partial(
+      _dequantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=packed.group_size,
+      bits=packed.bits, rows=r, q_pad=T.next_pow2(q), interpret=interpret)
+  out = T.call(kernel, grid=max(1, -(-n_rows // r)), out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
+               name="jact_dequantize", interpret=interpret)(
+                   packed.data.reshape(-1), packed.minimum.reshape(-1), packed.scale.reshape(-1))
+  return out.reshape(packed.view_shape or packed.shape)
