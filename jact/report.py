@@ -92,6 +92,8 @@ class Residual:
       "output of cos from file:line (fn)", ...
     is_argument: the value is one of fn's (flattened) arguments, alive anyway
       (possibly under a name: an uncompressed input saved as `dense.lhs`).
+    kernel: the Pallas kernel that wrote it ("jact_quantize", ... -- see
+      `jact.kernels`), or "xla" for values XLA computes.
   """
   name: str | None
   shape: tuple[int, ...]
@@ -99,6 +101,7 @@ class Residual:
   bytes: int
   source: str
   is_argument: bool
+  kernel: str = "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +149,30 @@ class ResidualReport:
         groups.setdefault(r.name, []).append(r)
     return {k: ResidualGroup(k, tuple(v)) for k, v in groups.items()}
 
+  def kernels(self) -> dict[str | None, str]:
+    """Residual name -> the kernel(s) that wrote its pieces ("xla" or a Pallas
+    kernel's name, comma-separated when they differ); shows which
+    implementation `jact.kernels` selected."""
+    found: dict[str | None, list[str]] = {}
+    for r in self.residuals:
+      if not r.is_argument:
+        kinds = found.setdefault(r.name, [])
+        if r.kernel not in kinds:
+          kinds.append(r.kernel)
+    return {k: ",".join(v) for k, v in found.items()}
+
   def __str__(self) -> str:
-    rows = [("name", "shape", "dtype", "bytes", "source")]
+    with_kernel = any(r.kernel != "xla" for r in self.residuals)
+    rows = [("name", "shape", "dtype", "bytes") + (("kernel",) if with_kernel else ()) + ("source",)]
     for r in self.residuals:
       rows.append((r.name or ("(argument)" if r.is_argument else "-"),
                    "[" + ",".join(map(str, r.shape)) + "]", str(r.dtype),
-                   format_bytes(r.bytes), _short_source(r.source)))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+                   format_bytes(r.bytes)) + ((r.kernel,) if with_kernel else ())
+                  + (_short_source(r.source),))
+    cols = len(rows[0]) - 1
+    widths = [max(len(row[i]) for row in rows) for i in range(cols)]
     lines = ["  ".join([c.ljust(w) if i != 3 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row[:4], widths))] + [row[4]])
+                        for i, (c, w) in enumerate(zip(row[:cols], widths))] + [row[cols]])
              for row in rows]
     lines.append(f"saved for backward: {format_bytes(self.total_bytes)} "
                  f"in {_count(sum(not r.is_argument for r in self.residuals), 'array')} "
@@ -206,14 +224,14 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
   (3, True, True)
   """
   rows, seen = [], set()
-  for aval, name, source, var, is_argument in _saved_values(fn, args, kwargs):
+  for aval, name, source, var, is_argument, kernel in _saved_values(fn, args, kwargs):
     if var is not None:
       if var in seen:  # the same buffer saved twice (e.g. through a barrier) counts once
         continue
       seen.add(var)
     shape = tuple(int(d) for d in aval.shape)
     rows.append(Residual(name=name, shape=shape, dtype=aval.dtype, bytes=_nbytes(shape, aval.dtype),
-                         source=source, is_argument=is_argument))
+                         source=source, is_argument=is_argument, kernel=kernel))
   return ResidualReport(tuple(rows))
 
 
@@ -268,8 +286,23 @@ def _inner_jaxpr(eqn):
   return inner
 
 
+_VIEWS = ("reshape", "squeeze", "expand_dims", "slice", "bitcast_convert_type")
+
+
+def _kernel_of(eqn, jaxpr, producer_map) -> str:
+  """The Pallas kernel behind a value produced by `eqn` (through reshapes), or "xla"."""
+  while eqn.primitive.name in _VIEWS:
+    found = producer_map(jaxpr).get(eqn.invars[0])
+    if found is None:
+      return "xla"
+    eqn = found[0]
+  if eqn.primitive.name == "pallas_call":
+    return str(eqn.params.get("name") or "pallas_call")
+  return "xla"
+
+
 def _saved_values(fn, args, kwargs):
-  """(aval, name, description, identity, is_argument) of every residual of jax.vjp(fn, ...).
+  """(aval, name, description, identity, is_argument, kernel) of every residual of jax.vjp(fn, ...).
 
   Like `jax.ad_checkpoint.saved_residuals` (same trace, same wording), but
   looks through identity-like producers -- optimization barriers, which jact
@@ -300,7 +333,7 @@ def _saved_values(fn, args, kwargs):
     jaxpr = top
     while True:
       if isinstance(v, jex_core.Literal):
-        yield aval, name, "from a literal", None, False
+        yield aval, name, "from a literal", None, False, "xla"
         break
       if v in jaxpr.invars:
         if stack:  # an input of a jitted function: continue with the caller's operand
@@ -309,10 +342,10 @@ def _saved_values(fn, args, kwargs):
           v = eqn.invars[j]
           continue
         arg = f"the argument {arg_names[top.invars.index(v)]}"
-        yield aval, name, f"{named_src}, {arg}" if name else f"from {arg}", v, True
+        yield aval, name, f"{named_src}, {arg}" if name else f"from {arg}", v, True, "xla"
         break
       if v in jaxpr.constvars:
-        yield aval, name, f"{named_src}, a constant" if name else "from a constant", v, False
+        yield aval, name, f"{named_src}, a constant" if name else "from a constant", v, False, "xla"
         break
       eqn, i = producer_map(jaxpr)[v]
       if eqn.primitive.name in _IDENTITIES:
@@ -335,7 +368,7 @@ def _saved_values(fn, args, kwargs):
         src = f"output of jitted function '{eqn.params.get('name')}' from {_summarize(eqn)}"
       else:
         src = f"output of {eqn.primitive.name} from {_summarize(eqn)}"
-      yield aval, name, src, v, False
+      yield aval, name, src, v, False, _kernel_of(eqn, jaxpr, producer_map)
       break
 
 

@@ -1,43 +1,210 @@
-"""The kernel registry: the XLA reference is always there, selection and overrides work."""
+"""The kernel registry and the Pallas per-group and ReLU-mask kernels.
+
+The Pallas kernels run in interpret mode on CPU (slow: small inputs, few grid
+steps) and must be bit-exact with the XLA reference for the same seed; their
+GPU lowering is checked from CPU (Triton IR is generated, nothing runs).
+"""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jact
 from jact import kernels
+from jact.compressors import PerGroup
+from jact.kernels import pergroup, relu
+from jact.ops.activation import relu_mask_reference
+from jact.ops.linear import dense
+from jact.quantize import dequantize_reference, effective_group_size, quantize_reference
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def test_reference_is_registered_and_selected_on_cpu():
-  assert kernels.select("quantize", platform="cpu").name == "xla"
-  assert kernels.select("dequantize", platform="gpu").name == "xla"
+def _bits_of(a):
+  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
+  return np.asarray(a.view(_UINT[jnp.dtype(a.dtype).itemsize]))
+
+
+def assert_same_bits(a, b):
+  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
+
+
+def assert_same_packed(p, r):
+  for field in ("data", "minimum", "scale"):
+    assert_same_bits(getattr(p, field), getattr(r, field))
+  assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
+      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
+
+
+def _activation(shape, dtype, seed=0, specials=True):
+  x = 3 * jax.random.normal(jax.random.key(seed), shape)
+  if specials and x.size >= 8:
+    flat = x.reshape(-1)
+    flat = flat.at[jnp.array([1, 5, 7])].set(jnp.array([jnp.inf, jnp.nan, -jnp.inf]))
+    flat = flat.at[jnp.array([2, 3])].set(jnp.array([0.0, -0.0]))
+    x = flat.reshape(shape)
+  return x.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_reference_on_cpu_pallas_on_gpu():
+  for op in ("quantize", "dequantize", "relu_mask", "quantize_per_sample",
+             "dequantize_per_sample", "division_compress"):
+    assert kernels.select(op, platform="cpu").name == "xla"
+    assert kernels.select(op, platform="gpu").name == "pallas_triton"
+  assert kernels.select("quantize", platform="cpu") is kernels.select("quantize")  # CI is CPU
+
+
+def test_empty_and_oversized_inputs_use_the_reference():
+  assert kernels.select("quantize", platform="gpu", size=0).name == "xla"
+  assert kernels.select("quantize", platform="gpu", size=2**31).name == "xla"
+  assert kernels.select("quantize", platform="gpu", size=2**20).name == "pallas_triton"
 
 
 def test_registered_kernel_wins_by_priority_on_its_platform_only():
-  impl = kernels.Implementation("quantize", "test_fast", kernels.available("quantize")["xla"].fn,
-                                platforms=("gpu",), priority=10)
+  impl = kernels.Implementation("quantize", "test_fast", quantize_reference,
+                                platforms=("tpu",), priority=20)
   kernels.register(impl)
   try:
-    assert kernels.select("quantize", platform="gpu").name == "test_fast"
+    assert kernels.select("quantize", platform="tpu").name == "test_fast"
     assert kernels.select("quantize", platform="cpu").name == "xla"
     with kernels.use(quantize="xla"):
-      assert kernels.select("quantize", platform="gpu").name == "xla"
-    assert kernels.select("quantize", implementation="xla", platform="gpu").name == "xla"
+      assert kernels.select("quantize", platform="tpu").name == "xla"
+    assert kernels.select("quantize", implementation="xla", platform="tpu").name == "xla"
   finally:
     kernels._REGISTRY["quantize"].pop("test_fast")
 
 
-def test_selected_reference_is_the_quantizer():
-  x = jnp.linspace(-1, 1, 512).reshape(2, 256)
-  fn = kernels.select("quantize").fn
-  p = fn(x, jax.random.key(0), bits=4)
-  assert jnp.abs(kernels.select("dequantize").fn(p) - x).max() <= 2 / 15
-
-
 def test_unknown_names_raise_with_the_choices():
-  with pytest.raises(ValueError, match="available: \\['xla'\\]"):
+  with pytest.raises(ValueError, match="available: \\['pallas_triton', 'xla'\\]"):
     kernels.select("quantize", implementation="cuda_magic")
   with pytest.raises(KeyError, match="known ops"):
     kernels.available("no_such_op")
   with pytest.raises(ValueError, match="available"):
     with kernels.use(quantize="nope"):
       pass
+  with pytest.raises(ValueError, match="use one of \\['pallas_triton', 'xla'\\]"):
+    PerGroup(2, implementation="triton")
+  with pytest.raises(ValueError, match="available"):
+    jact.quantize(jnp.ones((2, 8)), jax.random.key(0), bits=2, implementation="cuda")
+
+
+# ----------------------------------------------------------------------------- per-group kernels
+
+
+@pytest.mark.parametrize("shape,dtype,bits,group_size,stochastic", [
+    ((4, 1000), jnp.float32, 1, 256, True),      # group 200: not a power of two
+    ((3, 7, 13), jnp.bfloat16, 2, 64, True),      # 91 values: a partial, NaN-padded group
+    ((5, 784), jnp.float16, 4, 256, True),        # group 112
+    ((2, 4096), jnp.float32, 8, 256, False),      # round to nearest
+    ((6, 520), jnp.float32, 4, 128, True),        # 520 = 5 groups of 104
+    ((16, 256), jnp.bfloat16, 8, 256, True),
+])
+def test_quantize_and_dequantize_kernels_are_bit_exact(shape, dtype, bits, group_size, stochastic):
+  x = _activation(shape, dtype, seed=bits)
+  g = effective_group_size(int(np.prod(shape[1:])), group_size)
+  seed = jnp.uint32(0xC0FFEE + bits)
+  kernel = pergroup.quantize(x, seed, bits=bits, group_size=g, stochastic=stochastic,
+                             interpret=True, rows=4)
+  reference = quantize_reference(x, seed, bits=bits, group_size=g, stochastic=stochastic)
+  assert_same_packed(kernel, reference)
+  for out in (None, jnp.float32):
+    assert_same_bits(pergroup.dequantize(reference, out, interpret=True, rows=4),
+                     dequantize_reference(reference, out))
+
+
+def test_every_group_and_value_is_written():
+  """Random data at many sizes: any unwritten or misplaced byte shows as a mismatch."""
+  for i, n in enumerate([1, 9]):
+    x = _activation((n, 328), jnp.float32, seed=10 + i, specials=False)
+    seed = jnp.uint32(i)
+    k = pergroup.quantize(x, seed, bits=2, group_size=effective_group_size(328, 256),
+                          interpret=True, rows=2)
+    assert_same_packed(k, quantize_reference(x, seed, bits=2, group_size=k.group_size))
+    assert_same_bits(pergroup.dequantize(k, interpret=True, rows=2), dequantize_reference(k))
+
+
+def test_dispatch_through_ops_gives_the_same_gradient_and_reports_the_kernel():
+  x = jax.random.normal(jax.random.key(1), (8, 512))
+  w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
+
+  def loss(x, w):
+    return jnp.sum(jact.ops.relu(dense(x, w, key=jax.random.key(3), bits=2)) ** 2)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  reference = grad(x, w)
+  with kernels.use(quantize="pallas_triton", dequantize="pallas_triton",
+                   relu_mask="pallas_triton"):
+    pallas = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    report = jact.residual_report(loss, x, w)
+  for a, b in zip(pallas, reference):
+    assert_same_bits(a, b)
+  assert report.kernels()["dense.lhs"] == "jact_quantize"
+  assert report.kernels()["relu.mask"] == "jact_relu_mask"
+  assert "jact_quantize" in str(report)
+  plain = jact.residual_report(loss, x, w)
+  assert set(plain.kernels().values()) == {"xla"}
+  assert "kernel" in str(report).splitlines()[0] and "kernel" not in str(plain).splitlines()[0]
+
+
+def test_compressor_implementation_field_selects_the_kernel():
+  x = jax.random.normal(jax.random.key(4), (4, 256))
+  seed = jnp.uint32(9)
+  for name in ("xla", "pallas_triton"):
+    c = PerGroup(4, implementation=name)
+    report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), bits=c).sum(), x)
+    assert set(report.kernels().values()) == {"jact_quantize" if name != "xla" else "xla"}
+    assert jact.compressors.from_dict(c.to_dict()) == c
+  a = PerGroup(4, implementation="xla").compress(x, seed)
+  b = PerGroup(4, implementation="pallas_triton").compress(x, seed)
+  assert_same_packed(a, b)
+
+
+# ----------------------------------------------------------------------------- ReLU mask
+
+
+@pytest.mark.parametrize("shape,dtype,slope", [
+    ((3, 50), jnp.float32, None), ((7, 13, 5), jnp.bfloat16, None),
+    ((1000,), jnp.float16, 0.1), ((64, 33), jnp.float32, 0.01), ((5,), jnp.float32, None),
+])
+def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope):
+  x = _activation(shape, dtype, seed=len(shape))
+  y, mask = relu.relu_mask(x, negative_slope=slope, interpret=True, tile=16)
+  y_ref, mask_ref = relu_mask_reference(x, negative_slope=slope)
+  assert_same_bits(y, y_ref)
+  assert_same_bits(mask.data, mask_ref.data)
+  assert (mask.shape, mask.bits) == (mask_ref.shape, mask_ref.bits)
+
+
+# ----------------------------------------------------------------------------- GPU lowering from CPU
+
+
+def _lowers_for_cuda(fn, *args):
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text or "triton" in text
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pergroup_kernels_lower_for_cuda(bits):
+  for dtype, shape, group in [(jnp.float32, (64, 4096), 256), (jnp.bfloat16, (8, 784), 112)]:
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    seed = jax.ShapeDtypeStruct((), jnp.uint32)
+    _lowers_for_cuda(lambda x, s: pergroup.quantize(x, s, bits=bits, group_size=group,
+                                                    interpret=False), x, seed)
+    _lowers_for_cuda(lambda x: pergroup.quantize(x, None, bits=bits, group_size=group,
+                                                 stochastic=False, interpret=False), x)
+    packed = jax.eval_shape(lambda x: quantize_reference(x, jnp.uint32(0), bits=bits,
+                                                         group_size=group), x)
+    for out in (jnp.float32, dtype):
+      _lowers_for_cuda(lambda p: pergroup.dequantize(p, out, interpret=False), packed)
+
+
+def test_relu_mask_kernel_lowers_for_cuda():
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
+    _lowers_for_cuda(lambda x: relu.relu_mask(x, interpret=False), x)
+    _lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=0.2, interpret=False), x)

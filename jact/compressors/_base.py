@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jact.quantize import FLOAT_DTYPES
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels"]
+__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "check_implementation"]
 
 _REGISTRY: dict[str, type["Compressor"]] = {}
 
@@ -27,6 +27,18 @@ _REGISTRY: dict[str, type["Compressor"]] = {}
 def channels(shape: tuple[int, ...]) -> int:
   """Channels of a residual: its last axis (one channel for a 0-D or 1-D tensor)."""
   return int(shape[-1]) if len(shape) >= 2 else 1
+
+
+def check_implementation(implementation: Any, op: str) -> None:
+  """A clear error for a kernel name `jact.kernels` does not know for `op`."""
+  if implementation is None:
+    return
+  from jact import kernels  # the registry imports the compressors' modules lazily
+
+  known = sorted(kernels.available(op))
+  if not isinstance(implementation, str) or implementation not in known:
+    raise ValueError(f"unknown kernel implementation {implementation!r} for {op!r}; use one of "
+                     f"{known} or None (the best one for the backend).")
 
 
 class Compressor(abc.ABC):

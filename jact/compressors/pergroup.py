@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from jact.compressors._base import Compressor
+from jact.compressors._base import Compressor, check_implementation
 from jact.quantize import (Packed, check_bits, check_group_size, dequantize,
                            effective_group_size, quantize)
 
@@ -44,16 +44,20 @@ class PerGroup(Compressor):
     bits: 1, 2, 4 or 8 bits per value.
     group_size: values per group (multiple of 8; bf16 minimum and step per group).
     stochastic: unbiased stochastic rounding, or round-to-nearest.
+    implementation: the kernel ("xla", "pallas_triton"; see `jact.kernels`),
+      or None for the best one on the backend. Every kernel stores the same bits.
   """
   bits: int = 4
   group_size: int = 256
   stochastic: bool = True
+  implementation: str | None = None
 
   method = "per_group"
 
   def __post_init__(self):
     check_bits(self.bits)
     check_group_size(self.group_size)
+    check_implementation(self.implementation, "quantize")
 
   @property
   def unbiased(self) -> bool:
@@ -74,13 +78,13 @@ class PerGroup(Compressor):
     self.check_input(x)
     rows = as_rows(tuple(x.shape), self.group_size)
     packed = quantize(x.reshape(rows), bits=self.bits, group_size=self.group_size,
-                      stochastic=self.stochastic, seed=seed)
+                      stochastic=self.stochastic, seed=seed, implementation=self.implementation)
     if rows != tuple(x.shape):
       packed = dataclasses.replace(packed, view_shape=tuple(x.shape))
     return packed
 
   def decompress(self, stored: Packed, dtype=None) -> jax.Array:
-    return dequantize(stored, dtype)
+    return dequantize(stored, dtype, implementation=self.implementation)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
     rows = as_rows(tuple(shape), self.group_size)

@@ -30,13 +30,24 @@ from jact.quantize import pack_codes, unpack_codes
 from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
                             finish_forward, make_seed, restore_residual, tag)
 
-__all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax"]
+__all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
 
 
 # ----------------------------------------------------------------------------- mask activations
 
 
-def _mask_op(x, negative_slope, name: str, op: str, fn: Callable, mask_fn: Callable):
+def relu_mask_reference(x: jax.Array, *, negative_slope: float | None = None):
+  """(activation, packed 1-bit mask): `jax.nn.relu(x)` and x > 0 without a
+  slope, else `jax.nn.leaky_relu(x, negative_slope)` and x >= 0 (the XLA
+  reference of the "relu_mask" kernel)."""
+  if negative_slope is None:
+    return jax.nn.relu(x), pack_codes(x > 0, 1)
+  return jax.nn.leaky_relu(x, negative_slope), pack_codes(x >= 0, 1)
+
+
+def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
+  from jact import kernels  # the registry imports this module lazily
+
   x = check_float(x, op)
   name = check_name(name)
 
@@ -45,8 +56,8 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable, mask_fn: Calla
     return fn(x)
 
   def fwd(x):
-    mask = tag(pack_codes(mask_fn(x), 1), f"{name}.mask")
-    return finish_forward(fn(x), mask, elementwise=True)
+    y, mask = kernels.select("relu_mask", size=x.size).fn(x, negative_slope=negative_slope)
+    return finish_forward(y, tag(mask, f"{name}.mask"), elementwise=True)
 
   def bwd(res, g):
     res, g = barrier(res, g)
@@ -63,7 +74,7 @@ def relu(x: jax.Array, *, name: str = "relu") -> jax.Array:
 
   The gradient equals `jax.grad` of `jax.nn.relu` exactly (0 at x == 0). No key needed.
   """
-  return _mask_op(x, None, name, "relu", jax.nn.relu, lambda x: x > 0)
+  return _mask_op(x, None, name, "relu", jax.nn.relu)
 
 
 def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
@@ -77,7 +88,7 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError("leaky_relu: negative_slope must be a static Python number") from e
   fn = lambda x: jax.nn.leaky_relu(x, negative_slope)
-  return _mask_op(x, negative_slope, name, "leaky_relu", fn, lambda x: x >= 0)
+  return _mask_op(x, negative_slope, name, "leaky_relu", fn)
 
 
 # ----------------------------------------------------------------------------- stored derivative
