@@ -112,10 +112,12 @@ def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, st
   row_ok = row < n_rows
   nan = jnp.array(jnp.nan, x_ref.dtype)
   planes, index = [], []
+  aligned = d % group_size == 0  # groups tile the samples: flat offset row * G + column
   for p in range(k):
     col = group * group_size + p * q + j
     mask = row_ok & (j < q) & (col < d)
-    planes.append(T.load(x_ref, sample * d + col, mask, nan).astype(jnp.float32))
+    offset = row * group_size + p * q + j if aligned else sample * d + col
+    planes.append(T.load(x_ref, offset, mask, nan).astype(jnp.float32))
     index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = jnp.float32((1 << bits) - 1)
   minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret)
@@ -179,7 +181,8 @@ def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups,
     code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
     value = T.add(T.mul(code, step, interpret), minimum, interpret)
     col = group * group_size + p * q + j
-    T.store(out_ref, sample * d + col, value.astype(out_ref.dtype), in_group & (col < d))
+    offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
+    T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))
 
 
 def dequantize(packed: Packed, dtype=None, *, interpret: bool | None = None,
