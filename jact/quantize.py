@@ -282,7 +282,11 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   hi = jnp.where(any_finite, hi, 0.0)
   minimum = _bf16_directed(lo, up=False)
   lo_b = minimum.astype(jnp.float32)
-  scale = _bf16_directed((hi - lo_b) / levels, up=True)
+  # Multiply by 1/levels (an exact division of constants) rather than divide:
+  # XLA rewrites a division by a constant into exactly this product, so the
+  # step is the same whether `levels` is a constant or computed (per sample),
+  # and GPU kernels reproduce it with one correctly rounded multiply.
+  scale = _bf16_directed((hi - lo_b) * (jnp.float32(1.0) / levels), up=True)
   step = scale.astype(jnp.float32)
   inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
 

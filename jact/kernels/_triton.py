@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 from jact import rng
 
 __all__ = ["mul", "add", "div", "bf16_down", "bf16_up", "noise", "load", "store", "next_pow2",
-           "call", "on_gpu", "check_int32"]
+           "call", "compiler_params", "on_gpu", "check_int32"]
 
 
 def on_gpu() -> bool:
@@ -98,9 +98,14 @@ def store(ref, offsets, value, mask):
   pltriton.store(ref.at[offsets], value, mask=mask)
 
 
+def compiler_params(num_warps: int = 4, num_stages: int = 1) -> pltriton.CompilerParams:
+  """Explicit Triton-backend parameters (a plain `pallas_call` on GPU lowers to Mosaic GPU)."""
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
 def call(kernel, *, grid: int, out_shape, name: str, interpret: bool, num_warps: int = 4,
          num_stages: int = 1):
   """`pl.pallas_call` on the Triton backend over a 1-D grid with whole-array refs."""
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+      compiler_params=compiler_params(num_warps, num_stages))

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jact.kernels import _triton as T
 from jact.quantize import Packed
 
-__all__ = ["quantize", "dequantize", "encode_tile"]
+__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "inverse_step"]
 
 _TILE = 4096  # values per program (a power of two)
 
@@ -53,20 +53,12 @@ def _layout(shape) -> tuple[int, int]:
   return n, d
 
 
-def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool):
-  """Statistics and packed bytes for a tile of R groups (the reference's math).
+def group_stats(planes, levels, *, interpret: bool):
+  """The reference's group statistics from the k planes [R, P] of a tile of groups.
 
-  Args:
-    planes: k = 8 // bits float32 arrays [R, P]; plane p holds each group's
-      values p*Q .. p*Q + Q - 1 in its first Q columns, NaN elsewhere (NaN is
-      ignored by the statistics and coded 0, like the reference's padding).
-    levels: float32 2**bits - 1, a scalar or [R, 1] (one width per row).
-    seed: uint32 scalar, or None for round-to-nearest.
-    index: k uint32 arrays [R, P], the flat index of each value (the hash input).
-
-  Returns:
-    (minimum, step) float32 [R] holding bf16 values, and the packed bytes as
-    int32 [R, P] (byte j of a group is the or of code_p(j) << p * bits).
+  NaN (masked-out) values are ignored. `levels` is float32 2**bits - 1, a
+  scalar or [R]. Returns float32 [R] arrays: the minimum and step (bf16
+  values, rounded down and up), the finite maximum and 1 / step (0 if step is 0).
   """
   lo = hi = None
   for v in planes:
@@ -78,19 +70,47 @@ def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool):
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
   hi = jnp.where(any_finite, hi, 0.0)
-  row_levels = levels if jnp.ndim(levels) == 0 else levels[:, 0]
   minimum = T.bf16_down(lo)
-  step = T.bf16_up(T.div(hi - minimum, row_levels, interpret))
+  step = T.bf16_up(T.mul(hi - minimum, T.div(jnp.float32(1.0), levels, interpret), interpret))
+  return minimum, step, hi, inverse_step(step, interpret=interpret)
+
+
+def inverse_step(step, *, interpret: bool):
+  """1 / step where step > 0, else 0 (as the reference)."""
   positive = step > 0
-  inv_step = jnp.where(positive, T.div(jnp.float32(1.0), jnp.where(positive, step, 1.0),
-                                       interpret), 0.0)
+  return jnp.where(positive, T.div(jnp.float32(1.0), jnp.where(positive, step, 1.0), interpret), 0.0)
+
+
+def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: bool):
+  """Integer codes (int32) of values v given their groups' statistics (broadcast
+  against v): NaN -> the minimum, clipped to [minimum, hi], hashed stochastic
+  rounding with the flat `index` (round to nearest when seed is None)."""
+  clipped = jnp.where(jnp.isnan(v), minimum, jnp.clip(v, minimum, hi))
+  scaled = T.mul(clipped - minimum, inv_step, interpret)
+  u = jnp.float32(0.5) if seed is None else T.noise(seed, index)
+  return jnp.clip(jnp.floor(T.add(scaled, u, interpret)), 0.0, levels).astype(jnp.int32)
+
+
+def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool):
+  """Statistics and packed bytes for a tile of R groups (the reference's math).
+
+  Args:
+    planes: k = 8 // bits float32 arrays [R, P]; plane p holds each group's
+      values p*Q .. p*Q + Q - 1 in its first Q columns, NaN elsewhere (NaN is
+      ignored by the statistics and coded 0, like the reference's padding).
+    levels: float32 2**bits - 1 (a scalar).
+    seed: uint32 scalar, or None for round-to-nearest.
+    index: k uint32 arrays [R, P], the flat index of each value (the hash input).
+
+  Returns:
+    (minimum, step) float32 [R] holding bf16 values, and the packed bytes as
+    int32 [R, P] (byte j of a group is the or of code_p(j) << p * bits).
+  """
+  minimum, step, hi, inv_step = group_stats(planes, levels, interpret=interpret)
   packed = None
   for p, (v, idx) in enumerate(zip(planes, index)):
-    clipped = jnp.where(jnp.isnan(v), minimum[:, None], jnp.clip(v, minimum[:, None], hi[:, None]))
-    scaled = T.mul(clipped - minimum[:, None], inv_step[:, None], interpret)
-    u = jnp.float32(0.5) if seed is None else T.noise(seed, idx)
-    code = jnp.clip(jnp.floor(T.add(scaled, u, interpret)), 0.0, levels).astype(jnp.int32)
-    code = code << (p * bits)
+    code = encode_values(v, minimum[:, None], hi[:, None], inv_step[:, None], levels, seed, idx,
+                         interpret=interpret) << (p * bits)
     packed = code if packed is None else packed | code
   return minimum, step, packed
 
