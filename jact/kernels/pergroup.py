@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
@@ -71,7 +72,11 @@ def group_stats(planes, levels, *, interpret: bool):
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
   hi = jnp.where(any_finite, hi, 0.0)
   minimum = T.bf16_down(lo)
-  step = T.bf16_up(T.mul(hi - minimum, T.div(jnp.float32(1.0), levels, interpret), interpret))
+  if isinstance(levels, (int, float)):  # static: the reciprocal is a constant, as in XLA
+    inv_levels = jnp.float32(np.float32(1.0) / np.float32(levels))
+  else:
+    inv_levels = T.div(jnp.float32(1.0), levels, interpret)
+  step = T.bf16_up(T.mul(hi - minimum, inv_levels, interpret))
   return minimum, step, hi, inverse_step(step, interpret=interpret)
 
 
@@ -139,7 +144,7 @@ def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, st
     offset = row * group_size + p * q + j if aligned else sample * d + col
     planes.append(T.load(x_ref, offset, mask, nan).astype(jnp.float32))
     index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
-  levels = jnp.float32((1 << bits) - 1)
+  levels = float((1 << bits) - 1)
   minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret)
   T.store(data_ref, row * q + j, packed.astype(jnp.uint8), row_ok & (j < q))
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
