@@ -8,6 +8,11 @@ stochastic rounding at Q bits (`PerGroup(Q, group_size)`). The
 reconstruction upsample(LFC) + dequantized HFC is unbiased: the residual is
 taken against the LFC *as stored*, so E[decompress] = x up to float rounding.
 
+Kernels: `compress` runs the "division_compress" op of `jact.kernels` (the
+XLA reference `division_compress_reference`, or a one-pass Pallas kernel on
+GPU; `implementation=` picks one); all store the same bits, since the pooling
+sums in a fixed order (see `_pool`).
+
 Blocks: a spatial axis shorter than B is one block (its whole extent); when B
 does not divide an axis the last, partial block averages only its valid
 elements. A rank-2 input (N, C) has no spatial axes, hence no LFC: it is
@@ -34,6 +39,7 @@ plus the group statistics.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -41,11 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact.compressors._base import Compressed, Compressor
+from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
 from jact.quantize import FLOAT_DTYPES, check_bits, check_group_size, dequantize
 
-__all__ = ["Division"]
+__all__ = ["Division", "division_compress_reference"]
 
 
 def _check_rank(shape: tuple[int, ...]) -> None:
@@ -71,24 +77,33 @@ def _counts(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
   return count
 
 
+def _reciprocals(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
+  """float32 1 / count of each pooling block (correctly rounded, static)."""
+  return np.float32(1.0) / _counts(spatial, blocks)
+
+
 def _pool(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
-  """Average pooling (float32) over the spatial axes, partial blocks over valid elements."""
+  """Average pooling (float32) over the spatial axes, partial blocks over valid elements.
+
+  The float32 sum has a fixed order, so a kernel can reproduce it bit for bit:
+  the block's offsets in row-major order, acc = x[offset 0]; acc = acc +
+  x[offset] (a partial block adds 0.0 where the offset is out of range), then
+  acc * (1 / count) with the reciprocal rounded to float32. (XLA rewrites a
+  division by a constant into that very multiplication, so the product is
+  what a division would compute anyway, now on every backend.)
+  """
   spatial = x.shape[1:-1]
   n = tuple(-(-s // b) for s, b in zip(spatial, blocks))
   x = x.astype(jnp.float32)
-  pad = tuple(m * b - s for s, b, m in zip(spatial, blocks, n))
-  if any(pad):
-    # Window sums with implicit zero padding (no padded copy of x); the counts exclude it.
-    window = (1, *blocks, 1)
-    sums = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window,
-                                 ((0, 0), *((0, p) for p in pad), (0, 0)))
-  else:
-    split = [x.shape[0]]
-    for m, b in zip(n, blocks):
-      split += [m, b]
-    split.append(x.shape[-1])
-    sums = x.reshape(split).sum(axis=tuple(range(2, 2 * len(n) + 1, 2)))
-  return sums / jnp.asarray(_counts(spatial, blocks))[None, ..., None]
+  acc = None
+  for offset in itertools.product(*map(range, blocks)):
+    part = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)), slice(None))]
+    short = [m - p for m, p in zip(n, part.shape[1:-1])]
+    if any(short):  # a partial last block has no element at this offset: adds 0.0
+      part = jax.lax.pad(part, jnp.float32(0.0), ((0, 0, 0), *((0, k, 0) for k in short),
+                                                  (0, 0, 0)))
+    acc = part if acc is None else acc + part
+  return acc * jnp.asarray(_reciprocals(spatial, blocks))[None, ..., None]
 
 
 def _upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...]) -> jax.Array:
@@ -108,6 +123,21 @@ def _upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...])
   return up
 
 
+def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
+                                group_size: int, lfc_dtype: Any):
+  """The XLA reference of the "division_compress" kernel op: (LFC, packed HFC).
+
+  For an input of rank 3 to 5: LFC = the pooled map in `lfc_dtype`, HFC =
+  x - upsample(LFC as stored), quantized by `PerGroup(bits, group_size)` with
+  `seed` (a sample shorter than a group is quantized as one row).
+  """
+  spatial = tuple(x.shape[1:-1])
+  blocks = _blocks(spatial, block)
+  lfc = _pool(x, blocks).astype(lfc_dtype)
+  hfc = x.astype(jnp.float32) - _upsample(lfc, blocks, spatial)
+  return lfc, PerGroup(bits, group_size, True).compress(hfc, seed)
+
+
 @dataclasses.dataclass(frozen=True)
 class Division(Compressor):
   """DIVISION: average-pooled LFC kept in `lfc_dtype`, HFC quantized to `bits`.
@@ -119,12 +149,16 @@ class Division(Compressor):
     lfc_dtype: LFC storage dtype: bfloat16 (default), float32 or float16.
     keep: "both" (DIVISION); "lfc" or "hfc" store and reconstruct only that
       part -- the paper's ablations "w/o HFC" and "w/o LFC" (biased).
+    implementation: the "division_compress" kernel ("xla", "pallas_triton";
+      see `jact.kernels`), or None for the best one on the backend. Every
+      kernel stores the same bits.
   """
   block: int = 8
   bits: int = 2
   group_size: int = 256
   lfc_dtype: Any = jnp.bfloat16
   keep: str = "both"
+  implementation: str | None = None
 
   method = "division"
 
@@ -145,6 +179,7 @@ class Division(Compressor):
     if dtype not in FLOAT_DTYPES:
       raise ValueError(f"lfc_dtype must be float32, bfloat16 or float16, got "
                        f"{self.lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32.")
+    check_implementation(self.implementation, "division_compress")
     object.__setattr__(self, "block", int(self.block))
     object.__setattr__(self, "lfc_dtype", dtype)  # compares equal after to_dict/from_dict
 
@@ -173,15 +208,19 @@ class Division(Compressor):
     self._check_keep(shape)
     if x.ndim == 2:  # no spatial axes: no LFC, plain per-group quantization of x
       return Compressed({"hfc": self._hfc_quantizer().compress(x, seed)}, self, shape, x.dtype)
-    spatial = shape[1:-1]
-    blocks = _blocks(spatial, self.block)
-    lfc = _pool(x, blocks).astype(self.lfc_dtype)
     arrays = {}
-    if self.keep != "hfc":
-      arrays["lfc"] = lfc
-    if self.keep != "lfc":
-      hfc = x.astype(jnp.float32) - _upsample(lfc, blocks, spatial)
-      arrays["hfc"] = self._hfc_quantizer().compress(hfc, seed)
+    if self.keep == "lfc":  # no HFC: the pooled map alone
+      spatial = shape[1:-1]
+      arrays["lfc"] = _pool(x, _blocks(spatial, self.block)).astype(self.lfc_dtype)
+    else:
+      from jact import kernels  # the registry imports this module lazily
+
+      impl = kernels.select("division_compress", self.implementation, size=x.size)
+      lfc, hfc = impl.fn(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
+                         lfc_dtype=self.lfc_dtype)
+      if self.keep == "both":
+        arrays["lfc"] = lfc
+      arrays["hfc"] = hfc
     return Compressed(arrays, self, shape, x.dtype)
 
   def _check_keep(self, shape) -> None:

@@ -1,0 +1,152 @@
+"""The Pallas DIVISION kernel: bit-exact with the XLA reference (interpret mode on CPU),
+the `Division(implementation=...)` dispatch, and the kernels' GPU lowering from CPU."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jact.compressors._base import from_dict
+from jact.compressors.division import Division, _blocks, _pool, division_compress_reference
+from jact.kernels import division
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _bits_of(a):
+  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
+  a = np.asarray(a)
+  return a.view(_UINT[a.dtype.itemsize])
+
+
+def assert_same_bits(a, b):
+  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
+
+
+def assert_same_packed(p, r):
+  for field in ("data", "minimum", "scale"):
+    assert_same_bits(getattr(p, field), getattr(r, field))
+  assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
+      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
+
+
+def activation(shape, dtype=jnp.float32, seed=0, specials=False):
+  """Host-made normals; with `specials`, inf/NaN/+-0 and a whole block of -0.0."""
+  x = 3 * np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+  if specials:
+    x[(-1,) + (slice(0, 2),) * (len(shape) - 2)] = -0.0  # an all -0.0 pooling block
+    flat = x.reshape(-1)
+    flat[[1, 5, 7, 2, 3]] = [np.inf, np.nan, -np.inf, 0.0, -0.0]
+  return jnp.asarray(x).astype(dtype)
+
+
+def sequential_pool(x, block):
+  """numpy float32 emulation of the documented order: acc = offset (0, ..); acc += each
+  further offset in row-major order (0.0 past a partial block's end); acc * (1 / count)."""
+  x = np.asarray(x, np.float32)
+  spatial = x.shape[1:-1]
+  blocks = [min(block, s) for s in spatial]
+  n = [-(-s // b) for s, b in zip(spatial, blocks)]
+  acc = None
+  for offset in itertools.product(*map(range, blocks)):
+    part = np.zeros((x.shape[0], *n, x.shape[-1]), np.float32)
+    sl = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)))]
+    part[(slice(None), *(slice(0, k) for k in sl.shape[1:-1]))] = sl
+    acc = part if acc is None else acc + part
+  count = np.ones((), np.float32)
+  for s, b, m in zip(spatial, blocks, n):
+    count = np.multiply.outer(count, np.minimum(b, s - b * np.arange(m)).astype(np.float32))
+  return acc * (np.float32(1) / count)[None, ..., None]
+
+
+@pytest.mark.parametrize("shape,block", [((2, 10, 10, 8), 4), ((1, 5, 3, 9, 8), 2), ((2, 7, 8), 8)])
+def test_reference_pooling_sums_in_the_documented_order(shape, block):
+  x = activation(shape, seed=3, specials=True)
+  pooled = jax.jit(functools.partial(_pool, blocks=_blocks(shape[1:-1], block)))(x)
+  assert_same_bits(pooled, jnp.asarray(sequential_pool(x, block)))
+
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+CASES = [
+    # shape, x dtype, lfc dtype, block, bits, group_size, rows, one pass
+    ((2, 8, 8, 16), F32, BF16, 4, 2, 256, None, True),    # B divides the map; a band = 2 groups
+    ((2, 10, 10, 8), BF16, F32, 4, 4, 64, 2, True),       # partial blocks; a band = 5 groups
+    ((2, 10, 10, 8), F16, BF16, 4, 1, 256, 2, False),     # groups of 200 straddle bands of 320
+    ((2, 6, 5, 16), F32, F32, 8, 8, 64, None, True),      # map smaller than B: one band a sample
+    ((4, 3, 3, 8), BF16, BF16, 4, 2, 256, 2, False),      # samples of 72 packed in one row
+    ((2, 20, 16), F32, BF16, 8, 1, 64, None, True),       # rank 3, one pass
+    ((3, 13, 24), F32, F16, 4, 2, 256, 2, False),         # rank 3, groups of 104 straddle bands
+    ((1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None, True),  # rank 5, H in one block: one pass
+    ((2, 5, 6, 6, 8), BF16, F32, 4, 4, 256, 4, False),    # rank 5, bands not contiguous
+]
+
+
+@pytest.mark.parametrize("shape,dtype,lfc_dtype,block,bits,group_size,rows,one_pass", CASES,
+                         ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-b{c[4]}" for c in CASES])
+def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, rows, one_pass,
+                             monkeypatch):
+  monkeypatch.setattr(division, "_LFC_TILE", 16)  # pooled rows of 24 or 32 take several chunks
+  assert division.fused(shape, block, group_size) == one_pass
+  x = activation(shape, dtype, seed=bits, specials=shape[0] > 1)
+  seed = jnp.uint32(0xD1 + bits)
+  args = dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype)
+  kernel = jax.jit(functools.partial(division.division_compress, interpret=True, rows=rows,
+                                     **args))(x, seed)
+  reference = jax.jit(functools.partial(division_compress_reference, **args))(x, seed)
+  assert_same_bits(kernel[0], reference[0])
+  assert_same_packed(kernel[1], reference[1])
+
+
+def test_division_dispatches_to_the_kernel_with_the_same_bits():
+  x = activation((2, 10, 10, 8), seed=7)
+  seed = jnp.uint32(11)
+  compressors = [Division(block=4, bits=2, group_size=64, implementation=name)
+                 for name in ("pallas_triton", "xla", None)]
+  compressors.append(Division(block=4, bits=2, group_size=64, keep="hfc",
+                              implementation="pallas_triton"))
+
+  @jax.jit
+  def run(x, seed):
+    stored = [c.compress(x, seed) for c in compressors]
+    return stored, [c.decompress(s) for c, s in zip(compressors, stored)]
+
+  stored, out = run(x, seed)
+  for s in stored[1:3]:
+    for a, b in zip(jax.tree.leaves(stored[0].arrays), jax.tree.leaves(s.arrays)):
+      assert_same_bits(a, b)
+  assert_same_bits(out[0], out[1])
+  assert_same_bits(out[0], out[2])
+  assert set(stored[3].arrays) == {"hfc"}
+  assert_same_packed(stored[3].arrays["hfc"], stored[1].arrays["hfc"])
+
+
+def test_implementation_field():
+  c = Division(block=4, implementation="pallas_triton")
+  assert from_dict(c.to_dict()) == c and c.to_dict()["implementation"] == "pallas_triton"
+  assert from_dict(Division().to_dict()) == Division() and Division().implementation is None
+  assert c != Division(block=4) and hash(c) != hash(Division(block=4, implementation="xla"))
+  with pytest.raises(ValueError, match="use one of \\['pallas_triton', 'xla'\\]"):
+    Division(implementation="cuda")
+  with pytest.raises(ValueError, match="unknown kernel implementation"):
+    Division(implementation=3)
+
+
+@pytest.mark.parametrize("shape,block,bits,group_size", [
+    ((2, 8, 8, 16), 4, 2, 256),     # one pass
+    ((2, 10, 10, 8), 4, 1, 256),    # pooling + residual kernels
+    ((4, 3, 3, 8), 4, 8, 256),      # one row
+    ((2, 5, 6, 6, 8), 4, 4, 256),   # rank 5, two kernels
+    ((2, 20, 16), 8, 4, 64),        # rank 3, one pass
+])
+def test_kernels_lower_for_cuda(shape, block, bits, group_size):
+  f = functools.partial(division.division_compress, block=block, bits=bits,
+                        group_size=group_size, lfc_dtype=jnp.bfloat16, interpret=False)
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  lowered = jax.jit(f).trace(x, jax.ShapeDtypeStruct((), jnp.uint32)).lower(
+      lowering_platforms=("cuda",))
+  expected = 1 if division.fused(shape, block, group_size) else 2
+  assert lowered.as_text().count("__gpu$xla.gpu.triton") == expected
