@@ -44,7 +44,8 @@ from jact import rng
 from jact.quantize import (_check_float, _grouped, check_group_size, effective_group_size,
                            group_codes, unpack_bits)
 
-__all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity"]
+__all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity",
+           "quantize_per_sample_reference", "dequantize_per_sample_reference"]
 
 
 @jax.tree_util.register_dataclass
@@ -116,7 +117,7 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
 
 def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int = 256,
                         stochastic: bool = True, seed: jax.Array | None = None,
-                        key=None) -> PackedPerSample:
+                        key=None, implementation: str | None = None) -> PackedPerSample:
   """Quantizes each sample n of `x` at its own width `bits[n]` into one buffer.
 
   Args:
@@ -130,11 +131,15 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
     stochastic: unbiased stochastic rounding (default) or round-to-nearest.
     seed: uint32 scalar seed for the hash noise; drawn from `key` when None.
     key: JAX PRNG key (needed when stochastic and no seed is given).
+    implementation: the kernel (see `jact.kernels`); default: the best one
+      for the backend. All return the same bits.
 
   Returns:
     A `PackedPerSample`; `dequantize_per_sample` reverses it, unbiased.
   """
-  dtype = _check_float(x)
+  from jact import kernels  # the registry imports this module lazily
+
+  _check_float(x)
   n, group_size, dp = _layout(tuple(x.shape), group_size)
   if (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer))
       or capacity_bytes < n * dp // 8):
@@ -153,6 +158,22 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   bits = bits.astype(jnp.int32)
   bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
+  impl = kernels.select("quantize_per_sample", implementation, size=x.size)
+  return impl.fn(x, bits, capacity_bytes=capacity, group_size=group_size,
+                 seed=seed if stochastic else None)
+
+
+def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_bytes: int,
+                                  group_size: int, seed: jax.Array | None) -> PackedPerSample:
+  """The XLA reference of `quantize_per_sample`: `bits` int32[N] already in
+  (1, 2, 4, 8) and fitting `capacity_bytes`, `group_size` the effective one,
+  `seed` a uint32 scalar or None (round to nearest)."""
+  dtype = jnp.dtype(x.dtype)
+  capacity = int(capacity_bytes)
+  n = x.shape[0]
+  d = math.prod(x.shape[1:])
+  dp = -(-d // group_size) * group_size
+  stochastic = seed is not None
 
   # Group statistics and codes as in jact.quantize, with per-sample levels.
   g, _ = _grouped(x, group_size)
@@ -194,8 +215,17 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
                          group_size)
 
 
-def dequantize_per_sample(p: PackedPerSample, dtype=None) -> jax.Array:
-  """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given)."""
+def dequantize_per_sample(p: PackedPerSample, dtype=None, *,
+                          implementation: str | None = None) -> jax.Array:
+  """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given);
+  `implementation` picks the kernel as in `quantize_per_sample`."""
+  from jact import kernels
+
+  return kernels.select("dequantize_per_sample", implementation, size=p.data.size).fn(p, dtype)
+
+
+def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array:
+  """The XLA reference of `dequantize_per_sample`."""
   n, groups = p.scale.shape
   group_size, dp = p.group_size, groups * p.group_size
   bits = p.bits.astype(jnp.int32)

@@ -279,7 +279,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   lo, hi = _finite_min_max(g)
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)  # a zero minimum is +0, whatever the order
-  hi = jnp.where(any_finite, hi, 0.0)
+  hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
   minimum = _bf16_directed(lo, up=False)
   lo_b = minimum.astype(jnp.float32)
   # Multiply by 1/levels (an exact division of constants) rather than divide:

@@ -208,3 +208,4 @@ def test_relu_mask_kernel_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, interpret=False), x)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=0.2, interpret=False), x)
+

@@ -70,7 +70,7 @@ def group_stats(planes, levels, *, interpret: bool):
     hi = p_hi if hi is None else jnp.maximum(hi, p_hi)
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
-  hi = jnp.where(any_finite, hi, 0.0)
+  hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
   minimum = T.bf16_down(lo)
   if isinstance(levels, (int, float)):  # static: the reciprocal is a constant, as in XLA
     inv_levels = jnp.float32(np.float32(1.0) / np.float32(levels))

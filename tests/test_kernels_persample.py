@@ -1,0 +1,196 @@
+"""The Pallas per-sample mixed-precision kernels (`jact.kernels.persample`).
+
+They run in interpret mode on CPU (slow: small inputs, few grid steps, every
+call jitted) and must be bit-exact with the XLA reference for the same seed:
+packed buffer (including the unused tail), bf16 statistics, widths and
+dequantized values. Their GPU lowering is checked from CPU.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from jact import kernels
+from jact.kernels import persample
+from jact.persample import (dequantize_per_sample, dequantize_per_sample_reference,
+                            per_sample_capacity, quantize_per_sample, quantize_per_sample_reference)
+from jact.quantize import effective_group_size
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _bits_of(a):
+  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
+  a = np.asarray(a)
+  return a.view(_UINT[a.dtype.itemsize])
+
+
+def assert_same_bits(a, b):
+  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
+
+
+def assert_same_packed(p, r):
+  for field in ("data", "bits", "minimum", "scale"):
+    assert_same_bits(getattr(p, field), getattr(r, field))
+  assert (p.shape, p.dtype, p.group_size) == (r.shape, r.dtype, r.group_size)
+
+
+def _activation(shape, dtype, seed=0):
+  """Normal values with per-sample ranges, +-inf, NaN, +-0 and one sample
+  (the second) entirely non-finite; built in numpy (eager jax ops compile)."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.arange(1, shape[0] + 1).reshape((-1,) + (1,) * (len(shape) - 1))
+  flat = x.reshape(shape[0], -1)
+  flat[0, [1, 5, 7]] = np.inf, np.nan, -np.inf
+  flat[0, [2, 3]] = 0.0, -0.0
+  flat[1] = np.where(np.arange(flat.shape[1]) % 2, np.inf, np.nan)
+  flat[2, -1] = np.inf
+  return jnp.asarray(x.astype(dtype))
+
+
+def _geometry(shape):
+  """(effective group size, padded values per sample) for the default group size."""
+  d = math.prod(shape[1:])
+  g = effective_group_size(d, 256)
+  return g, -(-d // g) * g
+
+
+# Each kernel and reference is jitted on its own: XLA:CPU compiles the
+# interpreted kernels much faster as separate modules than as one.
+_quantize_kernel = jax.jit(persample.quantize_per_sample,
+                           static_argnames=("capacity_bytes", "group_size", "interpret", "rows"))
+_quantize_reference = jax.jit(quantize_per_sample_reference,
+                              static_argnames=("capacity_bytes", "group_size"))
+_dequantize_kernel = jax.jit(persample.dequantize_per_sample,
+                             static_argnames=("dtype", "interpret", "rows"))
+_dequantize_reference = jax.jit(dequantize_per_sample_reference, static_argnames=("dtype",))
+
+
+# (shape, dtype, widths, stochastic, capacity in bytes per value, rows):
+# all four widths in one batch; 300 values per sample (no multiple of the
+# group size: padded to 2 x 256); 7 x 13 values (one group of 96) with a
+# buffer so large that extra programs only write zeros; 784 values (7 groups
+# of 112, not a power of two) with round-to-nearest.
+CASES = [
+    ((4, 300), jnp.float32, [1, 2, 4, 8], True, 1.0, 2),
+    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1),
+    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,widths,stochastic,per_value,rows", CASES)
+def test_quantize_and_dequantize_are_bit_exact(shape, dtype, widths, stochastic, per_value, rows):
+  x = _activation(shape, dtype)
+  g, dp = _geometry(shape)
+  capacity = int(per_value * shape[0] * dp)
+  bits = jnp.asarray(widths, jnp.int32)
+  assert int(bits.sum()) * dp // 8 <= capacity
+  seed = jnp.uint32(1234) if stochastic else None
+  args = dict(capacity_bytes=capacity, group_size=g, seed=seed)
+  r = _quantize_reference(x, bits, **args)
+  assert_same_packed(_quantize_kernel(x, bits, interpret=True, rows=rows, **args), r)
+  for out in dict.fromkeys((jnp.dtype(jnp.float32), jnp.dtype(dtype))):
+    assert_same_bits(_dequantize_kernel(r, out, interpret=True, rows=rows),
+                     _dequantize_reference(r, out))
+
+
+def _poisoned_call(kernel, *, grid, out_shape, name, interpret, **_):
+  """`_triton.call` whose outputs start as garbage instead of interpret mode's
+  zeros (uint8) or NaN: the kernel must write every output element itself."""
+  outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+
+  def run(*args):
+    garbage = [jnp.full(o.shape, 0xA5 if jnp.issubdtype(o.dtype, jnp.integer) else 1.5, o.dtype)
+               for o in outs]
+    def body(*refs):  # drop the aliased inputs
+      kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
+    return pl.pallas_call(body, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
+                          input_output_aliases={len(args) + i: i for i in range(len(outs))})(
+                              *args, *garbage)
+  return run
+
+
+def test_every_byte_and_value_is_written(monkeypatch):
+  """The buffer's tail past the used bytes included (some programs only write zeros)."""
+  monkeypatch.setattr(persample.T, "call", _poisoned_call)
+  x = _activation((3, 40), jnp.float32, seed=2)
+  bits, seed = jnp.array([1, 8, 2], jnp.int32), jnp.uint32(7)
+  args = dict(capacity_bytes=13000, group_size=40, seed=seed)
+  p = jax.jit(functools.partial(persample.quantize_per_sample, interpret=True, rows=1, **args))(x, bits)
+  assert_same_packed(p, _quantize_reference(x, bits, **args))
+  y = jax.jit(functools.partial(persample.dequantize_per_sample, interpret=True, rows=1))(p)
+  assert_same_bits(y, _dequantize_reference(p, jnp.float32))
+
+
+_TRACES = []
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "implementation"))
+def _dispatch_quantize(x, bits, seed, *, capacity, implementation):
+  _TRACES.append(implementation)
+  return quantize_per_sample(x, bits, capacity_bytes=capacity, seed=seed,
+                             implementation=implementation)
+
+
+_dispatch_dequantize = jax.jit(dequantize_per_sample, static_argnames=("dtype", "implementation"))
+
+
+def _dispatch(x, bits, seed, *, capacity, implementation):
+  p = _dispatch_quantize(x, bits, seed, capacity=capacity, implementation=implementation)
+  return p, _dispatch_dequantize(p, jnp.float32, implementation=implementation)
+
+
+def test_dispatch_with_traced_widths_and_the_capacity_fallback():
+  shape = (8, 1000)  # groups of 200, default grid
+  x = _activation(shape, jnp.float32, seed=1)
+  capacity = per_sample_capacity(shape, avg_bits=2.0)
+  seed = jnp.uint32(99)
+  # Fits (after rounding down to 1, 2, 4, 8); then too wide: all fall back to 1 bit.
+  for widths in ([3, 0, 1, 2, 5, 1, 1, 2], [8] * 8):
+    bits = jnp.asarray(widths, jnp.int32)
+    p, y = _dispatch(x, bits, seed, capacity=capacity, implementation="pallas_triton")
+    r, y_ref = _dispatch(x, bits, seed, capacity=capacity, implementation="xla")
+    assert_same_packed(p, r)
+    assert_same_bits(y, y_ref)
+  assert p.bits.tolist() == [1] * 8
+  assert sorted(_TRACES) == ["pallas_triton", "xla"]  # traced once each: widths are traced
+
+
+def test_registry_picks_the_kernel_only_when_asked_on_cpu():
+  for op in ("quantize_per_sample", "dequantize_per_sample"):
+    assert kernels.select(op).name == "xla"
+    assert kernels.select(op, platform="gpu").name == "pallas_triton"
+    with kernels.use(**{op: "pallas_triton"}):
+      assert kernels.select(op).name == "pallas_triton"
+    assert kernels.select(op, "pallas_triton", size=0).name == "xla"  # empty: the reference
+
+
+# ----------------------------------------------------------------------------- GPU lowering from CPU
+
+
+def _lowers_for_cuda(fn, *args):
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
+@pytest.mark.parametrize("shape,dtype", [((64, 4096), jnp.float32), ((8, 784), jnp.bfloat16),
+                                         ((5, 7, 13), jnp.float16)])
+def test_kernels_lower_for_cuda(shape, dtype):
+  g, dp = _geometry(shape)
+  capacity = shape[0] * dp // 2
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  bits = jax.ShapeDtypeStruct(shape[:1], jnp.int32)  # every width: chosen at run time
+  seed = jax.ShapeDtypeStruct((), jnp.uint32)
+  kw = dict(capacity_bytes=capacity, group_size=g, interpret=False)
+  _lowers_for_cuda(lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw), x, bits, seed)
+  _lowers_for_cuda(lambda x, b: persample.quantize_per_sample(x, b, seed=None, **kw), x, bits)
+  packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(
+      x, b, capacity_bytes=capacity, group_size=g, seed=None), x, bits)
+  for out in (jnp.float32, dtype):
+    _lowers_for_cuda(lambda p: persample.dequantize_per_sample(p, out, interpret=False), packed)
