@@ -17,6 +17,7 @@ from jact.kernels import pergroup, relu
 from jact.ops.activation import relu_mask_reference
 from jact.ops.linear import dense
 from jact.quantize import dequantize_reference, effective_group_size, quantize_reference
+from kernel_checks import poisoned_call
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -117,8 +118,9 @@ def test_quantize_and_dequantize_kernels_are_bit_exact(shape, dtype, bits, group
                      dequantize_reference(reference, out))
 
 
-def test_every_group_and_value_is_written():
-  """Random data at many sizes: any unwritten or misplaced byte shows as a mismatch."""
+def test_every_group_and_value_is_written(monkeypatch):
+  """Outputs start as garbage: any unwritten or misplaced byte shows as a mismatch."""
+  monkeypatch.setattr(pergroup.T, "call", poisoned_call)
   for i, n in enumerate([1, 9]):
     x = _activation((n, 328), jnp.float32, seed=10 + i, specials=False)
     seed = jnp.uint32(i)
@@ -171,7 +173,8 @@ def test_compressor_implementation_field_selects_the_kernel():
     ((3, 50), jnp.float32, None), ((7, 13, 5), jnp.bfloat16, None),
     ((1000,), jnp.float16, 0.1), ((64, 33), jnp.float32, 0.01), ((5,), jnp.float32, None),
 ])
-def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope):
+def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope, monkeypatch):
+  monkeypatch.setattr(relu.T, "call", poisoned_call)
   x = _activation(shape, dtype, seed=len(shape))
   y, mask = relu.relu_mask(x, negative_slope=slope, interpret=True, tile=16)
   y_ref, mask_ref = relu_mask_reference(x, negative_slope=slope)
@@ -208,4 +211,3 @@ def test_relu_mask_kernel_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, interpret=False), x)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=0.2, interpret=False), x)
-

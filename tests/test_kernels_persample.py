@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from jact import kernels
 from jact.kernels import persample
 from jact.persample import (dequantize_per_sample, dequantize_per_sample_reference,
                             per_sample_capacity, quantize_per_sample, quantize_per_sample_reference)
 from jact.quantize import effective_group_size
+from kernel_checks import poisoned_call
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -100,25 +100,9 @@ def test_quantize_and_dequantize_are_bit_exact(shape, dtype, widths, stochastic,
                      _dequantize_reference(r, out))
 
 
-def _poisoned_call(kernel, *, grid, out_shape, name, interpret, **_):
-  """`_triton.call` whose outputs start as garbage instead of interpret mode's
-  zeros (uint8) or NaN: the kernel must write every output element itself."""
-  outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
-
-  def run(*args):
-    garbage = [jnp.full(o.shape, 0xA5 if jnp.issubdtype(o.dtype, jnp.integer) else 1.5, o.dtype)
-               for o in outs]
-    def body(*refs):  # drop the aliased inputs
-      kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
-    return pl.pallas_call(body, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
-                          input_output_aliases={len(args) + i: i for i in range(len(outs))})(
-                              *args, *garbage)
-  return run
-
-
 def test_every_byte_and_value_is_written(monkeypatch):
   """The buffer's tail past the used bytes included (some programs only write zeros)."""
-  monkeypatch.setattr(persample.T, "call", _poisoned_call)
+  monkeypatch.setattr(persample.T, "call", poisoned_call)
   x = _activation((3, 40), jnp.float32, seed=2)
   bits, seed = jnp.array([1, 8, 2], jnp.int32), jnp.uint32(7)
   args = dict(capacity_bytes=13000, group_size=40, seed=seed)
