@@ -9,8 +9,14 @@ of an op returns the same bits for the same inputs and seed. Off GPU a Pallas
 kernel runs in interpret mode (slow: for tests). `jact.residual_report`
 shows which kernel produced each residual.
 
-Ops: "quantize" / "dequantize" (per-group, `jact.quantize`), "relu_mask"
-(ReLU output and its packed 1-bit mask in one pass).
+Ops (each implementation takes the reference's arguments):
+
+* "quantize" / "dequantize": per-group quantization (`jact.quantize`);
+* "relu_mask": ReLU / leaky ReLU output and its packed 1-bit mask;
+* "quantize_per_sample" / "dequantize_per_sample": one width per sample in
+  one static buffer (`jact.persample`);
+* "division_compress": DIVISION's pooled LFC and quantized HFC
+  (`jact.compressors.Division`).
 
 >>> import jax
 >>> from jact import kernels
@@ -59,10 +65,10 @@ class Implementation:
   max_size: int | None = None
 
   def supports(self, platform: str, size: int | None = None) -> bool:
+    """Runs on `platform` and takes an input of `size` elements (None: any)."""
     if self.platforms and platform not in self.platforms:
       return False
-    return size is None or (size > 0 or self.name == "xla") and (
-        self.max_size is None or size <= self.max_size)
+    return size is None or self.max_size is None or size <= self.max_size
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
