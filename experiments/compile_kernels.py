@@ -238,6 +238,7 @@ KERNELS: dict[str, Callable[[], tuple[Callable, tuple]]] = {
     **{f"quantize {b}-bit f32": functools.partial(_quantize, b) for b in (1, 2, 4, 8)},
     "quantize 2-bit bf16": functools.partial(_quantize, 2, jnp.bfloat16),
     "quantize 2-bit f32 nearest": functools.partial(_quantize, 2, stochastic=False),
+    "quantize 2-bit f32 group 112": functools.partial(_quantize, 2, shape=(256, 784), group=112),
     "quantize 2-bit f32 group 100": functools.partial(_quantize, 2, shape=(256, 3000), group=100),
     **{f"dequantize {b}-bit f32": functools.partial(_dequantize, b) for b in (1, 2, 4, 8)},
     "dequantize 2-bit bf16": functools.partial(_dequantize, 2, jnp.bfloat16),
