@@ -158,9 +158,9 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   bits = bits.astype(jnp.int32)
   bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
-  impl = kernels.select("quantize_per_sample", implementation, size=x.size)
-  return impl.fn(x, bits, capacity_bytes=capacity, group_size=group_size,
-                 seed=seed if stochastic else None)
+  quantize_fn = kernels.dispatch("quantize_per_sample", implementation, size=x.size)
+  return quantize_fn(x, bits, capacity_bytes=capacity, group_size=group_size,
+                     seed=seed if stochastic else None)
 
 
 def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_bytes: int,
@@ -221,7 +221,7 @@ def dequantize_per_sample(p: PackedPerSample, dtype=None, *,
   `implementation` picks the kernel as in `quantize_per_sample`."""
   from jact import kernels
 
-  return kernels.select("dequantize_per_sample", implementation, size=p.data.size).fn(p, dtype)
+  return kernels.dispatch("dequantize_per_sample", implementation, size=p.data.size)(p, dtype)
 
 
 def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array:

@@ -334,9 +334,9 @@ def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
     seed = rng.seed_from_key(key)
   d = math.prod(x.shape[1:]) if x.ndim else 1
   group_size = effective_group_size(d, group_size)
-  impl = kernels.select("quantize", implementation, size=x.size)
-  return impl.fn(x, seed if stochastic else None, bits=bits, group_size=group_size,
-                 stochastic=bool(stochastic))
+  quantize_fn = kernels.dispatch("quantize", implementation, size=x.size)
+  return quantize_fn(x, seed if stochastic else None, bits=bits, group_size=group_size,
+                     stochastic=bool(stochastic))
 
 
 def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
@@ -357,7 +357,7 @@ def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None)
   """
   from jact import kernels
 
-  return kernels.select("dequantize", implementation, size=packed.data.size).fn(packed, dtype)
+  return kernels.dispatch("dequantize", implementation, size=packed.data.size)(packed, dtype)
 
 
 def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:

@@ -275,8 +275,12 @@ def checkpoint_name_of(eqn) -> str | None:
   return None
 
 
-def _inner_jaxpr(eqn):
-  """The body of a call-like eqn (jit, closed_call) whose ins/outs map 1:1, else None."""
+def _inner_jaxpr(eqn, producer_map=None, jaxpr=None):
+  """The body of a call-like eqn (jit, closed_call) whose ins/outs map 1:1, or the
+  branch of a `lax.platform_dependent` cond that runs on this machine's platform
+  (its operands follow the branch index); else None."""
+  if eqn.primitive.name == "cond" and producer_map is not None:
+    return _platform_branch(eqn, jaxpr, producer_map)
   if eqn.primitive.name not in _CALLS:
     return None
   inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -284,6 +288,33 @@ def _inner_jaxpr(eqn):
   if inner is None or len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
     return None
   return inner
+
+
+def _lowering_platform() -> str:
+  """The `lax.platform_dependent` name of the default backend ("cpu", "cuda", "rocm", "tpu")."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+  return "rocm" if "rocm" in version else "cuda"
+
+
+def _platform_branch(eqn, jaxpr, producer_map):
+  """The branch a platform-dependent cond takes on this machine, or None for other conds."""
+  found = producer_map(jaxpr).get(eqn.invars[0])
+  if found is None or found[0].primitive.name != "platform_index":
+    return None
+  platform, choices = _lowering_platform(), found[0].params["platforms"]
+  index = next((i for i, p in enumerate(choices) if p is not None and platform in p),
+               next((i for i, p in enumerate(choices) if p is None), None))
+  if index is None:
+    return None
+  return eqn.params["branches"][index].jaxpr
+
+
+def _operand(eqn, j: int):
+  """The outer operand behind input j of an entered body (a cond's first input is its index)."""
+  return eqn.invars[j + (eqn.primitive.name == "cond")]
 
 
 _VIEWS = ("reshape", "squeeze", "expand_dims", "slice", "bitcast_convert_type")
@@ -339,7 +370,7 @@ def _saved_values(fn, args, kwargs):
         if stack:  # an input of a jitted function: continue with the caller's operand
           j = jaxpr.invars.index(v)
           eqn, jaxpr = stack.pop()
-          v = eqn.invars[j]
+          v = _operand(eqn, j)
           continue
         arg = f"the argument {arg_names[top.invars.index(v)]}"
         yield aval, name, f"{named_src}, {arg}" if name else f"from {arg}", v, True, "xla"
@@ -351,7 +382,7 @@ def _saved_values(fn, args, kwargs):
       if eqn.primitive.name in _IDENTITIES:
         v = eqn.invars[i]
         continue
-      inner = _inner_jaxpr(eqn)
+      inner = _inner_jaxpr(eqn, producer_map, jaxpr)
       if inner is not None:
         stack.append((eqn, jaxpr))
         jaxpr, v = inner, inner.outvars[i]

@@ -153,6 +153,75 @@ def test_dispatch_through_ops_gives_the_same_gradient_and_reports_the_kernel():
   assert "kernel" in str(report).splitlines()[0] and "kernel" not in str(plain).splitlines()[0]
 
 
+def _cuda_text(fn, *args, platforms=("cuda",)):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
+
+
+def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
+  """On a GPU machine ops stage the kernel for cuda and the reference for every
+  other platform: running on the CPU gives the reference's bits, not a failed
+  Triton lowering; lowering for cuda gives the Triton call."""
+  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  x = jax.random.normal(jax.random.key(1), (8, 512))
+  w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
+
+  def make_grad():  # a new function each time: the choice is made when it is traced
+    def loss(x, w):
+      return jnp.sum(jact.ops.relu(dense(x, w, key=jax.random.key(3), bits=2)) ** 2)
+    return jax.grad(loss, argnums=(0, 1))
+
+  grad = make_grad()
+  jaxpr = str(jax.make_jaxpr(grad)(x, w))
+  assert "platform_index" in jaxpr and "pallas_call" in jaxpr
+  staged = jax.jit(grad)(x, w)  # the CPU runs the reference branch
+  monkeypatch.setattr(kernels, "_backend", lambda: "cpu")
+  reference_grad = make_grad()
+  assert "platform_index" not in str(jax.make_jaxpr(reference_grad)(x, w))
+  for a, b in zip(staged, jax.jit(reference_grad)(x, w)):
+    assert_same_bits(a, b)
+  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  assert "__gpu$xla.gpu.triton" not in _cuda_text(grad, x, w, platforms=("cpu",))
+  assert _cuda_text(grad, x, w).count("__gpu$xla.gpu.triton") >= 3  # quantize, relu, dequantize
+
+
+def test_staged_arguments_keep_static_values_static(monkeypatch):
+  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  x = jax.random.normal(jax.random.key(5), (4, 300)).astype(jnp.bfloat16)
+  quantize = kernels.dispatch("quantize", size=x.size)
+  assert quantize is not kernels.available("quantize")["pallas_triton"].fn
+  for seed, stochastic in [(jnp.uint32(7), True), (None, False)]:
+    p = quantize(x, seed, bits=4, group_size=effective_group_size(300, 256), stochastic=stochastic)
+    r = quantize_reference(x, seed, bits=4, group_size=effective_group_size(300, 256),
+                           stochastic=stochastic)
+    assert_same_packed(p, r)
+    out = kernels.dispatch("dequantize", size=p.data.size)(p, jnp.float32)
+    assert out.dtype == jnp.float32
+    assert_same_bits(out, dequantize_reference(r, jnp.float32))
+  # a forced choice is never staged
+  assert kernels.dispatch("quantize", "pallas_triton") is kernels.available("quantize")[
+      "pallas_triton"].fn
+  with kernels.use(quantize="xla"):
+    assert kernels.dispatch("quantize") is kernels.available("quantize")["xla"].fn
+
+
+def test_report_names_the_kernel_of_the_platform_it_runs_on(monkeypatch):
+  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  x = jax.random.normal(jax.random.key(1), (8, 512))
+  w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
+
+  def loss(x, w):
+    return jnp.sum(jact.ops.relu(dense(x, w, key=jax.random.key(3), bits=2)) ** 2)
+
+  on_cpu = jact.residual_report(loss, x, w)
+  assert set(on_cpu.kernels().values()) == {"xla"}
+  monkeypatch.setattr(jact.report, "_lowering_platform", lambda: "cuda")
+  on_cuda = jact.residual_report(loss, x, w)
+  assert on_cuda.kernels()["dense.lhs"] == "jact_quantize"
+  assert on_cuda.kernels()["relu.mask"] == "jact_relu_mask"
+  assert on_cuda.total_bytes == on_cpu.total_bytes
+  assert [r.name for r in on_cuda.residuals] == [r.name for r in on_cpu.residuals]
+
+
 def test_compressor_implementation_field_selects_the_kernel():
   x = jax.random.normal(jax.random.key(4), (4, 256))
   seed = jnp.uint32(9)

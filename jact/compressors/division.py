@@ -215,8 +215,8 @@ class Division(Compressor):
     else:
       from jact import kernels  # the registry imports this module lazily
 
-      impl = kernels.select("division_compress", self.implementation, size=x.size)
-      lfc, hfc = impl.fn(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
+      compress = kernels.dispatch("division_compress", self.implementation, size=x.size)
+      lfc, hfc = compress(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
                          lfc_dtype=self.lfc_dtype)
       if self.keep == "both":
         arrays["lfc"] = lfc

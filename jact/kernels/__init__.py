@@ -5,8 +5,12 @@ always registered (it is the test oracle); the Pallas kernels
 (`"pallas_triton"`, Triton backend) register themselves for GPUs, and
 `select` picks one by backend unless the caller (`implementation=`) or a
 `use(...)` context asks for a specific implementation. Every implementation
-of an op returns the same bits for the same inputs and seed. Off GPU a Pallas
-kernel runs in interpret mode (slow: for tests). `jact.residual_report`
+of an op returns the same bits for the same inputs and seed. `dispatch`
+returns what jact's ops call: a kernel chosen automatically is staged with
+`lax.platform_dependent`, so it runs only where it is lowered for a platform
+it supports (the Pallas kernels: cuda) and the reference runs everywhere else
+-- a CPU device or host computation on a GPU machine, ROCm. A kernel forced
+off GPU runs in interpret mode (slow: for tests). `jact.residual_report`
 shows which kernel produced each residual.
 
 Ops (each implementation takes the reference's arguments):
@@ -38,10 +42,11 @@ import dataclasses
 from typing import Callable, Iterator
 
 import jax
+import numpy as np
 
 from jact.quantize import dequantize_reference, quantize_reference
 
-__all__ = ["Implementation", "register", "available", "select", "use"]
+__all__ = ["Implementation", "register", "available", "select", "dispatch", "use"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,8 @@ class Implementation:
       means every backend.
     priority: higher wins when several apply.
     max_size: largest input (elements) it handles, or None (no limit).
+    lowering_platforms: the `lax.platform_dependent` platforms it can be
+      lowered for ("cuda", ...); empty means every platform.
   """
   op: str
   name: str
@@ -63,6 +70,7 @@ class Implementation:
   platforms: tuple[str, ...] = ()
   priority: int = 0
   max_size: int | None = None
+  lowering_platforms: tuple[str, ...] = ()
 
   def supports(self, platform: str, size: int | None = None) -> bool:
     """Runs on `platform` and takes an input of `size` elements (None: any)."""
@@ -101,9 +109,58 @@ def select(op: str, implementation: str | None = None, platform: str | None = No
     if name not in impls:
       raise ValueError(f"unknown implementation {name!r} for {op!r}; available: {sorted(impls)}")
     return impls[name]
-  platform = platform or jax.default_backend()
+  platform = platform or _backend()
   candidates = [i for i in impls.values() if i.supports(platform, size)]
   return max(candidates, key=lambda i: i.priority)
+
+
+def _backend() -> str:
+  return jax.default_backend()
+
+
+def dispatch(op: str, implementation: str | None = None, size: int | None = None) -> Callable:
+  """The callable jact's ops run for `op` (the reference's signature).
+
+  An explicit `implementation` or a `use()` choice is returned as is. An
+  automatic choice that lowers only for some platforms is staged: on each
+  platform it supports it runs with `interpret=False`, anywhere else the XLA
+  reference runs. The choice is made when the computation is lowered, not
+  from the default backend at trace time. (Lowering for several platforms at
+  once, e.g. `jax.export` to cuda and cpu, fails: a Pallas call has no
+  compiled CPU lowering; force `implementation="xla"` there.)
+  """
+  impl = select(op, implementation, size=size)
+  forced = implementation is not None or op in _OVERRIDES.get()
+  if forced or not impl.lowering_platforms:
+    return impl.fn
+  return _staged(impl, available(op)["xla"])
+
+
+def _is_arrays(value) -> bool:
+  leaves = jax.tree.leaves(value)
+  return bool(leaves) and all(isinstance(v, (jax.Array, np.ndarray, np.generic)) for v in leaves)
+
+
+def _staged(kernel: Implementation, reference: Implementation) -> Callable:
+  """`kernel.fn` on its lowering platforms, `reference.fn` elsewhere; arguments
+  that hold arrays are traced operands, the others stay static."""
+  def run(*args, **kwargs):
+    positions = [i for i, a in enumerate(args) if _is_arrays(a)]
+    names = [k for k, v in kwargs.items() if _is_arrays(v)]
+
+    def branch(fn, **extra):
+      def call(dynamic_args, dynamic_kwargs):
+        full = list(args)
+        for i, a in zip(positions, dynamic_args):
+          full[i] = a
+        return fn(*full, **{**kwargs, **dynamic_kwargs, **extra})
+      return call
+
+    per_platform = {p: branch(kernel.fn, interpret=False) for p in kernel.lowering_platforms}
+    return jax.lax.platform_dependent([args[i] for i in positions], {k: kwargs[k] for k in names},
+                                      default=branch(reference.fn), **per_platform)
+  run.__name__ = f"{kernel.op}_{kernel.name}_or_{reference.name}"
+  return run
 
 
 @contextlib.contextmanager
@@ -144,7 +201,8 @@ except ImportError:  # a jax without Pallas' Triton backend: the references only
   _pltriton = None
 
 if _pltriton is not None:
-  _GPU = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1)
+  # inline PTX (`_triton.mul`, ...) makes them NVIDIA-only
+  _GPU = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1, lowering_platforms=("cuda",))
   for _op, _module, _name in [
       ("quantize", "jact.kernels.pergroup", "quantize"),
       ("dequantize", "jact.kernels.pergroup", "dequantize"),

@@ -56,7 +56,7 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
     return fn(x)
 
   def fwd(x):
-    y, mask = kernels.select("relu_mask", size=x.size).fn(x, negative_slope=negative_slope)
+    y, mask = kernels.dispatch("relu_mask", size=x.size)(x, negative_slope=negative_slope)
     return finish_forward(y, tag(mask, f"{name}.mask"), elementwise=True)
 
   def bwd(res, g):
