@@ -280,3 +280,23 @@ def test_relu_mask_kernel_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, interpret=False), x)
     _lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=0.2, interpret=False), x)
+
+
+def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch):
+  x = jax.random.normal(jax.random.key(1), (64, 1024))
+  w = jax.random.normal(jax.random.key(2), (1024, 1024)) / 30
+
+  def compiled():
+    def loss(x, w):
+      h = x
+      for i in range(3):
+        h = jact.ops.relu(dense(h, w, key=jax.random.fold_in(jax.random.key(3), i), bits=2))
+      return jnp.sum(h ** 2)
+    return jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile()
+
+  plain = compiled()
+  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  staged = compiled()
+  assert "conditional" not in staged.as_text()
+  assert (staged.memory_analysis().temp_size_in_bytes
+          == plain.memory_analysis().temp_size_in_bytes)
