@@ -1,7 +1,29 @@
 """Shared checks for the Pallas kernel tests."""
 
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def bits_of(a):
+  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
+  a = np.asarray(a)
+  return a.view(_UINT[a.dtype.itemsize])
+
+
+def assert_same_bits(a, b):
+  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+  np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def assert_same_packed(p, r):
+  """Two per-group `Packed` values hold the same bits and metadata."""
+  for field in ("data", "minimum", "scale"):
+    assert_same_bits(getattr(p, field), getattr(r, field))
+  assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
+      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
 
 
 def poisoned_call(kernel, *, grid, out_shape, name, interpret, **_):

@@ -17,27 +17,7 @@ from jact.kernels import pergroup, relu
 from jact.ops.activation import relu_mask_reference
 from jact.ops.linear import dense
 from jact.quantize import dequantize_reference, effective_group_size, quantize_reference
-from kernel_checks import poisoned_call
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _bits_of(a):
-  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
-  return np.asarray(a.view(_UINT[jnp.dtype(a.dtype).itemsize]))
-
-
-def assert_same_bits(a, b):
-  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
-
-
-def assert_same_packed(p, r):
-  for field in ("data", "minimum", "scale"):
-    assert_same_bits(getattr(p, field), getattr(r, field))
-  assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
-      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
-
+from kernel_checks import assert_same_bits, assert_same_packed, poisoned_call
 
 def _activation(shape, dtype, seed=0, specials=True):
   x = 3 * jax.random.normal(jax.random.key(seed), shape)

@@ -12,27 +12,7 @@ import pytest
 from jact.compressors._base import from_dict
 from jact.compressors.division import Division, _blocks, _pool, division_compress_reference
 from jact.kernels import division
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
-
-def _bits_of(a):
-  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
-  a = np.asarray(a)
-  return a.view(_UINT[a.dtype.itemsize])
-
-
-def assert_same_bits(a, b):
-  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
-
-
-def assert_same_packed(p, r):
-  for field in ("data", "minimum", "scale"):
-    assert_same_bits(getattr(p, field), getattr(r, field))
-  assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
-      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
-
+from kernel_checks import assert_same_bits, assert_same_packed
 
 def activation(shape, dtype=jnp.float32, seed=0, specials=False):
   """Host-made normals; with `specials`, inf/NaN/+-0 and a whole block of -0.0."""

@@ -19,21 +19,7 @@ from jact.kernels import persample
 from jact.persample import (dequantize_per_sample, dequantize_per_sample_reference,
                             per_sample_capacity, quantize_per_sample, quantize_per_sample_reference)
 from jact.quantize import effective_group_size
-from kernel_checks import poisoned_call
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
-
-def _bits_of(a):
-  """The raw bits of an array (so -0.0 != 0.0 and NaN payloads count)."""
-  a = np.asarray(a)
-  return a.view(_UINT[a.dtype.itemsize])
-
-
-def assert_same_bits(a, b):
-  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-  np.testing.assert_array_equal(_bits_of(a), _bits_of(b))
-
+from kernel_checks import assert_same_bits, poisoned_call
 
 def assert_same_packed(p, r):
   for field in ("data", "bits", "minimum", "scale"):

@@ -52,7 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jact.compressors.pergroup import as_rows
 from jact.kernels import _triton as T
-from jact.kernels.pergroup import encode_tile, rows_per_program
+from jact.kernels.pergroup import encode_tile, packed_out_shape, packing_geometry
 from jact.quantize import Packed, check_bits, check_group_size, effective_group_size
 
 __all__ = ["division_compress", "fused"]
@@ -258,20 +258,13 @@ def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int, g
   view = as_rows(shape, group_size)
   n_view, d = view[0], math.prod(view[1:])
   g = effective_group_size(d, group_size)
-  groups = -(-d // g)
-  n_rows = n_view * groups
-  k = 8 // bits
-  q = g // k
-  q_pad = T.next_pow2(q)
-  r = rows_per_program(k * q_pad, rows)
+  groups, n_rows, q, q_pad, r = packing_geometry(n_view, d, g, bits, rows)
   tile = min(_LFC_TILE, T.next_pow2(nw * m.c))
   bands = m.n * m.bands
   flat = x.reshape(-1)
   seed = jnp.asarray(seed, jnp.uint32).reshape(1)
   lfc_shape = jax.ShapeDtypeStruct((bands * nw * m.c,), lfc_dtype)
-  packed_shape = (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
-                  jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16))
+  packed_shape = packed_out_shape(n_rows, q)
   common = dict(m=m, groups=groups, d=d, group_size=g, bits=bits, rows=r, q_pad=q_pad,
                 interpret=interpret)
   if fused(shape, block, group_size):

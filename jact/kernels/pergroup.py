@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jact.kernels import _triton as T
 from jact.quantize import Packed
 
-__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "inverse_step"]
+__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "inverse_step",
+           "packing_geometry", "packed_out_shape"]
 
 _TILE = 4096  # values per program (a power of two)
 
@@ -45,6 +46,23 @@ def rows_per_program(group_size: int, rows: int | None = None) -> int:
   if rows is not None:
     return T.next_pow2(rows)
   return max(1, _TILE // T.next_pow2(group_size))
+
+
+def packing_geometry(n: int, d: int, group_size: int, bits: int, rows: int | None = None):
+  """(groups per sample, group rows N * groups, bytes Q per group, Q padded to a power
+  of two, groups per program) of N samples of d values quantized per group."""
+  groups = -(-d // group_size)
+  k = 8 // bits
+  q = group_size // k
+  q_pad = T.next_pow2(q)
+  return groups, n * groups, q, q_pad, rows_per_program(k * q_pad, rows)
+
+
+def packed_out_shape(n_rows: int, q: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """Kernel outputs of `n_rows` groups: flat packed bytes, bf16 minima and steps."""
+  return (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
+          jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+          jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16))
 
 
 def _layout(shape) -> tuple[int, int]:
@@ -166,19 +184,12 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
     interpret = not T.on_gpu()
   n, d = _layout(x.shape)
   T.check_int32(n * d, "the input")
-  groups = -(-d // group_size)
-  n_rows = n * groups
-  k = 8 // bits
-  q = group_size // k
-  q_pad = T.next_pow2(q)
-  r = rows_per_program(k * q_pad, rows)
+  groups, n_rows, q, q_pad, r = packing_geometry(n, d, group_size, bits, rows)
   grid = max(1, -(-n_rows // r))
   kernel = functools.partial(
       _quantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=group_size, bits=bits,
       rows=r, q_pad=q_pad, stochastic=stochastic, interpret=interpret)
-  out_shape = (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
-               jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
-               jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16))
+  out_shape = packed_out_shape(n_rows, q)
   args = [x.reshape(-1)]
   if stochastic:
     args.append(jnp.asarray(seed, jnp.uint32).reshape(1))
