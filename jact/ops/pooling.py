@@ -83,7 +83,9 @@ def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
 
 
 def _out_shape(shape, dims, strides, pads):
-  return tuple((h + lo + hi - w) // s + 1 for h, w, s, (lo, hi) in zip(shape, dims, strides, pads))
+  """Windows per dim; 0 where the window exceeds the padded input (as in lax)."""
+  return tuple(max(0, (h + lo + hi - w) // s + 1)
+               for h, w, s, (lo, hi) in zip(shape, dims, strides, pads))
 
 
 def _offsets(dims):
@@ -163,10 +165,18 @@ def _scatter_to_argmax(g, code, shape, dims, strides, pads, out_shape, offsets):
   dx = jnp.zeros(shape, g.dtype)
   for k in reversed(range(len(offsets))):
     start = [lo - o + w - 1 for (lo, _), o, w in zip(pads, offsets[k], dims)]
-    limit = [a + h for a, h in zip(start, shape)]
-    hit = lax.slice(code_up, start, limit) == jnp.uint8(k)
-    dx = dx + jnp.where(hit, lax.slice(g_up, start, limit), jnp.zeros((), g.dtype))
+    hit = _read(code_up, start, shape) == jnp.uint8(k)
+    dx = dx + jnp.where(hit, _read(g_up, start, shape), jnp.zeros((), g.dtype))
   return dx
+
+
+def _read(a, start, shape):
+  """a[start : start + shape], zero where that box leaves a (negative padding
+  moves it off the upsampled grid): a plain slice whenever the box fits."""
+  if all(0 <= s and s + n <= m for s, n, m in zip(start, shape, a.shape)):
+    return lax.slice(a, start, [s + n for s, n in zip(start, shape)])
+  cfg = [(-s, s + n - m, 0) for s, n, m in zip(start, shape, a.shape)]
+  return lax.pad(a, jnp.zeros((), a.dtype), cfg)
 
 
 def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
@@ -178,18 +188,21 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     window_shape: window size per spatial dim (at most 256 positions in all).
     strides: inter-window strides (default 1 per spatial dim).
     padding: "VALID", "SAME" or one (low, high) pair per spatial dim; padding
-      counts as -inf.
+      counts as -inf, a negative pad crops the input (as in `lax.reduce_window`).
     name: residual name prefix; the packed positions are tagged `f"{name}.argmax"`.
 
   Returns:
     The window maxima, in x's dtype. Ties send the gradient to the first
-    (row-major) maximal position of the window.
+    (row-major) maximal position of the window. A window larger than the
+    padded input gives an empty output and a zero gradient, as in Flax.
   """
   check_float(x, "max_pool")
   name = check_name(name)
   dims, full_strides, pads = _geometry(x, window_shape, strides, padding, "max_pool")
   bits = argmax_bits(math.prod(dims))
   out_shape = _out_shape(x.shape, dims, full_strides, pads)
+  if not math.prod(out_shape):  # no window fits: an empty output, a zero gradient (as in Flax)
+    return jnp.zeros(out_shape, x.dtype)
   offsets = _offsets(dims)
   shape, dtype = x.shape, x.dtype
 
