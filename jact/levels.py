@@ -5,7 +5,7 @@ Each level says which jact mechanism realizes it:
 | level | paper's meaning | jact |
 |---|---|---|
 | actnn:L0 | no compression | plain JAX (bits None) |
-| actnn:L1 | 4-bit per-group quantization of conv layers only | `conv_bits=4`, other ops bits None |
+| actnn:L1 | 4-bit per-group quantization of conv layers only | `compress_convolutions(block, bits=4)`: conv inputs 4 bits, other residuals kept as JAX saves them |
 | actnn:L2 | 4-bit per-group quantization of all layers | compressed ops / `jact.compressed`, bits 4 |
 | actnn:L3 | L2 + per-sample and per-layer mixed precision, 2 bits avg | `Controller(estimator="analytic", per_sample=True, avg_bits=2)` |
 | actnn:L4 | L3 + swapping to host | L3 + `jact.offload_compressed()` policy |
@@ -25,9 +25,14 @@ Each level says which jact mechanism realizes it:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, Sequence
 
-__all__ = ["Level", "LEVELS", "get"]
+import jax
+from jax import lax
+from jax.extend import core as jex_core
+
+__all__ = ["Level", "LEVELS", "get", "compress_convolutions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +77,13 @@ class Level:
 
   def wrap(self, block: Callable[..., Any], *, name: str = "block", **kwargs):
     """`block` transformed as the level says: `jact.checkpoint` (CB levels),
-    else `jact.compressed` (with the offload policy when the level swaps), or
-    unchanged when the level does not compress."""
+    `jact.compressed` (with the offload policy when the level swaps), its
+    convolutions only compressed (`conv_only`, see `compress_convolutions`),
+    or unchanged when the level does not compress."""
     if self.bits is None:
       return block
+    if self.conv_only:
+      return compress_convolutions(block, bits=self.bits, name=name, **kwargs)
     from jact.remat import checkpoint  # pylint: disable=import-outside-toplevel
     from jact.residuals import compressed  # pylint: disable=import-outside-toplevel
     if self.checkpoint:
@@ -124,3 +132,122 @@ def get(name: str) -> Level:
     return LEVELS[name]
   except KeyError:
     raise ValueError(f"unknown optimization level {name!r}; choose one of {sorted(LEVELS)}") from None
+
+
+# ----------------------------------------------------------------------------- ActNN L1
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")  # call primitives looked into
+
+
+def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
+                          group_size: int = 256, stochastic: bool = True,
+                          min_size: int | None = None, name: str = "block",
+                          compress_argnums: Sequence[int] = ()):
+  """`block` with the inputs of its convolutions stored compressed and every
+  other residual kept as plain JAX saves it (ActNN L1).
+
+  `block` is traced and re-evaluated with each `lax.conv_general_dilated`
+  (also inside `jax.jit` calls) run by `jact.ops.conv_general_dilated`, whose
+  stored input is named f"{name}.conv{i}.lhs" (`i`: the convolution's position
+  in the trace). The forward pass is exact. As in `jact.compressed`, a conv
+  input that is one of `block`'s own arguments is kept by reference unless its
+  position is in `compress_argnums`, and inputs of fewer than `min_size`
+  values (default `jact.residuals.DEFAULT_MIN_SIZE`) are kept. Convolutions
+  inside other higher-order primitives (`lax.scan`, `lax.cond`,
+  `jax.checkpoint`, custom derivative rules) run plain.
+
+  Returns:
+    `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
+    stochastic (a fresh key per step).
+  """
+  from jact.ops._core import Rounding, check_name  # pylint: disable=import-outside-toplevel
+  from jact.residuals import (DEFAULT_MIN_SIZE, check_argnums,  # pylint: disable=import-outside-toplevel
+                              input_flags)
+  rounding = Rounding(bits, group_size, stochastic)  # validates the settings
+  check_name(name)
+  argnums = check_argnums(compress_argnums)
+  min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
+  if not callable(block):
+    raise TypeError(f"compress_convolutions takes a function, got {type(block).__name__}")
+
+  @functools.wraps(block)
+  def wrapped(*args, key=None, **kwargs):
+    if key is None and rounding.needs_key:
+      raise ValueError(
+          f"jact level {name!r}: the convolutions' inputs are stochastically rounded, which "
+          f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step).")
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
+               or hasattr(leaf, "aval") or hasattr(leaf, "__array__")]
+
+    def call(*values):
+      full = list(leaves)
+      for i, v in zip(dynamic, values):
+        full[i] = v
+      a, k = jax.tree.unflatten(treedef, full)
+      return block(*a, **k)
+
+    values = [leaves[i] for i in dynamic]
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*values)
+    flags = input_flags(block, args, kwargs, argnums)
+    conv = _CompressedConv(key, bits, group_size, stochastic, min_size, name)
+    outs = _evaluate(closed.jaxpr, closed.consts, values, [not flags[i] for i in dynamic], conv)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return wrapped
+
+
+@dataclasses.dataclass
+class _CompressedConv:
+  """Runs one traced convolution, storing its input compressed unless `keep`."""
+  key: Any
+  bits: int | None
+  group_size: int
+  stochastic: bool
+  min_size: int
+  name: str
+  count: int = 0
+
+  def __call__(self, params: dict, lhs, rhs, keep: bool):
+    from jact.ops.linear import conv_general_dilated  # pylint: disable=import-outside-toplevel
+    i, self.count = self.count, self.count + 1
+    params = {k: v for k, v in params.items() if k != "out_sharding"}
+    if keep or lhs.size < self.min_size:
+      return lax.conv_general_dilated(lhs, rhs, **params)
+    if all(d == 1 for d in params["lhs_dilation"]):
+      params["lhs_dilation"] = None
+    key = None if self.key is None else jax.random.fold_in(self.key, i)
+    return conv_general_dilated(lhs, rhs, key=key, bits=self.bits, group_size=self.group_size,
+                                stochastic=self.stochastic, name=f"{self.name}.conv{i}",
+                                **params)
+
+
+def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
+  """Evaluates `jaxpr` with its convolutions run by `conv`; `by_reference`
+  flags the inputs that are the block's own arguments (kept, not compressed)."""
+  env, arguments = {}, set()
+  is_var = lambda v: isinstance(v, jex_core.Var)
+  read = lambda v: env[v] if is_var(v) else v.val
+  env.update(zip(jaxpr.constvars, consts))
+  for var, value, ref in zip(jaxpr.invars, args, by_reference):
+    env[var] = value
+    if ref:
+      arguments.add(var)
+  for eqn in jaxpr.eqns:
+    values = [read(v) for v in eqn.invars]
+    prim = eqn.primitive
+    if prim.name == "conv_general_dilated" and eqn.params.get("out_sharding") is None:
+      outs = [conv(eqn.params, *values, keep=is_var(eqn.invars[0])
+                   and eqn.invars[0] in arguments)]
+    elif prim.name in _CALLS and isinstance(eqn.params.get("jaxpr"), jex_core.ClosedJaxpr):
+      sub = eqn.params["jaxpr"]
+      outs = _evaluate(sub.jaxpr, sub.consts, values,
+                       [is_var(v) and v in arguments for v in eqn.invars], conv)
+    else:
+      params = prim.get_bind_params(eqn.params)  # (subfuns, params) in older jax
+      subfuns, params = params if isinstance(params, tuple) else ((), params)
+      with eqn.ctx.manager:
+        outs = prim.bind(*subfuns, *values, **params)
+      outs = outs if prim.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]

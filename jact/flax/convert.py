@@ -31,6 +31,13 @@ forward values are unchanged.
   at conversion; options passed at call time that a twin lacks (`mask=`,
   `sow_weights=True`) raise the twin's ValueError.
 
+Converting again applies the new settings: a converted linen model is
+rebuilt with them, and in an nnx model every rounding twin already there
+(from an earlier `convert`, or built as `jact.nnx.*`) takes the new `bits`,
+`group_size` and `stochastic` and re-forks its stream from `rngs` (from its
+own stream when `rngs` is not given). In linen, a converted submodule inside
+a converted model keeps its own settings while its methods run.
+
 Supported (exact types; subclasses are left alone, their `super().__call__`
 included): Dense/Linear, Conv, BatchNorm, LayerNorm, RMSNorm, Embed, Dropout,
 MultiHeadDotProductAttention/MultiHeadAttention/SelfAttention (linen) and
@@ -523,6 +530,17 @@ def _replace(value, twins: dict[int, Any]):
   return value, False
 
 
+# twins that round (their settings are convert's); Embed and Dropout have none
+_ROUNDING_TWINS = (jnnx.Linear, jnnx.Conv, jnnx.BatchNorm, jnnx.LayerNorm, jnnx.RMSNorm,
+                   jnnx.MultiHeadAttention)
+
+
+def _converted_twins(model: nnx.Module) -> list:
+  """(name, twin) for the rounding twins already in `model` (exact types)."""
+  return [("/".join(str(p) for p in path) or type(module).__name__, module)
+          for path, module in nnx.iter_modules(model) if type(module) in _ROUNDING_TWINS]
+
+
 def _convert_nnx(model: nnx.Module, settings: _Settings, rngs):
   # Plan first (validation, clear errors), mutate after: no half-converted model.
   plan = []
@@ -539,13 +557,21 @@ def _convert_nnx(model: nnx.Module, settings: _Settings, rngs):
     plan.append((module, twin_cls, patch, rounds, name))
   if rngs is not None and not isinstance(rngs, (rnglib.Rngs, rnglib.RngStream)):
     raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
-  if settings.needs_key and any(rounds for *_, rounds, _ in plan) and not _has_stream(rngs):
+  converted = _converted_twins(model)
+  lacking = [name for *_, rounds, name in plan if rounds]
+  lacking += [name for name, twin in converted if twin.jact_rngs is None]
+  if settings.needs_key and lacking and not _has_stream(rngs):
     got = "no rngs" if rngs is None else f"rngs={rngs!r}"[:200]
     raise ValueError(
         f"jact.convert rounds the saved activations of an nnx model stochastically and "
-        f"needs an RNG stream named 'jact' (or 'default') to fork each layer's stream from; "
+        f"needs an RNG stream named 'jact' (or 'default') to fork each layer's stream from "
+        f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}); "
         f"got {got}. Fixes: convert(model, rngs=nnx.Rngs(jact=0)); or convert with "
         f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+  for _, twin in converted:  # converted before (or built as twins): the new settings apply
+    source = rngs if _has_stream(rngs) else twin.jact_rngs
+    twin._init_jact(source, settings.bits, settings.group_size, settings.stochastic,
+                    twin.residual_name)
 
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)

@@ -1,0 +1,156 @@
+"""Edge cases of the converter and the optimization levels (issue 14, slice F).
+
+Byte counts are derived from the storage format, not read back from the code:
+a per-group quantized tensor of `rows` samples keeps, per group of 256 values,
+256 * bits / 8 bytes of codes plus a bfloat16 minimum and a bfloat16 step.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+
+import jact
+from jact.flax import nnx as jnnx
+from jact.flax.convert import convert
+
+GROUP = 256
+
+
+def _packed_bytes(rows: int, per_row: int, bits: int) -> int:
+  """Bytes of `rows` samples of `per_row` values (a multiple of 256) at `bits`."""
+  assert per_row % GROUP == 0
+  groups = rows * per_row // GROUP
+  return groups * (GROUP * bits // 8 + 2 * 2)
+
+
+def _normal(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- convert twice
+
+
+def _nnx_bytes(model, x) -> dict:
+  graph, state = nnx.split(model)
+  loss = lambda state, x: nnx.merge(graph, state)(x).sum()
+  return {name: group.bytes for name, group in jact.residual_report(loss, state, x)
+          .by_name().items() if name is not None}
+
+
+def test_convert_nnx_again_applies_new_settings():
+  x = _normal((8, 256), 0)
+  net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,
+                       nnx.Linear(256, 4, rngs=nnx.Rngs(1)))
+  net = convert(net, bits=4, rngs=nnx.Rngs(jact=2))
+  assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 4) for n in ("layers/0.lhs",
+                                                                       "layers/2.lhs")}
+  assert convert(net, bits=2) is net  # no rngs: each twin re-forks its own stream
+  assert [net.layers[i].bits for i in (0, 2)] == [2, 2]
+  assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs",
+                                                                       "layers/2.lhs")}
+  convert(net, bits=8, stochastic=False)  # round-to-nearest: no stream needed
+  assert net.layers[0].jact_rngs is None
+  assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 8)
+  # back to stochastic rounding: the twins have no stream left, rngs is needed
+  with pytest.raises(ValueError, match=r"jact.convert .*layers/0.*rngs=nnx.Rngs\(jact=0\)"):
+    convert(net, bits=2)
+  convert(net, bits=2, rngs=nnx.Rngs(jact=3))
+  assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 2)
+
+
+def test_convert_nnx_twin_itself_takes_new_bits():
+  layer = jnnx.Linear(256, 4, bits=4, rngs=nnx.Rngs(params=0, jact=1))
+  assert convert(layer, bits=1) is layer
+  assert _nnx_bytes(layer, _normal((8, 256), 0)) == {"Linear.lhs": _packed_bytes(8, 256, 1)}
+
+
+class _MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.Dense(256)(x))
+
+
+def test_convert_linen_again_applies_new_settings():
+  x = _normal((8, 256), 0)
+  variables = _MLP().init(jax.random.key(0), x)
+  rngs = {"jact": jax.random.key(1)}
+
+  def report(model):
+    return jact.residual_report(lambda v, x: model.apply(v, x, rngs=rngs).sum(), variables, x)
+
+  def saved(model):
+    return {name: group.bytes for name, group in report(model).by_name().items()
+            if name is not None}
+
+  once = convert(_MLP(), bits=4)
+  assert saved(once) == {n: _packed_bytes(8, 256, 4) for n in ("Dense_0.lhs", "Dense_1.lhs")}
+  twice = convert(once, bits=2)
+  assert twice.jact_bits == 2 and once.jact_bits == 4  # a copy; the argument is unchanged
+  assert saved(twice) == {n: _packed_bytes(8, 256, 2) for n in ("Dense_0.lhs", "Dense_1.lhs")}
+  # bits=None: what the plain model saves (the hidden activation in float32)
+  assert report(convert(once, bits=None)).total_bytes == report(_MLP()).total_bytes == 8 * 256 * 4
+
+
+# ----------------------------------------------------------------------------- levels L1/L2
+
+
+def _conv(x, k):
+  return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _block(k1, k2, w, x):
+  """conv -> conv -> dense on a 4x8x8x4 input: conv1 and the dense layer read
+  activations of 4 x 512 values (two groups per sample)."""
+  h = _conv(_conv(x, k1), k2)
+  return h.reshape(h.shape[0], -1) @ w
+
+
+def _block_args():
+  return (_normal((3, 3, 4, 8), 1) / 6, _normal((3, 3, 8, 8), 2) / 8, _normal((512, 16), 3) / 22,
+          _normal((4, 8, 8, 4), 4))
+
+
+def _level_report(level, **kwargs):
+  f = jact.levels.get(level).wrap(_block, **kwargs)
+  return jact.residual_report(lambda *a: f(*a, key=jax.random.key(0)).sum(), *_block_args())
+
+
+def test_level_l1_compresses_convolution_inputs_only():
+  report = _level_report("actnn:L1")
+  compressed = _packed_bytes(4, 512, 4)
+  dense_input = 4 * 512 * 4  # float32, as plain JAX keeps it
+  assert {n: g.bytes for n, g in report.by_name().items()} == {
+      "block.conv1.lhs": compressed, None: dense_input}
+  assert report.total_bytes == compressed + dense_input
+  # the block's input is an argument (kept by reference) unless listed, as in jact.compressed
+  listed = _level_report("actnn:L1", compress_argnums=(3,)).by_name()
+  assert listed["block.conv0.lhs"].bytes == _packed_bytes(4, 256, 4)
+
+
+def test_level_l2_compresses_convolution_and_dense_inputs():
+  report = _level_report("actnn:L2")
+  assert None not in report.by_name()  # nothing kept in full precision
+  assert report.total_bytes == 2 * _packed_bytes(4, 512, 4)
+
+
+def test_level_l1_forward_exact_dense_gradient_exact():
+  """The dense layer's weight gradient reads only its (uncompressed) input:
+  under L1 it equals the plain gradient; the conv kernel gradient reads the
+  4-bit conv input and differs."""
+  args = _block_args()
+  wrapped = jact.levels.get("actnn:L1").wrap(_block)
+  np.testing.assert_array_equal(wrapped(*args, key=jax.random.key(0)), _block(*args))
+  loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))
+  g = jax.jit(jax.grad(loss(lambda *a: wrapped(*a, key=jax.random.key(0))), argnums=(1, 2)))(*args)
+  ref = jax.jit(jax.grad(loss(_block), argnums=(1, 2)))(*args)
+  np.testing.assert_allclose(g[1], ref[1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(g[0], ref[0], rtol=1e-4, atol=0)
+  with pytest.raises(ValueError, match="PRNG key"):
+    wrapped(*args)
