@@ -17,7 +17,7 @@ from jact.controller import CompressionVarianceWarning, Controller, ControllerSt
 from jact.flax import linen as nn
 from jact.flax import nnx
 from jact.flax.convert import convert
-from jact.plan import BitPlan, planned, use_plan
+from jact.plan import BitPlan, UnknownResidualWarning, planned, use_plan
 from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
 from jact.remat import checkpoint, offload_compressed, save_compressed, save_inputs_only
 from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
@@ -31,5 +31,5 @@ __all__ = [
     "Controller", "ControllerState", "CompressionVarianceWarning",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
     "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",
-    "BitPlan", "use_plan", "planned",
+    "BitPlan", "use_plan", "planned", "UnknownResidualWarning",
 ]

@@ -3,7 +3,9 @@
 Three things reach the compression sites of ops and `jact.compressed`
 without changing their signatures:
 
-* the active bit plan (static: it decides buffer shapes at trace time);
+* the active bit plan (static: it decides buffer shapes at trace time),
+  with the residual names traced under it, so that plan entries naming no
+  traced residual (typos) are reported when the block ends;
 * a recorder, which notes every compressed residual (name, shape, dtype,
   bits) while a function is traced -- how estimators find the residuals;
 * a *salt*: a traced uint32 vector with one entry per residual name, mixed
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import threading
+import warnings
 from typing import Any, Iterator
 
 import jax
@@ -55,8 +59,72 @@ def current(kind: str):
 # ----------------------------------------------------------------------------- plan
 
 
-def plan_scope(plan):
-  return _pushed("plan", plan)
+class UnknownResidualWarning(UserWarning):
+  """A plan or `overrides` entry names a residual that was not traced."""
+
+
+@dataclasses.dataclass
+class PlanScope:
+  """One `use_plan` block: its plan, whether unknown names are errors, and
+  the residual names traced while it was entered."""
+  plan: Any
+  strict: bool = False
+  traced: set = dataclasses.field(default_factory=set)
+
+
+@contextlib.contextmanager
+def plan_scope(plan, strict: bool = False) -> Iterator[PlanScope]:
+  """Applies `plan` inside the block; on a normal exit, checks that every
+  name the plan gives an entry or a budget was traced inside it."""
+  with _pushed("plan", PlanScope(plan, strict)) as scope:
+    yield scope
+  if plan is not None:
+    names = {n for n, _ in plan.entries} | {n for n, _ in plan.budgets}
+    # stacklevel 6: the caller's `with use_plan(...)` line (or `planned`'s wrapper).
+    check_traced(
+        names, scope.traced, strict=strict, stacklevel=6,
+        what="the plan of a jact.use_plan / jact.planned block",
+        fix="Fix the names (jact.residual_report lists a function's residuals). A function "
+            "jitted on its own inside the block is not re-traced when jit's cache hits: jit "
+            "the outer step only." + ("" if strict else
+            " use_plan(..., strict=True) / planned(..., strict=True) make this an error."))
+
+
+def _active_plan():
+  scope = current("plan")
+  return None if scope is None else scope.plan
+
+
+def strict_plan() -> bool:
+  """Whether the innermost plan block was entered with strict=True."""
+  scope = current("plan")
+  return scope is not None and scope.strict
+
+
+def note_residual(name: str) -> None:
+  """Marks residual `name` as traced for every enclosing plan block."""
+  for scope in _stack("plan"):
+    scope.traced.add(name)
+
+
+def check_traced(names, traced, *, strict: bool, what: str, fix: str,
+                 stacklevel: int = 2) -> None:
+  """Warns (strict: raises ValueError) when `names` has names not in `traced`,
+  listing each with the closest traced names."""
+  unknown = sorted(set(names) - set(traced))
+  if not unknown:
+    return
+  def closest(n):
+    close = difflib.get_close_matches(n, sorted(traced), n=3, cutoff=0.6)
+    return f"{n!r}" + (f" (closest: {', '.join(map(repr, close))})" if close else "")
+  shown = sorted(traced)[:8]
+  known = (", ".join(map(repr, shown)) + (", ..." if len(traced) > len(shown) else "")
+           if traced else "none")
+  message = (f"jact: {what} names residuals that were not traced, so their entries do "
+             f"nothing: {', '.join(map(closest, unknown))}; traced: {known}. {fix}")
+  if strict:
+    raise ValueError(message)
+  warnings.warn(message, UnknownResidualWarning, stacklevel=stacklevel)
 
 
 def planned_bits(name: str, bits):
@@ -65,7 +133,7 @@ def planned_bits(name: str, bits):
   Residuals the call site keeps uncompressed (bits None) stay so: a plan
   changes widths, it does not add rounding noise where no key was asked for.
   """
-  plan = current("plan")
+  plan = _active_plan()
   if plan is None or bits is None:
     return bits
   return plan.bits_for(name, bits)
@@ -73,7 +141,7 @@ def planned_bits(name: str, bits):
 
 def planned_budget(name: str):
   """The per-sample average-bit budget of `name` in the active plan, or None."""
-  plan = current("plan")
+  plan = _active_plan()
   return None if plan is None else plan.budget_for(name)
 
 

@@ -26,6 +26,10 @@ Entering `use_plan` *outside* a jitted function has no effect on calls
 that hit jit's cache: the plan must be part of what the step is traced with.
 For the same reason, a function jitted on its own *inside* the step keeps the
 plan of its first trace: jit the outer step only.
+
+Plan entries naming no residual traced inside the block (typos) are
+reported when it ends, with the closest traced names: a warning, or an
+error under `use_plan(plan, strict=True)` / `planned(step, strict=True)`.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ import functools
 import inspect
 import json
 import math
+import numbers
 from typing import Any, Callable, Iterator, Mapping
 
 from jact import _context
+from jact._context import UnknownResidualWarning
 from jact.compressors import Compressor, from_dict as compressor_from_dict
 from jact.quantize import check_bits
 
-__all__ = ["BitPlan", "use_plan", "planned", "CALL_SITE"]
+__all__ = ["BitPlan", "use_plan", "planned", "CALL_SITE", "UnknownResidualWarning"]
 
 CALL_SITE = "call"
 """`BitPlan.default` value meaning: unlisted residuals keep their call site's width."""
@@ -63,10 +69,26 @@ def _check_width(bits, what: str):
     raise ValueError(f"{what}: {e} (None or 32 keeps a residual uncompressed)") from None
 
 
+def _check_size(d, name: str) -> int:
+  """A residual's number of values: a positive integer (2.0 is accepted, 2.7 is not)."""
+  integral = isinstance(d, numbers.Integral) or (isinstance(d, float) and d.is_integer())
+  if isinstance(d, bool) or not integral or d <= 0:
+    raise ValueError(f"jact.BitPlan: sizes[{name!r}] must be a positive integer number of "
+                     f"values, got {d!r}; give each residual's number of elements")
+  return int(d)
+
+
+def _check_field(value, field: str) -> Mapping:
+  if value is None or isinstance(value, Mapping):
+    return value
+  raise ValueError(f"jact.BitPlan: {field} must be a mapping from residual names, got "
+                   f"{type(value).__name__} {value!r}")
+
+
 def _check_budget(avg, name: str) -> float:
   if isinstance(avg, bool) or not isinstance(avg, (int, float)) or not 1 <= avg <= 8:
-    raise ValueError(f"per-sample budget of {name!r} must be a number of average bits in "
-                     f"[1, 8], got {avg!r}")
+    raise ValueError(f"jact.BitPlan: per-sample budget of {name!r} must be a number of "
+                     f"average bits in [1, 8], got {avg!r}")
   return float(avg)
 
 
@@ -94,17 +116,18 @@ class BitPlan(Mapping):
   def __init__(self, bits: Mapping[str, int | None] | None = None, *, default=CALL_SITE,
                budgets: Mapping[str, float] | None = None,
                sizes: Mapping[str, int] | None = None):
-    bits = dict(bits or {})
+    bits = dict(_check_field(bits, "bits") or {})
     for name in bits:
       if not isinstance(name, str) or not name:
-        raise ValueError(f"residual names must be non-empty strings, got {name!r}")
-    entries = tuple(sorted((n, _check_width(b, f"bits of {n!r}")) for n, b in bits.items()))
+        raise ValueError(f"jact.BitPlan: residual names must be non-empty strings, got {name!r}")
+    entries = tuple(sorted((n, _check_width(b, f"jact.BitPlan: bits of {n!r}"))
+                           for n, b in bits.items()))
     if default != CALL_SITE:
-      default = _check_width(default, "default")
-    budgets = tuple(sorted((n, _check_budget(a, n)) for n, a in (budgets or {}).items()))
-    sizes = tuple(sorted((n, int(d)) for n, d in (sizes or {}).items()))
-    if any(d <= 0 for _, d in sizes):
-      raise ValueError("sizes must be positive numbers of values")
+      default = _check_width(default, "jact.BitPlan: default")
+    budgets = tuple(sorted((n, _check_budget(a, n))
+                           for n, a in (_check_field(budgets, "budgets") or {}).items()))
+    sizes = tuple(sorted((n, _check_size(d, n))
+                         for n, d in (_check_field(sizes, "sizes") or {}).items()))
     object.__setattr__(self, "entries", entries)
     object.__setattr__(self, "default", default)
     object.__setattr__(self, "budgets", budgets)
@@ -170,7 +193,10 @@ class BitPlan(Mapping):
   def nbytes(self, name: str, group_size: int = 256) -> int:
     """Stored bytes of residual `name` (codes plus bf16 group statistics; a
     compressor entry: its `average_bits`)."""
-    d = dict(self.sizes)[name]
+    d = dict(self.sizes).get(name)
+    if d is None:
+      raise ValueError(f"jact.BitPlan.nbytes: the plan has no size for residual {name!r}; "
+                       "build it with sizes={name: values, ...} (or plan.replace(sizes=...))")
     if isinstance(self.bits_for(name, None), Compressor) and self.budget_for(name) is None:
       return math.ceil(d * self.stored_bits(name) / 8)
     bits = self.stored_bits(name)
@@ -214,10 +240,14 @@ class BitPlan(Mapping):
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "BitPlan":
+    if not isinstance(d, Mapping):
+      raise ValueError(f"jact.BitPlan.from_dict / from_json expects an object with the fields "
+                       f"bits, default, budgets, sizes (as BitPlan.to_json writes it), got "
+                       f"{type(d).__name__} {d!r}")
     unknown = set(d) - {"bits", "default", "budgets", "sizes"}
     if unknown:
-      raise ValueError(f"unknown BitPlan fields {sorted(unknown)}; expected bits, default, "
-                       "budgets, sizes")
+      raise ValueError(f"jact.BitPlan: unknown fields {sorted(map(str, unknown))}; expected "
+                       "bits, default, budgets, sizes (as BitPlan.to_json writes them)")
     return cls(d.get("bits"), default=d.get("default", CALL_SITE), budgets=d.get("budgets"),
                sizes=d.get("sizes"))
 
@@ -226,31 +256,46 @@ class BitPlan(Mapping):
 
   @classmethod
   def from_json(cls, text: str) -> "BitPlan":
-    return cls.from_dict(json.loads(text))
+    try:
+      d = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"jact.BitPlan.from_json: the text is not valid JSON ({e}); pass what "
+                       "BitPlan.to_json wrote") from e
+    return cls.from_dict(d)
 
 
 @contextlib.contextmanager
-def use_plan(plan: BitPlan | None) -> Iterator[BitPlan | None]:
+def use_plan(plan: BitPlan | None, *, strict: bool = False) -> Iterator[BitPlan | None]:
   """Applies `plan` to every compressed residual traced inside the block.
 
-  Enter it inside the function being traced (see `planned`); None applies no plan.
+  Enter it inside the function being traced (see `planned`); None applies no
+  plan. When the block ends, plan entries (or budgets) naming no residual
+  traced inside it -- typos -- are reported with the closest traced names: an
+  `UnknownResidualWarning`, or with `strict=True` a ValueError. `strict`
+  also applies to the `overrides` of `jact.compressed` calls in the block.
   """
   if plan is not None and not isinstance(plan, BitPlan):
     raise TypeError(f"use_plan takes a jact.BitPlan (or None), got {type(plan).__name__}; "
                     "build one with jact.BitPlan({name: bits, ...})")
-  with _context.plan_scope(plan):
+  if not isinstance(strict, bool):
+    raise TypeError(f"jact.use_plan: strict must be True or False, got {strict!r}")
+  with _context.plan_scope(plan, strict):
     yield plan
 
 
-def planned(step: Callable[..., Any]) -> Callable[..., Any]:
+def planned(step: Callable[..., Any] | None = None, *, strict: bool = False) -> Callable[..., Any]:
   """`step` with an extra keyword argument `plan` applied while it runs.
 
   Jit it with `static_argnames="plan"`: equal plans reuse the compiled step,
-  a changed plan retraces once.
+  a changed plan retraces once. `strict=True`: plan entries naming no
+  residual of the step raise instead of warning (see `use_plan`).
   """
+  if step is None:
+    return functools.partial(planned, strict=strict)
+
   @functools.wraps(step)
   def run(*args, plan: BitPlan | None, **kwargs):
-    with use_plan(plan):
+    with use_plan(plan, strict=strict):
       return step(*args, **kwargs)
 
   # jit reads the signature to find static arguments: show `plan` in it.

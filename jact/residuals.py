@@ -159,6 +159,22 @@ def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
   return leaf
 
 
+def _check_overrides(config: ResidualConfig, names) -> None:
+  """Reports `overrides` entries naming none of this call's stored residuals
+  (a warning; an error inside a `use_plan(..., strict=True)` block)."""
+  overrides = config.overrides
+  if not isinstance(overrides, Mapping):
+    return  # an object with only `bits_for` cannot list its names
+  listed = set(overrides)
+  if hasattr(overrides, "bits_for"):  # a whole-model plan: only the names of this call
+    listed = {n for n in listed if n.startswith(config.name + ".")}
+  _context.check_traced(
+      listed, names, strict=_context.strict_plan(),
+      what=f"the overrides of jact.compressed(name={config.name!r})",
+      fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
+          "inside the function take their widths from a plan (jact.use_plan), not overrides.")
+
+
 def _restore(value, shape, dtype):
   if isinstance(value, PackedBits):
     return unpack_codes(value).astype(dtype).reshape(shape)
@@ -278,7 +294,8 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
       `i` its position among the VJP's leaves (stable for a given `fn`
       and argument shapes). Names tag the stored pieces with
       `checkpoint_name`, so `jax.checkpoint` policies can select them.
-    overrides: per-name bit widths (mapping or object with `bits_for`).
+    overrides: per-name bit widths (mapping or object with `bits_for`);
+      names that are none of this call's residuals are reported (a warning).
     policy: optional `jax.checkpoint` policy deciding which intermediates
       are residuals; e.g. `jax.checkpoint_policies.dots_saveable` keeps only
       matmul/convolution outputs (compressed) and recomputes the elementwise
@@ -429,6 +446,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         leaf = _store(leaf, f"{config.name}.{position}", seed, position, config)
       index.append(len(values))
       values.append(leaf)
+    _check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
+                              if k == "compress"})
     out, values = _output_epilogue(out, tuple(values))
     shapes = tuple(tuple(v.aval.shape) for v in residual_vars)
     dtypes = tuple(v.aval.dtype for v in residual_vars)

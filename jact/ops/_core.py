@@ -157,8 +157,10 @@ def tag(tree, name: str):
   """Tags every array leaf of a residual with `name` (for checkpoint policies).
 
   The name is also recorded in `tagged_names()`, so that policies can tell
-  jact's residuals from other named values."""
+  jact's residuals from other named values, and noted as traced for the
+  enclosing plan blocks (which report plan entries naming no residual)."""
   _TAGGED_NAMES.add(name)
+  _context.note_residual(name)
   return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
 
 
