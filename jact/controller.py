@@ -58,6 +58,25 @@ class ControllerState:
   report: dict
 
 
+def _check_allowed(allowed, avg_bits: float | None) -> tuple[int, ...]:
+  """The allocator's widths, sorted: at least one compressed width, the
+  narrowest within `avg_bits` (None: no budget)."""
+  try:
+    widths = allocate._check_allowed(allowed)  # pylint: disable=protected-access
+  except ValueError:
+    widths = ()
+  if not any(b != allocate.UNCOMPRESSED for b in widths):
+    raise ValueError(
+        f"jact.Controller: allowed must list the widths the allocator may pick, at least one "
+        f"of 1, 2, 4, 8 (32: keep a residual uncompressed), got {allowed!r}; e.g. "
+        "allowed=(1, 2, 4, 8)")
+  if avg_bits is not None and widths[0] > avg_bits:
+    raise ValueError(
+        f"jact.Controller: avg_bits={avg_bits} is below the narrowest allowed width "
+        f"{widths[0]}, so no plan fits the budget: raise avg_bits or allow narrower widths")
+  return widths
+
+
 @dataclasses.dataclass(frozen=True)
 class Controller:
   """Runs a sensitivity estimator every `adapt_interval` steps and re-plans.
@@ -101,7 +120,8 @@ class Controller:
       raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
     if not 1 <= self.avg_bits <= 32:
       raise ValueError(f"avg_bits must be in [1, 32], got {self.avg_bits!r}")
-    object.__setattr__(self, "allowed", tuple(self.allowed))
+    budget = None if self.estimator == "acgc" else self.avg_bits  # acgc: widths from `error`
+    object.__setattr__(self, "allowed", _check_allowed(self.allowed, budget))
     object.__setattr__(self, "_impl", self._make_estimator())
 
   def _make_estimator(self):
@@ -174,20 +194,82 @@ class Controller:
     """Writes the controller state to `directory` (orbax; must not exist yet)."""
     import orbax.checkpoint as ocp
     meta = {"plan": state.plan.to_dict(), "step": state.step, "report": state.report,
-            "estimator": self.estimator}
+            "estimator": self.estimator, "names": list(state.estimates.names)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
       ckpt.save(os.fspath(os.path.abspath(directory)), args=ocp.args.Composite(
           estimates=ocp.args.StandardSave(state.estimates), meta=ocp.args.JsonSave(meta)))
 
   def restore(self, directory: str | os.PathLike, like: ControllerState) -> ControllerState:
-    """Reads a state written by `save`; `like` (e.g. from `init`) gives its structure."""
-    import orbax.checkpoint as ocp
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-      restored = ckpt.restore(os.fspath(os.path.abspath(directory)), args=ocp.args.Composite(
-          estimates=ocp.args.StandardRestore(like.estimates), meta=ocp.args.JsonRestore()))
-    meta = restored["meta"]
+    """Reads a state written by `save`; `like` (e.g. from `init`) gives its structure.
+
+    The checkpoint's residual names and sizes must be those of `like` (the
+    model being trained): sensitivities and plan entries belong to names.
+    """
+    path = os.fspath(os.path.abspath(directory))
+    meta = _read_meta(path)
     if meta["estimator"] != self.estimator:
-      raise ValueError(f"checkpoint was written by a {meta['estimator']!r} controller, "
-                       f"this one uses {self.estimator!r}")
-    return ControllerState(restored["estimates"], BitPlan.from_dict(meta["plan"]),
-                           int(meta["step"]), dict(meta["report"]))
+      raise ValueError(f"jact.Controller.restore: the checkpoint at {path} was written by a "
+                       f"{meta['estimator']!r} controller, this one uses {self.estimator!r}; "
+                       f"restore it with Controller(..., estimator={meta['estimator']!r})")
+    plan = BitPlan.from_dict(meta["plan"])
+    saved_names = tuple(meta.get("names") or sorted(dict(plan.sizes)))
+    _check_same_residuals(path, saved_names, dict(plan.sizes), like)
+    estimates = _read_estimates(path, like.estimates)
+    return ControllerState(estimates, plan, int(meta["step"]), dict(meta["report"]))
+
+
+_DAMAGED = ("it is missing pieces or was cut off while being written: restore an earlier "
+            "checkpoint, or start again from Controller.init")
+
+
+def _read_meta(path: str) -> dict:
+  """The JSON part of a controller checkpoint (plan, step, report, estimator, names)."""
+  import orbax.checkpoint as ocp
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"jact.Controller.restore: no checkpoint at {path}; write one with "
+                            "Controller.save(state, directory)")
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+      meta = ckpt.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as e:  # orbax raises many kinds for a damaged directory
+    raise ValueError(f"jact.Controller.restore: cannot read the controller checkpoint at "
+                     f"{path} ({type(e).__name__}: {e}); {_DAMAGED}") from e
+  if not isinstance(meta, dict) or not {"plan", "step", "report", "estimator"} <= set(meta):
+    raise ValueError(f"jact.Controller.restore: {path} holds no controller state (fields "
+                     f"plan, step, report, estimator); {_DAMAGED}")
+  return meta
+
+
+def _check_same_residuals(path: str, saved_names, saved_sizes: dict, like: ControllerState):
+  """Raises unless the checkpoint's residual names (and sizes) are `like`'s."""
+  names = tuple(like.estimates.names)
+  if tuple(saved_names) != names:
+    only_saved = sorted(set(saved_names) - set(names))
+    only_model = sorted(set(names) - set(saved_names))
+    raise ValueError(
+        f"jact.Controller.restore: the checkpoint at {path} holds {len(saved_names)} residuals "
+        f"whose names differ from the {len(names)} of this model (`like`): only in the "
+        f"checkpoint: {only_saved}; only in the model: {only_model}. Estimates and plan "
+        "entries belong to residual names: restore into a model with the same residual names "
+        "(the `name=` of its jact ops), or start again from Controller.init")
+  sizes = dict(like.plan.sizes)
+  changed = sorted(n for n in names if n in saved_sizes and n in sizes
+                   and saved_sizes[n] != sizes[n])
+  if changed:
+    raise ValueError(
+        f"jact.Controller.restore: residuals {changed} of the checkpoint at {path} have other "
+        f"sizes than in this model ({[saved_sizes[n] for n in changed]} vs "
+        f"{[sizes[n] for n in changed]} values): the plan's budget would be wrong; restore "
+        "into the model the checkpoint was written for, or start again from Controller.init")
+
+
+def _read_estimates(path: str, like):
+  """The estimator state of a controller checkpoint, structured like `like`."""
+  import orbax.checkpoint as ocp
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
+      return ckpt.restore(path, args=ocp.args.Composite(
+          estimates=ocp.args.StandardRestore(like)))["estimates"]
+  except Exception as e:  # orbax raises many kinds for a damaged directory
+    raise ValueError(f"jact.Controller.restore: cannot read the estimates in the checkpoint "
+                     f"at {path} ({type(e).__name__}: {e}); {_DAMAGED}") from e
