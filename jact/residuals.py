@@ -170,7 +170,7 @@ def _check_overrides(config: ResidualConfig, names) -> None:
     listed = {n for n in listed if n.startswith(config.name + ".")}
   _context.check_traced(
       listed, names, strict=_context.strict_plan(),
-      what=f"the overrides of jact.compressed(name={config.name!r})",
+      what=f"the overrides mapping of jact.compressed(name={config.name!r})",
       fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
           "inside the function take their widths from a plan (jact.use_plan), not overrides.")
 

@@ -135,7 +135,7 @@ def test_override_typo_warns_and_raises_when_strict():
   def strict(w):
     with jact.use_plan(None, strict=True):
       return bad(w, X, key=KEY)
-  with pytest.raises(ValueError, match=r"jact: the overrides of jact\.compressed"):
+  with pytest.raises(ValueError, match=r"jact: the overrides mapping of jact\.compressed"):
     jax.make_jaxpr(jax.grad(strict))(w)
 
 
