@@ -30,17 +30,19 @@ from jact.ops._core import barrier, check_float, check_name, tag
 __all__ = ["dropout", "keep_mask", "check_rate"]
 
 
-def check_rate(rate) -> float:
-  """Validates a dropout rate: a static number in [0, 1); returns it as float."""
+def check_rate(rate, *, allow_one: bool = False) -> float:
+  """Validates a dropout rate: a static number in [0, 1), or [0, 1] with
+  `allow_one`; returns it as float."""
+  interval = "[0, 1]" if allow_one else "[0, 1)"
   try:
     value = float(rate)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(
-        f"dropout rate must be a static Python number in [0, 1), got {rate!r}") from e
-  if not 0.0 <= value < 1.0:
+        f"jact dropout rate must be a static Python number in {interval}, got {rate!r}") from e
+  if not (0.0 <= value <= 1.0 if allow_one else 0.0 <= value < 1.0):
     raise ValueError(
-        f"dropout rate must be in [0, 1), got {value}; rate is the probability of "
-        f"dropping a value (use deterministic=True, or rate=0.0, to disable dropout).")
+        f"jact dropout rate must be in {interval}, got {value}: rate is the probability of "
+        f"dropping a value (rate=0.0 disables dropout).")
   return value
 
 
@@ -66,20 +68,23 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
 
   Args:
     x: float32, bfloat16 or float16 array.
-    rate: drop probability, a static number in [0, 1).
-    key: JAX PRNG key (may be None when deterministic or rate == 0).
-    deterministic: if True, return x unchanged.
+    rate: drop probability, a static number in [0, 1]; 1 gives zeros (and a
+      zero gradient), as in `flax.linen.Dropout`.
+    key: JAX PRNG key (may be None when deterministic or rate is 0 or 1).
+    deterministic: if True, return x unchanged (whatever the rate).
     broadcast_dims: axes that share one mask value (as in flax).
     name: residual name; the saved seed is tagged `name.seed`.
 
   Returns:
     An array like x. Its backward keeps only the uint32 seed.
   """
-  rate = check_rate(rate)
+  rate = check_rate(rate, allow_one=True)
   name = check_name(name)
   if deterministic or rate == 0.0:
     return x
   x = check_float(x, "dropout")
+  if rate == 1.0:
+    return jnp.zeros_like(x)
   if key is None:
     raise ValueError(
         "jact.ops.dropout needs a PRNG key when deterministic=False and rate > 0: pass "
