@@ -176,18 +176,20 @@ def barrier(residuals, cotangent):
     * `jax.lax.optimization_barrier` ties the residuals to the cotangent;
     * XLA:CPU expands optimization barriers before fusion and scheduling, so
       the packed residuals (bytes and group statistics) are also given a real data
-      dependency on the cotangent: they are selected by `g0 == g0` (g0 one
-      element of the cotangent), which is true unless the cotangent is
-      already NaN. Without it the scheduler hoists every dequantization to
-      the start of the backward pass and all reconstructions are alive at once.
+      dependency on the cotangent: they are selected by `_always(g0)` (g0 one
+      element of the cotangent), which is True for every value g0 can hold
+      (NaN and infinities included) and which XLA cannot fold. Without it
+      the scheduler hoists every dequantization to the start of the
+      backward pass and all reconstructions are alive at once.
+  The values are never changed: a NaN or infinite gradient of one sample
+  leaves the reconstructions of every sample intact.
   """
   residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
-  leaves = [c for c in jax.tree.leaves(cotangent) if jnp.size(c)]
+  leaves = [c for c in jax.tree.leaves(cotangent)
+            if jnp.size(c) and c.dtype != jax.dtypes.float0]
   if not leaves:
     return residuals, cotangent
-  first = leaves[0]
-  g0 = jnp.reshape(first, (-1,))[0]
-  arrived = g0 == g0  # pylint: disable=comparison-with-itself
+  arrived = _always(jnp.reshape(leaves[0], (-1,))[0])
 
   def tie(r):
     if isinstance(r, Packed):
@@ -203,6 +205,17 @@ def barrier(residuals, cotangent):
   residuals = jax.tree.map(
       tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed)))
   return residuals, cotangent
+
+
+def _always(v: jax.Array) -> jax.Array:
+  """A boolean scalar that is True for every value of the scalar `v` (NaN
+  and infinities included) but depends on it, so XLA keeps the data
+  dependency: no float exceeds +inf, and `v == v` holds for any other dtype."""
+  if jnp.issubdtype(v.dtype, jnp.complexfloating):
+    v = jnp.real(v)
+  if jnp.issubdtype(v.dtype, jnp.floating):
+    return jnp.logical_not(v > jnp.asarray(jnp.inf, v.dtype))
+  return v == v  # pylint: disable=comparison-with-itself
 
 
 def after_residuals(out, residuals):
