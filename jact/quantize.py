@@ -274,7 +274,6 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   the rounding is stochastic (noise hashed from each value's flat index),
   without it round-to-nearest. Returns (minimum, scale) in bf16 and uint8 codes.
   """
-  _, groups, group_size = g.shape
   levels = jnp.asarray(levels, jnp.float32)
   lo, hi = _finite_min_max(g)
   any_finite = lo <= hi
@@ -294,10 +293,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
   v = (clipped - lo_b[..., None]) * inv_step[..., None]
   if seed is not None:
-    index = (jax.lax.broadcasted_iota(jnp.uint32, g.shape, 0) * jnp.uint32(groups * group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 1) * jnp.uint32(group_size)
-             + jax.lax.broadcasted_iota(jnp.uint32, g.shape, 2))
-    noise = rng.uniform_from_bits(rng.hash_uint32(seed, index))
+    noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))  # 64-bit-safe flat index
   else:
     noise = jnp.float32(0.5)
   codes = jnp.clip(jnp.floor(v + noise), 0.0, jnp.expand_dims(levels, -1))

@@ -7,6 +7,11 @@ key, and every element hashes its own flat index inside the quantize fusion.
 Everything here is plain uint32 arithmetic, so the very same functions run
 inside GPU kernels and give bit-identical noise.
 
+The element index is the row-major flat index, which may exceed 32 bits: its
+low word is hashed and its high word folded into the seed (`element_bits`).
+The fold is the identity for a zero high word, so tensors of fewer than 2^32
+elements hash exactly (seed, flat index), as the kernels do.
+
 >>> import jax, jax.numpy as jnp
 >>> seed = seed_from_key(jax.random.key(0))
 >>> u = uniform_from_bits(hash_uint32(seed, jnp.arange(4, dtype=jnp.uint32)))
@@ -16,10 +21,13 @@ True
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["seed_from_key", "hash_uint32", "uniform_from_bits", "split_seed"]
+__all__ = ["seed_from_key", "hash_uint32", "uniform_from_bits", "split_seed", "element_bits",
+           "element_bits_at", "index_words"]
 
 _GOLDEN = 0x9E3779B9
 _MIX1 = 0x7FEB352D
@@ -88,3 +96,75 @@ def uniform_from_bits(bits: jax.Array) -> jax.Array:
 def split_seed(seed: jax.Array, site: int) -> jax.Array:
   """Derives an independent uint32 seed for sub-site `site` from `seed`."""
   return _lowbias32(jnp.asarray(seed, jnp.uint32) ^ _lowbias32(jnp.uint32(site + 1)))
+
+
+def _wide_product(a: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+  """(high, low) 32-bit words of a * c for uint32 `a` and a constant c < 2^32 (16-bit limbs)."""
+  a_lo, a_hi = a & jnp.uint32(0xFFFF), a >> 16
+  c_lo, c_hi = jnp.uint32(c & 0xFFFF), jnp.uint32(c >> 16)
+  low_part, high_part = a_lo * c_lo, a_hi * c_hi
+  cross_a = a_hi * c_lo
+  cross = cross_a + a_lo * c_hi
+  cross_carry = (cross < cross_a).astype(jnp.uint32)
+  low = low_part + (cross << 16)
+  carry = (low < low_part).astype(jnp.uint32)
+  return high_part + (cross >> 16) + (cross_carry << 16) + carry, low
+
+
+def index_words(coords, shape) -> tuple[jax.Array | None, jax.Array]:
+  """Row-major flat index of elements of an array of static `shape`, as uint32 words.
+
+  Args:
+    coords: one uint32 array per axis (broadcastable), each element's index
+      along that axis.
+    shape: the array's static shape; no axis may exceed 2^32 elements.
+
+  Returns:
+    (high, low) with flat index = high * 2^32 + low; high is None when the
+    array has at most 2^32 elements (every index fits in low).
+  """
+  shape = tuple(int(s) for s in shape)
+  if len(coords) != len(shape):
+    raise ValueError(f"jact.rng.index_words: {len(coords)} coordinates for shape {shape}")
+  if any(s > 2**32 for s in shape):
+    raise ValueError(
+        f"jact hashes each element's index with one uint32 per axis, so no axis may hold more "
+        f"than 2**32 elements; got shape {shape}. Reshape the tensor (e.g. split its longest "
+        f"axis in two) before this op.")
+  strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+  coords = [jnp.asarray(c, jnp.uint32) for c in coords]
+  if math.prod(shape) <= 2**32:  # the old 32-bit index, unchanged
+    return None, sum((c if s == 1 else c * jnp.uint32(s) for c, s in zip(coords, strides)),
+                     jnp.uint32(0))
+  high, low = jnp.uint32(0), jnp.uint32(0)
+  for c, s, n in zip(coords, strides, shape):
+    if (n - 1) * (s % 2**32) < 2**32:
+      h, l = jnp.uint32(0), c * jnp.uint32(s % 2**32)
+    else:
+      h, l = _wide_product(c, s % 2**32)
+    if s >= 2**32:
+      h = h + c * jnp.uint32(s >> 32)
+    low = low + l
+    high = high + h + (low < l).astype(jnp.uint32)
+  return high, low
+
+
+def element_bits_at(seed: jax.Array, coords, shape) -> jax.Array:
+  """32 hash bits of (seed, flat index) for the elements at `coords` of an array of `shape`.
+
+  The flat index's high word is folded into the seed (seed ^ mix(high), the
+  identity for high = 0), so element i and element i + 2^32 get unrelated
+  bits, and an array of at most 2^32 elements gets hash_uint32(seed, i).
+  """
+  high, low = index_words(coords, shape)
+  seed = jnp.asarray(seed, jnp.uint32)
+  if high is not None:
+    seed = seed ^ _lowbias32(high)
+  return hash_uint32(seed, low)
+
+
+def element_bits(seed: jax.Array, shape) -> jax.Array:
+  """`element_bits_at` for every element of an array of static `shape` (shape's result)."""
+  shape = tuple(int(s) for s in shape)
+  coords = [jax.lax.broadcasted_iota(jnp.uint32, shape, a) for a in range(len(shape))]
+  return element_bits_at(seed, coords, shape)

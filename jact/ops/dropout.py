@@ -1,8 +1,9 @@
 """Dropout whose only residual is a 4-byte seed.
 
-The keep mask is a hash of (seed, element index) compared with a uint32
-threshold (`jact.rng.hash_uint32`), computed inside the elementwise fusion,
-so no tensor-sized random temporaries exist. The backward regenerates the
+The keep mask is a hash of (seed, flat element index) compared with a uint32
+threshold (`jact.rng.element_bits`, which stays distinct past 2^32 elements),
+computed inside the elementwise fusion, so no tensor-sized random temporaries
+exist. The backward regenerates the
 very same mask from the stored uint32 seed. Kept values are scaled by
 1 / (1 - rate), like `flax.linen.Dropout`.
 
@@ -53,13 +54,7 @@ def _threshold(rate: float) -> np.uint32:
 
 def keep_mask(seed: jax.Array, shape: Sequence[int], rate: float) -> jax.Array:
   """Boolean keep mask of `shape` from a uint32 seed (P(keep) = 1 - rate to 2**-32)."""
-  shape = tuple(int(s) for s in shape)
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
-    stride *= shape[axis]
-  return rng.hash_uint32(seed, index) >= _threshold(rate)
+  return rng.element_bits(seed, shape) >= _threshold(rate)
 
 
 def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
