@@ -1,4 +1,27 @@
-"""Statistical assertions shared by the tests (fixed seeds, stated tolerances)."""
+"""Statistical assertions shared by the tests (fixed seeds, stated tolerances).
+
+How many draws `assert_unbiased` needs to see a bias of 1% of a rounding step.
+Stochastic rounding to a grid of step D leaves a zero-mean error of variance
+f(1-f) D^2 <= D^2/4 (f: the value's fractional position), so a bias
+b = 0.01 D is at least r = b / sigma = 0.02 noise standard deviations per
+value. Over K draws an element's z = (mean - exact) / (sigma / sqrt(K)) has
+E[z^2] = 1 + K r^2:
+
+* the per-element check (mean z^2 < 1.6) catches a bias of either sign --
+  the case of a gradient, where each element mixes many rounding errors with
+  weights of both signs, so that the biases cancel in the pooled sum but not
+  in an element's own z. It needs K r^2 well above 0.6: K = 2048 gives
+  E[mean z^2] >= 1 + 2048 * 0.02^2 = 1.82 (2.23 at the mean variance D^2/6),
+  about 10 of its standard errors sqrt(2/n) above 1.6 for n >= 4096 noisy
+  elements, while an unbiased run reaches 1.6 only 0.6 / sqrt(2/n) standard
+  errors above its mean of 1 (> 3 for n >= 64);
+* the pooled check (|pooled z| < 4) catches a bias of one sign over n
+  independent elements once r sqrt(nK) >= 4 + 1.645 (95% power): n K >= 80,000.
+
+So op-level unbiasedness tests draw `DRAWS` = 2048 keys (a multiple of 128 for
+`over_keys`); tests/test_stats.py plants such biases in jact's quantizer and
+checks that `assert_unbiased` fails.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals
+
+DRAWS = 2048
+"""Draws per unbiasedness test: enough to detect a bias of 1% of a rounding step."""
 
 
 def assert_unbiased(samples, exact, *, max_pooled_z: float = 4.0, max_mean_z2: float = 1.6,
