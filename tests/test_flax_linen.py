@@ -226,9 +226,11 @@ def test_missing_jact_stream_is_a_clear_error(name):
 def test_no_stream_needed_without_stochastic_rounding():
   x = _normal((6, 7))
   variables = nn.Dense(5).init(KEY, x)
-  for twin in (jnn.Dense(5, stochastic=False), jnn.Dense(5, bits=None), jnn.GELU(bits=None)):
-    params = variables if isinstance(twin, jnn.Dense) else {}
-    twin.apply(params, x)  # no rngs needed
+  plain = nn.Dense(5).apply(variables, x)
+  for twin in (jnn.Dense(5, stochastic=False), jnn.Dense(5, bits=None)):
+    np.testing.assert_array_equal(twin.apply(variables, x), plain)  # no rngs; exact forward
+  np.testing.assert_allclose(jnn.GELU(bits=None).apply({}, x), jax.nn.gelu(x, approximate=True),
+                             rtol=1e-6, atol=1e-7)
 
 
 def test_bad_settings_are_clear_errors():

@@ -57,10 +57,17 @@ def test_checkpoint_gradients_match_uncompressed_remat():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x, key)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(exact)):
       assert rel_err(g, e) < tol, (bits, rel_err(g, e))
-  # The same key gives the same gradient (the recomputation re-draws the same noise).
+  # The noise is a function of the key alone: a differently built program
+  # (value_and_grad) with the same key gives the same 2-bit gradient, and
+  # another key a different one.
   ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,))
-  loss = jax.jit(jax.grad(stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)))
-  np.testing.assert_array_equal(loss(params, x, key)[0]["wq"], loss(params, x, key)[0]["wq"])
+  loss2 = stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)
+  grad2 = jax.jit(jax.grad(loss2))
+  g = grad2(params, x, key)[0]["wq"]
+  np.testing.assert_allclose(jax.jit(jax.value_and_grad(loss2))(params, x, key)[1][0]["wq"], g,
+                             rtol=1e-5, atol=1e-6 * float(jnp.abs(g).max()))
+  other = grad2(params, x, jax.random.key(1))[0]["wq"]
+  assert rel_err(other, g) > 0.1, rel_err(other, g)  # 2-bit noise: measured 1.46
 
 
 def test_policy_saving_compressed_residuals_skips_the_recomputation_of_compression():
