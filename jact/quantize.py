@@ -17,6 +17,20 @@ with no finite value stores zeros. Dequantized data is therefore always
 finite (no NaN flood); non-finite activations are a training failure that the
 forward output (which is exact) still shows.
 
+Range: every finite float32 group is covered. A group whose range reaches
+2**100 is encoded and decoded on a grid scaled by 1/4 (exact: a power of two),
+so neither its range (up to 2 * 3.4e38) nor 1 / step (a step above 2**126
+would flush to zero on CPU) leaves float32's normal range. Reconstructions are
+clamped into the finite range of the output dtype: a float16 group holding
++-65504 has grid points beyond it (bf16 cannot store 65504), which would
+otherwise round to +-inf. The clamp only moves a grid point outside the
+dtype's range onto its largest finite value (a bias below one step, only for
+values within one step of that limit). Two float32 cases are clipped instead,
+as bfloat16 cannot hold their statistics: a group minimum below -3.39e38 (the
+largest bfloat16) is stored as -3.39e38, and values below it come back as
+that (off by less than 0.4%); and at 1 bit a range above 3.39e38 gets the step
+3.39e38, so values above minimum + 3.39e38 come back as that value.
+
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.linspace(-1.0, 1.0, 2 * 320).reshape(2, 320)
 >>> p = quantize(x, jax.random.key(0), bits=4)
@@ -266,6 +280,31 @@ def _finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jax.lax.reduce((g, g), init, reducer, (g.ndim - 1,))
 
 
+_WIDE = 2.0 ** 100  # group ranges (and steps) from here on use the grid scaled by 1/4
+
+
+def grid_scale(span: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(s, 1 / s): (0.25, 4) where `span` (a range or step, maybe inf) is at least
+  2**100, else (1, 1). Scaling by a power of two is exact, so the scaled
+  formulas give the unscaled bits wherever those do not overflow or flush."""
+  wide = span >= jnp.float32(_WIDE)
+  return jnp.where(wide, jnp.float32(0.25), jnp.float32(1.0)), jnp.where(
+      wide, jnp.float32(4.0), jnp.float32(1.0))
+
+
+def finite_clamp(v: jax.Array, dtype) -> jax.Array:
+  """float32 v clamped into the finite range of `dtype` (so casting cannot overflow)."""
+  big = float(jnp.finfo(dtype).max)
+  return jnp.clip(v, -big, big)
+
+
+def group_values(codes: jax.Array, minimum: jax.Array, step: jax.Array) -> jax.Array:
+  """float32 codes * step + minimum without intermediate overflow (statistics
+  broadcast against codes; groups with step >= 2**100 on the 1/4 grid)."""
+  s, inv_s = grid_scale(step)
+  return (codes * (step * s) + minimum * s) * inv_s
+
+
 def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
@@ -279,19 +318,24 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)  # a zero minimum is +0, whatever the order
   hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
-  minimum = _bf16_directed(lo, up=False)
+  # A minimum below -3.39e38 has no finite bf16 below it: values there are clipped.
+  minimum = jnp.maximum(_bf16_directed(lo, up=False), -jnp.finfo(jnp.bfloat16).max)
   lo_b = minimum.astype(jnp.float32)
+  # Wide groups (range >= 2**100) work on the grid scaled by s = 1/4 (see the
+  # module docstring); elsewhere s = 1 and the products below are exact no-ops.
+  s, inv_s = grid_scale(hi - lo_b)
   # Multiply by 1/levels (an exact division of constants) rather than divide:
   # XLA rewrites a division by a constant into exactly this product, so the
   # step is the same whether `levels` is a constant or computed (per sample),
   # and GPU kernels reproduce it with one correctly rounded multiply.
-  scale = _bf16_directed((hi - lo_b) * (jnp.float32(1.0) / levels), up=True)
+  scale = _bf16_directed((hi * s - lo_b * s) * (jnp.float32(1.0) / levels) * inv_s, up=True)
+  scale = jnp.minimum(scale, jnp.finfo(jnp.bfloat16).max)  # 1 bit, range > 3.39e38: clipped
   step = scale.astype(jnp.float32)
-  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step, 1.0), 0.0)
+  inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step * s, 1.0), 0.0)
 
   g = g.astype(jnp.float32)
   clipped = jnp.where(jnp.isnan(g), lo_b[..., None], jnp.clip(g, lo_b[..., None], hi[..., None]))
-  v = (clipped - lo_b[..., None]) * inv_step[..., None]
+  v = (clipped * s[..., None] - lo_b[..., None] * s[..., None]) * inv_step[..., None]
   if seed is not None:
     noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))  # 64-bit-safe flat index
   else:
@@ -353,16 +397,25 @@ def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None)
   """
   from jact import kernels
 
+  if not isinstance(packed, Packed):
+    raise TypeError(
+        f"jact.dequantize takes the jact.Packed that jact.quantize returns, got "
+        f"{'an array' if isinstance(packed, (jax.Array, np.ndarray)) else type(packed).__name__}"
+        "; quantize the array first (p = jact.quantize(x, key, bits=4), "
+        "then jact.dequantize(p)). A compressor's stored residual is restored with "
+        "compressor.decompress(stored), packed codes with jact.unpack_codes.")
   return kernels.dispatch("dequantize", implementation, size=packed.data.size)(packed, dtype)
 
 
 def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   """The XLA reference of `dequantize`."""
+  dtype = jnp.dtype(dtype or packed.dtype)
   codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
-  g = codes * packed.scale.astype(jnp.float32)[..., None] + packed.minimum.astype(jnp.float32)[..., None]
-  n = g.shape[0]
+  g = group_values(codes, packed.minimum.astype(jnp.float32)[..., None],
+                   packed.scale.astype(jnp.float32)[..., None])
+  n, groups, group_size = g.shape
   d = math.prod(packed.shape[1:]) if packed.shape else 1
-  flat = g.reshape(n, -1)
+  flat = g.reshape(n, groups * group_size)  # explicit: -1 is ambiguous for empty tensors
   if flat.shape[1] != d:
     flat = flat[:, :d]
-  return flat.reshape(packed.view_shape or packed.shape).astype(dtype or packed.dtype)
+  return finite_clamp(flat, dtype).reshape(packed.view_shape or packed.shape).astype(dtype)

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
-from jact.quantize import Packed
+from jact.quantize import Packed, grid_scale
 
 __all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "inverse_step",
            "packing_geometry", "packed_out_shape"]
@@ -77,7 +77,8 @@ def group_stats(planes, levels, *, interpret: bool):
 
   NaN (masked-out) values are ignored. `levels` is float32 2**bits - 1, a
   scalar or [R]. Returns float32 [R] arrays: the minimum and step (bf16
-  values, rounded down and up), the finite maximum and 1 / step (0 if step is 0).
+  values, rounded down and up), the finite maximum and 1 / (step * s) (0 if
+  step is 0), s the grid scale of the group's range (`jact.quantize.grid_scale`).
   """
   lo = hi = None
   for v in planes:
@@ -89,13 +90,16 @@ def group_stats(planes, levels, *, interpret: bool):
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
   hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
-  minimum = T.bf16_down(lo)
+  minimum = jnp.maximum(T.bf16_down(lo), jnp.float32(-jnp.finfo(jnp.bfloat16).max))
+  s, inv_s = grid_scale(hi - minimum)
   if isinstance(levels, (int, float)):  # static: the reciprocal is a constant, as in XLA
     inv_levels = jnp.float32(np.float32(1.0) / np.float32(levels))
   else:
     inv_levels = T.div(jnp.float32(1.0), levels, interpret)
-  step = T.bf16_up(T.mul(hi - minimum, inv_levels, interpret))
-  return minimum, step, hi, inverse_step(step, interpret=interpret)
+  span = T.mul(hi, s, interpret) - T.mul(minimum, s, interpret)
+  step = T.bf16_up(T.mul(T.mul(span, inv_levels, interpret), inv_s, interpret))
+  step = jnp.minimum(step, jnp.float32(jnp.finfo(jnp.bfloat16).max))
+  return minimum, step, hi, inverse_step(T.mul(step, s, interpret), interpret=interpret)
 
 
 def inverse_step(step, *, interpret: bool):
@@ -106,10 +110,13 @@ def inverse_step(step, *, interpret: bool):
 
 def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: bool):
   """Integer codes (int32) of values v given their groups' statistics (broadcast
-  against v): NaN -> the minimum, clipped to [minimum, hi], hashed stochastic
-  rounding with the flat `index` (round to nearest when seed is None)."""
+  against v; `inv_step` as `group_stats` returns it): NaN -> the minimum,
+  clipped to [minimum, hi], hashed stochastic rounding with the flat `index`
+  (round to nearest when seed is None)."""
   clipped = jnp.where(jnp.isnan(v), minimum, jnp.clip(v, minimum, hi))
-  scaled = T.mul(clipped - minimum, inv_step, interpret)
+  s, _ = grid_scale(hi - minimum)
+  offset = T.mul(clipped, s, interpret) - T.mul(minimum, s, interpret)
+  scaled = T.mul(offset, inv_step, interpret)
   u = jnp.float32(0.5) if seed is None else T.noise(seed, index)
   return jnp.clip(jnp.floor(T.add(scaled, u, interpret)), 0.0, levels).astype(jnp.int32)
 
@@ -212,10 +219,14 @@ def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups,
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   minimum = T.load(min_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
   step = T.load(scale_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
+  s, inv_s = grid_scale(step)  # as `jact.quantize.group_values`
+  step_s, minimum_s = T.mul(step, s, interpret), T.mul(minimum, s, interpret)
+  big = float(jnp.finfo(out_ref.dtype).max)
   mask = (1 << bits) - 1
   for p in range(k):
     code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
-    value = T.add(T.mul(code, step, interpret), minimum, interpret)
+    value = T.mul(T.add(T.mul(code, step_s, interpret), minimum_s, interpret), inv_s, interpret)
+    value = jnp.clip(value, -big, big)  # `jact.quantize.finite_clamp`
     col = group * group_size + p * q + j
     offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
     T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))

@@ -1,0 +1,202 @@
+"""Edge cases of the quantizer's numerics, empty inputs and dtypes: float16 values
+at +-65504, float32 groups spanning +-3e38, non-finite values under DIVISION,
+zero-size tensors through every op and compressor, `jact.dequantize` of a plain
+array, and float64 operands."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jact
+from jact import compressors as C
+from jact import ops
+from jact.kernels import division as division_kernels
+from jact.kernels import pergroup as pergroup_kernels
+from jact.quantize import dequantize_reference, quantize_reference
+from kernel_checks import assert_same_bits, assert_same_packed
+from stats import assert_unbiased, over_keys
+
+BITS = (1, 2, 4, 8)
+F16_MAX = float(np.finfo(np.float16).max)  # 65504
+F32_MAX = float(np.finfo(np.float32).max)
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # 3.39e38
+KEY = jax.random.key(0)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "stochastic", "dtype"))
+def _roundtrip(x, key, *, bits, stochastic=True, dtype=None):
+  """(Packed, reconstruction) in one compile."""
+  p = jact.quantize(x, key, bits=bits, stochastic=stochastic)
+  return p, jact.dequantize(p, dtype)
+
+
+def _per_element(stat, packed):
+  """A per-group statistic [N, groups] broadcast to the elements [N, D] (float64)."""
+  n, d = packed.shape[0], math.prod(packed.shape[1:])
+  s = np.repeat(np.asarray(jnp.asarray(stat, jnp.float32), np.float64), packed.group_size, axis=1)
+  return s[:, :d].reshape(n, d)
+
+
+def _check_grid(x, packed, y, stochastic):
+  """Each reconstruction is a grid point within one step (stochastic) or half a step
+  (nearest) of the value clipped to the stored grid; returns (minimum, step, top)."""
+  levels = (1 << packed.bits) - 1
+  lo, step = _per_element(packed.minimum, packed), _per_element(packed.scale, packed)
+  top = lo + levels * step
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64).reshape(lo.shape)
+  y = np.asarray(jnp.asarray(y, jnp.float32), np.float64).reshape(lo.shape)
+  err = np.abs(y - np.clip(x, lo, top))
+  bound = step if stochastic else step / 2
+  assert (err <= bound * (1 + 2.0**-20)).all(), (err / step).max()
+  return lo, step, top
+
+
+# ----------------------------------------------------------------------------- 1: float16 at +-65504
+
+
+def _f16_extremes():
+  """Rows (one group each) at and near float16's largest finite values."""
+  rng = np.random.default_rng(0)
+  rows = [np.full(256, F16_MAX), np.full(256, -F16_MAX), np.tile([F16_MAX, -F16_MAX], 128),
+          np.concatenate([[F16_MAX, -F16_MAX], rng.uniform(-1.0, 1.0, 254)]),
+          np.concatenate([[F16_MAX], rng.uniform(60000.0, F16_MAX, 255)]),
+          np.concatenate([[-F16_MAX, F16_MAX], rng.uniform(-F16_MAX, F16_MAX, 254)])]
+  return jnp.asarray(np.stack(rows), jnp.float16)
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("bits", BITS)
+def test_float16_extremes_reconstruct_finite(bits, stochastic):
+  x = _f16_extremes()
+  p, y = _roundtrip(x, KEY, bits=bits, stochastic=stochastic)
+  assert y.dtype == jnp.float16 and bool(jnp.isfinite(y).all())
+  # Within one step (half for nearest) of x, up to float16's own rounding of the
+  # output: half an ulp, 16 at 2**15..2**16; the clamp only moves a grid point
+  # beyond +-65504 towards x.
+  levels = (1 << bits) - 1
+  lo, step = _per_element(p.minimum, p), _per_element(p.scale, p)
+  assert (lo + levels * step >= np.asarray(x, np.float64)).all()  # the grid covers the group
+  err = np.abs(np.asarray(y, np.float64) - np.asarray(x, np.float64))
+  assert (err <= (step if stochastic else step / 2) + 16.0).all(), (err - step).max()
+
+
+def test_float16_dense_two_bit_weight_gradient_is_finite():
+  rng = np.random.default_rng(1)
+  row0 = np.concatenate([np.tile([F16_MAX, -F16_MAX], 100), rng.standard_normal(56)])
+  x = jnp.asarray(np.stack([row0, rng.standard_normal(256)]), jnp.float16)
+  w = jnp.full((256, 3), 1e-4, jnp.float16)
+  plain = jax.grad(lambda w: jnp.sum((x @ w).astype(jnp.float32)))(w)
+  assert bool(jnp.isfinite(plain).all())  # the reference gradient is finite
+
+  @jax.jit
+  def grad(key):
+    return jax.grad(lambda w: jnp.sum(ops.dense(x, w, key=key, bits=2).astype(jnp.float32)))(w)
+
+  packed = jact.quantize(x, KEY, bits=2)  # the residual's steps (same grid for every key)
+  step = _per_element(packed.scale, packed)
+  for key in jax.random.split(jax.random.key(1), 4):
+    g = grad(key)
+    assert bool(jnp.isfinite(g).all())
+    # d loss / d w[i, j] = sum_n x[n, i]: off by at most one step per row, plus
+    # float16 rounding of the sum (one ulp, 32 at 2**15..2**16).
+    err = np.abs(np.asarray(g, np.float64) - np.asarray(plain, np.float64))
+    assert (err <= step.sum(0)[:, None] + 32.0).all()
+
+
+def test_float16_rounding_stays_unbiased():
+  """Extreme groups dequantized to float32 (no clamp needed) and normal groups in
+  float16 both average to x over 256 keys."""
+  rng = np.random.default_rng(2)
+  extreme = _f16_extremes()[jnp.array([2, 5])]  # +-65504 alternating, and with values between
+  normal = jnp.asarray(rng.standard_normal((2, 256)) * 1000, jnp.float16)
+  keys = jax.random.split(jax.random.key(3), 256)
+  wide = over_keys(lambda k: _roundtrip(extreme, k, bits=2, dtype=jnp.float32)[1], keys)
+  # A value a hair off a grid point may draw the same level 256 times: such
+  # elements only have to be within a step (here and below); the z-tests take the rest.
+  step = float(jnp.max(jact.quantize(extreme, KEY, bits=2).scale.astype(jnp.float32)))
+  assert_unbiased(wide, np.asarray(extreme, np.float64), atol=step)
+  near = over_keys(lambda k: _roundtrip(normal, k, bits=2)[1], keys)
+  step = float(jnp.max(jact.quantize(normal, KEY, bits=2).scale.astype(jnp.float32)))
+  assert_unbiased(near, np.asarray(normal, np.float64), atol=step)
+
+
+# ----------------------------------------------------------------------------- 2: float32 at +-3e38
+
+
+def _f32_wide():
+  """Rows (one group each) whose range or step leaves float32's comfortable range."""
+  rng = np.random.default_rng(4)
+  u = lambda a, b: rng.uniform(a, b, 254)
+  rows = [np.concatenate([[-3e38, 3e38], u(-3e38, 3e38)]),      # range 6e38 > float32 max
+          np.concatenate([[-F32_MAX, F32_MAX], u(-F32_MAX, F32_MAX)]),
+          np.concatenate([[0.0, 3e38], u(0.0, 3e38)]),          # step > 8.5e37 at 1 and 2 bits
+          np.concatenate([[1e38, 3e38], u(1e38, 3e38)]),
+          np.concatenate([[-1e-30, 2e38], np.zeros(254)]),      # tiny values in a wide group
+          np.concatenate([[3e38, -3e38], rng.standard_normal(254)])]
+  return jnp.asarray(np.stack(rows), jnp.float32)
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("bits", BITS)
+def test_extreme_float32_groups_are_covered(bits, stochastic):
+  x = _f32_wide()
+  p, y = _roundtrip(x, KEY, bits=bits, stochastic=stochastic)
+  assert bool(jnp.isfinite(y).all())
+  lo, step, top = _check_grid(x, p, y, stochastic)
+  x64 = np.asarray(x, np.float64)
+  span = x64.max(1, keepdims=True) - x64.min(1, keepdims=True)
+  # Every group is covered, except at 1 bit a range above bf16's largest value
+  # (the step would not fit): documented to clip at minimum + 3.39e38.
+  clipped = (bits == 1) & (span > BF16_MAX)
+  assert ((top >= x64) | clipped).all()
+  assert (step[clipped[:, 0]] == BF16_MAX).all()
+
+
+def test_extreme_float32_rounding_is_unbiased():
+  x = _f32_wide()[jnp.array([0, 2, 3])]
+  keys = jax.random.split(jax.random.key(5), 256)
+  for bits in (1, 2):
+    rows = x if bits == 2 else x[1:]  # at 1 bit row 0's range (6e38) is clipped (see above)
+    samples = over_keys(lambda k: _roundtrip(rows, k, bits=bits)[1], keys)
+    step = float(jnp.max(jact.quantize(rows, KEY, bits=bits).scale.astype(jnp.float32)))
+    assert_unbiased(samples, np.asarray(rows, np.float64), atol=step)
+
+
+@pytest.mark.parametrize("bits", [1, 8])
+def test_extreme_groups_kernels_are_bit_exact(bits):
+  """The Pallas kernels (interpret mode) store and reconstruct the reference's bits."""
+  for x in (_f32_wide(), _f16_extremes()):
+    seed = jnp.uint32(11)
+    ref = quantize_reference(x, seed, bits=bits, group_size=256)
+    got = pergroup_kernels.quantize(x, seed, bits=bits, group_size=256, interpret=True)
+    assert_same_packed(got, ref)
+    y = dequantize_reference(ref)
+    assert_same_bits(pergroup_kernels.dequantize(ref, interpret=True), y)
+    assert bool(jnp.isfinite(y).all())
+
+
+# ----------------------------------------------------------------------------- 5: dequantize a plain array
+
+
+@pytest.mark.parametrize("value", [jnp.ones((2, 8)), np.ones(3),
+                                   C.Fixpoint(8).compress(jnp.ones((2, 8)))])
+def test_dequantize_names_the_expected_type(value):
+  with pytest.raises(TypeError, match=r"jact\.dequantize takes the jact\.Packed .*jact\.quantize"):
+    jact.dequantize(value)
+
+
+# ----------------------------------------------------------------------------- 4: zero-size quantize
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (0, 3, 5), (4, 0), (0,), (2, 0, 3)])
+@pytest.mark.parametrize("bits", [1, 8])
+def test_quantize_and_dequantize_zero_size(shape, bits):
+  x = jnp.zeros(shape, jnp.bfloat16)
+  p, y = _roundtrip(x, KEY, bits=bits)
+  assert y.shape == shape and y.dtype == jnp.bfloat16
+  assert p.nbytes == 0
