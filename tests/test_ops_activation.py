@@ -170,12 +170,44 @@ def test_softmax_gradient_at_8_bits_is_close():
   assert np.linalg.norm(bound) < 0.2 * np.linalg.norm(exact)  # a meaningful bound
 
 
-def test_bf16_gradients_stay_bf16():
+def _bf16_grad(op, x, **kw):
+  g = jax.jit(jax.grad(lambda x: jnp.vdot(op(x, **kw).astype(jnp.float32), COT)))(x)
+  assert g.dtype == jnp.bfloat16
+  return np.asarray(g, np.float32)
+
+
+@pytest.mark.parametrize("which", sorted(SMOOTH))
+def test_bf16_smooth_gradient_is_the_float32_one_within_8_bit_and_bf16_rounding(which):
+  # Against the float32 gradient at the same (bf16) inputs: the 8-bit step of
+  # the stored derivative (as at float32), plus the derivative's evaluation in
+  # bf16 (2 ulps, 2**-8 each, of its largest value) and the bf16 rounding of
+  # the result (2**-8 relative, rounding up).
+  op, ref = SMOOTH[which]
   x = X.astype(jnp.bfloat16)
-  for op in [A.gelu, A.silu, A.tanh, A.sigmoid, A.softmax]:
-    g = jax.jit(jax.grad(lambda x: op(x, key=jax.random.key(0)).astype(jnp.float32).sum()))(x)
-    assert g.dtype == jnp.bfloat16
-    assert bool(jnp.isfinite(g.astype(jnp.float32)).all())
+  x32 = x.astype(jnp.float32)
+  d = np.asarray(jax.vmap(jax.grad(ref))(x32.ravel()))
+  step = 1.01 * float(d.max() - d.min()) / 255
+  g = _bf16_grad(op, x, key=jax.random.key(0), bits=8)
+  exact = np.asarray(exact_grad(ref, x32, COT))
+  eps = 2.0**-8
+  bound = np.abs(COT) * (step + 2 * eps * np.abs(d).max()) + eps * np.abs(exact)
+  assert np.all(np.abs(g - exact) <= bound), float((np.abs(g - exact) / bound).max())
+
+
+def test_bf16_softmax_gradient_is_the_float32_one_within_8_bit_and_bf16_rounding():
+  # The float32 8-bit bound of test_softmax_gradient_at_8_bits_is_close, plus
+  # 2 bf16 ulps (2**-8) of each term of y (g - s) and of the result.
+  x = X.astype(jnp.bfloat16)
+  x32 = x.astype(jnp.float32)
+  g = _bf16_grad(A.softmax, x, key=jax.random.key(0), bits=8)
+  exact = np.asarray(exact_grad(jax.nn.softmax, x32, COT))
+  y, cot = np.asarray(jax.nn.softmax(x32)), np.asarray(COT)
+  step, eps = 1.01 * y.max() / 255, 2.0**-8
+  s = (cot * y).sum(1, keepdims=True)
+  l1 = np.abs(cot).sum(1, keepdims=True)
+  bound = (step * (np.abs(cot - s) + (y + step) * l1) + 2 * eps * y * (np.abs(cot - s) + y * l1)
+           + eps * np.abs(exact))
+  assert np.all(np.abs(g - exact) <= bound), float((np.abs(g - exact) / bound).max())
 
 
 # ----------------------------------------------------------------------------- residuals
