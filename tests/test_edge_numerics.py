@@ -200,3 +200,66 @@ def test_quantize_and_dequantize_zero_size(shape, bits):
   p, y = _roundtrip(x, KEY, bits=bits)
   assert y.shape == shape and y.dtype == jnp.bfloat16
   assert p.nbytes == 0
+
+
+# ----------------------------------------------------------------------------- 3: DIVISION non-finite
+
+
+def _hfc_steps(stored):
+  """Per-element HFC step of a Division-stored (N, ...) map, shape (N, D)."""
+  return _per_element(stored.arrays["hfc"].scale, stored.arrays["hfc"])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("lfc_dtype", [jnp.bfloat16, jnp.float32])
+def test_division_isolates_non_finite_values(bad, lfc_dtype):
+  x = np.random.default_rng(6).standard_normal((2, 8, 8, 16)).astype(np.float32)
+  x[0, 1, 2, 3] = bad  # block (0, 0) of sample 0
+  c = C.Division(block=4, bits=8, lfc_dtype=lfc_dtype)
+  stored = jax.jit(c.compress)(jnp.asarray(x), jnp.uint32(7))
+  y = np.asarray(jax.jit(c.decompress)(stored), np.float64)
+  assert np.isfinite(y).all()
+  assert np.isfinite(np.asarray(stored.arrays["lfc"], np.float32)).all()
+  finite = np.isfinite(x)
+  err = np.abs(y - x).reshape(2, -1)
+  bound = _hfc_steps(stored) * (1 + 1e-3) + 1e-6  # one HFC step (x - LFC is exact in float32)
+  assert (err[finite.reshape(2, -1)] <= bound[finite.reshape(2, -1)]).all()
+  # The LFC of the poisoned block is the mean of its 15 finite values (bf16: 2**-8 relative).
+  lfc = np.asarray(jnp.asarray(stored.arrays["lfc"], jnp.float32), np.float64)
+  block = x[0, :4, :4, 3]
+  assert abs(lfc[0, 0, 0, 3] - block[np.isfinite(block)].mean()) <= 1e-2
+  # The per-group quantizer's rule on the HFC: +inf comes back as (within a step
+  # of) its group's largest finite HFC, -inf and NaN as its smallest.
+  up = np.repeat(np.repeat(lfc, 4, axis=1), 4, axis=2)
+  hfc = (x - up).reshape(2, -1)[0, :256]  # group 0 of sample 0 holds element (0, 1, 2, 3)
+  target = np.nanmax(hfc[np.isfinite(hfc)]) if bad == np.inf else np.min(hfc[np.isfinite(hfc)])
+  step = _hfc_steps(stored)[0, 0]
+  assert abs((y - up)[0, 1, 2, 3] - target) <= step * 1.001
+
+
+def test_division_unbiased_around_a_nan():
+  x = np.random.default_rng(7).standard_normal((1, 8, 8, 4)).astype(np.float32)
+  x[0, 2, 1, 0] = np.nan
+  c = C.Division(block=4, bits=2)
+  xj = jnp.asarray(x)
+  samples = over_keys(lambda k: c.decompress(c.compress(xj, jact.rng.seed_from_key(k))),
+                      jax.random.split(jax.random.key(8), 256))
+  finite = np.isfinite(x)
+  assert np.isfinite(np.asarray(samples)).all()
+  step = float(_hfc_steps(c.compress(xj, jnp.uint32(0))).max())
+  assert_unbiased(np.asarray(samples)[:, finite], x[finite].astype(np.float64), atol=step)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (2, 6, 5, 3)])  # one-pass and two-kernel paths
+def test_division_kernel_matches_reference_on_non_finite_input(shape):
+  x = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
+  flat = x.reshape(-1)
+  flat[[3, 40, 77]] = [np.nan, np.inf, -np.inf]
+  flat[100:116] = 3e38  # a block whose float32 sum overflows: its LFC is stored as 0
+  args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.float16)
+  x = jnp.asarray(x)
+  lfc, hfc = division_kernels.division_compress(x, jnp.uint32(3), interpret=True, **args)
+  ref_lfc, ref_hfc = C.division.division_compress_reference(x, jnp.uint32(3), **args)
+  assert_same_bits(lfc, ref_lfc)
+  assert_same_packed(hfc, ref_hfc)
+  assert bool(jnp.isfinite(ref_lfc).all())

@@ -26,21 +26,27 @@ def activation(shape, dtype=jnp.float32, seed=0, specials=False):
 
 def sequential_pool(x, block):
   """numpy float32 emulation of the documented order: acc = offset (0, ..); acc += each
-  further offset in row-major order (0.0 past a partial block's end); acc * (1 / count)."""
+  further offset in row-major order (0.0 past a partial block's end and for a
+  non-finite value); acc * (1 / count), count the block's finite values (0.0 if none)."""
   x = np.asarray(x, np.float32)
   spatial = x.shape[1:-1]
   blocks = [min(block, s) for s in spatial]
   n = [-(-s // b) for s, b in zip(spatial, blocks)]
   acc = None
+  bad = np.zeros((x.shape[0], *n, x.shape[-1]), np.float32)
   for offset in itertools.product(*map(range, blocks)):
     part = np.zeros((x.shape[0], *n, x.shape[-1]), np.float32)
     sl = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)))]
     part[(slice(None), *(slice(0, k) for k in sl.shape[1:-1]))] = sl
+    bad += ~np.isfinite(part)
+    part = np.where(np.isfinite(part), part, np.float32(0))
     acc = part if acc is None else acc + part
   count = np.ones((), np.float32)
   for s, b, m in zip(spatial, blocks, n):
     count = np.multiply.outer(count, np.minimum(b, s - b * np.arange(m)).astype(np.float32))
-  return acc * (np.float32(1) / count)[None, ..., None]
+  count = count[None, ..., None] - bad
+  with np.errstate(divide="ignore"):
+    return np.where(count > 0, acc * (np.float32(1) / count), np.float32(0))
 
 
 @pytest.mark.parametrize("shape,block", [((2, 10, 10, 8), 4), ((1, 5, 3, 9, 8), 2), ((2, 7, 8), 8)])

@@ -18,6 +18,13 @@ does not divide an axis the last, partial block averages only its valid
 elements. A rank-2 input (N, C) has no spatial axes, hence no LFC: it is
 stored as plain per-group quantization of x.
 
+Non-finite values follow the per-group quantizer's rule (statistics from
+finite values only, reconstructions always finite): the LFC averages each
+block's *finite* values (0 for a block with none, or whose mean is not finite
+in `lfc_dtype`), so one NaN or inf leaves its block's other values intact;
+the non-finite value itself gets a non-finite HFC, which the quantizer stores
+as its group's largest (+inf) or smallest (-inf, NaN) HFC.
+
 Stored bytes: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) for the LFC
 plus `PerGroup(Q, group_size).stored_bytes(shape)` for the HFC (Q/8 bytes a
 value and 4 bytes of bf16 minimum and step a group). For float32 x with a
@@ -49,9 +56,11 @@ import numpy as np
 
 from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
-from jact.quantize import FLOAT_DTYPES, check_bits, check_group_size, dequantize
+from jact.quantize import FLOAT_DTYPES, check_bits, check_group_size, dequantize, finite_clamp
 
 __all__ = ["Division", "division_compress_reference"]
+
+_F32 = jnp.float32
 
 
 def _check_rank(shape: tuple[int, ...]) -> None:
@@ -63,8 +72,8 @@ def _check_rank(shape: tuple[int, ...]) -> None:
 
 
 def _blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
-  """Block size per spatial axis: B, or the whole axis when it is shorter."""
-  return tuple(min(block, s) for s in spatial)
+  """Block size per spatial axis: B, or the whole axis when it is shorter (1 for an empty axis)."""
+  return tuple(max(1, min(block, s)) for s in spatial)
 
 
 def _counts(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
@@ -77,33 +86,38 @@ def _counts(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
   return count
 
 
-def _reciprocals(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
-  """float32 1 / count of each pooling block (correctly rounded, static)."""
-  return np.float32(1.0) / _counts(spatial, blocks)
-
-
 def _pool(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
-  """Average pooling (float32) over the spatial axes, partial blocks over valid elements.
+  """Average pooling (float32) of the finite values over the spatial axes, partial
+  blocks over valid elements, 0.0 for a block without finite values.
 
   The float32 sum has a fixed order, so a kernel can reproduce it bit for bit:
   the block's offsets in row-major order, acc = x[offset 0]; acc = acc +
-  x[offset] (a partial block adds 0.0 where the offset is out of range), then
-  acc * (1 / count) with the reciprocal rounded to float32. (XLA rewrites a
-  division by a constant into that very multiplication, so the product is
-  what a division would compute anyway, now on every backend.)
+  x[offset] (a non-finite value adds 0.0, as does an offset out of range of a
+  partial block), then acc * (1 / count), count the block's finite values and
+  the reciprocal a correctly rounded float32 division.
   """
   spatial = x.shape[1:-1]
   n = tuple(-(-s // b) for s, b in zip(spatial, blocks))
   x = x.astype(jnp.float32)
-  acc = None
+  acc = bad = None
   for offset in itertools.product(*map(range, blocks)):
     part = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)), slice(None))]
     short = [m - p for m, p in zip(n, part.shape[1:-1])]
     if any(short):  # a partial last block has no element at this offset: adds 0.0
       part = jax.lax.pad(part, jnp.float32(0.0), ((0, 0, 0), *((0, k, 0) for k in short),
                                                   (0, 0, 0)))
-    acc = part if acc is None else acc + part
-  return acc * jnp.asarray(_reciprocals(spatial, blocks))[None, ..., None]
+    finite = jnp.isfinite(part)
+    part, miss = jnp.where(finite, part, 0.0), jnp.where(finite, _F32(0.0), _F32(1.0))
+    acc, bad = (part, miss) if acc is None else (acc + part, bad + miss)
+  count = jnp.asarray(_counts(spatial, blocks))[None, ..., None] - bad
+  return acc * jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
+
+
+def _stored_lfc(x: jax.Array, blocks: tuple[int, ...], lfc_dtype) -> jax.Array:
+  """The LFC as stored: the pooled map in `lfc_dtype`, 0 where that is not finite
+  (a float32 sum or a narrow `lfc_dtype` overflowed): the HFC then holds x itself."""
+  lfc = _pool(x, blocks).astype(lfc_dtype)
+  return jnp.where(jnp.isfinite(lfc), lfc, jnp.zeros((), lfc_dtype))
 
 
 def _upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...]) -> jax.Array:
@@ -133,7 +147,7 @@ def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bi
   """
   spatial = tuple(x.shape[1:-1])
   blocks = _blocks(spatial, block)
-  lfc = _pool(x, blocks).astype(lfc_dtype)
+  lfc = _stored_lfc(x, blocks, lfc_dtype)
   hfc = x.astype(jnp.float32) - _upsample(lfc, blocks, spatial)
   return lfc, PerGroup(bits, group_size, True).compress(hfc, seed)
 
@@ -211,7 +225,7 @@ class Division(Compressor):
     arrays = {}
     if self.keep == "lfc":  # no HFC: the pooled map alone
       spatial = shape[1:-1]
-      arrays["lfc"] = _pool(x, _blocks(spatial, self.block)).astype(self.lfc_dtype)
+      arrays["lfc"] = _stored_lfc(x, _blocks(spatial, self.block), self.lfc_dtype)
     else:
       from jact import kernels  # the registry imports this module lazily
 
@@ -237,7 +251,8 @@ class Division(Compressor):
     if "lfc" in stored.arrays:
       spatial = tuple(stored.shape[1:-1])
       out = out + _upsample(stored.arrays["lfc"], _blocks(spatial, self.block), spatial)
-    return out.reshape(stored.shape).astype(dtype or stored.dtype)
+    dtype = jnp.dtype(dtype or stored.dtype)
+    return finite_clamp(out, dtype).reshape(stored.shape).astype(dtype)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
     """LFC: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) (none for rank 2);

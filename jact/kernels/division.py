@@ -7,9 +7,10 @@ bit-exact with `jact.compressors.division.division_compress_reference`.
 The map (N, [D,] [H,] W, C) is viewed as (N, D, H, W, C) with unit axes
 added (a 1-D map (N, L, C) as (N, 1, L, 1, C)). A *band* is one row of the
 pooled map, (n, od, oh, :, :): its nw * C pooled values are sums over the
-block's offsets in the reference's row-major order (`T.add`, out-of-range
-offsets of a partial block add 0.0), times the float32 reciprocal of the
-block's count.
+block's offsets in the reference's row-major order (`T.add`; non-finite
+values and out-of-range offsets of a partial block add 0.0), times the
+float32 reciprocal of the block's count of finite values (0 if none; an LFC
+not finite in `lfc_dtype` is stored as 0, as in the reference).
 
 Two paths:
 
@@ -164,11 +165,20 @@ def _pool_band(x_ref, lfc_ref, band, m: _Map, *, tile: int, interpret: bool) -> 
       offset = (((n * m.d + zd) * m.h + zh) * m.w + zw) * m.c + c
       return T.load(x_ref, offset, ok, jnp.zeros((), x_ref.dtype)).astype(jnp.float32)
 
-    acc = jax.lax.fori_loop(1, offsets, lambda o, acc: T.add(acc, value(o), interpret),
-                            value(0))
-    count = jnp.where(valid, count_dh * jnp.minimum(m.bw, m.w - zw0), 1).astype(jnp.float32)
-    mean = T.mul(acc, T.div(jnp.float32(1.0), count, interpret), interpret)
-    T.store(lfc_ref, band * row_len + t, mean.astype(lfc_ref.dtype), valid)
+    def finite(v):  # (v or 0.0, 1.0 where v is not finite): the reference's finite-only mean
+      ok = jnp.isfinite(v)
+      return jnp.where(ok, v, 0.0), jnp.where(ok, jnp.float32(0.0), jnp.float32(1.0))
+
+    def add(o, sums):
+      v, miss = finite(value(o))
+      return T.add(sums[0], v, interpret), sums[1] + miss
+
+    acc, bad = jax.lax.fori_loop(1, offsets, add, finite(value(0)))
+    count = jnp.where(valid, count_dh * jnp.minimum(m.bw, m.w - zw0), 1).astype(jnp.float32) - bad
+    inv = T.div(jnp.float32(1.0), jnp.maximum(count, 1.0), interpret)
+    mean = T.mul(acc, jnp.where(count > 0, inv, 0.0), interpret).astype(lfc_ref.dtype)
+    lfc = jnp.where(jnp.isfinite(mean.astype(jnp.float32)), mean, jnp.zeros((), lfc_ref.dtype))
+    T.store(lfc_ref, band * row_len + t, lfc, valid)
     return carry
 
   jax.lax.fori_loop(0, -(-row_len // tile), chunk, 0)
