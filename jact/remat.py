@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jact.ops._core import tagged_names
+from jact.ops._core import JACT_NAME_PREFIX, is_jact_name
 from jact.residuals import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, check_argnums,
                             compressed, input_flags)
 
@@ -41,24 +41,30 @@ __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_o
            "CompressedNamesPolicy"]
 
 
-@functools.lru_cache(maxsize=256)
-def _jax_policy(saved: frozenset, offloaded: frozenset, src: str, dst: str):
-  if offloaded:
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=sorted(saved), names_which_can_be_offloaded=sorted(offloaded),
-        offload_src=src, offload_dst=dst)
-  return jax.checkpoint_policies.save_only_these_names(*sorted(saved))
+@functools.lru_cache(maxsize=1024)
+def _jax_policy(name: str | None, src: str | None, dst: str | None):
+  """jax's own policy selecting the one checkpoint name `name` (none when None):
+  saved on the device when `dst` is None, else offloaded from `src` to `dst`."""
+  names = () if name is None else (name,)
+  if dst is None:
+    return jax.checkpoint_policies.save_only_these_names(*names)
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=(), names_which_can_be_offloaded=names,
+      offload_src=src, offload_dst=dst)
 
 
 @dataclasses.dataclass(frozen=True)
 class CompressedNamesPolicy:
   """A `jax.checkpoint` policy that saves (or offloads) jact's compressed residuals.
 
-  A value is selected when it carries a residual name jact has tagged
-  (see `jact.ops._core.tag`) that starts with one of `prefixes` (all jact
-  residuals when `prefixes` is empty). Every other value is recomputed.
-  Decisions are delegated to `jax.checkpoint_policies.save_only_these_names`
-  or `save_and_offload_only_these_names` with the selected names.
+  A value is selected when its `checkpoint_name` is in jact's reserved
+  namespace (`jact.ops._core.tag` names every residual piece
+  `JACT_NAME_PREFIX + name`) and `name` starts with one of `prefixes` (all
+  jact residuals when `prefixes` is empty). Every other value, a user's own
+  `checkpoint_name`s included, is recomputed. Like jax's policies, a
+  decision depends on the named value alone, not on what else the process
+  traced; it is delegated to `jax.checkpoint_policies.save_only_these_names`
+  or `save_and_offload_only_these_names` for that one name.
 
   Attributes:
     prefixes: residual-name prefixes to select (empty: all).
@@ -70,17 +76,19 @@ class CompressedNamesPolicy:
   offload_to: str | None = None
   offload_from: str = "device"
 
-  def selects(self, name: str) -> bool:
-    return name in tagged_names() and (
-        not self.prefixes or any(name.startswith(p) for p in self.prefixes))
+  def selects(self, name: Any) -> bool:
+    """Whether the `checkpoint_name` `name` is selected."""
+    if not is_jact_name(name):
+      return False
+    residual = name[len(JACT_NAME_PREFIX):]
+    return not self.prefixes or any(residual.startswith(p) for p in self.prefixes)
 
   def __call__(self, prim, *avals, **params):
-    names = frozenset(n for n in tagged_names() if self.selects(n))
+    name = params.get("name")
+    chosen = name if self.selects(name) else None
     if self.offload_to is None:
-      policy = _jax_policy(names, frozenset(), "", "")
-    else:
-      policy = _jax_policy(frozenset(), names, self.offload_from, self.offload_to)
-    return policy(prim, *avals, **params)
+      return _jax_policy(chosen, None, None)(prim, *avals, **params)
+    return _jax_policy(chosen, self.offload_from, self.offload_to)(prim, *avals, **params)
 
 
 def _check_prefixes(prefixes) -> tuple[str, ...]:

@@ -34,6 +34,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jact.ops._core import JACT_NAME_PREFIX
+
 __all__ = [
     "Residual", "ResidualGroup", "ResidualReport", "residual_report",
     "CompiledMemory", "compiled_memory", "format_bytes",
@@ -275,6 +277,14 @@ def checkpoint_name_of(eqn) -> str | None:
   return None
 
 
+def _shown_name(name: str | None) -> str | None:
+  """A residual name as reports show it: jact's reserved-namespace copy of a
+  residual name (see `jact.ops._core.tag`) without its prefix."""
+  if name is not None and name.startswith(JACT_NAME_PREFIX):
+    return name[len(JACT_NAME_PREFIX):]
+  return name
+
+
 def _inner_jaxpr(eqn, producer_map=None, jaxpr=None):
   """The body of a call-like eqn (jit, closed_call) whose ins/outs map 1:1, or the
   branch of a `lax.platform_dependent` cond that runs on this machine's platform
@@ -387,7 +397,7 @@ def _saved_values(fn, args, kwargs):
         stack.append((eqn, jaxpr))
         jaxpr, v = inner, inner.outvars[i]
         continue
-      eqn_name = checkpoint_name_of(eqn)
+      eqn_name = _shown_name(checkpoint_name_of(eqn))
       if eqn_name is not None:  # an identity too: keep the outermost name, look further
         if name is None:
           name, named_src = eqn_name, f"named '{eqn_name}' from {_summarize(eqn)}"

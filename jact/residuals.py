@@ -54,7 +54,8 @@ from jact import _context
 from jact.compressors import Compressed
 from jact.ops._core import (Rounding, SaltedSeed, apply_plan_entry, barrier, check_name,
                             compress_residual,
-                            make_seed, materialize, restore_residual, salt_seed, tag, tagged_names, NoKey)
+                            is_jact_name, make_seed, materialize, restore_residual, salt_seed, tag,
+                            NoKey)
 from jact.persample import PackedPerSample
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 from jact.report import checkpoint_name_of
@@ -185,16 +186,17 @@ def _restore(value, shape, dtype):
 
 def _jact_named(var, producers) -> bool:
   """Whether `var` is a piece an inner jact op or `compressed` call stored
-  compressed: a value tagged with a jact residual name, possibly seen
-  through optimization barriers."""
+  compressed: a value carrying a name in jact's reserved namespace (see
+  `jact.ops._core.tag`), possibly seen through other names and optimization
+  barriers. A user's own `checkpoint_name` never qualifies."""
   while var in producers:
     eqn, i = producers[var]
     name = checkpoint_name_of(eqn)
-    if name is not None:
-      return name in tagged_names()
-    if eqn.primitive.name != "optimization_barrier":
+    if is_jact_name(name):
+      return True
+    if name is None and eqn.primitive.name != "optimization_barrier":
       return False
-    var = eqn.invars[i]
+    var = eqn.invars[0 if name is not None else i]
   return False
 
 

@@ -8,7 +8,7 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from jact.ops.attention import dot_product_attention as attn
-from stats import DRAWS, assert_unbiased, over_keys, residual_bytes
+from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, tree_rel_err
 
 K = DRAWS  # draws per statistical test: enough to see a bias of 1% of a rounding step (stats.py)
 SHAPE = (2, 8, 2, 16)  # batch, length, heads, depth
@@ -100,11 +100,25 @@ def test_residuals_are_named_and_at_2_bits_an_eighth_of_flax():
   assert abs(sum(a.size * a.dtype.itemsize for a, _ in saved) - got) <= 8
 
 
-def test_bf16_in_bf16_out():
+def test_bf16_forward_is_flax_bf16_and_gradient_is_float32_within_bf16_rounding():
+  # Forward: bit-equal to flax's attention in bf16, both jitted (bias in the
+  # inputs' dtype).
+  # Gradient with the residuals kept: per-leaf relative L2 error against the
+  # float32 gradient at the same (bf16) inputs below two bf16 roundings
+  # (2 * 2**-8: the stored softmax and the result); the default 4-bit
+  # gradients stay bf16.
   q, k, v = (a.astype(jnp.bfloat16) for a in (Q, KT, V))
   fn = lambda q, k, v: attn(q, k, v, BIAS, MASK, key=jax.random.key(0))
-  assert jax.jit(fn)(q, k, v).dtype == jnp.bfloat16
+  y = jax.jit(fn)(q, k, v)
+  y_flax = jax.jit(lambda q, k, v: nn.dot_product_attention(
+      q, k, v, bias=BIAS.astype(jnp.bfloat16), mask=MASK))(q, k, v)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_flax, np.float32))
   assert all(g.dtype == jnp.bfloat16 for g in grads(fn, q, k, v))
+  kept = grads(lambda q, k, v: attn(q, k, v, BIAS, MASK, bits=None), q, k, v)
+  assert all(g.dtype == jnp.bfloat16 for g in kept)
+  exact = grads(flax_attn, *(a.astype(jnp.float32) for a in (q, k, v)))
+  assert tree_rel_err([g.astype(jnp.float32) for g in kept], exact) < 2 * 2.0**-8
 
 
 def test_errors():

