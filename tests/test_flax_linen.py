@@ -14,7 +14,7 @@ from jax._src.ad_checkpoint import saved_residuals  # not re-exported in jax 0.1
 
 from jact.flax import linen as jnn
 from jact.report import residual_report
-from stats import assert_same_tree, assert_unbiased, tree_rel_err
+from stats import DRAWS, assert_same_tree, assert_unbiased, over_keys, tree_rel_err
 
 KEY = jax.random.key(0)
 JACT = {"jact": jax.random.key(7)}
@@ -126,7 +126,7 @@ def test_dense_weight_gradient_unbiased_at_2_bits():
     f = lambda p: jnp.sum(layer.apply({"params": p}, x, rngs={"jact": key}) * probe)
     return jax.grad(f)(variables["params"])["kernel"]
 
-  samples = jax.jit(jax.vmap(grad_kernel))(jax.random.split(jax.random.key(11), 1000))
+  samples = over_keys(grad_kernel, jax.random.split(jax.random.key(11), DRAWS))  # stats.py
   exact = jax.grad(lambda p: jnp.sum(nn.Dense(3).apply({"params": p}, x) * probe))(
       variables["params"])["kernel"]
   assert_unbiased(samples, exact)
