@@ -358,6 +358,29 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   return wrapped
 
 
+def _hoist_closure(fn, args):
+  """`(converted, consts)`: `converted(*args, *consts)` computes `fn(*args)`
+  with every tracer `fn` closes over passed in explicitly.
+
+  Closed-over tracers are the values `fn` is differentiated with, and also
+  keys and loop indices of an enclosing `lax.scan`, `fori_loop`, `cond` or
+  `jax.checkpoint`. `jax.closure_convert` hoists only values autodiff may
+  perturb; a key or integer left in the jaxpr leaks into the custom VJP's
+  rules, which are traced apart (UnexpectedTracerError)."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  out_tree = jax.tree.structure(out_shape)
+  hoisted = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+  kept = [c for c, h in zip(closed.consts, hoisted) if not h]
+
+  def converted(*inputs):
+    passed, kept_it = iter(inputs[len(args):]), iter(kept)
+    consts = [next(passed) if h else next(kept_it) for h in hoisted]
+    return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts,
+                                                            *inputs[:len(args)]))
+
+  return converted, [c for c, h in zip(closed.consts, hoisted) if h]
+
+
 def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
                     compress_inputs=None, materialize_cotangent: bool = False):
   """`fn(*args, **kwargs)` with compressed residuals (the body of `compressed`).
@@ -398,8 +421,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     raise ValueError("compress_inputs needs one flag per leaf of (args, kwargs)")
   if policy is not None:
     call = jax.checkpoint(call, policy=policy)
-  # Closed-over arrays being differentiated (tracers) become explicit inputs.
-  converted, consts = jax.closure_convert(call, *dynamic_leaves)
+  converted, consts = _hoist_closure(call, dynamic_leaves)
   inputs = list(dynamic_leaves) + list(consts)
   input_flags = [bool(compress_inputs[i]) for i in dynamic] + [False] * len(consts)
   differentiable = tuple(_is_float(x) for x in inputs)
