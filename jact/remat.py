@@ -35,7 +35,7 @@ import jax
 
 from jact.ops._core import JACT_NAME_PREFIX, is_jact_name
 from jact.residuals import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, check_argnums,
-                            compressed, input_flags)
+                            compressed, input_flags, reserved_key_check, returning_arrays)
 
 __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
            "CompressedNamesPolicy"]
@@ -179,16 +179,18 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
                              compress_argnums=compress_argnums, prevent_cse=prevent_cse)
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
+  check_key = reserved_key_check(fn, "jact.checkpoint")
   if compress_argnums is not None:
     compress_argnums = check_argnums(compress_argnums)
   config = ResidualConfig(bits, group_size, stochastic, min_size, name)
-  body = compressed(fn, bits=bits, group_size=group_size, stochastic=stochastic,
-                    min_size=min_size, name=f"{name}.body")
+  body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, group_size=group_size,
+                    stochastic=stochastic, min_size=min_size, name=f"{name}.body")
   rematted = jax.checkpoint(lambda key, args, kwargs: body(*args, key=key, **kwargs),
                             policy=policy, prevent_cse=prevent_cse)
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
+    check_key(args)
     body_key = None if key is None else jax.random.fold_in(key, 1)
     flags = input_flags(fn, args, kwargs, compress_argnums)
     # The incoming cotangent of a segment in a residual stream is an elementwise

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -339,19 +340,80 @@ def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
   return tuple(flags)
 
 
+def _fn_name(fn) -> str:
+  return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reserved_key_check(fn, api: str) -> Callable[[tuple], None]:
+  """A call-time check for a required parameter `key` of `fn` that a call
+  leaves unfilled: the wrapper takes `key=` as its own rounding key."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # no signature to read (some builtins)
+    params = {}
+  param = params.get("key")
+  if param is None or param.default is not param.empty or param.kind in (
+      param.VAR_POSITIONAL, param.VAR_KEYWORD):
+    return lambda args: None
+  positional = param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
+  index = list(params).index("key")
+
+  def check(args):
+    if positional and len(args) > index:
+      return  # fn's own key passed positionally
+    raise TypeError(
+        f"{api}: {_fn_name(fn)} needs its own parameter `key`, but the keyword `key=` is "
+        f"reserved by jact.compressed / jact.checkpoint for the PRNG key of stochastic "
+        f"rounding and is not passed on. Rename the parameter (e.g. `rng`), pass it "
+        f"positionally, or bind it before wrapping: "
+        f"{api}(functools.partial({_fn_name(fn)}, key=k)).")
+
+  return check
+
+
+def returning_arrays(fn, api: str):
+  """`fn` whose outputs are checked by `check_outputs` when it is traced."""
+  def checked(*args, **kwargs):
+    return check_outputs(fn(*args, **kwargs), fn, api)
+
+  checked.__name__ = _fn_name(fn)
+  return checked
+
+
+def check_outputs(out, fn, api: str):
+  """`out` when it is a non-empty pytree of arrays, else a TypeError naming the fix."""
+  leaves = jax.tree_util.tree_leaves_with_path(out)
+  bad = next(((path, leaf) for path, leaf in leaves if not _is_array(leaf)), None)
+  if leaves and bad is None:
+    return out
+  if bad is not None:
+    where = f" at output{jax.tree_util.keystr(bad[0])}" if bad[0] else ""
+    what = f"{type(bad[1]).__name__} {bad[1]!r:.40}{where}"
+  else:
+    what = f"{out!r:.40}, which holds no array"
+  raise TypeError(
+      f"{api}: {_fn_name(fn)} returned {what}; a wrapped function must return an array or a "
+      f"pytree of arrays (what the backward pass differentiates). Return numbers as arrays "
+      f"(jnp.asarray(...)), and return strings, None or other Python values from outside "
+      f"the wrapped function.")
+
+
 def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   if not callable(fn):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
   from jact.flax import compressed_module  # linen and nnx modules have their own path
   if compressed_module.is_flax(fn):
     return compressed_module.wrap(fn, config, policy, compress_argnums)
+  check_key = reserved_key_check(fn, "jact.compressed")
+  checked = returning_arrays(fn, "jact.compressed")
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
+    check_key(args)
     if compressed_module.has_graph_nodes(args, kwargs):  # nnx modules/Rngs passed as arguments
       return compressed_module.call_function(fn, args, kwargs, key=key, config=config,
                                              policy=policy, compress_argnums=compress_argnums)
-    return call_compressed(fn, args, kwargs, key=key, config=config, policy=policy,
+    return call_compressed(checked, args, kwargs, key=key, config=config, policy=policy,
                            compress_inputs=input_flags(fn, args, kwargs, compress_argnums))
 
   wrapped.residual_config = config

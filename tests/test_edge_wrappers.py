@@ -186,3 +186,47 @@ def test_a_wrapper_built_in_a_loop_body_can_close_over_the_loop_index(wrap):
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(ws, x, keys, jnp.arange(LAYERS))
 
   _check_close_to_unrolled(grads(looped), grads(unrolled))
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def _with_key_param(x, key):
+  return x * jax.random.uniform(key, x.shape)
+
+
+def _with_keyword_only_key(x, *, key):
+  return _with_key_param(x, key)
+
+
+@pytest.mark.parametrize("wrap,api", [(jact.compressed, "jact.compressed"),
+                                      (jact.checkpoint, "jact.checkpoint")])
+@pytest.mark.parametrize("fn", [_with_key_param, _with_keyword_only_key])
+def test_a_function_with_its_own_key_parameter_gets_a_clear_error(wrap, api, fn):
+  x = jnp.ones((BATCH, WIDTH))
+  with pytest.raises(TypeError, match=rf"{api}: {fn.__name__} needs its own parameter `key`, but "
+                                      r"the keyword `key=` is reserved.*Rename.*functools\.partial"):
+    wrap(fn, bits=4)(x, key=jax.random.key(4))
+  # The fixes the message names work: the function's key bound before wrapping, or passed
+  # positionally, while `key=` is the rounding key.
+  expected = _with_key_param(x, jax.random.key(3))
+  bound = wrap(functools.partial(fn, key=jax.random.key(3)), bits=4)
+  np.testing.assert_array_equal(bound(x, key=jax.random.key(4)), expected)
+  if fn is _with_key_param:
+    np.testing.assert_array_equal(
+        wrap(fn, bits=4)(x, jax.random.key(3), key=jax.random.key(4)), expected)
+
+
+@pytest.mark.parametrize("wrap,api", [(jact.compressed, "jact.compressed"),
+                                      (jact.checkpoint, "jact.checkpoint")])
+@pytest.mark.parametrize("returned,shown", [(3, r"returned int 3"), ("done", r"returned str 'done'"),
+                                            (None, r"returned None, which holds no array"),
+                                            ("pair", r"returned str 'aux' at output\[1\]")])
+def test_a_function_returning_a_non_array_gets_a_clear_error(wrap, api, returned, shown):
+  def fn(x):
+    y = jnp.tanh(x)
+    return (y, "aux") if returned == "pair" else returned
+
+  with pytest.raises(TypeError, match=rf"{api}: fn {shown}; a wrapped function must return an "
+                                      r"array.*jnp\.asarray.*outside the wrapped function"):
+    wrap(fn, bits=4)(jnp.ones((BATCH, WIDTH)), key=jax.random.key(5))
