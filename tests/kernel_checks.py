@@ -1,5 +1,8 @@
 """Shared checks for the Pallas kernel tests."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -40,3 +43,18 @@ def poisoned_call(kernel, *, grid, out_shape, name, interpret, **_):
                           input_output_aliases={len(args) + i: i for i in range(len(outs))})(
                               *args, *garbage)
   return run
+
+
+def assert_lowers_for_cuda(fn, reference, *args, kernels):
+  """`fn` lowered for CUDA (from any host) is Triton custom calls named
+  `kernels`, in that order and nothing else, and its outputs have the
+  structure, shapes and dtypes of `reference` (the XLA twin) at `args`."""
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
+  assert all("@__gpu$xla.gpu.triton" in c for c in calls), calls
+  names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z_]+)"', c)]
+  assert names == list(kernels), names
+  want = jax.eval_shape(reference, *args)
+  assert jax.tree.structure(lowered.out_info) == jax.tree.structure(want)
+  got = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(lowered.out_info)]
+  assert got == [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(want)]

@@ -17,7 +17,8 @@ from jact.kernels import pergroup, relu
 from jact.ops.activation import relu_mask_reference
 from jact.ops.linear import dense
 from jact.quantize import dequantize_reference, effective_group_size, quantize_reference
-from kernel_checks import assert_same_bits, assert_same_packed, poisoned_call
+from kernel_checks import (assert_lowers_for_cuda, assert_same_bits, assert_same_packed,
+                           poisoned_call)
 
 def _activation(shape, dtype, seed=0, specials=True):
   x = 3 * jax.random.normal(jax.random.key(seed), shape)
@@ -235,31 +236,34 @@ def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope, monkeypatch):
 # ----------------------------------------------------------------------------- GPU lowering from CPU
 
 
-def _lowers_for_cuda(fn, *args):
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "__gpu$xla.gpu.triton" in text or "triton" in text
-
-
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_pergroup_kernels_lower_for_cuda(bits):
+  # One Triton call each, with the reference's output shapes and dtypes.
   for dtype, shape, group in [(jnp.float32, (64, 4096), 256), (jnp.bfloat16, (8, 784), 112)]:
     x = jax.ShapeDtypeStruct(shape, dtype)
     seed = jax.ShapeDtypeStruct((), jnp.uint32)
-    _lowers_for_cuda(lambda x, s: pergroup.quantize(x, s, bits=bits, group_size=group,
-                                                    interpret=False), x, seed)
-    _lowers_for_cuda(lambda x: pergroup.quantize(x, None, bits=bits, group_size=group,
-                                                 stochastic=False, interpret=False), x)
-    packed = jax.eval_shape(lambda x: quantize_reference(x, jnp.uint32(0), bits=bits,
-                                                         group_size=group), x)
+    kw = dict(bits=bits, group_size=group)
+    assert_lowers_for_cuda(lambda x, s: pergroup.quantize(x, s, **kw, interpret=False),
+                           lambda x, s: quantize_reference(x, s, **kw), x, seed,
+                           kernels=["jact_quantize"])
+    assert_lowers_for_cuda(
+        lambda x: pergroup.quantize(x, None, **kw, stochastic=False, interpret=False),
+        lambda x: quantize_reference(x, None, **kw, stochastic=False), x,
+        kernels=["jact_quantize"])
+    packed = jax.eval_shape(lambda x: quantize_reference(x, jnp.uint32(0), **kw), x)
     for out in (jnp.float32, dtype):
-      _lowers_for_cuda(lambda p: pergroup.dequantize(p, out, interpret=False), packed)
+      assert_lowers_for_cuda(lambda p: pergroup.dequantize(p, out, interpret=False),
+                             lambda p: dequantize_reference(p, out), packed,
+                             kernels=["jact_dequantize"])
 
 
 def test_relu_mask_kernel_lowers_for_cuda():
   for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
-    _lowers_for_cuda(lambda x: relu.relu_mask(x, interpret=False), x)
-    _lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=0.2, interpret=False), x)
+    for slope in (None, 0.2):
+      assert_lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=slope, interpret=False),
+                             lambda x: relu_mask_reference(x, negative_slope=slope), x,
+                             kernels=["jact_relu_mask"])
 
 
 def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch):

@@ -19,7 +19,7 @@ from jact.kernels import persample
 from jact.persample import (dequantize_per_sample, dequantize_per_sample_reference,
                             per_sample_capacity, quantize_per_sample, quantize_per_sample_reference)
 from jact.quantize import effective_group_size
-from kernel_checks import assert_same_bits, poisoned_call
+from kernel_checks import assert_lowers_for_cuda, assert_same_bits, poisoned_call
 
 def assert_same_packed(p, r):
   for field in ("data", "bits", "minimum", "scale"):
@@ -144,23 +144,29 @@ def test_registry_picks_the_kernel_only_when_asked_on_cpu():
 # ----------------------------------------------------------------------------- GPU lowering from CPU
 
 
-def _lowers_for_cuda(fn, *args):
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triton" in text
-
-
 @pytest.mark.parametrize("shape,dtype", [((64, 4096), jnp.float32), ((8, 784), jnp.bfloat16),
                                          ((5, 7, 13), jnp.float16)])
 def test_kernels_lower_for_cuda(shape, dtype):
+  # Quantize: the statistics pass then the packing pass; dequantize: one
+  # unpacking call; outputs shaped and typed like the XLA references'.
   g, dp = _geometry(shape)
   capacity = shape[0] * dp // 2
   x = jax.ShapeDtypeStruct(shape, dtype)
   bits = jax.ShapeDtypeStruct(shape[:1], jnp.int32)  # every width: chosen at run time
   seed = jax.ShapeDtypeStruct((), jnp.uint32)
-  kw = dict(capacity_bytes=capacity, group_size=g, interpret=False)
-  _lowers_for_cuda(lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw), x, bits, seed)
-  _lowers_for_cuda(lambda x, b: persample.quantize_per_sample(x, b, seed=None, **kw), x, bits)
-  packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(
-      x, b, capacity_bytes=capacity, group_size=g, seed=None), x, bits)
+  kw = dict(capacity_bytes=capacity, group_size=g)
+  two_passes = ["jact_per_sample_stats", "jact_per_sample_pack"]
+  assert_lowers_for_cuda(
+      lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw, interpret=False),
+      lambda x, b, s: quantize_per_sample_reference(x, b, seed=s, **kw), x, bits, seed,
+      kernels=two_passes)
+  assert_lowers_for_cuda(
+      lambda x, b: persample.quantize_per_sample(x, b, seed=None, **kw, interpret=False),
+      lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw), x, bits,
+      kernels=two_passes)
+  packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw),
+                          x, bits)
   for out in (jnp.float32, dtype):
-    _lowers_for_cuda(lambda p: persample.dequantize_per_sample(p, out, interpret=False), packed)
+    assert_lowers_for_cuda(lambda p: persample.dequantize_per_sample(p, out, interpret=False),
+                           lambda p: dequantize_per_sample_reference(p, out), packed,
+                           kernels=["jact_per_sample_unpack"])
