@@ -263,3 +263,68 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   assert_same_bits(lfc, ref_lfc)
   assert_same_packed(hfc, ref_hfc)
   assert bool(jnp.isfinite(ref_lfc).all())
+
+
+# ----------------------------------------------------------------------------- 4: zero-size compressors and ops
+
+
+COMPRESSORS = [C.PerGroup(2), C.Division(block=4, bits=2), C.Division(block=4, keep="lfc"),
+               C.Division(block=4, keep="hfc"), C.BLPA(4), C.Fixpoint(8), C.ZeroValue(),
+               C.ZeroValue(inner=C.Fixpoint(4))]
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 8, 4), (3, 0, 8, 4), (2, 4, 4, 0), (0, 16)])
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_compressors_take_zero_size_inputs(compressor, shape):
+  if len(shape) == 2 and getattr(compressor, "keep", None) == "lfc":
+    shape = (0, 4, 16)  # keep='lfc' needs spatial axes (rank 2 is an error by design)
+  x = jnp.zeros(shape, jnp.float16)
+  stored = jax.jit(compressor.compress)(x, jnp.uint32(1))
+  y = jax.jit(compressor.decompress)(stored)
+  assert y.shape == shape and y.dtype == jnp.float16
+  assert stored.nbytes == compressor.stored_bytes(shape, x.dtype)
+
+
+def _layer_norm(x, scale, bias, eps=1e-6):
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) * lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * scale + bias
+
+
+_CONV = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+# name -> (jact op, plain JAX op, shapes of (input, parameter))
+OPS = {
+    "dense": (lambda x, w, k: ops.dense(x, w, key=k, bits=2), lambda x, w: x @ w,
+              ((0, 256), (256, 3))),
+    "dense_division": (lambda x, w, k: ops.dense(x, w, key=k, bits=C.Division(block=4)),
+                       lambda x, w: x @ w, ((0, 256), (256, 3))),
+    "dense_fixpoint": (lambda x, w, k: ops.dense(x, w, bits=C.Fixpoint(8)), lambda x, w: x @ w,
+                       ((0, 256), (256, 3))),
+    "conv": (lambda x, w, k: ops.conv(x, w, key=k, bits=2),
+             lambda x, w: lax.conv_general_dilated(x, w, **_CONV), ((0, 8, 8, 4), (3, 3, 4, 5))),
+    "conv_division": (lambda x, w, k: ops.conv(x, w, key=k, bits=C.Division(block=4)),
+                      lambda x, w: lax.conv_general_dilated(x, w, **_CONV),
+                      ((0, 8, 8, 4), (3, 3, 4, 5))),
+    "gelu": (lambda x, w, k: ops.gelu(x, key=k, bits=2) * w, lambda x, w: jax.nn.gelu(x) * w,
+             ((0, 256), (256,))),
+    "softmax": (lambda x, w, k: ops.softmax(x, key=k, bits=2) * w,
+                lambda x, w: jax.nn.softmax(x) * w, ((0, 256), (256,))),
+    "layer_norm": (lambda x, w, k: ops.layer_norm(x, w, jnp.zeros(256), key=k, bits=2),
+                   lambda x, w: _layer_norm(x, w, 0.0), ((0, 256), (256,))),
+    "compressed": (lambda x, w, k: jact.compressed(lambda x, w: jnp.tanh(x @ w), bits=2, compress_argnums=(0,))(
+        x, w, key=k), lambda x, w: jnp.tanh(x @ w), ((0, 256), (256, 3))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_ops_take_an_empty_batch(name):
+  op, plain, (x_shape, w_shape) = OPS[name]
+  x = jnp.zeros(x_shape)
+  w = jnp.asarray(np.random.default_rng(10).standard_normal(w_shape), jnp.float32)
+  y = jax.jit(lambda x, w: op(x, w, KEY))(x, w)
+  y_plain = plain(x, w)
+  assert y.shape == y_plain.shape and y.dtype == y_plain.dtype
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)
+  gx, gw = jax.jit(jax.grad(loss(lambda x, w: op(x, w, KEY)), (0, 1)))(x, w)
+  px, pw = jax.grad(loss(plain), (0, 1))(x, w)
+  assert gx.shape == px.shape == x.shape and gw.shape == pw.shape == w.shape
+  np.testing.assert_array_equal(np.asarray(gw), np.asarray(pw))  # zeros: nothing to sum

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jact.quantize import FLOAT_DTYPES
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "check_implementation"]
+__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "as_channel_rows",
+           "check_implementation"]
 
 _REGISTRY: dict[str, type["Compressor"]] = {}
 
@@ -27,6 +28,12 @@ _REGISTRY: dict[str, type["Compressor"]] = {}
 def channels(shape: tuple[int, ...]) -> int:
   """Channels of a residual: its last axis (one channel for a 0-D or 1-D tensor)."""
   return int(shape[-1]) if len(shape) >= 2 else 1
+
+
+def as_channel_rows(x: jax.Array) -> jax.Array:
+  """x as (values / C, C), C = `channels(x.shape)` (also for empty tensors, even C = 0)."""
+  c = channels(tuple(x.shape))
+  return x.reshape(x.size // c if c else 0, c)
 
 
 def check_implementation(implementation: Any, op: str) -> None:

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact.compressors._base import Compressed, Compressor, channels as _channels
+from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels as _channels
 from jact.quantize import FLOAT_DTYPES, pack_codes, unpack_codes
 
 __all__ = ["BLPA", "BLPA_BITS", "check_blpa_bits", "blpa_grid", "blpa_encode", "blpa_decode",
@@ -207,11 +207,12 @@ class BLPA(Compressor):
 
   def compress(self, x: jax.Array, seed=None) -> Compressed:
     self.check_input(x)
-    shape = tuple(x.shape)
-    channels = _channels(shape)
-    x32 = x.astype(_F32).reshape(-1, channels)
-    beta = jnp.mean(x32, 0)
-    gamma = jnp.sqrt(jnp.mean(jnp.square(x32 - beta), 0))
+    x32 = as_channel_rows(x.astype(_F32))
+    if not x32.shape[0]:  # no values: no statistics (the mean of nothing is NaN)
+      beta = gamma = jnp.zeros(x32.shape[1], _F32)
+    else:
+      beta = jnp.mean(x32, 0)
+      gamma = jnp.sqrt(jnp.mean(jnp.square(x32 - beta), 0))
     return blpa_quantize(x, beta, gamma, self.bits)
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:

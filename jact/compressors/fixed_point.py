@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jact.compressors._base import Compressed, Compressor, channels
+from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels
 from jact.quantize import pack_codes, unpack_codes
 
 __all__ = ["Fixpoint", "FIXPOINT_BITS"]
@@ -71,14 +71,12 @@ class Fixpoint(Compressor):
 
   def scales(self, x: jax.Array) -> jax.Array:
     """float32[C]: the largest finite |x| per channel."""
-    c = channels(tuple(x.shape))
-    a = jnp.abs(x.astype(jnp.float32)).reshape(-1, c)
-    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=0)
+    a = jnp.abs(as_channel_rows(x.astype(jnp.float32)))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=0, initial=0.0)  # 0 for no values
 
   def codes(self, x: jax.Array, scale: jax.Array) -> jax.Array:
     """int32 codes in [-L, L], shaped (values / C, C)."""
-    c = channels(tuple(x.shape))
-    v = x.astype(jnp.float32).reshape(-1, c)
+    v = as_channel_rows(x.astype(jnp.float32))
     v = jnp.where(jnp.isnan(v), 0.0, jnp.clip(v, -scale, scale))
     inv = jnp.where(scale > 0, self.levels / jnp.where(scale > 0, scale, 1.0), 0.0)
     return jnp.clip(jnp.round(v * inv), -self.levels, self.levels).astype(jnp.int32)

@@ -140,11 +140,16 @@ class ZeroValue(Compressor):
       data = pack_codes(f.codes(x, scale) + f.levels, fallback).data
       return jnp.pad(data, (0, mask_bytes + value_bytes - data.size))
 
-    buffer = lax.cond(count <= k, sparse, dense, None)
+    if not x.size:  # no values: an all-zero buffer of the layout's size
+      buffer = jnp.zeros((mask_bytes + value_bytes,), jnp.uint8)
+    else:
+      buffer = lax.cond(count <= k, sparse, dense, None)
     return Compressed({"buffer": buffer, "scale": scale, "nonzeros": count}, self, shape, dtype)
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
     shape = stored.shape
+    if not math.prod(shape):
+      return jnp.zeros(shape, dtype or stored.dtype)
     n, c, k, mask_bytes, value_bytes, fallback = self._layout(shape, stored.dtype)
     buffer, scale = stored.arrays["buffer"], stored.arrays["scale"]
 
