@@ -328,3 +328,42 @@ def test_ops_take_an_empty_batch(name):
   px, pw = jax.grad(loss(plain), (0, 1))(x, w)
   assert gx.shape == px.shape == x.shape and gw.shape == pw.shape == w.shape
   np.testing.assert_array_equal(np.asarray(gw), np.asarray(pw))  # zeros: nothing to sum
+
+
+# ----------------------------------------------------------------------------- 6: float64
+
+
+F64_OPS = {
+    "dense": lambda x, w, k: ops.dense(x, w, key=k, bits=2),
+    "dot_general": lambda x, w, k: ops.dot_general(x, w, (((1,), (0,)), ((), ())), key=k,
+                                                   bits=2, compress=(True, False)),
+    "einsum": lambda x, w, k: ops.einsum("nd,dk->nk", x, w, key=k, bits=2),
+    "conv": lambda x, w, k: ops.conv(x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), key=k,
+                                     bits=2),
+    "conv_transpose": lambda x, w, k: ops.conv_transpose(
+        x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), (1, 1), "SAME", key=k, bits=2),
+    "gelu": lambda x, w, k: ops.gelu(x, key=k, bits=2),
+    "softmax": lambda x, w, k: ops.softmax(x, key=k, bits=2),
+    "layer_norm": lambda x, w, k: ops.layer_norm(x, jnp.ones(256, x.dtype), None, key=k, bits=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(F64_OPS))
+def test_float64_is_rejected_at_the_op_call(name):
+  with jax.enable_x64(True):
+    x = jnp.ones((4, 256), jnp.float64)
+    w = jnp.ones((256, 3), jnp.float64)
+    assert x.dtype == jnp.float64
+    with pytest.raises(TypeError, match=r"jact\.ops\.\w+ .*float32, bfloat16 or float16.*"
+                                        r"got float64.*astype\(jnp\.float32\)"):
+      F64_OPS[name](x, w, KEY)  # the forward call itself, no grad needed
+
+
+def test_float64_uncompressed_dense_still_differentiates():
+  """bits=None stores nothing compressed, so float64 is fine there."""
+  with jax.enable_x64(True):
+    x = jnp.linspace(-1.0, 1.0, 4 * 8, dtype=jnp.float64).reshape(4, 8)
+    w = jnp.ones((8, 3), jnp.float64)
+    g = jax.grad(lambda w: ops.dense(x, w, bits=None).sum())(w)
+    assert g.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(g), np.asarray(x).sum(0)[:, None] * np.ones((1, 3)))

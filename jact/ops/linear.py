@@ -24,14 +24,25 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _probe
-from jact.ops._core import Rounding, check_name, make_seed, save_compressed
+from jact.ops._core import Rounding, check_float, check_name, make_seed, save_compressed
 
 __all__ = ["dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose"]
+
+
+def _check_compressed(args, compress, bits, op: str) -> None:
+  """A clear error at the call for an operand that would be stored compressed but
+  has a dtype the compressors do not take (float64, integers): under `grad`
+  it would otherwise fail deep inside the backward pass's residual storage."""
+  if bits is not None:
+    for a, c in zip(args, tuple(compress)):
+      if c:
+        check_float(a, op)
 
 
 def _apply(fn, args, *, compress, key, bits, group_size, stochastic, name, op, layer=None):
   """`layer`: (kind, info) for the analytic estimators when the lhs is the
   stored activation of a dense layer or a channels-last convolution."""
+  _check_compressed(args, compress, bits, op)
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
@@ -84,6 +95,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, key
           bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
           precision=None, name: str = "dense") -> jax.Array:
   """`x @ kernel + bias` over the last axis of x, storing x compressed (residual `name.lhs`)."""
+  _check_compressed((x,), (True,), bits, "dense")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   y = dot_general(x, kernel, dims, precision, key=key, bits=bits, group_size=group_size,
                   stochastic=stochastic, compress=(True, False), name=name)
@@ -141,6 +153,7 @@ def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
          bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
          precision=None, name: str = "conv") -> jax.Array:
   """Channels-last convolution (x: N,[D,]H,W,C; kernel: [D,]H,W,I,O), Flax's layout."""
+  _check_compressed((x,), (True,), bits, "conv")
   n = x.ndim - 2
   y = conv_general_dilated(
       x, kernel, _tuple(strides, n), padding, rhs_dilation=_tuple(dilation, n),
