@@ -42,7 +42,7 @@ import numpy as np
 
 from jact import rng
 from jact.quantize import (_check_float, _grouped, check_group_size, effective_group_size,
-                           group_codes, unpack_bits)
+                           finite_clamp, group_codes, group_values, unpack_bits)
 
 __all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity",
            "quantize_per_sample_reference", "dequantize_per_sample_reference"]
@@ -241,6 +241,8 @@ def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array
                      [seg, unpack_bits(seg[:, :4 * unit], 4), unpack_bits(seg[:, :2 * unit], 2)],
                      unpack_bits(seg[:, :unit], 1))
   codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
-  g = codes * p.scale.astype(jnp.float32)[..., None] + p.minimum.astype(jnp.float32)[..., None]
+  g = group_values(codes, p.minimum.astype(jnp.float32)[..., None],
+                   p.scale.astype(jnp.float32)[..., None])
   d = math.prod(p.shape[1:])
-  return g.reshape(n, dp)[:, :d].reshape(p.shape).astype(dtype or p.dtype)
+  dtype = jnp.dtype(dtype or p.dtype)
+  return finite_clamp(g.reshape(n, dp)[:, :d], dtype).reshape(p.shape).astype(dtype)

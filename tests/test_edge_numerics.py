@@ -180,6 +180,24 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
     assert bool(jnp.isfinite(y).all())
 
 
+def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
+  """The per-sample quantizer (one width per sample) shares the group math: finite
+  too, and its Pallas kernels (interpret mode) store and reconstruct the same bits."""
+  from jact import persample
+  from jact.kernels import persample as persample_kernels
+  for x in (_f16_extremes(), _f32_wide()):
+    widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)
+    args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256,
+                seed=jnp.uint32(5))
+    ref = persample.quantize_per_sample_reference(x, widths, **args)
+    y = persample.dequantize_per_sample_reference(ref)
+    assert y.dtype == x.dtype and bool(jnp.isfinite(y).all())
+    got = persample_kernels.quantize_per_sample(x, widths, interpret=True, **args)
+    for field in ("data", "bits", "minimum", "scale"):
+      assert_same_bits(getattr(got, field), getattr(ref, field))
+    assert_same_bits(persample_kernels.dequantize_per_sample(ref, interpret=True), y)
+
+
 # ----------------------------------------------------------------------------- 5: dequantize a plain array
 
 

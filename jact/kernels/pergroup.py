@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jact.kernels import _triton as T
 from jact.quantize import Packed, grid_scale
 
-__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "inverse_step",
+__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "decode_values",
+           "inverse_step",
            "packing_geometry", "packed_out_shape"]
 
 _TILE = 4096  # values per program (a power of two)
@@ -119,6 +120,16 @@ def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: b
   scaled = T.mul(offset, inv_step, interpret)
   u = jnp.float32(0.5) if seed is None else T.noise(seed, index)
   return jnp.clip(jnp.floor(T.add(scaled, u, interpret)), 0.0, levels).astype(jnp.int32)
+
+
+def decode_values(code, minimum, step, dtype, *, interpret: bool):
+  """float32 code * step + minimum, as `jact.quantize.group_values` computes it,
+  clamped into the finite range of `dtype` (`jact.quantize.finite_clamp`)."""
+  s, inv_s = grid_scale(step)
+  value = T.add(T.mul(code, T.mul(step, s, interpret), interpret), T.mul(minimum, s, interpret),
+                interpret)
+  big = float(jnp.finfo(dtype).max)
+  return jnp.clip(T.mul(value, inv_s, interpret), -big, big)
 
 
 def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool):
@@ -219,14 +230,10 @@ def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups,
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   minimum = T.load(min_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
   step = T.load(scale_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
-  s, inv_s = grid_scale(step)  # as `jact.quantize.group_values`
-  step_s, minimum_s = T.mul(step, s, interpret), T.mul(minimum, s, interpret)
-  big = float(jnp.finfo(out_ref.dtype).max)
   mask = (1 << bits) - 1
   for p in range(k):
     code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
-    value = T.mul(T.add(T.mul(code, step_s, interpret), minimum_s, interpret), inv_s, interpret)
-    value = jnp.clip(value, -big, big)  # `jact.quantize.finite_clamp`
+    value = decode_values(code, minimum, step, out_ref.dtype, interpret=interpret)
     col = group * group_size + p * q + j
     offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
     T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
-from jact.kernels.pergroup import encode_values, group_stats
+from jact.kernels.pergroup import decode_values, encode_values, group_stats
 from jact.persample import (PackedPerSample, dequantize_per_sample_reference,
                             quantize_per_sample_reference)
 
@@ -229,7 +229,7 @@ def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, b
     minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     step = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     code = ((byte >> (p * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
-    value = T.add(T.mul(code, step, interpret), minimum, interpret)
+    value = decode_values(code, minimum, step, out_ref.dtype, interpret=interpret)
     T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
 
 
