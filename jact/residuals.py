@@ -57,6 +57,7 @@ from jact.ops._core import (Rounding, SaltedSeed, apply_plan_entry, barrier, che
                             compress_residual,
                             is_jact_name, make_seed, materialize, restore_residual, salt_seed, tag,
                             NoKey)
+from jact.ops._derivatives import reverse_only
 from jact.persample import PackedPerSample
 from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
 from jact.report import checkpoint_name_of
@@ -562,4 +563,4 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     return (None, *[next(grads) if d else None for d in differentiable])
 
   op.defvjp(fwd, bwd)
-  return op(seed, *inputs)
+  return reverse_only(op, f"jact.compressed({config.name!r})")(seed, *inputs)

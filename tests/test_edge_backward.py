@@ -6,6 +6,12 @@ differentiation.
    never change values: a NaN or an infinity in one sample's cotangent leaves
    every other sample's gradient exactly as it is, and a non-finite gradient
    that plain JAX shows stays non-finite.
+2. A lossy-compressed residual does not depend on the input it was made from,
+   so a second derivative through it would be silently wrong: it raises at
+   trace time, naming jact and the fix. Exact residuals (bits=None, ReLU's
+   mask) give the second derivatives of plain JAX. Forward mode is not
+   available through a custom backward rule: it raises an error naming the
+   jact op and the fix (not JAX's generic custom_vjp text).
 """
 
 import functools
@@ -15,8 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import flax.linen as nn
+from flax import nnx
+
 import jact
 from jact import ops
+from jact.flax import linen as jnn
+from jact.flax import nnx as jnnx
 
 N = 4  # samples
 KEY = jax.random.key(7)
@@ -144,3 +155,158 @@ def test_overflowing_sample_keeps_healthy_input_gradients():
   assert not np.isfinite(ref[0]).all() and not np.isfinite(got[0]).all()
   assert np.isfinite(ref[1:]).all() and np.abs(ref[1:]).max() > 0
   np.testing.assert_allclose(got[1:], ref[1:], rtol=0.05, atol=0.02 * np.abs(ref[1:]).max())
+
+
+# ----------------------------------------------------------------------------- 2. derivative order
+
+X = _normal(40, (4, 16))
+W = _normal(41, (16, 16), 0.3)
+S, B = 1.0 + _normal(42, (16,), 0.1), _normal(43, (16,), 0.1)
+
+
+def _attention(q, k, v, bits):
+  return ops.chunked_attention(q, k, v, bits=bits, key=KEY, query_chunk=4, key_chunk=4)
+
+
+def _plain_attention(q, k, v):
+  w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]), -1)
+  return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+def _mlp(w, x):
+  return jnp.tanh(x @ w) @ w
+
+
+# name: (x -> scalar through the jact op at `bits`, the same in plain JAX)
+SECOND_ORDER = {
+    "dense": (lambda x, bits: ops.dense(jnp.sin(x), W, key=KEY, bits=bits),
+              lambda x: jnp.sin(x) @ W),
+    "conv": (lambda x, bits: ops.conv(jnp.sin(x).reshape(1, 4, 4, 4), W[:4, :4].reshape(
+        1, 1, 4, 4), key=KEY, bits=bits), lambda x: _conv(jnp.sin(x).reshape(1, 4, 4, 4),
+                                                         W[:4, :4].reshape(1, 1, 4, 4))),
+    "tanh": (lambda x, bits: ops.tanh(x, key=KEY, bits=bits), jnp.tanh),
+    "gelu": (lambda x, bits: ops.gelu(x, key=KEY, bits=bits), jax.nn.gelu),
+    "softmax": (lambda x, bits: ops.softmax(x, key=KEY, bits=bits), jax.nn.softmax),
+    "layer_norm": (lambda x, bits: ops.layer_norm(x, S, B, key=KEY, bits=bits), _ln),
+    "chunked_attention": (
+        lambda x, bits: _attention(*(x.reshape(1, 4, 4, 4),) * 3, bits),
+        lambda x: _plain_attention(*(x.reshape(1, 4, 4, 4),) * 3)),
+    "compressed": (lambda x, bits: jact.compressed(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
+                   lambda x: _mlp(W, x)),
+    "checkpoint": (lambda x, bits: jact.checkpoint(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
+                   lambda x: _mlp(W, x)),
+}
+# The plain layer norm takes its scale and bias as arguments.
+_PLAIN_ARGS = {"layer_norm": (S, B)}
+
+
+def _scalar(f):
+  """x -> a generic scalar of f(x) (so that every second derivative is nonzero)."""
+  return lambda x: jnp.sum(jnp.sin(f(x)) * jnp.cos(f(x)))
+
+
+SECOND_ORDER_MODES = {
+    "hessian": lambda f: jax.hessian(f),
+    "grad_of_grad": lambda f: jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2)),
+    "jvp_of_grad": lambda f: lambda x: jax.jvp(jax.grad(f), (x,), (jnp.cos(3.0 * x),))[1],
+}
+
+
+@pytest.mark.parametrize("jit", (False, True), ids=("eager", "jit"))
+@pytest.mark.parametrize("mode", SECOND_ORDER_MODES)
+@pytest.mark.parametrize("name", SECOND_ORDER)
+def test_second_order_through_a_lossy_residual_is_an_error(name, mode, jit):
+  f = _scalar(functools.partial(SECOND_ORDER[name][0], bits=4))
+  d2 = SECOND_ORDER_MODES[mode](f)
+  d2 = jax.jit(d2) if jit else d2
+  with pytest.raises(TypeError, match=r"jact cannot differentiate residual .*\(bits=None"):
+    jax.eval_shape(d2, X) if jit else d2(X)
+
+
+def test_second_order_through_blpa_codes_is_an_error():
+  x = _normal(44, (2, 4, 4, 8))
+  f = lambda x: jnp.sum(ops.blpa_block(x, jnp.ones(8), jnp.zeros(8), W[:8, :8].reshape(
+      1, 1, 8, 8))[0] ** 2)
+  with pytest.raises(TypeError, match=r"jact cannot differentiate residual 'blpa.a2'"):
+    jax.hessian(f)(x)
+
+
+def test_second_order_in_weights_the_stored_input_does_not_depend_on_is_allowed():
+  """Differentiating twice with respect to the weights only: the stored input
+  does not depend on them, so nothing is differentiated through it."""
+  f = lambda w: jnp.sum(jnp.tanh(ops.dense(X, w, key=KEY, bits=8)) ** 2)
+  h = jax.hessian(f)(W[:, :2])
+  p = jax.hessian(lambda w: jnp.sum(jnp.tanh(X @ w) ** 2))(W[:, :2])
+  # 8-bit stochastic rounding of X: well under a percent.
+  assert np.linalg.norm(h - p) <= 0.02 * np.linalg.norm(p)
+
+
+@pytest.mark.parametrize("mode", SECOND_ORDER_MODES)
+@pytest.mark.parametrize("name", (*SECOND_ORDER, "relu"))
+def test_second_order_through_exact_residuals_matches_plain_jax(name, mode):
+  if name == "relu":  # the 1-bit mask is exact whatever the bits
+    op, plain = (lambda x: ops.relu(jnp.sin(x)) ** 3), (lambda x: jax.nn.relu(jnp.sin(x)) ** 3)
+  else:
+    op = functools.partial(SECOND_ORDER[name][0], bits=None)
+    plain = lambda x: SECOND_ORDER[name][1](x, *_PLAIN_ARGS.get(name, ()))
+  got = jax.jit(SECOND_ORDER_MODES[mode](_scalar(op)))(X)
+  ref = jax.jit(SECOND_ORDER_MODES[mode](_scalar(plain)))(X)
+  assert np.abs(ref).max() > 0
+  # float32 rounding: the backward formulas differ from JAX's in order of operations.
+  np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5 * np.abs(ref).max())
+
+
+IDS = jnp.array([[0, 3, 1], [2, 2, 5]])
+# name: a jact op (or transform) as a function of one float array
+FORWARD_MODE = {
+    "dense": lambda x: ops.dense(x, W, key=KEY),
+    "conv": lambda x: ops.conv(x.reshape(1, 4, 4, 4), W[:4, :4].reshape(1, 1, 4, 4), key=KEY),
+    "relu": ops.relu,
+    "leaky_relu": ops.leaky_relu,
+    "gelu": lambda x: ops.gelu(x, key=KEY),
+    "tanh_exact": lambda x: ops.tanh(x, bits=None),
+    "softmax": lambda x: ops.softmax(x, key=KEY),
+    "layer_norm": lambda x: ops.layer_norm(x, S, B, key=KEY),
+    "rms_norm": lambda x: ops.rms_norm(x, S, key=KEY),
+    "batch_norm": lambda x: ops.batch_norm(x, S, B, key=KEY),
+    "max_pool": lambda x: ops.max_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
+    "avg_pool": lambda x: ops.avg_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
+    "dropout": lambda x: ops.dropout(x, 0.5, key=KEY),
+    "embed": lambda x: ops.embed(IDS, x),
+    "blpa_block": lambda x: ops.blpa_block(x, S, B, W)[0],
+    "chunked_attention": lambda x: _attention(*(x.reshape(1, 4, 4, 4),) * 3, None),
+    "dot_product_attention": lambda x: ops.dot_product_attention(
+        *(x.reshape(1, 4, 4, 4),) * 3, key=KEY),
+    "compressed": lambda x: jact.compressed(_mlp, bits=None)(W, x),
+    "checkpoint": lambda x: jact.checkpoint(_mlp, bits=4)(W, x, key=KEY),
+    "linen.Dense": lambda x: jnn.Dense(3, bits=None).apply(
+        nn.Dense(3).init(KEY, X), x),
+    "linen.compressed": lambda x: jact.compressed(nn.Dense(3), bits=None).apply(
+        nn.Dense(3).init(KEY, X), x),
+    "nnx.Linear": lambda x: jnnx.Linear(16, 3, bits=None, rngs=nnx.Rngs(0))(x),
+}
+
+FORWARD_MODES = {
+    "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
+    "jit_jvp": lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+    "jvp_of_jit": lambda f, x: jax.jvp(jax.jit(f), (x,), (x,)),
+    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+    "linearize": lambda f, x: jax.linearize(f, x)[1](x),
+}
+
+
+@pytest.mark.parametrize("mode", FORWARD_MODES)
+@pytest.mark.parametrize("name", FORWARD_MODE)
+def test_forward_mode_names_jact_and_the_fix(name, mode):
+  with pytest.raises(TypeError, match=r"jact.* reverse-mode differentiation only.*jax.jacrev"):
+    FORWARD_MODES[mode](FORWARD_MODE[name], X)
+
+
+@pytest.mark.parametrize("name", ("dense", "gelu", "layer_norm", "compressed", "linen.Dense"))
+def test_reverse_mode_still_works_where_forward_mode_is_refused(name):
+  f = FORWARD_MODE[name]
+  y, vjp = jax.vjp(f, X)
+  (g,) = vjp(jnp.ones_like(y))
+  j = jax.jacrev(f)(X)  # vmap over the transposed guard
+  # The Jacobian's rows summed are the vector-Jacobian product with ones.
+  np.testing.assert_allclose(j.reshape(y.size, -1).sum(0), g.reshape(-1), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,9 @@
 Every op is a `jax.custom_vjp` whose inputs and outputs stay in the model
 dtype; only what the backward pass keeps is compressed. Residuals are tagged
 with `jax.ad_checkpoint.checkpoint_name` (the op's `name=` plus a role), so
-`jax.checkpoint` policies can select them.
+`jax.checkpoint` policies can select them. Reverse mode only: forward mode
+(`jax.jvp`, `jax.jacfwd`, `jax.linearize`) raises, and so does a second
+derivative through a compressed residual (exact ones, bits=None, allow it).
 
 >>> import jax, jax.numpy as jnp
 >>> from jact import ops

@@ -29,6 +29,7 @@ from jact.quantize import (FLOAT_DTYPES, Packed, PackedBits, check_bits, check_g
 from jact import _context, _probe, allocate, persample, rng
 from jact.compressors import Compressed, Compressor, PerGroup
 from jact.compressors.pergroup import as_rows
+from jact.ops._derivatives import first_order_only, reverse_only
 from jact.persample import PackedPerSample
 
 __all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "as_compressor", "apply_plan_entry", "save_compressed", "make_seed", "tag", "JACT_NAME_PREFIX", "is_jact_name", "check_name", "check_float", "barrier",
@@ -309,6 +310,7 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   compressor = rounding.compressor
   if compressor is None:
     return x
+  x = first_order_only(x, name, compressor)
   if budget is not None:
     if not isinstance(compressor, PerGroup):
       raise ValueError(
@@ -356,7 +358,8 @@ def restore_residual(r, shape=None, dtype=None):
 
 
 def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],
-                    seed: jax.Array, rounding: Rounding, names: Sequence[str]) -> Any:
+                    seed: jax.Array, rounding: Rounding, names: Sequence[str],
+                    op: str = "save_compressed") -> Any:
   """Evaluates `fn(*args)` exactly, saving compressed copies of marked arguments.
 
   Args:
@@ -366,6 +369,7 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
     seed: uint32 scalar seed (from `make_seed`).
     rounding: the compression settings.
     names: one residual name per argument (used for the compressed ones).
+    op: the op's name, for error messages (`jact.ops.<op>`).
 
   Returns:
     `fn(*args)`, whose VJP uses the reconstructed arguments.
@@ -377,7 +381,7 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
   shapes = tuple(jnp.shape(a) for a in args)
 
   @jax.custom_vjp
-  def op(seed, *args):
+  def call(seed, *args):
     return fn(*args)
 
   def fwd(seed, *args):
@@ -393,5 +397,5 @@ def save_compressed(fn: Callable[..., Any], *args: jax.Array, compress: Sequence
     _, vjp = jax.vjp(fn, *restored)
     return (None, *vjp(g))
 
-  op.defvjp(fwd, bwd)
-  return op(seed, *args)
+  call.defvjp(fwd, bwd)
+  return reverse_only(call, f"jact.ops.{op}")(seed, *args)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jact.quantize import pack_codes, unpack_codes
 from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
                             finish_forward, make_seed, restore_residual, tag)
+from jact.ops._derivatives import reverse_only
 
 __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
 
@@ -66,7 +67,7 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
     return (jnp.where(m, g, other),)
 
   apply.defvjp(fwd, bwd)
-  return apply(x)
+  return reverse_only(apply, f"jact.ops.{op}")(x)
 
 
 def relu(x: jax.Array, *, name: str = "relu") -> jax.Array:
@@ -119,7 +120,7 @@ def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, nam
     return None, (g.astype(jnp.float32) * dydx).astype(g.dtype)
 
   apply.defvjp(fwd, bwd)
-  return apply(seed, x)
+  return reverse_only(apply, f"jact.ops.{op}")(seed, x)
 
 
 def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
@@ -192,4 +193,4 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
     return None, dx.astype(g.dtype)
 
   apply.defvjp(fwd, bwd)
-  return apply(seed, x)
+  return reverse_only(apply, "jact.ops.softmax")(seed, x)

@@ -42,6 +42,7 @@ from jax import lax
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
 from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
+from jact.ops._derivatives import first_order_only, reverse_only
 from jact.ops.linear import _channels_last
 from jact.quantize import pack_codes, unpack_codes
 
@@ -149,6 +150,7 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
   def fwd(x, scale, bias, kernel, conv_bias):
     out, a2, inv = forward(x, scale, bias, kernel, conv_bias)
     step, start = blpa_grid(bias, scale, bits)
+    a2 = first_order_only(a2, f"{name}.a2", f"BLPA {bits}-bit")
     codes = pack_codes(blpa_encode(a2, step, start, bits), bits)
     packed = (tag(codes, f"{name}.a2"), tag(inv, f"{name}.inv"))
     out, packed = finish_forward(out, packed)
@@ -180,7 +182,7 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
   conv_bias_dtype = None if conv_bias is None else conv_bias.dtype
   x_dtype = x.dtype
   apply.defvjp(fwd, bwd)
-  y, mu, var = apply(x, scale, bias, kernel, conv_bias)
+  y, mu, var = reverse_only(apply, "jact.ops.blpa_block")(x, scale, bias, kernel, conv_bias)
   return y, lax.stop_gradient(mu), lax.stop_gradient(var)
 
 

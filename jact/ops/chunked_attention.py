@@ -59,6 +59,7 @@ from jax import lax
 
 from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
                             finish_forward, make_seed, restore_residual, tag)
+from jact.ops._derivatives import reverse_only
 
 __all__ = ["chunked_attention"]
 
@@ -378,4 +379,4 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   apply.defvjp(fwd, bwd)
   # bias and mask enter in the canonical rank (a differentiable reshape of the
   # caller's bias, so its gradient comes back in the caller's shape).
-  return apply(seed, query, keys, value, bias, mask)
+  return reverse_only(apply, "jact.ops.chunked_attention")(seed, query, keys, value, bias, mask)

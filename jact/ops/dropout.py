@@ -27,6 +27,7 @@ import numpy as np
 
 from jact import rng
 from jact.ops._core import barrier, check_float, check_name, tag
+from jact.ops._derivatives import reverse_only
 
 __all__ = ["dropout", "keep_mask", "check_rate"]
 
@@ -105,4 +106,4 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
     return None, apply_mask(seed, g)
 
   apply.defvjp(fwd, bwd)
-  return apply(seed, x)
+  return reverse_only(apply, "jact.ops.dropout")(seed, x)

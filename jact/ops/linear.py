@@ -47,7 +47,8 @@ def _apply(fn, args, *, compress, key, bits, group_size, stochastic, name, op, l
   name = check_name(name)
   seed = make_seed(key, rounding, op)
   names = tuple(f"{name}.{role}" for role in ("lhs", "rhs", "arg2")[:len(args)])
-  y = save_compressed(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names)
+  y = save_compressed(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names,
+                      op=op)
   collector = _probe.active()
   if collector is not None and layer is not None and compress[0] and bits is not None:
     kind, info = layer

@@ -34,6 +34,7 @@ from jax import lax
 from jact import _probe
 from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
                             finish_forward, make_seed, restore_residual, tag)
+from jact.ops._derivatives import reverse_only
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
 
@@ -134,7 +135,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   bias_shape = None if bias is None else bias.shape
   bias_dtype = None if bias is None else bias.dtype
   apply.defvjp(fwd, bwd)
-  y, mu, var = apply(seed, x, scale, bias)
+  y, mu, var = reverse_only(apply, f"jact.ops.{op}")(seed, x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:
     _, _, _, xc, inv = forward(x, scale, bias)

@@ -37,6 +37,7 @@ from jax import lax
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
 from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
+from jact.ops._derivatives import reverse_only
 
 __all__ = ["max_pool", "avg_pool", "argmax_bits"]
 
@@ -225,7 +226,7 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     return (_scatter_to_argmax(g, code, shape, dims, full_strides, pads, out_shape, offsets),)
 
   op.defvjp(fwd, bwd)
-  return op(x)
+  return reverse_only(op, "jact.ops.max_pool")(x)
 
 
 def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
@@ -284,4 +285,4 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     return (dx,)
 
   op.defvjp(fwd, bwd)
-  return op(x)
+  return reverse_only(op, "jact.ops.avg_pool")(x)
