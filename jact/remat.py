@@ -21,8 +21,8 @@ L4 / GACT L2 swapping, the JAX way), and recompute everything else.
 >>> plain = jact.residual_report(lambda w, x: jax.checkpoint(block)(w, x).sum(), w, x)
 >>> plain.total_bytes + plain.argument_bytes - w.nbytes   # plain remat keeps x: 64 KiB
 65536
->>> jact.residual_report(loss, w, x).total_bytes           # a 4-bit copy of x
-8448
+>>> jact.residual_report(loss, w, x).total_bytes   # a 4-bit copy of x + its 8-byte rounding key
+8456
 """
 
 from __future__ import annotations

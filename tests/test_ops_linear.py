@@ -334,10 +334,11 @@ def test_bits_none_stores_plain_input():
   saved = _saved(f, x, w)
   shapes = sorted((tuple(a.shape), str(a.dtype)) for a, _ in saved)
   assert shapes == [((16, 64), "float32"), ((64, 8), "float32")]
-  # and the gradient is exact
+  # and the gradient is exact up to float32 reassociation (small entries are
+  # sums of cancelling terms, so the bound is relative to the gradient's scale)
   g = jax.jit(jax.grad(lambda w: jnp.sum(f(x, w) ** 2)))(w)
-  ge = jax.grad(lambda w: jnp.sum(((2.0 * x) @ w) ** 2))(w)
-  np.testing.assert_allclose(g, ge, rtol=1e-6)
+  ge = jax.jit(jax.grad(lambda w: jnp.sum(((2.0 * x) @ w) ** 2)))(w)
+  np.testing.assert_allclose(g, ge, rtol=1e-6, atol=1e-6 * float(jnp.abs(ge).max()))
 
 
 # ----------------------------------------------------------------------------- errors
