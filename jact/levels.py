@@ -162,7 +162,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
   """
   from jact.ops._core import Rounding, check_name  # pylint: disable=import-outside-toplevel
   from jact.residuals import (DEFAULT_MIN_SIZE, check_argnums,  # pylint: disable=import-outside-toplevel
-                              input_flags)
+                              input_flags, over_array_leaves)
   rounding = Rounding(bits, group_size, stochastic)  # validates the settings
   check_name(name)
   argnums = check_argnums(compress_argnums)
@@ -176,18 +176,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
       raise ValueError(
           f"jact level {name!r}: the convolutions' inputs are stochastically rounded, which "
           f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step).")
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
-               or hasattr(leaf, "aval") or hasattr(leaf, "__array__")]
-
-    def call(*values):
-      full = list(leaves)
-      for i, v in zip(dynamic, values):
-        full[i] = v
-      a, k = jax.tree.unflatten(treedef, full)
-      return block(*a, **k)
-
-    values = [leaves[i] for i in dynamic]
+    call, values, dynamic = over_array_leaves(block, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*values)
     flags = input_flags(block, args, kwargs, argnums)
     conv = _CompressedConv(key, bits, group_size, stochastic, min_size, name)

@@ -151,6 +151,23 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
 
 
+def over_array_leaves(fn, args, kwargs):
+  """`(call, values, dynamic)`: `call(*values)` is `fn(*args, **kwargs)` with
+  the array leaves of `(args, kwargs)` (indices `dynamic` among its leaves)
+  passed positionally and every other leaf held fixed."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+  def call(*values):
+    full = list(leaves)
+    for i, v in zip(dynamic, values):
+      full[i] = v
+    a, k = jax.tree.unflatten(treedef, full)
+    return fn(*a, **k)
+
+  return call, [leaves[i] for i in dynamic], dynamic
+
+
 def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
   """The stored form of one residual leaf (compressed, bit-packed or kept)."""
   if leaf.dtype == jnp.bool_:
@@ -466,21 +483,11 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   if isinstance(seed, NoKey) and _context.current("salt") is not None:
     seed = salt_seed(jnp.uint32(0))  # carries the estimator's salt into the forward rule
 
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-  static_leaves = list(leaves)
-
-  def call(*dynamic_leaves):
-    full = list(static_leaves)
-    for i, leaf in zip(dynamic, dynamic_leaves):
-      full[i] = leaf
-    a, k = jax.tree.unflatten(treedef, full)
-    return fn(*a, **k)
-
-  dynamic_leaves = [leaves[i] for i in dynamic]
+  call, dynamic_leaves, dynamic = over_array_leaves(fn, args, kwargs)
+  n_leaves = len(jax.tree.leaves((args, kwargs)))
   if compress_inputs is None:
-    compress_inputs = [False] * len(leaves)
-  if len(compress_inputs) != len(leaves):
+    compress_inputs = [False] * n_leaves
+  if len(compress_inputs) != n_leaves:
     raise ValueError("compress_inputs needs one flag per leaf of (args, kwargs)")
   if policy is not None:
     call = jax.checkpoint(call, policy=policy)
