@@ -37,8 +37,8 @@ import jaxlib
 import numpy as np
 
 from jact import kernels
-from jact.persample import per_sample_capacity
-from jact.quantize import effective_group_size, quantize_reference
+from jact.core.persample import per_sample_capacity
+from jact.core.quantize import effective_group_size, quantize_reference
 
 __all__ = ["CASES", "Case", "time_call", "main"]
 

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import jaxlib
 
 from jact.kernels import division, pergroup, persample, relu
-from jact.persample import quantize_per_sample_reference
-from jact.quantize import quantize_reference
+from jact.core.persample import quantize_per_sample_reference
+from jact.core.quantize import quantize_reference
 
 __all__ = ["TritonModule", "CompiledKernel", "KERNELS", "triton_modules", "compile_module",
            "ptx_facts", "compile_kernel", "main"]

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import rng as jact_rng
+from jact.core import rng as jact_rng
 from jact.ops.dropout import keep_mask
 
 __all__ = [

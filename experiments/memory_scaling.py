@@ -32,12 +32,11 @@ import sys
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jact import ops
-from jact.remat import checkpoint
+from jact.transforms.checkpoint import checkpoint
 from jact.report import compiled_memory, residual_report
-from jact.residuals import compressed
+from jact.transforms.compressed import compressed
 
 __all__ = ["BLOCKS", "scaling", "main"]
 

@@ -12,16 +12,21 @@ backward pass needs instead of the full-precision activation.
 (2, 256)
 """
 
-from jact import acgc, allocate, compressors, levels, ops, rng, sensitivity
-from jact.controller import CompressionVarianceWarning, Controller, ControllerState
+from jact.planning import acgc, levels, sensitivity
+from jact.core import allocate, rng
+from jact import compressors, ops
+from jact.planning.controller import CompressionVarianceWarning, Controller, ControllerState
 from jact.flax import linen as nn
 from jact.flax import nnx
 from jact.flax.convert import convert
-from jact.plan import BitPlan, UnknownResidualWarning, planned, use_plan
-from jact.quantize import Packed, PackedBits, dequantize, pack_codes, quantize, unpack_codes
-from jact.remat import checkpoint, offload_compressed, save_compressed, save_inputs_only
+from jact.planning.plan import BitPlan, UnknownResidualWarning, planned, use_plan
+from jact.core.quantize import Packed
+from jact.core.packing import PackedBits, pack_codes, unpack_codes
+from jact.kernels.api import dequantize, quantize
+from jact.transforms.checkpoint import (checkpoint, offload_compressed, save_compressed,
+                                        save_inputs_only)
 from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
-from jact.residuals import compressed
+from jact.transforms.compressed import compressed
 
 __version__ = "0.1.0"
 

@@ -34,7 +34,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jact.ops._core import JACT_NAME_PREFIX
+from jact.engine.jaxpr import checkpoint_name_of
+from jact.engine.names import JACT_NAME_PREFIX
 
 __all__ = [
     "Residual", "ResidualGroup", "ResidualReport", "residual_report",
@@ -267,19 +268,11 @@ def _summarize(eqn) -> str:
     return "?"
 
 
-def checkpoint_name_of(eqn) -> str | None:
-  """The `checkpoint_name` an equation applies, or None (any jax version)."""
-  if eqn.primitive.name == "name" and isinstance(eqn.params.get("name"), str):
-    return eqn.params["name"]
-  prim = eqn.params.get("_prim")  # newer jax: checkpoint_name as a hi-primitive
-  if type(prim).__name__ == "CheckpointName":
-    return getattr(prim, "name", None)
-  return None
 
 
 def _shown_name(name: str | None) -> str | None:
   """A residual name as reports show it: jact's reserved-namespace copy of a
-  residual name (see `jact.ops._core.tag`) without its prefix."""
+  residual name (see `jact.engine.names.tag`) without its prefix."""
   if name is not None and name.startswith(JACT_NAME_PREFIX):
     return name[len(JACT_NAME_PREFIX):]
   return name

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact.residuals import call_compressed
+from jact.transforms.compressed import call_compressed
 from stats import assert_unbiased, over_keys
 
 
@@ -165,7 +165,7 @@ def test_a_residual_shared_by_several_ops_is_stored_once():
   groups = {n: g for n, g in report.by_name().items() if n}
   assert len(groups) == 2, report
   # 4-bit codes + bf16 min and scale per group of 256 (rows of 128 values are
-  # grouped across rows: jact.ops._core.compress_residual)
+  # grouped across rows: jact.engine.store.compress_residual)
   one = 64 * 128 * 4 // 8 + 64 * 128 // 256 * 2 * 2
   assert report.total_bytes == 2 * one
   assert report.argument_bytes == 3 * w.nbytes  # weights kept once each, by reference

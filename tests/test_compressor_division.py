@@ -219,7 +219,7 @@ def test_conv_grad_and_residual_report():
   # seed as the op), with the exact output's cotangent 2 y.
   exact_gx = jax.grad(lambda x: jnp.sum(conv(x, kernel) ** 2))(x)
   np.testing.assert_allclose(gx, exact_gx, rtol=1e-5, atol=1e-5 * float(jnp.abs(exact_gx).max()))
-  site = jact.ops._core.site_seed(jact.rng.seed_from_key(key), 0, "c.lhs")
+  site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "c.lhs")
   x_hat = c.decompress(c.compress(x, site))
   _, vjp = jax.vjp(lambda k: conv(x_hat, k), kernel)
   (want,) = vjp(2 * conv(x, kernel))

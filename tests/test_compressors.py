@@ -44,7 +44,7 @@ def test_interface_bytes_json_and_dense_op(c):
   g = jax.grad(loss)(w)
   y = x @ w
   if c.needs_key:
-    site = jact.ops._core.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
+    site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
     x_hat = c.decompress(c.compress(x, site))
   expected = jnp.einsum("nhwc,nhwk->ck", x_hat, 2 * y)
   np.testing.assert_allclose(g, expected, rtol=2e-4, atol=2e-4 * float(jnp.abs(expected).max()))
@@ -63,7 +63,7 @@ def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
     name = f"{prefix}.{i}"
     if name in names:
       leaves[i] = c.decompress(c.compress(
-          leaf, jact.ops._core.site_seed(seed, i, name) if c.needs_key else None))
+          leaf, jact.engine.rounding.site_seed(seed, i, name) if c.needs_key else None))
   return jax.tree.unflatten(tree, leaves)(jnp.float32(1))
 
 
@@ -116,7 +116,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   # as "Conv_0.lhs" (the layer's first hook call folds 0 into its key).
   np.testing.assert_array_equal(grads["bias"], np.full(8, 4 * 8 * 8, np.float32))
   layer_key = jax.random.fold_in(_Probe().apply({}, rngs={"jact": jax.random.key(3)}), 0)
-  site = jact.ops._core.site_seed(jact.rng.seed_from_key(layer_key), 0, "Conv_0.lhs")
+  site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(layer_key), 0, "Conv_0.lhs")
   x_hat = c.decompress(c.compress(x, site if c.needs_key else None))
   _, vjp = jax.vjp(lambda w: _conv(x_hat, w), variables["params"]["Conv_0"]["kernel"])
   (want,) = vjp(jnp.ones((4, 8, 8, 8), jnp.float32))

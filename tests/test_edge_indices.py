@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact import rng
+from jact.core import rng
 
 D = importlib.import_module("jact.ops.dropout")  # `jact.ops.dropout` is the function
 X = jnp.asarray(np.random.default_rng(0).normal(size=(4, 33)), jnp.float32)

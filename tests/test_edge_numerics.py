@@ -17,7 +17,7 @@ from jact import compressors as C
 from jact import ops
 from jact.kernels import division as division_kernels
 from jact.kernels import pergroup as pergroup_kernels
-from jact.quantize import dequantize_reference, quantize_reference
+from jact.core.quantize import dequantize_reference, quantize_reference
 from kernel_checks import assert_same_bits, assert_same_packed
 from stats import assert_unbiased, over_keys
 
@@ -183,7 +183,7 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
 def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   """The per-sample quantizer (one width per sample) shares the group math: finite
   too, and its Pallas kernels (interpret mode) store and reconstruct the same bits."""
-  from jact import persample
+  from jact.core import persample
   from jact.kernels import persample as persample_kernels
   for x in (_f16_extremes(), _f32_wide()):
     widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)

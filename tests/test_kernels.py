@@ -14,9 +14,9 @@ import jact
 from jact import kernels
 from jact.compressors import PerGroup
 from jact.kernels import pergroup, relu
-from jact.ops.activation import relu_mask_reference
+from jact.core.packing import relu_mask_reference
 from jact.ops.linear import dense
-from jact.quantize import dequantize_reference, effective_group_size, quantize_reference
+from jact.core.quantize import dequantize_reference, effective_group_size, quantize_reference
 from kernel_checks import (assert_lowers_for_cuda, assert_same_bits, assert_same_packed,
                            poisoned_call)
 
@@ -50,15 +50,15 @@ def test_empty_and_oversized_inputs_use_the_reference():
 def test_registered_kernel_wins_by_priority_on_its_platform_only():
   impl = kernels.Implementation("quantize", "test_fast", quantize_reference,
                                 platforms=("tpu",), priority=20)
-  kernels.register(impl)
-  try:
-    assert kernels.select("quantize", platform="tpu").name == "test_fast"
-    assert kernels.select("quantize", platform="cpu").name == "xla"
-    with kernels.use(quantize="xla"):
-      assert kernels.select("quantize", platform="tpu").name == "xla"
-    assert kernels.select("quantize", implementation="xla", platform="tpu").name == "xla"
-  finally:
-    kernels._REGISTRY["quantize"].pop("test_fast")
+  table = kernels.REGISTRY.extended(impl)
+  assert table.select("quantize", platform="tpu").name == "test_fast"
+  assert table.select("quantize", platform="cpu").name == "xla"
+  with table.use(quantize="xla"):
+    assert table.select("quantize", platform="tpu").name == "xla"
+  assert table.select("quantize", implementation="xla", platform="tpu").name == "xla"
+  assert "test_fast" not in kernels.available("quantize")  # the shared table is unchanged
+  with pytest.raises(TypeError):
+    kernels.available("quantize")["test_fast"] = impl
 
 
 def test_unknown_names_raise_with_the_choices():
@@ -142,7 +142,7 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   """On a GPU machine ops stage the kernel for cuda and the reference for every
   other platform: running on the CPU gives the reference's bits, not a failed
   Triton lowering; lowering for cuda gives the Triton call."""
-  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(1), (8, 512))
   w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
 
@@ -155,18 +155,18 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   jaxpr = str(jax.make_jaxpr(grad)(x, w))
   assert "platform_index" in jaxpr and "pallas_call" in jaxpr
   staged = jax.jit(grad)(x, w)  # the CPU runs the reference branch
-  monkeypatch.setattr(kernels, "_backend", lambda: "cpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "cpu")
   reference_grad = make_grad()
   assert "platform_index" not in str(jax.make_jaxpr(reference_grad)(x, w))
   for a, b in zip(staged, jax.jit(reference_grad)(x, w)):
     assert_same_bits(a, b)
-  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   assert "__gpu$xla.gpu.triton" not in _cuda_text(grad, x, w, platforms=("cpu",))
   assert _cuda_text(grad, x, w).count("__gpu$xla.gpu.triton") >= 3  # quantize, relu, dequantize
 
 
 def test_staged_arguments_keep_static_values_static(monkeypatch):
-  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(5), (4, 300)).astype(jnp.bfloat16)
   quantize = kernels.dispatch("quantize", size=x.size)
   assert quantize is not kernels.available("quantize")["pallas_triton"].fn
@@ -186,7 +186,7 @@ def test_staged_arguments_keep_static_values_static(monkeypatch):
 
 
 def test_report_names_the_kernel_of_the_platform_it_runs_on(monkeypatch):
-  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(1), (8, 512))
   w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
 
@@ -279,7 +279,7 @@ def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch)
     return jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile()
 
   plain = compiled()
-  monkeypatch.setattr(kernels, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   staged = compiled()
   assert " conditional(" not in staged.as_text() and " case(" not in staged.as_text()
   assert (staged.memory_analysis().temp_size_in_bytes

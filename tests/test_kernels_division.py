@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jact.compressors._base import from_dict
-from jact.compressors.division import Division, _blocks, _pool, division_compress_reference
+from jact.compressors.division import Division
+from jact.core.division import pool_blocks, pool, division_compress_reference
 from jact.kernels import division
 from kernel_checks import assert_same_bits, assert_same_packed
 
@@ -52,7 +53,7 @@ def sequential_pool(x, block):
 @pytest.mark.parametrize("shape,block", [((2, 10, 10, 8), 4), ((1, 5, 3, 9, 8), 2), ((2, 7, 8), 8)])
 def test_reference_pooling_sums_in_the_documented_order(shape, block):
   x = activation(shape, seed=3, specials=True)
-  pooled = jax.jit(functools.partial(_pool, blocks=_blocks(shape[1:-1], block)))(x)
+  pooled = jax.jit(functools.partial(pool, blocks=pool_blocks(shape[1:-1], block)))(x)
   assert_same_bits(pooled, jnp.asarray(sequential_pool(x, block)))
 
 

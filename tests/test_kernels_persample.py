@@ -16,9 +16,10 @@ import pytest
 
 from jact import kernels
 from jact.kernels import persample
-from jact.persample import (dequantize_per_sample, dequantize_per_sample_reference,
-                            per_sample_capacity, quantize_per_sample, quantize_per_sample_reference)
-from jact.quantize import effective_group_size
+from jact.kernels.api import dequantize_per_sample, quantize_per_sample
+from jact.core.persample import (dequantize_per_sample_reference, per_sample_capacity,
+                                 quantize_per_sample_reference)
+from jact.core.quantize import effective_group_size
 from kernel_checks import assert_lowers_for_cuda, assert_same_bits, poisoned_call
 
 def assert_same_packed(p, r):

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import jact
-from jact.allocate import allocate_per_sample
-from jact.persample import (PackedPerSample, dequantize_per_sample, per_sample_capacity,
-                            quantize_per_sample)
-from jact.quantize import effective_group_size, pack_bits, unpack_bits
+from jact.core.allocate import allocate_per_sample
+from jact.core.persample import PackedPerSample, per_sample_capacity
+from jact.kernels.api import dequantize_per_sample, quantize_per_sample
+from jact.core.quantize import effective_group_size
+from jact.core.packing import pack_bits, unpack_bits
 from stats import assert_unbiased
 
 

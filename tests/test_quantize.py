@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jact.quantize
-from jact.quantize import (Packed, PackedBits, dequantize, effective_group_size, pack_bits,
-                           pack_codes, quantize, unpack_bits, unpack_codes)
+import jact
+from jact.core.quantize import Packed, effective_group_size
+from jact.core.packing import PackedBits, pack_bits, pack_codes, unpack_bits, unpack_codes
+from jact.kernels.api import dequantize, quantize
 from stats import assert_unbiased
 
 BITS = (1, 2, 4, 8)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-import jact.rng
-from jact.rng import hash_uint32, seed_from_key, split_seed, uniform_from_bits
+import jact
+from jact.core.rng import hash_uint32, seed_from_key, split_seed, uniform_from_bits
 
 N = 1_000_000
 P_MIN = 1e-4  # chi-square p-value threshold (fixed seeds: a pass is reproducible)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping
 import jax
 import jax.numpy as jnp
 
-from jact.quantize import FLOAT_DTYPES
+from jact.core.quantize import FLOAT_DTYPES
 
 __all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "as_channel_rows",
            "check_implementation"]

@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels as _channels
-from jact.quantize import FLOAT_DTYPES, pack_codes, unpack_codes
+from jact.core.quantize import FLOAT_DTYPES
+from jact.core.packing import pack_codes, unpack_codes
 
 __all__ = ["BLPA", "BLPA_BITS", "check_blpa_bits", "blpa_grid", "blpa_encode", "blpa_decode",
            "blpa_quantize", "blpa_dequantize"]

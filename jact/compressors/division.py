@@ -11,7 +11,7 @@ taken against the LFC *as stored*, so E[decompress] = x up to float rounding.
 Kernels: `compress` runs the "division_compress" op of `jact.kernels` (the
 XLA reference `division_compress_reference`, or a one-pass Pallas kernel on
 GPU; `implementation=` picks one); all store the same bits, since the pooling
-sums in a fixed order (see `_pool`).
+sums in a fixed order (see `pool`).
 
 Blocks: a spatial axis shorter than B is one block (its whole extent); when B
 does not divide an axis the last, partial block averages only its valid
@@ -46,7 +46,6 @@ plus the group statistics.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any
 
@@ -56,100 +55,27 @@ import numpy as np
 
 from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
-from jact.quantize import FLOAT_DTYPES, check_bits, check_group_size, dequantize, finite_clamp
+from jact.core.quantize import FLOAT_DTYPES, check_group_size, finite_clamp
+from jact.core.packing import check_bits
+from jact.core.division import check_rank, pool_blocks, stored_lfc, upsample
+from jact.kernels.api import dequantize
 
 __all__ = ["Division", "division_compress_reference"]
 
-_F32 = jnp.float32
 
 
-def _check_rank(shape: tuple[int, ...]) -> None:
-  if not 2 <= len(shape) <= 5:
-    raise ValueError(
-        f"Division takes channels-last inputs of rank 2 to 5 ((N, C), (N, L, C), "
-        f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(shape)}; reshape the "
-        "residual to one of these layouts or use PerGroup for other shapes.")
 
 
-def _blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
-  """Block size per spatial axis: B, or the whole axis when it is shorter (1 for an empty axis)."""
-  return tuple(max(1, min(block, s)) for s in spatial)
 
 
-def _counts(spatial: tuple[int, ...], blocks: tuple[int, ...]) -> np.ndarray:
-  """Valid elements in each pooling block, shape (n_1, ..., n_k) (static)."""
-  count = np.ones((), np.float32)
-  for s, b in zip(spatial, blocks):
-    n = -(-s // b)
-    per_axis = np.minimum(b, s - b * np.arange(n)).astype(np.float32)
-    count = np.multiply.outer(count, per_axis)
-  return count
 
 
-def _pool(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
-  """Average pooling (float32) of the finite values over the spatial axes, partial
-  blocks over valid elements, 0.0 for a block without finite values.
-
-  The float32 sum has a fixed order, so a kernel can reproduce it bit for bit:
-  the block's offsets in row-major order, acc = x[offset 0]; acc = acc +
-  x[offset] (a non-finite value adds 0.0, as does an offset out of range of a
-  partial block), then acc * (1 / count), count the block's finite values and
-  the reciprocal a correctly rounded float32 division.
-  """
-  spatial = x.shape[1:-1]
-  n = tuple(-(-s // b) for s, b in zip(spatial, blocks))
-  x = x.astype(jnp.float32)
-  acc = bad = None
-  for offset in itertools.product(*map(range, blocks)):
-    part = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)), slice(None))]
-    short = [m - p for m, p in zip(n, part.shape[1:-1])]
-    if any(short):  # a partial last block has no element at this offset: adds 0.0
-      part = jax.lax.pad(part, jnp.float32(0.0), ((0, 0, 0), *((0, k, 0) for k in short),
-                                                  (0, 0, 0)))
-    finite = jnp.isfinite(part)
-    part, miss = jnp.where(finite, part, 0.0), jnp.where(finite, _F32(0.0), _F32(1.0))
-    acc, bad = (part, miss) if acc is None else (acc + part, bad + miss)
-  count = jnp.asarray(_counts(spatial, blocks))[None, ..., None] - bad
-  return acc * jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
 
 
-def _stored_lfc(x: jax.Array, blocks: tuple[int, ...], lfc_dtype) -> jax.Array:
-  """The LFC as stored: the pooled map in `lfc_dtype`, 0 where that is not finite
-  (a float32 sum or a narrow `lfc_dtype` overflowed): the HFC then holds x itself."""
-  lfc = _pool(x, blocks).astype(lfc_dtype)
-  return jnp.where(jnp.isfinite(lfc), lfc, jnp.zeros((), lfc_dtype))
 
 
-def _upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...]) -> jax.Array:
-  """Nearest-neighbour upsampling of the pooled map back to `spatial` (float32)."""
-  lfc = lfc.astype(jnp.float32)
-  n = lfc.shape[1:-1]
-  expanded, tiled = [lfc.shape[0]], [lfc.shape[0]]
-  for m, b in zip(n, blocks):
-    expanded += [m, 1]
-    tiled += [m, b]
-  expanded.append(lfc.shape[-1])
-  tiled.append(lfc.shape[-1])
-  up = jnp.broadcast_to(lfc.reshape(expanded), tiled)
-  up = up.reshape((lfc.shape[0],) + tuple(m * b for m, b in zip(n, blocks)) + (lfc.shape[-1],))
-  if up.shape[1:-1] != tuple(spatial):
-    up = up[(slice(None),) + tuple(slice(0, s) for s in spatial)]
-  return up
 
 
-def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
-                                group_size: int, lfc_dtype: Any):
-  """The XLA reference of the "division_compress" kernel op: (LFC, packed HFC).
-
-  For an input of rank 3 to 5: LFC = the pooled map in `lfc_dtype`, HFC =
-  x - upsample(LFC as stored), quantized by `PerGroup(bits, group_size)` with
-  `seed` (a sample shorter than a group is quantized as one row).
-  """
-  spatial = tuple(x.shape[1:-1])
-  blocks = _blocks(spatial, block)
-  lfc = _stored_lfc(x, blocks, lfc_dtype)
-  hfc = x.astype(jnp.float32) - _upsample(lfc, blocks, spatial)
-  return lfc, PerGroup(bits, group_size, True).compress(hfc, seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +151,7 @@ class Division(Compressor):
     arrays = {}
     if self.keep == "lfc":  # no HFC: the pooled map alone
       spatial = shape[1:-1]
-      arrays["lfc"] = _stored_lfc(x, _blocks(spatial, self.block), self.lfc_dtype)
+      arrays["lfc"] = stored_lfc(x, pool_blocks(spatial, self.block), self.lfc_dtype)
     else:
       from jact import kernels  # the registry imports this module lazily
 
@@ -238,7 +164,7 @@ class Division(Compressor):
     return Compressed(arrays, self, shape, x.dtype)
 
   def _check_keep(self, shape) -> None:
-    _check_rank(shape)
+    check_rank(shape)
     if len(shape) == 2 and self.keep == "lfc":
       raise ValueError("Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
                        "input has no low-frequency part.")
@@ -250,7 +176,7 @@ class Division(Compressor):
       out = jnp.zeros(stored.shape, jnp.float32)
     if "lfc" in stored.arrays:
       spatial = tuple(stored.shape[1:-1])
-      out = out + _upsample(stored.arrays["lfc"], _blocks(spatial, self.block), spatial)
+      out = out + upsample(stored.arrays["lfc"], pool_blocks(spatial, self.block), spatial)
     dtype = jnp.dtype(dtype or stored.dtype)
     return finite_clamp(out, dtype).reshape(stored.shape).astype(dtype)
 
@@ -263,5 +189,5 @@ class Division(Compressor):
     if len(shape) == 2 or self.keep == "hfc":
       return hfc
     spatial = shape[1:-1]
-    pooled = math.prod(-(-s // b) for s, b in zip(spatial, _blocks(spatial, self.block)))
+    pooled = math.prod(-(-s // b) for s, b in zip(spatial, pool_blocks(spatial, self.block)))
     return hfc + shape[0] * pooled * shape[-1] * self.lfc_dtype.itemsize

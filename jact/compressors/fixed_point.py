@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels
-from jact.quantize import pack_codes, unpack_codes
+from jact.core.packing import pack_codes, unpack_codes
 
 __all__ = ["Fixpoint", "FIXPOINT_BITS"]
 

@@ -20,20 +20,11 @@ from typing import Any
 import jax
 
 from jact.compressors._base import Compressor, check_implementation
-from jact.quantize import (Packed, check_bits, check_group_size, dequantize,
-                           effective_group_size, quantize)
+from jact.core.quantize import Packed, as_rows, check_group_size, effective_group_size
+from jact.core.packing import check_bits
+from jact.kernels.api import dequantize, quantize
 
-__all__ = ["PerGroup", "as_rows"]
-
-
-def as_rows(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-  """The shape quantized: the input's, or one row when a sample is shorter than a
-  group (or the input is 1-D), since padding and group statistics would
-  otherwise cost more than the codes."""
-  d = math.prod(shape[1:]) if len(shape) else 1
-  if len(shape) <= 1 or d < group_size:
-    return (1, math.prod(shape))
-  return tuple(shape)
+__all__ = ["PerGroup"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from jax import lax
 
 from jact.compressors._base import Compressed, Compressor, channels
 from jact.compressors.fixed_point import FIXPOINT_BITS, Fixpoint
-from jact.quantize import pack_codes, unpack_bits
+from jact.core.packing import pack_codes, unpack_bits
 
 __all__ = ["ZeroValue", "nonzeros"]
 

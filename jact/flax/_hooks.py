@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.attention import dot_product_attention as flax_attention
 
-from jact.ops._core import Rounding
+from jact.engine.rounding import Rounding
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
 

@@ -1,7 +1,7 @@
 """`jact.compressed` for whole Flax modules (linen and nnx).
 
 `jact.compressed(fn)` stores the VJP residuals of a JAX function compressed
-(see `jact.residuals`). Applied to a Flax module it does the same for the
+(see `jact.transforms.compressed`). Applied to a Flax module it does the same for the
 module's forward pass, keeping the module's variables exactly as they are:
 
 * **linen** -- `jact.compressed(SomeModule, bits=2)` returns a module class, a
@@ -95,7 +95,8 @@ from flax.core import lift
 from flax.linen import transforms as linen_transforms
 from flax.nnx import rnglib
 
-from jact.residuals import ResidualConfig, call_compressed, check_argnums, input_flags
+from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
+                                        check_argnums, input_flags)
 
 __all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function",
            "has_graph_nodes"]
@@ -431,3 +432,7 @@ class CompressedModule(nnx.Module):
     cfg = dataclasses.replace(settings.config, name=self.residual_name)
     return nnx_call(self.module, type(self.module).__call__, args, kwargs, key=key, config=cfg,
                     policy=settings.policy, compress_argnums=settings.argnums)
+
+
+add_module_route(ModuleRoute(handles=is_flax, wrap=wrap, takes_arguments=has_graph_nodes,
+                             call=call_function))

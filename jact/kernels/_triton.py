@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jact import rng
+from jact.core import rng
 
 __all__ = ["mul", "add", "div", "bf16_down", "bf16_up", "noise", "load", "store", "next_pow2",
            "call", "compiler_params", "on_gpu", "check_int32"]

@@ -28,7 +28,7 @@ Two paths:
   gathered LFC value of each element before encoding: x is read twice.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.compressors.division import division_compress_reference
+>>> from jact.core.division import division_compress_reference
 >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 16))
 >>> args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.bfloat16)
 >>> lfc, hfc = division_compress(x, jnp.uint32(3), interpret=True, **args)
@@ -51,10 +51,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jact.compressors.pergroup import as_rows
+from jact.core.quantize import as_rows
 from jact.kernels import _triton as T
 from jact.kernels.pergroup import encode_tile, packed_out_shape, packing_geometry
-from jact.quantize import Packed, check_bits, check_group_size, effective_group_size
+from jact.core.quantize import Packed, check_group_size, effective_group_size
+from jact.core.packing import check_bits
 
 __all__ = ["division_compress", "fused"]
 

@@ -4,7 +4,7 @@
 bf16 minimum and step: the finite-only min/max, the directed bf16 rounding,
 the hashed stochastic rounding and the planar bit packing all happen in one
 pass. `dequantize` is the inverse pass. Both are bit-exact with
-`jact.quantize.quantize_reference` / `dequantize_reference` for the same seed.
+`jact.core.quantize.quantize_reference` / `dequantize_reference` for the same seed.
 
 One program handles `rows` groups; group r (sample r // groups, group
 r % groups) covers flat elements [sample * D + g * G, ... + G) of the
@@ -13,7 +13,7 @@ here it is masked out with NaN). Each of the k = 8 // bits planes of a group
 is a contiguous run of Q = G / k values, loaded as a power-of-two tile.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.quantize import quantize_reference
+>>> from jact.core.quantize import quantize_reference
 >>> x = jax.random.normal(jax.random.key(0), (4, 300))
 >>> seed = jnp.uint32(5)
 >>> p = quantize(x, seed, bits=2, group_size=152, stochastic=True, interpret=True)
@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
-from jact.quantize import Packed, grid_scale
+from jact.core.quantize import Packed, grid_scale
 
 __all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "decode_values",
            "inverse_step",
@@ -79,7 +79,7 @@ def group_stats(planes, levels, *, interpret: bool):
   NaN (masked-out) values are ignored. `levels` is float32 2**bits - 1, a
   scalar or [R]. Returns float32 [R] arrays: the minimum and step (bf16
   values, rounded down and up), the finite maximum and 1 / (step * s) (0 if
-  step is 0), s the grid scale of the group's range (`jact.quantize.grid_scale`).
+  step is 0), s the grid scale of the group's range (`jact.core.quantize.grid_scale`).
   """
   lo = hi = None
   for v in planes:
@@ -123,8 +123,8 @@ def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: b
 
 
 def decode_values(code, minimum, step, dtype, *, interpret: bool):
-  """float32 code * step + minimum, as `jact.quantize.group_values` computes it,
-  clamped into the finite range of `dtype` (`jact.quantize.finite_clamp`)."""
+  """float32 code * step + minimum, as `jact.core.quantize.group_values` computes it,
+  clamped into the finite range of `dtype` (`jact.core.quantize.finite_clamp`)."""
   s, inv_s = grid_scale(step)
   value = T.add(T.mul(code, T.mul(step, s, interpret), interpret), T.mul(minimum, s, interpret),
                 interpret)
@@ -193,7 +193,7 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
              rows: int | None = None) -> Packed:
   """Per-group quantization of x (N, ...) in one Pallas pass.
 
-  Same contract as `jact.quantize.quantize_reference`: `group_size` is the
+  Same contract as `jact.core.quantize.quantize_reference`: `group_size` is the
   effective group size (a multiple of 8), `seed` a uint32 scalar (ignored
   when not stochastic). `interpret` defaults to True off GPU; `rows` sets
   the groups per program (tests use it to bound the grid).

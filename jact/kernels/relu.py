@@ -6,7 +6,7 @@ the mask is `jact.pack_codes(mask, 1)` of the flattened input (k = 8 planes:
 byte j holds values j, j + Q, ..., j + 7Q with Q = ceil(n / 8)).
 
 >>> import jax, jax.numpy as jnp
->>> from jact.ops.activation import relu_mask_reference
+>>> from jact.core.packing import relu_mask_reference
 >>> x = jax.random.normal(jax.random.key(0), (3, 50))
 >>> y, m = relu_mask(x, interpret=True)
 >>> y_ref, m_ref = relu_mask_reference(x)
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
-from jact.quantize import PackedBits
+from jact.core.packing import PackedBits
 
 __all__ = ["relu_mask"]
 

@@ -15,7 +15,7 @@ derivative through a compressed residual (exact ones, bits=None, allow it).
 (4, 3)
 """
 
-from jact.ops._core import Rounding
+from jact.engine.rounding import Rounding
 from jact.ops.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from jact.ops.attention import dot_product_attention
 from jact.ops.blpa import blpa_block

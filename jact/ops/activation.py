@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
-from jact.quantize import pack_codes, unpack_codes
-from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
-                            finish_forward, make_seed, restore_residual, tag)
-from jact.ops._derivatives import reverse_only
+from jact.core.packing import unpack_codes
+from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.names import check_name, tag
+from jact.engine.store import compress_residual, restore_residual
+from jact.engine.derivatives import reverse_only
 
 __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
 
@@ -37,13 +39,6 @@ __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "
 # ----------------------------------------------------------------------------- mask activations
 
 
-def relu_mask_reference(x: jax.Array, *, negative_slope: float | None = None):
-  """(activation, packed 1-bit mask): `jax.nn.relu(x)` and x > 0 without a
-  slope, else `jax.nn.leaky_relu(x, negative_slope)` and x >= 0 (the XLA
-  reference of the "relu_mask" kernel)."""
-  if negative_slope is None:
-    return jax.nn.relu(x), pack_codes(x > 0, 1)
-  return jax.nn.leaky_relu(x, negative_slope), pack_codes(x >= 0, 1)
 
 
 def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):

@@ -22,7 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jact.ops._core import Rounding, check_float, check_name
+from jact.engine.rounding import Rounding, check_float
+from jact.engine.names import check_name
 from jact.ops.activation import softmax
 from jact.ops.dropout import check_rate, dropout
 from jact.ops.linear import einsum

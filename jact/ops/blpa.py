@@ -41,10 +41,12 @@ from jax import lax
 
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
-from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
-from jact.ops._derivatives import first_order_only, reverse_only
+from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.rounding import check_float
+from jact.engine.names import check_name, tag
+from jact.engine.derivatives import first_order_only, reverse_only
 from jact.ops.linear import _channels_last
-from jact.quantize import pack_codes, unpack_codes
+from jact.core.packing import pack_codes, unpack_codes
 
 __all__ = ["blpa_block", "blpa_block_reference", "block_conv"]
 

@@ -57,9 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jact.ops._core import (Rounding, barrier, check_float, check_name, compress_residual,
-                            finish_forward, make_seed, restore_residual, tag)
-from jact.ops._derivatives import reverse_only
+from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.names import check_name, tag
+from jact.engine.store import compress_residual, restore_residual
+from jact.engine.derivatives import reverse_only
 
 __all__ = ["chunked_attention"]
 

@@ -25,9 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import rng
-from jact.ops._core import barrier, check_float, check_name, tag
-from jact.ops._derivatives import reverse_only
+from jact.core import rng
+from jact.engine.scheduling import barrier
+from jact.engine.rounding import check_float
+from jact.engine.names import check_name, tag
+from jact.engine.derivatives import reverse_only
 
 __all__ = ["dropout", "keep_mask", "check_rate"]
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jact.ops._core import barrier, check_name, tag
-from jact.ops._derivatives import reverse_only
+from jact.engine.scheduling import barrier
+from jact.engine.names import check_name, tag
+from jact.engine.derivatives import reverse_only
 
 __all__ = ["embed"]
 

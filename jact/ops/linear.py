@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jact import _probe
-from jact.ops._core import Rounding, check_float, check_name, make_seed, save_compressed
+from jact.engine import probe as _probe
+from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.engine.names import check_name
+from jact.engine.store import vjp_with_compressed_inputs
 
 __all__ = ["dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose"]
 
@@ -47,7 +49,7 @@ def _apply(fn, args, *, compress, key, bits, group_size, stochastic, name, op, l
   name = check_name(name)
   seed = make_seed(key, rounding, op)
   names = tuple(f"{name}.{role}" for role in ("lhs", "rhs", "arg2")[:len(args)])
-  y = save_compressed(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names,
+  y = vjp_with_compressed_inputs(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names,
                       op=op)
   collector = _probe.active()
   if collector is not None and layer is not None and compress[0] and bits is not None:

@@ -35,9 +35,11 @@ import numpy as np
 from jax import lax
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
-from jact.quantize import SUPPORTED_BITS, pack_codes, unpack_codes
-from jact.ops._core import barrier, check_float, check_name, finish_forward, tag
-from jact.ops._derivatives import reverse_only
+from jact.core.packing import SUPPORTED_BITS, pack_codes, unpack_codes
+from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.rounding import check_float
+from jact.engine.names import check_name, tag
+from jact.engine.derivatives import reverse_only
 
 __all__ = ["max_pool", "avg_pool", "argmax_bits"]
 

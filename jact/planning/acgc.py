@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact.compressors import Fixpoint, ZeroValue
-from jact.plan import BitPlan
-from jact.sensitivity import collect_layer_stats, find_residuals
+from jact.planning.plan import BitPlan
+from jact.planning.sensitivity import collect_layer_stats, find_residuals
 
 __all__ = ["ACGCState", "ErrorBounded", "error_bounded", "tolerance", "bits_for_levels"]
 

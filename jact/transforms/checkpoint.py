@@ -33,9 +33,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jact.ops._core import JACT_NAME_PREFIX, is_jact_name
-from jact.residuals import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed, check_argnums,
-                            compressed, input_flags, reserved_key_check, returning_arrays)
+from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
+from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
+                                        check_argnums, compressed, input_flags, reserved_key_check,
+                                        returning_arrays)
 
 __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
            "CompressedNamesPolicy"]
@@ -58,7 +59,7 @@ class CompressedNamesPolicy:
   """A `jax.checkpoint` policy that saves (or offloads) jact's compressed residuals.
 
   A value is selected when its `checkpoint_name` is in jact's reserved
-  namespace (`jact.ops._core.tag` names every residual piece
+  namespace (`jact.engine.names.tag` names every residual piece
   `JACT_NAME_PREFIX + name`) and `name` starts with one of `prefixes` (all
   jact residuals when `prefixes` is empty). Every other value, a user's own
   `checkpoint_name`s included, is recomputed. Like jax's policies, a

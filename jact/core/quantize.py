@@ -31,12 +31,16 @@ largest bfloat16) is stored as -3.39e38, and values below it come back as
 that (off by less than 0.4%); and at 1 bit a range above 3.39e38 gets the step
 3.39e38, so values above minimum + 3.39e38 come back as that value.
 
+The entry points that pick a kernel are `jact.quantize` / `jact.dequantize`
+(`jact.kernels.api`); this module holds the reference they are checked against.
+
 >>> import jax, jax.numpy as jnp
+>>> from jact.core import rng
 >>> x = jnp.linspace(-1.0, 1.0, 2 * 320).reshape(2, 320)
->>> p = quantize(x, jax.random.key(0), bits=4)
+>>> p = quantize_reference(x, rng.seed_from_key(jax.random.key(0)), bits=4, group_size=160)
 >>> p.data.shape, p.data.dtype, p.nbytes, p.group_size
 ((2, 2, 80), dtype('uint8'), 336, 160)
->>> bool(jnp.abs(dequantize(p) - x).max() <= 2 / 15)
+>>> bool(jnp.abs(dequantize_reference(p) - x).max() <= 2 / 15)
 True
 """
 
@@ -50,25 +54,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import rng
+from jact.core import rng
+from jact.core.packing import SUPPORTED_BITS, check_bits, pack_bits, unpack_bits
 
 __all__ = [
-    "Packed", "PackedBits", "quantize", "dequantize", "quantize_reference", "dequantize_reference", "pack_bits", "unpack_bits",
-    "pack_codes", "unpack_codes", "check_bits", "check_group_size", "effective_group_size",
-    "SUPPORTED_BITS", "FLOAT_DTYPES",
+    "Packed", "quantize_reference", "dequantize_reference", "check_bits", "check_group_size",
+    "check_float_dtype", "effective_group_size", "as_rows", "quantize_rows_reference", "grouped", "finite_min_max",
+    "grid_scale", "finite_clamp", "group_values", "group_codes", "bf16_directed",
+    "bf16_round_directed", "SUPPORTED_BITS", "FLOAT_DTYPES",
 ]
 
-SUPPORTED_BITS = (1, 2, 4, 8)
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def check_bits(bits: Any) -> int:
-  """Validates a bit width; returns it as int."""
-  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
-    raise ValueError(
-        f"bits must be one of {SUPPORTED_BITS}, got {bits!r}. Pick 1, 2, 4 or 8 "
-        "(use bits=None on an op to keep its residual uncompressed).")
-  return int(bits)
 
 
 def check_group_size(group_size: Any) -> int:
@@ -81,7 +78,7 @@ def check_group_size(group_size: Any) -> int:
   return int(group_size)
 
 
-def _check_float(x) -> jnp.dtype:
+def check_float_dtype(x) -> jnp.dtype:
   dtype = jnp.dtype(x.dtype)
   if dtype not in FLOAT_DTYPES:
     raise TypeError(
@@ -89,102 +86,6 @@ def _check_float(x) -> jnp.dtype:
         "the input (x.astype(jnp.float32)); integer and boolean residuals are "
         "stored exactly instead (see jact.pack_codes for masks).")
   return dtype
-
-
-# ----------------------------------------------------------------------------- bit packing
-
-
-def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
-  """Packs uint codes < 2**bits along the last axis, planar layout.
-
-  The last axis n must be a multiple of k = 8 // bits; the result has n // k
-  bytes on that axis, byte j holding codes j, j + n//k, j + 2n//k, ...
-  """
-  bits = check_bits(bits)
-  k = 8 // bits
-  n = codes.shape[-1]
-  if n % k:
-    raise ValueError(f"last axis ({n}) must be a multiple of {k} to pack {bits}-bit codes")
-  codes = codes.astype(jnp.uint8)
-  if k == 1:
-    # One code per byte: split it into two nibble planes so that packing is
-    # still the reduction below (see there).
-    planes = jnp.stack([codes & jnp.uint8(15), codes >> jnp.uint8(4)], axis=-2)
-    shifts = jnp.array([0, 4], jnp.uint8)
-  else:
-    planes = codes.reshape(*codes.shape[:-1], k, n // k)
-    shifts = jnp.arange(k, dtype=jnp.uint8) * jnp.uint8(bits)
-  # Packing is a *reduction* over the plane axis (the fields are disjoint, so
-  # the sum is their bitwise or). XLA never fuses a reduction into a consumer
-  # that reads its elements several times, so the packed bytes are
-  # materialized right here in the forward pass. Written as elementwise ors,
-  # XLA:CPU (which expands optimization barriers before fusion) fused the
-  # packing into the unpacking in the backward pass and kept the
-  # full-precision input alive until then.
-  return jnp.sum(planes << shifts[:, None], axis=-2, dtype=jnp.uint8)
-
-
-def unpack_bits(data: jax.Array, bits: int) -> jax.Array:
-  """Inverse of `pack_bits`: uint8 bytes -> uint8 codes (last axis grows k-fold)."""
-  bits = check_bits(bits)
-  k = 8 // bits
-  if k == 1:
-    return data
-  mask = jnp.uint8((1 << bits) - 1)
-  shifts = jnp.arange(k, dtype=jnp.uint8) * jnp.uint8(bits)
-  # Broadcast the shifts over a new plane axis (a stack of k slices would be a
-  # concatenate, which XLA:CPU never fuses into the consumer).
-  planes = (data[..., None, :] >> shifts[:, None]) & mask
-  return planes.reshape(*data.shape[:-1], k * data.shape[-1])
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedBits:
-  """Integer codes < 2**bits (masks, arg-max positions) packed losslessly.
-
-  Attributes:
-    data: uint8 bytes, planar layout over the flattened codes.
-    shape: shape of the original code array (static).
-    bits: width of one code (static).
-  """
-  data: jax.Array
-  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-  bits: int = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def nbytes(self) -> int:
-    return int(self.data.size)
-
-
-def pack_codes(codes: jax.Array, bits: int) -> PackedBits:
-  """Packs an integer or boolean array of codes < 2**bits losslessly.
-
-  >>> import jax.numpy as jnp
-  >>> m = jnp.arange(10) % 3 == 0
-  >>> p = pack_codes(m, 1)
-  >>> p.nbytes, bool((unpack_codes(p) == m).all())
-  (2, True)
-  """
-  bits = check_bits(bits)
-  k = 8 // bits
-  flat = jnp.ravel(codes).astype(jnp.uint8)
-  n = flat.size
-  padded = -(-max(n, 1) // k) * k
-  flat = jnp.pad(flat, (0, padded - n))
-  return PackedBits(pack_bits(flat, bits), tuple(codes.shape), bits)
-
-
-def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
-  """Inverse of `pack_codes` (booleans come back as bool when bits == 1 and dtype is None)."""
-  n = math.prod(packed.shape)
-  flat = unpack_bits(packed.data, packed.bits)[:n].reshape(packed.shape)
-  if dtype is None:
-    return flat.astype(jnp.bool_) if packed.bits == 1 else flat
-  return flat.astype(dtype)
-
-
-# ----------------------------------------------------------------------------- quantizer
 
 
 @jax.tree_util.register_dataclass
@@ -215,16 +116,22 @@ class Packed:
     return int(self.data.size + 2 * self.minimum.size + 2 * self.scale.size)
 
 
-def _bf16_directed(x: jax.Array, up: bool) -> jax.Array:
-  """Rounds float32 to bfloat16 towards +inf (up) or -inf (down), exactly."""
-  u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+def bf16_round_directed(x: jax.Array, up: bool) -> jax.Array:
+  """float32 -> the float32 value of x rounded to bfloat16 towards +inf (up) or
+  -inf (down), exactly. Shared by the reference and the Pallas kernels."""
+  u = jax.lax.bitcast_convert_type(x, jnp.uint32)
   truncated = u & jnp.uint32(0xFFFF0000)
   inexact = (u & jnp.uint32(0xFFFF)) != 0
   negative = (u >> 31) == 1
   # Truncation moves toward zero; move one bf16 ulp away from zero when that is the wrong way.
   bump = inexact & (negative if not up else ~negative)
   out = truncated + jnp.where(bump, jnp.uint32(0x10000), jnp.uint32(0))
-  return jax.lax.bitcast_convert_type(out, jnp.float32).astype(jnp.bfloat16)
+  return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
+def bf16_directed(x: jax.Array, up: bool) -> jax.Array:
+  """Rounds to bfloat16 towards +inf (up) or -inf (down), exactly."""
+  return bf16_round_directed(x.astype(jnp.float32), up).astype(jnp.bfloat16)
 
 
 def effective_group_size(sample_size: int, group_size: int) -> int:
@@ -249,7 +156,7 @@ def effective_group_size(sample_size: int, group_size: int) -> int:
   return group_size
 
 
-def _grouped(x: jax.Array, group_size: int):
+def grouped(x: jax.Array, group_size: int):
   """(N, ...) -> (N, groups, G) view in the input dtype, padded with NaN."""
   n = x.shape[0] if x.ndim else 1
   d = math.prod(x.shape[1:]) if x.ndim else 1
@@ -261,7 +168,7 @@ def _grouped(x: jax.Array, group_size: int):
   return flat.reshape(n, groups, group_size), (n, groups, d)
 
 
-def _finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Min and max over the last axis of the finite values (+inf/-inf if none).
 
   One variadic reduce with a finite-aware reducer: XLA keeps the producer
@@ -309,17 +216,17 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
   `levels` (2**bits - 1) is a number or an array broadcasting against the
-  statistics [N, groups] (one per sample: `jact.persample`). With a `seed`
+  statistics [N, groups] (one per sample: `jact.core.persample`). With a `seed`
   the rounding is stochastic (noise hashed from each value's flat index),
   without it round-to-nearest. Returns (minimum, scale) in bf16 and uint8 codes.
   """
   levels = jnp.asarray(levels, jnp.float32)
-  lo, hi = _finite_min_max(g)
+  lo, hi = finite_min_max(g)
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)  # a zero minimum is +0, whatever the order
   hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
   # A minimum below -3.39e38 has no finite bf16 below it: values there are clipped.
-  minimum = jnp.maximum(_bf16_directed(lo, up=False), -jnp.finfo(jnp.bfloat16).max)
+  minimum = jnp.maximum(bf16_directed(lo, up=False), -jnp.finfo(jnp.bfloat16).max)
   lo_b = minimum.astype(jnp.float32)
   # Wide groups (range >= 2**100) work on the grid scaled by s = 1/4 (see the
   # module docstring); elsewhere s = 1 and the products below are exact no-ops.
@@ -328,7 +235,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   # XLA rewrites a division by a constant into exactly this product, so the
   # step is the same whether `levels` is a constant or computed (per sample),
   # and GPU kernels reproduce it with one correctly rounded multiply.
-  scale = _bf16_directed((hi * s - lo_b * s) * (jnp.float32(1.0) / levels) * inv_s, up=True)
+  scale = bf16_directed((hi * s - lo_b * s) * (jnp.float32(1.0) / levels) * inv_s, up=True)
   scale = jnp.minimum(scale, jnp.finfo(jnp.bfloat16).max)  # 1 bit, range > 3.39e38: clipped
   step = scale.astype(jnp.float32)
   inv_step = jnp.where(step > 0, 1.0 / jnp.where(step > 0, step * s, 1.0), 0.0)
@@ -344,67 +251,15 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   return minimum, scale, codes.astype(jnp.uint8)
 
 
-def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
-             stochastic: bool = True, seed: jax.Array | None = None,
-             implementation: str | None = None) -> Packed:
-  """Quantizes `x` per sample and per group of `group_size` values.
-
-  Args:
-    x: float32, bfloat16 or float16 array; axis 0 is the sample axis.
-    key: JAX PRNG key for the rounding noise (required when stochastic and
-      `seed` is not given).
-    bits: 1, 2, 4 or 8.
-    group_size: values per group, a positive multiple of 8.
-    stochastic: unbiased stochastic rounding (default) or round-to-nearest.
-    seed: a uint32 scalar seed (see `jact.rng.seed_from_key`) used instead of key.
-    implementation: kernel to run ("xla", "pallas_triton", see
-      `jact.kernels.available("quantize")`); default: the best one for the
-      backend, or the one chosen with `jact.kernels.use(quantize=...)`.
-
-  Returns:
-    A `Packed` pytree; `dequantize` reverses it, E[dequantize(quantize(x))] = x.
-    Every implementation returns the same bits for the same seed.
-  """
-  from jact import kernels  # the registry imports this module
-
-  bits = check_bits(bits)
-  group_size = check_group_size(group_size)
-  _check_float(x)
-  if stochastic and seed is None:
-    seed = rng.seed_from_key(key)
-  d = math.prod(x.shape[1:]) if x.ndim else 1
-  group_size = effective_group_size(d, group_size)
-  quantize_fn = kernels.dispatch("quantize", implementation, size=x.size)
-  return quantize_fn(x, seed if stochastic else None, bits=bits, group_size=group_size,
-                     stochastic=bool(stochastic))
-
-
 def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
                        stochastic: bool = True) -> Packed:
   """The XLA reference of `quantize` (validated arguments; `group_size` already
   the effective one, `seed` a uint32 scalar or None when not stochastic)."""
   levels = float((1 << bits) - 1)
-  g, (n, groups, d) = _grouped(x, group_size)
+  g, (n, groups, d) = grouped(x, group_size)
   minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
   data = pack_bits(codes, bits)
   return Packed(data, minimum, scale, tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
-
-
-def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None) -> jax.Array:
-  """Reconstructs the tensor from a `Packed` (in its own dtype unless `dtype` is given).
-
-  `implementation` picks the kernel as in `quantize`.
-  """
-  from jact import kernels
-
-  if not isinstance(packed, Packed):
-    raise TypeError(
-        f"jact.dequantize takes the jact.Packed that jact.quantize returns, got "
-        f"{'an array' if isinstance(packed, (jax.Array, np.ndarray)) else type(packed).__name__}"
-        "; quantize the array first (p = jact.quantize(x, key, bits=4), "
-        "then jact.dequantize(p)). A compressor's stored residual is restored with "
-        "compressor.decompress(stored), packed codes with jact.unpack_codes.")
-  return kernels.dispatch("dequantize", implementation, size=packed.data.size)(packed, dtype)
 
 
 def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
@@ -419,3 +274,27 @@ def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   if flat.shape[1] != d:
     flat = flat[:, :d]
   return finite_clamp(flat, dtype).reshape(packed.view_shape or packed.shape).astype(dtype)
+
+
+def quantize_rows_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
+                            stochastic: bool = True) -> Packed:
+  """`quantize_reference` of `x` viewed as rows (`as_rows`), with the effective
+  group size: exactly what `jact.compressors.PerGroup(bits, group_size).compress`
+  stores for `x`."""
+  rows = as_rows(tuple(x.shape), group_size)
+  g = effective_group_size(math.prod(rows[1:]), group_size)
+  packed = quantize_reference(x.reshape(rows), seed if stochastic else None, bits=bits,
+                              group_size=g, stochastic=stochastic)
+  if rows != tuple(x.shape):
+    packed = dataclasses.replace(packed, view_shape=tuple(x.shape))
+  return packed
+
+
+def as_rows(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+  """The shape quantized: the input's, or one row when a sample is shorter than a
+  group (or the input is 1-D), since padding and group statistics would
+  otherwise cost more than the codes."""
+  d = math.prod(shape[1:]) if len(shape) else 1
+  if len(shape) <= 1 or d < group_size:
+    return (1, math.prod(shape))
+  return tuple(shape)

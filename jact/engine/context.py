@@ -12,7 +12,7 @@ without changing their signatures:
   into that residual's rounding seed. Salting one entry re-draws the
   rounding noise of that residual only (GACT Algorithm 1). The salt enters
   the compressed ops' custom VJPs as an explicit input (see
-  `jact.ops._core.make_seed`), never as a closed-over tracer.
+  `jact.engine.rounding.make_seed`), never as a closed-over tracer.
 
 All three are thread-local stacks; they act on traces made while they are
 entered.

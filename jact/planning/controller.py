@@ -28,9 +28,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jact import acgc as _acgc
-from jact import allocate, sensitivity
-from jact.plan import BitPlan
+from jact.planning import acgc as _acgc
+from jact.core import allocate
+from jact.planning import sensitivity
+from jact.planning.plan import BitPlan
 
 __all__ = ["Controller", "ControllerState", "CompressionVarianceWarning"]
 

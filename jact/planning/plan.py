@@ -43,10 +43,10 @@ import math
 import numbers
 from typing import Any, Callable, Iterator, Mapping
 
-from jact import _context
-from jact._context import UnknownResidualWarning
+from jact.engine import context as _context
+from jact.engine.context import UnknownResidualWarning
 from jact.compressors import Compressor, from_dict as compressor_from_dict
-from jact.quantize import check_bits
+from jact.core.packing import check_bits
 
 __all__ = ["BitPlan", "use_plan", "planned", "CALL_SITE", "UnknownResidualWarning"]
 

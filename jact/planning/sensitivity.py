@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import _context, _probe
+from jact.engine import context as _context, probe as _probe
 from jact.compressors import PerGroup
-from jact.plan import BitPlan, use_plan
+from jact.planning.plan import BitPlan, use_plan
 
 __all__ = ["SensitivityState", "Estimator", "find_residuals", "numeric", "analytic",
            "predicted_variance", "sampling_variance", "variance_factors"]

@@ -43,112 +43,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax.extend import core as jex_core
 
-from jact import _context
-from jact.compressors import Compressed
-from jact.ops._core import (Rounding, SaltedSeed, apply_plan_entry, barrier, check_name,
-                            compress_residual,
-                            is_jact_name, make_seed, materialize, restore_residual, salt_seed, tag,
-                            NoKey)
-from jact.ops._derivatives import reverse_only
-from jact.persample import PackedPerSample
-from jact.quantize import Packed, PackedBits, pack_codes, unpack_codes
-from jact.report import checkpoint_name_of
+from jact.engine import context as _context
+from jact.engine.rounding import Rounding, SaltedSeed, make_seed, salt_seed, NoKey
+from jact.engine.scheduling import barrier, materialize
+from jact.engine.derivatives import reverse_only
+from jact.transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
+                                           eval_constants, is_array, is_float, output_epilogue,
+                                           plan_saved, restore_saved, store_saved)
 
 __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
 
-DEFAULT_MIN_SIZE = 1024
 """Floating residuals with fewer values than this are kept as they are."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ResidualConfig:
-  """Static settings of a `compressed` function.
-
-  Attributes:
-    bits: default bit width (1, 2, 4 or 8) of floating residuals, a
-      compressor (`jact.compressors`), or None to keep them uncompressed
-      (booleans are still bit-packed).
-    group_size: values per quantization group (multiple of 8).
-    stochastic: stochastic (unbiased) or round-to-nearest rounding.
-    min_size: floating residuals with fewer values are kept as they are.
-    name: prefix of the residual names (`name.0`, `name.1`, ...).
-    overrides: bit widths or compressors for particular residual names (a
-      mapping, or any object with a `bits_for(name, default)` method, such as
-      a plan); an integer applied to a compressor changes its width.
-  """
-  bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
-  min_size: int = DEFAULT_MIN_SIZE
-  name: str = "compressed"
-  overrides: Any = None
-
-  def __post_init__(self):
-    Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
-    check_name(self.name)
-    if not isinstance(self.min_size, int) or self.min_size < 1:
-      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}")
-    if self.overrides is not None and not (isinstance(self.overrides, Mapping)
-                                           or hasattr(self.overrides, "bits_for")):
-      raise TypeError("overrides must be a mapping from residual names to bits, or an object "
-                      f"with a bits_for(name, default) method; got {type(self.overrides).__name__}")
-
-  def rounding_for(self, name: str) -> Rounding:
-    bits = self.bits
-    if isinstance(self.overrides, Mapping):
-      bits = apply_plan_entry(bits, self.overrides.get(name, bits))
-    elif self.overrides is not None:
-      bits = apply_plan_entry(bits, self.overrides.bits_for(name, bits))
-    return Rounding(bits, self.group_size, self.stochastic)
-
-  @property
-  def needs_key(self) -> bool:
-    if Rounding(self.bits, self.group_size, self.stochastic).needs_key:
-      return True
-    return self.overrides is not None and self.stochastic  # a name might get bits
 
 
 # ---------------------------------------------------------------------------
 # How one residual is stored.
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Saved:
-  """What the forward pass keeps: the stored values and, statically, how to
-  rebuild the VJP object from them.
-
-  plan: one (kind, detail) per VJP leaf (see `_plan`); `index` maps each
-    leaf to its entry of `values` (or -1).
-  shapes, dtypes: of the VJP leaves, to reconstruct them.
-  capture: the closed jaxpr of the forward pass (to recompute constants).
-  vjp_def: the VJP object's tree structure.
-  """
-  values: tuple
-  plan: tuple = dataclasses.field(metadata=dict(static=True))
-  index: tuple = dataclasses.field(metadata=dict(static=True))
-  shapes: tuple = dataclasses.field(metadata=dict(static=True))
-  dtypes: tuple = dataclasses.field(metadata=dict(static=True))
-  capture: Any = dataclasses.field(metadata=dict(static=True))
-  residual_vars: tuple = dataclasses.field(metadata=dict(static=True))
-  vjp_def: Any = dataclasses.field(metadata=dict(static=True))
 
 
-def _is_float(x) -> bool:
-  dtype = x.dtype
-  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-          and jnp.issubdtype(dtype, jnp.floating))
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
 
 
 def over_array_leaves(fn, args, kwargs):
@@ -156,7 +78,7 @@ def over_array_leaves(fn, args, kwargs):
   the array leaves of `(args, kwargs)` (indices `dynamic` among its leaves)
   passed positionally and every other leaf held fixed."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
 
   def call(*values):
     full = list(leaves)
@@ -168,126 +90,20 @@ def over_array_leaves(fn, args, kwargs):
   return call, [leaves[i] for i in dynamic], dynamic
 
 
-def _store(leaf, name: str, seed, site: int, config: ResidualConfig):
-  """The stored form of one residual leaf (compressed, bit-packed or kept)."""
-  if leaf.dtype == jnp.bool_:
-    return tag(pack_codes(leaf, 1), name)
-  if _is_float(leaf) and leaf.size >= config.min_size:
-    rounding = config.rounding_for(name)
-    if rounding.bits is not None:
-      return tag(compress_residual(leaf, seed, site, rounding, name), name)
-  return leaf
 
 
-def _check_overrides(config: ResidualConfig, names) -> None:
-  """Reports `overrides` entries naming none of this call's stored residuals
-  (a warning; an error inside a `use_plan(..., strict=True)` block)."""
-  overrides = config.overrides
-  if not isinstance(overrides, Mapping):
-    return  # an object with only `bits_for` cannot list its names
-  listed = set(overrides)
-  if hasattr(overrides, "bits_for"):  # a whole-model plan: only the names of this call
-    listed = {n for n in listed if n.startswith(config.name + ".")}
-  _context.check_traced(
-      listed, names, strict=_context.strict_plan(),
-      what=f"the overrides mapping of jact.compressed(name={config.name!r})",
-      fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
-          "inside the function take their widths from a plan (jact.use_plan), not overrides.")
 
 
-def _restore(value, shape, dtype):
-  if isinstance(value, PackedBits):
-    return unpack_codes(value).astype(dtype).reshape(shape)
-  if isinstance(value, (Packed, PackedPerSample, Compressed)):
-    return restore_residual(value, shape, dtype)
-  return value
 
 
-def _jact_named(var, producers) -> bool:
-  """Whether `var` is a piece an inner jact op or `compressed` call stored
-  compressed: a value carrying a name in jact's reserved namespace (see
-  `jact.ops._core.tag`), possibly seen through other names and optimization
-  barriers. A user's own `checkpoint_name` never qualifies."""
-  while var in producers:
-    eqn, i = producers[var]
-    name = checkpoint_name_of(eqn)
-    if is_jact_name(name):
-      return True
-    if name is None and eqn.primitive.name != "optimization_barrier":
-      return False
-    var = eqn.invars[0 if name is not None else i]
-  return False
 
 
-def _input_dependent(jaxpr) -> set:
-  """The variables of `jaxpr` that depend on one of its inputs."""
-  dependent = set(jaxpr.invars)
-  for eqn in jaxpr.eqns:
-    if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
-      dependent.update(eqn.outvars)
-  return dependent
 
 
-def _plan(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
-  """How each residual (an output variable of the capture jaxpr) is kept.
-
-  Returns one tuple per residual: (kind, detail) with kind
-  'input' (detail: input index, kept by reference), 'compress' (quantize or
-  bit-pack), 'keep' (as it is), 'same' (detail: an earlier residual) or
-  'constant' (independent of the inputs: recomputed in the backward pass).
-  """
-  dependent = _input_dependent(jaxpr)
-  producers = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
-  inputs = {v: k for k, v in enumerate(jaxpr.invars)}
-  plan, first = [], {}
-  for position, var in enumerate(residual_vars):
-    if isinstance(var, jex_core.Literal) or var not in dependent:
-      plan.append(("constant", None))
-    elif var in first:
-      plan.append(("same", first[var]))
-    else:
-      first[var] = position
-      if var in inputs:
-        plan.append(("compress" if compress_inputs[inputs[var]] else "input", inputs[var]))
-      elif _jact_named(var, producers):
-        plan.append(("keep", None))
-      else:
-        plan.append(("compress", None))
-  return tuple(plan)
 
 
-def _eval_constants(jaxpr, consts, wanted):
-  """Evaluates the input-independent variables `wanted` of `jaxpr`."""
-  needed = {v for v in wanted if isinstance(v, jex_core.Var)}
-  eqns = []
-  for eqn in reversed(jaxpr.eqns):
-    if needed.intersection(eqn.outvars):
-      eqns.append(eqn)
-      needed.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
-  pruned = jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
-  return jax.core.eval_jaxpr(pruned, consts)
 
 
-def _output_epilogue(out, values):
-  """The output waits for the compressed residuals; float outputs are
-  materialized once (see `jact.ops._core.materialize`). Values kept by
-  reference (inputs) do not go through the barrier, so that they stay the
-  very objects an enclosing `compressed` recognises as its own inputs."""
-  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample, Compressed)) for v in values]
-  packed = [v for v, p in zip(values, is_packed) if p]
-  out, packed = barrier(out, packed)
-  ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
-
-  def finish(o):
-    if not _is_array(o) or not jnp.size(o):
-      return o
-    if _is_float(o):
-      return materialize(o, packed)
-    return jnp.where(ready, o, jnp.zeros_like(o))
-
-  it = iter(packed)
-  values = tuple(next(it) if p else v for v, p in zip(values, is_packed))
-  return jax.tree.map(finish, out), values
 
 
 # ---------------------------------------------------------------------------
@@ -401,7 +217,7 @@ def returning_arrays(fn, api: str):
 def check_outputs(out, fn, api: str):
   """`out` when it is a non-empty pytree of arrays, else a TypeError naming the fix."""
   leaves = jax.tree_util.tree_leaves_with_path(out)
-  bad = next(((path, leaf) for path, leaf in leaves if not _is_array(leaf)), None)
+  bad = next(((path, leaf) for path, leaf in leaves if not is_array(leaf)), None)
   if leaves and bad is None:
     return out
   if bad is not None:
@@ -416,21 +232,49 @@ def check_outputs(out, fn, api: str):
       f"the wrapped function.")
 
 
+@dataclasses.dataclass(frozen=True)
+class ModuleRoute:
+  """How `compressed` treats a framework's stateful objects (`jact.flax` adds
+  the Flax route when it is imported, so this module never imports Flax).
+
+  Attributes:
+    handles: true for a module object `compressed` should wrap itself.
+    wrap: (module, config, policy, compress_argnums) -> the compressed module.
+    takes_arguments: true when a function's (args, kwargs) hold such objects.
+    call: runs the function on them: (fn, args, kwargs, *, key, config,
+      policy, compress_argnums) -> its outputs.
+  """
+  handles: Callable[[Any], bool]
+  wrap: Callable[..., Any]
+  takes_arguments: Callable[[tuple, dict], bool]
+  call: Callable[..., Any]
+
+
+_MODULE_ROUTES: list[ModuleRoute] = []
+
+
+def add_module_route(route: ModuleRoute) -> None:
+  """Makes `compressed` hand the objects `route` recognises to it."""
+  if route not in _MODULE_ROUTES:
+    _MODULE_ROUTES.append(route)
+
+
 def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   if not callable(fn):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
-  from jact.flax import compressed_module  # linen and nnx modules have their own path
-  if compressed_module.is_flax(fn):
-    return compressed_module.wrap(fn, config, policy, compress_argnums)
+  for route in _MODULE_ROUTES:  # Flax modules have their own path (jact.flax registers it)
+    if route.handles(fn):
+      return route.wrap(fn, config, policy, compress_argnums)
   check_key = reserved_key_check(fn, "jact.compressed")
   checked = returning_arrays(fn, "jact.compressed")
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
     check_key(args)
-    if compressed_module.has_graph_nodes(args, kwargs):  # nnx modules/Rngs passed as arguments
-      return compressed_module.call_function(fn, args, kwargs, key=key, config=config,
-                                             policy=policy, compress_argnums=compress_argnums)
+    for route in _MODULE_ROUTES:  # e.g. nnx modules/Rngs passed as arguments
+      if route.takes_arguments(args, kwargs):
+        return route.call(fn, args, kwargs, key=key, config=config, policy=policy,
+                          compress_argnums=compress_argnums)
     return call_compressed(checked, args, kwargs, key=key, config=config, policy=policy,
                            compress_inputs=input_flags(fn, args, kwargs, compress_argnums))
 
@@ -471,7 +315,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   `compress_inputs` has one flag per leaf of `(args, kwargs)`: store a
   compressed copy of that input instead of keeping it by reference.
   `materialize_cotangent` makes the backward materialize its incoming
-  cotangent once (see `jact.remat.checkpoint`).
+  cotangent once (see `jact.checkpoint`).
   """
   if config.needs_key and key is None:
     raise ValueError(
@@ -494,7 +338,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   converted, consts = _hoist_closure(call, dynamic_leaves)
   inputs = list(dynamic_leaves) + list(consts)
   input_flags = [bool(compress_inputs[i]) for i in dynamic] + [False] * len(consts)
-  differentiable = tuple(_is_float(x) for x in inputs)
+  differentiable = tuple(is_float(x) for x in inputs)
 
   def run(*inputs):
     return converted(*inputs[:len(dynamic_leaves)], *inputs[len(dynamic_leaves):])
@@ -530,30 +374,30 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     n_out = trees["out"].num_leaves
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     residual_vars = tuple(capture.jaxpr.outvars[n_out:])
-    plan = _plan(capture.jaxpr, residual_vars, input_flags, config)
+    plan = plan_saved(capture.jaxpr, residual_vars, input_flags, config)
     values, index = [], []
     for position, ((kind, detail), leaf) in enumerate(zip(plan, results[n_out:])):
       if kind in ("same", "constant"):
         index.append(-1)
         continue
       if kind == "compress":
-        leaf = _store(leaf, f"{config.name}.{position}", seed, position, config)
+        leaf = store_saved(leaf, f"{config.name}.{position}", seed, position, config)
       index.append(len(values))
       values.append(leaf)
-    _check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
+    check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
                               if k == "compress"})
-    out, values = _output_epilogue(out, tuple(values))
+    out, values = output_epilogue(out, tuple(values))
     shapes = tuple(tuple(v.aval.shape) for v in residual_vars)
     dtypes = tuple(v.aval.dtype for v in residual_vars)
-    return out, _Saved(values, plan, tuple(index), shapes, dtypes, capture, residual_vars,
+    return out, Saved(values, plan, tuple(index), shapes, dtypes, capture, residual_vars,
                        trees["vjp"])
 
   def bwd(saved, g):
     values, g = barrier(saved.values, g)
     if materialize_cotangent:
-      g = jax.tree.map(lambda t: materialize(t, values) if _is_array(t) and _is_float(t)
+      g = jax.tree.map(lambda t: materialize(t, values) if is_array(t) and is_float(t)
                        and jnp.size(t) else t, g)
-    constants = iter(_eval_constants(
+    constants = iter(eval_constants(
         saved.capture.jaxpr, saved.capture.consts,
         [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
     leaves = []
@@ -564,7 +408,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
       elif kind == "constant":
         leaves.append(next(constants))
       else:
-        leaves.append(_restore(values[i], shape, dtype))
+        leaves.append(restore_saved(values[i], shape, dtype))
     vjp = jax.tree.unflatten(saved.vjp_def, leaves)
     grads = iter(vjp(g))
     return (None, *[next(grads) if d else None for d in differentiable])

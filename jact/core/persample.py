@@ -17,6 +17,7 @@ always fits, checked at trace time), so memory is never overrun and no NaN
 appears. Values outside (1, 2, 4, 8) are rounded down to one (at least 1).
 
 >>> import jax, jax.numpy as jnp
+>>> from jact.kernels.api import dequantize_per_sample, quantize_per_sample  # entry points
 >>> x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
 >>> cap = per_sample_capacity(x.shape, avg_bits=3.0)  # 12 bits per value in all
 >>> @jax.jit
@@ -40,12 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import rng
-from jact.quantize import (_check_float, _grouped, check_group_size, effective_group_size,
-                           finite_clamp, group_codes, group_values, unpack_bits)
+from jact.core.packing import unpack_bits
+from jact.core.quantize import (check_group_size, effective_group_size,
+                                finite_clamp, group_codes, group_values, grouped)
 
-__all__ = ["PackedPerSample", "quantize_per_sample", "dequantize_per_sample", "per_sample_capacity",
-           "quantize_per_sample_reference", "dequantize_per_sample_reference"]
+__all__ = ["PackedPerSample", "per_sample_capacity", "quantize_per_sample_reference",
+           "dequantize_per_sample_reference"]
 
 
 @jax.tree_util.register_dataclass
@@ -115,54 +116,6 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
   return jnp.cumsum(size) - size
 
 
-def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int = 256,
-                        stochastic: bool = True, seed: jax.Array | None = None,
-                        key=None, implementation: str | None = None) -> PackedPerSample:
-  """Quantizes each sample n of `x` at its own width `bits[n]` into one buffer.
-
-  Args:
-    x: float32, bfloat16 or float16 array, shape (N, ...).
-    bits: int[N] widths in (1, 2, 4, 8); may be traced (decided under jit).
-    capacity_bytes: static buffer length, at least N * Dp / 8 (1 bit per
-      value); see `per_sample_capacity`. Widths needing more than this make
-      every sample fall back to 1 bit.
-    group_size: values per group, a positive multiple of 8 (adapted to the
-      sample size exactly as in `jact.quantize`).
-    stochastic: unbiased stochastic rounding (default) or round-to-nearest.
-    seed: uint32 scalar seed for the hash noise; drawn from `key` when None.
-    key: JAX PRNG key (needed when stochastic and no seed is given).
-    implementation: the kernel (see `jact.kernels`); default: the best one
-      for the backend. All return the same bits.
-
-  Returns:
-    A `PackedPerSample`; `dequantize_per_sample` reverses it, unbiased.
-  """
-  from jact import kernels  # the registry imports this module lazily
-
-  _check_float(x)
-  n, group_size, dp = _layout(tuple(x.shape), group_size)
-  if (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer))
-      or capacity_bytes < n * dp // 8):
-    raise ValueError(f"capacity_bytes={capacity_bytes!r} cannot hold {n} samples of {dp} values at "
-                     f"even 1 bit each ({n * dp // 8} bytes); size the buffer with "
-                     f"per_sample_capacity(x.shape, avg_bits) for an average of at least 1 bit.")
-  capacity = int(capacity_bytes)
-  if capacity + n * dp >= 2**31:
-    raise ValueError(f"tensor too large for int32 byte offsets ({n} x {dp} values, capacity {capacity}).")
-  if stochastic and seed is None:
-    seed = rng.seed_from_key(key)
-  bits = jnp.asarray(bits)
-  if bits.shape != (n,) or not jnp.issubdtype(bits.dtype, jnp.integer):
-    raise ValueError(f"bits must be an integer array of shape ({n},) (one width per sample), got "
-                     f"{bits.dtype}{list(bits.shape)}.")
-  bits = bits.astype(jnp.int32)
-  bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
-  bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
-  quantize_fn = kernels.dispatch("quantize_per_sample", implementation, size=x.size)
-  return quantize_fn(x, bits, capacity_bytes=capacity, group_size=group_size,
-                     seed=seed if stochastic else None)
-
-
 def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_bytes: int,
                                   group_size: int, seed: jax.Array | None) -> PackedPerSample:
   """The XLA reference of `quantize_per_sample`: `bits` int32[N] already in
@@ -176,7 +129,7 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   stochastic = seed is not None
 
   # Group statistics and codes as in jact.quantize, with per-sample levels.
-  g, _ = _grouped(x, group_size)
+  g, _ = grouped(x, group_size)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None]
   minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
   codes = codes.reshape(n, dp)
@@ -213,15 +166,6 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   data = _scatter_rows(jnp.zeros((capacity,), jnp.uint8), chunks, starts.reshape(-1))
   return PackedPerSample(data, bits.astype(jnp.uint8), minimum, scale, tuple(x.shape), dtype,
                          group_size)
-
-
-def dequantize_per_sample(p: PackedPerSample, dtype=None, *,
-                          implementation: str | None = None) -> jax.Array:
-  """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given);
-  `implementation` picks the kernel as in `quantize_per_sample`."""
-  from jact import kernels
-
-  return kernels.dispatch("dequantize_per_sample", implementation, size=p.data.size)(p, dtype)
 
 
 def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array:

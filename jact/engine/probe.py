@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jact import _context
-from jact.quantize import _finite_min_max, _grouped, effective_group_size
+from jact.engine import context as _context
+from jact.core.quantize import finite_min_max, grouped, effective_group_size
 
 __all__ = ["Collector", "abs_max", "group_ranges_sq", "observe_linear", "observe_norm"]
 
@@ -55,8 +55,8 @@ def group_ranges_sq(x: jax.Array, group_size: int) -> jax.Array:
   if x.ndim <= 1 or d < group_size:
     x = x.reshape(1, -1)
     d = x.shape[1]
-  g, _ = _grouped(x, effective_group_size(d, group_size))
-  lo, hi = _finite_min_max(g)
+  g, _ = grouped(x, effective_group_size(d, group_size))
+  lo, hi = finite_min_max(g)
   r = jnp.where(hi >= lo, hi - lo, 0.0)
   return jnp.sum(r * r, axis=-1), jnp.max(r), effective_group_size(d, group_size)
 

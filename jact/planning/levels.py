@@ -72,7 +72,7 @@ class Level:
     """The `jax.checkpoint` policy of the level (offloading), or None."""
     if not self.offload:
       return None
-    from jact.remat import offload_compressed  # pylint: disable=import-outside-toplevel
+    from jact.transforms.checkpoint import offload_compressed  # pylint: disable=import-outside-toplevel
     return offload_compressed()
 
   def wrap(self, block: Callable[..., Any], *, name: str = "block", **kwargs):
@@ -84,8 +84,8 @@ class Level:
       return block
     if self.conv_only:
       return compress_convolutions(block, bits=self.bits, name=name, **kwargs)
-    from jact.remat import checkpoint  # pylint: disable=import-outside-toplevel
-    from jact.residuals import compressed  # pylint: disable=import-outside-toplevel
+    from jact.transforms.checkpoint import checkpoint  # pylint: disable=import-outside-toplevel
+    from jact.transforms.compressed import compressed  # pylint: disable=import-outside-toplevel
     if self.checkpoint:
       return checkpoint(block, bits=self.bits, name=name, policy=self.policy(), **kwargs)
     wrapped = compressed(block, bits=self.bits, name=name, **kwargs)
@@ -98,7 +98,7 @@ class Level:
     """A `jact.Controller` for adaptive levels (ValueError for fixed ones)."""
     if self.estimator is None:
       raise ValueError(f"{self.name} uses fixed bits ({self.bits}); it has no controller")
-    from jact.controller import Controller  # pylint: disable=import-outside-toplevel
+    from jact.planning.controller import Controller  # pylint: disable=import-outside-toplevel
     settings = dict(estimator=self.estimator, avg_bits=self.avg_bits, per_sample=self.per_sample)
     settings.update(kwargs)
     return Controller(loss_fn, **settings)
@@ -152,7 +152,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
   in the trace). The forward pass is exact. As in `jact.compressed`, a conv
   input that is one of `block`'s own arguments is kept by reference unless its
   position is in `compress_argnums`, and inputs of fewer than `min_size`
-  values (default `jact.residuals.DEFAULT_MIN_SIZE`) are kept. Convolutions
+  values (default `jact.transforms.compressed.DEFAULT_MIN_SIZE`) are kept. Convolutions
   inside other higher-order primitives (`lax.scan`, `lax.cond`,
   `jax.checkpoint`, custom derivative rules) run plain.
 
@@ -160,9 +160,10 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
     `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
     stochastic (a fresh key per step).
   """
-  from jact.ops._core import Rounding, check_name  # pylint: disable=import-outside-toplevel
-  from jact.residuals import (DEFAULT_MIN_SIZE, check_argnums,  # pylint: disable=import-outside-toplevel
-                              input_flags, over_array_leaves)
+  from jact.engine.rounding import Rounding
+  from jact.engine.names import check_name  # pylint: disable=import-outside-toplevel
+  from jact.transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, input_flags,
+                                          over_array_leaves)
   rounding = Rounding(bits, group_size, stochastic)  # validates the settings
   check_name(name)
   argnums = check_argnums(compress_argnums)

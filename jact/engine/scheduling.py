@@ -1,0 +1,124 @@
+"""Ordering: when the compiler may compute, free and reconstruct residuals.
+
+`barrier` ties the reconstruction of residuals to the incoming cotangent (so
+XLA cannot hoist it into the forward pass), `finish_forward` /
+`materialize` / `after_residuals` make the forward output wait for the
+compressed residuals (so the full-precision value can be freed early).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jact.core.packing import PackedBits
+from jact.core.persample import PackedPerSample
+from jact.core.quantize import Packed
+from jact.compressors import Compressed
+
+__all__ = ["barrier", "after_residuals", "materialize", "finish_forward"]
+
+
+def barrier(residuals, cotangent):
+  """Orders a backward rule's decompression after the arrival of its cotangent.
+
+  Two mechanisms, because one is not enough everywhere:
+    * `jax.lax.optimization_barrier` ties the residuals to the cotangent;
+    * XLA:CPU expands optimization barriers before fusion and scheduling, so
+      the packed residuals (bytes and group statistics) are also given a real data
+      dependency on the cotangent: they are selected by `_always(g0)` (g0 one
+      element of the cotangent), which is True for every value g0 can hold
+      (NaN and infinities included) and which XLA cannot fold. Without it
+      the scheduler hoists every dequantization to the start of the
+      backward pass and all reconstructions are alive at once.
+  The values are never changed: a NaN or infinite gradient of one sample
+  leaves the reconstructions of every sample intact.
+  """
+  residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
+  leaves = [c for c in jax.tree.leaves(cotangent)
+            if jnp.size(c) and c.dtype != jax.dtypes.float0]
+  if not leaves:
+    return residuals, cotangent
+  arrived = _always(jnp.reshape(leaves[0], (-1,))[0])
+
+  def tie(r):
+    if isinstance(r, Packed):
+      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
+                                 scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
+    if isinstance(r, (PackedBits, PackedPerSample)):
+      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
+    if isinstance(r, Compressed):
+      return dataclasses.replace(r, arrays=jax.tree.map(
+          lambda a: jnp.where(arrived, a, jnp.zeros_like(a)), r.arrays))
+    return r
+
+  residuals = jax.tree.map(
+      tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed)))
+  return residuals, cotangent
+
+
+def _always(v: jax.Array) -> jax.Array:
+  """A boolean scalar that is True for every value of the scalar `v` (NaN
+  and infinities included) but depends on it, so XLA keeps the data
+  dependency: no float exceeds +inf, and `v == v` holds for any other dtype."""
+  if jnp.issubdtype(v.dtype, jnp.complexfloating):
+    v = jnp.real(v)
+  if jnp.issubdtype(v.dtype, jnp.floating):
+    return jnp.logical_not(v > jnp.asarray(jnp.inf, v.dtype))
+  return v == v  # pylint: disable=comparison-with-itself
+
+
+def after_residuals(out, residuals):
+  """Makes a forward output depend on its op's compressed residuals.
+
+  XLA schedules a computation whose result is only needed in the backward
+  pass as late as it can, so the compression of a residual would run after
+  the forward pass and keep the full-precision input alive until then (the
+  optimization barrier that says otherwise is expanded away by XLA:CPU
+  before scheduling). Selecting the output by `t == t`, with `t` a float made
+  from one packed byte of every residual (never NaN, and not foldable),
+  forces compression to finish before the output is used. The select fuses
+  into the output's consumer: no extra memory pass.
+  """
+  ready = _ready(residuals)
+  return jax.tree.map(lambda o: jnp.where(ready, o, jnp.zeros_like(o)), out)
+
+
+def _ready(residuals) -> jax.Array:
+  """A boolean scalar that is always True but depends on every packed residual."""
+  packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
+  if not packed:
+    return jnp.bool_(True)
+  t = sum(jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
+  return t == t  # pylint: disable=comparison-with-itself
+
+
+def materialize(x: jax.Array, residuals) -> jax.Array:
+  """Returns x, as a value XLA materializes once instead of re-fusing it.
+
+  XLA duplicates cheap elementwise producers into every consumer fusion; a
+  residual stream such as x_i = relu(h_i + x_{i-1}) then gets recomputed from
+  all earlier layer outputs inside later compression fusions, keeping all of
+  them alive. XLA does not duplicate *expensive* producers, so an elementwise
+  op whose output is materialized anyway (it feeds a matmul or convolution)
+  divides it elementwise by a runtime 1.0 -- exact, not foldable (it is selected by a
+  byte of the op's packed residuals, which also orders it after compression),
+  and fused into the op's own single memory pass.
+  """
+  ready = _ready(residuals)
+  # The divisor is per element (a scalar divisor is rewritten by XLA into a
+  # cheap multiplication by its reciprocal).
+  return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)
+
+
+def finish_forward(out, residuals, *, elementwise: bool = False):
+  """Forward epilogue of every compressed op: the output waits for the
+  compressed residuals (`barrier`, `after_residuals`), so the full-precision
+  input dies in the forward pass. Elementwise outputs, which are materialized
+  anyway, are emitted through `materialize` instead."""
+  out, residuals = barrier(out, residuals)
+  if elementwise:
+    return materialize(out, residuals), residuals
+  return after_residuals(out, residuals), residuals

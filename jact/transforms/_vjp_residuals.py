@@ -1,0 +1,235 @@
+"""What `jact.compressed` keeps of a VJP's residuals, read from its jaxpr.
+
+`plan_saved` decides, per residual variable, whether it is an input kept by
+reference, a constant recomputed in the backward, a piece an inner jact op
+already compressed, a mask packed to 1 bit, a float quantized, or a value
+kept as it is; `store_saved` / `restore_saved` apply that decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.extend import core as jex_core
+
+from jact.core.packing import PackedBits, pack_codes, unpack_codes
+from jact.core.persample import PackedPerSample
+from jact.core.quantize import Packed
+from jact.compressors import Compressed
+from jact.engine import context as _context
+from jact.engine.jaxpr import checkpoint_name_of
+from jact.engine.names import check_name, is_jact_name, tag
+from jact.engine.rounding import Rounding, apply_plan_entry
+from jact.engine.scheduling import barrier, materialize
+from jact.engine.store import compress_residual, restore_residual
+
+
+DEFAULT_MIN_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualConfig:
+  """Static settings of a `compressed` function.
+
+  Attributes:
+    bits: default bit width (1, 2, 4 or 8) of floating residuals, a
+      compressor (`jact.compressors`), or None to keep them uncompressed
+      (booleans are still bit-packed).
+    group_size: values per quantization group (multiple of 8).
+    stochastic: stochastic (unbiased) or round-to-nearest rounding.
+    min_size: floating residuals with fewer values are kept as they are.
+    name: prefix of the residual names (`name.0`, `name.1`, ...).
+    overrides: bit widths or compressors for particular residual names (a
+      mapping, or any object with a `bits_for(name, default)` method, such as
+      a plan); an integer applied to a compressor changes its width.
+  """
+  bits: int | None = 4
+  group_size: int = 256
+  stochastic: bool = True
+  min_size: int = DEFAULT_MIN_SIZE
+  name: str = "compressed"
+  overrides: Any = None
+
+  def __post_init__(self):
+    Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
+    check_name(self.name)
+    if not isinstance(self.min_size, int) or self.min_size < 1:
+      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}")
+    if self.overrides is not None and not (isinstance(self.overrides, Mapping)
+                                           or hasattr(self.overrides, "bits_for")):
+      raise TypeError("overrides must be a mapping from residual names to bits, or an object "
+                      f"with a bits_for(name, default) method; got {type(self.overrides).__name__}")
+
+  def rounding_for(self, name: str) -> Rounding:
+    bits = self.bits
+    if isinstance(self.overrides, Mapping):
+      bits = apply_plan_entry(bits, self.overrides.get(name, bits))
+    elif self.overrides is not None:
+      bits = apply_plan_entry(bits, self.overrides.bits_for(name, bits))
+    return Rounding(bits, self.group_size, self.stochastic)
+
+  @property
+  def needs_key(self) -> bool:
+    if Rounding(self.bits, self.group_size, self.stochastic).needs_key:
+      return True
+    return self.overrides is not None and self.stochastic  # a name might get bits
+
+
+def is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
+
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  """What the forward pass keeps: the stored values and, statically, how to
+  rebuild the VJP object from them.
+
+  plan: one (kind, detail) per VJP leaf (see `plan_saved`); `index` maps each
+    leaf to its entry of `values` (or -1).
+  shapes, dtypes: of the VJP leaves, to reconstruct them.
+  capture: the closed jaxpr of the forward pass (to recompute constants).
+  vjp_def: the VJP object's tree structure.
+  """
+  values: tuple
+  plan: tuple = dataclasses.field(metadata=dict(static=True))
+  index: tuple = dataclasses.field(metadata=dict(static=True))
+  shapes: tuple = dataclasses.field(metadata=dict(static=True))
+  dtypes: tuple = dataclasses.field(metadata=dict(static=True))
+  capture: Any = dataclasses.field(metadata=dict(static=True))
+  residual_vars: tuple = dataclasses.field(metadata=dict(static=True))
+  vjp_def: Any = dataclasses.field(metadata=dict(static=True))
+
+
+def is_float(x) -> bool:
+  dtype = x.dtype
+  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jnp.issubdtype(dtype, jnp.floating))
+
+
+def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig):
+  """The stored form of one residual leaf (compressed, bit-packed or kept)."""
+  if leaf.dtype == jnp.bool_:
+    return tag(pack_codes(leaf, 1), name)
+  if is_float(leaf) and leaf.size >= config.min_size:
+    rounding = config.rounding_for(name)
+    if rounding.bits is not None:
+      return tag(compress_residual(leaf, seed, site, rounding, name), name)
+  return leaf
+
+
+def check_overrides(config: ResidualConfig, names) -> None:
+  """Reports `overrides` entries naming none of this call's stored residuals
+  (a warning; an error inside a `use_plan(..., strict=True)` block)."""
+  overrides = config.overrides
+  if not isinstance(overrides, Mapping):
+    return  # an object with only `bits_for` cannot list its names
+  listed = set(overrides)
+  if hasattr(overrides, "bits_for"):  # a whole-model plan: only the names of this call
+    listed = {n for n in listed if n.startswith(config.name + ".")}
+  _context.check_traced(
+      listed, names, strict=_context.strict_plan(),
+      what=f"the overrides mapping of jact.compressed(name={config.name!r})",
+      fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
+          "inside the function take their widths from a plan (jact.use_plan), not overrides.")
+
+
+def restore_saved(value, shape, dtype):
+  if isinstance(value, PackedBits):
+    return unpack_codes(value).astype(dtype).reshape(shape)
+  if isinstance(value, (Packed, PackedPerSample, Compressed)):
+    return restore_residual(value, shape, dtype)
+  return value
+
+
+def jact_named(var, producers) -> bool:
+  """Whether `var` is a piece an inner jact op or `compressed` call stored
+  compressed: a value carrying a name in jact's reserved namespace (see
+  `jact.engine.names.tag`), possibly seen through other names and optimization
+  barriers. A user's own `checkpoint_name` never qualifies."""
+  while var in producers:
+    eqn, i = producers[var]
+    name = checkpoint_name_of(eqn)
+    if is_jact_name(name):
+      return True
+    if name is None and eqn.primitive.name != "optimization_barrier":
+      return False
+    var = eqn.invars[0 if name is not None else i]
+  return False
+
+
+def input_dependent(jaxpr) -> set:
+  """The variables of `jaxpr` that depend on one of its inputs."""
+  dependent = set(jaxpr.invars)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  return dependent
+
+
+def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
+  """How each residual (an output variable of the capture jaxpr) is kept.
+
+  Returns one tuple per residual: (kind, detail) with kind
+  'input' (detail: input index, kept by reference), 'compress' (quantize or
+  bit-pack), 'keep' (as it is), 'same' (detail: an earlier residual) or
+  'constant' (independent of the inputs: recomputed in the backward pass).
+  """
+  dependent = input_dependent(jaxpr)
+  producers = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+  inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+  plan, first = [], {}
+  for position, var in enumerate(residual_vars):
+    if isinstance(var, jex_core.Literal) or var not in dependent:
+      plan.append(("constant", None))
+    elif var in first:
+      plan.append(("same", first[var]))
+    else:
+      first[var] = position
+      if var in inputs:
+        plan.append(("compress" if compress_inputs[inputs[var]] else "input", inputs[var]))
+      elif jact_named(var, producers):
+        plan.append(("keep", None))
+      else:
+        plan.append(("compress", None))
+  return tuple(plan)
+
+
+def eval_constants(jaxpr, consts, wanted):
+  """Evaluates the input-independent variables `wanted` of `jaxpr`."""
+  needed = {v for v in wanted if isinstance(v, jex_core.Var)}
+  eqns = []
+  for eqn in reversed(jaxpr.eqns):
+    if needed.intersection(eqn.outvars):
+      eqns.append(eqn)
+      needed.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+  pruned = jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
+  return jax.core.eval_jaxpr(pruned, consts)
+
+
+def output_epilogue(out, values):
+  """The output waits for the compressed residuals; float outputs are
+  materialized once (see `jact.engine.scheduling.materialize`). Values kept by
+  reference (inputs) do not go through the barrier, so that they stay the
+  very objects an enclosing `compressed` recognises as its own inputs."""
+  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample, Compressed)) for v in values]
+  packed = [v for v, p in zip(values, is_packed) if p]
+  out, packed = barrier(out, packed)
+  ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
+
+  def finish(o):
+    if not is_array(o) or not jnp.size(o):
+      return o
+    if is_float(o):
+      return materialize(o, packed)
+    return jnp.where(ready, o, jnp.zeros_like(o))
+
+  it = iter(packed)
+  values = tuple(next(it) if p else v for v, p in zip(values, is_packed))
+  return jax.tree.map(finish, out), values
