@@ -1,7 +1,8 @@
 """Memory reports: the residuals a backward pass keeps, and compiled memory.
 
-Two views of the memory a training step needs (see DESIGN finding 10 --
-they can disagree):
+Two views of the memory a training step needs (they can disagree: XLA may
+fuse, duplicate or reschedule and keep a full-precision tensor alive that the
+residual list no longer names):
 
 * `residual_report(fn, *args)` lists every value `fn`'s VJP saves for the
   backward pass (traced with `jax.vjp`, nothing runs), with its

@@ -116,7 +116,7 @@ def test_round_to_nearest_error_within_half_step(bits, n, d, group_size, seed):
   step = _per_element(p.scale.astype(jnp.float32), p)
   lo = _per_element(p.minimum.astype(jnp.float32), p)
   levels = (1 << bits) - 1
-  # The stored grid covers every value (DESIGN finding 8) ...
+  # The stored grid covers every value (minimum rounded down, step rounded up) ...
   assert (lo <= x64).all() and (x64 <= lo + levels * step * (1 + 1e-6)).all()
   # ... the step is the group's range / B, widened only by the bf16 roundings (the minimum
   # rounded down, the step rounded up: each at most 2^-7 relative) ...
@@ -386,7 +386,8 @@ def test_missing_key():
 
 @pytest.mark.parametrize("shape, bits", [((64, 262144), 1), ((64, 262144), 4), ((64, 262016), 2)])
 def test_compiled_temp_memory_is_small(shape, bits):
-  """Regression (DESIGN findings 2, 10): no tensor-sized temporaries (noise, padding, masks).
+  """Regression: no tensor-sized temporaries (noise, padding, masks) -- residual bytes are
+  not compiled memory unless XLA keeps none of these alive.
 
   quantize alone: temp < 5% of the input. quantize+dequantize: the packed codes
   are materialized between the two halves (by design: in a training step they
