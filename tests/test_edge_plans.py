@@ -3,11 +3,16 @@
 Each test pins a case that used to be silently wrong or to fail with an
 unclear error: restoring a controller into a model with other residuals,
 plan and `overrides` entries naming no residual (typos), non-integer plan
-sizes, and the messages of bad plans and damaged checkpoints. Models are
-one or two narrow dense layers; plan checks only trace (no compile).
+sizes, the messages of bad plans and damaged checkpoints, and a plan
+leaking into (or missing from) other threads, asyncio tasks and copied
+contexts. Models are one or two narrow dense layers; plan checks only
+trace (no compile).
 """
 
+import asyncio
+import contextvars
 import os
+import threading
 import warnings
 
 import jax
@@ -186,3 +191,85 @@ def test_bitplan_errors_name_jact_and_the_fix():
     jact.BitPlan.from_json("[1, 2]")
   with pytest.raises(ValueError, match=r"jact\.BitPlan\.from_json: the text is not valid JSON"):
     jact.BitPlan.from_json('{"bits": ')
+
+
+# ----------------------------------------------------------------------------- 5: execution contexts
+
+
+_ONE_BIT = jact.BitPlan({"fc.lhs": 1})
+
+
+def _fc_bytes():
+  """Stored bytes of residual fc.lhs (call site: 8 bits) under the plan active here."""
+  loss = lambda w: jnp.sum(jact.ops.dense(X, w, key=KEY, bits=8, name="fc"))
+  return jact.residual_report(loss, _weights(1)[0]).by_name()["fc.lhs"].bytes
+
+
+def _plan_bytes(plan):
+  def loss(w):
+    with jact.use_plan(plan):
+      return jnp.sum(jact.ops.dense(X, w, key=KEY, bits=8, name="fc"))
+  return jact.residual_report(loss, _weights(1)[0]).by_name()["fc.lhs"].bytes
+
+
+def test_plan_entered_in_one_thread_is_not_seen_in_another():
+  call_site, one_bit = _plan_bytes(None), _plan_bytes(_ONE_BIT)
+  assert one_bit < call_site
+  entered, done, inside = threading.Event(), threading.Event(), []
+
+  def hold_plan():
+    with jact.use_plan(_ONE_BIT):
+      inside.append(_fc_bytes())
+      entered.set()
+      done.wait(timeout=60)
+
+  thread = threading.Thread(target=hold_plan)
+  thread.start()
+  try:
+    assert entered.wait(timeout=60), "the thread did not enter its plan"
+    outside = _fc_bytes()  # traced here while the other thread's block is open
+  finally:
+    done.set()
+    thread.join(timeout=60)
+  assert inside == [one_bit] and outside == call_site
+
+
+def test_copied_context_keeps_the_plan_active_when_copied():
+  two_bits = jact.BitPlan({"fc.lhs": 2})
+  call_site, one_bit, two_bit = _plan_bytes(None), _plan_bytes(_ONE_BIT), _plan_bytes(two_bits)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jact.UnknownResidualWarning)
+    with jact.use_plan(_ONE_BIT):
+      assert _fc_bytes() == one_bit
+      copied = contextvars.copy_context()
+    assert _fc_bytes() == call_site  # the block has ended here ...
+    assert copied.run(_fc_bytes) == one_bit  # ... but not in the copy made inside it
+    with jact.use_plan(two_bits):  # a later block applies here but does not reach the copy
+      assert _fc_bytes() == two_bit and copied.run(_fc_bytes) == one_bit
+
+
+def test_interleaved_asyncio_tasks_each_see_their_own_plan():
+  plans = {"a": _ONE_BIT, "b": jact.BitPlan({"fc.lhs": 4})}
+  expected = {k: _plan_bytes(p) for k, p in plans.items()}
+  assert expected["a"] != expected["b"]
+
+  async def main():
+    b_entered, a_traced = asyncio.Event(), asyncio.Event()
+
+    async def task_a():
+      with jact.use_plan(plans["a"]):
+        await b_entered.wait()
+        traced = _fc_bytes()  # while b's block, entered later, is open
+        a_traced.set()
+        return traced
+
+    async def task_b():
+      with jact.use_plan(plans["b"]):
+        b_entered.set()
+        await a_traced.wait()
+        return _fc_bytes()  # after a's block, entered first, has ended
+
+    return dict(zip(plans, await asyncio.gather(task_a(), task_b())))
+
+  assert asyncio.run(main()) == expected
+  assert _fc_bytes() == _plan_bytes(None)

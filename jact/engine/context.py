@@ -1,6 +1,6 @@
 """Trace-time contexts read by every compression site.
 
-Three things reach the compression sites of ops and `jact.compressed`
+Four things reach the compression sites of ops and `jact.compressed`
 without changing their signatures:
 
 * the active bit plan (static: it decides buffer shapes at trace time),
@@ -12,48 +12,72 @@ without changing their signatures:
   into that residual's rounding seed. Salting one entry re-draws the
   rounding noise of that residual only (GACT Algorithm 1). The salt enters
   the compressed ops' custom VJPs as an explicit input (see
-  `jact.engine.rounding.make_seed`), never as a closed-over tracer.
+  `jact.engine.rounding.make_seed`), never as a closed-over tracer;
+* a statistics collector (`jact.engine.probe`), which gathers the layer
+  statistics of the analytic estimators.
 
-All three are thread-local stacks; they act on traces made while they are
-entered.
+Each channel is one `contextvars.ContextVar`, set on entering a block and
+reset by its token in `finally`, so a block acts only on traces made inside
+it in its own execution context: threads and asyncio tasks running
+meanwhile do not see it, and a context copied with
+`contextvars.copy_context()` keeps what was active when it was copied. The
+channels are separate variables rather than one combined value because
+they are entered independently: leaving one block never restores another
+channel. The plan channel holds the tuple of enclosing plan blocks
+(innermost last), since a traced residual name counts for all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import difflib
-import threading
 import warnings
 from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
 
-_STATE = threading.local()
+# The plan channel holds a tuple of enclosing PlanScopes (innermost last); the
+# others hold their innermost value. Values are never mutated in place.
+_CHANNELS: dict[str, contextvars.ContextVar] = {
+    "plan": contextvars.ContextVar("jact_plan_scopes", default=()),
+    "recorder": contextvars.ContextVar("jact_recorder", default=None),
+    "salt": contextvars.ContextVar("jact_salt", default=None),
+    "stats": contextvars.ContextVar("jact_stats", default=None),
+}
 
 
-def _stack(kind: str) -> list:
-  stacks = getattr(_STATE, "stacks", None)
-  if stacks is None:
-    stacks = _STATE.stacks = {"plan": [], "recorder": [], "salt": [], "stats": []}
-  return stacks[kind]
+@contextlib.contextmanager
+def _set(kind: str, value) -> Iterator[None]:
+  """Sets channel `kind` to `value` inside the block; the token restores the
+  value the block found, however the block is left."""
+  token = _CHANNELS[kind].set(value)
+  try:
+    yield
+  finally:
+    _CHANNELS[kind].reset(token)
 
 
 @contextlib.contextmanager
 def _pushed(kind: str, value) -> Iterator[Any]:
-  stack = _stack(kind)
-  stack.append(value)
-  try:
-    yield value
-  finally:
-    stack.pop()
+  if kind == "plan":
+    with _set(kind, _CHANNELS[kind].get() + (value,)):
+      yield value
+  else:
+    with _set(kind, value):
+      yield value
 
 
 def current(kind: str):
   """The innermost active value of `kind` ('plan', 'recorder', 'salt', 'stats'), or None."""
-  stack = _stack(kind)
-  return stack[-1] if stack else None
+  if kind not in _CHANNELS:
+    raise ValueError(f"jact: unknown context channel {kind!r}; one of {sorted(_CHANNELS)}")
+  value = _CHANNELS[kind].get()
+  if kind == "plan":
+    return value[-1] if value else None
+  return value
 
 
 # ----------------------------------------------------------------------------- plan
@@ -103,7 +127,7 @@ def strict_plan() -> bool:
 
 def note_residual(name: str) -> None:
   """Marks residual `name` as traced for every enclosing plan block."""
-  for scope in _stack("plan"):
+  for scope in _CHANNELS["plan"].get():
     scope.traced.add(name)
 
 
