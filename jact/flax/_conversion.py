@@ -1,0 +1,37 @@
+"""Settings and warnings shared by `convert`'s linen and nnx paths (private; see
+`jact.flax.convert`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from jact.flax import _hooks
+
+
+class ConversionWarning(UserWarning):
+  """A supported layer runs uncompressed because of an option its twin lacks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What `convert` was called with (the twins' rounding settings and `strict`)."""
+  bits: int | None
+  group_size: int
+  stochastic: bool
+  strict: bool
+
+  @property
+  def needs_key(self) -> bool:
+    return _hooks.needs_key(self.bits, self.group_size, self.stochastic)
+
+  @property
+  def rounding(self) -> dict:
+    return dict(bits=self.bits, group_size=self.group_size, stochastic=self.stochastic)
+
+
+def unsupported(settings: Settings, where: str, reason: str) -> None:
+  message = f"jact.convert: {where} runs uncompressed: {reason}"
+  if settings.strict:
+    raise ValueError(message + " (strict=True)")
+  warnings.warn(message, ConversionWarning, stacklevel=4)

@@ -1,0 +1,260 @@
+"""`convert` for flax.linen models: method interception (private; see `jact.flax.convert`)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import inspect
+from typing import Callable
+
+import flax.linen as nn
+from flax.linen import attention as linen_attention
+from flax.linen import module as nn_module
+
+from jact.flax import linen as jnn
+from jact.flax._conversion import Settings, unsupported
+
+_ACTIVE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
+    "jact_convert_settings", default=None)
+
+
+@contextlib.contextmanager
+def _converting(settings: Settings):
+  """Makes `settings` current and, once per thread of calls, installs the interceptor."""
+  outer = _ACTIVE.get()
+  token = _ACTIVE.set(settings)
+  try:
+    if outer is not None:  # our interceptor is already on Flax's stack
+      yield
+    else:
+      with nn.intercept_methods(_intercept):
+        yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _converted_class(cls: type) -> type:
+  """A cached subclass of `cls` whose every wrapped method runs under interception."""
+  base = getattr(cls, "_jact_base", cls)
+  if base in _CLASSES:
+    return _CLASSES[base]
+
+  class Converted(base):  # type: ignore[misc, valid-type]
+    jact_bits: int | None = 4
+    jact_group_size: int = 256
+    jact_stochastic: bool = True
+    jact_strict: bool = False
+
+    @nn.nowrap
+    def _jact_settings(self) -> Settings:
+      return Settings(self.jact_bits, self.jact_group_size, self.jact_stochastic,
+                       self.jact_strict)
+
+    # Every method of a linen module (those of the model's classes, wrapped by
+    # Flax) goes through `_call_wrapped_method` (Flax-internal, but the one
+    # place all of them pass; unchanged since 2021); `init_with_output`
+    # (behind `init`) and `apply` are covered too, for `method=` callables
+    # that are not module methods. `nowrap`: Flax must not wrap these.
+    @nn.nowrap
+    def _call_wrapped_method(self, fun, args, kwargs):
+      with _converting(self._jact_settings()):
+        return super()._call_wrapped_method(fun, args, kwargs)
+
+    @nn.nowrap
+    def init_with_output(self, *args, **kwargs):
+      with _converting(self._jact_settings()):
+        return super().init_with_output(*args, **kwargs)
+
+    @nn.nowrap
+    def apply(self, *args, **kwargs):
+      with _converting(self._jact_settings()):
+        return super().apply(*args, **kwargs)
+
+  # Same name: a converted model used as a child is auto-named like the plain one.
+  for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+    setattr(Converted, attr, getattr(base, attr))
+  Converted._jact_base = base
+  _CLASSES[base] = Converted
+  return Converted
+
+
+def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
+  if model.scope is not None or isinstance(model.parent, nn.Module):
+    raise ValueError(
+        f"jact.convert needs a top-level, unbound linen module, got a bound or child "
+        f"{type(model).__name__}. Convert the whole model, e.g. convert(Model(...)); the "
+        f"layers inside it are converted when it runs.")
+  cls = _converted_class(type(model))
+  attrs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+           if f.init and f.name != "parent" and not f.name.startswith("jact_")}
+  return cls(**attrs, jact_bits=settings.bits, jact_group_size=settings.group_size,
+             jact_stochastic=settings.stochastic, jact_strict=settings.strict, parent=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinenRule:
+  """How one Flax layer type is converted.
+
+  twin: the jact twin class; drop: the layer's hook fields the twin replaces;
+  check(module, call arguments) -> reason it cannot be converted, or None;
+  needs_key(module, call arguments) -> whether this call draws rounding noise.
+  """
+  twin: type
+  drop: tuple[str, ...] = ()
+  check: Callable[..., str | None] = lambda m, a: None
+  needs_key: Callable[..., bool] = lambda m, a: True
+
+
+def _custom(module, *fields: str) -> str | None:
+  for f in fields:
+    if getattr(module, f) is not None:
+      return f"a custom {f!r} (the twin installs its own)"
+  return None
+
+
+def _last_axis(axes, ndim: int) -> bool:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return len(axes) == 1 and axes[0] % ndim == ndim - 1
+
+
+def _norm_check(module, a, *, axes: bool) -> str | None:
+  if a.get("mask") is not None:
+    return "mask= is not supported"
+  if module.axis_name is not None or module.axis_index_groups is not None:
+    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
+  if not module.force_float32_reductions:
+    return "force_float32_reductions=False is not supported"
+  if axes:
+    ndim = getattr(a.get("x"), "ndim", 0)
+    if not (ndim and _last_axis(module.reduction_axes, ndim)
+            and _last_axis(module.feature_axes, ndim)):
+      return "only normalization over the last axis is supported"
+  return None
+
+
+def _batch_norm_training(module, a) -> bool:
+  call = a.get("use_running_average")
+  use_ra = module.use_running_average if call is None else call
+  return use_ra is not None and not use_ra  # None: the twin raises Flax's own error
+
+
+def _batch_norm_check(module, a) -> str | None:
+  if not _batch_norm_training(module, a):
+    return None  # the twin runs Flax's inference path
+  axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
+  if len(axes) != 1:
+    return "only a single feature axis is supported"
+  return _norm_check(module, a, axes=False)
+
+
+def _attention_check(module, a) -> str | None:
+  if module.attention_fn is not linen_attention.dot_product_attention:
+    return "a custom 'attention_fn'"
+  reason = _custom(module, "qkv_dot_general", "out_dot_general", "qkv_dot_general_cls",
+                   "out_dot_general_cls", "qk_attn_weights_einsum_cls",
+                   "attn_weights_value_einsum_cls")
+  if reason is not None:
+    return reason
+  if a.get("sow_weights"):
+    return "sow_weights=True (jact attention does not return the weights)"
+  return None
+
+
+_ATTENTION = _LinenRule(jnn.MultiHeadDotProductAttention,
+                        ("attention_fn", "qkv_dot_general", "out_dot_general"),
+                        _attention_check)
+
+_LINEN_RULES: dict[type, _LinenRule] = {
+    nn.Dense: _LinenRule(jnn.Dense, ("dot_general",),
+                         lambda m, a: _custom(m, "dot_general", "dot_general_cls")),
+    nn.Conv: _LinenRule(jnn.Conv, ("conv_general_dilated",),
+                        lambda m, a: _custom(m, "conv_general_dilated",
+                                             "conv_general_dilated_cls")),
+    nn.BatchNorm: _LinenRule(jnn.BatchNorm, check=_batch_norm_check,
+                             needs_key=_batch_norm_training),
+    nn.LayerNorm: _LinenRule(jnn.LayerNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
+    nn.RMSNorm: _LinenRule(jnn.RMSNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
+    nn.Embed: _LinenRule(jnn.Embed, needs_key=lambda m, a: False),
+    nn.Dropout: _LinenRule(jnn.Dropout, needs_key=lambda m, a: False),
+    nn.MultiHeadDotProductAttention: _ATTENTION,
+    nn.MultiHeadAttention: _ATTENTION,
+    nn.SelfAttention: dataclasses.replace(_ATTENTION, twin=jnn.SelfAttention),
+}
+_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
+def _call_arguments(module, args, kwargs) -> dict | None:
+  """The call's arguments by parameter name, or None when they do not bind."""
+  cls = type(module).__dict__.get("_jact_base", type(module))
+  if cls not in _SIGNATURES:
+    _SIGNATURES[cls] = inspect.signature(cls.__call__)
+  try:
+    bound = _SIGNATURES[cls].bind(module, *args, **kwargs)
+  except TypeError:
+    return None
+  return dict(bound.arguments)
+
+
+def _where(module) -> str:
+  path = "/".join(module.path)
+  return f"{path or type(module).__name__} (flax.linen.{type(module).__name__})"
+
+
+def _linen_missing_stream(module) -> ValueError:
+  return ValueError(
+      f"jact.convert: {_where(module)} rounds its saved activations stochastically and "
+      f"needs an RNG stream named 'jact' in apply. Fixes: pass a fresh key per step, e.g. "
+      f"model.apply(variables, x, rngs={{'jact': key}}) (init needs none); or convert with "
+      f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+
+
+def _intercept(next_fun, args, kwargs, context):
+  settings = _ACTIVE.get()
+  module = context.module
+  # a converted bare layer (convert(nn.Dense(3))) is looked up by its base class
+  rule = _LINEN_RULES.get(type(module).__dict__.get("_jact_base", type(module)))
+  if settings is None or rule is None or context.method_name != "__call__":
+    return next_fun(*args, **kwargs)
+  arguments = _call_arguments(module, args, kwargs)
+  if arguments is None:  # let Flax report the bad call
+    return next_fun(*args, **kwargs)
+  reason = rule.check(module, arguments)
+  if reason is not None:
+    unsupported(settings, _where(module), reason)
+    return next_fun(*args, **kwargs)
+  if (settings.needs_key and rule.needs_key(module, arguments)
+      and not module.has_rng("jact") and not module.is_initializing()):
+    raise _linen_missing_stream(module)
+  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.init and f.name not in ("parent", "name", *rule.drop)
+            and not f.name.startswith("jact_")}
+  if "bits" in {f.name for f in dataclasses.fields(rule.twin)}:
+    fields.update(settings.rounding)
+  # Bound to (a rewound view of) the layer's own scope: same variables, same
+  # RNG counters, residuals named after the layer's path; rewound, so that
+  # names the layer's own setup() reserved (Embed's table) can be reused. The
+  # twin's own calls (and those of the Flax code it reuses through super())
+  # pass through this interceptor.
+  twin = rule.twin(**fields, parent=module.scope.rewound())
+  with _no_capture(twin):
+    return twin(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_capture(twin):
+  """With `capture_intermediates`, the intercepted layer records its output
+  itself: keep the twin (not its sublayers) from recording it again."""
+  stack = getattr(getattr(nn_module, "_context", None), "capture_stack", None)
+  if not stack or not stack[-1]:
+    yield
+    return
+  outer = stack[-1]
+  stack.append(lambda mdl, method: mdl is not twin and outer(mdl, method))
+  try:
+    yield
+  finally:
+    stack.pop()

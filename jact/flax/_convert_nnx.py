@@ -1,0 +1,182 @@
+"""`convert` for flax.nnx models: module surgery (private; see `jact.flax.convert`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flax import nnx
+from flax.nnx import rnglib
+from flax.nnx.nn import attention as nnx_attention
+from jax import lax
+
+from jact.flax import _hooks
+from jact.flax import nnx as jnnx
+from jact.flax._conversion import Settings, unsupported
+from jact.flax._hooks import Hook
+
+
+def _nnx_norm_check(module, *, axes: bool = True) -> str | None:
+  if module.axis_name is not None or module.axis_index_groups is not None:
+    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
+  if axes and not (module.reduction_axes in (-1, (-1,)) and module.feature_axes in (-1, (-1,))):
+    return "only reduction_axes=-1 and feature_axes=-1 are supported"
+  return None
+
+
+def _nnx_attention_check(module) -> str | None:
+  if module.attention_fn is not nnx_attention.dot_product_attention:
+    return "a custom 'attention_fn'"
+  for f in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls"):
+    if getattr(module, f, None) is not None:
+      return f"a custom {f!r} (the twin installs its own)"
+  for sub in ("query", "key", "value", "out"):
+    layer = getattr(module, sub)
+    if layer.dot_general is not None or layer.dot_general_cls is not None:
+      return f"a custom dot_general in {sub!r}"
+  return None
+
+
+def _nnx_attention_patch(module) -> None:
+  module.attention_fn = _hooks.attention_slot
+  module.qkv_dot_general, module.out_dot_general = Hook("qkv"), Hook("out")
+  for sub in ("query", "key", "value"):
+    getattr(module, sub).dot_general = Hook("qkv")
+  module.out.dot_general = Hook("out")
+
+
+def _set(name: str, value) -> Callable[[Any], None]:
+  return lambda module: setattr(module, name, value)
+
+
+# type -> (twin, check(module) -> reason or None, patch(module) after the copy,
+#          whether it rounds stochastically)
+_NNX_RULES: dict[type, tuple[type, Callable, Callable, bool]] = {
+    nnx.Linear: (jnnx.Linear,
+                 lambda m: None if m.dot_general is lax.dot_general
+                 else "a custom 'dot_general' (the twin installs its own)",
+                 _set("dot_general", Hook("dot_general")), True),
+    nnx.Conv: (jnnx.Conv,
+               lambda m: None if m.conv_general_dilated is lax.conv_general_dilated
+               else "a custom 'conv_general_dilated' (the twin installs its own)",
+               _set("conv_general_dilated", Hook("conv_general_dilated")), True),
+    nnx.BatchNorm: (jnnx.BatchNorm,
+                    lambda m: (_nnx_norm_check(m, axes=False) if isinstance(m.axis, int)
+                               else "only a single feature axis is supported"),
+                    lambda m: None, True),
+    nnx.LayerNorm: (jnnx.LayerNorm, _nnx_norm_check, lambda m: None, True),
+    nnx.RMSNorm: (jnnx.RMSNorm, _nnx_norm_check, lambda m: None, True),
+    nnx.Embed: (jnnx.Embed, lambda m: None, lambda m: None, False),
+    nnx.Dropout: (jnnx.Dropout, lambda m: None, lambda m: None, False),
+    nnx.MultiHeadAttention: (jnnx.MultiHeadAttention, _nnx_attention_check,
+                             _nnx_attention_patch, True),
+}
+
+
+def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings | None,
+              name: str):
+  """A `twin_cls` instance holding `plain`'s attributes (its very Variable objects)."""
+  twin = twin_cls.__new__(twin_cls)
+  # what nnx's metaclass does before __init__, then the plain layer's attributes
+  object.__setattr__(twin, "_pytree__state", type(plain._pytree__state)())
+  for k, v in vars(plain).items():
+    if k != "_pytree__state":
+      object.__setattr__(twin, k, v)
+  patch(twin)
+  if settings is None:  # Embed, Dropout: no rounding
+    twin._init_jact(None, None, 256, True, name)
+  else:
+    twin._init_jact(rngs, settings.bits, settings.group_size, settings.stochastic, name)
+  return twin
+
+
+def _has_stream(rngs) -> bool:
+  return isinstance(rngs, rnglib.RngStream) or (
+      isinstance(rngs, rnglib.Rngs) and ("jact" in rngs or "default" in rngs))
+
+
+def _replace(value, twins: dict[int, Any]):
+  """`value` with converted layers swapped in (lists/dicts in place); (value, changed)."""
+  if id(value) in twins:
+    return twins[id(value)], True
+  if isinstance(value, list):
+    changed = False
+    for i, v in enumerate(value):
+      new, c = _replace(v, twins)
+      if c:
+        value[i], changed = new, True
+    return value, changed
+  if isinstance(value, dict):
+    changed = False
+    for k, v in list(value.items()):
+      new, c = _replace(v, twins)
+      if c:
+        value[k], changed = new, True
+    return value, changed
+  if isinstance(value, tuple):
+    items = [_replace(v, twins) for v in value]
+    if not any(c for _, c in items):
+      return value, False
+    new = [v for v, _ in items]
+    return (type(value)(*new) if hasattr(value, "_fields") else type(value)(new)), True
+  return value, False
+
+
+# twins that round (their settings are convert's); Embed and Dropout have none
+_ROUNDING_TWINS = (jnnx.Linear, jnnx.Conv, jnnx.BatchNorm, jnnx.LayerNorm, jnnx.RMSNorm,
+                   jnnx.MultiHeadAttention)
+
+
+def _converted_twins(model: nnx.Module) -> list:
+  """(name, twin) for the rounding twins already in `model` (exact types)."""
+  return [("/".join(str(p) for p in path) or type(module).__name__, module)
+          for path, module in nnx.iter_modules(model) if type(module) in _ROUNDING_TWINS]
+
+
+def convert_nnx(model: nnx.Module, settings: Settings, rngs):
+  # Plan first (validation, clear errors), mutate after: no half-converted model.
+  plan = []
+  for path, module in list(nnx.iter_modules(model)):
+    rule = _NNX_RULES.get(type(module))
+    if rule is None:
+      continue
+    twin_cls, check, patch, rounds = rule
+    name = "/".join(str(p) for p in path) or type(module).__name__
+    reason = check(module)
+    if reason is not None:
+      unsupported(settings, f"{name} (nnx.{type(module).__name__})", reason)
+      continue
+    plan.append((module, twin_cls, patch, rounds, name))
+  if rngs is not None and not isinstance(rngs, (rnglib.Rngs, rnglib.RngStream)):
+    raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
+  converted = _converted_twins(model)
+  lacking = [name for *_, rounds, name in plan if rounds]
+  lacking += [name for name, twin in converted if twin.jact_rngs is None]
+  if settings.needs_key and lacking and not _has_stream(rngs):
+    got = "no rngs" if rngs is None else f"rngs={rngs!r}"[:200]
+    raise ValueError(
+        f"jact.convert rounds the saved activations of an nnx model stochastically and "
+        f"needs an RNG stream named 'jact' (or 'default') to fork each layer's stream from "
+        f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}); "
+        f"got {got}. Fixes: convert(model, rngs=nnx.Rngs(jact=0)); or convert with "
+        f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+  for _, twin in converted:  # converted before (or built as twins): the new settings apply
+    source = rngs if _has_stream(rngs) else twin.jact_rngs
+    twin._init_jact(source, settings.bits, settings.group_size, settings.stochastic,
+                    twin.residual_name)
+
+  twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
+                                 name)
+           for module, twin_cls, patch, rounds, name in plan}
+  if not twins:
+    return model
+  # Swap the twins in wherever a converted layer is referenced: attributes of
+  # every graph node (modules, nnx.List, nnx.Dict), through plain containers.
+  # The twins are included: they hold copies of their plain layers' attributes
+  # (an attention layer's qk-norms, for one).
+  nodes = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Pytree)]
+  for node in nodes + list(twins.values()):
+    for attr, value in list(vars(node).items()):
+      new, changed = _replace(value, twins)
+      if changed and new is not value:
+        object.__setattr__(node, attr, new)  # same kind of value: nnx metadata unchanged
+  return twins.get(id(model), model)
