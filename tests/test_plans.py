@@ -159,6 +159,37 @@ def test_analytic_sensitivity_ranks_like_numeric(setup):
   assert np.all((a[1:] / n[1:] > 0.25) & (a[1:] / n[1:] < 4))
 
 
+def _mixed_loss(w, x, key):
+  """fc1 keeps the per-group quantizer, fc2 a deterministic fixed-point compressor."""
+  k1, k2 = jax.random.split(key)
+  h = jnp.tanh(jact.ops.dense(x, w[0], key=k1, name="fc1"))
+  out = jact.ops.dense(h, w[1], key=k2, name="fc2", compressor=jact.compressors.Fixpoint(4))
+  return jnp.sum(out ** 2)
+
+
+@pytest.mark.parametrize("make", [jact.sensitivity.numeric, jact.sensitivity.analytic,
+                                  jact.acgc.error_bounded])
+def test_estimators_keep_everything_in_their_state(make):
+  """A state updates the same in a fresh estimator (as after a restore) and
+  under jit: init/update keep nothing between calls."""
+  w = (jax.random.normal(jax.random.key(0), (256, 256)) / 16,
+       jax.random.normal(jax.random.key(1), (256, 8)) / 16)
+  x = jax.random.normal(jax.random.key(2), (16, 256))
+  est = make(_mixed_loss)
+  state = est.init(w, x, jax.random.key(3))
+  updated = est.update(state, w, x, jax.random.key(4))
+  fresh = make(_mixed_loss).update(state, w, x, jax.random.key(4))
+  jitted = jax.jit(est.update)(jax.jit(est.init)(w, x, jax.random.key(3)), w, x,
+                               jax.random.key(4))
+  for other in (fresh, jitted):
+    assert jax.tree.structure(other) == jax.tree.structure(updated)
+    for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(updated)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, equal_nan=True)
+  assert updated.names == ("fc1.lhs", "fc2.lhs") and int(updated.count) == 1
+  if make is jact.sensitivity.numeric:  # the fixed-point site is probed stochastically too
+    assert np.all(np.asarray(updated.sensitivity) > 0), updated.sensitivity
+
+
 def test_adaptive_plan_beats_uniform_bits_at_the_same_average(setup):
   params, batch = setup
   ctrl = jact.Controller(loss, estimator="numeric", avg_bits=2.0, adapt_interval=1)

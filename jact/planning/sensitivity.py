@@ -73,20 +73,29 @@ class SensitivityState:
     grad_sq: float32[L], moving average of the squared output-gradient norm
       per sample (analytic estimator; zeros for the numeric one).
     count: int32, number of updates so far.
-    names, sizes: static residual names and their numbers of values.
+    names, sizes, bits: static residual names, their numbers of values and
+      their call sites' widths or compressors (what `numeric` probes them with
+      follows from these, so `update` needs nothing but the state).
   """
   sensitivity: jax.Array
   grad_sq: jax.Array
   count: jax.Array
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
   sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  bits: tuple[Any, ...] = dataclasses.field(metadata=dict(static=True))
 
   def as_dict(self) -> dict[str, float]:
     return dict(zip(self.names, np.asarray(self.sensitivity).tolist()))
 
 
 class Estimator(NamedTuple):
-  """init(params, batch, key) -> state; update(state, params, batch, key) -> state."""
+  """init(params, batch, key) -> state; update(state, params, batch, key) -> state.
+
+  Both are pure: everything an update needs is in the state it is given (no
+  cache in the estimator), so either may be called under jit, and a state
+  from one estimator (or a checkpoint) updates the same in another built
+  with the same settings.
+  """
   init: Callable[..., SensitivityState]
   update: Callable[..., SensitivityState]
 
@@ -118,7 +127,8 @@ def _empty_state(sites) -> SensitivityState:
   names = tuple(sorted(sites))
   n = len(names)
   return SensitivityState(jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32),
-                          jnp.zeros((), jnp.int32), names, tuple(sites[k].size for k in names))
+                          jnp.zeros((), jnp.int32), names, tuple(sites[k].size for k in names),
+                          tuple(sites[k].bits for k in names))
 
 
 def _sq_norm(tree) -> jax.Array:
@@ -150,22 +160,16 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
   _check_decay(decay)
   grad_fn = jax.grad(loss_fn)
 
-  probes = {}
-
   def init(params, batch, key) -> SensitivityState:
-    sites = find_residuals(loss_fn, params, batch, key)
-    state = _empty_state(sites)
-    # Sensitivity is measured for the per-group stochastic quantizer: a site with
-    # another (possibly deterministic) compressor is probed with PerGroup.
-    probes[state.names] = BitPlan({
-        n: probe_bits if isinstance(sites[n].bits, (int, PerGroup)) else PerGroup(probe_bits)
-        for n in state.names})
-    return state
+    return _empty_state(find_residuals(loss_fn, params, batch, key))
 
   @jax.jit
   def update(state: SensitivityState, params, batch, key) -> SensitivityState:
     names = state.names
-    probe = probes.get(names) or BitPlan({n: probe_bits for n in names})
+    # Sensitivity is measured for the per-group stochastic quantizer: a site with
+    # another (possibly deterministic) compressor is probed with PerGroup.
+    probe = BitPlan({n: probe_bits if isinstance(b, (int, PerGroup)) else PerGroup(probe_bits)
+                     for n, b in zip(names, state.bits)})
 
     def grads(salt):
       with use_plan(probe), _context.salted(names, salt):
