@@ -2,7 +2,10 @@
 
 The data folder is `$JACT_DATA` when set (used as given, even if empty), else
 the first existing of `<project root>/../shared/data` and `<cwd>/../shared/data`.
-A missing file raises `FileNotFoundError` naming the file and the fix.
+A missing file raises `FileNotFoundError` naming the file and the fix; when no
+data folder exists at all it is a `DataKitMissing` (the test suite skips the
+tests that need the kit on such a checkout). The 8x8 digits need no data folder:
+scikit-learn ships them.
 Decoded CIFAR-10 images are cached as uint8 arrays in `$JACT_CACHE`
 (default `~/.cache/jact`).
 
@@ -28,8 +31,8 @@ from typing import Iterator
 import numpy as np
 
 __all__ = [
-    "DATASETS", "data_dir", "cache_dir", "load_cifar10", "load_mnist", "load_digits_csv",
-    "load_sklearn_digits", "resolve_dataset", "load_image_dataset", "batches",
+    "DATASETS", "DataKitMissing", "data_dir", "cache_dir", "load_cifar10", "load_mnist",
+    "load_digits_csv", "load_sklearn_digits", "resolve_dataset", "load_image_dataset", "batches",
     "Planetoid", "load_planetoid", "load_cora", "normalized_adjacency",
 ]
 
@@ -44,6 +47,21 @@ _MNIST_FILES = {"x_train": "mnist/train-images-idx3-ubyte.gz",
                 "y_test": "mnist/t10k-labels-idx1-ubyte.gz"}
 _DIGITS_FILE = "sklearn_digits/digits.csv.gz"
 _PLANETOID_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
+
+
+class DataKitMissing(FileNotFoundError):
+  """No data folder was found at all (neither `$JACT_DATA` nor `../shared/data`).
+
+  Distinct from a file missing from a folder that exists, so that a checkout
+  without the data kit can skip what needs it while a misconfigured kit fails.
+  `relative` is the file that was asked for.
+  """
+
+  def __init__(self, relative: str):
+    looked = ", ".join(str(p) for p in _candidates())
+    super().__init__(f"data file {relative!r} not found: no data folder (looked in {looked}). "
+                     f"Set {DATA_ENV}=/path/to/shared/data.")
+    self.relative = relative
 
 
 def _candidates() -> list[Path]:
@@ -73,10 +91,7 @@ def cache_dir() -> Path:
 def _data_file(relative: str, root: str | os.PathLike | None = None) -> Path:
   base = Path(root) if root is not None else data_dir()
   if base is None:
-    looked = ", ".join(str(p) for p in _candidates())
-    raise FileNotFoundError(
-        f"data file {relative!r} not found: no data folder (looked in {looked}). "
-        f"Set {DATA_ENV}=/path/to/shared/data.")
+    raise DataKitMissing(relative)
   path = base / relative
   if not path.is_file():
     raise FileNotFoundError(
@@ -197,10 +212,14 @@ def resolve_dataset(name: str = "auto", *, root=None) -> str:
     raise ValueError(f"unknown dataset {name!r}; choose one of {DATASETS}")
   if name != "auto":
     return name
-  base = Path(root) if root is not None else data_dir()
-  if base is not None and (base / _CIFAR_FILES["10k_2k"]).is_file():
+  if _has_file(_CIFAR_FILES["10k_2k"], root):
     return "cifar10"
   return "sklearn_digits"
+
+
+def _has_file(relative: str, root=None) -> bool:
+  base = Path(root) if root is not None else data_dir()
+  return base is not None and (base / relative).is_file()
 
 
 def _split_digits(x, y, test_fraction=0.2, seed=0):
@@ -217,7 +236,8 @@ def load_image_dataset(name: str = "auto", *, root=None, train_size: int | None 
   Args:
     name: one of `DATASETS`. "auto" is CIFAR-10 (10k/2k subset) when the data
       folder holds it, else scikit-learn's bundled digits. "digits" reads the data
-      kit's CSV; both digits variants use a fixed 1438/359 train/test split.
+      kit's CSV when the data folder holds it, else scikit-learn's copy of the same
+      images; both digits variants use a fixed 1438/359 train/test split.
     root: data folder (default: `data_dir()`).
     train_size, test_size: keep only the first examples (CIFAR-10 prefixes of
       10k items are class balanced).
@@ -233,7 +253,8 @@ def load_image_dataset(name: str = "auto", *, root=None, train_size: int | None 
     xtr, ytr, xte, yte = load_mnist(root=root)
     xtr, xte, scale = xtr[..., None], xte[..., None], 255.0
   else:
-    x, y = load_digits_csv(root=root) if name == "digits" else load_sklearn_digits()
+    from_kit = name == "digits" and _has_file(_DIGITS_FILE, root)
+    x, y = load_digits_csv(root=root) if from_kit else load_sklearn_digits()
     xtr, ytr, xte, yte = _split_digits(x[..., None], y)
     scale = 16.0
   xtr, ytr = xtr[:train_size], ytr[:train_size]

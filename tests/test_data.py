@@ -1,11 +1,11 @@
 """Data loaders: shapes, dtypes, ranges, the fallback and the error messages."""
 
 import gzip
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import skip_without_data_kit
 from experiments import data
 
 
@@ -38,6 +38,7 @@ def test_cifar10_subset(tmp_path, monkeypatch):
 
 
 def test_auto_uses_cifar_when_present():
+  data._data_file(data._CIFAR_FILES["10k_2k"])  # the kit's CIFAR-10 is present
   assert data.resolve_dataset("auto") == "cifar10"
 
 
@@ -74,6 +75,37 @@ def test_fallback_when_data_folder_is_empty(empty_data):
   assert rows(split, np.concatenate([ytr, yte]).astype(np.uint8)) == rows(x, y)
 
 
+def test_digits_fall_back_to_the_same_images_in_sklearn(empty_data):
+  kit_or_bundled = data.load_image_dataset("digits")
+  bundled = data.load_image_dataset("sklearn_digits")
+  for a, b in zip(kit_or_bundled, bundled, strict=True):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(FileNotFoundError, match=r"digits\.csv\.gz"):
+    data.load_digits_csv()  # the kit's own loader still needs the kit
+
+
+def test_no_data_folder_at_all_is_data_kit_missing(tmp_path, monkeypatch):
+  monkeypatch.delenv("JACT_DATA", raising=False)
+  monkeypatch.setattr(data, "_candidates", lambda: [tmp_path / "a", tmp_path / "b"])
+  assert data.data_dir() is None
+  with pytest.raises(data.DataKitMissing, match=r"no data folder .*JACT_DATA") as err:
+    data.load_mnist()
+  assert err.value.relative == data._MNIST_FILES["x_train"]
+  assert str(tmp_path / "a") in str(err.value)  # the places looked in are named
+  # The test suite turns it (and only it) into a skip naming the fix.
+  with pytest.raises(pytest.skip.Exception, match=r"'mnist/train-images.*JACT_DATA="):
+    with skip_without_data_kit():
+      data.load_mnist()
+  assert data.resolve_dataset("auto") == "sklearn_digits"
+
+
+def test_a_file_missing_from_a_data_folder_fails(empty_data):
+  with pytest.raises(FileNotFoundError) as err:
+    with skip_without_data_kit():
+      data.load_mnist()
+  assert not isinstance(err.value, data.DataKitMissing)
+
+
 @pytest.mark.parametrize("loader, missing", [
     (lambda: data.load_cifar10("10k_2k", use_cache=False), "cifar10_jpeg_q75_10k_2k.npz"),
     (lambda: data.load_cifar10("full", use_cache=False), "cifar10_jpeg_q75_full.npz"),
@@ -88,8 +120,9 @@ def test_missing_file_error_names_the_file(empty_data, loader, missing):
 
 def test_missing_later_file_is_named(empty_data):
   (empty_data / "mnist").mkdir()
-  src = Path(data._candidates()[0]) / "mnist" / "train-images-idx3-ubyte.gz"
-  (empty_data / "mnist" / src.name).write_bytes(src.read_bytes())
+  # Every file is looked up before any is read, so a placeholder stands in for
+  # the images file.
+  (empty_data / data._MNIST_FILES["x_train"]).write_bytes(b"")
   with pytest.raises(FileNotFoundError, match=r"train-labels-idx1-ubyte\.gz"):
     data.load_mnist()
 
