@@ -12,6 +12,7 @@ trace (no compile).
 import asyncio
 import contextvars
 import os
+import sys
 import threading
 import warnings
 
@@ -176,6 +177,16 @@ def test_restore_with_other_residual_count_names_jact_and_the_fix(tmp_path):
   with pytest.raises(ValueError, match=r"jact\.Controller\.restore.*only in the model: \['c\.lhs'\]"
                      r".*Controller\.init"):
     bigger.restore(path, bigger.init(_weights(3), X, KEY))
+
+
+def test_save_and_restore_without_orbax_name_the_package_to_install(tmp_path, monkeypatch):
+  ctrl, state, path = _saved(tmp_path, names=("a",))
+  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # `import orbax.checkpoint` fails
+  fix = r"jact\.Controller\.save/restore.*orbax-checkpoint.*pip install orbax-checkpoint"
+  with pytest.raises(ImportError, match=fix):
+    ctrl.save(state, tmp_path / "again")
+  with pytest.raises(ImportError, match=fix):
+    ctrl.restore(path, state)
 
 
 @pytest.mark.parametrize("allowed", [(), (32,), (3,)])

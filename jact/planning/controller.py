@@ -193,7 +193,7 @@ class Controller:
 
   def save(self, state: ControllerState, directory: str | os.PathLike) -> None:
     """Writes the controller state to `directory` (orbax; must not exist yet)."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
     meta = {"plan": state.plan.to_dict(), "step": state.step, "report": state.report,
             "estimator": self.estimator, "names": list(state.estimates.names)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
@@ -219,13 +219,24 @@ class Controller:
     return ControllerState(estimates, plan, int(meta["step"]), dict(meta["report"]))
 
 
+def _orbax():
+  """orbax.checkpoint, imported on first save/restore: importing it takes seconds."""
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError as e:
+    raise ImportError("jact.Controller.save/restore write checkpoints with orbax-checkpoint, "
+                      f"which does not import here ({e}); install it with "
+                      "`pip install orbax-checkpoint` (a dependency of jact)") from e
+  return ocp
+
+
 _DAMAGED = ("it is missing pieces or was cut off while being written: restore an earlier "
             "checkpoint, or start again from Controller.init")
 
 
 def _read_meta(path: str) -> dict:
   """The JSON part of a controller checkpoint (plan, step, report, estimator, names)."""
-  import orbax.checkpoint as ocp
+  ocp = _orbax()
   if not os.path.isdir(path):
     raise FileNotFoundError(f"jact.Controller.restore: no checkpoint at {path}; write one with "
                             "Controller.save(state, directory)")
@@ -266,7 +277,7 @@ def _check_same_residuals(path: str, saved_names, saved_sizes: dict, like: Contr
 
 def _read_estimates(path: str, like):
   """The estimator state of a controller checkpoint, structured like `like`."""
-  import orbax.checkpoint as ocp
+  ocp = _orbax()
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
       return ckpt.restore(path, args=ocp.args.Composite(
