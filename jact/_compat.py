@@ -1,0 +1,754 @@
+"""Every private or undocumented JAX access jact makes, in one place.
+
+jact reads traced programs (jaxprs) and the object `jax.vjp` returns in ways
+JAX does not document: primitives recognised by identity or name, equation
+parameters, the pytree layout of a VJP. Each such access is one small
+function here, with a comment naming the public API that would replace it
+(or "none public in jax 0.10.2" and what to watch). Nothing else in jact
+touches `jax._src`, `jax.core`, `jax.extend`, `jax.interpreters` or equation
+parameters; tests/test_compat.py enforces that with a grep gate.
+
+`check()` runs every access on a tiny program and raises a `CompatError`
+naming the access and the function to fix when the installed JAX changed it
+(tests/test_compat.py runs it, one test per function).
+
+This module imports only JAX: it sits below jact/core in the import graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.core
+import jax.extend.backend
+import jax.extend.core
+import jax.extend.linear_util
+import jax.extend.source_info_util
+import jax.numpy as jnp
+from jax import lax
+from jax._src import ad_checkpoint as _private_ad_checkpoint
+from jax.experimental import pallas as _pallas
+from jax.extend.core import primitives as _primitives
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "CompatError", "CHECKS", "check",
+    "summarize_source", "checkpoint_name", "policy_checkpoint_name", "barrier_operand",
+    "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
+    "body_operand", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
+    "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "is_var", "is_literal",
+    "literal_value", "prune_jaxpr", "bind_eqn", "conv_kwargs", "linear_identity_primitive",
+    "saved_residuals",
+]
+
+
+class CompatError(RuntimeError):
+  """The installed JAX changed something jact reads through `jact._compat`."""
+
+
+# ----------------------------------------------------------------------------- J1 source info
+
+def summarize_source(eqn) -> str:
+  """'file:line:col (function)' of the user code that produced `eqn`.
+
+  Public: `jax.extend.source_info_util.summarize` (semi-public jax.extend; it
+  replaces `jax._src.source_info_util`)."""
+  return jax.extend.source_info_util.summarize(eqn.source_info)
+
+
+# ----------------------------------------------------------------------------- J2/J13 names
+
+def checkpoint_name(eqn) -> str | None:
+  """The `jax.ad_checkpoint.checkpoint_name` an equation applies, or None.
+
+  Public (partial): the primitive `jax.extend.core.primitives.name_p` by
+  identity; that its name is `params["name"]` is undocumented (JAX's own
+  policies read it the same way). None public in jax 0.10.2 for the second
+  form: JAX's experimental "remat3" `checkpoint_name3` (private in 0.10.2)
+  binds a `call_hi_primitive` whose `params["_prim"]` is a `CheckpointName`
+  carrying `.name`; JAX's own `saved_residuals` reads both forms. Watch: if
+  the public `checkpoint_name` moves to the second form, the first stops
+  matching and `check()` fails here."""
+  if eqn.primitive is _primitives.name_p and isinstance(eqn.params.get("name"), str):
+    return eqn.params["name"]
+  hi = eqn.params.get("_prim")
+  if type(hi).__name__ == "CheckpointName" and isinstance(getattr(hi, "name", None), str):
+    return hi.name
+  return None
+
+
+def policy_checkpoint_name(prim, params: dict) -> str | None:
+  """The checkpoint name a `jax.checkpoint` policy is asked about, or None.
+
+  Public: the policy calling convention `policy(prim, *avals, **params)` is
+  documented; that a `name_p` equation carries its name as `params["name"]`
+  is not (jax's `save_only_these_names` reads `prim is name_p and
+  params["name"]`). None public in jax 0.10.2 otherwise. Watch: a
+  `checkpoint_name` in the hi-primitive form would give None here and
+  `jact.save_compressed()` would silently save nothing -- `check()` asserts
+  the policy sees the name."""
+  name = params.get("name")
+  return name if prim is _primitives.name_p and isinstance(name, str) else None
+
+
+# ----------------------------------------------------------------------------- J3 pass-throughs
+
+def barrier_operand(eqn, out_index: int):
+  """The operand behind output `out_index` of a `lax.optimization_barrier`
+  equation (its outputs are its operands, position by position), or None for
+  any other equation.
+
+  Public: `jax.lax.optimization_barrier_p` by identity; the positional
+  pass-through is the documented meaning of `lax.optimization_barrier`."""
+  if eqn.primitive is lax.optimization_barrier_p:
+    return eqn.invars[out_index]
+  return None
+
+
+def passthrough_operand(eqn, out_index: int):
+  """Like `barrier_operand`, also through `lax.reduce_precision` (same value,
+  rounded): the operand behind output `out_index`, or None.
+
+  Public: `jax.lax.optimization_barrier_p`, `jax.lax.reduce_precision_p`
+  by identity."""
+  if eqn.primitive is lax.reduce_precision_p:
+    return eqn.invars[out_index]
+  return barrier_operand(eqn, out_index)
+
+
+# ----------------------------------------------------------------------------- J4 calls
+
+# `jax.jit` and `closed_call` bodies. On jax 0.10.2 the jit primitive is named
+# "jit" ("pjit" before); "pjit" and "core_call" name no primitive any more, and
+# `call_p` (named "call", with an open `call_jaxpr`) is not entered by jact.
+_CALL_PRIMITIVES = (_primitives.jit_p, _primitives.closed_call_p)
+
+
+def is_call(eqn) -> bool:
+  """Whether `eqn` calls a jitted function or a `closed_call` body.
+
+  Public: `jax.extend.core.primitives.jit_p` / `closed_call_p` by identity."""
+  return eqn.primitive in _CALL_PRIMITIVES
+
+
+def call_body(eqn, *, closed_call: bool = True) -> jax.extend.core.ClosedJaxpr | None:
+  """The body of a jit (or, unless `closed_call=False`, closed_call)
+  equation whose inputs and outputs map 1:1 onto the body's, or None.
+
+  Public (partial): the primitives by identity; the body is
+  `params["jaxpr"]` for jit and `params["call_jaxpr"]` for closed_call
+  (undocumented; `jax.extend.core.jaxprs_in_params` finds it key-agnostically
+  but yields the open jaxpr without its consts). Watch: the key names and
+  the 1:1 operand mapping."""
+  if eqn.primitive is _primitives.jit_p:
+    body = eqn.params.get("jaxpr")
+  elif closed_call and eqn.primitive is _primitives.closed_call_p:
+    body = eqn.params.get("call_jaxpr")
+  else:
+    return None
+  if not isinstance(body, jax.extend.core.ClosedJaxpr):
+    return None
+  if len(body.jaxpr.invars) != len(eqn.invars) or len(body.jaxpr.outvars) != len(eqn.outvars):
+    return None
+  return body
+
+
+def call_name(eqn) -> str | None:
+  """The name of the function a jit equation calls (None for closed_call).
+
+  None public in jax 0.10.2: `params["name"]` of `jit_p`. Watch the key."""
+  name = eqn.params.get("name") if is_call(eqn) else None
+  return name if isinstance(name, str) else None
+
+
+# ----------------------------------------------------------------------------- J5 platform_dependent
+
+def platform_dependent_branch(eqn, producer_of: Callable[[Any], Any], platform: str):
+  """The branch (an open Jaxpr) a `lax.platform_dependent` cond runs on
+  `platform` ("cpu", "cuda", "rocm", "tpu"), or None for any other equation.
+
+  `producer_of(var)` returns the equation that produced `var` (or None).
+  None public in jax 0.10.2: the cond's index comes from a `platform_index`
+  equation (primitive not exported; recognised by name) whose
+  `params["platforms"]` holds one tuple of platform names per branch, None
+  for the default; the cond's branches are `params["branches"]`. Watch: the
+  cond also carries `params["branches_platforms"]` on 0.10.2, a simpler
+  route if `platform_index` goes away."""
+  if eqn.primitive is not _primitives.cond_p:
+    return None
+  found = producer_of(eqn.invars[0])
+  if found is None or found.primitive.name != "platform_index":
+    return None
+  choices = found.params["platforms"]
+  index = next((i for i, p in enumerate(choices) if p is not None and platform in p),
+               next((i for i, p in enumerate(choices) if p is None), None))
+  if index is None:
+    return None
+  return eqn.params["branches"][index].jaxpr
+
+
+def body_operand(eqn, j: int):
+  """The outer operand behind input `j` of the body `call_body` or
+  `platform_dependent_branch` entered (a cond's first operand is its index).
+
+  Public: `cond_p` by identity; the operand layout of `cond` (index first)
+  is undocumented."""
+  return eqn.invars[j + (eqn.primitive is _primitives.cond_p)]
+
+
+# ----------------------------------------------------------------------------- J6 platform
+
+def lowering_platform() -> str:
+  """The `lax.platform_dependent` name of the default backend: "cpu",
+  "cuda", "rocm" or "tpu".
+
+  Public (semi): `jax.extend.backend.get_backend().platform_version` tells
+  CUDA from ROCm (`jax.default_backend()` says only "gpu"). No default on a
+  missing attribute: a silent "cuda" would pick the wrong branch."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  version = jax.extend.backend.get_backend().platform_version
+  return "rocm" if "rocm" in str(version).lower() else "cuda"
+
+
+# ----------------------------------------------------------------------------- J7 kernels
+
+# Reshape-like primitives between a kernel and the residual it wrote.
+# (`jnp.expand_dims` lowers to broadcast_in_dim: no "expand_dims" primitive.)
+_VIEW_PRIMITIVES = (lax.reshape_p, lax.squeeze_p, lax.slice_p, lax.bitcast_convert_type_p)
+
+
+def is_view(eqn) -> bool:
+  """Whether `eqn` only re-views its first operand (reshape, squeeze,
+  slice, bitcast).
+
+  Public: `jax.lax.reshape_p`, `squeeze_p`, `slice_p`,
+  `bitcast_convert_type_p` by identity."""
+  return eqn.primitive in _VIEW_PRIMITIVES
+
+
+def pallas_kernel_name(eqn) -> str | None:
+  """The name of the Pallas kernel `eqn` runs ("pallas_call" when unnamed),
+  or None when `eqn` is no `pallas_call`.
+
+  Public (experimental): `jax.experimental.pallas.pallas_call_p` by
+  identity; its `params["name"]` is undocumented (the `name=` given to
+  `pl.pallas_call`). Watch: older versions kept `name_and_src_info`."""
+  if eqn.primitive is not _pallas.pallas_call_p:
+    return None
+  return str(eqn.params.get("name") or "pallas_call")
+
+
+# ----------------------------------------------------------------------------- J8 VJP layout
+
+def vjp_residuals(vjp) -> tuple[list, Any]:
+  """`(leaves, layout)`: the values the VJP object `jax.vjp` returned keeps
+  for the backward pass, and what `rebuild_vjp` needs to rebuild it.
+
+  None public in jax 0.10.2: the object (`jax._src.api.VJP`) is a pytree
+  whose leaves are the primal inputs it uses, then the residuals, in an
+  order jact's residual names (`f"{name}.{position}"`) are built from.
+  `jax.ad_checkpoint.saved_residuals` was removed in 0.10; tracing
+  `jax.make_jaxpr(vjp)` and taking its tracer consts gives the same values in
+  another order, which would rename every residual and break saved plans.
+  Works on the `ShapeDtypeStruct` form `make_jaxpr(..., return_shape=True)`
+  returns too. Raises a CompatError when the object stops being such a pytree."""
+  leaves, layout = jax.tree.flatten(vjp)
+  if not callable(vjp) or any(l is vjp or not (hasattr(l, "shape") and hasattr(l, "dtype"))
+                              for l in leaves):
+    raise CompatError(
+        "jact._compat.vjp_residuals: the object jax.vjp returns is no longer a pytree whose "
+        f"leaves are its residual arrays (jax {jax.__version__}, got "
+        f"{[type(l).__name__ for l in leaves]}); jact.compressed, jact.checkpoint and "
+        "jact.residual_report read residuals from it. Update vjp_residuals / rebuild_vjp in "
+        "jact/_compat.py.")
+  return leaves, layout
+
+
+def rebuild_vjp(layout, leaves: Sequence) -> Callable:
+  """The VJP function of `vjp_residuals`'s `layout` with its residuals
+  replaced by `leaves` (same shapes and dtypes). Same layout access as
+  `vjp_residuals`."""
+  return jax.tree.unflatten(layout, list(leaves))
+
+
+# ----------------------------------------------------------------------------- J9 jax.core
+
+def eval_jaxpr(jaxpr, consts, *args) -> list:
+  """Evaluates an open jaxpr. Public: `jax.core.eval_jaxpr` (one of the
+  names jax 0.10.2 keeps in `jax.core`; `jax.extend.core.jaxpr_as_fun` is
+  the alternative)."""
+  return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def is_tracer(x) -> bool:
+  """Whether `x` is a tracer (e.g. a closed-over value of an enclosing
+  transformation). Public: `jax.core.Tracer` (kept in `jax.core` 0.10.2)."""
+  return isinstance(x, jax.core.Tracer)
+
+
+# ----------------------------------------------------------------------------- J10 values
+
+def is_jax_value(x) -> bool:
+  """Whether `x` is a JAX value: an array, a tracer, or an object JAX reads
+  as one through its `.aval` (flax.nnx Variables do).
+
+  Public: `isinstance(x, jax.Array)` holds for every tracer in jax 0.10.2
+  (jit, grad, vmap, jvp, linearize); the `.aval` duck-typing (undocumented,
+  what `jax.typeof` reads) admits the foreign array-likes besides."""
+  return isinstance(x, jax.Array) or hasattr(x, "aval")
+
+
+# ----------------------------------------------------------------------------- J11 jaxpr walking
+
+def is_var(v) -> bool:
+  """Whether a jaxpr atom is a variable. Public (semi): `jax.extend.core.Var`."""
+  return isinstance(v, jax.extend.core.Var)
+
+
+def is_literal(v) -> bool:
+  """Whether a jaxpr atom is a literal. Public (semi): `jax.extend.core.Literal`."""
+  return isinstance(v, jax.extend.core.Literal)
+
+
+def literal_value(v):
+  """The value of a literal atom. None public in jax 0.10.2: `Literal.val`
+  is undocumented."""
+  return v.val
+
+
+def prune_jaxpr(jaxpr, wanted: Sequence):
+  """A jaxpr with no inputs computing `wanted` (variables of `jaxpr` that do
+  not depend on its inputs) from its constvars; evaluate it with
+  `eval_jaxpr(pruned, consts)`.
+
+  None public in jax 0.10.2: `Jaxpr.replace` is undocumented; the public
+  constructor `jax.extend.core.Jaxpr(constvars, invars, outvars, eqns)` is
+  the replacement (watch: newer JAX checks `debug_info` against the arity)."""
+  needed = {v for v in wanted if is_var(v)}
+  eqns = []
+  for eqn in reversed(jaxpr.eqns):
+    if needed.intersection(eqn.outvars):
+      eqns.append(eqn)
+      needed.update(v for v in eqn.invars if is_var(v))
+  return jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
+
+
+# ----------------------------------------------------------------------------- J12 rebinding
+
+def bind_eqn(eqn, values: Sequence) -> list:
+  """Runs one equation on `values` (what `jax.core.eval_jaxpr` does per
+  equation); returns its outputs as a list.
+
+  None public in jax 0.10.2: `Primitive.get_bind_params` and the equation
+  context `eqn.ctx.manager` are undocumented, and `eval_jaxpr` has no
+  per-equation hook. Earlier JAX returned `(subfuns, params)` from
+  `get_bind_params`; 0.10 returns the params."""
+  prim = eqn.primitive
+  params = prim.get_bind_params(eqn.params)
+  subfuns, params = params if isinstance(params, tuple) else ((), params)
+  with eqn.ctx.manager:
+    outs = prim.bind(*subfuns, *values, **params)
+  return list(outs) if prim.multiple_results else [outs]
+
+
+def conv_kwargs(eqn) -> dict | None:
+  """The keyword arguments of `lax.conv_general_dilated` that reproduce a
+  convolution equation (None for other equations and for sharded
+  convolutions, which jact does not rewrite).
+
+  Public (partial): `jax.lax.conv_general_dilated_p` by identity; that its
+  params are the function's keywords (plus `out_sharding`) is undocumented,
+  and `dimension_numbers` arrives in its internal `ConvDimensionNumbers`
+  form."""
+  if eqn.primitive is not lax.conv_general_dilated_p or eqn.params.get("out_sharding") is not None:
+    return None
+  return {k: v for k, v in eqn.params.items() if k != "out_sharding"}
+
+
+# ----------------------------------------------------------------------------- J14 primitive
+
+def linear_identity_primitive(name: str, fail: Callable[..., Any]) -> jax.extend.core.Primitive:
+  """A new primitive `p` with `p.bind(t, **params)`: shape-preserving,
+  linear, transposed to the identity, batched elementwise; evaluating or
+  lowering it calls `fail(*operands, **params)` (which should raise).
+
+  Public (semi): `jax.extend.core.Primitive` with `jax.interpreters.ad`,
+  `batching` and `mlir` -- the documented route for custom primitives; the
+  transpose-rule convention `(ct, *operands, **params)` of `ad.deflinear2`
+  is undocumented."""
+  p = jax.extend.core.Primitive(name)
+  p.def_impl(fail)
+  p.def_abstract_eval(lambda t, **_: t)
+  mlir.register_lowering(p, fail)
+  batching.defvectorized(p)
+  ad.deflinear2(p, lambda ct, _, **__: [ct])
+  return p
+
+
+# ----------------------------------------------------------------------------- tests' helper
+
+def saved_residuals(fn: Callable, *args, **kwargs) -> list[tuple[Any, str]]:
+  """`(aval, description)` of every value `jax.vjp(fn, ...)` saves, as JAX
+  describes it (no looking through barriers, unlike `jact.residual_report`).
+
+  Public in jax < 0.10 as `jax.ad_checkpoint.saved_residuals`; removed in
+  0.10 (only `print_saved_residuals`, which prints the list, remains), so
+  this falls back to `jax._src.ad_checkpoint.saved_residuals`."""
+  public = getattr(jax.ad_checkpoint, "saved_residuals", None)
+  return (public or _private_ad_checkpoint.saved_residuals)(fn, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- self-check
+
+def _eqns(fn, *args) -> list:
+  return list(jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def _only(eqns, primitive):
+  found = [e for e in eqns if e.primitive is primitive]
+  assert len(found) == 1, f"expected one {primitive} equation, got {[str(e.primitive) for e in eqns]}"
+  return found[0]
+
+
+def _check_summarize_source():
+  eqn, = _eqns(lambda x: jnp.sin(x), 1.0)  # pylint: disable=unnecessary-lambda  (a user frame)
+  text = summarize_source(eqn)
+  assert re.fullmatch(r".+:\d+(:\d+)? \(.+\)", text), f"summary {text!r} is not 'file:line (fn)'"
+
+
+def _check_checkpoint_name():
+  from jax.ad_checkpoint import checkpoint_name as name_it  # pylint: disable=import-outside-toplevel
+  found = [checkpoint_name(e) for e in _eqns(lambda x: name_it(x * 2, "n"), 1.0)]
+  assert found == [None, "n"], f"names of (mul, checkpoint_name) are {found}, expected [None, 'n']"
+  jitted = jax.make_jaxpr(jax.jit(lambda x: name_it(x * 2, "m")))(1.0).jaxpr.eqns[0]
+  body = call_body(jitted)
+  assert body is not None and [checkpoint_name(e) for e in body.jaxpr.eqns] == [None, "m"], (
+      "checkpoint_name inside a jitted body is not recognised")
+  # The experimental hi-primitive form (remove that branch when JAX drops it).
+  hi = _eqns(lambda x: _private_ad_checkpoint.checkpoint_name3("h", x * 2), 1.0)
+  assert [checkpoint_name(e) for e in hi] == [None, "h"], "remat3's CheckpointName not recognised"
+
+
+def _check_policy_checkpoint_name():
+  from jax.ad_checkpoint import checkpoint_name as name_it  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def policy(prim, *_, **params):
+    seen.append(policy_checkpoint_name(prim, params))
+    return False
+
+  f = jax.checkpoint(lambda x: jnp.sin(name_it(jnp.sin(x), "kept")), policy=policy)
+  jax.linearize(f, 1.0)
+  assert "kept" in seen, f"a jax.checkpoint policy saw names {seen}, not 'kept'"
+  assert policy_checkpoint_name(lax.sin_p, {"name": "x"}) is None
+
+
+def _check_barrier_operand():
+  eqn = _only(_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0),
+              lax.optimization_barrier_p)
+  assert barrier_operand(eqn, 1) is eqn.invars[1] and barrier_operand(eqn, 0) is eqn.invars[0]
+  assert barrier_operand(_eqns(jnp.sin, 1.0)[0], 0) is None
+
+
+def _check_passthrough_operand():
+  eqn = _only(_eqns(lambda x: lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7), 1.0),
+              lax.reduce_precision_p)
+  assert passthrough_operand(eqn, 0) is eqn.invars[0]
+  eqn = _only(_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0),
+              lax.optimization_barrier_p)
+  assert passthrough_operand(eqn, 1) is eqn.invars[1]
+  assert passthrough_operand(_eqns(jnp.sin, 1.0)[0], 0) is None
+
+
+def _closed_call_eqn():
+  # What JAX's own rules stage (scan partial evaluation, custom_vjp DCE).
+  inner = jax.make_jaxpr(jnp.cos)(1.0)
+  fun = jax.extend.linear_util.wrap_init(jax.extend.core.jaxpr_as_fun(inner),
+                                         debug_info=inner.jaxpr.debug_info)
+  return _eqns(lambda x: _primitives.closed_call_p.bind(x, subfuns=(fun,), call_jaxpr=inner)[0],
+               1.0)[0]
+
+
+def _check_is_call():
+  eqn, = _eqns(jax.jit(jnp.sin), 1.0)
+  assert is_call(eqn) and is_call(_closed_call_eqn()), "jit / closed_call not recognised"
+  assert not is_call(_eqns(jnp.sin, 1.0)[0])
+
+
+def _check_call_body():
+  for eqn, fn in ((_eqns(jax.jit(jnp.sin), 1.0)[0], jnp.sin), (_closed_call_eqn(), jnp.cos)):
+    body = call_body(eqn)
+    assert body is not None, f"no body found in {eqn.primitive} (params {sorted(eqn.params)})"
+    assert eval_jaxpr(body.jaxpr, body.consts, 0.5)[0] == fn(0.5), f"wrong body of {eqn.primitive}"
+  assert call_body(_closed_call_eqn(), closed_call=False) is None
+  assert call_body(_eqns(jax.jit(jnp.sin), 1.0)[0], closed_call=False) is not None
+  assert call_body(_eqns(jnp.sin, 1.0)[0]) is None
+
+
+def _check_call_name():
+  def sine(x):
+    return jnp.sin(x)
+  eqn, = _eqns(jax.jit(sine), 1.0)
+  assert call_name(eqn) == "sine", f"jit's function name read as {call_name(eqn)!r}"
+  assert call_name(_closed_call_eqn()) is None
+
+
+def _platform_program():
+  closed = jax.make_jaxpr(lambda x: lax.platform_dependent(x, cpu=lambda y: y * 2.0,
+                                                           default=lambda y: y * 3.0))(1.0)
+  producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+  return closed.jaxpr.eqns[-1], producers.get
+
+
+def _check_platform_dependent_branch():
+  eqn, producer_of = _platform_program()
+  for platform, factor in (("cpu", 2.0), ("cuda", 3.0)):
+    branch = platform_dependent_branch(eqn, producer_of, platform)
+    assert branch is not None, f"no branch found for {platform}"
+    assert eval_jaxpr(branch, (), 1.0)[0] == factor, f"wrong branch for {platform}"
+  plain = _eqns(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x), True, 1.0)[-1]
+  assert platform_dependent_branch(plain, {}.get, "cpu") is None
+
+
+def _check_body_operand():
+  eqn, _ = _platform_program()
+  assert body_operand(eqn, 0) is eqn.invars[1], "a cond's operands do not follow its index"
+  call, = _eqns(jax.jit(lambda x, y: x * y), 1.0, 2.0)
+  assert body_operand(call, 1) is call.invars[1]
+
+
+def _check_lowering_platform():
+  platform = lowering_platform()
+  assert platform in ("cpu", "cuda", "rocm", "tpu"), platform
+  if jax.default_backend() != "gpu":
+    assert platform == jax.default_backend()
+  version = jax.extend.backend.get_backend().platform_version
+  assert isinstance(version, str) and version, f"platform_version is {version!r}"
+
+
+def _check_is_view():
+  x = jnp.ones((2, 3))
+  views = [_eqns(lambda x: x.reshape(3, 2), x), _eqns(lambda x: x[1:], x),
+           _eqns(lambda x: lax.squeeze(x[:1], (0,)), x),
+           _eqns(lambda x: lax.bitcast_convert_type(x, jnp.int32), x)]
+  for eqns in views:
+    assert is_view(eqns[-1]), f"{eqns[-1].primitive} not seen as a view"
+  assert not is_view(_eqns(jnp.sin, 1.0)[0])
+
+
+def _check_pallas_kernel_name():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  call = _pallas.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                             interpret=True, name="jact_probe")
+  eqn, = _eqns(call, jnp.ones(8))
+  assert pallas_kernel_name(eqn) == "jact_probe", f"kernel name read as {pallas_kernel_name(eqn)!r}"
+  assert pallas_kernel_name(_eqns(jnp.sin, 1.0)[0]) is None
+
+
+def _check_vjp_residuals():
+  x = jnp.arange(3.0)
+  _, vjp = jax.vjp(jnp.sin, x)
+  leaves, layout = vjp_residuals(vjp)
+  assert len(leaves) == 1 and bool(jnp.allclose(leaves[0], jnp.cos(x))), "sin's VJP keeps cos(x)"
+  zero, = rebuild_vjp(layout, [jnp.zeros_like(leaves[0])])(jnp.ones(3))
+  assert not bool(jnp.any(zero)), "rebuilt VJP does not use the replaced residuals"
+  # The order residual names are built from: used primals, then residuals.
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  _, vjp = jax.vjp(lambda x, w: jnp.tanh(x @ w), x, w)
+  leaves, layout = vjp_residuals(vjp)
+  shapes = [tuple(l.shape) for l in leaves]
+  assert shapes == [(2, 3), (3, 4), (2, 4), (2, 4)], f"tanh(x @ w) VJP leaves {shapes}"
+  g = jnp.ones((2, 4))
+  for a, b in zip(rebuild_vjp(layout, leaves)(g), vjp(g)):
+    assert bool(jnp.array_equal(a, b)), "rebuilt VJP differs from the original"
+  _, shaped = jax.make_jaxpr(lambda x: jax.vjp(jnp.sin, x), return_shape=True)(jnp.ones(3))
+  assert len(vjp_residuals(shaped[1])[0]) == 1
+
+
+def _check_eval_jaxpr():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    closed = jax.make_jaxpr(lambda x: x * 2.0 + 1.0)(1.0)
+    assert eval_jaxpr(closed.jaxpr, closed.consts, 3.0)[0] == 7.0
+
+
+def _check_is_tracer():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    seen = []
+    jax.make_jaxpr(lambda x: seen.append(is_tracer(x)) or x)(1.0)
+    assert seen == [True] and not is_tracer(jnp.ones(1)) and not is_tracer(1.0)
+
+
+def _check_is_jax_value():
+  seen = []
+
+  def f(x):
+    seen.append(is_jax_value(x) and isinstance(x, jax.Array))
+    return x.sum()
+
+  jax.jit(f)(1.0)
+  jax.grad(f)(1.0)
+  jax.vmap(f)(jnp.ones(2))
+  jax.jvp(f, (1.0,), (1.0,))
+  assert seen == [True] * 4, f"tracers seen as JAX values: {seen}"
+  assert is_jax_value(jnp.ones(1)) and not is_jax_value(1.0) and not is_jax_value("s")
+
+
+def _check_is_var():
+  eqn, = _eqns(lambda x: x * 2.0, 1.0)
+  assert is_var(eqn.invars[0]) and not is_var(eqn.invars[1])
+
+
+def _check_is_literal():
+  eqn, = _eqns(lambda x: x * 2.0, 1.0)
+  assert is_literal(eqn.invars[1]) and not is_literal(eqn.invars[0])
+
+
+def _check_literal_value():
+  eqn, = _eqns(lambda x: x * 2.0, 1.0)
+  assert literal_value(eqn.invars[1]) == 2.0
+
+
+def _check_prune_jaxpr():
+  closed = jax.make_jaxpr(lambda x: (jnp.zeros(3) + 1.0, x * 2.0))(1.0)
+  pruned = prune_jaxpr(closed.jaxpr, [closed.jaxpr.outvars[0]])
+  value, = eval_jaxpr(pruned, closed.consts)
+  assert bool(jnp.array_equal(value, jnp.ones(3))), f"pruned jaxpr computes {value}"
+
+
+def _check_bind_eqn():
+  w = jnp.ones((2, 1, 3, 3)) / 9
+
+  def program(x, key):
+    y = jax.jit(jnp.sin)(x) + lax.cond(x.sum() > 0, jnp.cos, jnp.sin, x)
+    y = lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(4), y)[1]
+    y = y + jax.random.uniform(key, y.shape)
+    image = lax.conv_general_dilated(y.reshape(1, 1, 4, 4), w, (1, 1), "SAME")
+    return image.sum() + y.sum()
+
+  args = (jnp.arange(16.0).reshape(4, 4) / 16, jax.random.key(0))
+  closed = jax.make_jaxpr(program)(*args)
+
+  @jax.jit
+  def rebound(*args):
+    env = dict(zip(closed.jaxpr.constvars, closed.consts)) | dict(zip(closed.jaxpr.invars, args))
+    for eqn in closed.jaxpr.eqns:
+      env.update(zip(eqn.outvars, bind_eqn(
+          eqn, [literal_value(v) if is_literal(v) else env[v] for v in eqn.invars])))
+    return env[closed.jaxpr.outvars[0]]
+
+  ours, theirs = rebound(*args), jax.jit(program)(*args)
+  assert bool(jnp.allclose(ours, theirs)), "re-binding every equation changes the result"
+
+
+def _check_conv_kwargs():
+  x, w = jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
+  conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", rhs_dilation=(2, 1))
+  eqn = _only(_eqns(conv, x, w), lax.conv_general_dilated_p)
+  kwargs = conv_kwargs(eqn)
+  accepted = set(inspect.signature(lax.conv_general_dilated).parameters)
+  assert kwargs is not None and set(kwargs) <= accepted, (
+      f"conv params {sorted(set(kwargs or ()) - accepted)} are not lax.conv_general_dilated keywords")
+  assert bool(jnp.array_equal(lax.conv_general_dilated(x, w, **kwargs), conv(x, w)))
+  assert conv_kwargs(_eqns(jnp.sin, 1.0)[0]) is None
+
+
+def _check_linear_identity_primitive():
+  def fail(*_, **__):
+    raise TypeError("jact probe: forward mode evaluated")
+
+  p = linear_identity_primitive("jact_compat_probe", fail)
+  t = jnp.arange(3.0)
+  assert jax.make_jaxpr(lambda t: p.bind(t))(t).out_avals[0].shape == (3,)
+  assert jax.make_jaxpr(jax.vmap(lambda t: p.bind(t)))(jnp.ones((2, 3))).out_avals[0].shape == (2, 3)
+  transposed, = jax.linear_transpose(lambda t: p.bind(t), t)(t)
+  assert bool(jnp.array_equal(transposed, t)), "the transpose is not the identity"
+  try:
+    p.bind(t)
+  except TypeError as e:
+    assert "jact probe" in str(e)
+  else:
+    raise AssertionError("evaluating the primitive did not call fail")
+
+
+def _check_saved_residuals():
+  x = jnp.arange(3.0)
+  saved = saved_residuals(lambda x: jnp.sin(x).sum(), x)
+  assert len(saved) == 1 and tuple(saved[0][0].shape) == (3,) and isinstance(saved[0][1], str), (
+      f"saved_residuals(sin) gave {saved}")
+
+
+# One probe per compat function: (what it reads, probe).
+CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
+    "summarize_source": ("jax.extend.source_info_util.summarize of an equation's source_info",
+                         _check_summarize_source),
+    "checkpoint_name": ("name_p / params['name'] of jax.ad_checkpoint.checkpoint_name, and "
+                        "params['_prim'] of the private remat3 checkpoint_name3",
+                        _check_checkpoint_name),
+    "policy_checkpoint_name": ("the name a jax.checkpoint policy receives in params['name']",
+                               _check_policy_checkpoint_name),
+    "barrier_operand": ("lax.optimization_barrier_p and its positional pass-through",
+                        _check_barrier_operand),
+    "passthrough_operand": ("lax.reduce_precision_p / optimization_barrier_p pass-through",
+                            _check_passthrough_operand),
+    "is_call": ("jit_p / closed_call_p in jax.extend.core.primitives", _check_is_call),
+    "call_body": ("the body of jit / closed_call in params['jaxpr'] / params['call_jaxpr']",
+                  _check_call_body),
+    "call_name": ("the jitted function's name in jit's params['name']", _check_call_name),
+    "platform_dependent_branch": (
+        "lax.platform_dependent: platform_index params['platforms'] and cond params['branches']",
+        _check_platform_dependent_branch),
+    "body_operand": ("cond's operand layout (index first)", _check_body_operand),
+    "lowering_platform": ("jax.extend.backend.get_backend().platform_version",
+                          _check_lowering_platform),
+    "is_view": ("lax.reshape_p / squeeze_p / slice_p / bitcast_convert_type_p", _check_is_view),
+    "pallas_kernel_name": ("jax.experimental.pallas.pallas_call_p and its params['name']",
+                           _check_pallas_kernel_name),
+    "vjp_residuals": ("the pytree layout of the object jax.vjp returns", _check_vjp_residuals),
+    "rebuild_vjp": ("jax.tree.unflatten of that layout", _check_vjp_residuals),
+    "eval_jaxpr": ("jax.core.eval_jaxpr", _check_eval_jaxpr),
+    "is_tracer": ("jax.core.Tracer", _check_is_tracer),
+    "is_jax_value": ("tracers are jax.Array; the .aval attribute", _check_is_jax_value),
+    "is_var": ("jax.extend.core.Var", _check_is_var),
+    "is_literal": ("jax.extend.core.Literal", _check_is_literal),
+    "literal_value": ("Literal.val", _check_literal_value),
+    "prune_jaxpr": ("Jaxpr.replace(invars=, outvars=, eqns=)", _check_prune_jaxpr),
+    "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
+    "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
+                    _check_conv_kwargs),
+    "linear_identity_primitive": (
+        "jax.extend.core.Primitive with jax.interpreters.ad.deflinear2, batching.defvectorized, "
+        "mlir.register_lowering", _check_linear_identity_primitive),
+    "saved_residuals": ("jax.ad_checkpoint.saved_residuals, or jax._src.ad_checkpoint's",
+                        _check_saved_residuals),
+}
+
+
+def check(names: Iterable[str] | None = None) -> None:
+  """Runs the probe of each compat function in `names` (all by default) on a
+  tiny program; raises a CompatError naming every access the installed JAX
+  changed and the function in jact/_compat.py to update."""
+  names = list(CHECKS) if names is None else list(names)
+  unknown = [n for n in names if n not in CHECKS]
+  if unknown:
+    raise ValueError(f"no compat check named {unknown}; choose from {sorted(CHECKS)}")
+  broken = []
+  for name in names:
+    what, probe = CHECKS[name]
+    try:
+      probe()
+    except Exception as e:  # any failure of a probe is a changed access  # pylint: disable=broad-except
+      broken.append(f"jact._compat.{name} ({what}): {type(e).__name__}: {e}")
+  if broken:
+    raise CompatError(
+        f"jax {jax.__version__} changed what jact reads through jact/_compat.py; update these "
+        "functions there (each names the public API that would replace it):\n  "
+        + "\n  ".join(broken))
