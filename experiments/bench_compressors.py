@@ -80,7 +80,8 @@ def pretrain(params, train, steps: int, batch: int, lr: float = 0.05):
 
 def acgc_plan(params, batch, error: float, updates: int, compressor):
   """AC-GC bound -> plan of `compressor` widths (statistics from `updates` keys)."""
-  loss = lambda p, b, k: preact.loss(p, b, k, form="layers", bits=compressors.Fixpoint(8))
+  loss = lambda p, b, k: preact.loss(p, b, k, form="layers",
+                                       compressor=compressors.Fixpoint(8))
   bounds = jact.acgc.error_bounded(loss, error=error, compressor=compressor)
   state = bounds.init(params, batch, jax.random.key(0))
   for i in range(updates):
@@ -100,10 +101,10 @@ def zvc_on_conv_inputs(plan: jact.BitPlan, capacity: float) -> jact.BitPlan:
   return jact.BitPlan(entries, default=plan.default)
 
 
-def measure(name, params, batch, keys: int, form: str, bits=None, plan=None):
+def measure(name, params, batch, keys: int, form: str, bits=None, compressor=None, plan=None):
   def loss(p, key):
     with jact.use_plan(plan):
-      return preact.loss(p, batch, key, form=form, bits=bits)
+      return preact.loss(p, batch, key, form=form, bits=bits, compressor=compressor)
 
   exact = _flat(jax.grad(preact.loss)(params, batch, form="plain"))
   grad = jax.jit(jax.grad(loss))
@@ -132,21 +133,21 @@ def run(args):
 
   methods = [
       ("exact (jact ops, bits=None)", dict(form="layers", bits=None)),
-      ("ActNN 2-bit", dict(form="layers", bits=compressors.PerGroup(2))),
-      ("ActNN 4-bit", dict(form="layers", bits=compressors.PerGroup(4))),
+      ("ActNN 2-bit", dict(form="layers", compressor=compressors.PerGroup(2))),
+      ("ActNN 4-bit", dict(form="layers", compressor=compressors.PerGroup(4))),
       ("BLPA 4-bit", dict(form="blpa", bits=4)),
       ("BLPA 8-bit", dict(form="blpa", bits=8)),
-      ("DIVISION B=8 Q=2", dict(form="layers", bits=compressors.Division(block=8, bits=2))),
+      ("DIVISION B=8 Q=2", dict(form="layers", compressor=compressors.Division(block=8, bits=2))),
   ]
   acgc_plans = {}
   for error in args.errors:
     plan = acgc_plan(params, batch, error, args.acgc_updates, compressors.Fixpoint())
     acgc_plans[error] = json.loads(plan.to_json())
     methods += [
-        (f"AC-GC fixpoint e2={error:g}", dict(form="layers", bits=compressors.Fixpoint(8),
-                                              plan=plan)),
+        (f"AC-GC fixpoint e2={error:g}",
+         dict(form="layers", compressor=compressors.Fixpoint(8), plan=plan)),
         (f"AC-GC fixpoint + ZVC e2={error:g}",
-         dict(form="layers", bits=compressors.Fixpoint(8),
+         dict(form="layers", compressor=compressors.Fixpoint(8),
               plan=zvc_on_conv_inputs(plan, args.capacity))),
     ]
   rows = []

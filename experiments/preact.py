@@ -7,9 +7,9 @@ three forms, so gradients can be compared with the exact ones:
 
 * `"plain"`: plain JAX (what ordinary training keeps for the backward pass);
 * `"layers"`: jact's batch_norm / relu / conv ops, every residual stored with
-  the compressor (or width) passed as `bits`;
+  the width `bits` or the `jact.compressors` object `compressor`;
 * `"blpa"`: each unit is one fused `jact.ops.blpa_block` keeping a K-bit copy
-  of the pre-ReLU value (K = `bits`).
+  of the pre-ReLU value (K = `bits`, or a `compressor` that is a BLPA).
 
 The head (final BN, ReLU, pooling, dense) is exact in every form, as in the
 papers (the last layer is not compressed).
@@ -73,20 +73,30 @@ def _conv(x, kernel, stride):
                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
-def _unit(x, p, stride, name, form, bits, key, densities=None):
+def _rounding(bits, compressor) -> dict:
+  """The ops' keywords: the width, or the compressor alone (it sets its own width)."""
+  if compressor is None:
+    return dict(bits=bits)
+  if bits is not None:
+    raise ValueError(f"pass bits= or compressor=, not both (got bits={bits!r}, "
+                     f"compressor={compressor!r})")
+  return dict(compressor=compressor)
+
+
+def _unit(x, p, stride, name, form, rounding, key, densities=None):
   if form == "plain":
     a = jax.nn.relu(_plain_bn(x, p["scale"], p["bias"]))
     if densities is not None:
       densities[f"{name}.conv.lhs"] = jnp.mean((a != 0).astype(jnp.float32))
     return _conv(a, p["kernel"], stride)
   if form == "blpa":
-    return jact.ops.blpa_block(x, p["scale"], p["bias"], p["kernel"], bits=bits,
+    return jact.ops.blpa_block(x, p["scale"], p["bias"], p["kernel"], **rounding,
                                strides=stride, epsilon=EPSILON, name=name)[0]
   k1, k2 = jax.random.split(key)
-  h = jact.ops.batch_norm(x, p["scale"], p["bias"], epsilon=EPSILON, key=k1, bits=bits,
+  h = jact.ops.batch_norm(x, p["scale"], p["bias"], epsilon=EPSILON, key=k1, **rounding,
                           name=f"{name}.bn")[0]
   return jact.ops.conv(jact.ops.relu(h, name=f"{name}.relu"), p["kernel"], strides=stride,
-                       key=k2, bits=bits, name=f"{name}.conv")
+                       key=k2, **rounding, name=f"{name}.conv")
 
 
 def _shortcut(x, width, stride):
@@ -97,14 +107,16 @@ def _shortcut(x, width, stride):
   return x
 
 
-def apply(params, x, key=None, *, form: str = "layers", bits=None,
-          densities: dict | None = None) -> jax.Array:
-  """Logits. `form` is "plain", "layers" or "blpa"; `bits` the compressor (or
-  width) of every unit; `key` the PRNG key for stochastic compressors.
+def apply(params, x, key=None, *, form: str = "layers", bits: int | None = None,
+          compressor=None, densities: dict | None = None) -> jax.Array:
+  """Logits. `form` is "plain", "layers" or "blpa"; `bits` the width or
+  `compressor` the `jact.compressors` object of every unit; `key` the PRNG
+  key for stochastic compressors.
   `densities` (plain form): filled with the fraction of non-zero values of each
   unit's ReLU output, under the name of the conv input it becomes."""
   if form not in ("plain", "layers", "blpa"):
     raise ValueError(f"form must be 'plain', 'layers' or 'blpa', got {form!r}")
+  rounding = _rounding(bits, compressor)
   key = jax.random.key(0) if key is None else key
   keys = iter(jax.random.split(key, len(params["units"]) + 1))
   h = _conv(x, params["stem"], 1)
@@ -118,8 +130,8 @@ def apply(params, x, key=None, *, form: str = "layers", bits=None,
     j, p2 = next(units)
     w = p2["kernel"].shape[-1]
     stride = 2 if w > width else 1
-    r = _unit(h, p1, stride, f"unit{i}", form, bits, next(keys), densities)
-    r = _unit(r, p2, 1, f"unit{j}", form, bits, next(keys), densities)
+    r = _unit(h, p1, stride, f"unit{i}", form, rounding, next(keys), densities)
+    r = _unit(r, p2, 1, f"unit{j}", form, rounding, next(keys), densities)
     h = _shortcut(h, w, stride) + r
     width = w
   head = params["head"]
@@ -127,8 +139,9 @@ def apply(params, x, key=None, *, form: str = "layers", bits=None,
   return h @ head["kernel"]
 
 
-def loss(params, batch, key=None, *, form: str = "layers", bits=None) -> jax.Array:
+def loss(params, batch, key=None, *, form: str = "layers", bits: int | None = None,
+         compressor=None) -> jax.Array:
   """Mean cross-entropy of `apply` on batch = (images NHWC, int labels)."""
   x, y = batch
-  logits = apply(params, x, key, form=form, bits=bits)
+  logits = apply(params, x, key, form=form, bits=bits, compressor=compressor)
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))

@@ -205,7 +205,7 @@ def test_conv_grad_and_residual_report():
   c = Division()
 
   def loss(x, kernel, key):
-    return jnp.sum(jact.ops.conv(x, kernel, key=key, bits=c, name="c") ** 2)
+    return jnp.sum(jact.ops.conv(x, kernel, key=key, compressor=c, name="c") ** 2)
 
   key = jax.random.key(0)
   gx, gk = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, kernel, key)

@@ -36,7 +36,7 @@ def test_interface_bytes_json_and_dense_op(c):
   key = jax.random.key(0) if c.needs_key else None
 
   def loss(w):
-    return jnp.sum(jact.ops.dense(x, w, key=key, bits=c, name="fc") ** 2)
+    return jnp.sum(jact.ops.dense(x, w, key=key, compressor=c, name="fc") ** 2)
 
   report = jact.residual_report(loss, w)
   assert report.by_name()["fc.lhs"].bytes == c.stored_bytes(x.shape, x.dtype)
@@ -85,7 +85,7 @@ class _Probe(nn.Module):
 def test_compressed_function_and_flax_layer_take_a_compressor(c):
   x = jnp.asarray(_relu_like((4, 8, 8, 16), 2))
   f = lambda k, x: jnp.tanh(_conv(x, k)).sum()
-  block = jact.compressed(f, bits=c, name="blk")
+  block = jact.compressed(f, compressor=c, name="blk")
   k = jnp.asarray(np.random.default_rng(3).normal(size=(3, 3, 16, 16)).astype(np.float32)) / 12
   key = jax.random.key(0) if c.needs_key else None
   g = jax.grad(block)(k, x, key=key)
@@ -104,7 +104,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      return jact.nn.Conv(8, (3, 3), bits=c)(x).sum()
+      return jact.nn.Conv(8, (3, 3), compressor=c)(x).sum()
 
   net = Net()
   rngs = {"params": jax.random.key(1), "jact": jax.random.key(2)}
@@ -131,7 +131,7 @@ def test_plan_entries_change_width_or_method_and_round_trip():
 
   def loss(w, plan=None):
     with jact.use_plan(plan):
-      return jact.ops.conv(x, w, key=key, bits=C.Division(), name="c").sum()
+      return jact.ops.conv(x, w, key=key, compressor=C.Division(), name="c").sum()
 
   def stored(plan):
     return jact.residual_report(lambda w: loss(w, plan), w).by_name()["c.lhs"].bytes
@@ -165,13 +165,13 @@ def test_clear_errors():
 
   def no_key(w):  # a deterministic call site, a plan asking for stochastic rounding
     with jact.use_plan(jact.BitPlan({"fc.lhs": C.Division()})):
-      return jact.ops.dense(x, w, bits=C.Fixpoint(8), name="fc").sum()
+      return jact.ops.dense(x, w, compressor=C.Fixpoint(8), name="fc").sum()
 
   with pytest.raises(ValueError, match="needs a PRNG key"):
     jax.grad(no_key)(w)
   with pytest.raises(ValueError, match="per-sample budget"):
     with jact.use_plan(jact.BitPlan({"fc.lhs": C.Fixpoint(8)}, budgets={"fc.lhs": 2})):
-      jax.grad(lambda w: jact.ops.dense(x, w, bits=C.Fixpoint(8), name="fc").sum())(w)
+      jax.grad(lambda w: jact.ops.dense(x, w, compressor=C.Fixpoint(8), name="fc").sum())(w)
   with pytest.raises(ValueError, match="unknown compressor method"):
     C.from_dict({"method": "jpeg"})
   with pytest.raises(ValueError, match="Fixpoint|bits"):
@@ -201,10 +201,10 @@ def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
   HFC) hurts the gradient more than dropping the HFC (keeping a B=4 LFC); the
   full method is better than either."""
   params, batch, exact = cifar_net
-  grad = jax.jit(jax.grad(preact.loss, argnums=0), static_argnames=("form", "bits"))
+  grad = jax.jit(jax.grad(preact.loss, argnums=0), static_argnames=("form", "compressor"))
 
   def err(c, keys=4):
-    return np.mean([_rel_err(grad(params, batch, jax.random.key(i), form="layers", bits=c),
+    return np.mean([_rel_err(grad(params, batch, jax.random.key(i), form="layers", compressor=c),
                              exact) for i in range(keys if c.needs_key else 1)])
 
   without_hfc = err(C.Division(block=4, keep="lfc"))
@@ -219,7 +219,7 @@ def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
   (2, 4, 8), wider for a tighter e^2, and the measured squared gradient error
   stays below e^2 ||g||^2 (AutoQuant)."""
   params, batch, exact = cifar_net
-  loss = lambda p, b, k: preact.loss(p, b, k, form="layers", bits=C.Fixpoint(8))
+  loss = lambda p, b, k: preact.loss(p, b, k, form="layers", compressor=C.Fixpoint(8))
   widths = {}
   for e2 in (0.05, 2.0):
     bounds = jact.acgc.error_bounded(loss, error=e2, compressor=C.Fixpoint())
@@ -247,7 +247,7 @@ def test_numeric_estimator_probes_deterministic_sites_with_the_per_group_quantiz
   w = jnp.asarray(np.random.default_rng(6).normal(size=(256, 8)).astype(np.float32)) / 16
 
   def loss(w, x, key):
-    return jnp.sum(jnp.tanh(jact.ops.dense(x, w, key=key, bits=C.Fixpoint(8), name="fc")) ** 2)
+    return jnp.sum(jnp.tanh(jact.ops.dense(x, w, key=key, compressor=C.Fixpoint(8), name="fc")) ** 2)
 
   est = jact.sensitivity.numeric(loss)
   state = est.update(est.init(w, x, jax.random.key(0)), w, x, jax.random.key(1))

@@ -208,7 +208,7 @@ def test_compressor_implementation_field_selects_the_kernel():
   seed = jnp.uint32(9)
   for name in ("xla", "pallas_triton"):
     c = PerGroup(4, implementation=name)
-    report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), bits=c).sum(), x)
+    report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), compressor=c).sum(), x)
     assert set(report.kernels().values()) == {"jact_quantize" if name != "xla" else "xla"}
     assert jact.compressors.from_dict(c.to_dict()) == c
   a = PerGroup(4, implementation="xla").compress(x, seed)

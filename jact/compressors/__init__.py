@@ -1,14 +1,15 @@
 """Compressors: how a residual is stored for the backward pass.
 
 Every method is a `Compressor` (compress, decompress, stored bytes, unbiased?)
-and plugs in wherever jact takes `bits`: the compressed ops, the Flax
-layers, `jact.compressed` and `jact.BitPlan` entries. An integer width is
-shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
+and plugs in as `compressor=` wherever jact takes `bits=`: the compressed
+ops, the Flax layers, `jact.compressed`, `jact.checkpoint` and
+`jact.convert`; it can also be a `jact.BitPlan` entry. An integer `bits=`
+width is shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
 
 >>> import jax, jax.numpy as jnp, jact
 >>> from jact import compressors
 >>> x, w = jnp.ones((4, 256)), jnp.ones((256, 3))
->>> y = jact.ops.dense(x, w, key=jax.random.key(0), bits=compressors.PerGroup(2))
+>>> y = jact.ops.dense(x, w, key=jax.random.key(0), compressor=compressors.PerGroup(2))
 >>> y.shape
 (4, 3)
 """

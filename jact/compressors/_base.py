@@ -2,10 +2,10 @@
 
 A compressor turns a floating residual into a pytree of arrays to keep for
 the backward pass and back into an approximation of the residual. It is a
-frozen, hashable dataclass of static settings, so it can be passed wherever
-jact takes `bits` (ops, Flax layers, `jact.compressed`) and stored in a
-`jact.BitPlan`; the ops call `compress` in the forward pass and `decompress`
-in the backward pass.
+frozen, hashable dataclass of static settings, so it can be passed as
+`compressor=` wherever jact takes `bits=` (ops, Flax layers,
+`jact.compressed`) and stored in a `jact.BitPlan`; the ops call `compress` in
+the forward pass and `decompress` in the backward pass.
 """
 
 from __future__ import annotations

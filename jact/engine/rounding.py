@@ -15,8 +15,8 @@ from jact.core.quantize import FLOAT_DTYPES, check_bits, check_group_size
 from jact.compressors import Compressor, PerGroup
 from jact.engine import context as _context
 
-__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "as_compressor", "apply_plan_entry",
-           "make_seed", "salt_seed", "site_seed", "check_float"]
+__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "residual_method", "as_compressor",
+           "apply_plan_entry", "make_seed", "salt_seed", "site_seed", "check_float"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,9 @@ class Rounding:
   Attributes:
     bits: 1, 2, 4 or 8 (ActNN's per-group quantizer), a `jact.compressors`
       compressor (BLPA, DIVISION, fixpoint, zero-value, ...), or None to
-      keep the residual uncompressed.
+      keep the residual uncompressed. Public calls take the width as `bits=`
+      and the compressor as `compressor=`; `residual_method` merges the two
+      into this one field (a plan entry may replace it by either).
     group_size: values per quantization group (multiple of 8) of an integer `bits`.
     stochastic: stochastic (unbiased) or round-to-nearest rounding, for an integer `bits`.
   """
@@ -40,7 +42,7 @@ class Rounding:
         check_bits(self.bits)
       except ValueError as e:
         raise ValueError(f"{e} Or pass a compressor from jact.compressors "
-                         "(e.g. bits=jact.compressors.Division()).") from None
+                         "(e.g. compressor=jact.compressors.Division()).") from None
     check_group_size(self.group_size)
 
   @property
@@ -52,6 +54,32 @@ class Rounding:
   def needs_key(self) -> bool:
     c = self.compressor
     return c is not None and c.needs_key
+
+
+def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
+  """What `Rounding.bits` holds for a call's `bits=` and `compressor=`.
+
+  `bits=` is an int width (or None: uncompressed) and `compressor=` a
+  `jact.compressors` object; the result is `compressor` when one is given,
+  else `bits`. A compressor passed as `bits=` is a TypeError naming
+  `compressor=`; a compressor together with a width other than the call's
+  default (`default_bits`) is a ValueError, since the compressor sets its own
+  width. `api` names the call in the messages ("jact.ops.dense").
+  """
+  if isinstance(bits, Compressor):
+    raise TypeError(f"{api}: bits= takes an int width (1, 2, 4 or 8) or None, got the "
+                    f"compressor {bits!r}; pass it as compressor={bits!r}.")
+  if compressor is None:
+    return bits
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"{api}: compressor= takes a jact.compressors object (e.g. "
+                    f"jact.compressors.Division()) or None, got {compressor!r}; pass a width "
+                    f"as bits={compressor!r}.")
+  if bits != default_bits:
+    raise ValueError(f"{api}: got both bits={bits!r} and compressor={compressor!r}, which "
+                     f"conflict: the compressor sets its own width. Pass compressor= alone "
+                     f"(compressor.with_bits(n) changes its width), or bits= alone.")
+  return compressor
 
 
 def as_compressor(bits, group_size: int = 256, stochastic: bool = True) -> Compressor | None:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.attention import dot_product_attention as flax_attention
 
-from jact.engine.rounding import Rounding
+from jact.engine.rounding import Rounding, residual_method
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
 
@@ -91,14 +91,16 @@ class Calls:
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
 
-def rounding_kwargs(bits, group_size, stochastic) -> dict:
-  """Validates the compression settings (clear errors) and returns them as keywords."""
-  Rounding(bits, group_size, stochastic)
-  return dict(bits=bits, group_size=group_size, stochastic=stochastic)
+def rounding_kwargs(bits, group_size, stochastic, compressor=None, api: str = "jact") -> dict:
+  """Validates a layer's compression settings (clear errors naming `api`, e.g.
+  "jact.nn.Dense") and returns them as the ops' keywords."""
+  Rounding(residual_method(bits, compressor, api), group_size, stochastic)
+  return dict(bits=bits, compressor=compressor, group_size=group_size, stochastic=stochastic)
 
 
-def needs_key(bits, group_size, stochastic) -> bool:
-  return Rounding(bits, group_size, stochastic).needs_key
+def needs_key(bits, group_size, stochastic, compressor=None, api: str = "jact") -> bool:
+  """Whether a layer with these settings rounds stochastically (needs a key)."""
+  return Rounding(residual_method(bits, compressor, api), group_size, stochastic).needs_key
 
 
 def linen_missing_stream(layer: str) -> ValueError:

@@ -3,8 +3,9 @@
 Every twin has exactly the variables (names, shapes, dtypes, initializers) of
 the Flax layer it replaces, so a plain model's checkpoint loads into its
 compressed twin, and its forward is Flax's. What differs is what is kept for
-the backward pass: a stochastically rounded low-bit copy (`bits`, default 4)
-instead of the full-precision activation. Rounding noise comes from an RNG
+the backward pass: a stochastically rounded low-bit copy (`bits`, default 4,
+or a `jact.compressors` object as `compressor`) instead of the
+full-precision activation. Rounding noise comes from an RNG
 stream named 'jact'; during `init` without that stream the plain op is used.
 Residuals are tagged with the layer's module path (e.g. "Dense_0.lhs"), or
 the class name for a top-level layer.
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
+from jact.compressors import Compressor
 from jact.flax import _hooks
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
@@ -48,8 +50,12 @@ __all__ = [
 class _Twin:
   """Mixin: RNG stream, settings and residual name of a linen twin."""
 
+  def _api(self) -> str:
+    return f"jact.nn.{type(self).__name__}"
+
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic)
+    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic, self.compressor,
+                                  self._api())
 
   def _residual_name(self) -> str:
     path = self.path
@@ -57,7 +63,8 @@ class _Twin:
 
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): the 'jact' key when rounding needs one; plain op during init without it."""
-    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic):
+    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
+                            self._api()):
       return True, None
     if self.has_rng("jact"):
       return True, self.make_rng("jact")
@@ -106,11 +113,13 @@ class Dense(_Twin, nn.Dense):
   """`flax.linen.Dense` storing its input compressed (residual "<path>.lhs").
 
   Attributes (besides Flax's): bits (1, 2, 4, 8 or None), group_size,
-  stochastic.
+  stochastic, compressor (a `jact.compressors` object instead of `bits`; the
+  other rounding twins take the same four).
   """
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   dot_general: Any = Hook("dot_general")
 
   @nn.compact
@@ -125,6 +134,7 @@ class Conv(_Twin, nn.Conv):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   conv_general_dilated: Any = Hook("conv_general_dilated")
 
   @nn.compact
@@ -159,6 +169,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -199,6 +210,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
 
   @nn.compact
   def __call__(self, x, *, mask=None):
@@ -228,6 +240,7 @@ class RMSNorm(_Twin, nn.RMSNorm):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
 
   @nn.compact
   def __call__(self, x, *, mask=None):
@@ -285,6 +298,7 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   attention_fn: Callable[..., Any] = _hooks.attention_slot
   qkv_dot_general: Any = Hook("qkv")
   out_dot_general: Any = Hook("out")
@@ -335,7 +349,7 @@ class LeakyReLU(_Twin, nn.Module):
 
 class _StoredDerivative(_Twin, nn.Module):
   # subclasses declare their own fields (op options first, then bits,
-  # group_size, stochastic) so that e.g. GELU(False) sets `approximate`.
+  # group_size, stochastic, compressor) so that e.g. GELU(False) sets `approximate`.
   _op_name = ""
   _plain = staticmethod(lambda x: x)
 
@@ -353,6 +367,7 @@ class GELU(_StoredDerivative):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   _op_name = "gelu"
   _plain = staticmethod(lambda x, approximate: jax.nn.gelu(x, approximate=approximate))
 
@@ -365,6 +380,7 @@ class SiLU(_StoredDerivative):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   _op_name = "silu"
   _plain = staticmethod(jax.nn.silu)
 
@@ -377,6 +393,7 @@ class Tanh(_StoredDerivative):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   _op_name = "tanh"
   _plain = staticmethod(jnp.tanh)
 
@@ -389,6 +406,7 @@ class Sigmoid(_StoredDerivative):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   _op_name = "sigmoid"
   _plain = staticmethod(jax.nn.sigmoid)
 
@@ -402,6 +420,7 @@ class Softmax(_StoredDerivative):
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
+  compressor: Compressor | None = None
   _op_name = "softmax"
   _plain = staticmethod(lambda x, axis: jax.nn.softmax(x, axis=axis))
 

@@ -25,6 +25,7 @@ from flax import nnx
 from flax.nnx import rnglib
 from flax.nnx.module import first_from
 
+from jact.compressors import Compressor
 from jact.flax import _hooks
 from jact.flax._hooks import Hook
 from jact.ops import activation, embedding, linear, norm, pooling
@@ -41,29 +42,36 @@ class _Twin:
   """Mixin: settings, RNG stream and residual name of an nnx twin."""
 
   @classmethod
-  def _check_settings(cls, rngs, bits, group_size, stochastic) -> None:
+  def _check_settings(cls, rngs, bits, group_size, stochastic, compressor=None) -> None:
     """Fails fast (before any parameter is initialized) on bad settings or a missing stream."""
-    _hooks.rounding_kwargs(bits, group_size, stochastic)
-    if _hooks.needs_key(bits, group_size, stochastic):
+    api = f"jact.nnx.{cls.__name__}"
+    _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, api)
+    if _hooks.needs_key(bits, group_size, stochastic, compressor, api):
       has_stream = isinstance(rngs, rnglib.RngStream) or (
           isinstance(rngs, rnglib.Rngs) and ("jact" in rngs or "default" in rngs))
       if not has_stream:
         raise _hooks.nnx_missing_stream(cls.__name__)
 
-  def _init_jact(self, rngs, bits, group_size, stochastic, name):
-    self._check_settings(rngs, bits, group_size, stochastic)
+  def _init_jact(self, rngs, bits, group_size, stochastic, name, compressor=None):
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
+    self.compressor = compressor
     self.residual_name = name or type(self).__name__
     stream = None
-    if _hooks.needs_key(bits, group_size, stochastic):
+    if self._needs_key():
       stream = rngs["jact"].fork() if isinstance(rngs, rnglib.Rngs) else rngs.fork()
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic)
+    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic, self.compressor,
+                                  f"jact.nnx.{type(self).__name__}")
+
+  def _needs_key(self) -> bool:
+    return _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
+                            f"jact.nnx.{type(self).__name__}")
 
   def _key(self):
-    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic):
+    if not self._needs_key():
       return None
     if self.jact_rngs is None:
       raise _hooks.nnx_missing_stream(type(self).__name__)
@@ -104,17 +112,19 @@ def name_residuals(model: nnx.Module) -> nnx.Module:
 class Linear(_Twin, nnx.Linear):
   """`nnx.Linear` storing its input compressed (residual "<name>.lhs").
 
-  Extra keywords: bits (1, 2, 4, 8 or None), group_size, stochastic, name.
+  Extra keywords: bits (1, 2, 4, 8 or None), compressor (a `jact.compressors`
+  object instead of `bits`), group_size, stochastic, name; the other rounding
+  twins take the same.
   """
 
   def __init__(self, in_features: int, out_features: int, *, bits: int | None = 4,
-               group_size: int = 256, stochastic: bool = True, name: str | None = None,
-               rngs: rnglib.Rngs, **kwargs):
+               compressor: Compressor | None = None, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
     _no_hook(kwargs, "dot_general")
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs,
                      **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
     with self._provide("dot_general", linear.dot_general, compress=(True, False)):
@@ -126,13 +136,13 @@ class Conv(_Twin, nnx.Conv):
 
   def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
                strides: int | Sequence[int] | None = 1, *, bits: int | None = 4,
-               group_size: int = 256, stochastic: bool = True, name: str | None = None,
-               rngs: rnglib.Rngs, **kwargs):
+               compressor: Compressor | None = None, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
     _no_hook(kwargs, "conv_general_dilated")
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(in_features, out_features, kernel_size, strides,
                      conv_general_dilated=Hook("conv_general_dilated"), rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
     with self._provide("conv_general_dilated", linear.conv_general_dilated,
@@ -190,12 +200,13 @@ class BatchNorm(_Twin, nnx.BatchNorm):
   update as in Flax. Single feature axis; no mask/axis_name.
   """
 
-  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+  def __init__(self, num_features: int, *, bits: int | None = 4,
+               compressor: Compressor | None = None, group_size: int = 256,
                stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_running_average = first_from(
@@ -222,12 +233,13 @@ class BatchNorm(_Twin, nnx.BatchNorm):
 class LayerNorm(_Twin, nnx.LayerNorm):
   """`nnx.LayerNorm` (last axis) storing the normalized input compressed."""
 
-  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+  def __init__(self, num_features: int, *, bits: int | None = 4,
+               compressor: Compressor | None = None, group_size: int = 256,
                stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, x, *, mask=None):
     _check_norm_options(self, mask, "LayerNorm")
@@ -243,12 +255,13 @@ class LayerNorm(_Twin, nnx.LayerNorm):
 class RMSNorm(_Twin, nnx.RMSNorm):
   """`nnx.RMSNorm` (last axis) storing the normalized input compressed."""
 
-  def __init__(self, num_features: int, *, bits: int | None = 4, group_size: int = 256,
+  def __init__(self, num_features: int, *, bits: int | None = 4,
+               compressor: Compressor | None = None, group_size: int = 256,
                stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, x, mask=None):
     _check_norm_options(self, mask, "RMSNorm")
@@ -310,16 +323,16 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, bits: int | None = 4,
-               group_size: int = 256, stochastic: bool = True, name: str | None = None,
-               rngs: rnglib.Rngs, **kwargs):
+               compressor: Compressor | None = None, group_size: int = 256,
+               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
     _no_hook(kwargs, "attention_fn", "qkv_dot_general", "out_dot_general",
              "qkv_dot_general_cls", "out_dot_general_cls")
-    self._check_settings(rngs, bits, group_size, stochastic)
+    self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                      in_kv_features, attention_fn=_hooks.attention_slot,
                      qkv_dot_general=Hook("qkv"), out_dot_general=Hook("out"), rngs=rngs,
                      **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
     key = self._key()
@@ -353,9 +366,10 @@ class LeakyReLU(_Twin, nnx.Module):
 
 class _StoredDerivative(_Twin, nnx.Module):
 
-  def __init__(self, *, bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
-               name: str | None = None, rngs: rnglib.Rngs | rnglib.RngStream | None = None):
-    self._init_jact(rngs, bits, group_size, stochastic, name)
+  def __init__(self, *, bits: int | None = 4, compressor: Compressor | None = None,
+               group_size: int = 256, stochastic: bool = True, name: str | None = None,
+               rngs: rnglib.Rngs | rnglib.RngStream | None = None):
+    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def _apply(self, op, x, **extra):
     return op(x, **extra, key=self._key(), name=self.residual_name, **self._rounding())

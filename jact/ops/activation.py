@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.core.packing import unpack_codes
-from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.compressors import Compressor
+from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
 from jact.engine.store import compress_residual, restore_residual
@@ -90,10 +91,10 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
 # ----------------------------------------------------------------------------- stored derivative
 
 
-def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, name: str,
-                       op: str) -> jax.Array:
+def _stored_derivative(f: Callable, x, *, key, bits, compressor, group_size, stochastic,
+                       name: str, op: str) -> jax.Array:
   x = check_float(x, op)
-  rounding = Rounding(bits, group_size, stochastic)
+  rounding = Rounding(residual_method(bits, compressor, f"jact.ops.{op}"), group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
 
@@ -119,40 +120,49 @@ def _stored_derivative(f: Callable, x, *, key, bits, group_size, stochastic, nam
 
 
 def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
-         group_size: int = 256, stochastic: bool = True, name: str = "gelu") -> jax.Array:
-  """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
+         compressor: Compressor | None = None, group_size: int = 256, stochastic: bool = True,
+         name: str = "gelu") -> jax.Array:
+  """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient.
+
+  `bits` (or a `jact.compressors` object as `compressor`), `group_size` and
+  `stochastic` say how the derivative is stored, as in every jact op.
+  """
   approximate = bool(approximate)
   return _stored_derivative(lambda x: jax.nn.gelu(x, approximate=approximate), x, key=key,
-                            bits=bits, group_size=group_size, stochastic=stochastic, name=name,
-                            op="gelu")
+                            bits=bits, compressor=compressor, group_size=group_size,
+                            stochastic=stochastic, name=name, op="gelu")
 
 
-def silu(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+def silu(x: jax.Array, *, key=None, bits: int | None = 4,
+         compressor: Compressor | None = None, group_size: int = 256,
          stochastic: bool = True, name: str = "silu") -> jax.Array:
   """`jax.nn.silu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, group_size=group_size,
-                            stochastic=stochastic, name=name, op="silu")
+  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor,
+                            group_size=group_size, stochastic=stochastic, name=name, op="silu")
 
 
-def tanh(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+def tanh(x: jax.Array, *, key=None, bits: int | None = 4,
+         compressor: Compressor | None = None, group_size: int = 256,
          stochastic: bool = True, name: str = "tanh") -> jax.Array:
   """`jnp.tanh` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, group_size=group_size,
-                            stochastic=stochastic, name=name, op="tanh")
+  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor,
+                            group_size=group_size, stochastic=stochastic, name=name, op="tanh")
 
 
-def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4, group_size: int = 256,
+def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4,
+            compressor: Compressor | None = None, group_size: int = 256,
             stochastic: bool = True, name: str = "sigmoid") -> jax.Array:
   """`jax.nn.sigmoid` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, group_size=group_size,
-                            stochastic=stochastic, name=name, op="sigmoid")
+  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor,
+                            group_size=group_size, stochastic=stochastic, name=name, op="sigmoid")
 
 
 # ----------------------------------------------------------------------------- softmax
 
 
 def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: int | None = 4,
-            group_size: int = 256, stochastic: bool = True, name: str = "softmax") -> jax.Array:
+            compressor: Compressor | None = None, group_size: int = 256,
+            stochastic: bool = True, name: str = "softmax") -> jax.Array:
   """`jax.nn.softmax` storing its quantized output (residual `name.y`).
 
   The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
@@ -166,7 +176,8 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
   True
   """
   x = check_float(x, "softmax")
-  rounding = Rounding(bits, group_size, stochastic)
+  rounding = Rounding(residual_method(bits, compressor, "jact.ops.softmax"), group_size,
+                      stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, "softmax")
   axis = axis if isinstance(axis, int) else tuple(axis)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jact.engine.rounding import Rounding, check_float
+from jact.compressors import Compressor
+from jact.engine.rounding import Rounding, check_float, residual_method
 from jact.engine.names import check_name
 from jact.ops.activation import softmax
 from jact.ops.dropout import check_rate, dropout
@@ -34,8 +35,9 @@ __all__ = ["dot_product_attention"]
 def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                           bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                           dropout_rate: float = 0.0, deterministic: bool = True, key=None,
-                          bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
-                          precision=None, name: str = "attention") -> jax.Array:
+                          bits: int | None = 4, compressor: Compressor | None = None,
+                          group_size: int = 256, stochastic: bool = True, precision=None,
+                          name: str = "attention") -> jax.Array:
   """softmax(q·k / sqrt(depth) + bias, masked) · v with compressed residuals.
 
   Args:
@@ -50,13 +52,15 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     deterministic: if True, no dropout.
     key: PRNG key for the rounding noise and the dropout mask.
     bits, group_size, stochastic: compression of every residual.
+    compressor: a `jact.compressors` object for every residual instead of `bits`.
     precision: einsum precision.
     name: prefix of the residual names.
 
   Returns:
     [batch..., q_length, num_heads, v_depth], the dtype of the promoted inputs.
   """
-  rounding = Rounding(bits, group_size, stochastic)
+  rounding = Rounding(residual_method(bits, compressor, "jact.ops.dot_product_attention"),
+                      group_size, stochastic)
   name = check_name(name)
   rate = check_rate(dropout_rate)
   use_dropout = not deterministic and rate > 0.0
@@ -74,7 +78,7 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
         f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
         "key per step), or stochastic=False / bits=None with deterministic=True.")
   k_qk, k_sm, k_drop, k_pv = (None,) * 4 if key is None else jax.random.split(key, 4)
-  opts = dict(bits=bits, group_size=group_size, stochastic=stochastic)
+  opts = dict(bits=bits, compressor=compressor, group_size=group_size, stochastic=stochastic)
 
   depth = query.shape[-1]
   query = query / jnp.sqrt(depth).astype(dtype)

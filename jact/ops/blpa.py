@@ -42,7 +42,7 @@ from jax import lax
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
 from jact.engine.scheduling import barrier, finish_forward
-from jact.engine.rounding import check_float
+from jact.engine.rounding import check_float, residual_method
 from jact.engine.names import check_name, tag
 from jact.engine.derivatives import first_order_only, reverse_only
 from jact.ops.linear import _channels_last
@@ -99,9 +99,9 @@ def _check(x, scale, bias, kernel, conv_bias):
 
 
 def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Array,
-               conv_bias: jax.Array | None = None, *, bits: int | BLPA = 4,
-               strides: int | Sequence[int] = 1, padding: Any = "SAME",
-               dilation: int | Sequence[int] = 1, epsilon: float = 1e-5,
+               conv_bias: jax.Array | None = None, *, bits: int = 4,
+               compressor: BLPA | None = None, strides: int | Sequence[int] = 1,
+               padding: Any = "SAME", dilation: int | Sequence[int] = 1, epsilon: float = 1e-5,
                name: str = "blpa") -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm -> scale/bias -> ReLU -> conv, storing BLPA codes of A2.
 
@@ -110,7 +110,8 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
     scale, bias: BN's gamma and beta, shape (C,).
     kernel: [D,]H,W,C,O convolution kernel (C,O for a rank-2 x).
     conv_bias: optional (O,) bias added after the convolution.
-    bits: 2, 4 or 8 (or a `jact.compressors.BLPA`): width of the stored codes.
+    bits: 2, 4 or 8: width of the stored codes.
+    compressor: a `jact.compressors.BLPA` instead of `bits` (its width is used).
     strides, padding, dilation: of the convolution (as `jact.ops.conv`).
     epsilon: BN's epsilon.
     name: residual names `name.a2` (codes) and `name.inv` (1/std per channel).
@@ -120,9 +121,12 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
     x and kernel promoted; the statistics float32 (C,), without gradient, for
     `jact.ops.update_running_stats`. The variance is the biased two-pass one.
   """
-  if isinstance(bits, BLPA):
-    bits = bits.bits
-  bits = check_blpa_bits(bits)
+  method = residual_method(bits, compressor, "jact.ops.blpa_block")
+  if compressor is not None and not isinstance(method, BLPA):
+    raise TypeError(f"jact.ops.blpa_block stores BLPA codes: compressor= takes a "
+                    f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
+                    f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv.")
+  bits = check_blpa_bits(method.bits if isinstance(method, BLPA) else method)
   name = check_name(name)
   x, scale, bias, kernel, conv_bias = _check(x, scale, bias, kernel, conv_bias)
   epsilon = float(epsilon)

@@ -57,7 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.compressors import Compressor
+from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
 from jact.engine.store import compress_residual, restore_residual
@@ -108,8 +109,9 @@ def _block(x: jax.Array | None, axis: int, start, size: int):
 def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                       bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                       causal: bool = False, query_chunk: int = 128, key_chunk: int = 128,
-                      bits: int | None = None, group_size: int = 256, stochastic: bool = True,
-                      key=None, recompute: bool | None = None, precision=None,
+                      bits: int | None = None, compressor: Compressor | None = None,
+                      group_size: int = 256, stochastic: bool = True, key=None,
+                      recompute: bool | None = None, precision=None,
                       name: str = "chunked_attention") -> jax.Array:
   """Attention in O(length) memory (forward and saved residuals), flash-attention style.
 
@@ -134,6 +136,8 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     bits: None (default: residuals uncompressed, still O(length)) or 1, 2, 4,
       8: q, k and v (and the output unless recomputed) are stored quantized
       (see the module note on the bias this puts in the gradient; prefer >= 4).
+    compressor: a `jact.compressors` object storing q, k and v (and the
+      output) instead of `bits` (leave `bits` at None).
     group_size, stochastic: quantization groups and rounding mode.
     key: PRNG key for the rounding noise (required when bits is set and
       stochastic is True).
@@ -150,6 +154,7 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     [batch..., q_length, num_heads, v_depth] in the promoted input dtype.
     Logits, softmax statistics and accumulators are float32 for every input dtype.
   """
+  bits = residual_method(bits, compressor, "jact.ops.chunked_attention", default_bits=None)
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   query_chunk = _check_chunk(query_chunk, "query_chunk")

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact.engine import probe as _probe
-from jact.engine.rounding import Rounding, check_float, make_seed
+from jact.compressors import Compressor
+from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
 from jact.engine.store import compress_residual, restore_residual
@@ -66,9 +67,10 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
 
 
 def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
-               use_fast_variance, key, bits, group_size, stochastic, name, op):
+               use_fast_variance, key, bits, compressor, group_size, stochastic, name, op):
   """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient."""
   x = check_float(x, op)
+  bits = residual_method(bits, compressor, f"jact.ops.{op}")
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
   seed = make_seed(key, rounding, op)
@@ -150,21 +152,24 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
 def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
                use_fast_variance: bool = True, key=None, bits: int | None = 4,
-               group_size: int = 256, stochastic: bool = True,
-               name: str = "batch_norm") -> tuple[jax.Array, jax.Array, jax.Array]:
+               compressor: Compressor | None = None, group_size: int = 256,
+               stochastic: bool = True, name: str = "batch_norm"
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm over all axes except the feature `axis`.
 
   Matches `flax.linen.BatchNorm(use_running_average=False)` with output dtype
   x.dtype. Returns (y, batch_mean, batch_var); the statistics are float32,
   shaped like the feature axes and carry no gradient (feed them to
-  `update_running_stats`).
+  `update_running_stats`). `bits` (or a `jact.compressors` object as
+  `compressor`), `group_size` and `stochastic` say how x_hat is stored.
   """
   x = check_float(x, "batch_norm")
   feature = _axes(x.ndim, axis)
   red = tuple(a for a in range(x.ndim) if a not in feature)
   return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    group_size=group_size, stochastic=stochastic, name=name, op="batch_norm")
+                    compressor=compressor, group_size=group_size, stochastic=stochastic,
+                    name=name, op="batch_norm")
 
 
 def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.Array,
@@ -183,19 +188,21 @@ def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.
 
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                epsilon: float = 1e-6, use_fast_variance: bool = True, key=None,
-               bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+               bits: int | None = 4, compressor: Compressor | None = None,
+               group_size: int = 256, stochastic: bool = True,
                name: str = "layer_norm") -> jax.Array:
   """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
   x = check_float(x, "layer_norm")
   return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    group_size=group_size, stochastic=stochastic, name=name,
-                    op="layer_norm")[0]
+                    compressor=compressor, group_size=group_size, stochastic=stochastic,
+                    name=name, op="layer_norm")[0]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1e-6, key=None,
-             bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+             bits: int | None = 4, compressor: Compressor | None = None,
+             group_size: int = 256, stochastic: bool = True,
              name: str = "rms_norm") -> jax.Array:
   """RMS norm over the last axis, matching `flax.linen.RMSNorm` (output dtype x.dtype).
 
@@ -205,5 +212,5 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1
   return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=False, use_fast_variance=True, key=key, bits=bits,
-                    group_size=group_size, stochastic=stochastic, name=name,
-                    op="rms_norm")[0]
+                    compressor=compressor, group_size=group_size, stochastic=stochastic,
+                    name=name, op="rms_norm")[0]

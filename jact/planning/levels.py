@@ -32,6 +32,8 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
+from jact.compressors import Compressor
+
 __all__ = ["Level", "LEVELS", "get", "compress_convolutions"]
 
 
@@ -140,8 +142,8 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call")  # call primitives looked i
 
 
 def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
-                          group_size: int = 256, stochastic: bool = True,
-                          min_size: int | None = None, name: str = "block",
+                          compressor: Compressor | None = None, group_size: int = 256,
+                          stochastic: bool = True, min_size: int | None = None, name: str = "block",
                           compress_argnums: Sequence[int] = ()):
   """`block` with the inputs of its convolutions stored compressed and every
   other residual kept as plain JAX saves it (ActNN L1).
@@ -154,17 +156,20 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
   position is in `compress_argnums`, and inputs of fewer than `min_size`
   values (default `jact.transforms.compressed.DEFAULT_MIN_SIZE`) are kept. Convolutions
   inside other higher-order primitives (`lax.scan`, `lax.cond`,
-  `jax.checkpoint`, custom derivative rules) run plain.
+  `jax.checkpoint`, custom derivative rules) run plain. `bits` (or a
+  `jact.compressors` object as `compressor`), `group_size` and `stochastic`
+  say how the conv inputs are stored.
 
   Returns:
     `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
     stochastic (a fresh key per step).
   """
-  from jact.engine.rounding import Rounding
+  from jact.engine.rounding import Rounding, residual_method
   from jact.engine.names import check_name  # pylint: disable=import-outside-toplevel
   from jact.transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, input_flags,
                                           over_array_leaves)
-  rounding = Rounding(bits, group_size, stochastic)  # validates the settings
+  rounding = Rounding(residual_method(bits, compressor, "jact.levels.compress_convolutions"),
+                      group_size, stochastic)  # validates the settings
   check_name(name)
   argnums = check_argnums(compress_argnums)
   min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
@@ -180,7 +185,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
     call, values, dynamic = over_array_leaves(block, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*values)
     flags = input_flags(block, args, kwargs, argnums)
-    conv = _CompressedConv(key, bits, group_size, stochastic, min_size, name)
+    conv = _CompressedConv(key, bits, compressor, group_size, stochastic, min_size, name)
     outs = _evaluate(closed.jaxpr, closed.consts, values, [not flags[i] for i in dynamic], conv)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -192,6 +197,7 @@ class _CompressedConv:
   """Runs one traced convolution, storing its input compressed unless `keep`."""
   key: Any
   bits: int | None
+  compressor: Compressor | None
   group_size: int
   stochastic: bool
   min_size: int
@@ -207,9 +213,9 @@ class _CompressedConv:
     if all(d == 1 for d in params["lhs_dilation"]):
       params["lhs_dilation"] = None
     key = None if self.key is None else jax.random.fold_in(self.key, i)
-    return conv_general_dilated(lhs, rhs, key=key, bits=self.bits, group_size=self.group_size,
-                                stochastic=self.stochastic, name=f"{self.name}.conv{i}",
-                                **params)
+    return conv_general_dilated(lhs, rhs, key=key, bits=self.bits, compressor=self.compressor,
+                                group_size=self.group_size, stochastic=self.stochastic,
+                                name=f"{self.name}.conv{i}", **params)
 
 
 def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:

@@ -33,7 +33,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jact.compressors import Compressor
 from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
+from jact.engine.rounding import residual_method
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
                                         check_argnums, compressed, input_flags, reserved_key_check,
                                         returning_arrays)
@@ -143,7 +145,8 @@ def save_inputs_only():
 
 
 def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., Any] | None = None,
-               bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
+               bits: int | None = 4, compressor: Compressor | None = None,
+               group_size: int = 256, stochastic: bool = True,
                min_size: int = DEFAULT_MIN_SIZE, name: str = "checkpoint",
                compress_argnums: Sequence[int] | None = None, prevent_cse: bool = True):
   """`jax.checkpoint` whose saved values are compressed (GACT CB1).
@@ -162,8 +165,8 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
       nothing, i.e. `save_inputs_only()`); values it saves are compressed.
       `save_compressed()` keeps the body's compressed residuals instead of
       recomputing them.
-    bits, group_size, stochastic, min_size: compression settings (see
-      `jact.compressed`).
+    bits, compressor, group_size, stochastic, min_size: compression settings
+      (see `jact.compressed`).
     name: residual-name prefix: inputs are `f"{name}.{i}"`, the body's
       residuals `f"{name}.body.{i}"`.
     compress_argnums: positional arguments whose floating leaves are
@@ -175,17 +178,20 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
     `wrapped(*args, key=None, **kwargs)`.
   """
   if fn is None:
-    return functools.partial(checkpoint, policy=policy, bits=bits, group_size=group_size,
-                             stochastic=stochastic, min_size=min_size, name=name,
-                             compress_argnums=compress_argnums, prevent_cse=prevent_cse)
+    return functools.partial(checkpoint, policy=policy, bits=bits, compressor=compressor,
+                             group_size=group_size, stochastic=stochastic, min_size=min_size,
+                             name=name, compress_argnums=compress_argnums,
+                             prevent_cse=prevent_cse)
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
   check_key = reserved_key_check(fn, "jact.checkpoint")
   if compress_argnums is not None:
     compress_argnums = check_argnums(compress_argnums)
-  config = ResidualConfig(bits, group_size, stochastic, min_size, name)
-  body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, group_size=group_size,
-                    stochastic=stochastic, min_size=min_size, name=f"{name}.body")
+  method = residual_method(bits, compressor, "jact.checkpoint")
+  config = ResidualConfig(method, group_size, stochastic, min_size, name)
+  body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, compressor=compressor,
+                    group_size=group_size, stochastic=stochastic, min_size=min_size,
+                    name=f"{name}.body")
   rematted = jax.checkpoint(lambda key, args, kwargs: body(*args, key=key, **kwargs),
                             policy=policy, prevent_cse=prevent_cse)
 

@@ -50,7 +50,8 @@ import jax.numpy as jnp
 
 
 from jact.engine import context as _context
-from jact.engine.rounding import Rounding, SaltedSeed, make_seed, salt_seed, NoKey
+from jact.compressors import Compressor
+from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
 from jact.engine.scheduling import barrier, materialize
 from jact.engine.derivatives import reverse_only
 from jact.transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
@@ -110,7 +111,8 @@ def over_array_leaves(fn, args, kwargs):
 # The transform.
 
 def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
-               group_size: int = 256, stochastic: bool = True, min_size: int = DEFAULT_MIN_SIZE,
+               compressor: Compressor | None = None, group_size: int = 256,
+               stochastic: bool = True, min_size: int = DEFAULT_MIN_SIZE,
                name: str = "compressed", overrides: Any = None,
                policy: Callable[..., Any] | None = None, compress_argnums: Sequence[int] = ()):
   """Returns `fn` with compressed residuals: same signature plus keyword `key`.
@@ -124,6 +126,8 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
     fn: any function of pytrees of arrays (non-array leaves are treated as
       static). Can also be used as a decorator with keyword arguments only.
     bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
+    compressor: a `jact.compressors` object for the floating residuals
+      instead of `bits` (leave `bits` at its default).
     group_size: values per quantization group.
     stochastic: stochastic rounding (unbiased; needs `key`) or round-to-nearest.
     min_size: floating residuals with fewer values are kept as they are.
@@ -147,7 +151,8 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
     `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
     residuals are stochastically rounded; use a fresh key every step.
   """
-  config = ResidualConfig(bits, group_size, stochastic, min_size, name, overrides)
+  config = ResidualConfig(residual_method(bits, compressor, "jact.compressed"), group_size,
+                          stochastic, min_size, name, overrides)
   argnums = check_argnums(compress_argnums)
   if fn is None:
     return functools.partial(_wrap, config=config, policy=policy, compress_argnums=argnums)
