@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from jact.compressors import Compressor
 from jact.flax import _hooks
 
 
@@ -20,14 +21,18 @@ class Settings:
   group_size: int
   stochastic: bool
   strict: bool
+  compressor: Compressor | None = None
 
   @property
   def needs_key(self) -> bool:
-    return _hooks.needs_key(self.bits, self.group_size, self.stochastic)
+    return _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
+                            "jact.convert")
 
   @property
   def rounding(self) -> dict:
-    return dict(bits=self.bits, group_size=self.group_size, stochastic=self.stochastic)
+    """The rounding twins' keywords."""
+    return dict(bits=self.bits, compressor=self.compressor, group_size=self.group_size,
+                stochastic=self.stochastic)
 
 
 def unsupported(settings: Settings, where: str, reason: str) -> None:

@@ -12,6 +12,7 @@ import flax.linen as nn
 from flax.linen import attention as linen_attention
 from flax.linen import module as nn_module
 
+from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax._conversion import Settings, unsupported
 
@@ -48,11 +49,12 @@ def _converted_class(cls: type) -> type:
     jact_group_size: int = 256
     jact_stochastic: bool = True
     jact_strict: bool = False
+    jact_compressor: Compressor | None = None
 
     @nn.nowrap
     def _jact_settings(self) -> Settings:
       return Settings(self.jact_bits, self.jact_group_size, self.jact_stochastic,
-                       self.jact_strict)
+                      self.jact_strict, self.jact_compressor)
 
     # Every method of a linen module (those of the model's classes, wrapped by
     # Flax) goes through `_call_wrapped_method` (Flax-internal, but the one
@@ -92,7 +94,8 @@ def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
   attrs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
            if f.init and f.name != "parent" and not f.name.startswith("jact_")}
   return cls(**attrs, jact_bits=settings.bits, jact_group_size=settings.group_size,
-             jact_stochastic=settings.stochastic, jact_strict=settings.strict, parent=None)
+             jact_stochastic=settings.stochastic, jact_strict=settings.strict,
+             jact_compressor=settings.compressor, parent=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,8 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
   if settings is None:  # Embed, Dropout: no rounding
     twin._init_jact(None, None, 256, True, name)
   else:
-    twin._init_jact(rngs, settings.bits, settings.group_size, settings.stochastic, name)
+    twin._init_jact(rngs, settings.bits, settings.group_size, settings.stochastic, name,
+                    settings.compressor)
   return twin
 
 
@@ -162,7 +163,7 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   for _, twin in converted:  # converted before (or built as twins): the new settings apply
     source = rngs if _has_stream(rngs) else twin.jact_rngs
     twin._init_jact(source, settings.bits, settings.group_size, settings.stochastic,
-                    twin.residual_name)
+                    twin.residual_name, settings.compressor)
 
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)

@@ -9,7 +9,8 @@ forward values are unchanged.
 
 * **linen** -- method interception. `convert(Model(...))` returns a copy of the
   module whose class is a subclass of the model's class (same name, same
-  fields plus `jact_bits`, `jact_group_size`, `jact_stochastic`, `jact_strict`).
+  fields plus `jact_bits`, `jact_group_size`, `jact_stochastic`, `jact_strict`,
+  `jact_compressor`).
   While any of its methods runs (`init`, `apply`, `method=...`, a bound
   module, or as a submodule of a bigger model), `flax.linen.intercept_methods`
   redirects every `__call__` of a supported Flax layer to the twin built from
@@ -34,7 +35,7 @@ forward values are unchanged.
 Converting again applies the new settings: a converted linen model is
 rebuilt with them, and in an nnx model every rounding twin already there
 (from an earlier `convert`, or built as `jact.nnx.*`) takes the new `bits`,
-`group_size` and `stochastic` and re-forks its stream from `rngs` (from its
+`compressor`, `group_size` and `stochastic` and re-forks its stream from `rngs` (from its
 own stream when `rngs` is not given). In linen, a converted submodule inside
 a converted model keeps its own settings while its methods run.
 
@@ -80,6 +81,7 @@ import flax.linen as nn
 from flax import nnx
 from flax.nnx import rnglib
 
+from jact.compressors import Compressor
 from jact.flax import _hooks
 from jact.flax._conversion import ConversionWarning, Settings
 from jact.flax._convert_linen import convert_linen
@@ -88,8 +90,9 @@ from jact.flax._convert_nnx import convert_nnx
 __all__ = ["convert", "ConversionWarning"]
 
 
-def convert(model, *, bits: int | None = 4, group_size: int = 256, stochastic: bool = True,
-            strict: bool = False, rngs: rnglib.Rngs | rnglib.RngStream | None = None):
+def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None,
+            group_size: int = 256, stochastic: bool = True, strict: bool = False,
+            rngs: rnglib.Rngs | rnglib.RngStream | None = None):
   """Makes a plain Flax model store compressed activations; keeps its variables.
 
   Args:
@@ -98,6 +101,8 @@ def convert(model, *, bits: int | None = 4, group_size: int = 256, stochastic: b
       the model is returned, or the twin when `model` itself is a supported
       layer).
     bits: 1, 2, 4 or 8 bits per saved value, or None (no compression).
+    compressor: a `jact.compressors` object storing the saved values instead
+      of `bits` (leave `bits` at its default).
     group_size: values per quantization group (a multiple of 8).
     stochastic: stochastic (unbiased) rounding, which needs a 'jact' RNG
       stream; False rounds to nearest and needs none.
@@ -113,15 +118,16 @@ def convert(model, *, bits: int | None = 4, group_size: int = 256, stochastic: b
 
   Raises:
     TypeError: `model` is not a linen or nnx module, or `rngs` is given for a
-      linen model.
-    ValueError: bad `bits` / `group_size`; a bound linen module; an nnx model
-      that needs a 'jact' stream and got none; with `strict=True`, an
-      unsupported option.
+      linen model, or a compressor is passed as `bits` (pass it as `compressor=`).
+    ValueError: bad `bits` / `group_size`, or `bits` and `compressor` both
+      given; a bound linen module; an nnx model that needs a 'jact' stream and
+      got none; with `strict=True`, an unsupported option.
   """
-  _hooks.rounding_kwargs(bits, group_size, stochastic)  # the twins' checks and messages
+  # the twins' checks and messages
+  _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, "jact.convert")
   if not isinstance(strict, bool):
     raise TypeError(f"strict must be True or False, got {strict!r}")
-  settings = Settings(bits, group_size, bool(stochastic), strict)
+  settings = Settings(bits, group_size, bool(stochastic), strict, compressor)
   if isinstance(model, nn.Module):
     if rngs is not None:
       raise TypeError(
