@@ -12,28 +12,49 @@ backward pass needs instead of the full-precision activation.
 (2, 256)
 """
 
-from jact.planning import acgc, levels, sensitivity
-from jact.core import allocate, rng
-from jact import compressors, ops
-from jact.planning.controller import CompressionVarianceWarning, Controller, ControllerState
+# The public API: one `from module import name as name` per name (the
+# redundant alias marks an explicit re-export for type checkers; `nn` is
+# jact.flax.linen under its public name), and `__all__` lists the same names.
+from jact.planning import acgc as acgc
+from jact.planning import levels as levels
+from jact.planning import sensitivity as sensitivity
+from jact.core import allocate as allocate
+from jact.core import rng as rng
+from jact import compressors as compressors
+from jact import kernels as kernels
+from jact import ops as ops
+from jact.planning.controller import CompressionVarianceWarning as CompressionVarianceWarning
+from jact.planning.controller import Controller as Controller
+from jact.planning.controller import ControllerState as ControllerState
 from jact.flax import linen as nn
-from jact.flax import nnx
-from jact.flax.convert import convert
-from jact.planning.plan import BitPlan, UnknownResidualWarning, planned, use_plan
-from jact.core.quantize import Packed
-from jact.core.packing import PackedBits, pack_codes, unpack_codes
-from jact.kernels.api import dequantize, quantize
-from jact.transforms.checkpoint import (checkpoint, offload_compressed, save_compressed,
-                                        save_inputs_only)
-from jact.report import CompiledMemory, ResidualReport, compiled_memory, residual_report
-from jact.transforms.compressed import compressed
+from jact.flax import nnx as nnx
+from jact.flax.convert import convert as convert
+from jact.planning.plan import BitPlan as BitPlan
+from jact.planning.plan import UnknownResidualWarning as UnknownResidualWarning
+from jact.planning.plan import planned as planned
+from jact.planning.plan import use_plan as use_plan
+from jact.core.quantize import Packed as Packed
+from jact.core.packing import PackedBits as PackedBits
+from jact.core.packing import pack_codes as pack_codes
+from jact.core.packing import unpack_codes as unpack_codes
+from jact.kernels.api import dequantize as dequantize
+from jact.kernels.api import quantize as quantize
+from jact.transforms.checkpoint import checkpoint as checkpoint
+from jact.transforms.checkpoint import offload_compressed as offload_compressed
+from jact.transforms.checkpoint import save_compressed as save_compressed
+from jact.transforms.checkpoint import save_inputs_only as save_inputs_only
+from jact.report import CompiledMemory as CompiledMemory
+from jact.report import ResidualReport as ResidualReport
+from jact.report import compiled_memory as compiled_memory
+from jact.report import residual_report as residual_report
+from jact.transforms.compressed import compressed as compressed
 
 __version__ = "0.1.0"
 
 __all__ = [
     "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
-    "ops", "nn", "nnx", "rng", "compressors", "sensitivity", "acgc", "allocate", "levels",
-    "Controller", "ControllerState", "CompressionVarianceWarning",
+    "ops", "nn", "nnx", "rng", "compressors", "kernels", "sensitivity", "acgc", "allocate",
+    "levels", "Controller", "ControllerState", "CompressionVarianceWarning",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
     "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",
     "BitPlan", "use_plan", "planned", "UnknownResidualWarning",
