@@ -231,7 +231,7 @@ class _PlainLinen(nn.Module):
 
 
 def test_linen_block():
-  block = LinenBLPABlock(O, 3, bits=4)
+  block = LinenBLPABlock(O, (3, 3), bits=4)
   v = jax.jit(lambda x: block.init(jax.random.key(0), x, use_running_average=False))(XS)
   assert jax.tree.map(jnp.shape, v) == {
       "params": {"norm": {"scale": (C,), "bias": (C,)}, "conv": {"kernel": (3, 3, C, O)}},
@@ -276,7 +276,7 @@ class _PlainNnx(nnx.Module):
 
 
 def test_nnx_block():
-  block = NnxBLPABlock(C, O, 3, bits=4, rngs=nnx.Rngs(0))
+  block = NnxBLPABlock(C, O, (3, 3), bits=4, rngs=nnx.Rngs(0))
   plain = _PlainNnx(nnx.Rngs(1))
   nnx.update(plain, nnx.state(block))  # same state paths: norm/{scale,bias,mean,var}, conv/kernel
   np.testing.assert_allclose(plain.conv.kernel[...], block.conv.kernel[...])
@@ -302,6 +302,25 @@ def test_nnx_block():
   assert not np.allclose(block.norm.mean[...], mean_before)  # the train step updated the stats
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_an_int_kernel_size_is_read_like_flax_conv_by_both_twins(k):
+  """An int k is the 1-D window (k,) in both twins, as flax.linen.Conv and
+  flax.nnx.Conv read it; on a 2-D input it is a clear error, not a square."""
+  x1 = XS[:, 0]  # (N, L, C): one spatial axis
+  linen = LinenBLPABlock(O, k, use_running_average=False).init(jax.random.key(0), x1)
+  twin = NnxBLPABlock(C, O, k, rngs=nnx.Rngs(0))
+  flax_linen = nn.Conv(O, k).init(jax.random.key(0), x1)
+  flax_nnx = nnx.Conv(C, O, k, rngs=nnx.Rngs(0))
+  shape = linen["params"]["conv"]["kernel"].shape
+  assert shape == twin.conv.kernel.shape == flax_linen["params"]["kernel"].shape
+  assert shape == flax_nnx.kernel.shape == (k, C, O)
+  assert nnx.jit(lambda m, x: m(x))(twin, x1).shape == (2, 4, O)
+  with pytest.raises(ValueError, match=r"kernel_size \(3,\) has 1 axes .* 2 spatial axes"):
+    LinenBLPABlock(O, 3, use_running_average=False).init(jax.random.key(0), XS)
+  with pytest.raises(ValueError, match=r"kernel_size \(3,\) has 1 axes .* 2 spatial axes"):
+    NnxBLPABlock(C, O, 3, rngs=nnx.Rngs(0))(XS)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -311,9 +330,9 @@ def test_errors():
   with pytest.raises(ValueError, match="BLPA needs bits"):
     blpa_block(*ARGS, bits=3)
   with pytest.raises(ValueError, match="BLPA needs bits"):
-    LinenBLPABlock(O, 3, bits=1, use_running_average=False).init(jax.random.key(0), XS)
+    LinenBLPABlock(O, (3, 3), bits=1, use_running_average=False).init(jax.random.key(0), XS)
   with pytest.raises(ValueError, match="BLPA needs bits"):
-    NnxBLPABlock(C, O, 3, bits=1, rngs=nnx.Rngs(0))
+    NnxBLPABlock(C, O, (3, 3), bits=1, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="floating-point input.*cast it first"):
     blpa_block(X.astype(jnp.int32), GAMMA, BETA, KERNEL)
   with pytest.raises(TypeError, match="cast it first"):

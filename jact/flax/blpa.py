@@ -18,13 +18,14 @@ Variables (those of a `BatchNorm` named "norm" followed by a `Conv` named
   nnx:   block.norm.scale / .bias (nnx.Param), block.norm.mean / .var
          (nnx.BatchStat), block.conv.kernel[ / .bias] (nnx.Param)
 
-`kernel_size`: a tuple ((3, 3) for 2-D); an int k means (k,) * spatial rank
-in linen (known from the input) and (k, k) in nnx; () for a dense layer.
+`kernel_size`: a tuple ((3, 3) for 2-D), () for a dense layer; an int k
+means (k,), a 1-D window, in both twins, as in `flax.linen.Conv` and
+`flax.nnx.Conv`.
 
 >>> import jax, jax.numpy as jnp
 >>> from flax import nnx
 >>> x = jnp.ones((2, 4, 4, 3))
->>> block = LinenBLPABlock(features=5, kernel_size=3, use_running_average=False)
+>>> block = LinenBLPABlock(features=5, kernel_size=(3, 3), use_running_average=False)
 >>> v = jax.jit(block.init)(jax.random.key(0), x)
 >>> y, upd = jax.jit(lambda v, x: block.apply(v, x, mutable=["batch_stats"]))(v, x)
 >>> y.shape, sorted(v["params"]), sorted(upd["batch_stats"]["norm"])
@@ -52,15 +53,21 @@ _F32 = jnp.float32
 _KERNEL_INIT = nn.initializers.lecun_normal()  # Flax's Conv default
 
 
-def _kernel_size(kernel_size, spatial: int | None, layer: str) -> tuple[int, ...]:
+def _kernel_size(kernel_size) -> tuple[int, ...]:
+  """The window as a tuple; an int k is (k,), as flax.linen.Conv and flax.nnx.Conv read it."""
   if isinstance(kernel_size, int):
-    return (kernel_size,) * (2 if spatial is None else spatial)
-  kernel_size = tuple(int(k) for k in kernel_size)
-  if spatial is not None and len(kernel_size) != spatial:
-    raise ValueError(f"{layer}: kernel_size {kernel_size} has {len(kernel_size)} axes but the "
-                     f"input has {spatial} spatial axes; pass a {spatial}-tuple (() for a "
-                     "rank-2 input: a dense layer).")
-  return kernel_size
+    return (kernel_size,)
+  return tuple(int(k) for k in kernel_size)
+
+
+def _check_fits(kernel_size: tuple[int, ...], shape: tuple[int, ...], layer: str) -> None:
+  spatial = len(shape) - 2
+  if len(kernel_size) != spatial:
+    raise ValueError(
+        f"{layer}: kernel_size {kernel_size} has {len(kernel_size)} axes but the input of shape "
+        f"{shape} has {spatial} spatial axes (N, spatial..., C); pass a {spatial}-tuple, e.g. "
+        f"{(3,) * spatial} (an int k means (k,), a 1-D window, as in flax's Conv; () for a "
+        f"rank-2 input: a dense layer).")
 
 
 # ----------------------------------------------------------------------------- linen
@@ -104,7 +111,8 @@ class LinenBLPABlock(nn.Module):
 
   Attributes:
     features: output features of the convolution.
-    kernel_size: convolution window (int: the same on every spatial axis; () dense).
+    kernel_size: convolution window (a tuple; an int k is (k,), as in flax.linen.Conv;
+      () dense).
     strides, padding, kernel_dilation: of the convolution.
     use_bias: add a convolution bias (default False: BN precedes it).
     bits: 2, 4 or 8 bits per stored pre-ReLU value.
@@ -141,7 +149,8 @@ class LinenBLPABlock(nn.Module):
     x = jnp.asarray(x)
     if x.ndim < 2:
       raise ValueError(f"{layer}: needs a batched input (N, ..., C), got shape {x.shape}")
-    ksize = _kernel_size(self.kernel_size, x.ndim - 2, layer)
+    ksize = _kernel_size(self.kernel_size)
+    _check_fits(ksize, x.shape, layer)
     scale, bias, ra_mean, ra_var = _LinenNorm(x.shape[-1], self.scale_init, self.bias_init,
                                               self.param_dtype, name="norm")()
     kernel, conv_bias = _LinenConv(ksize + (x.shape[-1], self.features), self.use_bias,
@@ -189,7 +198,8 @@ class NnxBLPABlock(nnx.Module):
   `model.eval()` / `model.train()` toggle `use_running_average`, as for
   `nnx.BatchNorm`. Arguments as `LinenBLPABlock`'s attributes, plus
   `in_features` (channels of x) and `name` (residual name; default the class
-  name). An int kernel_size k means (k, k); pass a tuple for 1-D/3-D, () for dense.
+  name). An int kernel_size k means (k,), a 1-D window, as in `nnx.Conv`; pass
+  a tuple for 2-D/3-D, () for dense.
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -208,7 +218,7 @@ class NnxBLPABlock(nnx.Module):
                param_dtype: Any = _F32, name: str | None = None, rngs: nnx.Rngs):
     self.bits = check_blpa_bits(bits)
     self.residual_name = name or type(self).__name__
-    ksize = _kernel_size(kernel_size, None, f"jact BLPABlock {self.residual_name!r}")
+    ksize = _kernel_size(kernel_size)
     self.in_features, self.features, self.kernel_size = in_features, features, ksize
     self.strides, self.padding, self.kernel_dilation = strides, padding, kernel_dilation
     self.use_bias, self.momentum, self.epsilon = use_bias, momentum, epsilon
@@ -221,10 +231,7 @@ class NnxBLPABlock(nnx.Module):
     if use_running_average is None:
       use_running_average = self.use_running_average
     x = jnp.asarray(x)
-    if x.ndim - 2 != len(self.kernel_size):
-      raise ValueError(f"jact BLPABlock {self.residual_name!r}: kernel_size {self.kernel_size} "
-                       f"does not fit an input of shape {x.shape} ({len(self.kernel_size) + 2} "
-                       "axes expected: N, spatial..., C)")
+    _check_fits(self.kernel_size, x.shape, f"jact BLPABlock {self.residual_name!r}")
     scale, bias = self.norm.scale[...], self.norm.bias[...]
     kernel = self.conv.kernel[...]
     conv_bias = None if self.conv.bias is None else self.conv.bias[...]
