@@ -143,7 +143,8 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
-    loss_only = lambda *a, _f=_loss_fn(model): _f(*a)[0]
+    loss_fn = _loss_fn(model)
+    loss_only = lambda *a: loss_fn(*a)[0]
     saved = residual_bytes(loss_only, params, batch_stats, x0, y0, jnp.int32(0), rng_key)
 
     losses, times = [], []

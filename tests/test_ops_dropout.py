@@ -9,9 +9,9 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 from jact.ops.dropout import dropout
+from stats import DRAWS, assert_unbiased, over_keys
 
 D = importlib.import_module("jact.ops.dropout")  # the module (jact.ops.dropout is the function)
-from stats import DRAWS, assert_unbiased, over_keys
 
 X = jax.random.uniform(jax.random.key(0), (16, 256), minval=0.5, maxval=2.0)  # no zeros
 

@@ -57,7 +57,8 @@ from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
 from jact.core.quantize import FLOAT_DTYPES, check_group_size, finite_clamp
 from jact.core.packing import check_bits
-from jact.core.division import check_rank, pool_blocks, stored_lfc, upsample
+from jact.core.division import (check_rank, division_compress_reference, pool_blocks, stored_lfc,
+                                upsample)
 from jact.kernels.api import dequantize
 
 __all__ = ["Division", "division_compress_reference"]

@@ -6,6 +6,7 @@ stream forked from `rngs` at construction). Both keep Flax's variables, so
 plain checkpoints load unchanged.
 """
 
-from jact.flax import compressed_module, linen, nnx  # compressed_module: the Flax route of jact.compressed
+from jact.flax import linen, nnx
+from jact.flax import compressed_module  # noqa: F401  (imported to register the Flax route of jact.compressed)
 
 __all__ = ["linen", "nnx"]

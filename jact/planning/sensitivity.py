@@ -260,7 +260,7 @@ def analytic(loss_fn: Callable[..., Any], *, decay: float = 0.9) -> Estimator:
     probes = collect_layer_stats(loss_fn, params, batch, key)
     _, g_probes, info, stats = collect_layer_stats(loss_fn, params, batch, key, probes)
     c, gsq = [], []
-    for i, name in enumerate(state.names):
+    for name in state.names:
       if name not in info:
         c.append(jnp.float32(jnp.nan))
         gsq.append(jnp.float32(0.0))
