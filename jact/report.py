@@ -33,9 +33,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from jact.engine.jaxpr import checkpoint_name_of
+from jact import _compat
 from jact.engine.names import JACT_NAME_PREFIX
 
 __all__ = [
@@ -43,8 +42,6 @@ __all__ = [
     "CompiledMemory", "compiled_memory", "format_bytes",
 ]
 
-_IDENTITIES = ("optimization_barrier", "reduce_precision")
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
 _PATH = re.compile(r"(?:[^\s(]*/)([^/\s:]+:\d+)")
 
 
@@ -261,16 +258,6 @@ def _arg_names(fn, args, kwargs) -> list[str]:
   return names
 
 
-def _summarize(eqn) -> str:
-  try:
-    from jax._src import source_info_util
-    return source_info_util.summarize(eqn.source_info)
-  except Exception:  # private helper; the description is cosmetic  # pragma: no cover
-    return "?"
-
-
-
-
 def _shown_name(name: str | None) -> str | None:
   """A residual name as reports show it: jact's reserved-namespace copy of a
   residual name (see `jact.engine.names.tag`) without its prefix."""
@@ -279,61 +266,31 @@ def _shown_name(name: str | None) -> str | None:
   return name
 
 
-def _inner_jaxpr(eqn, producer_map=None, jaxpr=None):
+def _lowering_platform() -> str:
+  """The platform whose `lax.platform_dependent` branches reports follow."""
+  return _compat.lowering_platform()
+
+
+def _inner_jaxpr(eqn, producer_map, jaxpr):
   """The body of a call-like eqn (jit, closed_call) whose ins/outs map 1:1, or the
   branch of a `lax.platform_dependent` cond that runs on this machine's platform
   (its operands follow the branch index); else None."""
-  if eqn.primitive.name == "cond" and producer_map is not None:
-    return _platform_branch(eqn, jaxpr, producer_map)
-  if eqn.primitive.name not in _CALLS:
-    return None
-  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  inner = getattr(inner, "jaxpr", inner)
-  if inner is None or len(inner.invars) != len(eqn.invars) or len(inner.outvars) != len(eqn.outvars):
-    return None
-  return inner
-
-
-def _lowering_platform() -> str:
-  """The `lax.platform_dependent` name of the default backend ("cpu", "cuda", "rocm", "tpu")."""
-  backend = jax.default_backend()
-  if backend != "gpu":
-    return backend
-  version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
-  return "rocm" if "rocm" in version else "cuda"
-
-
-def _platform_branch(eqn, jaxpr, producer_map):
-  """The branch a platform-dependent cond takes on this machine, or None for other conds."""
-  found = producer_map(jaxpr).get(eqn.invars[0])
-  if found is None or found[0].primitive.name != "platform_index":
-    return None
-  platform, choices = _lowering_platform(), found[0].params["platforms"]
-  index = next((i for i, p in enumerate(choices) if p is not None and platform in p),
-               next((i for i, p in enumerate(choices) if p is None), None))
-  if index is None:
-    return None
-  return eqn.params["branches"][index].jaxpr
-
-
-def _operand(eqn, j: int):
-  """The outer operand behind input j of an entered body (a cond's first input is its index)."""
-  return eqn.invars[j + (eqn.primitive.name == "cond")]
-
-
-_VIEWS = ("reshape", "squeeze", "expand_dims", "slice", "bitcast_convert_type")
+  producer_of = lambda v: producer_map(jaxpr).get(v, (None,))[0]
+  branch = _compat.platform_dependent_branch(eqn, producer_of, _lowering_platform())
+  if branch is not None:
+    return branch
+  body = _compat.call_body(eqn)
+  return None if body is None else body.jaxpr
 
 
 def _kernel_of(eqn, jaxpr, producer_map) -> str:
   """The Pallas kernel behind a value produced by `eqn` (through reshapes), or "xla"."""
-  while eqn.primitive.name in _VIEWS:
+  while _compat.is_view(eqn):
     found = producer_map(jaxpr).get(eqn.invars[0])
     if found is None:
       return "xla"
     eqn = found[0]
-  if eqn.primitive.name == "pallas_call":
-    return str(eqn.params.get("name") or "pallas_call")
-  return "xla"
+  return _compat.pallas_kernel_name(eqn) or "xla"
 
 
 def _saved_values(fn, args, kwargs):
@@ -353,7 +310,7 @@ def _saved_values(fn, args, kwargs):
 
   closed, out_shape = jax.make_jaxpr(lambda *l: jax.vjp(flat_fn, *l), return_shape=True)(*leaves)
   top = closed.jaxpr
-  num_res = len(jax.tree_util.tree_leaves(out_shape[1]))
+  num_res = len(_compat.vjp_residuals(out_shape[1])[0])
   arg_names = _arg_names(fn, args, kwargs)
   producers: dict[int, dict] = {}
 
@@ -367,14 +324,14 @@ def _saved_values(fn, args, kwargs):
     stack = []  # (call eqn, outer jaxpr) frames entered through jitted functions
     jaxpr = top
     while True:
-      if isinstance(v, jex_core.Literal):
+      if _compat.is_literal(v):
         yield aval, name, "from a literal", None, False, "xla"
         break
       if v in jaxpr.invars:
         if stack:  # an input of a jitted function: continue with the caller's operand
           j = jaxpr.invars.index(v)
           eqn, jaxpr = stack.pop()
-          v = _operand(eqn, j)
+          v = _compat.body_operand(eqn, j)
           continue
         arg = f"the argument {arg_names[top.invars.index(v)]}"
         yield aval, name, f"{named_src}, {arg}" if name else f"from {arg}", v, True, "xla"
@@ -383,26 +340,28 @@ def _saved_values(fn, args, kwargs):
         yield aval, name, f"{named_src}, a constant" if name else "from a constant", v, False, "xla"
         break
       eqn, i = producer_map(jaxpr)[v]
-      if eqn.primitive.name in _IDENTITIES:
-        v = eqn.invars[i]
+      through = _compat.passthrough_operand(eqn, i)
+      if through is not None:
+        v = through
         continue
       inner = _inner_jaxpr(eqn, producer_map, jaxpr)
       if inner is not None:
         stack.append((eqn, jaxpr))
         jaxpr, v = inner, inner.outvars[i]
         continue
-      eqn_name = _shown_name(checkpoint_name_of(eqn))
+      eqn_name = _shown_name(_compat.checkpoint_name(eqn))
       if eqn_name is not None:  # an identity too: keep the outermost name, look further
         if name is None:
-          name, named_src = eqn_name, f"named '{eqn_name}' from {_summarize(eqn)}"
+          name, named_src = eqn_name, f"named '{eqn_name}' from {_compat.summarize_source(eqn)}"
         v = eqn.invars[0]
         continue
       if name is not None:
         src = named_src
-      elif eqn.primitive.name in _CALLS:
-        src = f"output of jitted function '{eqn.params.get('name')}' from {_summarize(eqn)}"
+      elif _compat.is_call(eqn):
+        src = (f"output of jitted function '{_compat.call_name(eqn)}' from "
+               f"{_compat.summarize_source(eqn)}")
       else:
-        src = f"output of {eqn.primitive.name} from {_summarize(eqn)}"
+        src = f"output of {eqn.primitive.name} from {_compat.summarize_source(eqn)}"
       yield aval, name, src, v, False, _kernel_of(eqn, jaxpr, producer_map)
       break
 

@@ -15,14 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.extend import core as jex_core
-
+from jact import _compat
 from jact.core.packing import PackedBits, pack_codes, unpack_codes
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
 from jact.engine import context as _context
-from jact.engine.jaxpr import checkpoint_name_of
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
 from jact.engine.scheduling import barrier, materialize
@@ -81,7 +79,7 @@ class ResidualConfig:
 
 
 def is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "aval")
+  return isinstance(x, (np.ndarray, np.generic)) or _compat.is_jax_value(x)
 
 
 
@@ -95,7 +93,8 @@ class Saved:
     leaf to its entry of `values` (or -1).
   shapes, dtypes: of the VJP leaves, to reconstruct them.
   capture: the closed jaxpr of the forward pass (to recompute constants).
-  vjp_def: the VJP object's tree structure.
+  vjp_layout: how to rebuild the VJP object from its leaves
+    (`jact._compat.vjp_residuals`).
   """
   values: tuple
   plan: tuple = dataclasses.field(metadata=dict(static=True))
@@ -104,7 +103,7 @@ class Saved:
   dtypes: tuple = dataclasses.field(metadata=dict(static=True))
   capture: Any = dataclasses.field(metadata=dict(static=True))
   residual_vars: tuple = dataclasses.field(metadata=dict(static=True))
-  vjp_def: Any = dataclasses.field(metadata=dict(static=True))
+  vjp_layout: Any = dataclasses.field(metadata=dict(static=True))
 
 
 def is_float(x) -> bool:
@@ -155,12 +154,12 @@ def jact_named(var, producers) -> bool:
   barriers. A user's own `checkpoint_name` never qualifies."""
   while var in producers:
     eqn, i = producers[var]
-    name = checkpoint_name_of(eqn)
+    name = _compat.checkpoint_name(eqn)
     if is_jact_name(name):
       return True
-    if name is None and eqn.primitive.name != "optimization_barrier":
+    var = eqn.invars[0] if name is not None else _compat.barrier_operand(eqn, i)
+    if var is None:
       return False
-    var = eqn.invars[0 if name is not None else i]
   return False
 
 
@@ -168,7 +167,7 @@ def input_dependent(jaxpr) -> set:
   """The variables of `jaxpr` that depend on one of its inputs."""
   dependent = set(jaxpr.invars)
   for eqn in jaxpr.eqns:
-    if any(isinstance(v, jex_core.Var) and v in dependent for v in eqn.invars):
+    if any(_compat.is_var(v) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
   return dependent
 
@@ -186,7 +185,7 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
   inputs = {v: k for k, v in enumerate(jaxpr.invars)}
   plan, first = [], {}
   for position, var in enumerate(residual_vars):
-    if isinstance(var, jex_core.Literal) or var not in dependent:
+    if _compat.is_literal(var) or var not in dependent:
       plan.append(("constant", None))
     elif var in first:
       plan.append(("same", first[var]))
@@ -203,14 +202,7 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
 
 def eval_constants(jaxpr, consts, wanted):
   """Evaluates the input-independent variables `wanted` of `jaxpr`."""
-  needed = {v for v in wanted if isinstance(v, jex_core.Var)}
-  eqns = []
-  for eqn in reversed(jaxpr.eqns):
-    if needed.intersection(eqn.outvars):
-      eqns.append(eqn)
-      needed.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
-  pruned = jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
-  return jax.core.eval_jaxpr(pruned, consts)
+  return _compat.eval_jaxpr(_compat.prune_jaxpr(jaxpr, wanted), consts)
 
 
 def output_epilogue(out, values):

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 
+from jact import _compat
 from jact.engine import context as _context
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
@@ -298,14 +299,14 @@ def _hoist_closure(fn, args):
   rules, which are traced apart (UnexpectedTracerError)."""
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   out_tree = jax.tree.structure(out_shape)
-  hoisted = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+  hoisted = [_compat.is_tracer(c) for c in closed.consts]
   kept = [c for c, h in zip(closed.consts, hoisted) if not h]
 
   def converted(*inputs):
     passed, kept_it = iter(inputs[len(args):]), iter(kept)
     consts = [next(passed) if h else next(kept_it) for h in hoisted]
-    return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts,
-                                                            *inputs[:len(args)]))
+    return jax.tree.unflatten(out_tree, _compat.eval_jaxpr(closed.jaxpr, consts,
+                                                           *inputs[:len(args)]))
 
   return converted, [c for c, h in zip(closed.consts, hoisted) if h]
 
@@ -371,11 +372,11 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     def forward_and_residuals(*inputs):
       out, vjp = jax.vjp(lambda *diff: run(*merged(diff, inputs)), *split(inputs))
       out_leaves, trees["out"] = jax.tree.flatten(out)
-      vjp_leaves, trees["vjp"] = jax.tree.flatten(vjp)
+      vjp_leaves, trees["vjp"] = _compat.vjp_residuals(vjp)
       return out_leaves, vjp_leaves
 
     capture = jax.make_jaxpr(forward_and_residuals)(*inputs)
-    results = jax.core.eval_jaxpr(capture.jaxpr, capture.consts, *inputs)
+    results = _compat.eval_jaxpr(capture.jaxpr, capture.consts, *inputs)
     n_out = trees["out"].num_leaves
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     residual_vars = tuple(capture.jaxpr.outvars[n_out:])
@@ -414,7 +415,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         leaves.append(next(constants))
       else:
         leaves.append(restore_saved(values[i], shape, dtype))
-    vjp = jax.tree.unflatten(saved.vjp_def, leaves)
+    vjp = _compat.rebuild_vjp(saved.vjp_layout, leaves)
     grads = iter(vjp(g))
     return (None, *[next(grads) if d else None for d in differentiable])
 
