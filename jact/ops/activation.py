@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
-from jact.core.packing import unpack_codes
+from jact.core.packing import relu_mask_reference, unpack_codes
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
