@@ -382,7 +382,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     residual_vars = tuple(capture.jaxpr.outvars[n_out:])
     plan = plan_saved(capture.jaxpr, residual_vars, input_flags, config)
     values, index = [], []
-    for position, ((kind, detail), leaf) in enumerate(zip(plan, results[n_out:])):
+    for position, ((kind, _), leaf) in enumerate(zip(plan, results[n_out:])):
       if kind in ("same", "constant"):
         index.append(-1)
         continue
