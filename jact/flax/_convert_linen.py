@@ -9,9 +9,8 @@ import inspect
 from typing import Callable
 
 import flax.linen as nn
-from flax.linen import attention as linen_attention
-from flax.linen import module as nn_module
 
+from jact.flax import _compat
 from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax._conversion import Settings, unsupported
@@ -56,16 +55,9 @@ def _converted_class(cls: type) -> type:
       return Settings(self.jact_bits, self.jact_group_size, self.jact_stochastic,
                       self.jact_strict, self.jact_compressor)
 
-    # Every method of a linen module (those of the model's classes, wrapped by
-    # Flax) goes through `_call_wrapped_method` (Flax-internal, but the one
-    # place all of them pass; unchanged since 2021); `init_with_output`
-    # (behind `init`) and `apply` are covered too, for `method=` callables
-    # that are not module methods. `nowrap`: Flax must not wrap these.
-    @nn.nowrap
-    def _call_wrapped_method(self, fun, args, kwargs):
-      with _converting(self._jact_settings()):
-        return super()._call_wrapped_method(fun, args, kwargs)
-
+    # Besides every method of the model's classes (below), `init_with_output`
+    # (behind `init`) and `apply` run under interception, for `method=`
+    # callables that are not module methods. `nowrap`: Flax must not wrap these.
     @nn.nowrap
     def init_with_output(self, *args, **kwargs):
       with _converting(self._jact_settings()):
@@ -76,6 +68,9 @@ def _converted_class(cls: type) -> type:
       with _converting(self._jact_settings()):
         return super().apply(*args, **kwargs)
 
+  # Every method of a linen module (those of the model's classes, wrapped by
+  # Flax), also as a child of an unconverted model, runs with the interceptor.
+  _compat.run_methods_within(Converted, lambda module: _converting(module._jact_settings()))
   # Same name: a converted model used as a child is auto-named like the plain one.
   for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
     setattr(Converted, attr, getattr(base, attr))
@@ -155,7 +150,7 @@ def _batch_norm_check(module, a) -> str | None:
 
 
 def _attention_check(module, a) -> str | None:
-  if module.attention_fn is not linen_attention.dot_product_attention:
+  if module.attention_fn is not nn.dot_product_attention:
     return "a custom 'attention_fn'"
   reason = _custom(module, "qkv_dot_general", "out_dot_general", "qkv_dot_general_cls",
                    "out_dot_general_cls", "qk_attn_weights_einsum_cls",
@@ -242,22 +237,8 @@ def _intercept(next_fun, args, kwargs, context):
   # names the layer's own setup() reserved (Embed's table) can be reused. The
   # twin's own calls (and those of the Flax code it reuses through super())
   # pass through this interceptor.
-  twin = rule.twin(**fields, parent=module.scope.rewound())
-  with _no_capture(twin):
+  twin = _compat.bind_to_scope(module, rule.twin, **fields)
+  # With `capture_intermediates`, the intercepted layer records its output
+  # itself: keep the twin (not its sublayers) from recording it again.
+  with _compat.suppress_capture(twin):
     return twin(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _no_capture(twin):
-  """With `capture_intermediates`, the intercepted layer records its output
-  itself: keep the twin (not its sublayers) from recording it again."""
-  stack = getattr(getattr(nn_module, "_context", None), "capture_stack", None)
-  if not stack or not stack[-1]:
-    yield
-    return
-  outer = stack[-1]
-  stack.append(lambda mdl, method: mdl is not twin and outer(mdl, method))
-  try:
-    yield
-  finally:
-    stack.pop()

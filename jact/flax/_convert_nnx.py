@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from flax import nnx
-from flax.nnx import rnglib
-from flax.nnx.nn import attention as nnx_attention
 from jax import lax
 
-from jact.flax import _hooks
+from jact.flax import _compat, _hooks
 from jact.flax import nnx as jnnx
 from jact.flax._conversion import Settings, unsupported
 from jact.flax._hooks import Hook
@@ -24,7 +22,7 @@ def _nnx_norm_check(module, *, axes: bool = True) -> str | None:
 
 
 def _nnx_attention_check(module) -> str | None:
-  if module.attention_fn is not nnx_attention.dot_product_attention:
+  if module.attention_fn is not nnx.dot_product_attention:
     return "a custom 'attention_fn'"
   for f in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls"):
     if getattr(module, f, None) is not None:
@@ -75,12 +73,7 @@ _NNX_RULES: dict[type, tuple[type, Callable, Callable, bool]] = {
 def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings | None,
               name: str):
   """A `twin_cls` instance holding `plain`'s attributes (its very Variable objects)."""
-  twin = twin_cls.__new__(twin_cls)
-  # what nnx's metaclass does before __init__, then the plain layer's attributes
-  object.__setattr__(twin, "_pytree__state", type(plain._pytree__state)())
-  for k, v in vars(plain).items():
-    if k != "_pytree__state":
-      object.__setattr__(twin, k, v)
+  twin = _compat.nnx_twin_of(plain, twin_cls)
   patch(twin)
   if settings is None:  # Embed, Dropout: no rounding
     twin._init_jact(None, None, 256, True, name)
@@ -91,8 +84,8 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
 
 
 def _has_stream(rngs) -> bool:
-  return isinstance(rngs, rnglib.RngStream) or (
-      isinstance(rngs, rnglib.Rngs) and ("jact" in rngs or "default" in rngs))
+  return isinstance(rngs, nnx.RngStream) or (
+      isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs))
 
 
 def _replace(value, twins: dict[int, Any]):
@@ -122,6 +115,20 @@ def _replace(value, twins: dict[int, Any]):
   return value, False
 
 
+def _swap_in(node, twins: dict[int, Any]) -> None:
+  """Replaces every reference `node` holds to a converted layer, through nnx's checks."""
+  if isinstance(node, nnx.List):  # by index: how it stores its items is nnx's business
+    for i, value in enumerate(list(node)):
+      new, changed = _replace(value, twins)
+      if changed and new is not value:
+        node[i] = new
+    return
+  for attr, value in list(vars(node).items()):
+    new, changed = _replace(value, twins)
+    if changed and new is not value:
+      setattr(node, attr, new)  # a module's attribute, an nnx.Dict's item
+
+
 # twins that round (their settings are convert's); Embed and Dropout have none
 _ROUNDING_TWINS = (jnnx.Linear, jnnx.Conv, jnnx.BatchNorm, jnnx.LayerNorm, jnnx.RMSNorm,
                    jnnx.MultiHeadAttention)
@@ -147,7 +154,7 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
       unsupported(settings, f"{name} (nnx.{type(module).__name__})", reason)
       continue
     plan.append((module, twin_cls, patch, rounds, name))
-  if rngs is not None and not isinstance(rngs, (rnglib.Rngs, rnglib.RngStream)):
+  if rngs is not None and not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
     raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
   converted = _converted_twins(model)
   lacking = [name for *_, rounds, name in plan if rounds]
@@ -176,8 +183,5 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   # (an attention layer's qk-norms, for one).
   nodes = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Pytree)]
   for node in nodes + list(twins.values()):
-    for attr, value in list(vars(node).items()):
-      new, changed = _replace(value, twins)
-      if changed and new is not value:
-        object.__setattr__(node, attr, new)  # same kind of value: nnx metadata unchanged
+    _swap_in(node, twins)
   return twins.get(id(model), model)

@@ -91,10 +91,8 @@ from typing import Any, Callable
 import jax
 from flax import linen as nn
 from flax import nnx
-from flax.core import lift
-from flax.linen import transforms as linen_transforms
-from flax.nnx import rnglib
 
+from jact.flax import _compat
 from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 
@@ -175,7 +173,7 @@ def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy,
     return call_compressed(pure, (variable_groups, rng_groups, *args), kwargs, key=key,
                            config=config, policy=policy, compress_inputs=flags)
 
-  return lift.pack(inner, (True,), (True,), (True,), name="compressed", enable_kwargs=True)
+  return _compat.pack_all(inner, name="compressed")
 
 
 def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
@@ -196,23 +194,11 @@ def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
         raise _missing_stream(
             module_class.__name__,
             "pass a fresh key per step, e.g. model.apply(variables, x, rngs={'jact': key})")
-    state = self._state.export()
-
-    # As in `flax.linen.transforms.module_class_lift_transform`.
-    def core_fn(scopes, *args, **kwargs):
-      attrs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "parent" and f.init}
-      cloned = module_class(parent=None, **attrs)
-      cloned, args, kwargs = linen_transforms.set_module_scopes(cloned, args, kwargs, scopes)
-      object.__setattr__(cloned, "_state", state.export())
-      out = fn(cloned, *args, **kwargs)
-      self._state.reimport(cloned._state)
-      return out
-
-    lifted = _lift_compressed(core_fn, key=key, compress=compress, config=cfg, policy=policy,
-                              argnums=argnums, name_of=module_class)
-    scopes, args, kwargs = linen_transforms.get_module_scopes(self, args, kwargs)
-    return lifted(scopes, *args, **kwargs)
+    # `fn` runs on a `module_class` clone bound to the lifted scopes (as in linen's
+    # own lifted transforms), so it sees the plain class.
+    transform = functools.partial(_lift_compressed, key=key, compress=compress, config=cfg,
+                                  policy=policy, argnums=argnums, name_of=module_class)
+    return _compat.lift_method_call(self, module_class, fn, transform, args, kwargs)
 
   # Same class name as the original, so that parents autoname it identically.
   return type(module_class.__name__, (module_class,), {
@@ -246,31 +232,30 @@ class _Static:
     return f"{self.config!r}"
 
 
-def _jact_stream(rngs) -> rnglib.RngStream | None:
+def _jact_stream(rngs) -> nnx.RngStream | None:
   """A private 'jact' stream from a constructor's `rngs`.
 
   Forked from an explicit 'jact' stream. With only a 'default' stream, derived
   from its key and count *without* consuming it, so that the parameters of
   modules built later from the same `rngs` stay those of the plain model.
   """
-  if isinstance(rngs, rnglib.RngStream):
+  if isinstance(rngs, nnx.RngStream):
     return rngs.fork()
-  if not isinstance(rngs, rnglib.Rngs):
+  if not isinstance(rngs, nnx.Rngs):
     return None
   if "jact" in rngs:
     return rngs["jact"].fork()
   if "default" in rngs:
-    stream = rngs["default"]
-    key = jax.random.fold_in(stream.key[...], stream.count[...])
-    return rnglib.RngStream(jax.random.fold_in(key, 0x6A616374), tag="jact")  # "jact"
+    key = _compat.peek_stream_key(rngs["default"])
+    return nnx.RngStream(jax.random.fold_in(key, 0x6A616374), tag="jact")  # "jact"
   return None
 
 
 def _key_from(key):
   """A PRNG key from what a caller passed as `key=` (key, nnx.Rngs or nnx.RngStream)."""
-  if isinstance(key, rnglib.Rngs):
+  if isinstance(key, nnx.Rngs):
     return key["jact"]()
-  if isinstance(key, rnglib.RngStream):
+  if isinstance(key, nnx.RngStream):
     return key()
   return key
 
@@ -287,17 +272,6 @@ def _draw_key(module, key, config: ResidualConfig, what: str):
         "instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...), or call it with "
         "key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>")
   return stream()
-
-
-def _leaf(variable):
-  leaves = jax.tree.leaves(variable)
-  return leaves[0] if len(leaves) == 1 else tuple(leaves)
-
-
-def _same(a, b) -> bool:
-  if isinstance(a, tuple) and isinstance(b, tuple):
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-  return a is b
 
 
 def _is_graph_node(x) -> bool:
@@ -341,14 +315,12 @@ def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
 
   def pure(state, rest):
     # values, not Variables: merge reuses the state's Variable objects
-    before = {path: _leaf(var) for path, var in nnx.to_flat_state(state)}
+    before = _compat.variable_values(state)
     merged = nnx.merge(graphdef, state)
     it_nodes, it_rest = iter(merged), iter(rest)
     a, k = jax.tree.unflatten(treedef, [next(it_nodes) if n else next(it_rest) for n in is_node])
     out = fn(*a, **k)
-    changed = [(path, var) for path, var in nnx.to_flat_state(nnx.state(merged))
-               if path not in before or not _same(_leaf(var), before[path])]
-    return out, nnx.from_flat_state(changed)
+    return out, _compat.replaced_variables(before, nnx.state(merged))
 
   flags = [False] * len(jax.tree.leaves(state)) + [
       f for f, leaf in zip(rest_flags, rest) if jax.tree.leaves(leaf)]
@@ -377,7 +349,7 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
     module_class.__init__(self, *args, **kwargs)
     rngs = kwargs.get("rngs")
     if rngs is None:
-      rngs = next((a for a in args if isinstance(a, (rnglib.Rngs, rnglib.RngStream))), None)
+      rngs = next((a for a in args if isinstance(a, (nnx.Rngs, nnx.RngStream))), None)
     stream = _jact_stream(rngs) if config.needs_key else None
     self.jact_rngs = stream if stream is not None else nnx.data(None)
     self.residual_name = _named(config, module_class.__name__).name

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 from flax import nnx
-from flax.nnx import rnglib
 
 from jact.compressors import Compressor
 from jact.flax import _hooks
@@ -92,7 +91,7 @@ __all__ = ["convert", "ConversionWarning"]
 
 def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None,
             group_size: int = 256, stochastic: bool = True, strict: bool = False,
-            rngs: rnglib.Rngs | rnglib.RngStream | None = None):
+            rngs: nnx.Rngs | nnx.RngStream | None = None):
   """Makes a plain Flax model store compressed activations; keeps its variables.
 
   Args:

@@ -31,11 +31,10 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.flax import _hooks
+from jact.flax import _compat, _hooks
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
 from jact.flax._hooks import Hook
@@ -103,7 +102,7 @@ def _norm_options_supported(module, mask, layer: str) -> None:
 
 
 def _output_dtype(x, params, dtype):
-  return flax_dtypes.canonicalize_dtype(x, *[p for p in params if p is not None], dtype=dtype)
+  return _compat.canonicalize_dtype(x, *[p for p in params if p is not None], dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- linear

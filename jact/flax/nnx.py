@@ -22,8 +22,6 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx import rnglib
-from flax.nnx.module import first_from
 
 from jact.compressors import Compressor
 from jact.flax import _hooks
@@ -47,8 +45,8 @@ class _Twin:
     api = f"jact.nnx.{cls.__name__}"
     _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, api)
     if _hooks.needs_key(bits, group_size, stochastic, compressor, api):
-      has_stream = isinstance(rngs, rnglib.RngStream) or (
-          isinstance(rngs, rnglib.Rngs) and ("jact" in rngs or "default" in rngs))
+      has_stream = isinstance(rngs, nnx.RngStream) or (
+          isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs))
       if not has_stream:
         raise _hooks.nnx_missing_stream(cls.__name__)
 
@@ -59,7 +57,7 @@ class _Twin:
     self.residual_name = name or type(self).__name__
     stream = None
     if self._needs_key():
-      stream = rngs["jact"].fork() if isinstance(rngs, rnglib.Rngs) else rngs.fork()
+      stream = rngs["jact"].fork() if isinstance(rngs, nnx.Rngs) else rngs.fork()
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
   def _rounding(self) -> dict:
@@ -81,6 +79,14 @@ class _Twin:
     calls = _hooks.Calls(op, self._key(), (self.residual_name,), slot, **self._rounding(),
                          **static)
     return _hooks.provide(**{slot: calls})
+
+
+def _first_not_none(*values, error_msg: str):
+  """The first value that is not None (a call-time option, then the constructor's)."""
+  for value in values:
+    if value is not None:
+      return value
+  raise ValueError(error_msg)
 
 
 def _no_hook(kwargs: dict, *hooks: str) -> None:
@@ -119,7 +125,7 @@ class Linear(_Twin, nnx.Linear):
 
   def __init__(self, in_features: int, out_features: int, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "dot_general")
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs,
@@ -137,7 +143,7 @@ class Conv(_Twin, nnx.Conv):
   def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
                strides: int | Sequence[int] | None = 1, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "conv_general_dilated")
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(in_features, out_features, kernel_size, strides,
@@ -154,7 +160,7 @@ class Embed(_Twin, nnx.Embed):
   """`nnx.Embed` whose backward keeps only the integer ids (no key needed)."""
 
   def __init__(self, num_embeddings: int, features: int, *, name: str | None = None,
-               rngs: rnglib.Rngs, **kwargs):
+               rngs: nnx.Rngs, **kwargs):
     super().__init__(num_embeddings, features, rngs=rngs, **kwargs)
     self._init_jact(None, None, 256, True, name)
 
@@ -202,14 +208,14 @@ class BatchNorm(_Twin, nnx.BatchNorm):
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
     self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
-    use_running_average = first_from(
+    use_running_average = _first_not_none(
         use_running_average, self.use_running_average,
         error_msg="No `use_running_average` argument was provided to jact.nnx.BatchNorm: "
                   "pass it to the constructor or to __call__, or use nnx.view.")
@@ -235,7 +241,7 @@ class LayerNorm(_Twin, nnx.LayerNorm):
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
@@ -257,7 +263,7 @@ class RMSNorm(_Twin, nnx.RMSNorm):
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs,
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
@@ -286,7 +292,7 @@ class Dropout(_Twin, nnx.Dropout):
     self._init_jact(None, None, 256, True, name)
 
   def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
-    deterministic = first_from(
+    deterministic = _first_not_none(
         deterministic, self.deterministic,
         error_msg="No `deterministic` argument was provided to jact.nnx.Dropout: pass it to "
                   "the constructor or to __call__, or use nnx.view.")
@@ -294,13 +300,13 @@ class Dropout(_Twin, nnx.Dropout):
       return inputs
     if self.rate == 1.0:
       return jnp.zeros_like(inputs)
-    rngs = first_from(
+    rngs = _first_not_none(
         rngs, self.rngs,
         error_msg="jact.nnx.Dropout has deterministic=False but no rngs: build it with "
                   "rngs=nnx.Rngs(dropout=0) or pass rngs= at call time.")
-    if isinstance(rngs, rnglib.Rngs):
+    if isinstance(rngs, nnx.Rngs):
       key = rngs[self.rng_collection]()
-    elif isinstance(rngs, rnglib.RngStream):
+    elif isinstance(rngs, nnx.RngStream):
       key = rngs()
     else:
       key = rngs
@@ -324,7 +330,7 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: rnglib.Rngs, **kwargs):
+               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "attention_fn", "qkv_dot_general", "out_dot_general",
              "qkv_dot_general_cls", "out_dot_general_cls")
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
@@ -368,7 +374,7 @@ class _StoredDerivative(_Twin, nnx.Module):
 
   def __init__(self, *, bits: int | None = 4, compressor: Compressor | None = None,
                group_size: int = 256, stochastic: bool = True, name: str | None = None,
-               rngs: rnglib.Rngs | rnglib.RngStream | None = None):
+               rngs: nnx.Rngs | nnx.RngStream | None = None):
     self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def _apply(self, op, x, **extra):
