@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.attention import dot_product_attention as flax_attention
 
 from jact.engine.rounding import Rounding, residual_method
+from jact.flax import _compat
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
 
@@ -127,16 +129,51 @@ def _causal_mask(query, key):
   return jnp.tril(jnp.ones((t, s), bool))[None, :, :]
 
 
-def attention_slot(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
-                   dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
-                   dtype=None, precision=None, module=None, force_fp32_for_softmax: bool = False,
-                   is_causal: bool = False):
-  """`attention_fn` installed in the attention twins (the signature Flax inspects)."""
-  return lookup("attention")(
-      query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
-      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
-      dtype=dtype, precision=precision, module=module,
-      force_fp32_for_softmax=force_fp32_for_softmax, is_causal=is_causal)
+# Keywords of Flax's dot_product_attention that jact's attention implements, and
+# those it ignores by design (documented on the twins); any other keyword is
+# accepted at Flax's default value and rejected, by name, otherwise.
+ATTENTION_HANDLED = ("bias", "mask", "dropout_rng", "dropout_rate", "deterministic", "precision",
+                     "module", "is_causal")
+ATTENTION_IGNORED = ("broadcast_dropout", "dtype", "force_fp32_for_softmax")
+_ATTENTION_SIGNATURE = _compat.attention_signature()
+_ATTENTION_DEFAULTS = _compat.attention_defaults()
+_LINEN_ATTENTION = tuple(inspect.signature(nn.dot_product_attention).parameters)
+
+
+def attention_slot(query, key, value, *args, **kwargs):
+  """`attention_fn` installed in the attention twins.
+
+  It declares every parameter of the installed Flax's dot_product_attention
+  (linen's and nnx's; linen passes only the keywords its attention_fn
+  declares), and forwards all of them, defaults filled in, to the op provided
+  for "attention"."""
+  bound = _ATTENTION_SIGNATURE.bind(query, key, value, *args, **kwargs)
+  bound.apply_defaults()
+  arguments = dict(bound.arguments)
+  query, key, value = (arguments.pop(n) for n in ("query", "key", "value"))
+  return lookup("attention")(query, key, value, **arguments)
+
+
+attention_slot.__signature__ = _ATTENTION_SIGNATURE
+
+
+def _is_flax_default(name: str, value) -> bool:
+  for default in _ATTENTION_DEFAULTS.get(name, ()):
+    if value is default:
+      return True
+    if isinstance(value, (bool, int, float, str)) and type(value) is type(default):
+      if value == default:
+        return True
+  return False
+
+
+def _check_attention_keywords(kwargs: dict, supported) -> None:
+  for name, value in kwargs.items():
+    if name not in supported and not _is_flax_default(name, value):
+      raise ValueError(
+          f"jact attention does not support {name}={value!r} (a keyword of Flax's "
+          f"dot_product_attention); leave {name} at Flax's default, or keep this attention "
+          f"layer a plain Flax layer.")
 
 
 def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
@@ -147,9 +184,10 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
   (one mask shared over batch and heads) is not reproduced: jact drops
   attention weights element-wise.
   """
-  def op(query, keys, value, *, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
-         deterministic, dtype, precision, module, force_fp32_for_softmax, is_causal):
-    del broadcast_dropout, dtype, force_fp32_for_softmax
+  def op(query, keys, value, **kwargs):
+    _check_attention_keywords(kwargs, ATTENTION_HANDLED + ATTENTION_IGNORED)
+    bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal = (
+        kwargs[n] for n in ATTENTION_HANDLED)
     if module is not None:
       raise ValueError(
           "jact attention does not return the attention weights, so sow_weights=True is not "
@@ -178,13 +216,8 @@ def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any
           "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}
 
 
-def plain_attention(query, keys, value, *, bias, mask, broadcast_dropout, dropout_rng,
-                    dropout_rate, deterministic, dtype, precision, module,
-                    force_fp32_for_softmax, is_causal):
-  """Flax's own attention (the fallback while initializing a linen model)."""
-  del is_causal
-  return flax_attention(
-      query, keys, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
-      dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
-      dtype=dtype, precision=precision, module=module,
-      force_fp32_for_softmax=force_fp32_for_softmax)
+def plain_attention(query, keys, value, **kwargs):
+  """Flax's own (linen) attention: the fallback while initializing a linen model."""
+  _check_attention_keywords(kwargs, _LINEN_ATTENTION)  # nnx-only keywords: at their defaults
+  return nn.dot_product_attention(
+      query, keys, value, **{n: v for n, v in kwargs.items() if n in _LINEN_ATTENTION})
