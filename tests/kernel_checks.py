@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+from jact.kernels import _triton as T
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def bits_of(a):
@@ -29,32 +31,81 @@ def assert_same_packed(p, r):
       r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
 
 
-def poisoned_call(kernel, *, grid, out_shape, name, interpret, **_):
-  """`_triton.call` whose outputs start as garbage instead of interpret mode's
-  zeros (uint8) or NaN: the kernel must write every output element itself."""
-  outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+class Poisoned:
+  """A stand-in for `jact.kernels._triton.call` whose outputs start as garbage
+  instead of what interpret mode starts them as (NaN for floats, and for
+  integers their minimum: 0 for the uint8 codes, a value a kernel writes
+  often). Each output is aliased to an input filled with `fills()`'s
+  (integer, float) value, so a kernel must write every output element
+  itself. `fills` is read when the call is traced: it may return tracers, so
+  one compiled function runs with several fills. `calls` counts the calls made.
+  """
 
-  def run(*args):
-    garbage = [jnp.full(o.shape, 0xA5 if jnp.issubdtype(o.dtype, jnp.integer) else 1.5, o.dtype)
-               for o in outs]
-    def body(*refs):  # drop the aliased inputs
-      kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
-    return pl.pallas_call(body, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
-                          input_output_aliases={len(args) + i: i for i in range(len(outs))})(
-                              *args, *garbage)
-  return run
+  def __init__(self, fills):
+    self.fills = fills
+    self.calls = 0
+
+  def __call__(self, kernel, *, grid, out_shape, name, interpret, num_warps=4, num_stages=1):
+    outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+
+    def run(*args):
+      self.calls += 1
+      int_fill, float_fill = self.fills()
+      garbage = [jnp.full(o.shape, jnp.asarray(
+          int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill).astype(o.dtype))
+                 for o in outs]
+
+      def body(*refs):  # drop the aliased inputs
+        kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
+      return pl.pallas_call(body, out_shape=out_shape, grid=(grid,), interpret=interpret,
+                            name=name, compiler_params=T.compiler_params(num_warps, num_stages),
+                            input_output_aliases={len(args) + i: i for i in range(len(outs))})(
+                                *args, *garbage)
+    return run
+
+
+def poisoned_call(kernel, **kwargs):
+  """`_triton.call` with outputs that start as 0xA5 (integers) or 1.5 (floats)."""
+  return Poisoned(lambda: (0xA5, 1.5))(kernel, **kwargs)
+
+
+def assert_same_tree(got, want, what="output"):
+  """`got` and `want` are the same pytree (static fields included) whose array
+  leaves have the same shapes, dtypes and bits (-0.0 != 0.0, NaN payloads count)."""
+  assert jax.tree.structure(got) == jax.tree.structure(want), (
+      f"{what}: structure or static fields differ:\n{jax.tree.structure(got)}\n"
+      f"{jax.tree.structure(want)}")
+  for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+    a, b = np.asarray(a), np.asarray(b)
+    assert (a.shape, a.dtype) == (b.shape, b.dtype), (
+        f"{what} leaf {i}: shape/dtype {a.shape} {a.dtype}, reference {b.shape} {b.dtype}")
+    wrong = bits_of(a) != bits_of(b)
+    if wrong.any():
+      first = tuple(int(k) for k in np.argwhere(wrong)[0])
+      raise AssertionError(
+          f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {int(wrong.sum())} of {a.size} elements "
+          f"differ from the reference; first at {first}: {a[first]!r} != {b[first]!r}")
+
+
+def cuda_kernels(fn, reference, *args):
+  """The names of the Triton kernels `fn` lowers to for CUDA (from any host),
+  checking that they are its only custom calls and that its outputs have the
+  structure, shapes and dtypes of `reference` (the XLA twin) at `args`."""
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
+  assert all("@__gpu$xla.gpu.triton" in c for c in calls), calls
+  names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z_]+)"', c)]
+  assert len(names) == len(calls), calls
+  want = jax.eval_shape(reference, *args)
+  assert jax.tree.structure(lowered.out_info) == jax.tree.structure(want)
+  got = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(lowered.out_info)]
+  assert got == [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(want)]
+  return names
 
 
 def assert_lowers_for_cuda(fn, reference, *args, kernels):
   """`fn` lowered for CUDA (from any host) is Triton custom calls named
   `kernels`, in that order and nothing else, and its outputs have the
   structure, shapes and dtypes of `reference` (the XLA twin) at `args`."""
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-  calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
-  assert all("@__gpu$xla.gpu.triton" in c for c in calls), calls
-  names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z_]+)"', c)]
+  names = cuda_kernels(fn, reference, *args)
   assert names == list(kernels), names
-  want = jax.eval_shape(reference, *args)
-  assert jax.tree.structure(lowered.out_info) == jax.tree.structure(want)
-  got = [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(lowered.out_info)]
-  assert got == [(tuple(a.shape), a.dtype) for a in jax.tree.leaves(want)]

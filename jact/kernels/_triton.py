@@ -105,7 +105,13 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1) -> pltriton.Compile
 
 def call(kernel, *, grid: int, out_shape, name: str, interpret: bool, num_warps: int = 4,
          num_stages: int = 1):
-  """`pl.pallas_call` on the Triton backend over a 1-D grid with whole-array refs."""
+  """`pl.pallas_call` on the Triton backend over a 1-D grid with whole-array refs.
+
+  Every kernel makes its Pallas calls through this function: the kernel
+  contract tests replace it with one that pre-fills the outputs with garbage
+  (interpret mode starts them as zeros or NaN, which can hide an unwritten
+  element), so a kernel must write every element of its outputs.
+  """
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
       compiler_params=compiler_params(num_warps, num_stages))

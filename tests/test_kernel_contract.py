@@ -1,0 +1,352 @@
+"""The contract every kernel in `jact.kernels.REGISTRY` keeps, checked per (op, implementation).
+
+The table is read when the tests are collected, so a newly registered kernel
+is tested here without editing this file; a new *op* needs a case generator
+in `CASES` (its tests fail, naming the op, until it has one). For every
+implementation other than the "xla" reference (the oracle) and every case:
+
+* bit-exact: each output leaf equals the reference's in shape, dtype and
+  bits, and the pytrees match including static fields (shape, dtype, bits,
+  group size, view shape);
+* every output element written: the Pallas calls run with their outputs
+  pre-filled with garbage, twice with different garbage, and must still
+  return the reference's bits. Pallas' Triton interpret mode cannot do this
+  itself (it starts outputs as NaN and integer minima -- 0 for the uint8
+  codes -- with no option; the TPU interpreter's `uninitialized_memory`
+  rejects the masked loads these kernels use), so `_triton.call`, through
+  which every kernel makes its Pallas calls, is swapped for
+  `kernel_checks.Poisoned`;
+
+and every implementation, the reference included, lowers for CUDA from this
+host (Triton custom calls only; none for the reference) with the reference's
+output structure, shapes and dtypes.
+
+Off GPU the kernels run in Pallas interpret mode (their default there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jact.core.persample import quantize_per_sample_reference
+from jact.core.quantize import effective_group_size, quantize_reference, quantize_rows_reference
+from jact.kernels import REGISTRY
+from jact.kernels import _triton as T
+from kernel_checks import Poisoned, assert_same_tree, bits_of, cuda_kernels
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+REFERENCE = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One argument set of an op, in the reference's signature.
+
+  `make()` returns (positional array arguments, keyword arguments: static
+  values, or arrays the functions close over); `options` adds keyword
+  arguments per implementation name (the Pallas kernels' `rows` and `tile`,
+  which bound the grid so small inputs still span several programs).
+  Interpret mode compiles each kernel for seconds, so only one `quick` case an
+  op is unmarked; the others are marked slow (`-m "not slow"` leaves them out).
+  """
+  name: str
+  make: Callable[[], tuple[tuple, dict]]
+  options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  quick: bool = False
+
+
+def activation(shape, dtype, seed, scale=3.0):
+  """Normals of a per-sample range, with +-inf, NaN, +-0 in sample 0 and, when
+  there are several samples, sample 1 entirely non-finite; made on the host."""
+  rng = np.random.default_rng(seed)
+  spread = np.arange(1, shape[0] + 1, dtype=np.float64).reshape((-1,) + (1,) * (len(shape) - 1))
+  x = scale * rng.standard_normal(shape) * spread
+  flat = x.reshape(shape[0], -1)
+  if flat.shape[1] >= 8:
+    flat[0, [1, 5, 7, 2, 3]] = np.inf, np.nan, -np.inf, 0.0, -0.0
+  if shape[0] > 1:
+    flat[1] = np.where(np.arange(flat.shape[1]) % 2, -np.inf, np.nan)
+  return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+def random_bytes(shape, seed):
+  """Every byte value: any code the dequantizers may meet."""
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
+
+
+# ----------------------------------------------------------------------------- case generators
+
+
+def quantize_cases():
+  def case(name, shape, dtype, bits, group_size, rows, stochastic=True, quick=False):
+    g = effective_group_size(int(np.prod(shape[1:])), group_size)
+
+    def make():
+      seed = jnp.uint32(0xC0FFEE + bits) if stochastic else None
+      return ((activation(shape, dtype, seed=bits), seed),
+              dict(bits=bits, group_size=g, stochastic=stochastic))
+    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick)
+
+  return [
+      case("b1-f32-group200", (4, 1000), F32, 1, 256, rows=4),  # groups of 200: not a power of two
+      case("b2-bf16-partial-group", (3, 7, 13), BF16, 2, 64, rows=2, quick=True),  # 64 + 27
+      case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
+      case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
+  ]
+
+
+def dequantize_cases():
+  def case(name, shape, dtype, bits, group_size, out, rows, scale=3.0, rows_view=False,
+           quick=False):
+    def make():
+      x = activation(shape, dtype, seed=10 + bits, scale=scale)
+      if rows_view:  # samples shorter than a group: one row, the shape kept as `view_shape`
+        packed = quantize_rows_reference(x, jnp.uint32(bits), bits=bits, group_size=group_size)
+      else:
+        packed = quantize_reference(x, jnp.uint32(bits), bits=bits, group_size=effective_group_size(
+            int(np.prod(shape[1:])), group_size))
+      packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
+      return (packed,), dict(dtype=out)
+    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick)
+
+  return [
+      case("b1-f32", (4, 1000), F32, 1, 256, None, rows=4),
+      case("b2-bf16-to-f32-partial-group", (3, 7, 13), BF16, 2, 64, F32, rows=2),
+      case("b4-f32-to-f16-clamped", (2, 300), F32, 4, 256, F16, rows=1, scale=1e6, quick=True),
+      case("b8-f16-view-shape", (3, 5, 4), F16, 8, 256, None, rows=1, rows_view=True),
+  ]
+
+
+def relu_mask_cases():
+  def case(name, shape, dtype, slope, tile, quick=False):
+    return Case(name, lambda: ((activation(shape, dtype, seed=len(shape)),),
+                               dict(negative_slope=slope)),
+                {"pallas_triton": dict(tile=tile)}, quick)
+
+  return [
+      case("f32", (3, 50), F32, None, 4, quick=True),
+      case("bf16-3d", (7, 13, 5), BF16, None, 16),
+      case("f16-leaky", (1000,), F16, 0.1, 32),
+      case("f32-leaky", (64, 33), F32, 0.01, 64),
+      case("f32-below-one-byte", (5,), F32, None, 1),  # fewer values than mask planes
+  ]
+
+
+def _per_sample_args(shape, dtype, widths, per_value, group_size, seed):
+  d = int(np.prod(shape[1:]))
+  g = effective_group_size(d, group_size)
+  dp = -(-d // g) * g
+  bits = jnp.asarray(widths, jnp.int32)
+  capacity = int(per_value * shape[0] * dp)
+  assert sum(widths) * dp // 8 <= capacity
+  return activation(shape, dtype, seed=len(widths)), bits, dict(
+      capacity_bytes=capacity, group_size=g, seed=seed)
+
+
+# (name, shape, dtype, widths, capacity in bytes per value, group size, stochastic, rows);
+# the first is the quick one
+PER_SAMPLE = [
+    ("widths-1248-f32-partial-group", (4, 300), F32, [1, 2, 4, 8], 1.0, 256, True, 2),
+    ("bf16-zero-only-programs", (5, 7, 13), BF16, [8, 1, 2, 4, 1], 64.0, 256, True, 1),
+    ("f16-nearest-group112", (6, 784), F16, [2, 8, 1, 4, 4, 1], 0.5, 256, False, 4),
+    ("f32-below-one-group", (3, 20), F32, [8, 2, 1], 1.0, 256, True, 1),
+]
+
+
+def quantize_per_sample_cases():
+  def case(name, shape, dtype, widths, per_value, group_size, stochastic, rows):
+    def make():
+      seed = jnp.uint32(1234) if stochastic else None
+      x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size, seed)
+      return (x, bits), kwargs
+    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
+
+  return [case(*c) for c in PER_SAMPLE]
+
+
+def dequantize_per_sample_cases():
+  def case(name, shape, dtype, widths, per_value, group_size, stochastic, rows, out):
+    def make():
+      x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size,
+                                         jnp.uint32(77))
+      packed = quantize_per_sample_reference(x, bits, **kwargs)
+      packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=len(widths)))
+      return (packed,), dict(dtype=out)
+    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
+
+  outs = [None, F32, F16, None]
+  return [case(*c, out=o) for c, o in zip(PER_SAMPLE, outs)]
+
+
+def division_compress_cases():
+  def case(name, shape, dtype, lfc_dtype, block, bits, group_size, rows, quick=False):
+    return Case(name, lambda: ((activation(shape, dtype, seed=bits), jnp.uint32(0xD1 + bits)),
+                               dict(block=block, bits=bits, group_size=group_size,
+                                    lfc_dtype=lfc_dtype)),
+                {"pallas_triton": dict(rows=rows)}, quick)
+
+  return [
+      case("b2-f32-one-pass", (2, 8, 8, 16), F32, BF16, 4, 2, 256, None, quick=True),
+      case("b1-f16-groups-straddle-bands", (2, 10, 10, 8), F16, BF16, 4, 1, 256, 2),
+      case("b8-bf16-below-one-group", (4, 3, 3, 8), BF16, BF16, 4, 8, 256, 2),
+      case("b4-f32-rank3-two-kernels", (3, 13, 24), F32, F16, 4, 4, 256, 2),
+      case("b8-f32-rank5-one-pass", (1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None),
+  ]
+
+
+CASES: dict[str, Callable[[], list[Case]]] = {
+    "quantize": quantize_cases,
+    "dequantize": dequantize_cases,
+    "relu_mask": relu_mask_cases,
+    "quantize_per_sample": quantize_per_sample_cases,
+    "dequantize_per_sample": dequantize_per_sample_cases,
+    "division_compress": division_compress_cases,
+}
+"""A case generator per op: a few representative argument sets (bits 1/2/4/8,
+float32/bfloat16/float16, a partial last group, a sample smaller than one
+group, non-finite values where the op takes them; fixed seeds)."""
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _params(implementations: Callable[[str], list[str]], per_case: bool):
+  """pytest parameters (op, implementation, case) from the registry; an op
+  without a case generator gets one parameter with case None, which fails."""
+  params = []
+  for op in REGISTRY.ops:
+    for name in implementations(op):
+      if op not in CASES:
+        params.append(pytest.param(op, name, None, id=f"{op}-{name}-NO-CASE-GENERATOR"))
+      elif per_case:
+        params += [pytest.param(op, name, c, id=f"{op}-{name}-{c.name}",
+                                marks=() if c.quick else pytest.mark.slow) for c in CASES[op]()]
+      else:
+        params.append(pytest.param(op, name, _quick(op), id=f"{op}-{name}"))
+  return params
+
+
+def _quick(op) -> Case:
+  cases = CASES[op]()
+  return next((c for c in cases if c.quick), cases[0])
+
+
+def _kernels(op):
+  return sorted(name for name in REGISTRY.available(op) if name != REFERENCE)
+
+
+def _every(op):
+  return sorted(REGISTRY.available(op))
+
+
+def _require(op, case):
+  if case is None:
+    pytest.fail(f"op {op!r} is registered in jact.kernels.REGISTRY but has no case generator: "
+                f"add one to CASES in tests/test_kernel_contract.py", pytrace=False)
+
+
+_REFERENCES: dict[tuple[str, str], tuple] = {}
+
+
+def _reference(op: str, case: Case):
+  """(array arguments, keyword arguments, the reference's outputs), made once a case."""
+  key = (op, case.name)
+  if key not in _REFERENCES:
+    args, kwargs = case.make()
+    fn = REGISTRY.available(op)[REFERENCE].fn
+    _REFERENCES[key] = args, kwargs, jax.jit(functools.partial(fn, **kwargs))(*args)
+  return _REFERENCES[key]
+
+
+def _kernel(op, name, case, **extra):
+  """The implementation's callable on the case's array arguments."""
+  impl = REGISTRY.available(op)[name]
+  _, kwargs, _ = _reference(op, case)
+  return functools.partial(impl.fn, **kwargs, **case.options.get(name, {}), **extra)
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+def test_every_case_generator_names_a_registered_op_and_one_quick_case():
+  stale = sorted(set(CASES) - set(REGISTRY.ops))
+  assert not stale, f"case generators for ops not in jact.kernels.REGISTRY: {stale}; remove them"
+  for op, generator in CASES.items():
+    cases = generator()
+    names = [c.name for c in cases]
+    assert len(set(names)) == len(names), f"{op}: case names repeat: {names}"
+    quick = [c.name for c in cases if c.quick]
+    assert len(quick) == 1, f"{op}: mark exactly one case quick (run by default), not {quick}"
+
+
+@pytest.mark.parametrize("op,name,case", _params(_kernels, per_case=True))
+def test_bit_exact_with_the_reference(op, name, case):
+  _require(op, case)
+  args, _, want = _reference(op, case)
+  assert_same_tree(jax.jit(_kernel(op, name, case))(*args), want, f"{op}/{name}/{case.name}")
+
+
+FILLS = [(0xA5, 1.5), (0x5A, -3.25)]
+"""Two garbage fills (integer outputs, float outputs) with different bits in
+every dtype: an element a kernel leaves unwritten keeps a fill, which cannot
+equal the reference's value under both."""
+
+
+@pytest.mark.parametrize("op,name,case", _params(_kernels, per_case=True))
+def test_writes_every_output_element(op, name, case, monkeypatch):
+  _require(op, case)
+  args, _, want = _reference(op, case)
+  fills = {}
+  poisoned = Poisoned(lambda: (fills["int"], fills["float"]))
+  monkeypatch.setattr(T, "call", poisoned)
+  fn = _kernel(op, name, case)
+
+  @jax.jit
+  def run(args, int_fill, float_fill):
+    fills.update(int=int_fill, float=float_fill)
+    return fn(*args)
+
+  for int_fill, float_fill in FILLS:  # one trace: the fills are arguments
+    got = run(args, jnp.int32(int_fill), jnp.float32(float_fill))
+    assert poisoned.calls, (
+        f"{op}/{name} made no Pallas call through jact.kernels._triton.call, so its outputs "
+        f"could not be pre-filled; build its pallas_call with `_triton.call`")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+      a, b = np.asarray(a), np.asarray(b)
+      stale = (bits_of(a) != bits_of(b)) & (
+          bits_of(a) == bits_of(jnp.full((), int_fill if np.issubdtype(a.dtype, np.integer)
+                                         else float_fill, a.dtype)))
+      assert not stale.any(), (
+          f"{op}/{name}/{case.name}: output leaf {i} ({a.dtype}{list(a.shape)}) keeps the "
+          f"garbage it started with at {int(stale.sum())} elements, first at "
+          f"{tuple(int(k) for k in np.argwhere(stale)[0])}: the kernel does not write them")
+    assert_same_tree(got, want, f"{op}/{name}/{case.name} with outputs pre-filled with "
+                                f"{int_fill:#x} / {float_fill}")
+
+
+@pytest.mark.parametrize("op,name,case", _params(_every, per_case=False))
+def test_lowers_for_cuda(op, name, case):
+  """Lowered for CUDA from this host: Triton calls only (at least one for a
+  kernel that lowers for cuda, none for one that lowers everywhere, like the
+  reference), with the reference's output structure, shapes and dtypes."""
+  _require(op, case)
+  impl = REGISTRY.available(op)[name]
+  if impl.lowering_platforms and "cuda" not in impl.lowering_platforms:
+    pytest.fail(f"{op}/{name} lowers only for {impl.lowering_platforms}: extend this test to "
+                f"check its lowering there", pytrace=False)
+  args, kwargs, _ = _reference(op, case)
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  extra = dict(interpret=False) if impl.lowering_platforms else {}
+  reference = functools.partial(REGISTRY.available(op)[REFERENCE].fn, **kwargs)
+  names = cuda_kernels(_kernel(op, name, case, **extra), reference, *shapes)
+  if impl.lowering_platforms:
+    assert names and all(n.startswith("jact_") for n in names), names
+  else:
+    assert names == [], names
