@@ -22,8 +22,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+
+from jact import _compat
 
 __all__ = ["reverse_only", "first_order_only"]
 
@@ -43,12 +43,7 @@ def _fail(*_, op: str):
 
 # The tangent of `reverse_only`: linear and shape-preserving, transposed to the
 # identity; evaluating or compiling it (forward mode) raises.
-_forward_tangent_p = Primitive("jact_forward_tangent")
-_forward_tangent_p.def_impl(_fail)
-_forward_tangent_p.def_abstract_eval(lambda t, **_: t)
-mlir.register_lowering(_forward_tangent_p, _fail)
-batching.defvectorized(_forward_tangent_p)
-ad.deflinear2(_forward_tangent_p, lambda ct, _, **__: [ct])
+_forward_tangent_p = _compat.linear_identity_primitive("jact_forward_tangent", _fail)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -62,8 +57,7 @@ def _reverse_only_jvp(op, primals, tangents):
 
 
 def _is_float_array(a) -> bool:
-  return (isinstance(a, jax.Array) or hasattr(a, "aval")) and jnp.issubdtype(a.dtype,
-                                                                              jnp.floating)
+  return _compat.is_jax_value(a) and jnp.issubdtype(a.dtype, jnp.floating)
 
 
 def reverse_only(fn: Callable, op: str) -> Callable:
