@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jact.compressors import Compressor
+from jact import _compat
 from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
 from jact.engine.rounding import residual_method
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
@@ -87,7 +88,7 @@ class CompressedNamesPolicy:
     return not self.prefixes or any(residual.startswith(p) for p in self.prefixes)
 
   def __call__(self, prim, *avals, **params):
-    name = params.get("name")
+    name = _compat.policy_checkpoint_name(prim, params)
     chosen = name if self.selects(name) else None
     if self.offload_to is None:
       return _jax_policy(chosen, None, None)(prim, *avals, **params)
