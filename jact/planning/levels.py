@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
-from jax.extend import core as jex_core
 
+from jact import _compat
 from jact.compressors import Compressor
 
 __all__ = ["Level", "LEVELS", "get", "compress_convolutions"]
@@ -138,9 +138,6 @@ def get(name: str) -> Level:
 
 # ----------------------------------------------------------------------------- ActNN L1
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")  # call primitives looked into
-
-
 def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
                           compressor: Compressor | None = None, group_size: int = 256,
                           stochastic: bool = True, min_size: int | None = None, name: str = "block",
@@ -205,9 +202,11 @@ class _CompressedConv:
   count: int = 0
 
   def __call__(self, params: dict, lhs, rhs, keep: bool):
+    """`params`: the convolution's `lax.conv_general_dilated` keywords
+    (`jact._compat.conv_kwargs`)."""
     from jact.ops.linear import conv_general_dilated  # pylint: disable=import-outside-toplevel
     i, self.count = self.count, self.count + 1
-    params = {k: v for k, v in params.items() if k != "out_sharding"}
+    params = dict(params)
     if keep or lhs.size < self.min_size:
       return lax.conv_general_dilated(lhs, rhs, **params)
     if all(d == 1 for d in params["lhs_dilation"]):
@@ -222,8 +221,8 @@ def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
   """Evaluates `jaxpr` with its convolutions run by `conv`; `by_reference`
   flags the inputs that are the block's own arguments (kept, not compressed)."""
   env, arguments = {}, set()
-  is_var = lambda v: isinstance(v, jex_core.Var)
-  read = lambda v: env[v] if is_var(v) else v.val
+  is_var = _compat.is_var
+  read = lambda v: env[v] if is_var(v) else _compat.literal_value(v)
   env.update(zip(jaxpr.constvars, consts))
   for var, value, ref in zip(jaxpr.invars, args, by_reference):
     env[var] = value
@@ -231,19 +230,15 @@ def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
       arguments.add(var)
   for eqn in jaxpr.eqns:
     values = [read(v) for v in eqn.invars]
-    prim = eqn.primitive
-    if prim.name == "conv_general_dilated" and eqn.params.get("out_sharding") is None:
-      outs = [conv(eqn.params, *values, keep=is_var(eqn.invars[0])
+    conv_kwargs = _compat.conv_kwargs(eqn)  # None for other eqns and sharded convs
+    sub = _compat.call_body(eqn, closed_call=False)  # entered: jax.jit bodies
+    if conv_kwargs is not None:
+      outs = [conv(conv_kwargs, *values, keep=is_var(eqn.invars[0])
                    and eqn.invars[0] in arguments)]
-    elif prim.name in _CALLS and isinstance(eqn.params.get("jaxpr"), jex_core.ClosedJaxpr):
-      sub = eqn.params["jaxpr"]
+    elif sub is not None:
       outs = _evaluate(sub.jaxpr, sub.consts, values,
                        [is_var(v) and v in arguments for v in eqn.invars], conv)
     else:
-      params = prim.get_bind_params(eqn.params)  # (subfuns, params) in older jax
-      subfuns, params = params if isinstance(params, tuple) else ((), params)
-      with eqn.ctx.manager:
-        outs = prim.bind(*subfuns, *values, **params)
-      outs = outs if prim.multiple_results else [outs]
+      outs = _compat.bind_eqn(eqn, values)
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
