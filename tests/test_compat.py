@@ -5,11 +5,19 @@
   function to update.
 * Behaviour through jact: the names, residual layout and policies the compat
   functions feed are seen end to end.
+* Grep gate: no file of jact/ other than the compat modules touches private
+  or internal JAX (`test_no_private_jax_access_outside_compat`, file:line on
+  failure). Another library's gate adds its own pattern table and test
+  function built on `_violations` (Flax accesses belong in jact/flax/_compat.py).
 """
 
 from __future__ import annotations
 
+import ast
+import io
+import pathlib
 import re
+import tokenize
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +25,9 @@ import pytest
 
 import jact
 from jact import _compat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPAT_MODULES = ("jact/_compat.py", "jact/flax/_compat.py")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -97,3 +108,101 @@ def test_saved_residuals_helper_matches_jax_description():
   x = jnp.ones((3,))
   (aval, src), = _compat.saved_residuals(lambda x: jnp.sin(x).sum(), x)
   assert aval.shape == (3,) and "cos" in src, src
+
+
+# ----------------------------------------------------------------------------- grep gates
+
+
+def _code_lines(path: pathlib.Path) -> list[str]:
+  """The lines of `path` with comments and docstrings blanked (prose may
+  name private APIs; code may not)."""
+  source = path.read_text()
+  lines = source.splitlines()
+  docstrings = {(n.lineno, n.col_offset) for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                and isinstance(n.value.value, str)}
+  blank = [list(line) for line in lines]
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING
+                                        and (tok.start[0], tok.start[1]) in docstrings):
+      (r0, c0), (r1, c1) = tok.start, tok.end
+      for r in range(r0, r1 + 1):
+        row = blank[r - 1]
+        start, end = (c0 if r == r0 else 0), (c1 if r == r1 else len(row))
+        row[start:end] = " " * (end - start)
+  return ["".join(row) for row in blank]
+
+
+def _violations(patterns: dict[str, str], exclude=COMPAT_MODULES, root=ROOT) -> list[str]:
+  """'file:line: what: code' for every code line of jact/**/*.py (under
+  `root`) outside `exclude` that matches one of `patterns` (what -> regex)."""
+  compiled = {what: re.compile(rx) for what, rx in patterns.items()}
+  found = []
+  for path in sorted((root / "jact").rglob("*.py")):
+    rel = path.relative_to(root).as_posix()
+    if rel in exclude:
+      continue
+    for number, line in enumerate(_code_lines(path), 1):
+      for what, rx in compiled.items():
+        if rx.search(line):
+          found.append(f"{rel}:{number}: {what}: {line.strip()}")
+  return found
+
+
+# Private or undocumented JAX, allowed only in jact/_compat.py. Public
+# experimental `jax.experimental.pallas` (the kernels' API) is not gated.
+JAX_PATTERNS = {
+    "private jax module": r"\bjax\._src\b|\b_src\.|from\s+jax\s+import\s+_src\b",
+    "jax.interpreters": r"\bjax\.interpreters\b",
+    "jax.extend (semi-public)": r"\bjax\.extend\b|\bjex_core\b",
+    "jax.core": r"\bjax\.core\b|from\s+jax\s+import\s+(\(\s*)?([\w\s,]*,\s*)?core\b",
+    "primitive compared by name": r"\bprim(itive)?\.name\s*(==|!=|\bin\b|\bnot\s+in\b)",
+    "class compared by name": r"\"CheckpointName\"|'CheckpointName'|__name__\s*(==|!=)\s*[\"']",
+    "equation params": r"\.params\s*(\[|\.get\b|\.items\b|\.keys\b|\.values\b)|get_bind_params",
+    "equation context": r"\bctx\.manager\b",
+    "checkpoint name from policy params": r"\bparams\.get\(\s*[\"']name[\"']\s*\)",
+    "literal value": r"\.val\b",
+    "jaxpr rebuilt": r"\.replace\(\s*invars\s*=",
+    "aval duck-typing": r"hasattr\([^)]*[\"']aval[\"']\s*\)",
+    "device client": r"\.client\b|\bplatform_version\b",
+    "VJP object layout": (r"\b(tree|tree_util)\.(tree_)?(flatten|leaves|structure|unflatten)\("
+                          r"[^)]*\b(vjp\w*|out_shape\[1\])"),
+}
+
+
+def test_no_private_jax_access_outside_compat():
+  found = _violations(JAX_PATTERNS)
+  assert not found, ("private/internal JAX access outside jact/_compat.py (add a small named "
+                     "function there, with its public replacement and a probe in CHECKS):\n"
+                     + "\n".join(found))
+
+
+def test_gate_catches_each_pattern(tmp_path):
+  """Each JAX pattern matches its idiom in code and ignores it in prose."""
+  samples = {
+      "private jax module": "from jax._src import core",
+      "jax.interpreters": "from jax.interpreters import ad",
+      "jax.extend (semi-public)": "from jax.extend import core as jex_core",
+      "jax.core": "x = jax.core.Tracer",
+      "primitive compared by name": "ok = eqn.primitive.name == 'cond'",
+      "class compared by name": "ok = type(p).__name__ == 'CheckpointName'",
+      "equation params": "b = eqn.params['branches']",
+      "equation context": "with eqn.ctx.manager: pass",
+      "checkpoint name from policy params": "name = params.get('name')",
+      "literal value": "read = lambda v: env[v] if ok else v.val",
+      "jaxpr rebuilt": "p = jaxpr.replace(invars=[])",
+      "aval duck-typing": "ok = hasattr(x, 'aval')",
+      "device client": "v = jax.devices()[0].client.platform_version",
+      "VJP object layout": "leaves, tree = jax.tree.flatten(vjp)",
+  }
+  assert set(samples) == set(JAX_PATTERNS)
+  pkg = tmp_path / "jact"
+  pkg.mkdir()
+  body = "\n".join(f"def f{i}():\n  {line}\n" for i, line in enumerate(samples.values()))
+  (pkg / "bad.py").write_text(body)
+  (pkg / "prose.py").write_text('"""' + "\n".join(samples.values()) + '"""\n'
+                                + "\n".join(f"# {line}" for line in samples.values()) + "\n")
+  (pkg / "_compat.py").write_text(body)  # the compat module may
+  found = _violations(JAX_PATTERNS, root=tmp_path)
+  assert all(f.startswith("jact/bad.py:") for f in found), found
+  assert {f.split(": ")[1] for f in found} == set(samples)
