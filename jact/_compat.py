@@ -50,7 +50,7 @@ class CompatError(RuntimeError):
   """The installed JAX changed something jact reads through `jact._compat`."""
 
 
-# ----------------------------------------------------------------------------- J1 source info
+# ----------------------------------------------------------------------------- source info
 
 def summarize_source(eqn) -> str:
   """'file:line:col (function)' of the user code that produced `eqn`.
@@ -60,7 +60,7 @@ def summarize_source(eqn) -> str:
   return jax.extend.source_info_util.summarize(eqn.source_info)
 
 
-# ----------------------------------------------------------------------------- J2/J13 names
+# ----------------------------------------------------------------------------- checkpoint names
 
 def checkpoint_name(eqn) -> str | None:
   """The `jax.ad_checkpoint.checkpoint_name` an equation applies, or None.
@@ -95,7 +95,7 @@ def policy_checkpoint_name(prim, params: dict) -> str | None:
   return name if prim is _primitives.name_p and isinstance(name, str) else None
 
 
-# ----------------------------------------------------------------------------- J3 pass-throughs
+# ----------------------------------------------------------------------------- pass-throughs
 
 def barrier_operand(eqn, out_index: int):
   """The operand behind output `out_index` of a `lax.optimization_barrier`
@@ -120,7 +120,7 @@ def passthrough_operand(eqn, out_index: int):
   return barrier_operand(eqn, out_index)
 
 
-# ----------------------------------------------------------------------------- J4 calls
+# ----------------------------------------------------------------------------- calls
 
 # `jax.jit` and `closed_call` bodies. On jax 0.10.2 the jit primitive is named
 # "jit" ("pjit" before); "pjit" and "core_call" name no primitive any more, and
@@ -165,7 +165,7 @@ def call_name(eqn) -> str | None:
   return name if isinstance(name, str) else None
 
 
-# ----------------------------------------------------------------------------- J5 platform_dependent
+# ----------------------------------------------------------------------------- platform_dependent
 
 def platform_dependent_branch(eqn, producer_of: Callable[[Any], Any], platform: str):
   """The branch (an open Jaxpr) a `lax.platform_dependent` cond runs on
@@ -200,7 +200,7 @@ def body_operand(eqn, j: int):
   return eqn.invars[j + (eqn.primitive is _primitives.cond_p)]
 
 
-# ----------------------------------------------------------------------------- J6 platform
+# ----------------------------------------------------------------------------- platform
 
 def lowering_platform() -> str:
   """The `lax.platform_dependent` name of the default backend: "cpu",
@@ -216,7 +216,7 @@ def lowering_platform() -> str:
   return "rocm" if "rocm" in str(version).lower() else "cuda"
 
 
-# ----------------------------------------------------------------------------- J7 kernels
+# ----------------------------------------------------------------------------- kernels
 
 # Reshape-like primitives between a kernel and the residual it wrote.
 # (`jnp.expand_dims` lowers to broadcast_in_dim: no "expand_dims" primitive.)
@@ -244,7 +244,7 @@ def pallas_kernel_name(eqn) -> str | None:
   return str(eqn.params.get("name") or "pallas_call")
 
 
-# ----------------------------------------------------------------------------- J8 VJP layout
+# ----------------------------------------------------------------------------- VJP layout
 
 def vjp_residuals(vjp) -> tuple[list, Any]:
   """`(leaves, layout)`: the values the VJP object `jax.vjp` returned keeps
@@ -277,7 +277,7 @@ def rebuild_vjp(layout, leaves: Sequence) -> Callable:
   return jax.tree.unflatten(layout, list(leaves))
 
 
-# ----------------------------------------------------------------------------- J9 jax.core
+# ----------------------------------------------------------------------------- jax.core
 
 def eval_jaxpr(jaxpr, consts, *args) -> list:
   """Evaluates an open jaxpr. Public: `jax.core.eval_jaxpr` (one of the
@@ -292,7 +292,7 @@ def is_tracer(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-# ----------------------------------------------------------------------------- J10 values
+# ----------------------------------------------------------------------------- values
 
 def is_jax_value(x) -> bool:
   """Whether `x` is a JAX value: an array, a tracer, or an object JAX reads
@@ -304,7 +304,7 @@ def is_jax_value(x) -> bool:
   return isinstance(x, jax.Array) or hasattr(x, "aval")
 
 
-# ----------------------------------------------------------------------------- J11 jaxpr walking
+# ----------------------------------------------------------------------------- jaxpr walking
 
 def is_var(v) -> bool:
   """Whether a jaxpr atom is a variable. Public (semi): `jax.extend.core.Var`."""
@@ -339,7 +339,7 @@ def prune_jaxpr(jaxpr, wanted: Sequence):
   return jaxpr.replace(invars=[], outvars=list(wanted), eqns=eqns[::-1])
 
 
-# ----------------------------------------------------------------------------- J12 rebinding
+# ----------------------------------------------------------------------------- rebinding
 
 def bind_eqn(eqn, values: Sequence) -> list:
   """Runs one equation on `values` (what `jax.core.eval_jaxpr` does per
@@ -371,7 +371,7 @@ def conv_kwargs(eqn) -> dict | None:
   return {k: v for k, v in eqn.params.items() if k != "out_sharding"}
 
 
-# ----------------------------------------------------------------------------- J14 primitive
+# ----------------------------------------------------------------------------- primitive
 
 def linear_identity_primitive(name: str, fail: Callable[..., Any]) -> jax.extend.core.Primitive:
   """A new primitive `p` with `p.bind(t, **params)`: shape-preserving,
