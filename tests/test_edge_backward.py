@@ -193,7 +193,8 @@ SECOND_ORDER = {
         lambda x: _plain_attention(*(x.reshape(1, 4, 4, 4),) * 3)),
     "compressed": (lambda x, bits: jact.compressed(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
                    lambda x: _mlp(W, x)),
-    "checkpoint": (lambda x, bits: jact.checkpoint(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
+    "checkpoint": (lambda x, bits: jact.checkpoint(_mlp, bits=bits, min_size=16,
+                                                   compress_argnums=(1,))(W, x, key=KEY),
                    lambda x: _mlp(W, x)),
 }
 # The plain layer norm takes its scale and bias as arguments.
@@ -278,7 +279,7 @@ FORWARD_MODE = {
     "dot_product_attention": lambda x: ops.dot_product_attention(
         *(x.reshape(1, 4, 4, 4),) * 3, key=KEY),
     "compressed": lambda x: jact.compressed(_mlp, bits=None)(W, x),
-    "checkpoint": lambda x: jact.checkpoint(_mlp, bits=4)(W, x, key=KEY),
+    "checkpoint": lambda x: jact.checkpoint(_mlp, bits=4, compress_argnums=(1,))(W, x, key=KEY),
     "linen.Dense": lambda x: jnn.Dense(3, bits=None).apply(
         nn.Dense(3).init(KEY, X), x),
     "linen.compressed": lambda x: jact.compressed(nn.Dense(3), bits=None).apply(

@@ -170,7 +170,8 @@ def test_a_wrapper_built_in_a_loop_body_can_close_over_the_loop_index(wrap):
   ws, x, keys = _stack_inputs()
 
   def layer(ws, i, h, key):  # i: a traced layer index, closed over by the wrapped function
-    return wrap(lambda h: _layer(ws[i], h), bits=8, name="loop")(h, key=key)
+    return wrap(lambda h: _layer(ws[i], h), bits=8, name="loop", compress_argnums=(0,))(
+        h, key=key)
 
   def looped(ws, x, keys, index):
     del index
@@ -206,15 +207,16 @@ def test_a_function_with_its_own_key_parameter_gets_a_clear_error(wrap, api, fn)
   x = jnp.ones((BATCH, WIDTH))
   with pytest.raises(TypeError, match=rf"{api}: {fn.__name__} needs its own parameter `key`, but "
                                       r"the keyword `key=` is reserved.*Rename.*functools\.partial"):
-    wrap(fn, bits=4)(x, key=jax.random.key(4))
+    wrap(fn, bits=4, compress_argnums=(0,))(x, key=jax.random.key(4))
   # The fixes the message names work: the function's key bound before wrapping, or passed
   # positionally, while `key=` is the rounding key.
   expected = _with_key_param(x, jax.random.key(3))
-  bound = wrap(functools.partial(fn, key=jax.random.key(3)), bits=4)
+  bound = wrap(functools.partial(fn, key=jax.random.key(3)), bits=4, compress_argnums=(0,))
   np.testing.assert_array_equal(bound(x, key=jax.random.key(4)), expected)
   if fn is _with_key_param:
     np.testing.assert_array_equal(
-        wrap(fn, bits=4)(x, jax.random.key(3), key=jax.random.key(4)), expected)
+        wrap(fn, bits=4, compress_argnums=(0,))(x, jax.random.key(3), key=jax.random.key(4)),
+        expected)
 
 
 @pytest.mark.parametrize("wrap,api", [(jact.compressed, "jact.compressed"),
@@ -229,4 +231,4 @@ def test_a_function_returning_a_non_array_gets_a_clear_error(wrap, api, returned
 
   with pytest.raises(TypeError, match=rf"{api}: fn {shown}; a wrapped function must return an "
                                       r"array.*jnp\.asarray.*outside the wrapped function"):
-    wrap(fn, bits=4)(jnp.ones((BATCH, WIDTH)), key=jax.random.key(5))
+    wrap(fn, bits=4, compress_argnums=(0,))(jnp.ones((BATCH, WIDTH)), key=jax.random.key(5))

@@ -118,7 +118,7 @@ def test_levels_map_to_mechanisms():
   block = lambda w, x: jnp.tanh(x @ w)
   w, x = jnp.ones((256, 256)) / 256, jnp.ones((8, 256))
   for name in ("gact:L1", "gact:CB1"):
-    wrapped = jact.levels.get(name).wrap(block)
+    wrapped = jact.levels.get(name).wrap(block, compress_argnums=(1,))
     out = wrapped(w, x, key=jax.random.key(0))
     np.testing.assert_allclose(out, block(w, x), rtol=1e-6)
   with pytest.raises(ValueError, match="unknown optimization level"):

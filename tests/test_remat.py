@@ -1,5 +1,8 @@
 """`jact.checkpoint` and the residual-name policies."""
 
+import inspect
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +47,32 @@ def test_checkpoint_saves_less_than_plain_remat_and_plain_training():
   assert saved["remat"].total_bytes < saved["plain"].total_bytes
   # Parameters are kept by reference, not copied.
   assert saved["jact"].argument_bytes == sum(a.nbytes for a in jax.tree.leaves(params))
+
+
+def test_compress_argnums_is_one_rule_with_one_default_in_compressed_and_checkpoint():
+  """Both transforms keep every argument by reference, exact, unless its
+  position is listed (default: none). jact.checkpoint with none listed and a
+  policy that saves nothing keeps its inputs as jax.checkpoint does, and warns."""
+  defaults = {f.__name__: inspect.signature(f).parameters["compress_argnums"].default
+              for f in (jact.compressed, jact.checkpoint)}
+  assert defaults == {"compressed": (), "checkpoint": ()}
+  params, x, r = stack_setup()
+  p, key = params[0], jax.random.key(0)
+  with pytest.warns(UserWarning, match=r"stores nothing compressed.*compress_argnums=\(1,\)"):
+    by_default = jact.checkpoint(transformer_block, bits=4)
+  listed = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,))
+  report = lambda f: jact.residual_report(lambda p, x: jnp.sum(f(p, x) * r), p, x)
+  remat = report(jax.checkpoint(transformer_block))
+  kept = report(lambda p, x: by_default(p, x, key=key))
+  compressed = report(lambda p, x: listed(p, x, key=key))
+  p_bytes = sum(a.nbytes for a in jax.tree.leaves(p))
+  assert kept.argument_bytes == remat.argument_bytes == p_bytes + x.nbytes  # x by reference
+  assert compressed.argument_bytes == p_bytes  # the parameters by reference, x not kept ...
+  assert 0 < compressed.total_bytes - remat.total_bytes < x.nbytes / 4  # ... but its 4-bit copy
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # listed, or a policy that saves something: no warning
+    jact.checkpoint(transformer_block, compress_argnums=(1,))
+    jact.checkpoint(transformer_block, policy=jact.save_compressed())
 
 
 def test_checkpoint_gradients_match_uncompressed_remat():
@@ -143,6 +172,7 @@ def test_policies_validate_their_arguments():
   with pytest.raises(ValueError, match="compress_argnums"):
     ckpt(params[0], x, key=jax.random.key(0))
   with pytest.raises(ValueError, match="key=jax.random.key"):
-    jax.grad(lambda x: jact.checkpoint(transformer_block)(params[0], x).sum())(x)
+    jax.grad(lambda x: jact.checkpoint(transformer_block, compress_argnums=(1,))(
+        params[0], x).sum())(x)
   assert jact.save_compressed("a") == jact.save_compressed("a")  # hashable, comparable
   assert hash(jact.offload_compressed("a"))

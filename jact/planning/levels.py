@@ -81,7 +81,9 @@ class Level:
     """`block` transformed as the level says: `jact.checkpoint` (CB levels),
     `jact.compressed` (with the offload policy when the level swaps), its
     convolutions only compressed (`conv_only`, see `compress_convolutions`),
-    or unchanged when the level does not compress."""
+    or unchanged when the level does not compress. `kwargs` go to that
+    transform; pass `compress_argnums` (the block's activation arguments),
+    which a CB level needs to store the block's input compressed."""
     if self.bits is None:
       return block
     if self.conv_only:

@@ -1,10 +1,11 @@
 """Compressed rematerialization and `jax.checkpoint` policies for jact residuals.
 
-`checkpoint(fn)` is `jax.checkpoint` whose saved values are compressed
-(GACT's CB1): the forward pass keeps a quantized copy of the segment's
-inputs (and of whatever `policy` saves); the backward pass recomputes the
-segment from the reconstructed inputs, with `fn`'s own residuals compressed
-by `jact.compressed`, and runs its VJP.
+`checkpoint(fn, compress_argnums=...)` is `jax.checkpoint` whose saved values
+are compressed (GACT's CB1): the forward pass keeps a quantized copy of the
+segment inputs listed in `compress_argnums` (its activations; parameters stay
+exact, the rule of `jact.compressed`) and of whatever `policy` saves; the
+backward pass recomputes the segment from the reconstructed inputs, with
+`fn`'s own residuals compressed by `jact.compressed`, and runs its VJP.
 
 The policies select jact's compressed residuals by name for `jax.checkpoint`
 (or `jact.checkpoint`): save them, or offload them to host memory (ActNN
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -149,12 +151,13 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
                bits: int | None = 4, compressor: Compressor | None = None,
                group_size: int = 256, stochastic: bool = True,
                min_size: int = DEFAULT_MIN_SIZE, name: str = "checkpoint",
-               compress_argnums: Sequence[int] | None = None, prevent_cse: bool = True):
+               compress_argnums: Sequence[int] = (), prevent_cse: bool = True):
   """`jax.checkpoint` whose saved values are compressed (GACT CB1).
 
   The forward pass runs `fn` exactly and keeps compressed copies of the
   floating inputs in `compress_argnums` (the segment's activations) and of
-  whatever `policy` saves; other inputs (parameters) are kept by reference.
+  whatever `policy` saves; other inputs (parameters) are kept by reference,
+  exact, as in `jact.compressed`.
   The backward pass recomputes `fn` from the reconstructed inputs, with its
   residuals compressed by `jact.compressed` (named `f"{name}.body.{i}"`),
   and runs its VJP. Recomputing from reconstructed inputs adds rounding
@@ -170,9 +173,14 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
       (see `jact.compressed`).
     name: residual-name prefix: inputs are `f"{name}.{i}"`, the body's
       residuals `f"{name}.body.{i}"`.
-    compress_argnums: positional arguments whose floating leaves are
-      stored compressed; default: all arguments. Exclude parameters, which
-      are alive anyway.
+    compress_argnums: positions of the arguments that are the segment's
+      activations (e.g. `(1,)` for `block(params, x)`): the forward pass keeps
+      a compressed copy of their floating leaves instead of the argument.
+      Every other argument, keyword arguments included, is kept by reference
+      and exact (parameters are alive anyway): the rule and the default `()`
+      of `jact.compressed`. With none listed and a policy that saves nothing
+      (None, `save_inputs_only()`), nothing is stored compressed and the
+      segment is plain `jax.checkpoint`: a UserWarning says so.
     prevent_cse: as in `jax.checkpoint`.
 
   Returns:
@@ -186,8 +194,16 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
   check_key = reserved_key_check(fn, "jact.checkpoint")
-  if compress_argnums is not None:
-    compress_argnums = check_argnums(compress_argnums)
+  compress_argnums = check_argnums(compress_argnums)
+  if not compress_argnums and (policy is None
+                               or policy is jax.checkpoint_policies.nothing_saveable):
+    name_of_fn = getattr(fn, "__name__", type(fn).__name__)
+    warnings.warn(
+        f"jact.checkpoint({name_of_fn}) stores nothing compressed: no argument is listed in "
+        f"compress_argnums and the policy saves nothing, so the inputs are kept by reference, "
+        f"as jax.checkpoint keeps them. List the segment's activation arguments, e.g. "
+        f"compress_argnums=(1,) for block(params, x), to keep a compressed copy of them "
+        f"instead (GACT CB1); parameters stay exact either way.", UserWarning, stacklevel=2)
   method = residual_method(bits, compressor, "jact.checkpoint")
   config = ResidualConfig(method, group_size, stochastic, min_size, name)
   body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, compressor=compressor,

@@ -144,9 +144,12 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
       ops between them in the backward pass from their reconstructions.
     compress_argnums: positional arguments that are activations rather than
       parameters: the backward pass keeps a compressed copy of them instead
-      of the argument itself. In a stack of compressed blocks, pass the
-      block input's position, so that the previous block's output can die
-      after the forward pass.
+      of the argument itself. Every other argument, keyword arguments
+      included, is kept by reference and exact (a parameter is alive
+      anyway); the default `()` compresses none -- the rule and default of
+      `jact.checkpoint`. In a stack of compressed blocks, pass the block
+      input's position, so that the previous block's output can die after
+      the forward pass.
 
   Returns:
     `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
@@ -168,15 +171,16 @@ def check_argnums(argnums) -> tuple[int, ...]:
 
 
 def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
-  """One flag per leaf of (args, kwargs): store a compressed copy of it?
-  `argnums` None means every argument, keyword arguments included."""
-  if argnums is not None and any(i >= len(args) for i in argnums):
+  """One flag per leaf of (args, kwargs): store a compressed copy of it? Only
+  the leaves of the positional arguments in `argnums` are; keyword arguments
+  never are (the rule of `compressed` and `jact.checkpoint`)."""
+  if any(i >= len(args) for i in argnums):
     raise ValueError(f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
                      f"{len(args)} positional arguments")
   flags = []
   for i, a in enumerate(args):
-    flags += [argnums is None or i in argnums] * len(jax.tree.leaves(a))
-  flags += [argnums is None] * len(jax.tree.leaves(kwargs))
+    flags += [i in argnums] * len(jax.tree.leaves(a))
+  flags += [False] * len(jax.tree.leaves(kwargs))
   return tuple(flags)
 
 
