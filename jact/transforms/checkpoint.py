@@ -105,8 +105,16 @@ def _check_prefixes(prefixes) -> tuple[str, ...]:
 
 
 def save_compressed(*prefixes: str) -> CompressedNamesPolicy:
-  """Policy: keep jact's compressed residuals (those whose names start with
-  one of `prefixes`; all when none is given), recompute everything else.
+  """A `jax.checkpoint` policy that saves jact's compressed residuals by name.
+
+  Under `jax.checkpoint(f, policy=jact.save_compressed(...))` (or as the
+  `policy` of `jact.checkpoint`), the values kept for the backward pass are
+  the residuals the jact ops and `jact.compressed` inside `f` stored
+  compressed, selected by residual name (those starting with one of
+  `prefixes`; all when none is given); every other value is recomputed. It
+  compresses nothing itself and transforms no function: it is the
+  name-selecting counterpart of `jax.checkpoint_policies.save_only_these_names`
+  for jact's reserved residual names.
 
   Args:
     *prefixes: residual-name prefixes, e.g. "block" or "Dense_0".
