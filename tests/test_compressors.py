@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jact
+from jact import _compat
 from jact import compressors as C
 from experiments import data, preact
 
@@ -58,13 +59,13 @@ def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
   """Gradient of `f` from its own VJP with every residual named `prefix.i` in
   `names` replaced by `c`'s reconstruction (the seed jact gives site i)."""
   _, vjp = jax.vjp(f, *args)
-  leaves, tree = jax.tree.flatten(vjp)
+  leaves, layout = _compat.vjp_residuals(vjp)
   for i, leaf in enumerate(leaves):
     name = f"{prefix}.{i}"
     if name in names:
       leaves[i] = c.decompress(c.compress(
           leaf, jact.engine.rounding.site_seed(seed, i, name) if c.needs_key else None))
-  return jax.tree.unflatten(tree, leaves)(jnp.float32(1))
+  return _compat.rebuild_vjp(layout, leaves)(jnp.float32(1))
 
 
 class _KeyOf(nn.Module):

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals  # not re-exported in jax 0.10
+from jact._compat import saved_residuals
 
 from jact.flax import nnx as jnnx
 from jact.report import residual_report

@@ -14,10 +14,7 @@ import pytest
 
 from jact.ops.embedding import embed
 
-try:  # public in newer jax, private in jax 0.10
-  from jax.ad_checkpoint import saved_residuals
-except ImportError:
-  from jax._src.ad_checkpoint import saved_residuals
+from jact._compat import saved_residuals
 
 VOCAB, FEATURES = 50, 16
 

@@ -24,10 +24,7 @@ from jax import lax
 from jact.ops import linear as L
 from stats import DRAWS, assert_unbiased
 
-try:  # public in newer jax, private in jax 0.10
-  from jax.ad_checkpoint import saved_residuals
-except ImportError:
-  from jax._src.ad_checkpoint import saved_residuals
+from jact._compat import saved_residuals
 
 N_DRAWS = DRAWS  # enough to see a bias of 1% of a rounding step (tests/stats.py)
 BITS = 2

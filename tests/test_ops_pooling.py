@@ -18,10 +18,7 @@ import pytest
 
 from jact.ops import pooling as P
 
-try:  # public in newer jax, private in jax 0.10
-  from jax.ad_checkpoint import saved_residuals
-except ImportError:
-  from jax._src.ad_checkpoint import saved_residuals
+from jact._compat import saved_residuals
 
 
 def _data(seed, shape, dtype=jnp.float32, ties=False):

@@ -67,9 +67,7 @@ def test_uncompressed_named_argument_is_flagged():
 
 
 def test_same_as_jax_saved_residuals_without_barriers():
-  import jax.ad_checkpoint
-  from jax._src import ad_checkpoint as private
-  saved_residuals = getattr(jax.ad_checkpoint, "saved_residuals", None) or private.saved_residuals
+  from jact._compat import saved_residuals
 
   def f(params, x):
     h = checkpoint_name(jnp.tanh(x @ params["w"]), "h")
