@@ -42,16 +42,10 @@ _LAST = 10  # final_loss averages this many last steps
 
 
 def residual_bytes(fn, *args) -> int:
-  """Bytes saved for `fn`'s backward pass, not counting `fn`'s own arguments."""
-  try:
-    from jact.report import residual_report
-  except ImportError:
-    residual_report = None
-  if residual_report is not None:
-    return int(residual_report(fn, *args).total_bytes)
-  saved = jax.ad_checkpoint.saved_residuals(fn, *args)
-  return int(sum(aval.size * aval.dtype.itemsize for aval, src in saved
-                 if not src.startswith("from the argument")))
+  """Bytes saved for `fn`'s backward pass, not counting `fn`'s own arguments
+  (`jact.residual_report`)."""
+  from jact.report import residual_report
+  return int(residual_report(fn, *args).total_bytes)
 
 
 def _make_optimizer(name: str, learning_rate: float | None):
