@@ -253,7 +253,7 @@ def test_attention_twins_reject_unsupported_flax_keywords_by_name():
   unsupported = [name for name in KEYWORDS if name not in supported]
   assert unsupported, "every keyword of Flax's attention is supported; this test has no case"
   marker = object()
-  for twin_name, twin in _twins().items():
+  for twin in _twins().values():
     for name in unsupported:
       with pytest.raises(ValueError, match=rf"\b{re.escape(name)}\b"):
         _slot_call(twin, {name: marker})
