@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Mapping
 import jax
 import jax.numpy as jnp
 
+from jact import kernels
 from jact.core.quantize import FLOAT_DTYPES
 
 __all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "as_channel_rows",
@@ -40,8 +41,6 @@ def check_implementation(implementation: Any, op: str) -> None:
   """A clear error for a kernel name `jact.kernels` does not know for `op`."""
   if implementation is None:
     return
-  from jact import kernels  # the registry imports the compressors' modules lazily
-
   known = sorted(kernels.available(op))
   if not isinstance(implementation, str) or implementation not in known:
     raise ValueError(f"unknown kernel implementation {implementation!r} for {op!r}; use one of "

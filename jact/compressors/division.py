@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jact import kernels
 from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
 from jact.core.quantize import FLOAT_DTYPES, check_group_size, finite_clamp
@@ -154,8 +155,6 @@ class Division(Compressor):
       spatial = shape[1:-1]
       arrays["lfc"] = stored_lfc(x, pool_blocks(spatial, self.block), self.lfc_dtype)
     else:
-      from jact import kernels  # the registry imports this module lazily
-
       compress = kernels.dispatch("division_compress", self.implementation, size=x.size)
       lfc, hfc = compress(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
                          lfc_dtype=self.lfc_dtype)

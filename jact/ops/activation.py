@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 # Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
+from jact import kernels
 from jact.core.packing import relu_mask_reference, unpack_codes
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
@@ -43,8 +44,6 @@ __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "
 
 
 def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
-  from jact import kernels  # the registry imports this module lazily
-
   x = check_float(x, op)
   name = check_name(name)
 

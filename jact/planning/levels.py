@@ -33,6 +33,13 @@ from jax import lax
 
 from jact import _compat
 from jact.compressors import Compressor
+from jact.engine.names import check_name
+from jact.engine.rounding import Rounding, residual_method
+from jact.ops.linear import conv_general_dilated
+from jact.planning.controller import Controller
+from jact.transforms.checkpoint import checkpoint, offload_compressed
+from jact.transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, compressed, input_flags,
+                                        over_array_leaves)
 
 __all__ = ["Level", "LEVELS", "get", "compress_convolutions"]
 
@@ -74,7 +81,6 @@ class Level:
     """The `jax.checkpoint` policy of the level (offloading), or None."""
     if not self.offload:
       return None
-    from jact.transforms.checkpoint import offload_compressed  # pylint: disable=import-outside-toplevel
     return offload_compressed()
 
   def wrap(self, block: Callable[..., Any], *, name: str = "block", **kwargs):
@@ -88,13 +94,10 @@ class Level:
       return block
     if self.conv_only:
       return compress_convolutions(block, bits=self.bits, name=name, **kwargs)
-    from jact.transforms.checkpoint import checkpoint  # pylint: disable=import-outside-toplevel
-    from jact.transforms.compressed import compressed  # pylint: disable=import-outside-toplevel
     if self.checkpoint:
       return checkpoint(block, bits=self.bits, name=name, policy=self.policy(), **kwargs)
     wrapped = compressed(block, bits=self.bits, name=name, **kwargs)
     if self.offload:
-      import jax  # pylint: disable=import-outside-toplevel
       return jax.checkpoint(wrapped, policy=self.policy())
     return wrapped
 
@@ -102,7 +105,6 @@ class Level:
     """A `jact.Controller` for adaptive levels (ValueError for fixed ones)."""
     if self.estimator is None:
       raise ValueError(f"{self.name} uses fixed bits ({self.bits}); it has no controller")
-    from jact.planning.controller import Controller  # pylint: disable=import-outside-toplevel
     settings = dict(estimator=self.estimator, avg_bits=self.avg_bits, per_sample=self.per_sample)
     settings.update(kwargs)
     return Controller(loss_fn, **settings)
@@ -163,10 +165,6 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
     `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
     stochastic (a fresh key per step).
   """
-  from jact.engine.rounding import Rounding, residual_method
-  from jact.engine.names import check_name  # pylint: disable=import-outside-toplevel
-  from jact.transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, input_flags,
-                                          over_array_leaves)
   rounding = Rounding(residual_method(bits, compressor, "jact.levels.compress_convolutions"),
                       group_size, stochastic)  # validates the settings
   check_name(name)
@@ -206,7 +204,6 @@ class _CompressedConv:
   def __call__(self, params: dict, lhs, rhs, keep: bool):
     """`params`: the convolution's `lax.conv_general_dilated` keywords
     (`jact._compat.conv_kwargs`)."""
-    from jact.ops.linear import conv_general_dilated  # pylint: disable=import-outside-toplevel
     i, self.count = self.count, self.count + 1
     params = dict(params)
     if keep or lhs.size < self.min_size:
