@@ -57,6 +57,14 @@ def pytest_configure(config):
   add_xla_flag(YNN_FLAG, config)
 
 
+def pytest_collection_modifyitems(config, items):
+  """The Pallas kernels' doctests run in interpret mode (5-15 s each on a CPU core): slow."""
+  del config
+  for item in items:
+    if isinstance(item, pytest.DoctestItem) and item.nodeid.startswith("jact/kernels/"):
+      item.add_marker(pytest.mark.slow)
+
+
 @contextlib.contextmanager
 def skip_without_data_kit(who: str = "this test"):
   """A test that reads a file of the offline data kit is skipped, naming the fix,

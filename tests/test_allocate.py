@@ -153,6 +153,7 @@ def test_greedy_errors():
 @pytest.mark.parametrize("n,avg_bits,allowed", [
     (24, 2.5, (1, 2, 4, 8)), (20, 1.3, (1, 4, 8)),
 ])
+@pytest.mark.slow
 def test_per_sample_equals_host_greedy(n, avg_bits, allowed):
   traces = []
 

@@ -154,6 +154,7 @@ def test_compressor_takes_only_a_compressor(name):
     call(compressor=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_a_compressor_alone_keeps_the_exact_forward(name):
   call, compressor = ENTRY_POINTS[name]
@@ -202,6 +203,7 @@ GRADIENTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GRADIENTS)
 def test_the_per_group_compressor_is_what_an_int_width_means(name):
   """compressor=PerGroup(b, g, s) stores exactly what bits=b, group_size=g,

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from experiments import bench_kernels
 
 
+@pytest.mark.slow
 def test_bench_kernels_smoke(tmp_path):
   out = tmp_path / "bench.json"
   rows = bench_kernels.main(["--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5",
@@ -16,6 +19,7 @@ def test_bench_kernels_smoke(tmp_path):
   assert saved["meta"]["backend"] == "cpu" and len(saved["rows"]) == len(rows)
 
 
+@pytest.mark.slow
 def test_bench_kernels_compares_a_pallas_kernel_with_the_reference(tmp_path):
   rows = bench_kernels.main(["--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0",
                              "--impls", "xla", "pallas_triton", "--ops", "relu_mask",

@@ -57,6 +57,7 @@ def exact_a2(x, gamma, beta, eps=1e-5):
 # ----------------------------------------------------------------------------- compressor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_compressor_stored_bytes(bits):
   c = BLPA(bits)
@@ -72,6 +73,7 @@ def test_compressor_stored_bytes(bits):
   assert c.with_bits(8) == BLPA(8) and from_dict(c.to_dict()) == c and c.method == "blpa"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_relu_mask_exact(bits):
   # A2 = gamma * z + beta with |z| up to ~8: many values outside beta +- 3 gamma,
@@ -164,6 +166,7 @@ def test_block_forward_exact():
   np.testing.assert_allclose(var, X.var((0, 1, 2)), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_gradient_only_variance_term_differs(bits):
   dx, dg, db, dw = GRAD(*ARGS, bits=bits)
@@ -191,6 +194,7 @@ def test_block_gradient_only_variance_term_differs(bits):
     assert rel(dw, ew) < 0.02 and rel(dg, eg) < 0.05
 
 
+@pytest.mark.slow
 def test_block_gradient_error_decreases_with_bits():
   exact = EXACT(*ARGS)
   errs = {b: [rel(a, e) for a, e in zip(GRAD(*ARGS, bits=b), exact)] for b in (4, 8)}
@@ -201,6 +205,7 @@ def test_block_gradient_error_decreases_with_bits():
   assert max(errs[4]) < 0.2
 
 
+@pytest.mark.slow
 def test_block_dense_and_conv_bias():
   x = jax.random.normal(jax.random.key(7), (32, 16)) * 1.5 - 0.3
   w = 0.2 * jax.random.normal(jax.random.key(8), (16, 5))
@@ -230,6 +235,7 @@ class _PlainLinen(nn.Module):
     return nn.Conv(O, (3, 3), use_bias=False, name="conv")(nn.relu(x))
 
 
+@pytest.mark.slow
 def test_linen_block():
   block = LinenBLPABlock(O, (3, 3), bits=4)
   v = jax.jit(lambda x: block.init(jax.random.key(0), x, use_running_average=False))(XS)
@@ -275,6 +281,7 @@ class _PlainNnx(nnx.Module):
     return self.conv(nnx.relu(self.norm(x)))
 
 
+@pytest.mark.slow
 def test_nnx_block():
   block = NnxBLPABlock(C, O, (3, 3), bits=4, rngs=nnx.Rngs(0))
   plain = _PlainNnx(nnx.Rngs(1))
@@ -302,6 +309,7 @@ def test_nnx_block():
   assert not np.allclose(block.norm.mean[...], mean_before)  # the train step updated the stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_an_int_kernel_size_is_read_like_flax_conv_by_both_twins(k):
   """An int k is the 1-D window (k,) in both twins, as flax.linen.Conv and

@@ -12,6 +12,8 @@ from experiments import compare
 from experiments.models import (ResNet18, ResNet50, SmallCNN, TransformerEncoder, jact_layers,
                                 plain_layers)
 
+pytestmark = pytest.mark.slow  # the comparison job trains small models end to end
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

@@ -33,6 +33,7 @@ COMPAT_MODULES = ("jact/_compat.py", "jact/flax/_compat.py")
 # ----------------------------------------------------------------------------- probes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(_compat.CHECKS))
 def test_compat_access_still_works(name):
   _compat.check([name])

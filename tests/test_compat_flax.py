@@ -33,10 +33,12 @@ COMPAT = ROOT / "jact" / "flax" / "_compat.py"
 # ----------------------------------------------------------------------------- check()
 
 
+@pytest.mark.slow
 def test_check_passes_with_the_installed_flax():
   _compat.check()
 
 
+@pytest.mark.slow
 def test_check_names_each_broken_access(monkeypatch):
   monkeypatch.setattr(_compat, "peek_stream_key", lambda stream: jax.random.key(12345))
   monkeypatch.setattr(_compat, "_capture_stack", lambda: None)
@@ -235,6 +237,7 @@ def test_attention_twin_declares_every_flax_keyword(twin_name):
     assert not missing, f"{twin_name} does not declare {where} keywords {sorted(missing)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,default", DEFAULTS, ids=[f"{n}" for n, _ in DEFAULTS])
 def test_attention_twins_accept_every_flax_keyword(name, default):
   for twin_name, twin in _twins().items():

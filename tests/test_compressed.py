@@ -92,6 +92,7 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCKS)
 def test_forward_is_exact(name):
   block, params, x, _ = setup(name)
@@ -99,6 +100,7 @@ def test_forward_is_exact(name):
   np.testing.assert_array_equal(y, jax.jit(block)(params, x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCKS)
 def test_single_gradient_close_to_exact_at_8_bits(name):
   plain_loss, loss, params, x = losses(name, bits=8)
@@ -115,6 +117,7 @@ def test_single_gradient_close_to_exact_at_8_bits(name):
 # about 256x smaller at 4 bits than at 2 bits (ActNN App. B.2). At 4 bits
 # and 256 keys it is far below the standard error and the test is a real
 # check of the engine (a wrong reconstruction, shift or scale shows at once).
+@pytest.mark.slow
 @pytest.mark.parametrize("name,bits", [("transformer", 4), ("conv_bn", 4)])
 def test_gradient_unbiased_over_keys(name, bits):
   plain_loss, loss, params, x = losses(name, bits=bits)
@@ -127,6 +130,7 @@ def test_gradient_unbiased_over_keys(name, bits):
       assert stats["noisy_fraction"] > 0.5, (path, stats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCKS)
 def test_bytes_saved_drop_at_least_6x_at_2_bits(name):
   plain_loss, loss, params, x = losses(name, bits=2)
@@ -136,6 +140,7 @@ def test_bytes_saved_drop_at_least_6x_at_2_bits(name):
   assert plain.total_bytes >= 6 * fast.total_bytes, (plain.total_bytes, fast.total_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCKS)
 def test_parameters_and_inputs_are_kept_by_reference_not_compressed(name):
   plain_loss, loss, params, x = losses(name, bits=2)
@@ -171,6 +176,7 @@ def test_a_residual_shared_by_several_ops_is_stored_once():
   assert report.argument_bytes == 3 * w.nbytes  # weights kept once each, by reference
 
 
+@pytest.mark.slow
 def test_boolean_residuals_take_one_bit_and_integers_are_kept():
   def masked(w, x, ids):
     keep = x > 0.5  # a boolean residual, saved by jnp.where's VJP
@@ -187,6 +193,7 @@ def test_boolean_residuals_take_one_bit_and_integers_are_kept():
                               jax.grad(masked, argnums=(0, 1))(w, x, ids), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_input_independent_residuals_are_recomputed_not_stored():
   f = lambda w, x: jax.nn.relu(x @ w).sum()  # jax saves a bool mask and a broadcast 0.0
   x, w = jax.random.normal(jax.random.key(0), (64, 256)), jnp.eye(256)
@@ -219,6 +226,7 @@ def test_overrides_address_residuals_by_name():
   np.testing.assert_allclose(g, jax.grad(f)(w, x), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_policy_chooses_fewer_residuals():
   block, params, x, r = setup("transformer")
   key = jax.random.key(0)
@@ -233,6 +241,7 @@ def test_policy_chooses_fewer_residuals():
   chex.assert_trees_all_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nested_and_inside_scan():
   block, params, x, r = setup("transformer")
   inner = jact.compressed(block, bits=8, name="inner")
@@ -255,6 +264,7 @@ def test_nested_and_inside_scan():
       assert rel_err(a, b) < 0.05
 
 
+@pytest.mark.slow
 def test_bits_none_gives_the_exact_gradient_and_vmap_works():
   block, params, x, r = setup("conv_bn")
   fast = jact.compressed(block, bits=None)
@@ -267,6 +277,7 @@ def test_bits_none_gives_the_exact_gradient_and_vmap_works():
                              rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_jitted_step_traces_once_for_new_keys_and_data():
   block, params, x, r = setup("transformer")
   fast = jact.compressed(block, bits=2)
@@ -280,6 +291,7 @@ def test_jitted_step_traces_once_for_new_keys_and_data():
     step(params, x + i, jax.random.key(i))
 
 
+@pytest.mark.slow
 def test_clear_errors():
   f = lambda x: jnp.sin(x).sum()
   x = jnp.ones((64, 64))

@@ -105,6 +105,7 @@ def test_missing_cora_file_is_named(tmp_path, monkeypatch):
     data.load_planetoid("pubmed")
 
 
+@pytest.mark.slow
 def test_propagate_equals_dense_product(cora, setup):
   h = jnp.asarray(np.random.default_rng(0).normal(size=(cora.num_nodes, 8)), jnp.float32)
   c = jnp.asarray(np.random.default_rng(1).normal(size=(cora.num_nodes, 8)), jnp.float32)
@@ -117,6 +118,7 @@ def test_propagate_equals_dense_product(cora, setup):
 # ----------------------------------------------------------------------------- forward
 
 
+@pytest.mark.slow
 def test_forward_is_exact(setup):
   p, x, g, dk = setup["params"], setup["x"], setup["graph"], setup["dropout_key"]
   layer = jact.compressed(gcn.gcn_layer, bits=2, name="gcn1")
@@ -170,6 +172,7 @@ def exact_grad(setup):
   return _flat(_grad_fn(None)(*_args(setup), None))
 
 
+@pytest.mark.slow
 def test_bits8_gradient_close(setup, exact_grad):
   approx = _flat(_grad_fn(8)(*_args(setup), jax.random.key(3)))
   for name, e in exact_grad.items():
@@ -177,6 +180,7 @@ def test_bits8_gradient_close(setup, exact_grad):
     assert rel < 1e-2, (name, rel)
 
 
+@pytest.mark.slow
 def test_bits2_gradient_unbiased(setup, exact_grad):
   grad, args = _grad_fn(2), _args(setup)
   keys = jax.random.split(jax.random.key(11), N_DRAWS)
@@ -267,6 +271,7 @@ def test_residual_bytes(cora, setup):
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_training_at_2_bits(cora):
   result = gcn.train_gcn(cora, steps=50, bits=2, learning_rate=0.02, seed=0)
   losses = result["losses"]

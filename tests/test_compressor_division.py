@@ -64,6 +64,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_stored_bytes_match_compressed(shape):
   for c in (Division(), Division(block=4, bits=1, lfc_dtype=jnp.float32)):
@@ -85,6 +86,7 @@ def test_compression_ratio_matches_paper(block, bits):
     assert nbytes / stored == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lfc_dtype,offset", [(jnp.bfloat16, False), (jnp.float32, False),
                                                (jnp.bfloat16, True)])
 def test_unbiased_and_lfc_deterministic(lfc_dtype, offset):
@@ -127,6 +129,7 @@ def test_unbiased_and_lfc_deterministic(lfc_dtype, offset):
   assert_unbiased(samples[:, keep], np.asarray(x)[keep])
 
 
+@pytest.mark.slow
 def test_error_falls_with_bits():
   x = randn((4, 16, 16, 16), seed=2)
   seeds = jnp.arange(4, dtype=jnp.uint32)
@@ -160,6 +163,7 @@ def test_blockwise_constant_is_exact(lfc_dtype):
     ((2, 5, 9, 3, 2), (2, 2, 3, 1, 2)),      # 3-D: partial, partial, shorter than B
     ((3, 6, 7, 5), (3, 2, 2, 5)),            # 2-D: both partial
 ])
+@pytest.mark.slow
 def test_layouts_and_partial_blocks(shape, lfc_shape):
   c = Division(block=4, lfc_dtype=jnp.float32)
   x = randn(shape, seed=4)
@@ -199,6 +203,7 @@ def test_dtypes_and_settings():
   assert Division(lfc_dtype="bfloat16") == Division()
 
 
+@pytest.mark.slow
 def test_conv_grad_and_residual_report():
   x = randn((2, 16, 16, 8), seed=7)
   kernel = jnp.asarray(np.asarray(randn((3, 3, 8, 4), seed=8)) / 8)

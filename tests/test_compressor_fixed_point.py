@@ -35,6 +35,7 @@ def test_fixpoint_bytes_and_round_to_nearest_bound(bits):
   assert np.abs(x_hat - x)[..., quiet].max() <= (scale[quiet] / (2 * c.levels)).max() * 1.00001
 
 
+@pytest.mark.slow
 def test_fixpoint_zeros_exact_error_falls_and_non_finite_inputs():
   x = jnp.asarray(_relu_like((8, 64)))
   errs = []
@@ -52,6 +53,7 @@ def test_fixpoint_zeros_exact_error_falls_and_non_finite_inputs():
     Fixpoint(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_zvc_lossless_bytes_are_mask_plus_nonzeros(dtype):
   x = jnp.asarray(_relu_like((8, 10, 10, 16), 1), dtype)
@@ -66,6 +68,7 @@ def test_zvc_lossless_bytes_are_mask_plus_nonzeros(dtype):
   assert x_hat.dtype == x.dtype and bool(jnp.array_equal(x_hat, x))
 
 
+@pytest.mark.slow
 def test_zvc_over_fixpoint_equals_fixpoint_and_stores_fewer_bytes():
   x = jnp.asarray(_relu_like((8, 10, 10, 16), 2))
   inner = Fixpoint(8)
@@ -78,6 +81,7 @@ def test_zvc_over_fixpoint_equals_fixpoint_and_stores_fewer_bytes():
   assert c.with_bits(4) == ZeroValue(Fixpoint(4), 0.5) and ZeroValue().with_bits(2).inner == Fixpoint(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", [None, Fixpoint(8)], ids=["lossless", "fixpoint"])
 def test_zvc_dense_tensor_falls_back_to_fixpoint(inner):
   x = jnp.asarray(_normal((8, 64), 3))  # no zeros at all

@@ -23,6 +23,7 @@ def _relu_like(shape, seed=0):
   return np.maximum(np.random.default_rng(seed).normal(size=shape) - 0.3, 0).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c", ALL, ids=repr)
 def test_interface_bytes_json_and_dense_op(c):
   x = jnp.asarray(_relu_like((8, 4, 4, 32)))
@@ -82,6 +83,7 @@ class _Probe(nn.Module):
     return _KeyOf(name="Conv_0")()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c", [C.Division(), C.Fixpoint(4), C.ZeroValue(C.Fixpoint(8))], ids=repr)
 def test_compressed_function_and_flax_layer_take_a_compressor(c):
   x = jnp.asarray(_relu_like((4, 8, 8, 16), 2))
@@ -197,6 +199,7 @@ def _rel_err(g, exact):
   return float(jnp.linalg.norm(flat(g) - flat(exact)) / jnp.linalg.norm(flat(exact)))
 
 
+@pytest.mark.slow
 def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
   """DIVISION Sec. 5.5 on real activations: dropping the LFC (keeping a 2-bit
   HFC) hurts the gradient more than dropping the HFC (keeping a B=4 LFC); the
@@ -215,6 +218,7 @@ def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
   assert both < without_hfc and both < without_lfc, (both, without_hfc, without_lfc)
 
 
+@pytest.mark.slow
 def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
   """AC-GC with the fixed-point compressor: the plan holds Fixpoint widths in
   (2, 4, 8), wider for a tighter e^2, and the measured squared gradient error

@@ -124,6 +124,7 @@ def _linen_loss(model, variables, x, rngs):
   return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LINEN)
 def test_linen_init_gives_the_plain_variables(name):
   model, x, _ = LINEN[name]
@@ -132,6 +133,7 @@ def test_linen_init_gives_the_plain_variables(name):
   assert_same_tree(_jit(convert(model, bits=2).init)({"params": KEY, **JACT}, x), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LINEN)
 def test_linen_forward_exact_and_8bit_gradients_close(name):
   # plain variables into the converted model; one compilation per model for
@@ -152,6 +154,7 @@ def test_linen_forward_exact_and_8bit_gradients_close(name):
   assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LINEN)
 def test_linen_residuals_are_compressed(name):
   model, x, names = LINEN[name]
@@ -228,6 +231,7 @@ class Outer(nn.Module):
     return nn.Dense(3)(self.inner(x))
 
 
+@pytest.mark.slow
 def test_linen_shared_layers_setup_methods_and_submodules():
   x = _normal((4, 6))
   model, converted = Shared(), convert(Shared())
@@ -253,6 +257,7 @@ def test_linen_shared_layers_setup_methods_and_submodules():
   assert "inner/fc.lhs" in names and "Dense_0.lhs" not in names
 
 
+@pytest.mark.slow
 def test_linen_capture_intermediates_like_plain():
   x = _normal((4, 6))
   model = Shared()
@@ -264,6 +269,7 @@ def test_linen_capture_intermediates_like_plain():
   assert jax.tree.structure(got) == jax.tree.structure(ref)
 
 
+@pytest.mark.slow
 def test_linen_bare_layers_and_attention_variants():
   x = _normal((2, 5, 8))
   for layer in (nn.Dense(4), nn.MultiHeadDotProductAttention(num_heads=2),
@@ -289,6 +295,7 @@ class Tokens(nn.Module):
     return embed.attend(nn.Dropout(0.5, deterministic=not train)(embed(ids)))
 
 
+@pytest.mark.slow
 def test_linen_embed_dropout_and_sequential():
   ids = jnp.arange(6).reshape(2, 3)
   model, converted = Tokens(), convert(Tokens())
@@ -314,6 +321,7 @@ class Unsupported(nn.Module):
     return nn.LayerNorm(reduction_axes=0, feature_axes=0)(x)  # normalizes over axis 0
 
 
+@pytest.mark.slow
 def test_linen_unsupported_options_run_plain_with_a_warning():
   x = _normal((4, 6))
   model = Unsupported()
@@ -425,6 +433,7 @@ def _split_loss(model, x):
   return loss, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NNX)
 def test_nnx_convert_in_place_keeps_state_and_forward(name):
   make, x, layers, _ = NNX[name]
@@ -453,6 +462,7 @@ def test_nnx_convert_in_place_keeps_state_and_forward(name):
                               rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NNX)
 def test_nnx_8bit_gradients_close_and_residuals_compressed(name):
   make, x, _, names = NNX[name]
@@ -472,6 +482,7 @@ def test_nnx_8bit_gradients_close_and_residuals_compressed(name):
   assert report.total_bytes < 0.6 * residual_report(f_ref, p_ref, x).total_bytes
 
 
+@pytest.mark.slow
 def test_nnx_jit_train_step_draws_fresh_keys():
   make, x, _, _ = NNX["cnn"]
   model = convert(make(_rngs(0)), rngs=_rngs(jact=1))
@@ -528,6 +539,7 @@ def test_nnx_unsupported_layers_stay_plain():
 # ============================================================================ training on real data
 
 
+@pytest.mark.slow
 def test_linen_training_on_digits_lowers_the_loss():
   x_train, y_train, _, _ = load_image_dataset("digits")  # real 8x8 digits, from the data kit
   model = convert(CNN(), bits=4)

@@ -22,6 +22,7 @@ def _check_images(x, y, n, hw, c):
   assert set(np.unique(y)) == set(range(10))
 
 
+@pytest.mark.slow
 def test_cifar10_subset(tmp_path, monkeypatch):
   monkeypatch.setenv("JACT_CACHE", str(tmp_path / "cache"))
   xtr, ytr, xte, yte = data.load_image_dataset("cifar10")

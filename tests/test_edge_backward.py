@@ -89,6 +89,7 @@ def _cotangent(name: str, position: int, value: float) -> jax.Array:
   return ct.at[(position,) + (0,) * (len(shape) - 1)].set(value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", BAD_VALUES, ids=("nan", "inf", "-inf"))
 @pytest.mark.parametrize("name", CASES)
 def test_one_non_finite_cotangent_leaves_other_gradients_unchanged(name, value):
@@ -120,6 +121,7 @@ def _normalized_mlp(dense, relu, w1, w2, x):
   return jnp.sum(dense(h, w2, 1) ** 2)
 
 
+@pytest.mark.slow
 def test_relu_then_l2_normalisation_with_a_dead_sample_matches_plain_jax():
   w1, w2 = _normal(20, (32, 64), 0.2), _normal(21, (64, 8), 0.2)
   x = _normal(22, (N, 32)).at[0].set(0.0)  # sample 0: ReLU output all zero
@@ -136,6 +138,7 @@ def test_relu_then_l2_normalisation_with_a_dead_sample_matches_plain_jax():
     assert np.linalg.norm(a - b) <= 0.02 * np.linalg.norm(b)
 
 
+@pytest.mark.slow
 def test_overflowing_sample_keeps_healthy_input_gradients():
   """Sample 0 overflows to inf in the first dense layer; the layer norm turns it
   into NaN. Every other sample's input gradient is still that of plain JAX."""
@@ -213,6 +216,7 @@ SECOND_ORDER_MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", (False, True), ids=("eager", "jit"))
 @pytest.mark.parametrize("mode", SECOND_ORDER_MODES)
 @pytest.mark.parametrize("name", SECOND_ORDER)
@@ -224,6 +228,7 @@ def test_second_order_through_a_lossy_residual_is_an_error(name, mode, jit):
     jax.eval_shape(d2, X) if jit else d2(X)
 
 
+@pytest.mark.slow
 def test_second_order_through_blpa_codes_is_an_error():
   x = _normal(44, (2, 4, 4, 8))
   f = lambda x: jnp.sum(ops.blpa_block(x, jnp.ones(8), jnp.zeros(8), W[:8, :8].reshape(
@@ -232,6 +237,7 @@ def test_second_order_through_blpa_codes_is_an_error():
     jax.hessian(f)(x)
 
 
+@pytest.mark.slow
 def test_second_order_in_weights_the_stored_input_does_not_depend_on_is_allowed():
   """Differentiating twice with respect to the weights only: the stored input
   does not depend on them, so nothing is differentiated through it."""
@@ -242,6 +248,7 @@ def test_second_order_in_weights_the_stored_input_does_not_depend_on_is_allowed(
   assert np.linalg.norm(h - p) <= 0.02 * np.linalg.norm(p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", SECOND_ORDER_MODES)
 @pytest.mark.parametrize("name", (*SECOND_ORDER, "relu"))
 def test_second_order_through_exact_residuals_matches_plain_jax(name, mode):
@@ -296,6 +303,7 @@ FORWARD_MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", FORWARD_MODES)
 @pytest.mark.parametrize("name", FORWARD_MODE)
 def test_forward_mode_names_jact_and_the_fix(name, mode):
@@ -303,6 +311,7 @@ def test_forward_mode_names_jact_and_the_fix(name, mode):
     FORWARD_MODES[mode](FORWARD_MODE[name], X)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ("dense", "gelu", "layer_norm", "compressed", "linen.Dense"))
 def test_reverse_mode_still_works_where_forward_mode_is_refused(name):
   f = FORWARD_MODE[name]

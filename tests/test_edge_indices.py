@@ -83,6 +83,7 @@ def test_index_words_match_python_integers(shape):
   assert [int(v) for v in np.asarray(lo)] == [f % 2**32 for f in flat]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(3, 5, 7), (2, 4, 256), (17,), ()])
 def test_small_arrays_hash_their_32_bit_index(shape):
   """Arrays below 2^32 elements keep the bits the kernels reproduce: hash(seed, i)."""

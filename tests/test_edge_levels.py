@@ -43,6 +43,7 @@ def _nnx_bytes(model, x) -> dict:
           .by_name().items() if name is not None}
 
 
+@pytest.mark.slow
 def test_convert_nnx_again_applies_new_settings():
   x = _normal((8, 256), 0)
   net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,

@@ -69,6 +69,7 @@ def _f16_extremes():
   return jnp.asarray(np.stack(rows), jnp.float16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("bits", BITS)
 def test_float16_extremes_reconstruct_finite(bits, stochastic):
@@ -85,6 +86,7 @@ def test_float16_extremes_reconstruct_finite(bits, stochastic):
   assert (err <= (step if stochastic else step / 2) + 16.0).all(), (err - step).max()
 
 
+@pytest.mark.slow
 def test_float16_dense_two_bit_weight_gradient_is_finite():
   rng = np.random.default_rng(1)
   row0 = np.concatenate([np.tile([F16_MAX, -F16_MAX], 100), rng.standard_normal(56)])
@@ -108,6 +110,7 @@ def test_float16_dense_two_bit_weight_gradient_is_finite():
     assert (err <= step.sum(0)[:, None] + 32.0).all()
 
 
+@pytest.mark.slow
 def test_float16_rounding_stays_unbiased():
   """Extreme groups dequantized to float32 (no clamp needed) and normal groups in
   float16 both average to x over 256 keys."""
@@ -141,6 +144,7 @@ def _f32_wide():
   return jnp.asarray(np.stack(rows), jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("bits", BITS)
 def test_extreme_float32_groups_are_covered(bits, stochastic):
@@ -157,6 +161,7 @@ def test_extreme_float32_groups_are_covered(bits, stochastic):
   assert (step[clipped[:, 0]] == BF16_MAX).all()
 
 
+@pytest.mark.slow
 def test_extreme_float32_rounding_is_unbiased():
   x = _f32_wide()[jnp.array([0, 2, 3])]
   keys = jax.random.split(jax.random.key(5), 256)
@@ -167,6 +172,7 @@ def test_extreme_float32_rounding_is_unbiased():
     assert_unbiased(samples, np.asarray(rows, np.float64), atol=step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [1, 8])
 def test_extreme_groups_kernels_are_bit_exact(bits):
   """The Pallas kernels (interpret mode) store and reconstruct the reference's bits."""
@@ -180,6 +186,7 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
     assert bool(jnp.isfinite(y).all())
 
 
+@pytest.mark.slow
 def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   """The per-sample quantizer (one width per sample) shares the group math: finite
   too, and its Pallas kernels (interpret mode) store and reconstruct the same bits."""
@@ -211,6 +218,7 @@ def test_dequantize_names_the_expected_type(value):
 # ----------------------------------------------------------------------------- 4: zero-size quantize
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(0, 256), (0, 3, 5), (4, 0), (0,), (2, 0, 3)])
 @pytest.mark.parametrize("bits", [1, 8])
 def test_quantize_and_dequantize_zero_size(shape, bits):
@@ -228,6 +236,7 @@ def _hfc_steps(stored):
   return _per_element(stored.arrays["hfc"].scale, stored.arrays["hfc"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("lfc_dtype", [jnp.bfloat16, jnp.float32])
 def test_division_isolates_non_finite_values(bad, lfc_dtype):
@@ -255,6 +264,7 @@ def test_division_isolates_non_finite_values(bad, lfc_dtype):
   assert abs((y - up)[0, 1, 2, 3] - target) <= step * 1.001
 
 
+@pytest.mark.slow
 def test_division_unbiased_around_a_nan():
   x = np.random.default_rng(7).standard_normal((1, 8, 8, 4)).astype(np.float32)
   x[0, 2, 1, 0] = np.nan
@@ -268,6 +278,7 @@ def test_division_unbiased_around_a_nan():
   assert_unbiased(np.asarray(samples)[:, finite], x[finite].astype(np.float64), atol=step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 8, 8, 16), (2, 6, 5, 3)])  # one-pass and two-kernel paths
 def test_division_kernel_matches_reference_on_non_finite_input(shape):
   x = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
@@ -291,6 +302,7 @@ COMPRESSORS = [C.PerGroup(2), C.Division(block=4, bits=2), C.Division(block=4, k
                C.ZeroValue(inner=C.Fixpoint(4))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(0, 8, 8, 4), (3, 0, 8, 4), (2, 4, 4, 0), (0, 16)])
 @pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
 def test_compressors_take_zero_size_inputs(compressor, shape):
@@ -333,6 +345,7 @@ OPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_ops_take_an_empty_batch(name):
   op, plain, (x_shape, w_shape) = OPS[name]

@@ -49,6 +49,7 @@ NEGATIVE_PADS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NEGATIVE_PADS))
 def test_max_pool_negative_padding_gradient(case):
   window, strides, pads = NEGATIVE_PADS[case]
@@ -62,6 +63,7 @@ def test_max_pool_negative_padding_gradient(case):
   np.testing.assert_array_equal(g, g_ref)
 
 
+@pytest.mark.slow
 def test_max_pool_padding_that_only_reads_padding():
   """A negative low pad past the input: every window reads padding (-inf), no gradient."""
   x = _data(2, (1, 4, 3, 1))
@@ -72,6 +74,7 @@ def test_max_pool_padding_that_only_reads_padding():
   np.testing.assert_array_equal(g, jnp.zeros_like(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["crop_one_side_pad_other", "overlapping_3x3"])
 @pytest.mark.parametrize("count_include_pad", [True, False])
 def test_avg_pool_negative_padding_matches_flax(case, count_include_pad):
@@ -94,6 +97,7 @@ WINDOW_TOO_LARGE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window, strides, padding", WINDOW_TOO_LARGE)
 @pytest.mark.parametrize("pool", ["max_pool", "avg_pool"])
 def test_window_larger_than_input(pool, window, strides, padding):

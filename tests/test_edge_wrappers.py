@@ -156,6 +156,7 @@ def _check_close_to_unrolled(got, expected):
     assert 0 < float(jnp.abs(e - ex).max()) < 0.05 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["checkpoint", "compressed"])
 @pytest.mark.parametrize("structure", [_scanned, _fori, _remat, _cond],
                          ids=["scan", "fori_loop", "jax_checkpoint", "cond"])
@@ -165,6 +166,7 @@ def test_keys_work_under_control_flow_with_the_gradients_of_the_unrolled_stack(k
   _check_close_to_unrolled(_grads(structure, layer, ws, x, keys), _unrolled_grads(kind))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", [jact.checkpoint, jact.compressed])
 def test_a_wrapper_built_in_a_loop_body_can_close_over_the_loop_index(wrap):
   ws, x, keys = _stack_inputs()

@@ -96,6 +96,7 @@ def linen_variables():
   return jax.jit(LinenNet().init)(_key(0), X)
 
 
+@pytest.mark.slow
 def test_linen_variables_equal_plain(linen_variables):
   decorated = LinenNet(block=jact.compressed(LinenBlock, bits=2))
   # without a 'jact' stream init runs the plain module; with one, the compressed
@@ -109,6 +110,7 @@ def test_linen_variables_equal_plain(linen_variables):
   assert top.residual_config.bits == 2
 
 
+@pytest.mark.slow
 def test_linen_forward_and_batch_stats_equal_plain(linen_variables):
   y_ref, s_ref = LinenNet().apply(linen_variables, X, mutable=["batch_stats"])
   net = LinenNet(block=jact.compressed(LinenBlock, bits=2))
@@ -122,6 +124,7 @@ def test_linen_forward_and_batch_stats_equal_plain(linen_variables):
   np.testing.assert_array_equal(y_eval, LinenNet().apply(linen_variables, X, False))
 
 
+@pytest.mark.slow
 def test_linen_8bit_gradients_close_and_2bit_residuals_small(linen_variables):
   params, stats = linen_variables["params"], linen_variables["batch_stats"]
   plain = _linen_loss(LinenNet(), stats)
@@ -144,6 +147,7 @@ def test_linen_8bit_gradients_close_and_2bit_residuals_small(linen_variables):
   assert any(n.startswith("LinenBlock_1.") for n in names)
 
 
+@pytest.mark.slow
 def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   # the second block's input is the first block's output: an activation
   params, stats = linen_variables["params"], linen_variables["batch_stats"]
@@ -166,6 +170,7 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
         {"params": _key(0), "jact": _key(1)}, X)
 
 
+@pytest.mark.slow
 def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
   variables = {"params": linen_variables["params"]["LinenBlock_1"]}
   block = jact.compressed(LinenBlock, bits=2)(width=128)
@@ -191,6 +196,7 @@ def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
     Parent().init(_key(0), X)
 
 
+@pytest.mark.slow
 def test_linen_composes_with_remat_and_dropout():
   class Drop(nn.Module):
     @nn.compact
@@ -254,6 +260,7 @@ def _nnx_loss_of_params(model):
   return loss, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rngs", [lambda: _rngs(default=0), lambda: _rngs(params=0, jact=1)],
                          ids=["default-stream", "jact-stream"])
 def test_nnx_class_state_equals_plain(rngs):
@@ -274,6 +281,7 @@ def test_nnx_forward_and_batch_stats_equal_plain():
   assert int(model.b0.jact_rngs.count[...]) == 1  # one key drawn
 
 
+@pytest.mark.slow
 def test_nnx_8bit_gradients_close_and_2bit_residuals_small():
   plain_loss, params = _nnx_loss_of_params(NnxNet(NnxBlock, rngs=_rngs(default=0)))
   loss8, params8 = _nnx_loss_of_params(
@@ -286,6 +294,7 @@ def test_nnx_8bit_gradients_close_and_2bit_residuals_small():
   assert _saved_bytes(plain_loss, params, X) >= MIN_SAVING * _saved_bytes(loss2, params2, X)
 
 
+@pytest.mark.slow
 def test_nnx_instance_wrapper_and_missing_stream():
   block = NnxBlock(16, 64, True, rngs=_rngs(default=0))
   plain = NnxBlock(16, 64, True, rngs=_rngs(default=0))
@@ -336,6 +345,7 @@ def test_nnx_remat_composition():
   assert int(model.jact_rngs.count[...]) == 1  # the key drawn inside remat is written back
 
 
+@pytest.mark.slow
 def test_nnx_scan_over_a_stack_of_blocks():
   layers, d = 3, 16
 
@@ -369,6 +379,7 @@ def test_nnx_scan_over_a_stack_of_blocks():
   assert len({tuple(np.asarray(k).ravel()) for k in keys}) == layers
 
 
+@pytest.mark.slow
 def test_nnx_call_function_writes_state_back():
   bn, plain = nnx.BatchNorm(4, rngs=_rngs(default=0)), nnx.BatchNorm(4, rngs=_rngs(default=0))
   x = _normal((2048, 4), seed=7)
@@ -408,6 +419,7 @@ def _ce(logits, labels):
 STEPS = 40
 
 
+@pytest.mark.slow
 def test_linen_training_on_digits_lowers_the_loss(digits):
   class Classifier(nn.Module):
     @nn.compact
@@ -434,6 +446,7 @@ def test_linen_training_on_digits_lowers_the_loss(digits):
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
 
 
+@pytest.mark.slow
 def test_nnx_training_on_digits_lowers_the_loss(digits):
   class Classifier(nnx.Module):
     def __init__(self, rngs):
@@ -460,6 +473,7 @@ def test_nnx_training_on_digits_lowers_the_loss(digits):
   assert int(model.block.jact_rngs.count[...]) == STEPS
 
 
+@pytest.mark.slow
 def test_function_path_writes_back_nnx_state_of_module_arguments():
   class Net(nnx.Module):
     def __init__(self, rngs):

@@ -60,6 +60,7 @@ def _apply(layer, variables, x, rngs=None, mutable=False):
   return out[0] if mutable else out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*LAYERS, "Embed"])
 def test_variables_equal_plain(name):
   plain, twin, x, _ = EMBED if name == "Embed" else LAYERS[name]
@@ -70,6 +71,7 @@ def test_variables_equal_plain(name):
   assert_same_tree(twin.init({"params": KEY, **JACT}, x), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*LAYERS, "Embed"])
 def test_forward_equals_plain_with_plain_variables(name):
   plain, twin, x, kw = EMBED if name == "Embed" else LAYERS[name]
@@ -96,6 +98,7 @@ def test_batch_norm_running_stats_update_like_flax():
 
 
 # SelfAttention runs the same code as MultiHeadDotProductAttention: forward only.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in LAYERS if n != "SelfAttention"])
 def test_8bit_gradients_close_to_plain(name):
   plain, twin, x, kw = LAYERS[name]
@@ -113,6 +116,7 @@ def test_8bit_gradients_close_to_plain(name):
   assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
+@pytest.mark.slow
 def test_dense_weight_gradient_unbiased_at_2_bits():
   # The key plumbing gives independent noise per key: averaging over keys
   # recovers the exact gradient (tests.stats tolerances: pooled |z| < 4,
@@ -143,6 +147,7 @@ def test_dense_weight_gradient_unbiased_at_2_bits():
     (jnn.Sigmoid(bits=8), jax.nn.sigmoid),
     (jnn.Softmax(0, bits=8), lambda x: jax.nn.softmax(x, axis=0)),
 ])
+@pytest.mark.slow
 def test_activation_modules(twin, fn):
   x = _normal((8, 32))
   probe = _normal((8, 32), seed=4)
@@ -163,6 +168,7 @@ def test_activation_modules(twin, fn):
     (jnn.AvgPool((3, 3), (1, 1), "SAME", count_include_pad=False),
      lambda x: nn.avg_pool(x, (3, 3), (1, 1), "SAME", count_include_pad=False)),
 ])
+@pytest.mark.slow
 def test_pooling_modules_exact(twin, fn):
   x = _normal((2, 6, 6, 3))
   probe = _normal(fn(x).shape, seed=4)
@@ -192,6 +198,7 @@ def test_dropout_twin():
     twin.apply({}, x, deterministic=False, rngs=JACT)
 
 
+@pytest.mark.slow
 def test_bfloat16_like_flax():
   x = _normal((4, 16)).astype(jnp.bfloat16)
   pairs = [(nn.Dense(8, dtype=jnp.bfloat16), jnn.Dense(8, dtype=jnp.bfloat16)),
@@ -214,6 +221,7 @@ def test_bfloat16_like_flax():
     np.testing.assert_array_equal(y, y_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm",
                                   "MultiHeadDotProductAttention"])
 def test_missing_jact_stream_is_a_clear_error(name):
@@ -323,6 +331,7 @@ def test_plain_checkpoint_loads_into_twin_model(cnn_variables):
   chex.assert_trees_all_close(stats, stats_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_jitted_train_step_traces_once(cnn_variables):
   x = _normal((8, 8, 8, 3))
   labels = jnp.arange(8) % 10

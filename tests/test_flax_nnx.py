@@ -98,6 +98,7 @@ def test_batch_norm_inference_path_is_flax():
                                 plain(x, use_running_average=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in LAYERS if n != "Embed"])
 def test_8bit_gradients_close_to_plain(name):
   make_plain, make_twin, x = LAYERS[name]
@@ -140,6 +141,7 @@ def test_fresh_key_per_call():
     (jnnx.Sigmoid(bits=8, rngs=_rngs()), jax.nn.sigmoid),
     (jnnx.Softmax(axis=0, bits=8, rngs=_rngs()), lambda x: jax.nn.softmax(x, axis=0)),
 ])
+@pytest.mark.slow
 def test_activation_modules(twin, fn):
   x = _normal((8, 32))
   probe = _normal((8, 32), seed=4)
@@ -158,6 +160,7 @@ def test_activation_modules(twin, fn):
     (jnnx.MaxPool((3, 3), (1, 1), "SAME"), lambda x: nnx.max_pool(x, (3, 3), (1, 1), "SAME")),
     (jnnx.AvgPool((2, 2), (2, 2)), lambda x: nnx.avg_pool(x, (2, 2), (2, 2))),
 ])
+@pytest.mark.slow
 def test_pooling_modules_exact(twin, fn):
   x = _normal((2, 6, 6, 3))
   probe = _normal(fn(x).shape, seed=4)
@@ -167,6 +170,7 @@ def test_pooling_modules_exact(twin, fn):
   np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropout_twin():
   x = jnp.ones((64, 64))
   twin = jnnx.Dropout(0.25, rngs=nnx.Rngs(dropout=3))
@@ -277,6 +281,7 @@ class CNN(nnx.Module):
     return self.fc(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow
 def test_nnx_jit_train_step_traces_once():
   x = _normal((8, 8, 8, 3))
   labels = jnp.arange(8) % 10
@@ -305,6 +310,7 @@ def _residual_bytes(f, *args):
              if not d.startswith("from the argument"))
 
 
+@pytest.mark.slow
 def test_residual_bytes_at_2_bits_at_most_an_eighth():
   x = _normal((32, 8, 8, 3))
   plain = CNN(nnx.Rngs(params=0), twin=False)

@@ -86,6 +86,7 @@ def test_unknown_names_raise_with_the_choices():
     ((6, 520), jnp.float32, 4, 128, True),        # 520 = 5 groups of 104
     ((16, 256), jnp.bfloat16, 8, 256, True),
 ])
+@pytest.mark.slow
 def test_quantize_and_dequantize_kernels_are_bit_exact(shape, dtype, bits, group_size, stochastic):
   x = _activation(shape, dtype, seed=bits)
   g = effective_group_size(int(np.prod(shape[1:])), group_size)
@@ -99,6 +100,7 @@ def test_quantize_and_dequantize_kernels_are_bit_exact(shape, dtype, bits, group
                      dequantize_reference(reference, out))
 
 
+@pytest.mark.slow
 def test_every_group_and_value_is_written(monkeypatch):
   """Outputs start as garbage: any unwritten or misplaced byte shows as a mismatch."""
   monkeypatch.setattr(pergroup.T, "call", poisoned_call)
@@ -111,6 +113,7 @@ def test_every_group_and_value_is_written(monkeypatch):
     assert_same_bits(pergroup.dequantize(k, interpret=True, rows=2), dequantize_reference(k))
 
 
+@pytest.mark.slow
 def test_dispatch_through_ops_gives_the_same_gradient_and_reports_the_kernel():
   x = jax.random.normal(jax.random.key(1), (8, 512))
   w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
@@ -138,6 +141,7 @@ def _cuda_text(fn, *args, platforms=("cuda",)):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
 
 
+@pytest.mark.slow
 def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   """On a GPU machine ops stage the kernel for cuda and the reference for every
   other platform: running on the CPU gives the reference's bits, not a failed
@@ -165,6 +169,7 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   assert _cuda_text(grad, x, w).count("__gpu$xla.gpu.triton") >= 3  # quantize, relu, dequantize
 
 
+@pytest.mark.slow
 def test_staged_arguments_keep_static_values_static(monkeypatch):
   monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(5), (4, 300)).astype(jnp.bfloat16)
@@ -203,6 +208,7 @@ def test_report_names_the_kernel_of_the_platform_it_runs_on(monkeypatch):
   assert [r.name for r in on_cuda.residuals] == [r.name for r in on_cpu.residuals]
 
 
+@pytest.mark.slow
 def test_compressor_implementation_field_selects_the_kernel():
   x = jax.random.normal(jax.random.key(4), (4, 256))
   seed = jnp.uint32(9)
@@ -223,6 +229,7 @@ def test_compressor_implementation_field_selects_the_kernel():
     ((3, 50), jnp.float32, None), ((7, 13, 5), jnp.bfloat16, None),
     ((1000,), jnp.float16, 0.1), ((64, 33), jnp.float32, 0.01), ((5,), jnp.float32, None),
 ])
+@pytest.mark.slow
 def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope, monkeypatch):
   monkeypatch.setattr(relu.T, "call", poisoned_call)
   x = _activation(shape, dtype, seed=len(shape))
@@ -236,6 +243,7 @@ def test_relu_mask_kernel_is_bit_exact(shape, dtype, slope, monkeypatch):
 # ----------------------------------------------------------------------------- GPU lowering from CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_pergroup_kernels_lower_for_cuda(bits):
   # One Triton call each, with the reference's output shapes and dtypes.
@@ -266,6 +274,7 @@ def test_relu_mask_kernel_lowers_for_cuda():
                              kernels=["jact_relu_mask"])
 
 
+@pytest.mark.slow
 def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch):
   x = jax.random.normal(jax.random.key(1), (64, 1024))
   w = jax.random.normal(jax.random.key(2), (1024, 1024)) / 30

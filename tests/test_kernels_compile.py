@@ -29,6 +29,7 @@ CHECKED = sorted(VECTOR | {"quantize 1-bit f32", "quantize 2-bit f32 group 100",
                            "division pool + residual 2-bit 3-D"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", CHECKED)
 def test_kernel_compiles_to_exact_spill_free_code(kernel):
   compiled = ck.compile_kernel(kernel)

@@ -72,6 +72,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype,lfc_dtype,block,bits,group_size,rows,one_pass", CASES,
                          ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-b{c[4]}" for c in CASES])
 def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, rows, one_pass,
@@ -88,6 +89,7 @@ def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, r
   assert_same_packed(kernel[1], reference[1])
 
 
+@pytest.mark.slow
 def test_division_dispatches_to_the_kernel_with_the_same_bits():
   x = activation((2, 10, 10, 8), seed=7)
   seed = jnp.uint32(11)
@@ -129,6 +131,7 @@ def test_implementation_field():
     ((2, 5, 6, 6, 8), 4, 4, 256),   # rank 5, two kernels
     ((2, 20, 16), 8, 4, 64),        # rank 3, one pass
 ])
+@pytest.mark.slow
 def test_kernels_lower_for_cuda(shape, block, bits, group_size):
   f = functools.partial(division.division_compress, block=block, bits=bits,
                         group_size=group_size, lfc_dtype=jnp.bfloat16, interpret=False)

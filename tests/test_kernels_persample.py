@@ -71,6 +71,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype,widths,stochastic,per_value,rows", CASES)
 def test_quantize_and_dequantize_are_bit_exact(shape, dtype, widths, stochastic, per_value, rows):
   x = _activation(shape, dtype)
@@ -87,6 +88,7 @@ def test_quantize_and_dequantize_are_bit_exact(shape, dtype, widths, stochastic,
                      _dequantize_reference(r, out))
 
 
+@pytest.mark.slow
 def test_every_byte_and_value_is_written(monkeypatch):
   """The buffer's tail past the used bytes included (some programs only write zeros)."""
   monkeypatch.setattr(persample.T, "call", poisoned_call)
@@ -117,6 +119,7 @@ def _dispatch(x, bits, seed, *, capacity, implementation):
   return p, _dispatch_dequantize(p, jnp.float32, implementation=implementation)
 
 
+@pytest.mark.slow
 def test_dispatch_with_traced_widths_and_the_capacity_fallback():
   shape = (8, 1000)  # groups of 200, default grid
   x = _activation(shape, jnp.float32, seed=1)
@@ -145,6 +148,7 @@ def test_registry_picks_the_kernel_only_when_asked_on_cpu():
 # ----------------------------------------------------------------------------- GPU lowering from CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype", [((64, 4096), jnp.float32), ((8, 784), jnp.bfloat16),
                                          ((5, 7, 13), jnp.float16)])
 def test_kernels_lower_for_cuda(shape, dtype):

@@ -9,6 +9,8 @@ import pytest
 
 from experiments.memory_scaling import scaling
 
+pytestmark = pytest.mark.slow  # every test compiles whole train steps (a minute per fixture on a CPU core)
+
 SIZES = (1, 3, 5)
 CASES = {
     "relu_cnn": dict(x_shape=(16, 16, 16, 64), channels=64),

@@ -3,11 +3,13 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_quickstart.ipynb"
 
 
+@pytest.mark.slow
 def test_quickstart_runs(tmp_path, monkeypatch):
   monkeypatch.setenv("JACT_QUICKSTART_SMALL", "1")
   monkeypatch.setenv("JACT_FIGURE_DIR", str(tmp_path / "figures"))

@@ -55,6 +55,7 @@ def exact_grad(f, x, cot):
 # ----------------------------------------------------------------------------- forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_smooth_forward_is_exact(which, dtype):
@@ -65,6 +66,7 @@ def test_smooth_forward_is_exact(which, dtype):
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ref(x), np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_mask_activations_forward_and_gradient_are_exact(dtype):
   # Exact zeros in the input check the convention at the kink (relu: 0, leaky: slope 1).
@@ -89,6 +91,7 @@ def test_softmax_forward_is_exact():
 # ----------------------------------------------------------------------------- gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 def test_smooth_input_gradient_is_unbiased_at_2_bits(which):
   # The gradient g * Q(f'(x)) is linear in the stored derivative: unbiased.
@@ -109,6 +112,7 @@ def test_unbiasedness_check_has_power():
     assert_unbiased(samples, exact_grad(ref, X, COT))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 def test_smooth_gradient_at_8_bits_is_close(which):
   # A stochastically rounded value lands on a neighbouring grid point, so
@@ -123,6 +127,7 @@ def test_smooth_gradient_at_8_bits_is_close(which):
   assert not np.array_equal(g, exact)  # it is quantized
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 def test_uncompressed_needs_no_key_and_is_exact(which):
   op, ref = SMOOTH[which]
@@ -140,6 +145,7 @@ def test_softmax_gradient_is_unbiased_at_8_bits():
   assert_unbiased(samples, exact_grad(jax.nn.softmax, x, COT))
 
 
+@pytest.mark.slow
 def test_softmax_gradient_bias_is_bounded_at_4_bits():
   # E[dx_i] = exact_i - Var(y_hat_i) * g_i and Var <= step^2 / 4 with
   # step <= 1.01 * max(y) / 15 (one group spans the sample; y >= 0). The
@@ -176,6 +182,7 @@ def _bf16_grad(op, x, **kw):
   return np.asarray(g, np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 def test_bf16_smooth_gradient_is_the_float32_one_within_8_bit_and_bf16_rounding(which):
   # Against the float32 gradient at the same (bf16) inputs: the 8-bit step of

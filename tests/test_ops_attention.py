@@ -40,6 +40,7 @@ def sampled_grads(keys, **kw):
   return over_keys(one, keys)
 
 
+@pytest.mark.slow
 def test_forward_matches_flax():
   for bias, mask in [(None, None), (BIAS, None), (None, MASK), (BIAS, MASK)]:
     y = jax.jit(lambda: attn(Q, KT, V, bias, mask, key=jax.random.key(0), bits=2))()
@@ -54,6 +55,7 @@ def test_uncompressed_backward_equals_flax_autodiff():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_value_gradient_is_unbiased_at_2_bits():
   # d_v = p_hat^T g is linear in the stored attention weights: unbiased
   # (default assert_unbiased tolerances; masked weights are exactly 0).
@@ -61,6 +63,7 @@ def test_value_gradient_is_unbiased_at_2_bits():
   assert_unbiased(dv, grads(flax_attn, Q, KT, V)[2])
 
 
+@pytest.mark.slow
 def test_gradients_at_8_bits_are_close_and_unbiased():
   # Closeness of one draw: every operand carries ~0.4% rounding noise
   # (step/sqrt(12) of a range-8 tensor), compounded through two einsums and
@@ -75,6 +78,7 @@ def test_gradients_at_8_bits_are_close_and_unbiased():
     assert_unbiased(a, b)
 
 
+@pytest.mark.slow
 def test_attention_dropout_is_unbiased_over_keys():
   keys = jax.random.split(jax.random.key(5), K)
   run = lambda key: attn(Q, KT, V, BIAS, MASK, dropout_rate=0.3, deterministic=False, key=key)
@@ -83,6 +87,7 @@ def test_attention_dropout_is_unbiased_over_keys():
   assert_unbiased(ys, flax_attn(Q, KT, V))
 
 
+@pytest.mark.slow
 def test_residuals_are_named_and_at_2_bits_an_eighth_of_flax():
   q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, 32)) for i in range(3))
   key = jax.random.key(0)
@@ -100,6 +105,7 @@ def test_residuals_are_named_and_at_2_bits_an_eighth_of_flax():
   assert abs(sum(a.size * a.dtype.itemsize for a, _ in saved) - got) <= 8
 
 
+@pytest.mark.slow
 def test_bf16_forward_is_flax_bf16_and_gradient_is_float32_within_bf16_rounding():
   # Forward: bit-equal to flax's attention in bf16, both jitted (bias in the
   # inputs' dtype).

@@ -65,6 +65,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_uncompressed_forward_and_gradients_match_flax(config):
   kw, full_mask = CONFIGS[config]
@@ -78,6 +79,7 @@ def test_uncompressed_forward_and_gradients_match_flax(config):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_batch_axis_and_extreme_chunks():
   # Forward only: [length, heads, depth] inputs, one query row per block and a
   # key block larger than the keys (clipped to one block), mask and causal.
@@ -88,6 +90,7 @@ def test_no_batch_axis_and_extreme_chunks():
                              rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_bf16_in_bf16_out_with_float32_accumulation():
   # Compared with float32 attention of the same (bf16-rounded) inputs: the
   # bf16 roundings are the output, the weights fed to the p·v product and
@@ -143,6 +146,7 @@ def rel(a, b):
   return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_gradients_at_8_bits_are_close_and_unbiased():
   # One draw: q, k, v carry ~0.1% rounding noise each (step/sqrt(12) of a
   # range-~6 group at 8 bits), amplified through the softmax: relative L2
@@ -165,6 +169,7 @@ def _on_2_bit_grid():
   return jnp.asarray(_RNG.choice(np.array([-1.5, -0.5, 0.5, 1.5], np.float32), SHAPE))
 
 
+@pytest.mark.slow
 def test_gradients_at_2_bits_are_unbiased_when_q_and_k_are_exact():
   # recompute=False (stored float32 lse, 2-bit output). With q and k
   # reproduced exactly the recomputed weights P = exp(s - lse) are exact, and
@@ -185,6 +190,7 @@ def test_gradients_at_2_bits_are_unbiased_when_q_and_k_are_exact():
   assert rel(got[0][0], want[0]) > 0.1  # the noise is real: one draw is far off
 
 
+@pytest.mark.slow
 def test_qk_bias_at_4_bits_is_bounded():
   # q_hat and k_hat enter through the softmax, so E[grad] != grad at second
   # order in the rounding step: not unbiased, but bounded. At 4 bits (step
@@ -227,6 +233,7 @@ def test_residuals_are_linear_in_length_and_named():
     assert nbytes == residual_bytes(f, x, x, x)
 
 
+@pytest.mark.slow
 def test_compiled_backward_memory_is_far_below_plain_attention():
   # Compile only. Measured on XLA:CPU at L=2048, 2 heads, depth 32:
   # chunked ~1.4 MB of temporaries, flax ~102 MB (the [2, L, L] logits and

@@ -20,6 +20,7 @@ def residuals(f, *args):
   return [(a, d) for a, d in saved_residuals(f, *args) if not d.startswith("from the argument")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_keep_fraction_is_binomial(rate):
   # 2**18 values: |fraction - (1 - rate)| < 5 binomial standard deviations.
@@ -45,6 +46,7 @@ def test_masks_of_different_keys_are_independent():
   assert abs(same - 0.5) < 5 * np.sqrt(0.25 / a[:, 1:].size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_backward_regenerates_the_forward_mask(dtype):
   x = X.astype(dtype)
@@ -60,6 +62,7 @@ def test_backward_regenerates_the_forward_mask(dtype):
   np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.slow
 def test_output_and_gradient_are_unbiased_over_keys():
   # E[mask / (1 - rate)] = 1: forward and gradient average to x and to cot.
   cot = jax.random.normal(jax.random.key(3), X.shape)
@@ -82,6 +85,7 @@ def test_the_only_residual_is_the_4_byte_seed():
   assert sum(a.size * a.dtype.itemsize for a, _ in res) == 4
 
 
+@pytest.mark.slow
 def test_broadcast_dims_share_the_mask():
   x = jnp.ones((8, 32, 64))
   y = dropout(x, 0.5, key=jax.random.key(7), broadcast_dims=(1,))

@@ -41,6 +41,7 @@ def test_forward_matches_flax_embed():
   np.testing.assert_array_equal(embed(ids, table), y_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ids_dtype", [jnp.int32, jnp.uint8, jnp.int16])
 def test_gradient_equals_jax_scatter_add(ids_dtype):
   # Repeated ids (a vocabulary smaller than the number of lookups) must accumulate.
@@ -67,6 +68,7 @@ def test_negative_and_out_of_range_ids_like_jnp_take():
   np.testing.assert_array_equal(g, g_ref)  # and contribute no gradient
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_table(dtype):
   table, ids = _table(7, dtype), _ids(8)

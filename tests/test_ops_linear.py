@@ -96,6 +96,7 @@ def test_dense_bias_forward():
     ("bqhd,bkhd->bhqk", ((2, 8, 2, 16), (2, 8, 2, 16))),   # attention scores q.k
     ("bhqk,bkhd->bqhd", ((2, 2, 8, 8), (2, 8, 2, 16))),    # probabilities times values
 ])
+@pytest.mark.slow
 def test_einsum_attention_forms_unbiased(subscripts, shapes):
   a, b = _normal(10, shapes[0]), _normal(11, shapes[1])
   op = lambda a, b, k: L.einsum(subscripts, a, b, key=k, bits=BITS)
@@ -136,6 +137,7 @@ def _plain_conv(x, kernel, strides=1, padding="SAME", dilation=1, feature_group_
       feature_group_count=feature_group_count)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CONV_CASES))
 def test_conv_forward_exact_kernel_grad_unbiased(case):
   xs, ks, kw = CONV_CASES[case]
@@ -177,6 +179,7 @@ def _rel_err(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["dot_general", "einsum", "conv", "conv_transpose"])
 def test_eight_bit_gradients_close_to_exact(which):
   if which == "dot_general":
@@ -204,6 +207,7 @@ def test_eight_bit_gradients_close_to_exact(which):
     assert _rel_err(g, e) < EIGHT_BIT_RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_dtypes_preserved(dtype):
   k = jax.random.key(0)

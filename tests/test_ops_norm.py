@@ -126,6 +126,7 @@ def test_layer_and_rms_forward_match_flax(kind, dtype):
 # ----------------------------------------------------------------------------- gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_uncompressed_backward_equals_autodiff_of_flax(kind):
   # bits=None keeps x_hat exactly: the closed-form backward must equal jax.grad of flax.
@@ -138,6 +139,7 @@ def test_uncompressed_backward_equals_autodiff_of_flax(kind):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_gradients_at_8_bits_are_close(kind):
   # One 8-bit draw: relative L2 error of every gradient below 2% (x_hat has a
@@ -160,6 +162,7 @@ def min_rounding_atol(xhat, cot, n):
   return 2.0**-7 * float(jnp.abs(xhat).max()) * float(jnp.abs(cot).max()) * n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_scale_and_bias_gradients_are_unbiased_at_2_bits(kind):
   # d_scale = sum(g * x_hat) is linear in the stored x_hat; d_bias is exact.
@@ -172,6 +175,7 @@ def test_scale_and_bias_gradients_are_unbiased_at_2_bits(kind):
     assert_unbiased(d_bias, e_bias, atol=1e-5)  # deterministic elements: the exact sum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_input_gradient_is_unbiased_at_8_bits(kind):
   # The bias of d_x, inv_std * scale * Var(x_hat) * g / N <= 1e-5 |g| at 8 bits,
@@ -183,6 +187,7 @@ def test_input_gradient_is_unbiased_at_8_bits(kind):
   assert_unbiased(dx, exact)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_input_gradient_bias_is_bounded_at_4_bits(kind):
   # With one stored copy, E[d_x] = exact - inv_std * scale * Var(x_hat) * g / N
@@ -214,6 +219,7 @@ def test_batch_stats_carry_no_gradient():
   np.testing.assert_array_equal(g, 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_bf16_input_gives_bf16_output_and_gradient(kind):
   x, (scale, bias), cot = CASES[kind].astype(jnp.bfloat16), params(kind), cotangent(kind)
@@ -232,6 +238,7 @@ def test_bf16_input_gives_bf16_output_and_gradient(kind):
 # ----------------------------------------------------------------------------- residuals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["batch", "layer", "rms"])
 def test_residual_bytes_at_2_bits_are_an_eighth_of_flax(kind):
   x = jax.random.normal(jax.random.key(0), (16, 8, 64))

@@ -58,6 +58,7 @@ POOL_CASES = {
 TIE_CASES = ["2d_2x2_s2_valid", "2d_3x3_s1_same_overlap", "2d_pad_only_windows", "3d"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, ties", [(c, False) for c in POOL_CASES] + [(c, True) for c in TIE_CASES])
 def test_max_pool_matches_flax_exactly(case, ties):
   shape, window, strides, padding = POOL_CASES[case]
@@ -72,6 +73,7 @@ def test_max_pool_matches_flax_exactly(case, ties):
   assert float(jnp.abs(g).sum()) <= float(jnp.abs(ct).sum()) * (1 + 1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("case", ["2d_3x3_s2_same", "2d_explicit_pad", "2d_two_batch_dims", "3d"])
 def test_avg_pool_matches_flax_exactly(case, count_include_pad):
@@ -84,6 +86,7 @@ def test_avg_pool_matches_flax_exactly(case, count_include_pad):
   np.testing.assert_array_equal(g, g_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_dtypes(dtype):
   x = _data(4, (2, 8, 8, 3), dtype)
@@ -151,6 +154,7 @@ def test_avg_pool_saves_nothing(count_include_pad):
   assert [d for _, d in saved_residuals(lambda x: P.avg_pool(x, (3, 3)), x)] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window, strides, padding", [((3, 3), (2, 2), "SAME"), ((3, 3), (1, 1), "SAME")])
 def test_max_pool_compiled_memory_below_flax(window, strides, padding):
   """Compile-only: the training step's temporaries stay below Flax's and within a

@@ -57,6 +57,7 @@ CASES = [((6, 10), jnp.bfloat16), ((6, 3, 10, 10), jnp.float32), ((6, 784), jnp.
 BITS = (1, 2, 4, 8, 1, 2)  # 18 bits per value in all: exactly fills a 3-bit average
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype", CASES)
 def test_matches_quantize_per_sample(shape, dtype):
   x = _case(shape, dtype)
@@ -75,6 +76,7 @@ def test_matches_quantize_per_sample(shape, dtype):
   assert p.nbytes == cap + 6 + 4 * p.minimum.size
 
 
+@pytest.mark.slow
 def test_static_buffer_under_jit():
   traces = []
 

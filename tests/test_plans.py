@@ -128,6 +128,7 @@ def test_levels_map_to_mechanisms():
 # ----------------------------------------------------------------------------- estimators
 
 
+@pytest.mark.slow
 def test_numeric_sensitivity_matches_monte_carlo(setup):
   """GACT estimates vs measured per-tensor variance (that tensor at 2 bits, others exact)."""
   params, batch = setup
@@ -146,6 +147,7 @@ def test_numeric_sensitivity_matches_monte_carlo(setup):
   assert spearmanr(predicted, measured).statistic >= 0.9
 
 
+@pytest.mark.slow
 def test_analytic_sensitivity_ranks_like_numeric(setup):
   params, batch = setup
   num, ana = jact.sensitivity.numeric(loss), jact.sensitivity.analytic(loss)
@@ -167,6 +169,7 @@ def _mixed_loss(w, x, key):
   return jnp.sum(out ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [jact.sensitivity.numeric, jact.sensitivity.analytic,
                                   jact.acgc.error_bounded])
 def test_estimators_keep_everything_in_their_state(make):
@@ -190,6 +193,7 @@ def test_estimators_keep_everything_in_their_state(make):
     assert np.all(np.asarray(updated.sensitivity) > 0), updated.sensitivity
 
 
+@pytest.mark.slow
 def test_adaptive_plan_beats_uniform_bits_at_the_same_average(setup):
   params, batch = setup
   ctrl = jact.Controller(loss, estimator="numeric", avg_bits=2.0, adapt_interval=1)
@@ -206,6 +210,7 @@ def test_adaptive_plan_beats_uniform_bits_at_the_same_average(setup):
   assert v_adaptive < 0.7 * v_uniform, (v_adaptive, v_uniform, dict(adaptive))
 
 
+@pytest.mark.slow
 def test_acgc_bits_fall_with_error_and_gradient_error_stays_bounded(setup):
   params, batch = setup
   exact = _flat(_grad(params, batch, jax.random.key(0), plan=jact.BitPlan(default=None)))
@@ -228,6 +233,7 @@ def test_acgc_bits_fall_with_error_and_gradient_error_stays_bounded(setup):
   assert previous.sum() < 5 * 8  # at e^2 = 2 some residual is below 8 bits
 
 
+@pytest.mark.slow
 def test_per_sample_budget_is_unbiased_and_static(setup):
   """A per-sample entry: widths chosen inside the step, buffer size fixed by the budget."""
   w, x = jnp.ones((256, 8)) / 16, jax.random.normal(jax.random.key(0), (16, 256))
@@ -251,6 +257,7 @@ def test_per_sample_budget_is_unbiased_and_static(setup):
 # ----------------------------------------------------------------------------- controller
 
 
+@pytest.mark.slow
 def test_controller_retraces_only_on_plan_change_and_survives_restore(setup, tmp_path):
   params, batch = setup
   x, y = batch
@@ -291,6 +298,7 @@ def test_controller_retraces_only_on_plan_change_and_survives_restore(setup, tmp
   np.testing.assert_allclose(a.estimates.sensitivity, b.estimates.sensitivity, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_controller_warns_when_compression_dominates(setup):
   params, batch = setup
   ctrl = jact.Controller(loss, estimator="numeric", avg_bits=1.0, adapt_interval=1,

@@ -62,6 +62,7 @@ def _planar_reference(codes, bits):
   return out.astype(np.uint8)
 
 
+@pytest.mark.slow
 @HYP
 @given(bits=st.sampled_from(BITS), lead=st.lists(st.integers(1, 4), max_size=2),
        n_bytes=st.integers(1, 40), seed=st.integers(0, 2**31))
@@ -75,6 +76,7 @@ def test_pack_bits_roundtrip_and_layout(bits, lead, n_bytes, seed):
   np.testing.assert_array_equal(np.asarray(_unpack_bits(packed, bits)), codes)
 
 
+@pytest.mark.slow
 @HYP
 @given(bits=st.sampled_from(BITS), shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
        seed=st.integers(0, 2**31))
@@ -105,6 +107,7 @@ def test_pack_bits_rejects_ragged_axis():
 # ----------------------------------------------------------------------------- round to nearest
 
 
+@pytest.mark.slow
 @settings(HYP, max_examples=8)  # each example compiles a new shape
 @given(bits=st.sampled_from(BITS), n=st.integers(1, 3), d=st.integers(1, 1200),
        group_size=st.sampled_from([64, 256]), seed=st.integers(0, 2**31))
@@ -133,6 +136,7 @@ def test_round_to_nearest_error_within_half_step(bits, n, d, group_size, seed):
   assert (err <= step / 2 * (1 + 1e-5) + 1e-6 * np.abs(x64)).all(), err.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits, stochastic", [(1, True), (2, True), (4, True), (8, True), (2, False)])
 def test_constant_groups_are_exact(bits, stochastic):
   # Every group of 256 holds one bf16-representable value; a zero sample too.
@@ -191,6 +195,7 @@ def _draws(dtype):
   return x, {b: tuple(np.asarray(a, np.float64) for a in v) for b, v in out.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
 def test_stochastic_rounding_is_unbiased_and_variance_bounded(bits, dtype):
@@ -264,6 +269,7 @@ def test_effective_group_size(d, group_size, expected):
   assert effective_group_size(d, group_size) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, bits", [((4, 10), 1), ((3, 300), 4), ((2, 28, 28), 2),
                                          ((2, 1001), 8), ((5,), 4), ((1, 7, 11, 13), 1)])
 def test_padding_shapes_and_stats_ignore_padding(shape, bits):
@@ -384,6 +390,7 @@ def test_missing_key():
 # ----------------------------------------------------------------------------- compiled memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, bits", [((64, 262144), 1), ((64, 262144), 4), ((64, 262016), 2)])
 def test_compiled_temp_memory_is_small(shape, bits):
   """Regression: no tensor-sized temporaries (noise, padding, masks) -- residual bytes are

@@ -29,6 +29,7 @@ def stack_loss(block_call, r):
   return loss
 
 
+@pytest.mark.slow
 def test_checkpoint_saves_less_than_plain_remat_and_plain_training():
   params, x, r = stack_setup()
   key = jax.random.key(0)
@@ -49,6 +50,7 @@ def test_checkpoint_saves_less_than_plain_remat_and_plain_training():
   assert saved["jact"].argument_bytes == sum(a.nbytes for a in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_compress_argnums_is_one_rule_with_one_default_in_compressed_and_checkpoint():
   """Both transforms keep every argument by reference, exact, unless its
   position is listed (default: none). jact.checkpoint with none listed and a
@@ -75,6 +77,7 @@ def test_compress_argnums_is_one_rule_with_one_default_in_compressed_and_checkpo
     jact.checkpoint(transformer_block, policy=jact.save_compressed())
 
 
+@pytest.mark.slow
 def test_checkpoint_gradients_match_uncompressed_remat():
   params, x, r = stack_setup()
   key = jax.random.key(0)
@@ -99,6 +102,7 @@ def test_checkpoint_gradients_match_uncompressed_remat():
   assert rel_err(other, g) > 0.1, rel_err(other, g)  # 2-bit noise: measured 1.46
 
 
+@pytest.mark.slow
 def test_policy_saving_compressed_residuals_skips_the_recomputation_of_compression():
   params, x, r = stack_setup()
   key = jax.random.key(0)
@@ -114,6 +118,7 @@ def test_policy_saving_compressed_residuals_skips_the_recomputation_of_compressi
   assert n_saved.total_bytes > n_inputs.total_bytes
 
 
+@pytest.mark.slow
 def test_compressed_names_work_with_jax_policies():
   params, x, r = stack_setup()
   key = jax.random.key(0)
@@ -134,6 +139,7 @@ def _cuda_hlo(f, *args):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.slow
 def test_offload_policy_places_compressed_residuals_on_host_when_lowered_for_cuda():
   params, x, r = stack_setup()
   block = jact.compressed(transformer_block, bits=2, name="off")
@@ -149,6 +155,7 @@ def test_offload_policy_places_compressed_residuals_on_host_when_lowered_for_cud
   assert "pinned_host" not in plain
 
 
+@pytest.mark.slow
 def test_offload_inside_jact_checkpoint_lowers_for_cuda():
   params, x, r = stack_setup()
   ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,), name="cko",
@@ -158,6 +165,7 @@ def test_offload_inside_jact_checkpoint_lowers_for_cuda():
   assert "pinned_host" in text
 
 
+@pytest.mark.slow
 def test_policies_validate_their_arguments():
   with pytest.raises(ValueError, match="prefixes"):
     jact.save_compressed("")

@@ -55,6 +55,7 @@ def test_bias_of_one_percent_of_a_step_fails(draws_and_step):
     assert_unbiased(planted, X, atol=_atol(step))
 
 
+@pytest.mark.slow
 def test_unknown_xla_flag_is_not_set(monkeypatch):
   """XLA aborts on an unknown flag in XLA_FLAGS: conftest probes a flag in a
   subprocess and only sets it where this jaxlib knows it."""
@@ -65,6 +66,7 @@ def test_unknown_xla_flag_is_not_set(monkeypatch):
   assert os.environ["XLA_FLAGS"] == (conftest.YNN_FLAG if supported else "")
 
 
+@pytest.mark.slow
 def test_vmap_over_keys_matches_each_key():
   """A layer-norm gradient vmapped over 128 keys (the unbatched cotangent is
   reduced against batched residuals) equals the gradient for each key alone.
