@@ -25,7 +25,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-# Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact import kernels
 from jact.core.packing import relu_mask_reference, unpack_codes
 from jact.compressors import Compressor

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Names, not the module: `jact.quantize` is rebound to the function by jact/__init__.
 from jact.core.packing import SUPPORTED_BITS, pack_codes, unpack_codes
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.rounding import check_float
