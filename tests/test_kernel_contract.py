@@ -7,7 +7,8 @@ implementation other than the "xla" reference (the oracle) and every case:
 
 * bit-exact: each output leaf equals the reference's in shape, dtype and
   bits, and the pytrees match including static fields (shape, dtype, bits,
-  group size, view shape);
+  group size, view shape) -- as users call the kernel on one case an op, and
+  with pre-filled outputs (below) on every case;
 * every output element written: the Pallas calls run with their outputs
   pre-filled with garbage, twice with different garbage, and must still
   return the reference's bits. Pallas' Triton interpret mode cannot do this
@@ -286,8 +287,12 @@ def test_every_case_generator_names_a_registered_op_and_one_quick_case():
     assert len(quick) == 1, f"{op}: mark exactly one case quick (run by default), not {quick}"
 
 
-@pytest.mark.parametrize("op,name,case", _params(_kernels, per_case=True))
+@pytest.mark.parametrize("op,name,case", _params(_kernels, per_case=False))
 def test_bit_exact_with_the_reference(op, name, case):
+  """The kernel as users call it, on each op's quick case. Every case (this
+  one too) is compared bit for bit again by `test_writes_every_output_element`,
+  with outputs pre-filled: running each slow case twice more here would only
+  add interpret-mode compilations."""
   _require(op, case)
   args, _, want = _reference(op, case)
   assert_same_tree(jax.jit(_kernel(op, name, case))(*args), want, f"{op}/{name}/{case.name}")
