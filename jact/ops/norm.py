@@ -67,8 +67,12 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
 
 
 def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
-               use_fast_variance, key, bits, compressor, group_size, stochastic, name, op):
-  """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient."""
+               use_fast_variance, key, bits, compressor, group_size, stochastic, name, op,
+               axis_name=None, axis_index_groups=None):
+  """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient.
+
+  With `axis_name`, the statistics (and the backward's means over the reduced
+  axes) are averaged over that named axis too, as Flax's `_compute_stats` does."""
   x = check_float(x, op)
   bits = residual_method(bits, compressor, f"jact.ops.{op}")
   rounding = Rounding(bits, group_size, stochastic)
@@ -82,15 +86,23 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   bias = _check_param(bias, bshape, "bias", op)
   epsilon = float(epsilon)
 
+  def mean(*values, keepdims=False):
+    """Means over the reduced axes and, with `axis_name`, over devices (one pmean)."""
+    means = [jnp.mean(v, red, keepdims=keepdims) for v in values]
+    if axis_name is not None:
+      means = list(lax.pmean(jnp.stack(means), axis_name, axis_index_groups=axis_index_groups))
+    return means if len(values) > 1 else means[0]
+
   def stats(x32):
     if not use_mean:
-      var = jnp.mean(lax.square(x32), red)
+      var = mean(lax.square(x32))
       return jnp.zeros_like(var), var
-    mu = jnp.mean(x32, red)
     if use_fast_variance:
-      var = jnp.maximum(0.0, jnp.mean(lax.square(x32), red) - lax.square(mu))
+      mu, mu2 = mean(x32, lax.square(x32))
+      var = jnp.maximum(0.0, mu2 - lax.square(mu))
     else:
-      var = jnp.mean(lax.square(x32 - jnp.expand_dims(mu, red)), red)
+      mu = mean(x32)
+      var = mean(lax.square(x32 - jnp.expand_dims(mu, red)))
     return mu, var
 
   def forward(x, scale, bias):
@@ -131,9 +143,11 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     if scale is not None:
       d_scale = jnp.sum(g32 * xhat, param_red).reshape(scale.shape).astype(scale.dtype)
       h = g32 * scale.astype(_F32).reshape(bshape)
-    dx = h - xhat * jnp.mean(h * xhat, red, keepdims=True)
     if use_mean:
-      dx = dx - jnp.mean(h, red, keepdims=True)
+      mean_hx, mean_h = mean(h * xhat, h, keepdims=True)
+      dx = h - xhat * mean_hx - mean_h
+    else:
+      dx = h - xhat * mean(h * xhat, keepdims=True)
     return None, (inv * dx).astype(g.dtype), d_scale, d_bias
 
   bias_shape = None if bias is None else bias.shape
@@ -153,7 +167,8 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
                axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
                use_fast_variance: bool = True, key=None, bits: int | None = 4,
                compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str = "batch_norm"
+               stochastic: bool = True, name: str = "batch_norm",
+               axis_name: str | None = None, axis_index_groups=None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm over all axes except the feature `axis`.
 
@@ -162,6 +177,10 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   shaped like the feature axes and carry no gradient (feed them to
   `update_running_stats`). `bits` (or a `jact.compressors` object as
   `compressor`), `group_size` and `stochastic` say how x_hat is stored.
+  `axis_name` / `axis_index_groups`: cross-device statistics, as in Flax (one
+  `lax.pmean` of the local means under `pmap`, `shard_map` or a named `vmap`);
+  the backward averages over the same devices, so the input gradient is that
+  of the statistics of the whole (all-device) batch.
   """
   x = check_float(x, "batch_norm")
   feature = _axes(x.ndim, axis)
@@ -169,7 +188,8 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
                     compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="batch_norm")
+                    name=name, op="batch_norm", axis_name=axis_name,
+                    axis_index_groups=axis_index_groups)
 
 
 def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.Array,
