@@ -119,10 +119,10 @@ def _last_axis(axes, ndim: int) -> bool:
   return len(axes) == 1 and axes[0] % ndim == ndim - 1
 
 
-def _norm_check(module, a, *, axes: bool) -> str | None:
+def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | None:
   if a.get("mask") is not None:
     return "mask= is not supported"
-  if module.axis_name is not None or module.axis_index_groups is not None:
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     return "axis_name/axis_index_groups (cross-device statistics) are not supported"
   if not module.force_float32_reductions:
     return "force_float32_reductions=False is not supported"
@@ -146,7 +146,7 @@ def _batch_norm_check(module, a) -> str | None:
   axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
   if len(axes) != 1:
     return "only a single feature axis is supported"
-  return _norm_check(module, a, axes=False)
+  return _norm_check(module, a, axes=False, cross_device=True)
 
 
 def _attention_check(module, a) -> str | None:

@@ -13,8 +13,8 @@ from jact.flax._conversion import Settings, unsupported
 from jact.flax._hooks import Hook
 
 
-def _nnx_norm_check(module, *, axes: bool = True) -> str | None:
-  if module.axis_name is not None or module.axis_index_groups is not None:
+def _nnx_norm_check(module, *, axes: bool = True, cross_device: bool = False) -> str | None:
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     return "axis_name/axis_index_groups (cross-device statistics) are not supported"
   if axes and not (module.reduction_axes in (-1, (-1,)) and module.feature_axes in (-1, (-1,))):
     return "only reduction_axes=-1 and feature_axes=-1 are supported"
@@ -58,7 +58,8 @@ _NNX_RULES: dict[type, tuple[type, Callable, Callable, bool]] = {
                else "a custom 'conv_general_dilated' (the twin installs its own)",
                _set("conv_general_dilated", Hook("conv_general_dilated")), True),
     nnx.BatchNorm: (jnnx.BatchNorm,
-                    lambda m: (_nnx_norm_check(m, axes=False) if isinstance(m.axis, int)
+                    lambda m: (_nnx_norm_check(m, axes=False, cross_device=True)
+                               if isinstance(m.axis, int)
                                else "only a single feature axis is supported"),
                     lambda m: None, True),
     nnx.LayerNorm: (jnnx.LayerNorm, _nnx_norm_check, lambda m: None, True),

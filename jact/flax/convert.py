@@ -42,9 +42,11 @@ a converted model keeps its own settings while its methods run.
 Supported (exact types; subclasses are left alone, their `super().__call__`
 included): Dense/Linear, Conv, BatchNorm, LayerNorm, RMSNorm, Embed, Dropout,
 MultiHeadDotProductAttention/MultiHeadAttention/SelfAttention (linen) and
-MultiHeadAttention (nnx). Layers or options a twin does not support (a custom
-`dot_general`/`attention_fn`, `mask=`, `axis_name`, normalization over
-non-last axes, `sow_weights=True`, ...) run plain and emit a
+MultiHeadAttention (nnx); BatchNorm with `axis_name` / `axis_index_groups`
+(cross-device statistics, as Flax computes them) is converted too. Layers or
+options a twin does not support (a custom `dot_general`/`attention_fn`,
+`mask=`, `axis_name` on LayerNorm/RMSNorm, normalization over non-last axes,
+`sow_weights=True`, ...) run plain and emit a
 `ConversionWarning` (or raise with `strict=True`); other layer types
 (DenseGeneral, ConvTranspose, GroupNorm, ...) run plain silently. Activation
 *functions* (`nn.relu`, `jax.nn.gelu`, ...) are plain functions, not module

@@ -90,10 +90,10 @@ def _last_axis_only(axes, ndim: int) -> bool:
   return len(axes) == 1 and axes[0] % ndim == ndim - 1
 
 
-def _norm_options_supported(module, mask, layer: str) -> None:
+def _norm_options_supported(module, mask, layer: str, cross_device: bool = False) -> None:
   if mask is not None:
     raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
-  if module.axis_name is not None or module.axis_index_groups is not None:
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     raise ValueError(
         f"jact.nn.{layer} does not support axis_name/axis_index_groups (pmap statistics); "
         f"use flax.linen.{layer}, or jit with sharded inputs.")
@@ -163,7 +163,9 @@ class BatchNorm(_Twin, nn.BatchNorm):
 
   `use_running_average=True` runs Flax's own inference path. Same variables
   ('params': scale, bias; 'batch_stats': mean, var); running statistics are
-  updated exactly as Flax does. Single feature axis only; no mask/axis_name.
+  updated exactly as Flax does. `axis_name` / `axis_index_groups` average the
+  statistics over devices as Flax does (and the backward over the same devices).
+  Single feature axis only; no mask.
   """
   bits: int | None = 4
   group_size: int = 256
@@ -178,7 +180,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
     compress, key = (False, None) if use_running_average else self._key()
     if not compress:
       return super().__call__(x, call_arg, mask=mask)
-    _norm_options_supported(self, mask, "BatchNorm")
+    _norm_options_supported(self, mask, "BatchNorm", cross_device=True)
     axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
     if len(axes) != 1:
       raise ValueError("jact.nn.BatchNorm supports a single feature axis.")
@@ -197,7 +199,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
     y, mean, var = norm.batch_norm(
         x.astype(compute), scale, bias, axis=axis, epsilon=self.epsilon,
         use_fast_variance=self.use_fast_variance, key=key, name=self._residual_name(),
-        **self._rounding())
+        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, **self._rounding())
     if not self.is_initializing():
       ra_mean.value, ra_var.value = norm.update_running_stats(
           ra_mean.value, ra_var.value, mean, var, self.momentum)

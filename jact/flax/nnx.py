@@ -178,10 +178,10 @@ class Embed(_Twin, nnx.Embed):
 # ----------------------------------------------------------------------------- normalization
 
 
-def _check_norm_options(module, mask, layer: str) -> None:
+def _check_norm_options(module, mask, layer: str, cross_device: bool = False) -> None:
   if mask is not None:
     raise ValueError(f"jact.nnx.{layer} does not support mask=; use nnx.{layer}.")
-  if module.axis_name is not None or module.axis_index_groups is not None:
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     raise ValueError(
         f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}.")
 
@@ -203,7 +203,8 @@ class BatchNorm(_Twin, nnx.BatchNorm):
   """`nnx.BatchNorm`; in training mode the normalized input is stored compressed.
 
   `use_running_average=True` runs Flax's inference path. Running statistics
-  update as in Flax. Single feature axis; no mask/axis_name.
+  update as in Flax; `axis_name` / `axis_index_groups` average the statistics
+  (and the backward) over devices as Flax does. Single feature axis; no mask.
   """
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
@@ -221,7 +222,7 @@ class BatchNorm(_Twin, nnx.BatchNorm):
                   "pass it to the constructor or to __call__, or use nnx.view.")
     if use_running_average:
       return super().__call__(x, True, mask=mask)
-    _check_norm_options(self, mask, "BatchNorm")
+    _check_norm_options(self, mask, "BatchNorm", cross_device=True)
     if not isinstance(self.axis, int):
       raise ValueError("jact.nnx.BatchNorm supports a single feature axis.")
     scale = self.scale[...] if self.scale is not None else None
@@ -230,7 +231,7 @@ class BatchNorm(_Twin, nnx.BatchNorm):
     y, mean, var = norm.batch_norm(
         x, scale, bias, axis=self.axis, epsilon=self.epsilon,
         use_fast_variance=self.use_fast_variance, key=self._key(), name=self.residual_name,
-        **self._rounding())
+        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, **self._rounding())
     self.mean[...], self.var[...] = norm.update_running_stats(
         self.mean[...], self.var[...], mean, var, self.momentum)
     return y
