@@ -6,12 +6,18 @@ models must give Flax's forward and running statistics, and gradients close to F
 at bits=None), instead of falling back to the uncompressed layer.
 """
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jact
@@ -79,6 +85,7 @@ def test_linen_twin_with_axis_name_matches_flax():
     _check_against_plain(got, want, exact=bits is None)
 
 
+@pytest.mark.slow
 def test_linen_convert_keeps_batch_norm_with_axis_name_compressed():
   variables = _linen_variables()
   want = _linen_step(ConvBN(), variables, {})
@@ -126,6 +133,7 @@ def _nnx_step(model):
   return jax.jit(jax.vmap(grad, in_axes=(None, None, 0, 0), axis_name=AXIS))(params, rest, X, COT)
 
 
+@pytest.mark.slow
 def test_nnx_convert_keeps_batch_norm_with_axis_name_compressed():
   want = _nnx_step(_nnx_model())
   got = _nnx_step(_nnx_model(convert_bits=8))
@@ -136,3 +144,55 @@ def test_nnx_convert_keeps_batch_norm_with_axis_name_compressed():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   gk, wk = g["layers"][0]["kernel"][...].sum(0), wg["layers"][0]["kernel"][...].sum(0)
   assert _rel_err(gk, wk) < 0.05, _rel_err(gk, wk)
+
+
+# ----------------------------------------------------------------------------- collectives on 8 devices
+
+_COLLECTIVES_SCRIPT = r"""
+import collections, json, re, sys
+import jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[1])
+from test_cross_device_norm import AXIS, ConvBN, convert
+
+x = jnp.ones((jax.local_device_count(), 2, 6, 6, 3))
+variables = jax.jit(lambda x: ConvBN().init(jax.random.key(0), x))(x[0])
+
+
+def collectives(model, rngs):
+  def step(params, x):
+    def local(params, x):
+      y, state = model.apply({**variables, "params": params}, x, mutable=["batch_stats"],
+                             rngs=rngs)
+      return jnp.sum(y ** 2), state
+    grads, state = jax.grad(local, has_aux=True)(params, x)
+    return jax.lax.pmean(grads, AXIS), state
+  hlo = jax.pmap(step, axis_name=AXIS, in_axes=(None, 0)).lower(
+      variables["params"], x).compile().as_text()
+  ops = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                   r"(?:-start)?\(", hlo)
+  return dict(collections.Counter(ops))
+
+
+print(json.dumps({"devices": jax.local_device_count(),
+                  "plain": collectives(ConvBN(), {}),
+                  "jact": collectives(convert(ConvBN(), bits=2), {"jact": jax.random.key(1)})}))
+"""
+
+
+@pytest.mark.slow
+def test_converted_batch_norm_adds_no_collectives_on_8_devices(tmp_path):
+  """pmap over 8 host devices (own process: the device count is fixed at jax's start): the
+  compiled train step of the converted model has exactly the plain model's collectives."""
+  script = tmp_path / "collectives.py"
+  script.write_text(_COLLECTIVES_SCRIPT)
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                    " --xla_force_host_platform_device_count=8").strip(),
+             JAX_PLATFORMS="cpu")
+  tests_dir = str(pathlib.Path(__file__).parent)
+  done = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 8
+  assert result["plain"].get("all-reduce", 0) >= 2, result  # statistics + gradient mean
+  assert result["jact"] == result["plain"], result

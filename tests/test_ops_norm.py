@@ -289,6 +289,7 @@ def test_errors():
 DEVICES = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast_variance", [True, False])
 def test_batch_norm_axis_name_is_the_whole_batch_and_matches_flax(fast_variance):
   """Data parallel as with pmap(grad(loss)), here a vmap naming the axis: with
