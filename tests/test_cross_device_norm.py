@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import warnings
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -37,8 +38,9 @@ def _rel_err(got, want) -> float:
 
 
 class ConvBN(nn.Module):
-  """Plain Flax: Conv -> BatchNorm(axis_name) -> relu, nothing jact in it."""
-  norm: type = nn.BatchNorm
+  """Plain Flax: Conv -> BatchNorm(axis_name) -> relu, nothing jact in it (`norm`: the
+  BatchNorm class, or a function building jact's twin in the twin test)."""
+  norm: Callable[..., nn.Module] = nn.BatchNorm
 
   @nn.compact
   def __call__(self, x):
