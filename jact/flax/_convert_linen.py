@@ -10,7 +10,7 @@ from typing import Callable
 
 import flax.linen as nn
 
-from jact.flax import _compat
+from jact.flax import _compat, _hooks
 from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax._conversion import Settings, unsupported
@@ -114,11 +114,6 @@ def _custom(module, *fields: str) -> str | None:
   return None
 
 
-def _last_axis(axes, ndim: int) -> bool:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return len(axes) == 1 and axes[0] % ndim == ndim - 1
-
-
 def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | None:
   if a.get("mask") is not None:
     return "mask= is not supported"
@@ -128,8 +123,8 @@ def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | N
     return "force_float32_reductions=False is not supported"
   if axes:
     ndim = getattr(a.get("x"), "ndim", 0)
-    if not (ndim and _last_axis(module.reduction_axes, ndim)
-            and _last_axis(module.feature_axes, ndim)):
+    if not (ndim and _hooks.last_axis_only(module.reduction_axes, ndim)
+            and _hooks.last_axis_only(module.feature_axes, ndim)):
       return "only normalization over the last axis is supported"
   return None
 

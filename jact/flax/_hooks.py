@@ -105,6 +105,12 @@ def needs_key(bits, group_size, stochastic, compressor=None, api: str = "jact") 
   return Rounding(residual_method(bits, compressor, api), group_size, stochastic).needs_key
 
 
+def last_axis_only(axes, ndim: int) -> bool:
+  """Whether `axes` (an int or a sequence) names only the last axis of a rank-`ndim` input."""
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return len(axes) == 1 and axes[0] % ndim == ndim - 1
+
+
 def linen_missing_stream(layer: str) -> ValueError:
   return ValueError(
       f"jact.nn.{layer} rounds its saved activations stochastically and needs an RNG "

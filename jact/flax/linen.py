@@ -85,11 +85,6 @@ class _Twin:
     return _hooks.provide(**{slot: calls})
 
 
-def _last_axis_only(axes, ndim: int) -> bool:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return len(axes) == 1 and axes[0] % ndim == ndim - 1
-
-
 def _norm_options_supported(module, mask, layer: str, cross_device: bool = False) -> None:
   if mask is not None:
     raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
@@ -219,8 +214,8 @@ class LayerNorm(_Twin, nn.LayerNorm):
     if not compress:
       return super().__call__(x, mask=mask)
     _norm_options_supported(self, mask, "LayerNorm")
-    if not (_last_axis_only(self.reduction_axes, x.ndim)
-            and _last_axis_only(self.feature_axes, x.ndim)):
+    if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
+            and _hooks.last_axis_only(self.feature_axes, x.ndim)):
       raise ValueError(
           "jact.nn.LayerNorm normalizes over the last axis only (reduction_axes=-1, "
           "feature_axes=-1).")
@@ -249,8 +244,8 @@ class RMSNorm(_Twin, nn.RMSNorm):
     if not compress:
       return super().__call__(x, mask=mask)
     _norm_options_supported(self, mask, "RMSNorm")
-    if not (_last_axis_only(self.reduction_axes, x.ndim)
-            and _last_axis_only(self.feature_axes, x.ndim)):
+    if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
+            and _hooks.last_axis_only(self.feature_axes, x.ndim)):
       raise ValueError(
           "jact.nn.RMSNorm normalizes over the last axis only (reduction_axes=-1, "
           "feature_axes=-1).")

@@ -186,14 +186,9 @@ def _check_norm_options(module, mask, layer: str, cross_device: bool = False) ->
         f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}.")
 
 
-def _last_axis_only(axes, ndim: int) -> bool:
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  return len(axes) == 1 and axes[0] % ndim == ndim - 1
-
-
 def _check_last_axis(module, x, layer: str) -> None:
-  if not (_last_axis_only(module.reduction_axes, x.ndim)
-          and _last_axis_only(module.feature_axes, x.ndim)):
+  if not (_hooks.last_axis_only(module.reduction_axes, x.ndim)
+          and _hooks.last_axis_only(module.feature_axes, x.ndim)):
     raise ValueError(
         f"jact.nnx.{layer} normalizes over the last axis only (reduction_axes=-1, "
         f"feature_axes=-1).")

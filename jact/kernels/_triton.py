@@ -11,7 +11,8 @@ Bit-exactness with the XLA reference rests on three rules:
 * The rounding noise is `jact.rng`'s hash of (seed, flat element index),
   computed here in uint32 exactly as in the reference.
 * Group statistics go through the same directed bf16 rounding
-  (`bf16_down`, `bf16_up`) and the same finite-only min/max.
+  (`bf16_down`, `bf16_up`: the reference's own `bf16_round_directed`) and the same
+  finite-only min/max.
 
 Triton blocks must have power-of-two sizes: kernels load power-of-two tiles
 with masks (`load` with `other`) and address the input through flat offsets.
@@ -28,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jact.core import rng
+from jact.core.quantize import bf16_round_directed
 
 __all__ = ["mul", "add", "div", "bf16_down", "bf16_up", "noise", "load", "store", "next_pow2",
            "call", "compiler_params", "on_gpu", "check_int32"]
@@ -69,19 +71,8 @@ def div(a, b, interpret: bool):
   return a / b if interpret else _asm("div", a, b)
 
 
-def _bf16_directed(x: jax.Array, up: bool) -> jax.Array:
-  """float32 -> the float32 value of x rounded to bfloat16 towards +inf (up) or -inf."""
-  u = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  truncated = u & jnp.uint32(0xFFFF0000)
-  inexact = (u & jnp.uint32(0xFFFF)) != 0
-  negative = (u >> 31) == 1
-  bump = inexact & (negative if not up else ~negative)
-  out = truncated + jnp.where(bump, jnp.uint32(0x10000), jnp.uint32(0))
-  return jax.lax.bitcast_convert_type(out, jnp.float32)
-
-
-bf16_down = functools.partial(_bf16_directed, up=False)
-bf16_up = functools.partial(_bf16_directed, up=True)
+bf16_down = functools.partial(bf16_round_directed, up=False)
+bf16_up = functools.partial(bf16_round_directed, up=True)
 
 
 def noise(seed: jax.Array, index: jax.Array) -> jax.Array:
