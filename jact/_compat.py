@@ -40,7 +40,7 @@ __all__ = [
     "summarize_source", "checkpoint_name", "policy_checkpoint_name", "barrier_operand",
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
     "body_operand", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
-    "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "is_var", "is_literal",
+    "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
     "literal_value", "prune_jaxpr", "bind_eqn", "conv_kwargs", "linear_identity_primitive",
     "saved_residuals",
 ]
@@ -302,6 +302,13 @@ def is_jax_value(x) -> bool:
   (jit, grad, vmap, jvp, linearize); the `.aval` duck-typing (undocumented,
   what `jax.typeof` reads) admits the foreign array-likes besides."""
   return isinstance(x, jax.Array) or hasattr(x, "aval")
+
+
+def on_device(x) -> bool:
+  """Whether the value `x` lives in device memory (not offloaded to the
+  host). Public: `jax.typeof(x).memory_space` and `jax.memory.Space` (jax
+  0.10.2); a type without a memory space counts as on the device."""
+  return getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device) == jax.memory.Space.Device
 
 
 # ----------------------------------------------------------------------------- jaxpr walking
@@ -602,6 +609,15 @@ def _check_is_jax_value():
   assert is_jax_value(jnp.ones(1)) and not is_jax_value(1.0) and not is_jax_value("s")
 
 
+def _check_on_device():
+  def program(x):
+    assert on_device(x)
+    assert not on_device(jax.device_put(x, jax.memory.Space.Host))
+    return x
+
+  jax.jit(program).lower(jnp.ones(3))
+
+
 def _check_is_var():
   eqn, = _eqns(lambda x: x * 2.0, 1.0)
   assert is_var(eqn.invars[0]) and not is_var(eqn.invars[1])
@@ -717,6 +733,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "eval_jaxpr": ("jax.core.eval_jaxpr", _check_eval_jaxpr),
     "is_tracer": ("jax.core.Tracer", _check_is_tracer),
     "is_jax_value": ("tracers are jax.Array; the .aval attribute", _check_is_jax_value),
+    "on_device": ("jax.typeof(x).memory_space, jax.memory.Space", _check_on_device),
     "is_var": ("jax.extend.core.Var", _check_is_var),
     "is_literal": ("jax.extend.core.Literal", _check_is_literal),
     "literal_value": ("Literal.val", _check_literal_value),

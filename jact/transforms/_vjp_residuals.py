@@ -139,6 +139,11 @@ def check_overrides(config: ResidualConfig, names) -> None:
           "inside the function take their widths from a plan (jact.use_plan), not overrides.")
 
 
+def is_stored(value) -> bool:
+  """Whether `value` is a stored (packed or compressed) form of a residual."""
+  return isinstance(value, (PackedBits, Packed, PackedPerSample, Compressed))
+
+
 def restore_saved(value, shape, dtype):
   if isinstance(value, PackedBits):
     return unpack_codes(value).astype(dtype).reshape(shape)

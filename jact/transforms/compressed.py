@@ -55,8 +55,9 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
 from jact.engine.scheduling import barrier, materialize
 from jact.engine.derivatives import reverse_only
+from jact.transforms._interleave import evaluate_restoring, evaluate_storing
 from jact.transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
-                                           eval_constants, is_array, is_float, output_epilogue,
+                                           eval_constants, is_array, is_float, is_stored, output_epilogue,
                                            plan_saved, restore_saved, store_saved)
 
 __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
@@ -380,18 +381,21 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
       return out_leaves, vjp_leaves
 
     capture = jax.make_jaxpr(forward_and_residuals)(*inputs)
-    results = _compat.eval_jaxpr(capture.jaxpr, capture.consts, *inputs)
     n_out = trees["out"].num_leaves
-    out = jax.tree.unflatten(trees["out"], results[:n_out])
     residual_vars = tuple(capture.jaxpr.outvars[n_out:])
     plan = plan_saved(capture.jaxpr, residual_vars, input_flags, config)
+    results, stored = evaluate_storing(
+        capture.jaxpr, capture.consts, inputs,
+        {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
+        lambda p, leaf: store_saved(leaf, f"{config.name}.{p}", seed, p, config))
+    out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []
     for position, ((kind, _), leaf) in enumerate(zip(plan, results[n_out:])):
       if kind in ("same", "constant"):
         index.append(-1)
         continue
       if kind == "compress":
-        leaf = store_saved(leaf, f"{config.name}.{position}", seed, position, config)
+        leaf = stored[position]
       index.append(len(values))
       values.append(leaf)
     check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
@@ -410,17 +414,25 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     constants = iter(eval_constants(
         saved.capture.jaxpr, saved.capture.consts,
         [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
-    leaves = []
-    for (kind, detail), i, shape, dtype in zip(saved.plan, saved.index, saved.shapes,
-                                               saved.dtypes):
+    leaves, restore = [], {}
+    for position, ((kind, detail), i, shape, dtype) in enumerate(zip(
+        saved.plan, saved.index, saved.shapes, saved.dtypes)):
       if kind == "same":
         leaves.append(leaves[detail])
       elif kind == "constant":
         leaves.append(next(constants))
+      elif kind == "compress" and is_stored(values[i]):
+        restore[position] = (values[i], functools.partial(restore_saved, shape=shape,
+                                                          dtype=dtype))
+        leaves.append(jax.ShapeDtypeStruct(shape, dtype))
       else:
         leaves.append(restore_saved(values[i], shape, dtype))
-    vjp = _compat.rebuild_vjp(saved.vjp_layout, leaves)
-    grads = iter(vjp(g))
+    g_leaves, g_tree = jax.tree.flatten(g)
+    backward = jax.make_jaxpr(lambda leaves, g: _compat.rebuild_vjp(saved.vjp_layout, leaves)(
+        jax.tree.unflatten(g_tree, g)))(leaves, g_leaves)
+    anchor = next((t for t in g_leaves if is_array(t) and is_float(t) and jnp.size(t)), None)
+    grads = iter(evaluate_restoring(backward.jaxpr, backward.consts, leaves + g_leaves, restore,
+                                    start=anchor))
     return (None, *[next(grads) if d else None for d in differentiable])
 
   op.defvjp(fwd, bwd)

@@ -1,0 +1,183 @@
+"""Compress each residual of a whole-function VJP as soon as the forward is done with it.
+
+`jact.compressed` captures the forward pass and its residuals as one jaxpr.
+Evaluated whole and compressed afterwards, every full-precision residual
+would be alive at the end of the forward pass (XLA schedules a computation
+that only the backward needs as late as it can): wrapping a whole model
+would cut the residual bytes but not the compiled peak. `evaluate_storing`
+instead walks the jaxpr equation by equation and, once the residuals whose
+last forward use is done add up to a share of the total (`flush_bytes`),
+compresses them and makes every value the rest of the forward pass reads
+wait for the compressed bytes (`jact.engine.scheduling.materialize`), so the
+compiler must finish the compression -- and can free the full-precision
+residual -- before it goes on. A whole model then behaves like a chain of
+separately wrapped blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jact import _compat
+from jact.engine.scheduling import barrier, materialize
+
+__all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
+
+# Compressions are grouped so that about this many flushes (each ties the
+# values alive at that point to the compressed bytes) cover the forward pass.
+FLUSHES = 16
+
+
+def _nbytes(var) -> int:
+  aval = var.aval
+  return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+
+
+def _tieable(value) -> bool:
+  dtype = getattr(value, "dtype", None)
+  return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+          and jnp.size(value) > 0 and _compat.on_device(value))
+
+
+def _tie(value, ready, stored):
+  """`value`, computed only after the `stored` pieces (same value)."""
+  if jnp.issubdtype(value.dtype, jnp.floating):
+    return materialize(value, stored)
+  return jnp.where(ready, value, jnp.zeros_like(value))
+
+
+def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
+                     store: Callable[[int, jax.Array], object]) -> tuple[list, dict]:
+  """Evaluates `jaxpr` on `inputs`, storing residuals as it goes.
+
+  Args:
+    jaxpr, consts: the open jaxpr of the forward pass and its constants.
+    inputs: values of `jaxpr.invars`.
+    store_at: `{position: var}` for the residuals to store (`var` one of
+      `jaxpr`'s variables, `position` passed back to `store`).
+    store: `(position, value) -> stored form` (compressed pieces, or the value
+      itself when nothing is compressed).
+
+  Returns:
+    `(outputs, stored)`: the values of `jaxpr.outvars` and `{position:
+    stored form}`. Values are unchanged; only the order in which the
+    compiler may compute them is constrained.
+  """
+  eqns = jaxpr.eqns
+  last_read = {}
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if _compat.is_var(v):
+        last_read[v] = i
+  produced = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+  outputs = {v for v in jaxpr.outvars if _compat.is_var(v)}
+  given = set(jaxpr.invars) | set(jaxpr.constvars)
+
+  # Eqn index after which each residual is no longer needed by the forward pass.
+  done_after = {}
+  for position, var in store_at.items():
+    done_after.setdefault(max(last_read.get(var, -1), produced.get(var, -1)), []).append(position)
+  total = sum(_nbytes(var) for var in store_at.values())
+  flush_bytes = max([total / FLUSHES] + [_nbytes(var) for var in store_at.values()])
+
+  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, inputs))
+  stored, pending, pending_bytes = {}, [], 0
+
+  def read(v):
+    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
+
+  def flush(after: int):
+    nonlocal pending, pending_bytes
+    pieces = {p: store(p, env[store_at[p]]) for p in pending}
+    pending, pending_bytes = [], 0
+    packed = [s for p, s in pieces.items() if s is not env[store_at[p]]]
+    stored.update(pieces)
+    if not packed or after >= len(eqns) - 1:
+      return  # nothing compressed, or nothing left to order (the epilogue does)
+    ready = None
+    for v, value in env.items():
+      alive = last_read.get(v, -1) > after or v in outputs
+      if alive and v not in given and _tieable(value):
+        if ready is None:
+          ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
+        env[v] = _tie(value, ready, packed)
+
+  def settle(after: int):
+    nonlocal pending_bytes
+    for position in done_after.get(after, ()):
+      pending.append(position)
+      pending_bytes += _nbytes(store_at[position])
+    if pending and pending_bytes >= flush_bytes:
+      flush(after)
+
+  settle(-1)
+  for i, eqn in enumerate(eqns):
+    outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+    for var, value in zip(eqn.outvars, outs):
+      if _compat.is_var(var):
+        env[var] = value
+    settle(i)
+    for v in eqn.invars:  # forget what nothing reads any more
+      if _compat.is_var(v) and last_read.get(v) == i and v not in outputs and v not in given \
+          and all(store_at[p] is not v for p in pending):
+        env.pop(v, None)
+  if pending:
+    flush(len(eqns))
+  return [read(v) for v in jaxpr.outvars], stored
+
+
+def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
+                       start=None) -> list:
+  """Evaluates a backward-pass `jaxpr`, reconstructing residuals just before use.
+
+  Args:
+    jaxpr, consts: the open jaxpr of the backward pass and its constants.
+    inputs: values of `jaxpr.invars`; those of the positions in `restore`
+      are ignored.
+    restore: `{invar position: (pieces, rebuild)}`: the stored pieces of a
+      residual and `rebuild(pieces) -> value`.
+    start: the value to tie reconstructions to before anything is computed
+      (the incoming cotangent).
+
+  Each residual is rebuilt right before the first equation that reads it,
+  from pieces tied (`jact.engine.scheduling.barrier`) to a value that
+  equation reads or, failing that, the latest value computed: the compiler
+  cannot hoist every reconstruction to the start of the backward pass, where
+  they would all be alive at once (the peak a whole-model wrap would have
+  otherwise; the incoming cotangent of a loss is often a constant, so tying
+  to it alone orders nothing).
+  """
+  lazy = {jaxpr.invars[p]: entry for p, entry in restore.items()}
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update((v, x) for v, x in zip(jaxpr.invars, inputs) if v not in lazy)
+  given = set(env)
+  frontier = start if start is not None and _tieable(start) else None
+
+  def read(v):
+    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
+
+  for eqn in jaxpr.eqns:
+    waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env]
+    if waiting:
+      anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
+                 and v not in given and v not in lazy and _tieable(env[v])]
+      anchor = anchors[0] if anchors else frontier
+      for v in waiting:
+        pieces, rebuild = lazy[v]
+        if anchor is not None and all(map(_compat.on_device, jax.tree.leaves(pieces))):
+          pieces, _ = barrier(pieces, anchor)
+        env[v] = rebuild(pieces)
+    outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+    for var, value in zip(eqn.outvars, outs):
+      if _compat.is_var(var):
+        env[var] = value
+        if _tieable(value):
+          frontier = value
+  for v in jaxpr.outvars:  # a residual passed straight through
+    if _compat.is_var(v) and v in lazy and v not in env:
+      env[v] = lazy[v][1](lazy[v][0])
+  return [read(v) for v in jaxpr.outvars]
