@@ -161,12 +161,15 @@ def test_linen_residuals_are_compressed(name):
   variables = _plain_variables(name)
   scalar = lambda loss: lambda p, x: loss(p, x)[0]
   plain = residual_report(scalar(_linen_loss(model, variables, x, None)), variables["params"], x)
-  report = residual_report(scalar(_linen_loss(convert(model), variables, x, JACT)),
-                           variables["params"], x)
+  # functions=False: the layers alone (the model's call through the engine,
+  # the default, keeps the twins' pieces as they are under its own names)
+  report = residual_report(
+      scalar(_linen_loss(convert(model, functions=False), variables, x, JACT)),
+      variables["params"], x)
   assert names <= set(report.by_name()), set(report.by_name())
   # Exactly what the same model written by hand with jact's layers saves,
-  # residual group by residual group (the plain relu/gelu functions' residuals,
-  # which cannot be intercepted, are in both); and less than the plain model.
+  # residual group by residual group (the plain relu/gelu functions' residuals
+  # are in both); and less than the plain model.
   twin = residual_report(scalar(_linen_loss(TWINS[name], variables, x, JACT)),
                          variables["params"], x)
   sizes = lambda r: {n: g.bytes for n, g in r.by_name().items()}
@@ -174,14 +177,21 @@ def test_linen_residuals_are_compressed(name):
   assert report.total_bytes < plain.total_bytes
 
 
-def test_linen_missing_jact_stream_is_a_clear_error():
+def test_linen_without_jact_stream_runs_plain_and_grad_is_a_clear_error():
   model, x, _ = LINEN["cnn"]
   variables = _plain_variables("cnn")
-  apply = lambda m: jax.eval_shape(lambda: m.apply(variables, x, mutable=["batch_stats"]))
-  with pytest.raises(ValueError, match=r"Conv_0 .*RNG stream named 'jact'.*rngs=\{'jact'"):
-    apply(convert(model))
-  apply(convert(model, stochastic=False))  # round-to-nearest needs no stream
-  apply(convert(model, bits=None))  # nor does an uncompressed copy
+  converted = convert(model)
+  # inference, evaluation, decoding: no 'jact' stream, the plain model's outputs
+  for train in (False, True):
+    np.testing.assert_array_equal(
+        converted.apply(variables, x, train=train, mutable=["batch_stats"])[0],
+        model.apply(variables, x, train=train, mutable=["batch_stats"])[0])
+  loss = lambda m: lambda v: jnp.sum(m.apply(v, x, mutable=["batch_stats"])[0])
+  with pytest.raises(ValueError, match=r"'Conv_0' was differentiated without an RNG stream "
+                                       r"named 'jact'.*rngs=\{'jact'"):
+    jax.eval_shape(jax.grad(loss(converted)), variables)
+  jax.eval_shape(jax.grad(loss(convert(model, stochastic=False))), variables)  # no key needed
+  jax.eval_shape(jax.grad(loss(convert(model, bits=None))), variables)
 
 
 def test_linen_inference_and_jit():
@@ -504,8 +514,8 @@ def test_nnx_jit_train_step_draws_fresh_keys():
 
 def test_nnx_rngs_shared_layers_and_bare_layers():
   make, x, _, _ = NNX["cnn"]
-  with pytest.raises(ValueError, match=r"RNG stream named 'jact'.*rngs=nnx.Rngs\(jact=0\)"):
-    convert(make(_rngs(0)))
+  with pytest.raises(ValueError, match=r"stream named 'jact'.*rngs=nnx.Rngs\(jact=0\)"):
+    convert(make(_rngs(0)), rngs=_rngs(0))  # rngs without a 'jact' or 'default' stream
   # round-to-nearest needs no stream; Embed and Dropout never do
   convert(make(_rngs(0)), stochastic=False)
   seq = convert(nnx.Sequential(nnx.Embed(5, 4, rngs=_rngs(0)),
@@ -520,6 +530,94 @@ def test_nnx_rngs_shared_layers_and_bare_layers():
   model = nnx.Sequential(shared, nnx.relu, shared)
   convert(model, rngs=nnx.Rngs(jact=1))
   assert model.layers[0] is model.layers[2] and type(model.layers[0]) is jnnx.Linear
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NNX)
+def test_nnx_without_rngs_state_is_the_plain_models_and_inference_needs_no_key(name):
+  make, x, _, _ = NNX[name]
+  plain, model = make(_rngs(0)), convert(make(_rngs(0)), bits=2)
+  # the full state (every Variable, not only Param/BatchStat) is the plain model's
+  assert_same_tree(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(plain)))
+  assert (jax.tree.structure(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable))
+          == jax.tree.structure(nnx.state(plain), is_leaf=lambda v: isinstance(v, nnx.Variable)))
+  # ... so it loads both ways: nnx.update, and nnx.merge of the other's graphdef
+  other = make(_rngs(5))
+  nnx.update(other, nnx.state(model))
+  assert_same_tree(nnx.to_pure_dict(nnx.state(other)), nnx.to_pure_dict(nnx.state(plain)))
+  converted_other = convert(make(_rngs(5)), bits=2)
+  nnx.update(converted_other, nnx.state(plain))
+  assert_same_tree(nnx.to_pure_dict(nnx.state(converted_other)),
+                   nnx.to_pure_dict(nnx.state(plain)))
+  assert type(nnx.merge(nnx.graphdef(plain), nnx.state(model))) is type(plain)
+  merged = nnx.merge(nnx.graphdef(model), nnx.state(plain))
+  assert {type(m) for _, m in nnx.iter_modules(merged)} == {
+      type(m) for _, m in nnx.iter_modules(model)}
+  # inference without a key: the plain model's output (and running statistics)
+  np.testing.assert_array_equal(model(x), plain(x))
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)),
+                              nnx.to_pure_dict(nnx.state(plain)))
+  # differentiating without a key names the fixes
+  f, params = _split_loss(model, x)
+  with pytest.raises(ValueError, match=r"differentiated without a rounding key.*"
+                                       r"jact.nnx.use_key.*rngs=nnx.Rngs\(jact=0\)"):
+    jax.eval_shape(jax.grad(f), params, x)
+
+
+@pytest.mark.slow
+def test_nnx_without_rngs_trains_under_use_key():
+  make, x, _, names = NNX["cnn"]
+  model = convert(make(_rngs(0)), bits=4)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+  labels = jnp.arange(16) % 10
+  rngs = nnx.Rngs(jact=jax.random.key(3, impl="rbg"))
+
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+  @nnx.jit
+  def step(model, optimizer, rngs):
+    with jact.nnx.use_key(rngs):  # one key drawn from rngs per step
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer, rngs)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  assert int(rngs.jact.count[...]) == 3
+  # the residuals under use_key are the compressed ones
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, key):
+    with jact.nnx.use_key(key):
+      return loss_fn(nnx.merge(graphdef, params, rest, copy=True))
+
+  assert names <= set(residual_report(loss, params, KEY).by_name())
+
+
+def test_nnx_use_key_draws_one_key_per_layer_and_call():
+  layer = convert(nnx.Linear(256, 8, rngs=_rngs(0)), bits=1)
+  x = _normal((4, 256))
+  graphdef, state = nnx.split(layer)
+
+  @_jit
+  def grads(state, key):  # the kernel's gradient reads the stored input: equal gradients, equal noise
+    grad = lambda: nnx.grad(lambda m: jnp.sum(m(x) * jnp.arange(8.0)))(
+        nnx.merge(graphdef, state)).kernel[...]
+    with jact.nnx.use_key(key):
+      return grad(), grad()  # the layer's second call inside the block: a new key
+
+  first, second = grads(state, KEY)
+  again, _ = grads(state, KEY)
+  other, _ = grads(state, jax.random.key(1, impl="rbg"))
+  np.testing.assert_array_equal(first, again)
+  assert not np.array_equal(first, second) and not np.array_equal(first, other)
+  with pytest.raises(TypeError, match="PRNG key"):
+    with jact.nnx.use_key(0):
+      pass
+  with pytest.raises(ValueError, match="neither a 'jact' nor a 'default'"):
+    with jact.nnx.use_key(nnx.Rngs(params=0)):
+      pass
 
 
 def test_nnx_unsupported_layers_stay_plain():

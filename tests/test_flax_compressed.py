@@ -174,9 +174,12 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
 def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
   variables = {"params": linen_variables["params"]["LinenBlock_1"]}
   block = jact.compressed(LinenBlock, bits=2)(width=128)
-  with pytest.raises(ValueError, match=r"rngs=\{'jact': key\}"):
-    block.apply(variables, X)
   y_ref = LinenBlock(width=128).apply(variables, X)
+  # no stream: inference runs the plain module; differentiating it names the fixes
+  np.testing.assert_array_equal(block.apply(variables, X), y_ref)
+  with pytest.raises(ValueError, match=r"jact.compressed\(LinenBlock 'LinenBlock'\) was "
+                                       r"differentiated.*rngs=\{'jact': key\}.*key="):
+    jax.grad(lambda v: jnp.sum(block.apply(v, X)))(variables)
   # no key needed with round-to-nearest
   nearest = jact.compressed(LinenBlock, bits=2, stochastic=False)(width=128)
   np.testing.assert_array_equal(nearest.apply(variables, X), y_ref)
@@ -301,10 +304,14 @@ def test_nnx_instance_wrapper_and_missing_stream():
   wrapped = jact.compressed(block, bits=2)
   assert isinstance(wrapped, compressed_module.CompressedModule) and wrapped.module is block
   assert_same_tree(_pure(wrapped, nnx.Param)["module"], _pure(plain, nnx.Param))
-  with pytest.raises(ValueError, match="needs an RNG stream named 'jact'.*key="):
-    wrapped(X)
+  # no stream, no key: inference runs the plain module; differentiating it names the fixes
+  np.testing.assert_array_equal(wrapped(X), plain(X))
+  with pytest.raises(ValueError, match=r"differentiated without a rounding key.*use_key.*key="):
+    nnx.grad(lambda m: jnp.sum(m(X)))(wrapped)
   np.testing.assert_array_equal(wrapped(X, key=_key(0)), plain(X))
   assert_same_tree(_pure(block, nnx.BatchStat), _pure(plain, nnx.BatchStat))
+  with jact.nnx.use_key(_key(0)):  # or a use_key block's key
+    nnx.grad(lambda m: jnp.sum(m(X)))(wrapped)
   # key= also takes an nnx.Rngs; a stream can be kept on the wrapper
   wrapped(X, key=_rngs(jact=3))
   kept = compressed_module.CompressedModule(block, rngs=_rngs(jact=3), bits=2)

@@ -153,6 +153,10 @@ def test_activation_modules(twin, fn):
   probe = _normal((8, 32), seed=4)
   assert twin.init(KEY, x) == {}
   np.testing.assert_array_equal(twin.apply({}, x, rngs=JACT), fn(x))
+  np.testing.assert_array_equal(twin.apply({}, x), fn(x))  # no key: the plain function
+  if not isinstance(twin, (jnn.ReLU, jnn.LeakyReLU)):  # these need no key at all
+    with pytest.raises(ValueError, match="differentiated without an RNG stream"):
+      jax.grad(lambda x: jnp.sum(twin.apply({}, x)))(x)
   g = jax.jit(jax.grad(lambda x: jnp.sum(twin.apply({}, x, rngs=JACT) * probe)))(x)
   g_ref = jax.grad(lambda x: jnp.sum(fn(x) * probe))(x)
   if isinstance(twin, (jnn.ReLU, jnn.LeakyReLU)):
@@ -224,11 +228,20 @@ def test_bfloat16_like_flax():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm",
                                   "MultiHeadDotProductAttention"])
-def test_missing_jact_stream_is_a_clear_error(name):
+def test_without_stream_forward_is_plain_and_differentiating_is_a_clear_error(name):
   plain, twin, x, kw = LAYERS[name]
   variables = plain.init(KEY, x)
-  with pytest.raises(ValueError, match=r"RNG stream named 'jact'.*rngs=\{'jact': key\}"):
-    _apply(twin, variables, x, **kw)
+  # inference needs no 'jact' stream: the plain layer's output, bit for bit
+  np.testing.assert_array_equal(_apply(twin, variables, x, **kw),
+                                _apply(plain, variables, x, **kw))
+  loss = lambda v, x: jnp.sum(_apply(twin, v, x, **kw))
+  message = rf"jact.nn.{name} .*differentiated without an RNG stream named 'jact'.*rngs=\{{'jact': key\}}"
+  with pytest.raises(ValueError, match=message):
+    jax.grad(loss)(variables, x)  # parameters only (the input is data)
+  with pytest.raises(ValueError, match=message):
+    jax.vjp(lambda x: _apply(twin, variables, x, **kw), x)  # the input only
+  # nothing differentiated through the layer: no key needed
+  jax.grad(lambda v, x: loss(jax.lax.stop_gradient(v), x) + jnp.sum(x))(variables, x)
 
 
 def test_no_stream_needed_without_stochastic_rounding():

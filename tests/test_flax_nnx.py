@@ -189,15 +189,45 @@ def test_dropout_twin():
     jnnx.Dropout(0.25)(x)
 
 
-@pytest.mark.parametrize("make", [
-    lambda r: jnnx.Linear(3, 2, rngs=r), lambda r: jnnx.Conv(3, 2, (3, 3), rngs=r),
-    lambda r: jnnx.BatchNorm(3, rngs=r), lambda r: jnnx.LayerNorm(3, rngs=r),
-    lambda r: jnnx.RMSNorm(3, rngs=r), lambda r: jnnx.MultiHeadAttention(1, 4, rngs=r),
-    lambda r: jnnx.GELU(rngs=r), lambda r: jnnx.Softmax(),
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LAYERS if n != "Embed"])
+def test_without_stream_forward_is_plain_and_differentiating_is_a_clear_error(name):
+  make_plain, make_twin, x = LAYERS[name]
+  plain, twin = make_plain(nnx.Rngs(params=0)), make_twin(nnx.Rngs(params=0))  # no 'jact'
+  assert twin.jact_rngs is None
+  assert_same_tree(nnx.to_pure_dict(nnx.state(twin)), nnx.to_pure_dict(nnx.state(plain)))
+  np.testing.assert_array_equal(twin(x), plain(x))  # inference: Flax's own computation
+  with pytest.raises(ValueError, match=rf"jact.nnx.{name} '{name}' was differentiated without "
+                                       r"a rounding key.*jact.nnx.use_key"):
+    nnx.eval_shape(nnx.grad(lambda m: jnp.sum(m(x))), twin)  # raises while tracing
+  with jnnx.use_key(jax.random.key(0)):  # the keys of a use_key block
+    nnx.eval_shape(nnx.grad(lambda m: jnp.sum(m(x))), twin)
+
+
+@pytest.mark.parametrize("twin, fn", [
+    (jnnx.GELU(), lambda x: jax.nn.gelu(x, approximate=True)), (jnnx.SiLU(), jax.nn.silu),
+    (jnnx.Tanh(), jnp.tanh), (jnnx.Sigmoid(), jax.nn.sigmoid),
+    (jnnx.Softmax(0), lambda x: jax.nn.softmax(x, axis=0)),
 ])
-def test_missing_jact_stream_is_a_clear_error(make):
-  with pytest.raises(ValueError, match=r"stream named 'jact'.*nnx\.Rngs\(params=0, jact=1\)"):
-    make(nnx.Rngs(params=0))
+def test_activations_without_stream(twin, fn):
+  x = _normal((8, 32))
+  np.testing.assert_array_equal(twin(x), fn(x))
+  with pytest.raises(ValueError, match="differentiated without a rounding key"):
+    jax.grad(lambda x: jnp.sum(twin(x)))(x)
+
+
+def test_use_key_replaces_the_layers_stream():
+  layer = jnnx.Linear(8, 3, bits=2, rngs=_rngs(0))
+  x = _normal((16, 8))
+
+  @nnx.jit
+  def grad(layer, key):
+    with jnnx.use_key(key):
+      return nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)["kernel"][...]
+
+  g1, g2 = grad(layer, jax.random.key(1)), grad(layer, jax.random.key(1))
+  np.testing.assert_array_equal(g1, g2)  # the block's key, not the stream's next one
+  assert int(layer.jact_rngs.count[...]) == 0
 
 
 def test_no_stream_needed_without_stochastic_rounding():

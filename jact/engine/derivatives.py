@@ -13,6 +13,11 @@ for the others.
   compressed; differentiating it raises at trace time. Exact residuals
   (bits=None, ReLU's 1-bit mask) are not marked: higher orders through them
   are exact.
+* A Flax layer or module called without a rounding key (inference, eval,
+  decoding) runs the plain computation, which saves nothing as long as
+  nothing differentiates it. `inference_only` marks its outputs: a derivative
+  through them (any mode) raises at trace time with the message naming the
+  key to pass, instead of silently saving full-precision residuals.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 
 from jact import _compat
 
-__all__ = ["reverse_only", "first_order_only"]
+__all__ = ["reverse_only", "first_order_only", "inference_only"]
 
 
 def _forward_mode_message(op: str) -> str:
@@ -86,3 +91,36 @@ def first_order_only(x: jax.Array, name: str | None, method) -> jax.Array:
   """`x`, the value a lossy residual is made from: differentiating it raises."""
   what = f"residual {name!r} ({method})" if name else f"a residual ({method})"
   return _first_order_only(what, x)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _inference_only(message: str, x):
+  return x
+
+
+@_inference_only.defjvp
+def _inference_only_jvp(message, primals, tangents):
+  raise ValueError(message)
+
+
+def inference_only(tree, message: str):
+  """`tree` unchanged; differentiating one of its float arrays raises
+  `ValueError(message)` at trace time.
+
+  JAX runs a custom JVP rule only for a value that carries a nonzero
+  tangent, so the values stay free to use wherever nothing differentiates
+  them (also under `jax.grad` of something else, or behind
+  `jax.lax.stop_gradient`).
+
+  >>> import jax, jax.numpy as jnp
+  >>> f = lambda x: inference_only(2.0 * x, "pass a key").sum()
+  >>> float(f(jnp.ones(3)))
+  6.0
+  >>> try:
+  ...   jax.grad(f)(jnp.ones(3))
+  ... except ValueError as e:
+  ...   print(e)
+  pass a key
+  """
+  guard = lambda a: _inference_only(message, a) if _is_float_array(a) else a
+  return jax.tree.map(guard, tree)

@@ -9,6 +9,7 @@ from jax import lax
 
 from jact.flax import _compat, _hooks
 from jact.flax import nnx as jnnx
+from jact.flax import _convert_nnx_engine as _engine
 from jact.flax._conversion import Settings, unsupported
 from jact.flax._hooks import Hook
 
@@ -78,7 +79,7 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
   patch(twin)
   if settings is None:  # Embed, Dropout: no rounding
     twin._init_jact(None, None, 256, True, name)
-  else:
+  else:  # without rngs: no stream (keys from jact.nnx.use_key only)
     twin._init_jact(rngs, settings.bits, settings.group_size, settings.stochastic, name,
                     settings.compressor)
   return twin
@@ -144,9 +145,10 @@ def _converted_twins(model: nnx.Module) -> list:
 def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   # Plan first (validation, clear errors), mutate after: no half-converted model.
   plan = []
+  generic = _engine.generic_layers(model)  # layers with no twin: the generic engine
   for path, module in list(nnx.iter_modules(model)):
     rule = _NNX_RULES.get(type(module))
-    if rule is None:
+    if rule is None or _engine.inside(path, generic):
       continue
     twin_cls, check, patch, rounds = rule
     name = "/".join(str(p) for p in path) or type(module).__name__
@@ -157,25 +159,28 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
     plan.append((module, twin_cls, patch, rounds, name))
   if rngs is not None and not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
     raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
-  converted = _converted_twins(model)
-  lacking = [name for *_, rounds, name in plan if rounds]
-  lacking += [name for name, twin in converted if twin.jact_rngs is None]
-  if settings.needs_key and lacking and not _has_stream(rngs):
-    got = "no rngs" if rngs is None else f"rngs={rngs!r}"[:200]
+  if rngs is not None and not _has_stream(rngs):
     raise ValueError(
-        f"jact.convert rounds the saved activations of an nnx model stochastically and "
-        f"needs an RNG stream named 'jact' (or 'default') to fork each layer's stream from "
-        f"({', '.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}); "
-        f"got {got}. Fixes: convert(model, rngs=nnx.Rngs(jact=0)); or convert with "
-        f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+        f"jact.convert(model, rngs=...) forks each converted layer's rounding stream from "
+        f"a stream named 'jact' (or 'default'); got an nnx.Rngs with only {list(rngs)}. Pass "
+        f"rngs=nnx.Rngs(jact=0); or leave rngs out: the model's state then stays the plain "
+        f"model's, and the keys come from jact.nnx.use_key.")
+  converted = _converted_twins(model)
   for _, twin in converted:  # converted before (or built as twins): the new settings apply
-    source = rngs if _has_stream(rngs) else twin.jact_rngs
+    source = rngs if rngs is not None else twin.jact_rngs
     twin._init_jact(source, settings.bits, settings.group_size, settings.stochastic,
                     twin.residual_name, settings.compressor)
 
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)
            for module, twin_cls, patch, rounds, name in plan}
+  paths = {id(module): path for path, module in nnx.iter_modules(model)}
+  for module_id, twin in twins.items():  # built inside nnx.vmap: one stream per stacked layer
+    _engine.restack(model, paths[module_id], twin)
+  for path, module in generic:
+    twins[id(module)] = _engine.convert_layer(model, path, module, settings, rngs)
+  if id(model) not in twins:
+    _engine.convert_model(model, settings, rngs)
   if not twins:
     return model
   # Swap the twins in wherever a converted layer is referenced: attributes of

@@ -15,12 +15,15 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import zlib
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from jact.engine.derivatives import inference_only
 from jact.engine.rounding import Rounding, residual_method
 from jact.flax import _compat
 from jact.ops import linear
@@ -111,20 +114,106 @@ def last_axis_only(axes, ndim: int) -> bool:
   return len(axes) == 1 and axes[0] % ndim == ndim - 1
 
 
-def linen_missing_stream(layer: str) -> ValueError:
-  return ValueError(
-      f"jact.nn.{layer} rounds its saved activations stochastically and needs an RNG "
-      f"stream named 'jact'. Fixes: pass a fresh key per step, e.g. "
-      f"model.apply(variables, x, rngs={{'jact': key}}); or build the layer with "
-      f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+# ----------------------------------------------------------------------------- no key
 
 
-def nnx_missing_stream(layer: str) -> ValueError:
-  return ValueError(
-      f"jact.nnx.{layer} rounds its saved activations stochastically and needs an RNG "
-      f"stream named 'jact' (or a 'default' stream). Fixes: build it with "
-      f"rngs=nnx.Rngs(params=0, jact=1) (or nnx.Rngs(0)); or pass stochastic=False "
-      f"(round-to-nearest) or bits=None (no compression).")
+def linen_keyless_message(what: str, extra_fix: str = "") -> str:
+  """The error of differentiating a linen layer or module (`what`, e.g.
+  "jact.nn.Dense 'Dense_0'") that ran without a 'jact' stream."""
+  return (f"{what} was differentiated without an RNG stream named 'jact'. It rounds the "
+          f"activations it saves for the backward pass stochastically; without a key it runs "
+          f"the plain computation, for inference only (nothing saved). Fixes: pass a fresh key "
+          f"per step, e.g. model.apply(variables, x, rngs={{'jact': key}}){extra_fix}; or use "
+          f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+
+
+def nnx_keyless_message(what: str, own_stream: str) -> str:
+  """The error of differentiating an nnx layer or module (`what`) that has no
+  'jact' stream and ran outside `use_key`; `own_stream` says how to give it one."""
+  return (f"{what} was differentiated without a rounding key. It rounds the activations it "
+          f"saves for the backward pass stochastically; without a key it runs the plain "
+          f"computation, for inference only (nothing saved). Fixes: differentiate under "
+          f"jact.nnx.use_key, e.g. `with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)"
+          f"(model)` (a fresh PRNG key, or an nnx.Rngs with a 'jact' stream, per step); or "
+          f"{own_stream}; or use stochastic=False (round-to-nearest) or bits=None (no "
+          f"compression).")
+
+
+def keyless(fn: Callable[..., Any], message: str) -> Callable[..., Any]:
+  """`fn` (the plain computation of a layer called without a key) whose float
+  outputs raise `ValueError(message)` when differentiated."""
+  return lambda *args, **kwargs: inference_only(fn(*args, **kwargs), message)
+
+
+_USE_KEY: contextvars.ContextVar[_KeySource | None] = contextvars.ContextVar(
+    "jact_nnx_key", default=None)
+
+
+class _KeySource:
+  """The key of a `use_key` block and how many keys each residual name drew."""
+
+  def __init__(self, key):
+    self.key, self.calls = key, {}
+
+  def draw(self, name: str):
+    i = self.calls.get(name, 0)
+    self.calls[name] = i + 1
+    salt = zlib.crc32(name.encode()) & 0x7FFFFFFF
+    return jax.random.fold_in(jax.random.fold_in(self.key, salt), i)
+
+
+@contextlib.contextmanager
+def use_key(key):
+  """Rounding keys for the nnx layers and modules called inside the block:
+  what layers converted by `jact.convert(model)` without `rngs=` (no stream,
+  no RNG state) draw from when they are differentiated.
+
+  `key`: a PRNG key, or an `nnx.Rngs` ('jact' stream, else 'default') or
+  `nnx.RngStream` to draw one key from. A layer's i-th call inside the block
+  gets `fold_in(fold_in(key, hash(residual name)), i)`, so every layer and
+  call has its own noise; a layer's own stream, where it has one, is not
+  used inside the block. Use a fresh key every step, entered inside the
+  jitted step (a key a jitted function closes over is a constant: every call
+  would reuse it); draw it from an `nnx.Rngs` passed to the step, or pass
+  the key as an argument. Keys are drawn while tracing, so the layers of an
+  `nnx.scan` body share theirs across iterations: give stacked layers their
+  own streams (`convert(..., rngs=)`) instead. Without a key (and without a
+  stream) a layer runs plain: fine for inference, an error if
+  differentiated.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import jact
+  >>> model = jact.convert(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), bits=2)
+  >>> x = jnp.ones((4, 3))
+  >>> y = model(x)                                  # inference: no key needed
+  >>> loss = lambda m: (m(x) ** 2).sum()
+  >>> with jact.nnx.use_key(jax.random.key(1)):
+  ...   grads = nnx.grad(loss)(model)
+  >>> grads.kernel.shape
+  (3, 2)
+  """
+  if isinstance(key, nnx.Rngs):
+    if "jact" not in key and "default" not in key:
+      raise ValueError("jact.nnx.use_key got an nnx.Rngs with neither a 'jact' nor a "
+                       "'default' stream; pass nnx.Rngs(jact=seed) or a PRNG key.")
+    key = key["jact"]() if "jact" in key else key["default"]()
+  elif isinstance(key, nnx.RngStream):
+    key = key()
+  elif not isinstance(key, jax.Array):
+    raise TypeError(f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
+                    f"an nnx.RngStream, got {type(key).__name__}.")
+  token = _USE_KEY.set(_KeySource(key))
+  try:
+    yield
+  finally:
+    _USE_KEY.reset(token)
+
+
+def context_key(name: str):
+  """The next key of residual `name` inside `use_key`, or None outside it."""
+  source = _USE_KEY.get()
+  return None if source is None else source.draw(name)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -220,6 +309,16 @@ def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any
               compress=(True, False), **rounding)
   return {"qkv": qkv, "out": out,
           "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}
+
+
+_NNX_ATTENTION = tuple(inspect.signature(nnx.dot_product_attention).parameters)
+
+
+def plain_nnx_attention(query, keys, value, **kwargs):
+  """Flax's own nnx attention: what an nnx attention twin runs without a key."""
+  _check_attention_keywords(kwargs, _NNX_ATTENTION)
+  return nnx.dot_product_attention(
+      query, keys, value, **{n: v for n, v in kwargs.items() if n in _NNX_ATTENTION})
 
 
 def plain_attention(query, keys, value, **kwargs):

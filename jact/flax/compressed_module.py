@@ -10,8 +10,9 @@ module's forward pass, keeping the module's variables exactly as they are:
   out) through `call_compressed`. The class keeps the original's name, so
   autonamed submodules ("MLP_0") and every parameter path and value are those
   of the undecorated module. Rounding keys come from the RNG stream 'jact'
-  (`make_rng('jact')`); `init` without that stream runs the plain module;
-  `apply` without it raises a ValueError naming the fix. Mutable collections
+  (`make_rng('jact')`); without that stream (`init`, inference, evaluation,
+  decoding) the plain module runs, and differentiating it raises a ValueError
+  naming the fix. Mutable collections
   (BatchNorm's `batch_stats` under `mutable=['batch_stats']`) update as in the
   plain module. An *unbound* top-level instance can be decorated too
   (`jact.compressed(MLP(features=8))`); an instance already attached to a
@@ -28,6 +29,14 @@ module's forward pass, keeping the module's variables exactly as they are:
   `CompressedModule(module, rngs=nnx.Rngs(jact=0), ...)` when built directly,
   or from a `key=` (a PRNG key, an `nnx.Rngs` or an `nnx.RngStream`) passed at
   call time.
+
+An nnx module with neither a stream nor a `key=` draws its key from an
+enclosing `jact.nnx.use_key` block; outside one it runs plain like a linen
+module without its stream: the same output, and a ValueError naming the fix
+if differentiated. (A plain *function* decorated with `jact.compressed` takes
+its key as an explicit argument and still raises without one: there the
+call site chooses the key, and evaluation code can call the undecorated
+function.)
 
 For nnx the forward splits the module into graphdef and state, runs a pure
 function of (state, inputs) through `call_compressed` and writes back, with
@@ -92,7 +101,8 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from jact.flax import _compat
+from jact.engine.derivatives import inference_only
+from jact.flax import _compat, _hooks
 from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 
@@ -139,11 +149,14 @@ def _named(config: ResidualConfig, name: str) -> ResidualConfig:
   return dataclasses.replace(config, name=name)
 
 
-def _missing_stream(what: str, fix: str) -> ValueError:
-  return ValueError(
-      f"jact.compressed({what}) rounds its saved activations stochastically and needs an "
-      f"RNG stream named 'jact'. Fixes: {fix}; or decorate it with stochastic=False "
-      f"(round-to-nearest) or bits=None (no compression).")
+def _keyless_message(what: str, nnx_module: bool) -> str:
+  what = f"jact.compressed({what})"
+  if nnx_module:
+    return _hooks.nnx_keyless_message(
+        what, "give it a stream: build the decorated class with rngs=nnx.Rngs(params=0, "
+        "jact=1), or wrap an instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...); "
+        "or call it with key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>")
+  return _hooks.linen_keyless_message(what, " or call it with key=<a fresh PRNG key>")
 
 
 # ----------------------------------------------------------------------------- linen
@@ -155,10 +168,12 @@ def _flags(fn, prefix, args, kwargs, argnums) -> list[bool]:
 
 
 def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy, argnums,
-                     name_of=None):
+                     name_of=None, keyless: str = ""):
   """Lifted transform (cf. `flax.core.lift.checkpoint`): runs the scope function `fn`
   with variables and RNGs as explicit inputs of `call_compressed`, and returns the
-  updated mutable collections as outputs, which `pack` publishes to the outer scope."""
+  updated mutable collections as outputs, which `pack` publishes to the outer scope.
+  With `compress=False` the plain function runs; its output raises `keyless`
+  (the message) if differentiated."""
 
   def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
 
@@ -168,7 +183,8 @@ def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy,
       return y, repack_fn(scope)
 
     if not compress:
-      return pure(variable_groups, rng_groups, *args, **kwargs)
+      y, variables = pure(variable_groups, rng_groups, *args, **kwargs)
+      return inference_only(y, keyless), variables
     flags = _flags(name_of, (variable_groups, rng_groups), args, kwargs, argnums)
     return call_compressed(pure, (variable_groups, rng_groups, *args), kwargs, key=key,
                            config=config, policy=policy, compress_inputs=flags)
@@ -188,16 +204,14 @@ def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
     if key is None and cfg.needs_key:
       if self.has_rng("jact"):
         key = self.make_rng("jact")
-      elif self.is_initializing():
-        compress = False  # init without the stream: the plain module (same parameters)
-      else:
-        raise _missing_stream(
-            module_class.__name__,
-            "pass a fresh key per step, e.g. model.apply(variables, x, rngs={'jact': key})")
+      else:  # init, inference: the plain module (same parameters, same output)
+        compress = False
     # `fn` runs on a `module_class` clone bound to the lifted scopes (as in linen's
     # own lifted transforms), so it sees the plain class.
-    transform = functools.partial(_lift_compressed, key=key, compress=compress, config=cfg,
-                                  policy=policy, argnums=argnums, name_of=module_class)
+    transform = functools.partial(
+        _lift_compressed, key=key, compress=compress, config=cfg, policy=policy,
+        argnums=argnums, name_of=module_class,
+        keyless=_keyless_message(f"{module_class.__name__} {cfg.name!r}", False))
     return _compat.lift_method_call(self, module_class, fn, transform, args, kwargs)
 
   # Same class name as the original, so that parents autoname it identically.
@@ -260,18 +274,33 @@ def _key_from(key):
   return key
 
 
-def _draw_key(module, key, config: ResidualConfig, what: str):
+def _draw_key(module, key, config: ResidualConfig, name: str):
+  """(compress?, key): `key=` if given, else a `jact.nnx.use_key` block's key,
+  else the module's stream; (False, None) where a key is needed and none is
+  found (the plain call, see `_call`)."""
   if key is not None:
-    return _key_from(key)
+    return True, _key_from(key)
   if not config.needs_key:
-    return None
+    return True, None
+  key = _hooks.context_key(name)
+  if key is not None:
+    return True, key
   stream = getattr(module, "jact_rngs", None)
   if stream is None:
-    raise _missing_stream(
-        what, "build the decorated class with rngs=nnx.Rngs(params=0, jact=1), or wrap the "
-        "instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...), or call it with "
-        "key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>")
-  return stream()
+    return False, None
+  return True, stream()
+
+
+def _call(module, target: nnx.Module, method, args, kwargs, key, config: ResidualConfig, policy,
+          argnums, what: str):
+  """`method(target, *args, **kwargs)` with compressed residuals, or plain
+  (raising if differentiated) when no key can be found."""
+  compress, key = _draw_key(module, key, config, config.name)
+  if not compress:
+    return inference_only(method(target, *args, **kwargs),
+                          _keyless_message(f"{what} {config.name!r}", True))
+  return nnx_call(target, method, args, kwargs, key=key, config=config, policy=policy,
+                  compress_argnums=argnums)
 
 
 def _is_graph_node(x) -> bool:
@@ -356,10 +385,9 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
 
   @functools.wraps(base_call)
   def __call__(self, *args, key=None, **kwargs):
-    key = _draw_key(self, key, config, module_class.__name__)
     cfg = dataclasses.replace(config, name=self.residual_name)
-    return nnx_call(self, base_call, args, kwargs, key=key, config=cfg, policy=policy,
-                    compress_argnums=argnums)
+    return _call(self, self, base_call, args, kwargs, key, cfg, policy, argnums,
+                 module_class.__name__)
 
   functools.update_wrapper(__init__, module_class.__init__)
   return type(module_class.__name__, (module_class,), {
@@ -400,10 +428,9 @@ class CompressedModule(nnx.Module):
 
   def __call__(self, *args, key=None, **kwargs):
     settings = self.residual_settings
-    key = _draw_key(self, key, settings.config, type(self.module).__name__)
     cfg = dataclasses.replace(settings.config, name=self.residual_name)
-    return nnx_call(self.module, type(self.module).__call__, args, kwargs, key=key, config=cfg,
-                    policy=settings.policy, compress_argnums=settings.argnums)
+    return _call(self, self.module, type(self.module).__call__, args, kwargs, key, cfg,
+                 settings.policy, settings.argnums, type(self.module).__name__)
 
 
 add_module_route(ModuleRoute(handles=is_flax, wrap=wrap, takes_arguments=has_graph_nodes,

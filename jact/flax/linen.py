@@ -6,7 +6,10 @@ compressed twin, and its forward is Flax's. What differs is what is kept for
 the backward pass: a stochastically rounded low-bit copy (`bits`, default 4,
 or a `jact.compressors` object as `compressor`) instead of the
 full-precision activation. Rounding noise comes from an RNG
-stream named 'jact'; during `init` without that stream the plain op is used.
+stream named 'jact'. Without that stream (`init`, inference, evaluation,
+decoding) a twin runs the plain Flax computation, which gives the same output
+and saves nothing as long as nothing differentiates it; differentiating it
+(`jax.grad`, `jax.vjp`, `jax.jvp`) raises a ValueError naming the fix.
 Residuals are tagged with the layer's module path (e.g. "Dense_0.lhs"), or
 the class name for a top-level layer.
 
@@ -22,6 +25,8 @@ the class name for a top-level layer.
 >>> y = MLP().apply(variables, x, rngs={'jact': jax.random.key(1)})
 >>> y.shape
 (4, 2)
+>>> bool(jnp.allclose(MLP().apply(variables, x), y))   # inference needs no key
+True
 """
 
 from __future__ import annotations
@@ -61,15 +66,19 @@ class _Twin:
     return "/".join(path) if path else type(self).__name__
 
   def _key(self) -> tuple[bool, Any]:
-    """(compress?, key): the 'jact' key when rounding needs one; plain op during init without it."""
+    """(compress?, key): the 'jact' key when rounding needs one; without the
+    stream, (False, None): run the plain computation through `_keyless`."""
     if not _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
                             self._api()):
       return True, None
     if self.has_rng("jact"):
       return True, self.make_rng("jact")
-    if self.is_initializing():
-      return False, None
-    raise _hooks.linen_missing_stream(type(self).__name__)
+    return False, None
+
+  def _keyless(self, fn: Callable) -> Callable:
+    """`fn`, the layer's plain computation run without a key: differentiating it raises."""
+    what = f"{self._api()} {self._residual_name()!r}"
+    return _hooks.keyless(fn, _hooks.linen_keyless_message(what))
 
   def _check_hook(self, field: str) -> None:
     if not isinstance(getattr(self, field), Hook) or getattr(self, f"{field}_cls") is not None:
@@ -80,7 +89,7 @@ class _Twin:
     self._check_hook(slot)
     compress, key = self._key()
     if not compress:
-      return _hooks.provide(**{slot: plain})
+      return _hooks.provide(**{slot: self._keyless(plain)})
     calls = _hooks.Calls(op, key, (self._residual_name(),), slot, **self._rounding(), **static)
     return _hooks.provide(**{slot: calls})
 
@@ -172,9 +181,11 @@ class BatchNorm(_Twin, nn.BatchNorm):
     call_arg = use_running_average
     use_running_average = nn.merge_param(
         "use_running_average", self.use_running_average, use_running_average)
-    compress, key = (False, None) if use_running_average else self._key()
-    if not compress:
+    if use_running_average:
       return super().__call__(x, call_arg, mask=mask)
+    compress, key = self._key()
+    if not compress:
+      return self._keyless(super().__call__)(x, call_arg, mask=mask)
     _norm_options_supported(self, mask, "BatchNorm", cross_device=True)
     axes = (self.axis,) if isinstance(self.axis, int) else tuple(self.axis)
     if len(axes) != 1:
@@ -212,7 +223,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
   def __call__(self, x, *, mask=None):
     compress, key = self._key()
     if not compress:
-      return super().__call__(x, mask=mask)
+      return self._keyless(super().__call__)(x, mask=mask)
     _norm_options_supported(self, mask, "LayerNorm")
     if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
             and _hooks.last_axis_only(self.feature_axes, x.ndim)):
@@ -242,7 +253,7 @@ class RMSNorm(_Twin, nn.RMSNorm):
   def __call__(self, x, *, mask=None):
     compress, key = self._key()
     if not compress:
-      return super().__call__(x, mask=mask)
+      return self._keyless(super().__call__)(x, mask=mask)
     _norm_options_supported(self, mask, "RMSNorm")
     if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
             and _hooks.last_axis_only(self.feature_axes, x.ndim)):
@@ -310,7 +321,7 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
     if not compress:
       with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
                           attention=_hooks.plain_attention):
-        return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        return self._keyless(super().__call__)(inputs_q, inputs_k, inputs_v, **kwargs)
     with _hooks.provide(**_hooks.attention_ops(key, self._residual_name(), self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
 
@@ -352,7 +363,7 @@ class _StoredDerivative(_Twin, nn.Module):
   def _apply(self, x, **extra):
     compress, key = self._key()
     if not compress:
-      return type(self)._plain(x, **extra)
+      return self._keyless(type(self)._plain)(x, **extra)
     op = getattr(activation, self._op_name)
     return op(x, **extra, key=key, name=self._residual_name(), **self._rounding())
 

@@ -5,8 +5,13 @@ state is exactly the plain layer's and `nnx.update(twin, nnx.state(plain,
 nnx.Param))` loads plain weights. Layers that round stochastically fork an RNG
 stream named 'jact' (falling back to 'default', as nnx streams do) at
 construction, like `nnx.Dropout` does with 'dropout', and draw a fresh key on
-every call. Residual names default to the class name; `name_residuals(model)`
-sets every twin's name to its attribute path in the model.
+every call. Inside a `use_key` block they draw from that block's key instead;
+a twin built from `rngs` without such a stream (or converted by
+`jact.convert(model)` without `rngs=`) holds no stream and no RNG state, and
+takes its keys only from `use_key`. A layer with no key runs the plain Flax
+computation: the same output, fine for inference, and a ValueError naming the
+fix if differentiated. Residual names default to the class name;
+`name_residuals(model)` sets every twin's name to its attribute path in the model.
 
 >>> import jax, jax.numpy as jnp
 >>> from flax import nnx
@@ -20,19 +25,21 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jact.compressors import Compressor
 from jact.flax import _hooks
-from jact.flax._hooks import Hook
+from jact.flax._hooks import Hook, use_key
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
 
 __all__ = [
     "Linear", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
     "MultiHeadAttention", "ReLU", "LeakyReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax",
-    "MaxPool", "AvgPool", "BLPABlock", "name_residuals",
+    "MaxPool", "AvgPool", "BLPABlock", "name_residuals", "use_key",
 ]
 
 
@@ -41,23 +48,23 @@ class _Twin:
 
   @classmethod
   def _check_settings(cls, rngs, bits, group_size, stochastic, compressor=None) -> None:
-    """Fails fast (before any parameter is initialized) on bad settings or a missing stream."""
-    api = f"jact.nnx.{cls.__name__}"
-    _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, api)
-    if _hooks.needs_key(bits, group_size, stochastic, compressor, api):
-      has_stream = isinstance(rngs, nnx.RngStream) or (
-          isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs))
-      if not has_stream:
-        raise _hooks.nnx_missing_stream(cls.__name__)
+    """Fails fast (before any parameter is initialized) on bad settings."""
+    _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, f"jact.nnx.{cls.__name__}")
 
   def _init_jact(self, rngs, bits, group_size, stochastic, name, compressor=None):
+    """Settings, residual name and the layer's own 'jact' stream, forked from
+    `rngs` ('jact', else 'default') when rounding needs a key; without such a
+    stream in `rngs` none (keys from `use_key` only)."""
     self._check_settings(rngs, bits, group_size, stochastic, compressor)
     self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
     self.compressor = compressor
     self.residual_name = name or type(self).__name__
     stream = None
-    if self._needs_key():
-      stream = rngs["jact"].fork() if isinstance(rngs, nnx.Rngs) else rngs.fork()
+    if self._needs_key() and isinstance(rngs, nnx.RngStream):
+      stream = rngs.fork()
+    elif self._needs_key() and isinstance(rngs, nnx.Rngs) and ("jact" in rngs
+                                                               or "default" in rngs):
+      stream = rngs["jact"].fork()
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
   def _rounding(self) -> dict:
@@ -68,16 +75,30 @@ class _Twin:
     return _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
                             f"jact.nnx.{type(self).__name__}")
 
-  def _key(self):
+  def _key(self) -> tuple[bool, Any]:
+    """(compress?, key): a `use_key` block's key, else the layer's stream; (False,
+    None) where a key is needed and there is none: run plain through `_keyless`."""
     if not self._needs_key():
-      return None
+      return True, None
+    key = _hooks.context_key(self.residual_name)
+    if key is not None:
+      return True, key
     if self.jact_rngs is None:
-      raise _hooks.nnx_missing_stream(type(self).__name__)
-    return self.jact_rngs()
+      return False, None
+    return True, self.jact_rngs()
 
-  def _provide(self, slot: str, op, **static):
-    calls = _hooks.Calls(op, self._key(), (self.residual_name,), slot, **self._rounding(),
-                         **static)
+  def _keyless(self, fn):
+    """`fn`, the layer's plain computation run without a key: differentiating it raises."""
+    return _hooks.keyless(fn, _hooks.nnx_keyless_message(
+        f"jact.nnx.{type(self).__name__} {self.residual_name!r}",
+        "give the layers their own streams: jact.convert(model, rngs=nnx.Rngs(jact=0)), or "
+        "build the twins with rngs=nnx.Rngs(params=0, jact=1)"))
+
+  def _provide(self, slot: str, op, plain, **static):
+    compress, key = self._key()
+    if not compress:
+      return _hooks.provide(**{slot: self._keyless(plain)})
+    calls = _hooks.Calls(op, key, (self.residual_name,), slot, **self._rounding(), **static)
     return _hooks.provide(**{slot: calls})
 
 
@@ -133,7 +154,8 @@ class Linear(_Twin, nnx.Linear):
     self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
-    with self._provide("dot_general", linear.dot_general, compress=(True, False)):
+    with self._provide("dot_general", linear.dot_general, lax.dot_general,
+                       compress=(True, False)):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 
@@ -152,7 +174,7 @@ class Conv(_Twin, nnx.Conv):
 
   def __call__(self, inputs, out_sharding=None):
     with self._provide("conv_general_dilated", linear.conv_general_dilated,
-                       compress=(True, False)):
+                       lax.conv_general_dilated, compress=(True, False)):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 
@@ -220,12 +242,15 @@ class BatchNorm(_Twin, nnx.BatchNorm):
     _check_norm_options(self, mask, "BatchNorm", cross_device=True)
     if not isinstance(self.axis, int):
       raise ValueError("jact.nnx.BatchNorm supports a single feature axis.")
+    compress, key = self._key()
+    if not compress:
+      return self._keyless(super().__call__)(x, False, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
     y, mean, var = norm.batch_norm(
         x, scale, bias, axis=self.axis, epsilon=self.epsilon,
-        use_fast_variance=self.use_fast_variance, key=self._key(), name=self.residual_name,
+        use_fast_variance=self.use_fast_variance, key=key, name=self.residual_name,
         axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, **self._rounding())
     self.mean[...], self.var[...] = norm.update_running_stats(
         self.mean[...], self.var[...], mean, var, self.momentum)
@@ -246,11 +271,14 @@ class LayerNorm(_Twin, nnx.LayerNorm):
   def __call__(self, x, *, mask=None):
     _check_norm_options(self, mask, "LayerNorm")
     _check_last_axis(self, x, "LayerNorm")
+    compress, key = self._key()
+    if not compress:
+      return self._keyless(super().__call__)(x, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
     return norm.layer_norm(x, scale, bias, epsilon=self.epsilon,
-                           use_fast_variance=self.use_fast_variance, key=self._key(),
+                           use_fast_variance=self.use_fast_variance, key=key,
                            name=self.residual_name, **self._rounding())
 
 
@@ -268,9 +296,12 @@ class RMSNorm(_Twin, nnx.RMSNorm):
   def __call__(self, x, mask=None):
     _check_norm_options(self, mask, "RMSNorm")
     _check_last_axis(self, x, "RMSNorm")
+    compress, key = self._key()
+    if not compress:
+      return self._keyless(super().__call__)(x, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-    return norm.rms_norm(x, scale, epsilon=self.epsilon, key=self._key(),
+    return norm.rms_norm(x, scale, epsilon=self.epsilon, key=key,
                          name=self.residual_name, **self._rounding())
 
 
@@ -337,7 +368,11 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
     self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
-    key = self._key()
+    compress, key = self._key()
+    if not compress:
+      with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
+                          attention=_hooks.plain_nnx_attention):
+        return self._keyless(super().__call__)(inputs_q, inputs_k, inputs_v, **kwargs)
     with _hooks.provide(**_hooks.attention_ops(key, self.residual_name, self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
 
@@ -373,8 +408,11 @@ class _StoredDerivative(_Twin, nnx.Module):
                rngs: nnx.Rngs | nnx.RngStream | None = None):
     self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
 
-  def _apply(self, op, x, **extra):
-    return op(x, **extra, key=self._key(), name=self.residual_name, **self._rounding())
+  def _apply(self, op, plain, x, **extra):
+    compress, key = self._key()
+    if not compress:
+      return self._keyless(plain)(x, **extra)
+    return op(x, **extra, key=key, name=self.residual_name, **self._rounding())
 
 
 class GELU(_StoredDerivative):
@@ -385,28 +423,28 @@ class GELU(_StoredDerivative):
     self.approximate = approximate
 
   def __call__(self, x):
-    return self._apply(activation.gelu, x, approximate=self.approximate)
+    return self._apply(activation.gelu, jax.nn.gelu, x, approximate=self.approximate)
 
 
 class SiLU(_StoredDerivative):
   """SiLU (swish) storing its quantized derivative (unbiased input gradient)."""
 
   def __call__(self, x):
-    return self._apply(activation.silu, x)
+    return self._apply(activation.silu, jax.nn.silu, x)
 
 
 class Tanh(_StoredDerivative):
   """tanh storing its quantized derivative (unbiased input gradient)."""
 
   def __call__(self, x):
-    return self._apply(activation.tanh, x)
+    return self._apply(activation.tanh, jnp.tanh, x)
 
 
 class Sigmoid(_StoredDerivative):
   """Sigmoid storing its quantized derivative (unbiased input gradient)."""
 
   def __call__(self, x):
-    return self._apply(activation.sigmoid, x)
+    return self._apply(activation.sigmoid, jax.nn.sigmoid, x)
 
 
 class Softmax(_StoredDerivative):
@@ -417,7 +455,7 @@ class Softmax(_StoredDerivative):
     self.axis = axis
 
   def __call__(self, x):
-    return self._apply(activation.softmax, x, axis=self.axis)
+    return self._apply(activation.softmax, jax.nn.softmax, x, axis=self.axis)
 
 
 # ----------------------------------------------------------------------------- pooling
