@@ -16,19 +16,38 @@ forward values are unchanged.
   redirects every `__call__` of a supported Flax layer to the twin built from
   that layer's own settings and bound to the layer's own scope, so parameters
   keep their paths. Rounding noise comes from the 'jact' RNG stream of
-  `apply` -- in every apply that runs a converted layer, inference included
-  (for inference, apply the plain model to the same variables); `init`
-  needs none. Inside `nn.scan`, list 'jact' in `split_rngs` for fresh noise
+  `apply` (`rngs={'jact': key}`, a fresh key per step) wherever the model is
+  differentiated. Where nothing is saved -- `init`, inference, evaluation,
+  decoding -- no key is needed: without the stream every converted layer
+  runs its plain Flax computation (the plain model's output), and
+  differentiating that raises a ValueError naming the fix, never a silent
+  fixed key. Inside `nn.scan`, list 'jact' in `split_rngs` for fresh noise
   per iteration. Options known only at call time (`mask=`,
   `sow_weights=True`) fall back per call.
-* **nnx** -- module surgery. `convert(model, rngs=nnx.Rngs(jact=0))` replaces,
-  in place, every supported layer inside `model` by its twin holding the
-  very same `nnx.Param` / `nnx.BatchStat` objects, and returns `model` (or
-  the twin when `model` itself is a supported layer; use the returned
-  value). Each converted layer forks its own 'jact' stream from `rngs` (as
-  the twins do); `nnx.state(model, nnx.Param)` and the batch statistics are
-  unchanged, the new RNG state sits under `<layer>/jact_rngs`. Residuals
-  are named after attribute paths ("blocks/0/attn"). Settings are checked
+* **nnx** -- module surgery. `convert(model)` replaces, in place, every
+  supported layer inside `model` by its twin holding the very same
+  `nnx.Param` / `nnx.BatchStat` objects, and returns `model` (or the twin
+  when `model` itself is a supported layer; use the returned value). Where
+  the rounding keys come from is a choice:
+
+  - without `rngs=`, nothing is added to the model's state: `nnx.state(model)`
+    (all of it, RNG state included) is the plain model's, so full-state
+    checkpoints, `nnx.update` and `nnx.merge` work both ways between the plain
+    and the converted model. A differentiated call takes its keys from a
+    `jact.nnx.use_key(key)` block around it (a fresh PRNG key, or an
+    `nnx.Rngs` passed to the jitted step, per step); outside one the layers
+    run plain: inference needs no key, and differentiating raises a
+    ValueError naming the fixes.
+  - with `rngs=nnx.Rngs(jact=0)`, each converted layer forks its own 'jact'
+    stream (as the twins do) and draws a fresh key per call, so the training
+    step needs no change, and layers inside an `nnx.scan` body get their own
+    noise per iteration (under `use_key` they share the body's key). The
+    full state then also holds these streams (`<layer>/jact_rngs`, tagged
+    'jact'): a plain model loads the rest,
+    `nnx.update(plain, nnx.state(model, nnx.Not(nnx.WithTag('jact'))))`,
+    while a plain model's full state loads into the converted one as is.
+
+  Residuals are named after attribute paths ("blocks/0/attn"). Settings are checked
   at conversion; options passed at call time that a twin lacks (`mask=`,
   `sow_weights=True`) raise the twin's ValueError.
 
@@ -69,6 +88,7 @@ the same key.
 >>> y = model.apply(variables, x, rngs={'jact': jax.random.key(1)})
 >>> bool(jnp.allclose(y, MLP().apply(variables, x)))
 True
+>>> y = model.apply(variables, x)                       # inference: no key needed
 >>> from flax import nnx
 >>> net = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
 ...                      nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
@@ -105,14 +125,16 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
     compressor: a `jact.compressors` object storing the saved values instead
       of `bits` (leave `bits` at its default).
     group_size: values per quantization group (a multiple of 8).
-    stochastic: stochastic (unbiased) rounding, which needs a 'jact' RNG
-      stream; False rounds to nearest and needs none.
+    stochastic: stochastic (unbiased) rounding, which needs a key wherever
+      the model is differentiated (linen: the 'jact' stream of `apply`; nnx:
+      `rngs=` or `jact.nnx.use_key`); False rounds to nearest and needs none.
     strict: raise a ValueError, instead of warning and running the plain
       layer, when a supported layer uses an option its twin lacks.
     rngs: nnx only: the `nnx.Rngs` (with a 'jact' or 'default' stream) or
-      `nnx.RngStream` each converted layer forks its rounding stream from.
-      Needed when rounding is stochastic. linen models take the 'jact'
-      stream in `apply(..., rngs={'jact': key})` instead.
+      `nnx.RngStream` each converted layer forks its own rounding stream
+      from (RNG state added to the model). Without it the model's state is
+      the plain model's and the keys come from `jact.nnx.use_key`. linen
+      models take the 'jact' stream in `apply(..., rngs={'jact': key})`.
 
   Returns:
     The converted model.
@@ -121,8 +143,8 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
     TypeError: `model` is not a linen or nnx module, or `rngs` is given for a
       linen model, or a compressor is passed as `bits` (pass it as `compressor=`).
     ValueError: bad `bits` / `group_size`, or `bits` and `compressor` both
-      given; a bound linen module; an nnx model that needs a 'jact' stream and
-      got none; with `strict=True`, an unsupported option.
+      given; a bound linen module; an `nnx.Rngs` with neither a 'jact' nor a
+      'default' stream; with `strict=True`, an unsupported option.
   """
   # the twins' checks and messages
   _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, "jact.convert")
