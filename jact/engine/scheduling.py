@@ -18,7 +18,7 @@ from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
 
-__all__ = ["barrier", "after_residuals", "materialize", "finish_forward"]
+__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag"]
 
 
 def barrier(residuals, cotangent):
@@ -82,11 +82,11 @@ def after_residuals(out, residuals):
   forces compression to finish before the output is used. The select fuses
   into the output's consumer: no extra memory pass.
   """
-  ready = _ready(residuals)
+  ready = ready_flag(residuals)
   return jax.tree.map(lambda o: jnp.where(ready, o, jnp.zeros_like(o)), out)
 
 
-def _ready(residuals) -> jax.Array:
+def ready_flag(residuals) -> jax.Array:
   """A boolean scalar that is always True but depends on every packed residual."""
   packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
   if not packed:
@@ -107,7 +107,7 @@ def materialize(x: jax.Array, residuals) -> jax.Array:
   byte of the op's packed residuals, which also orders it after compression),
   and fused into the op's own single memory pass.
   """
-  ready = _ready(residuals)
+  ready = ready_flag(residuals)
   # The divisor is per element (a scalar divisor is rewritten by XLA into a
   # cheap multiplication by its reciprocal).
   return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.scheduling import barrier, materialize
+from jact.engine.scheduling import barrier, ready_flag
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -43,15 +43,19 @@ def _tieable(value) -> bool:
           and jnp.size(value) > 0 and _compat.on_device(value))
 
 
-def _tie(value, ready, stored):
-  """`value`, computed only after the `stored` pieces (same value)."""
+def _tie(value, ready):
+  """`value`, computed only after `ready` (an always-true flag computed from
+  the stored pieces). Floats are materialized once, as
+  `jact.engine.scheduling.materialize` does (XLA would otherwise re-fuse a
+  cheap producer into later consumers and keep its inputs alive)."""
   if jnp.issubdtype(value.dtype, jnp.floating):
-    return materialize(value, stored)
+    return value / jnp.where(ready, jnp.ones_like(value), value)
   return jnp.where(ready, value, jnp.zeros_like(value))
 
 
 def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
-                     store: Callable[[int, jax.Array], object]) -> tuple[list, dict]:
+                     store: Callable[[int, jax.Array], object],
+                     needed: Sequence[bool] | None = None) -> tuple[list, dict]:
   """Evaluates `jaxpr` on `inputs`, storing residuals as it goes.
 
   Args:
@@ -61,6 +65,9 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       `jaxpr`'s variables, `position` passed back to `store`).
     store: `(position, value) -> stored form` (compressed pieces, or the value
       itself when nothing is compressed).
+    needed: one flag per output of `jaxpr`; outputs not needed (residuals
+      used only through their stored form) come back as None and are not
+      kept alive. Default: all.
 
   Returns:
     `(outputs, stored)`: the values of `jaxpr.outvars` and `{position:
@@ -74,7 +81,9 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       if _compat.is_var(v):
         last_read[v] = i
   produced = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
-  outputs = {v for v in jaxpr.outvars if _compat.is_var(v)}
+  if needed is None:
+    needed = [True] * len(jaxpr.outvars)
+  outputs = {v for v, n in zip(jaxpr.outvars, needed) if n and _compat.is_var(v)}
   given = set(jaxpr.invars) | set(jaxpr.constvars)
 
   # Eqn index after which each residual is no longer needed by the forward pass.
@@ -103,8 +112,8 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       alive = last_read.get(v, -1) > after or v in outputs
       if alive and v not in given and _tieable(value):
         if ready is None:
-          ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
-        env[v] = _tie(value, ready, packed)
+          ready = ready_flag(packed)
+        env[v] = _tie(value, ready)
 
   def settle(after: int):
     nonlocal pending_bytes
@@ -127,7 +136,7 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
         env.pop(v, None)
   if pending:
     flush(len(eqns))
-  return [read(v) for v in jaxpr.outvars], stored
+  return [read(v) if n else None for v, n in zip(jaxpr.outvars, needed)], stored
 
 
 def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,

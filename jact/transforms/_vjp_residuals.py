@@ -23,7 +23,7 @@ from jact.compressors import Compressed
 from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
-from jact.engine.scheduling import barrier, materialize
+from jact.engine.scheduling import barrier, materialize, ready_flag
 from jact.engine.store import compress_residual, restore_residual
 
 
@@ -218,7 +218,7 @@ def output_epilogue(out, values):
   is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample, Compressed)) for v in values]
   packed = [v for v, p in zip(values, is_packed) if p]
   out, packed = barrier(out, packed)
-  ready = jnp.reshape(materialize(jnp.ones((1,), jnp.float32), packed), ()) == 1
+  ready = ready_flag(packed)
 
   def finish(o):
     if not is_array(o) or not jnp.size(o):

@@ -387,7 +387,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     results, stored = evaluate_storing(
         capture.jaxpr, capture.consts, inputs,
         {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
-        lambda p, leaf: store_saved(leaf, f"{config.name}.{p}", seed, p, config))
+        lambda p, leaf: store_saved(leaf, f"{config.name}.{p}", seed, p, config),
+        needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []
     for position, ((kind, _), leaf) in enumerate(zip(plan, results[n_out:])):
