@@ -73,6 +73,17 @@ def test_state_equals_plain_and_plain_weights_load(name):
     _assert_same_state(nnx.state(twin, kind), nnx.state(other, kind))
 
 
+def test_full_state_loads_both_ways_without_the_jact_streams():
+  twin = jnnx.Linear(7, 5, bits=8, rngs=_rngs(0))  # a stream: RNG state tagged 'jact'
+  own = nnx.state(twin, nnx.Not(nnx.WithTag("jact")))
+  plain = nnx.Linear(7, 5, rngs=nnx.Rngs(params=5))
+  nnx.update(plain, own)  # what convert's docstring tells a plain model to load
+  _assert_same_state(nnx.state(plain), own)
+  other = nnx.Linear(7, 5, rngs=nnx.Rngs(params=6))
+  nnx.update(twin, nnx.state(other))  # a plain model's full state loads as is
+  _assert_same_state(nnx.state(twin, nnx.Not(nnx.WithTag("jact"))), nnx.state(other))
+
+
 @pytest.mark.parametrize("name", [*LAYERS])
 def test_forward_equals_plain(name):
   make_plain, make_twin, x = LAYERS[name]
