@@ -240,8 +240,24 @@ def test_without_stream_forward_is_plain_and_differentiating_is_a_clear_error(na
     jax.grad(loss)(variables, x)  # parameters only (the input is data)
   with pytest.raises(ValueError, match=message):
     jax.vjp(lambda x: _apply(twin, variables, x, **kw), x)  # the input only
+  with pytest.raises(ValueError, match=message):  # forward mode too
+    jax.jvp(lambda x: _apply(twin, variables, x, **kw), (x,), (x,))
   # nothing differentiated through the layer: no key needed
   jax.grad(lambda v, x: loss(jax.lax.stop_gradient(v), x) + jnp.sum(x))(variables, x)
+
+
+@pytest.mark.slow
+def test_decoding_without_stream_is_flax_decoding():
+  make = lambda cls: cls(num_heads=2, qkv_features=8, decode=True)
+  x = _normal((1, 4, 8))
+  variables = make(nn.SelfAttention).init(KEY, x)
+  caches = [variables["cache"]] * 2
+  for t in range(x.shape[1]):  # token by token, through the key/value cache
+    out = [make(cls).apply({"params": variables["params"], "cache": cache}, x[:, t:t + 1],
+                           mutable=["cache"])
+           for cls, cache in zip((nn.SelfAttention, jnn.SelfAttention), caches)]
+    np.testing.assert_array_equal(out[1][0], out[0][0])
+    caches = [o[1]["cache"] for o in out]
 
 
 def test_no_stream_needed_without_stochastic_rounding():

@@ -227,6 +227,17 @@ def test_activations_without_stream(twin, fn):
     jax.grad(lambda x: jnp.sum(twin(x)))(x)
 
 
+@pytest.mark.slow
+def test_decoding_without_stream_is_flax_decoding():
+  make = lambda cls: cls(2, 8, 8, decode=True, rngs=nnx.Rngs(params=0))
+  plain, twin = make(nnx.MultiHeadAttention), make(jnnx.MultiHeadAttention)  # no 'jact'
+  x = _normal((1, 4, 8))
+  plain.init_cache(x.shape)
+  twin.init_cache(x.shape)
+  for t in range(x.shape[1]):  # token by token, through the key/value cache
+    np.testing.assert_array_equal(twin(x[:, t:t + 1]), plain(x[:, t:t + 1]))
+
+
 def test_use_key_replaces_the_layers_stream():
   layer = jnnx.Linear(8, 3, bits=2, rngs=_rngs(0))
   x = _normal((16, 8))
