@@ -29,6 +29,7 @@ from jact.planning.controller import ControllerState as ControllerState
 from jact.flax import linen as nn
 from jact.flax import nnx as nnx
 from jact.flax.convert import convert as convert
+from jact.flax.conversion_report import conversion_report as conversion_report
 from jact.planning.plan import BitPlan as BitPlan
 from jact.planning.plan import UnknownResidualWarning as UnknownResidualWarning
 from jact.planning.plan import planned as planned
@@ -56,6 +57,6 @@ __all__ = [
     "ops", "nn", "nnx", "rng", "compressors", "kernels", "sensitivity", "acgc", "allocate",
     "levels", "Controller", "ControllerState", "CompressionVarianceWarning",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
-    "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed", "save_inputs_only",
+    "compressed", "checkpoint", "convert", "conversion_report", "save_compressed", "offload_compressed", "save_inputs_only",
     "BitPlan", "use_plan", "planned", "UnknownResidualWarning",
 ]

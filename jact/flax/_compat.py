@@ -30,7 +30,7 @@ from flax.linen import module as linen_module
 from flax.linen import transforms as linen_transforms
 
 __all__ = [
-    "pack_all", "lift_method_call", "run_methods_within", "suppress_capture", "bind_to_scope",
+    "pack_all", "lift_method_call", "state_restored", "run_methods_within", "suppress_capture", "bind_to_scope",
     "nnx_twin_of", "peek_stream_key", "variable_values", "replaced_variables",
     "canonicalize_dtype", "attention_signature", "attention_defaults", "FlaxCompatError",
     "check",
@@ -85,6 +85,23 @@ def lift_method_call(module: nn.Module, module_class: type, method: Callable[...
   lifted = transform(core_fn)
   scopes, args, kwargs = linen_transforms.get_module_scopes(module, args, kwargs)
   return lifted(scopes, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def state_restored(module: nn.Module) -> Iterator[None]:
+  """Runs a lifted call of `module` (through `lift_method_call`) whose effect on the
+  module's internal state (setup state, autoname cursor) is then undone: a
+  measurement that traces the call once more must not shift the names the real
+  call gives its submodules.
+
+  Public replacement: none public in flax 0.12.8. Watch: `Module._state` and its
+  `export()`/`reimport()` (as in `lift_method_call`).
+  """
+  saved = module._state.export()
+  try:
+    yield
+  finally:
+    module._state.reimport(saved)
 
 
 # ----------------------------------------------------------------------------- linen interception

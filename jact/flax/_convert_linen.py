@@ -13,6 +13,7 @@ import flax.linen as nn
 from jact.flax import _compat, _hooks
 from jact.compressors import Compressor
 from jact.flax import linen as jnn
+from jact.flax import _convert_linen_engine as _engine
 from jact.flax._conversion import Settings, unsupported
 
 _ACTIVE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
@@ -49,11 +50,12 @@ def _converted_class(cls: type) -> type:
     jact_stochastic: bool = True
     jact_strict: bool = False
     jact_compressor: Compressor | None = None
+    jact_functions: bool = True
 
     @nn.nowrap
     def _jact_settings(self) -> Settings:
       return Settings(self.jact_bits, self.jact_group_size, self.jact_stochastic,
-                      self.jact_strict, self.jact_compressor)
+                      self.jact_strict, self.jact_compressor, self.jact_functions)
 
     # Besides every method of the model's classes (below), `init_with_output`
     # (behind `init`) and `apply` run under interception, for `method=`
@@ -65,7 +67,7 @@ def _converted_class(cls: type) -> type:
 
     @nn.nowrap
     def apply(self, *args, **kwargs):
-      with _converting(self._jact_settings()):
+      with _converting(self._jact_settings()), _engine.outer_key(kwargs.get("rngs")):
         return super().apply(*args, **kwargs)
 
   # Every method of a linen module (those of the model's classes, wrapped by
@@ -90,7 +92,8 @@ def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
            if f.init and f.name != "parent" and not f.name.startswith("jact_")}
   return cls(**attrs, jact_bits=settings.bits, jact_group_size=settings.group_size,
              jact_stochastic=settings.stochastic, jact_strict=settings.strict,
-             jact_compressor=settings.compressor, parent=None)
+             jact_compressor=settings.compressor, jact_functions=settings.functions,
+             parent=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,32 +199,98 @@ def _where(module) -> str:
   return f"{path or type(module).__name__} (flax.linen.{type(module).__name__})"
 
 
+def _own_params(module) -> bool:
+  """Whether `module` holds parameters of its own (not only through child layers)."""
+  params = module.variables.get("params", {}) if module.scope is not None else {}
+  return any(not hasattr(v, "items") for v in params.values())
+
+
+def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: type):
+  """A call that is no supported layer's `__call__`: the converted model's
+  outermost call through the engine, a warning for a layer with parameters of
+  its own that nothing compresses, else the call itself."""
+  module = context.module
+  is_model = "_jact_base" in type(module).__dict__ and base not in _engine.GENERIC
+  if (is_model and settings.functions and not _engine.IN_MODEL.get()
+      and context.method_name != "setup" and not module.is_initializing()):
+    method = getattr(base, context.method_name)
+    _engine.note(module, "model", "", None, None, args, kwargs, descendants=False)
+    token = _engine.IN_MODEL.set(True)
+    try:
+      return _engine.engine_call(module, method, args, kwargs, settings, descendants=False,
+                                 inputs=False)
+    finally:
+      _engine.IN_MODEL.reset(token)
+  if (context.method_name == "__call__" and not _engine.IN_MODEL.get()
+      and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
+      and not module.is_initializing() and _own_params(module)):
+    reason = ("no twin, and its own parameters are used outside any converted layer "
+              "(convert with functions=True to compress them through the model's call)")
+    unsupported(settings, _where(module), reason)
+    _engine.note(module, "plain", reason, base.__call__, None, args, kwargs,
+                 descendants=True)
+  return next_fun(*args, **kwargs)
+
+
+def _generic(next_fun, args, kwargs, module, settings: Settings, base: type, how: str):
+  """A layer call with every residual (and its inputs) compressed by the engine."""
+  method = base.__call__
+  scanned = issubclass(base, _engine.CELLS) or how == "engine (in scan)"
+
+  def converted(clone, *a, **k):
+    return _engine.engine_call(clone, method, a, k, settings, descendants=True,
+                               scanned=scanned)
+
+  _engine.note(module, how, "", method, converted, args, kwargs, descendants=True)
+  return converted(module, *args, **kwargs)
+
+
+def _draws_key(module, base: type, arguments: dict) -> bool:
+  if base in (nn.Embed, nn.Dropout):
+    return False
+  return base is not nn.BatchNorm or _batch_norm_training(module, arguments)
+
+
 def _intercept(next_fun, args, kwargs, context):
   settings = _ACTIVE.get()
   module = context.module
-  # a converted bare layer (convert(nn.Dense(3))) is looked up by its base class
-  rule = _LINEN_RULES.get(type(module).__dict__.get("_jact_base", type(module)))
-  if settings is None or rule is None or context.method_name != "__call__":
+  if settings is None or _engine.passes(module):
     return next_fun(*args, **kwargs)
+  # a converted bare layer (convert(nn.Dense(3))) is looked up by its base class
+  base = type(module).__dict__.get("_jact_base", type(module))
+  rule = _LINEN_RULES.get(base)
+  if context.method_name != "__call__" or (rule is None and base not in _engine.GENERIC):
+    return _outside_call(next_fun, args, kwargs, context, settings, base)
   arguments = _call_arguments(module, args, kwargs)
   if arguments is None:  # let Flax report the bad call
     return next_fun(*args, **kwargs)
+  if rule is None:
+    return _generic(next_fun, args, kwargs, module, settings, base, "engine")
   reason = rule.check(module, arguments)
   if reason is not None:
     unsupported(settings, _where(module), reason)
+    _engine.note(module, "plain", reason, base.__call__, None, args, kwargs, descendants=True)
     return next_fun(*args, **kwargs)
+  if _engine.hides_stream(module, settings) and _draws_key(module, base, arguments):
+    # inside nn.scan / nn.RNN without the 'jact' stream: the twin could draw no key
+    return _generic(next_fun, args, kwargs, module, settings, base, "engine (in scan)")
   fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
             if f.init and f.name not in ("parent", "name", *rule.drop)
             and not f.name.startswith("jact_")}
   if "bits" in {f.name for f in dataclasses.fields(rule.twin)}:
     fields.update(settings.rounding)
-  # Bound to (a rewound view of) the layer's own scope: same variables, same
-  # RNG counters, residuals named after the layer's path; rewound, so that
-  # names the layer's own setup() reserved (Embed's table) can be reused. The
-  # twin's own calls (and those of the Flax code it reuses through super())
-  # pass through this interceptor.
-  twin = _compat.bind_to_scope(module, rule.twin, **fields)
-  # With `capture_intermediates`, the intercepted layer records its output
-  # itself: keep the twin (not its sublayers) from recording it again.
-  with _compat.suppress_capture(twin):
-    return twin(*args, **kwargs)
+
+  def twin_call(layer, *a, **k):
+    # Bound to (a rewound view of) the layer's own scope: same variables, same
+    # RNG counters, residuals named after the layer's path; rewound, so that
+    # names the layer's own setup() reserved (Embed's table) can be reused. The
+    # twin's own calls (and those of the Flax code it reuses through super())
+    # pass through this interceptor.
+    twin = _compat.bind_to_scope(layer, rule.twin, **fields)
+    # With `capture_intermediates`, the intercepted layer records its output
+    # itself: keep the twin (not its sublayers) from recording it again.
+    with _compat.suppress_capture(twin):
+      return twin(*a, **k)
+
+  _engine.note(module, "twin", "", base.__call__, twin_call, args, kwargs, descendants=False)
+  return twin_call(module, *args, **kwargs)

@@ -9,6 +9,7 @@ from jax import lax
 
 from jact.flax import _compat, _hooks
 from jact.flax import nnx as jnnx
+from jact.flax import _convert_nnx_engine as _engine
 from jact.flax._conversion import Settings, unsupported
 from jact.flax._hooks import Hook
 
@@ -144,9 +145,11 @@ def _converted_twins(model: nnx.Module) -> list:
 def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   # Plan first (validation, clear errors), mutate after: no half-converted model.
   plan = []
+  # layers with no twin: the generic engine
+  generic = _engine.generic_layers(model, (*_NNX_RULES, *_ROUNDING_TWINS))
   for path, module in list(nnx.iter_modules(model)):
     rule = _NNX_RULES.get(type(module))
-    if rule is None:
+    if rule is None or _engine.inside(path, generic):
       continue
     twin_cls, check, patch, rounds = rule
     name = "/".join(str(p) for p in path) or type(module).__name__
@@ -172,6 +175,13 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)
            for module, twin_cls, patch, rounds, name in plan}
+  paths = {id(module): path for path, module in nnx.iter_modules(model)}
+  for module_id, twin in twins.items():  # built inside nnx.vmap: one stream per stacked layer
+    _engine.restack(model, paths[module_id], twin)
+  for path, module in generic:
+    twins[id(module)] = _engine.convert_layer(model, path, module, settings, rngs)
+  if id(model) not in twins:
+    _engine.convert_model(model, settings, rngs)
   if not twins:
     return model
   # Swap the twins in wherever a converted layer is referenced: attributes of

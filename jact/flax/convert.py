@@ -113,7 +113,7 @@ __all__ = ["convert", "ConversionWarning"]
 
 def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None,
             group_size: int = 256, stochastic: bool = True, strict: bool = False,
-            rngs: nnx.Rngs | nnx.RngStream | None = None):
+            functions: bool = True, rngs: nnx.Rngs | nnx.RngStream | None = None):
   """Makes a plain Flax model store compressed activations; keeps its variables.
 
   Args:
@@ -130,6 +130,10 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
       `rngs=` or `jact.nnx.use_key`); False rounds to nearest and needs none.
     strict: raise a ValueError, instead of warning and running the plain
       layer, when a supported layer uses an option its twin lacks.
+    functions: also run the model's outermost call through the generic
+      engine (`jact.compressed`), so that what the functions between its
+      layers save (`nn.relu`'s mask, gelu/silu inputs, softmax outputs,
+      pooling) is compressed too. False: only the layers are converted.
     rngs: nnx only: the `nnx.Rngs` (with a 'jact' or 'default' stream) or
       `nnx.RngStream` each converted layer forks its own rounding stream
       from (RNG state added to the model). Without it the model's state is
@@ -148,9 +152,10 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
   """
   # the twins' checks and messages
   _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, "jact.convert")
-  if not isinstance(strict, bool):
-    raise TypeError(f"strict must be True or False, got {strict!r}")
-  settings = Settings(bits, group_size, bool(stochastic), strict, compressor)
+  for flag, value in (("strict", strict), ("functions", functions)):
+    if not isinstance(value, bool):
+      raise TypeError(f"{flag} must be True or False, got {value!r}")
+  settings = Settings(bits, group_size, bool(stochastic), strict, compressor, functions)
   if isinstance(model, nn.Module):
     if rngs is not None:
       raise TypeError(

@@ -1,0 +1,173 @@
+"""What `convert`'s linen and nnx paths share for layers with no twin (private; see
+`jact.flax.convert`): the generic engine's settings, keys inside scans, and the
+conversion record that `conversion_report` reads.
+
+Layers without a twin (recurrent cells, DenseGeneral, Einsum, ConvTranspose,
+GroupNorm, ...) and the converted model's outermost call run through
+`call_compressed`: every VJP residual of the call is stored compressed (floats
+quantized, masks bit-packed, what inner jact ops stored kept as it is,
+parameters by reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import zlib
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jact import _compat as _jax_compat
+from jact.flax._conversion import Settings
+from jact.transforms.compressed import ResidualConfig
+
+
+def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> ResidualConfig:
+  """The generic engine's settings for one converted call named `name`.
+
+  `scanned`: a call that usually runs inside a scan (a recurrent cell), whose
+  per-step residuals are small (batch x hidden) but stacked over the steps:
+  floats of at least one quantization group are compressed (the default is
+  1024 values)."""
+  bits = settings.compressor if settings.compressor is not None else settings.bits
+  extra = dict(min_size=settings.group_size) if scanned else {}
+  return ResidualConfig(bits=bits, group_size=settings.group_size,
+                        stochastic=settings.stochastic, name=name, **extra)
+
+
+# Layout ops recomputed in the backward instead of saved: their operands are
+# parameters (kept by reference: a cell's concatenated gate kernels would
+# otherwise be stored once per step of a scan) or values of the same size.
+_LAYOUT = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+                     "expand_dims", "convert_element_type"})
+
+
+def layout_recomputed(prim, *_, **__) -> bool:
+  """`jax.checkpoint` policy for cells: save every value except layout ops' outputs."""
+  return prim.name not in _LAYOUT
+
+
+def _float_leaves(tree) -> list:
+  return [leaf for leaf in jax.tree.leaves(tree)
+          if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+          and jnp.size(leaf)]
+
+
+def name_salt(name: str) -> int:
+  return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def scan_key(outer_key, name: str, args):
+  """A rounding key for a call that cannot see the 'jact' stream (inside a linen
+  `nn.scan` / `nn.RNN`, which pass only the streams listed in `split_rngs`).
+
+  The outer key (drawn outside the scan, the same in every iteration) is
+  folded with the layer's name and with the bits of the sum of each float
+  argument (the carry and the step's input), which differ from one iteration
+  to the next; two iterations with bit-identical arguments share their noise
+  (a correlation, not an error)."""
+  key = jax.random.fold_in(outer_key, name_salt(name))
+  for leaf in _float_leaves(args):
+    total = jnp.sum(lax.stop_gradient(leaf).astype(jnp.float32))
+    key = jax.random.fold_in(key, lax.bitcast_convert_type(total, jnp.uint32))
+  return key
+
+
+def saved_bytes(fn, inputs, kept) -> int:
+  """Bytes `jax.vjp(fn, *inputs)` keeps for the backward pass, leaving out the
+  leaves of `inputs[i]` for `i` in `kept` (parameters: alive anyway). Traced
+  abstractly; an activation argument the VJP keeps counts."""
+  flat, tree = jax.tree.flatten(inputs)
+  owners = [i for i, a in enumerate(inputs) for _ in jax.tree.leaves(a)]
+  diff = [k for k, leaf in enumerate(flat) if hasattr(leaf, "dtype")
+          and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  counted = {}
+
+  def run(*diff_leaves):
+    full = list(flat)
+    for k, v in zip(diff, diff_leaves):
+      full[k] = v
+    out, vjp = jax.vjp(lambda *d: fn(*_replace(full, diff, d, tree)), *diff_leaves)
+    leaves, _ = _jax_compat.vjp_residuals(vjp)
+    excluded = {id(v) for k, v in zip(diff, diff_leaves) if owners[k] in kept}
+    excluded |= {id(full[k]) for k in range(len(full)) if k not in diff}
+    seen = set()
+    for leaf in leaves:
+      if id(leaf) in excluded or id(leaf) in seen:
+        continue
+      seen.add(id(leaf))
+      counted[id(leaf)] = int(jnp.size(leaf)) * jnp.dtype(leaf.dtype).itemsize
+    return out
+
+  jax.eval_shape(run, *[flat[k] for k in diff])
+  return sum(counted.values())
+
+
+def _replace(full, diff, values, tree):
+  full = list(full)
+  for k, v in zip(diff, values):
+    full[k] = v
+  return jax.tree.unflatten(tree, full)
+
+
+# ----------------------------------------------------------------------------- record
+
+
+@dataclasses.dataclass
+class Row:
+  """One converted (or not) layer call seen while tracing (see `ConversionReport`).
+
+  path: the layer's module path; layer: its class; how: 'twin' (a jact twin),
+  'engine' (this call's residuals through the generic engine), 'model' (the
+  converted model's outermost call through the engine: the activation and
+  pooling functions between its layers, and a layer that runs plain inside it,
+  with the reason), or 'plain' (uncompressed); reason: why a layer runs plain; plain_bytes / saved_bytes: what the call keeps for
+  the backward pass as a plain layer / as converted (None: not measured).
+  """
+  path: str
+  layer: str
+  how: str
+  reason: str = ""
+  plain_bytes: int | None = None
+  saved_bytes: int | None = None
+  calls: int = 1
+
+
+_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jact_convert_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+  """Collects a `Row` for every converted layer call traced inside."""
+  rows: list = []
+  token = _RECORDER.set(rows)
+  try:
+    yield rows
+  finally:
+    _RECORDER.reset(token)
+
+
+def is_recording() -> bool:
+  return _RECORDER.get() is not None
+
+
+def record(path: str, layer: str, how: str, reason: str = "", plain_bytes=None,
+           saved_bytes=None) -> None:
+  rows = _RECORDER.get()
+  if rows is None:
+    return
+  for row in rows:  # the same layer called again (shared, or a step of an unrolled loop)
+    if (row.path, row.layer, row.how, row.reason) == (path, layer, how, reason):
+      row.calls += 1
+      if plain_bytes is not None:
+        row.plain_bytes = (row.plain_bytes or 0) + plain_bytes
+      if saved_bytes is not None:
+        row.saved_bytes = (row.saved_bytes or 0) + saved_bytes
+      return
+  rows.append(Row(path, layer, how, reason, plain_bytes, saved_bytes))
+

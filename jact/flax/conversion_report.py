@@ -1,0 +1,90 @@
+"""`conversion_report`: what `jact.convert` did to each layer a model call ran.
+
+Traces a function that calls converted models (typically the loss) once,
+abstractly, and lists every layer call the conversion met: its path, its
+class, how it was converted -- 'twin' (a jact twin layer), 'engine' (the
+call's residuals through the generic engine, `jact.compressed`), 'model' (the
+converted model's outermost call through the engine: the activation, pooling
+and softmax functions between its layers), 'plain' (uncompressed, with the
+reason) -- and, for linen models, the bytes the call keeps for the backward
+pass as a plain layer and as converted. Each plain layer also gets a
+`ConversionWarning` naming it and its share of the saved bytes.
+
+nnx models are converted when `convert` runs (layers with an option their
+twin lacks are warned about then); their report lists the engine calls (the
+layers with no twin and the model's call), without bytes.
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn, jact
+>>> class Net(nn.Module):
+...   @nn.compact
+...   def __call__(self, x):
+...     return nn.Dense(2)(nn.relu(nn.DenseGeneral(64)(x)))
+>>> x = jnp.ones((16, 256))
+>>> variables = Net().init(jax.random.key(0), x)
+>>> model = jact.convert(Net(), bits=2)
+>>> loss = lambda v, x: model.apply(v, x, rngs={'jact': jax.random.key(1)}).sum()
+>>> report = jact.conversion_report(loss, variables, x)
+>>> [(r.path, r.how) for r in report.rows]
+[('Net', 'model'), ('DenseGeneral_0', 'engine'), ('Dense_0', 'twin')]
+>>> report.rows[1].saved_bytes < report.rows[1].plain_bytes
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+from jact.flax._conversion import ConversionWarning
+from jact.flax._convert_generic import Row, recording, saved_bytes
+
+__all__ = ["conversion_report", "ConversionReport"]
+
+
+@dataclasses.dataclass
+class ConversionReport:
+  """The layer calls of one traced function (see the module docstring).
+
+  rows: one `Row` per distinct (layer, conversion) met, in call order (a
+  layer called several times is one row; `calls` counts them);
+  total_bytes: what the whole function keeps for its backward pass.
+  """
+  rows: list[Row]
+  total_bytes: int
+
+  def plain(self) -> list[Row]:
+    return [r for r in self.rows if r.how == "plain"]
+
+  def __str__(self) -> str:
+    def size(n):
+      return "-" if n is None else f"{n:,}"
+
+    table = [("layer", "type", "converted", "plain B", "saved B", "note")]
+    table += [(r.path, r.layer, r.how, size(r.plain_bytes), size(r.saved_bytes), r.reason)
+              for r in self.rows]
+    widths = [max(len(str(row[i])) for row in table) for i in range(5)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5]
+             for row in table]
+    lines.append(f"saved for backward by the whole call: {self.total_bytes:,} B")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ConversionReport:
+  """Traces `fn(*args, **kwargs)` (abstractly) and reports each layer call of the
+  converted models inside it; warns (`ConversionWarning`) about each layer left
+  plain, with its share of the saved bytes.
+
+  `fn` returns an array or a pytree of arrays (e.g. a loss); its array
+  arguments (variables, batch, keys) are not counted as saved.
+  """
+  with recording() as rows:
+    total = saved_bytes(lambda *a: fn(*a, **kwargs), args, kept=set(range(len(args))))
+  report = ConversionReport(list(rows), total)
+  for row in report.plain():
+    share = ("" if row.saved_bytes is None or not total
+             else f"; it saves {row.saved_bytes:,} B, {100 * row.saved_bytes / total:.0f}% of "
+                  f"the {total:,} B saved for the backward pass")
+    warnings.warn(f"jact.convert: {row.path} (flax {row.layer}) runs uncompressed: "
+                  f"{row.reason}{share}", ConversionWarning, stacklevel=2)
+  return report
