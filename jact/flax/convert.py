@@ -4,7 +4,9 @@ ActNN's model converter in the Flax idiom. The model's code is not touched and
 its variables are kept (same tree, same values: a plain checkpoint loads);
 what changes is that its Dense/Conv/norm/embedding/dropout/attention layers
 run the jact twins' logic (`jact.nn.*`, `jact.nnx.*`), which keep a
-stochastically rounded low-bit copy of what the backward pass needs. The
+stochastically rounded low-bit copy of what the backward pass needs, and that
+the other layers (recurrent cells, DenseGeneral, ...) and the functions
+between layers run through the generic engine (`jact.compressed`). The
 forward values are unchanged.
 
 * **linen** -- method interception. `convert(Model(...))` returns a copy of the
@@ -15,14 +17,15 @@ forward values are unchanged.
   module, or as a submodule of a bigger model), `flax.linen.intercept_methods`
   redirects every `__call__` of a supported Flax layer to the twin built from
   that layer's own settings and bound to the layer's own scope, so parameters
-  keep their paths. Rounding noise comes from the 'jact' RNG stream of
+  keep their paths; layers with no twin run through the generic engine
+  instead. Rounding noise comes from the 'jact' RNG stream of
   `apply` (`rngs={'jact': key}`, a fresh key per step) wherever the model is
   differentiated. Where nothing is saved -- `init`, inference, evaluation,
   decoding -- no key is needed: without the stream every converted layer
   runs its plain Flax computation (the plain model's output), and
   differentiating that raises a ValueError naming the fix, never a silent
-  fixed key. Inside `nn.scan`, list 'jact' in `split_rngs` for fresh noise
-  per iteration. Options known only at call time (`mask=`,
+  fixed key. Inside `nn.scan` / `nn.RNN` the key is derived as described
+  below. Options known only at call time (`mask=`,
   `sow_weights=True`) fall back per call.
 * **nnx** -- module surgery. `convert(model)` replaces, in place, every
   supported layer inside `model` by its twin holding the very same
@@ -58,22 +61,51 @@ rebuilt with them, and in an nnx model every rounding twin already there
 own stream when `rngs` is not given). In linen, a converted submodule inside
 a converted model keeps its own settings while its methods run.
 
-Supported (exact types; subclasses are left alone, their `super().__call__`
-included): Dense/Linear, Conv, BatchNorm, LayerNorm, RMSNorm, Embed, Dropout,
-MultiHeadDotProductAttention/MultiHeadAttention/SelfAttention (linen) and
-MultiHeadAttention (nnx); BatchNorm with `axis_name` / `axis_index_groups`
-(cross-device statistics, as Flax computes them) is converted too. Layers or
-options a twin does not support (a custom `dot_general`/`attention_fn`,
+What is converted, and how (exact types; subclasses are left alone, their
+`super().__call__` included):
+
+====================================================  ===============================
+layers                                                converted by
+====================================================  ===============================
+Dense/Linear, Conv, BatchNorm (also with `axis_name`  their twin (`jact.nn.*`,
+/ `axis_index_groups`), LayerNorm, RMSNorm, Embed,    `jact.nnx.*`)
+Dropout, MultiHeadDotProductAttention /
+MultiHeadAttention / SelfAttention
+LSTMCell, OptimizedLSTMCell, GRUCell, SimpleCell,     the generic engine, per call
+MGUCell, ConvLSTMCell (linen), DenseGeneral /         (`jact.compressed`: every
+LinearGeneral, Einsum, ConvTranspose, GroupNorm,      residual and the call's inputs
+ConvLocal, InstanceNorm (linen)                       compressed)
+the functions between layers (`nn.relu`, gelu,        the generic engine on the
+silu, softmax, `nn.max_pool`, `nn.avg_pool`, ...)     model's outermost call
+and layers left plain inside the model                (`functions=True`, default)
+====================================================  ===============================
+
+Cells run per step inside `nn.RNN` / `nn.scan` / `nnx.RNN`, so their
+residuals are compressed inside the scan body. linen scans pass only the
+streams listed in `split_rngs`, so a layer there cannot see 'jact': its key is
+the apply's 'jact' key folded with the layer's path and with the bits of the
+sums of its float arguments (they differ from step to step; bit-identical
+steps would share their noise, a correlation, not an error) -- no need to edit
+`split_rngs`. In nnx, a layer built inside `nnx.vmap` (a scan over stacked
+blocks) gets a stream with one key per stacked layer, which `nnx.scan` slices
+like its parameters. With `functions=True` the model's outermost call (linen:
+the method `apply` runs; nnx: `__call__`, the model's class becoming a
+subclass in place) runs through the engine: its residual names are then those
+of the model ("Model.12"), while the twins inside keep their stored pieces
+as they are. `functions=False` converts the layers only.
+
+Options a twin does not support (a custom `dot_general`/`attention_fn`,
 `mask=`, `axis_name` on LayerNorm/RMSNorm, normalization over non-last axes,
-`sow_weights=True`, ...) run plain and emit a
-`ConversionWarning` (or raise with `strict=True`); other layer types
-(DenseGeneral, ConvTranspose, GroupNorm, ...) run plain silently. Activation
-*functions* (`nn.relu`, `jax.nn.gelu`, ...) are plain functions, not module
-methods, so they cannot be intercepted and keep Flax's residuals; for
-compressed activations use the modules `jact.nn.GELU()` / `jact.nnx.GELU()`
-or `jact.ops.gelu` in the model code. Converted Dropout draws its masks from
-jact's hash PRNG: same rate and statistics, different masks than Flax's for
-the same key.
+`sow_weights=True`, ...) run that layer plain and emit a `ConversionWarning`
+(or raise with `strict=True`); with `functions=True` its residuals are still
+compressed by the model's call. A module with parameters of its own used
+outside any converted layer (a hand-written cell) is covered by the model's
+call; with `functions=False` it is warned about. `jact.conversion_report(loss,
+*args)` lists every layer call with how it was converted (and, for linen, the
+bytes it saves plain and converted) and warns about what is left plain with
+its share of the saved bytes. Converted Dropout draws its masks from jact's
+hash PRNG: same rate and statistics, different masks than Flax's for the
+same key.
 
 >>> import jax, jax.numpy as jnp
 >>> import flax.linen as nn
