@@ -41,7 +41,7 @@ __all__ = [
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
     "body_operand", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
-    "literal_value", "prune_jaxpr", "bind_eqn", "conv_kwargs", "linear_identity_primitive",
+    "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "conv_kwargs", "linear_identity_primitive",
     "saved_residuals",
 ]
 
@@ -364,6 +364,20 @@ def bind_eqn(eqn, values: Sequence) -> list:
   return list(outs) if prim.multiple_results else [outs]
 
 
+def max_window_geometry(eqn) -> tuple | None:
+  """`(window_dimensions, window_strides, padding)` of a max-pooling
+  equation (`lax.reduce_window` with `lax.max` and a -inf init, undilated),
+  else None. None public in jax 0.10.2: the primitive (`reduce_window_max`)
+  and its params are internal; the public call is `lax.reduce_window`."""
+  if eqn.primitive.name != "reduce_window_max":
+    return None
+  params = eqn.params
+  if any(d != 1 for d in params["base_dilation"]) or any(d != 1 for d in params["window_dilation"]):
+    return None
+  return (tuple(params["window_dimensions"]), tuple(params["window_strides"]),
+          tuple(tuple(p) for p in params["padding"]))
+
+
 def conv_kwargs(eqn) -> dict | None:
   """The keyword arguments of `lax.conv_general_dilated` that reproduce a
   convolution equation (None for other equations and for sharded
@@ -665,6 +679,18 @@ def _check_bind_eqn():
   assert bool(jnp.allclose(ours, theirs)), "re-binding every equation changes the result"
 
 
+def _check_max_window_geometry():
+  x = jnp.ones((1, 4, 4, 1))
+  pooled = lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+  [eqn] = _eqns(lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                            "VALID"), x)
+  assert pooled.shape == (1, 2, 2, 1)
+  assert max_window_geometry(eqn) == ((1, 2, 2, 1), (1, 2, 2, 1), ((0, 0),) * 4), eqn
+  [summed] = _eqns(lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1),
+                                               "VALID"), x)
+  assert max_window_geometry(summed) is None
+
+
 def _check_conv_kwargs():
   x, w = jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
   conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", rhs_dilation=(2, 1))
@@ -739,6 +765,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "literal_value": ("Literal.val", _check_literal_value),
     "prune_jaxpr": ("Jaxpr.replace(invars=, outvars=, eqns=)", _check_prune_jaxpr),
     "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
+    "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
                     _check_conv_kwargs),
     "linear_identity_primitive": (

@@ -9,6 +9,7 @@ kept as it is; `store_saved` / `restore_saved` apply that decision.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -112,10 +113,11 @@ def is_float(x) -> bool:
           and jnp.issubdtype(dtype, jnp.floating))
 
 
-def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig):
-  """The stored form of one residual leaf (compressed, bit-packed or kept)."""
-  if leaf.dtype == jnp.bool_:
-    return tag(pack_codes(leaf, 1), name)
+def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, mask: bool = False):
+  """The stored form of one residual leaf (compressed, bit-packed or kept);
+  `mask`: a float holding only 0 and 1, bit-packed."""
+  if leaf.dtype == jnp.bool_ or mask:
+    return tag(pack_codes(leaf != 0, 1), name)
   if is_float(leaf) and leaf.size >= config.min_size:
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
@@ -177,16 +179,60 @@ def input_dependent(jaxpr) -> set:
   return dependent
 
 
+REDUCTION = 8  # an output this many times smaller than an input is a reduction
+
+
+def _size(var) -> int:
+  return math.prod(var.aval.shape)
+
+
+def reduced_values(jaxpr) -> set:
+  """The variables of `jaxpr` holding reduced statistics: outputs at least
+  `REDUCTION` times smaller than an input of their equation (sums, maxima,
+  norms' mean and variance, ...), and whatever is computed from such values
+  alone without growing (the reciprocal of a row sum, rsqrt(var + eps)).
+
+  Their values can span orders of magnitude across rows (a softmax row sum
+  over 1 or 4096 keys), which a group's shared uniform grid cannot hold; they
+  are small, so they are kept exact."""
+  reduced = set()
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if _compat.is_var(v) and v.aval.shape]
+    if not ins:
+      continue
+    largest = max(_size(v) for v in ins)
+    from_reduced = all(v in reduced for v in ins)
+    for out in eqn.outvars:
+      if not hasattr(out.aval, "shape"):
+        continue
+      if _size(out) * REDUCTION <= largest or (from_reduced and _size(out) <= largest):
+        reduced.add(out)
+  return reduced
+
+
+def from_mask(var, producers) -> bool:
+  """Whether float `var` is a boolean converted to a float (0 or 1 exactly:
+  the location indicators of a max reduction's derivative): stored as 1 bit."""
+  if var not in producers:
+    return False
+  eqn, _ = producers[var]
+  return (len(eqn.invars) == 1 and len(eqn.outvars) == 1 and _compat.is_var(eqn.invars[0])
+          and eqn.invars[0].aval.dtype == jnp.bool_ and eqn.invars[0].aval.shape == var.aval.shape)
+
+
 def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
   """How each residual (an output variable of the capture jaxpr) is kept.
 
   Returns one tuple per residual: (kind, detail) with kind
   'input' (detail: input index, kept by reference), 'compress' (quantize or
-  bit-pack), 'keep' (as it is), 'same' (detail: an earlier residual) or
-  'constant' (independent of the inputs: recomputed in the backward pass).
+  bit-pack; detail 'mask' for a float holding a boolean, stored as 1 bit),
+  'keep' (as it is; detail 'reduced' for reduced statistics, see
+  `reduced_values`), 'same' (detail: an earlier residual) or 'constant'
+  (independent of the inputs: recomputed in the backward pass).
   """
   dependent = input_dependent(jaxpr)
   producers = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+  reduced = reduced_values(jaxpr)
   inputs = {v: k for k, v in enumerate(jaxpr.invars)}
   plan, first = [], {}
   for position, var in enumerate(residual_vars):
@@ -200,6 +246,10 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
         plan.append(("compress" if compress_inputs[inputs[var]] else "input", inputs[var]))
       elif jact_named(var, producers):
         plan.append(("keep", None))
+      elif var in reduced and is_float(var.aval):
+        plan.append(("keep", "reduced"))
+      elif is_float(var.aval) and from_mask(var, producers):
+        plan.append(("compress", "mask"))
       else:
         plan.append(("compress", None))
   return tuple(plan)

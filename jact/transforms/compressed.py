@@ -55,6 +55,7 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
 from jact.engine.scheduling import barrier, materialize
 from jact.engine.derivatives import reverse_only
+from jact.transforms._selections import evaluate_with_exact_selections
 from jact.transforms._interleave import evaluate_restoring, evaluate_storing
 from jact.transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
                                            eval_constants, is_array, is_float, is_stored, output_epilogue,
@@ -293,7 +294,7 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   return wrapped
 
 
-def _hoist_closure(fn, args):
+def _hoist_closure(fn, args, name: str):
   """`(converted, consts)`: `converted(*args, *consts)` computes `fn(*args)`
   with every tracer `fn` closes over passed in explicitly.
 
@@ -310,8 +311,8 @@ def _hoist_closure(fn, args):
   def converted(*inputs):
     passed, kept_it = iter(inputs[len(args):]), iter(kept)
     consts = [next(passed) if h else next(kept_it) for h in hoisted]
-    return jax.tree.unflatten(out_tree, _compat.eval_jaxpr(closed.jaxpr, consts,
-                                                           *inputs[:len(args)]))
+    return jax.tree.unflatten(out_tree, evaluate_with_exact_selections(
+        closed.jaxpr, consts, *inputs[:len(args)], name=name))
 
   return converted, [c for c, h in zip(closed.consts, hoisted) if h]
 
@@ -346,7 +347,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     raise ValueError("compress_inputs needs one flag per leaf of (args, kwargs)")
   if policy is not None:
     call = jax.checkpoint(call, policy=policy)
-  converted, consts = _hoist_closure(call, dynamic_leaves)
+  converted, consts = _hoist_closure(call, dynamic_leaves, config.name)
   inputs = list(dynamic_leaves) + list(consts)
   input_flags = [bool(compress_inputs[i]) for i in dynamic] + [False] * len(consts)
   differentiable = tuple(is_float(x) for x in inputs)
@@ -387,7 +388,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     results, stored = evaluate_storing(
         capture.jaxpr, capture.consts, inputs,
         {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
-        lambda p, leaf: store_saved(leaf, f"{config.name}.{p}", seed, p, config),
+        lambda p, leaf: store_saved(leaf, f"{config.name}.{p}", seed, p, config,
+                                    mask=plan[p][1] == "mask"),
         needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []

@@ -1,0 +1,60 @@
+"""Max pooling inside `jact.compressed` keeps its selection exact.
+
+The VJP of `lax.reduce_window(x, -inf, lax.max, ...)` (what `nn.max_pool`
+runs) saves the whole input and re-selects each window's arg-max from it in
+the backward pass. Quantized, that input moves the arg-max: gradients land on
+the wrong positions (measured: 7% gradient error at 8 bits, NaN after a few
+dozen 2-bit steps on a ResNet). `evaluate_with_exact_selections` evaluates a
+function's jaxpr with every undilated max-pooling equation replaced by
+`jact.ops.max_pool`, which computes the same maxima and stores only the
+arg-max position per window, exactly, in 1 to 8 bits.
+
+>>> import jax, jax.numpy as jnp
+>>> from jax import lax
+>>> pool = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+>>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+>>> closed = jax.make_jaxpr(pool)(x)
+>>> [y] = evaluate_with_exact_selections(closed.jaxpr, closed.consts, x, name="demo")
+>>> bool((y == pool(x)).all())
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jact import _compat
+from jact.ops.pooling import max_pool
+
+__all__ = ["evaluate_with_exact_selections"]
+
+_MAX_WINDOW = 256  # positions a stored arg-max can address (8 bits)
+
+
+def _pool_full_rank(x, window, strides, padding, name: str):
+  """`reduce_window_max` over every axis of `x` through `jact.ops.max_pool`
+  (which pools the axes between a batch and a feature axis: both added)."""
+  y = max_pool(x[None, ..., None], window, strides, padding, name=name)
+  return y[0, ..., 0]
+
+
+def evaluate_with_exact_selections(jaxpr, consts, *args, name: str) -> list:
+  """`jax.core.eval_jaxpr(jaxpr, consts, *args)` with max pooling that
+  stores its arg-max (residuals named `f"{name}.pool{k}.argmax"`)."""
+  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+  def read(v):
+    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
+
+  for k, eqn in enumerate(jaxpr.eqns):
+    values = [read(v) for v in eqn.invars]
+    geometry = _compat.max_window_geometry(eqn)
+    if (geometry is not None and jnp.issubdtype(values[0].dtype, jnp.floating)
+        and math.prod(geometry[0]) <= _MAX_WINDOW):
+      outs = [_pool_full_rank(values[0], *geometry, name=f"{name}.pool{k}")]
+    else:
+      outs = _compat.bind_eqn(eqn, values)
+    env.update((v, x) for v, x in zip(eqn.outvars, outs) if _compat.is_var(v))
+  return [read(v) for v in jaxpr.outvars]
