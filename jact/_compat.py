@@ -41,7 +41,8 @@ __all__ = [
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
     "body_operand", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
-    "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "conv_kwargs", "linear_identity_primitive",
+    "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_layout_primitive",
+    "conv_kwargs", "linear_identity_primitive",
     "saved_residuals",
 ]
 
@@ -378,6 +379,17 @@ def max_window_geometry(eqn) -> tuple | None:
           tuple(tuple(p) for p in params["padding"]))
 
 
+_LAYOUT_PRIMITIVES = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose",
+                                "squeeze", "expand_dims", "convert_element_type"})
+
+
+def is_layout_primitive(prim) -> bool:
+  """Whether primitive `prim` (as a `jax.checkpoint` policy sees it) only
+  moves, copies or casts values (concatenate, reshape, transpose, ...). None
+  public in jax 0.10.2: primitives are told apart by their internal names."""
+  return prim.name in _LAYOUT_PRIMITIVES
+
+
 def conv_kwargs(eqn) -> dict | None:
   """The keyword arguments of `lax.conv_general_dilated` that reproduce a
   convolution equation (None for other equations and for sharded
@@ -691,6 +703,12 @@ def _check_max_window_geometry():
   assert max_window_geometry(summed) is None
 
 
+def _check_is_layout_primitive():
+  eqns = _eqns(lambda x: jnp.concatenate([x, x]).reshape(2, -1).T.astype(jnp.bfloat16) * 2, jnp.ones(3))
+  layout = [is_layout_primitive(e.primitive) for e in eqns]
+  assert layout == [True, True, True, True, False], [e.primitive for e in eqns]
+
+
 def _check_conv_kwargs():
   x, w = jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3))
   conv = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "SAME", rhs_dilation=(2, 1))
@@ -766,6 +784,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "prune_jaxpr": ("Jaxpr.replace(invars=, outvars=, eqns=)", _check_prune_jaxpr),
     "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
     "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
+    "is_layout_primitive": ("primitive names", _check_is_layout_primitive),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
                     _check_conv_kwargs),
     "linear_identity_primitive": (

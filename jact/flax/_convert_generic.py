@@ -39,16 +39,13 @@ def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> 
                         stochastic=settings.stochastic, name=name, **extra)
 
 
-# Layout ops recomputed in the backward instead of saved: their operands are
-# parameters (kept by reference: a cell's concatenated gate kernels would
-# otherwise be stored once per step of a scan) or values of the same size.
-_LAYOUT = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose", "squeeze",
-                     "expand_dims", "convert_element_type"})
-
-
 def layout_recomputed(prim, *_, **__) -> bool:
-  """`jax.checkpoint` policy for cells: save every value except layout ops' outputs."""
-  return prim.name not in _LAYOUT
+  """`jax.checkpoint` policy for cells: save every value except layout ops'
+  outputs (concatenate, reshape, ...), recomputed in the backward instead: their
+  operands are parameters (kept by reference: a cell's concatenated gate
+  kernels would otherwise be stored once per step of a scan) or values of the
+  same size."""
+  return not _jax_compat.is_layout_primitive(prim)
 
 
 def _float_leaves(tree) -> list:
