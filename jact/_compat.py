@@ -39,9 +39,9 @@ __all__ = [
     "CompatError", "CHECKS", "check",
     "summarize_source", "checkpoint_name", "policy_checkpoint_name", "barrier_operand",
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
-    "body_operand", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
+    "body_operand", "nested_output", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
-    "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_layout_primitive",
+    "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "conv_kwargs", "linear_identity_primitive",
     "saved_residuals",
 ]
@@ -156,6 +156,25 @@ def call_body(eqn, *, closed_call: bool = True) -> jax.extend.core.ClosedJaxpr |
   if len(body.jaxpr.invars) != len(eqn.invars) or len(body.jaxpr.outvars) != len(eqn.outvars):
     return None
   return body
+
+
+def nested_output(eqn, i: int) -> tuple | None:
+  """`(body, var)`: the open jaxpr and its output variable behind output `i`
+  of a jit / closed_call / scan equation (a scan's body outputs map 1:1 onto
+  the scan's: carries, then stacked per-iteration values), else None.
+
+  Public (partial): the primitives by identity (`jax.extend.core.primitives`);
+  a scan's body is `params["jaxpr"]` (undocumented). Watch: the key and the
+  1:1 output mapping."""
+  body = call_body(eqn)
+  if body is None and eqn.primitive is _primitives.scan_p:
+    body = eqn.params.get("jaxpr")
+  if not isinstance(body, jax.extend.core.ClosedJaxpr):
+    return None
+  outvars = body.jaxpr.outvars
+  if len(outvars) != len(eqn.outvars) or not is_var(outvars[i]):
+    return None
+  return body.jaxpr, outvars[i]
 
 
 def call_name(eqn) -> str | None:
@@ -379,6 +398,18 @@ def max_window_geometry(eqn) -> tuple | None:
           tuple(tuple(p) for p in params["padding"]))
 
 
+_REDUCTION_PRIMITIVES = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                                   "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
+                                   "reduce"})
+
+
+def is_reduction(eqn) -> bool:
+  """Whether `eqn` reduces its operand over some axes (sum, max, min,
+  product, arg-max, a general `lax.reduce`). None public in jax 0.10.2:
+  the reduction primitives are told apart by their internal names."""
+  return eqn.primitive.name in _REDUCTION_PRIMITIVES
+
+
 _LAYOUT_PRIMITIVES = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose",
                                 "squeeze", "expand_dims", "convert_element_type"})
 
@@ -522,6 +553,20 @@ def _check_call_body():
   assert call_body(_closed_call_eqn(), closed_call=False) is None
   assert call_body(_eqns(jax.jit(jnp.sin), 1.0)[0], closed_call=False) is not None
   assert call_body(_eqns(jnp.sin, 1.0)[0]) is None
+
+
+def _check_nested_output():
+  def program(x):
+    y = jax.jit(lambda x: checkpoint_name_of(x))(x)
+    return lax.scan(lambda c, r: (c + r, checkpoint_name_of(c * r)), 0.0, y)
+
+  checkpoint_name_of = lambda v: _private_ad_checkpoint.checkpoint_name(v, "probe")
+  eqns = _eqns(program, jnp.ones(3))
+  for eqn, i in ((eqns[0], 0), (eqns[1], 1)):
+    body, var = nested_output(eqn, i)
+    [producer] = [e for e in body.eqns if var in e.outvars]
+    assert checkpoint_name(producer) == "probe", producer
+  assert nested_output(eqns[1], 0) is not None
 
 
 def _check_call_name():
@@ -703,6 +748,14 @@ def _check_max_window_geometry():
   assert max_window_geometry(summed) is None
 
 
+def _check_is_reduction():
+  x = jnp.ones((4, 3))
+  eqns = _eqns(lambda x: (x.sum(0), x.max(1), jnp.argmax(x, 1), x @ x.T,
+                          lax.reduce(x, 0.0, lax.add, (0,))), x)
+  found = [is_reduction(e) for e in eqns]
+  assert found == [True, True, True, False, False, True], [e.primitive for e in eqns]
+
+
 def _check_is_layout_primitive():
   eqns = _eqns(lambda x: jnp.concatenate([x, x]).reshape(2, -1).T.astype(jnp.bfloat16) * 2, jnp.ones(3))
   layout = [is_layout_primitive(e.primitive) for e in eqns]
@@ -762,6 +815,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "is_call": ("jit_p / closed_call_p in jax.extend.core.primitives", _check_is_call),
     "call_body": ("the body of jit / closed_call in params['jaxpr'] / params['call_jaxpr']",
                   _check_call_body),
+    "nested_output": ("jit_p/closed_call_p/scan_p; params['jaxpr']", _check_nested_output),
     "call_name": ("the jitted function's name in jit's params['name']", _check_call_name),
     "platform_dependent_branch": (
         "lax.platform_dependent: platform_index params['platforms'] and cond params['branches']",
@@ -784,6 +838,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "prune_jaxpr": ("Jaxpr.replace(invars=, outvars=, eqns=)", _check_prune_jaxpr),
     "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
     "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
+    "is_reduction": ("primitive names", _check_is_reduction),
     "is_layout_primitive": ("primitive names", _check_is_layout_primitive),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
                     _check_conv_kwargs),

@@ -69,3 +69,36 @@ def test_reduced_values_follow_statistics_not_activations():
   shapes = {tuple(v.aval.shape) for v in reduced}
   assert (32, 1) in shapes  # mean, variance, rsqrt
   assert (32, 64) not in shapes  # centred and normalized activations are not statistics
+
+
+def test_outer_wrap_keeps_the_pieces_a_scanned_inner_block_stored():
+  """A compressed model around a scan over compressed blocks: the blocks'
+  pieces leave the scan stacked (uint8 codes, bf16 group statistics); the
+  model keeps them as they are instead of quantizing the statistics again."""
+  def plain_block(w, x):
+    return jnp.tanh(x @ w)
+
+  block = jact.compressed(plain_block, bits=4, compress_argnums=(1,), name="block")
+
+  def stack(ws, x, key):
+    def body(h, wk):
+      w, k = wk
+      return block(w, h, key=k), None
+    return jax.lax.scan(body, x, (ws, jax.random.split(key, ws.shape[0])))[0]
+
+  ws = jax.random.normal(jax.random.key(0), (8, 512, 512)) / 512 ** 0.5
+  x = jax.random.normal(jax.random.key(1), (64, 512))
+  key = jax.random.key(2)
+  outer = jact.compressed(lambda ws, x: stack(ws, x, key), bits=2, name="model")
+  inner_only = lambda ws: stack(ws, x, key).sum()
+  wrapped = lambda ws: outer(ws, x, key=jax.random.key(3)).sum()
+  np.testing.assert_array_equal(jax.grad(wrapped)(ws), jax.grad(inner_only)(ws))
+  assert (jact.residual_report(wrapped, ws).total_bytes
+          <= jact.residual_report(inner_only, ws).total_bytes)
+
+
+def test_a_small_batch_matmul_output_is_not_a_statistic():
+  # the output is 128x smaller than the weight, but it is an activation: compressed
+  jaxpr = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((8, 1024)),
+                                                       jnp.ones((1024, 1024))).jaxpr
+  assert not reduced_values(jaxpr)

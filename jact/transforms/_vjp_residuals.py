@@ -157,13 +157,18 @@ def restore_saved(value, shape, dtype):
 def jact_named(var, producers) -> bool:
   """Whether `var` is a piece an inner jact op or `compressed` call stored
   compressed: a value carrying a name in jact's reserved namespace (see
-  `jact.engine.names.tag`), possibly seen through other names and optimization
-  barriers. A user's own `checkpoint_name` never qualifies."""
+  `jact.engine.names.tag`), possibly seen through other names, optimization
+  barriers and the outputs of jitted calls and scans. A user's own `checkpoint_name` never qualifies."""
   while var in producers:
     eqn, i = producers[var]
     name = _compat.checkpoint_name(eqn)
     if is_jact_name(name):
       return True
+    nested = _compat.nested_output(eqn, i) if name is None else None
+    if nested is not None:  # e.g. pieces a compressed block in a scan stacked per iteration
+      body, var = nested
+      producers = {v: (e, k) for e in body.eqns for k, v in enumerate(e.outvars)}
+      continue
     var = eqn.invars[0] if name is not None else _compat.barrier_operand(eqn, i)
     if var is None:
       return False
@@ -179,7 +184,7 @@ def input_dependent(jaxpr) -> set:
   return dependent
 
 
-REDUCTION = 8  # an output this many times smaller than an input is a reduction
+REDUCTION = 8  # a reduction whose output is this many times smaller than its operand
 
 
 def _size(var) -> int:
@@ -187,25 +192,30 @@ def _size(var) -> int:
 
 
 def reduced_values(jaxpr) -> set:
-  """The variables of `jaxpr` holding reduced statistics: outputs at least
-  `REDUCTION` times smaller than an input of their equation (sums, maxima,
-  norms' mean and variance, ...), and whatever is computed from such values
-  alone without growing (the reciprocal of a row sum, rsqrt(var + eps)).
+  """The variables of `jaxpr` holding reduced statistics: outputs of
+  reductions at least `REDUCTION` times smaller than their operand (sums,
+  maxima, a norm's mean and variance; also inside jitted calls such as
+  `jnp.var`), and whatever is computed from such values alone without
+  growing (the reciprocal of a row sum, rsqrt(var + eps)).
 
   Their values can span orders of magnitude across rows (a softmax row sum
   over 1 or 4096 keys), which a group's shared uniform grid cannot hold; they
   are small, so they are kept exact."""
   reduced = set()
   for eqn in jaxpr.eqns:
-    ins = [v for v in eqn.invars if _compat.is_var(v) and v.aval.shape]
+    ins = [v for v in eqn.invars if _compat.is_var(v) and hasattr(v.aval, "shape")]
     if not ins:
       continue
     largest = max(_size(v) for v in ins)
+    body = _compat.call_body(eqn)
+    inner = reduced_values(body.jaxpr) if body is not None else set()
     from_reduced = all(v in reduced for v in ins)
-    for out in eqn.outvars:
+    for k, out in enumerate(eqn.outvars):
       if not hasattr(out.aval, "shape"):
         continue
-      if _size(out) * REDUCTION <= largest or (from_reduced and _size(out) <= largest):
+      if ((_compat.is_reduction(eqn) and _size(out) * REDUCTION <= largest)
+          or (body is not None and body.jaxpr.outvars[k] in inner)
+          or (from_reduced and _size(out) <= largest)):
         reduced.add(out)
   return reduced
 
