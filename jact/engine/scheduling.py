@@ -113,12 +113,27 @@ def materialize(x: jax.Array, residuals) -> jax.Array:
   return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)
 
 
+def _is_stored(r) -> bool:
+  """A stored form: packed or compressed pieces, or raw packed bytes."""
+  return (isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed))
+          or getattr(r, "dtype", None) == jnp.uint8)
+
+
 def finish_forward(out, residuals, *, elementwise: bool = False):
   """Forward epilogue of every compressed op: the output waits for the
   compressed residuals (`barrier`, `after_residuals`), so the full-precision
   input dies in the forward pass. Elementwise outputs, which are materialized
-  anyway, are emitted through `materialize` instead."""
-  out, residuals = barrier(out, residuals)
+  anyway, are emitted through `materialize` instead.
+
+  Only the stored (packed) residuals go through the barrier: values kept as
+  they are (a kernel, an input kept by reference) stay the very values the op
+  was given, which an enclosing `jact.compressed` recognises as its own
+  inputs and keeps by reference instead of compressing them again."""
+  leaves, treedef = jax.tree.flatten(residuals, is_leaf=_is_stored)
+  stored = [_is_stored(r) for r in leaves]
+  out, packed = barrier(out, [r for r, s in zip(leaves, stored) if s])
+  it = iter(packed)
+  residuals = jax.tree.unflatten(treedef, [next(it) if s else r for r, s in zip(leaves, stored)])
   if elementwise:
-    return materialize(out, residuals), residuals
-  return after_residuals(out, residuals), residuals
+    return materialize(out, packed), residuals
+  return after_residuals(out, packed), residuals
