@@ -48,29 +48,76 @@ def test_convert_nnx_again_applies_new_settings():
   x = _normal((8, 256), 0)
   net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,
                        nnx.Linear(256, 4, rngs=nnx.Rngs(1)))
-  net = convert(net, bits=4, rngs=nnx.Rngs(jact=2))
+  # functions=False: the layers alone, whose residuals keep the twins' names (the
+  # model's call through the engine is covered by the test after this one)
+  net = convert(net, bits=4, rngs=nnx.Rngs(jact=2), functions=False)
   assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 4) for n in ("layers/0.lhs",
                                                                        "layers/2.lhs")}
-  assert convert(net, bits=2) is net  # no rngs: each twin re-forks its own stream
+  # no rngs: each twin re-forks its own stream
+  assert convert(net, bits=2, functions=False) is net
   assert [net.layers[i].bits for i in (0, 2)] == [2, 2]
   assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs",
                                                                        "layers/2.lhs")}
-  convert(net, bits=8, stochastic=False)  # round-to-nearest: no stream needed
+  convert(net, bits=8, stochastic=False, functions=False)  # round-to-nearest: no stream
   assert net.layers[0].jact_rngs is None
   assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 8)
   # back to stochastic rounding: the twins have no stream left, and without rngs
   # they get none (keys from jact.nnx.use_key); rngs gives them streams again
-  convert(net, bits=2)
+  convert(net, bits=2, functions=False)
   assert net.layers[0].jact_rngs is None
-  convert(net, bits=2, rngs=nnx.Rngs(jact=3))
+  convert(net, bits=2, rngs=nnx.Rngs(jact=3), functions=False)
   assert net.layers[0].jact_rngs is not None
   assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 2)
+
+
+def _nnx_total(model, x) -> int:
+  graph, state = nnx.split(model)
+  return jact.residual_report(lambda state, x: nnx.merge(graph, state)(x).sum(), state,
+                              x).total_bytes
+
+
+@pytest.mark.slow
+def test_convert_nnx_model_call_around_twins_keeps_their_pieces_and_parameters():
+  """The model's call through the engine (functions=True) adds what the functions
+  between the layers save (relu's mask, 1 bit a value) and nothing else: the
+  twins' pieces are kept as they are, at the twins' (new) widths, and the
+  kernels the twins keep are the model's parameters, not compressed again."""
+  x = _normal((8, 256), 0)
+  net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,
+                       nnx.Linear(256, 4, rngs=nnx.Rngs(1)))
+  relu_mask = 8 * 256 // 8
+  net = convert(net, bits=4, rngs=nnx.Rngs(jact=2))
+  assert _nnx_total(net, x) == 2 * _packed_bytes(8, 256, 4) + relu_mask
+  assert convert(net, bits=2) is net
+  assert _nnx_total(net, x) == 2 * _packed_bytes(8, 256, 2) + relu_mask
+  model_own = {n: b for n, b in _nnx_bytes(net, x).items() if n.startswith("Sequential.")}
+  assert list(model_own.values()) == [relu_mask]
 
 
 def test_convert_nnx_twin_itself_takes_new_bits():
   layer = jnnx.Linear(256, 4, bits=4, rngs=nnx.Rngs(params=0, jact=1))
   assert convert(layer, bits=1) is layer
+  # a layer has no functions between layers: its class is the twin's, no model call
+  assert type(layer) is jnnx.Linear
   assert _nnx_bytes(layer, _normal((8, 256), 0)) == {"Linear.lhs": _packed_bytes(8, 256, 1)}
+
+
+@pytest.mark.slow
+def test_convert_nnx_model_call_draws_from_its_layers_streams():
+  """Converted without rngs, a model whose twins have streams of their own gets
+  one too (forked from its first layer's), so it is differentiated without
+  jact.nnx.use_key; a model whose layers have none gets none (state unchanged)."""
+  x = _normal((8, 256), 0)
+  twins = nnx.Sequential(jnnx.Linear(256, 256, rngs=nnx.Rngs(params=0, jact=1)), nnx.relu,
+                         jnnx.Linear(256, 4, rngs=nnx.Rngs(params=1, jact=2)))
+  convert(twins, bits=2)
+  assert twins.jact_model_rngs is not None
+  assert _nnx_total(twins, x) == 2 * _packed_bytes(8, 256, 2) + 8 * 256 // 8
+  plain = nnx.Sequential(nnx.Linear(256, 4, rngs=nnx.Rngs(0)), nnx.relu)
+  state = nnx.state(plain)
+  convert(plain, bits=2)
+  assert plain.jact_model_rngs is None
+  assert jax.tree.structure(nnx.state(plain)) == jax.tree.structure(state)
 
 
 class _MLP(nn.Module):

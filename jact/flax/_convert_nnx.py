@@ -136,10 +136,22 @@ _ROUNDING_TWINS = (jnnx.Linear, jnnx.Conv, jnnx.BatchNorm, jnnx.LayerNorm, jnnx.
                    jnnx.MultiHeadAttention)
 
 
+# every layer class of jact.nnx (twins, activation and pooling layers, BLPABlock)
+_TWIN_TYPES = tuple(obj for obj in map(lambda n: getattr(jnnx, n), jnnx.__all__)
+                    if isinstance(obj, type))
+
+
 def _converted_twins(model: nnx.Module) -> list:
   """(name, twin) for the rounding twins already in `model` (exact types)."""
   return [("/".join(str(p) for p in path) or type(module).__name__, module)
           for path, module in nnx.iter_modules(model) if type(module) in _ROUNDING_TWINS]
+
+
+def _layer_streams(model: nnx.Module) -> list:
+  """The rounding streams of `model`'s converted layers (twins, engine layers),
+  in `nnx.iter_modules` order."""
+  return [stream for _, module in nnx.iter_modules(model) if module is not model
+          for stream in [getattr(module, "jact_rngs", None)] if stream is not None]
 
 
 def convert_nnx(model: nnx.Module, settings: Settings, rngs):
@@ -180,8 +192,10 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
     _engine.restack(model, paths[module_id], twin)
   for path, module in generic:
     twins[id(module)] = _engine.convert_layer(model, path, module, settings, rngs)
-  if id(model) not in twins:
-    _engine.convert_model(model, settings, rngs)
+  # A model that is itself a layer (a twin, an engine layer) has no functions
+  # between layers: its own conversion covers its call.
+  if id(model) not in twins and type(model) not in _TWIN_TYPES:
+    _engine.convert_model(model, settings, rngs, _layer_streams(model))
   if not twins:
     return model
   # Swap the twins in wherever a converted layer is referenced: attributes of

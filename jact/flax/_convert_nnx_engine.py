@@ -229,9 +229,15 @@ def restack(model, path, twin) -> None:
     twin.jact_rngs = stacked_stream(stream, shape)
 
 
-def convert_model(model, settings: Settings, rngs) -> None:
+def convert_model(model, settings: Settings, rngs, layer_streams=()) -> None:
   """Runs `model`'s `__call__` through the engine (in place: its class becomes a
-  subclass), or back to plain with `functions=False`."""
+  subclass), or back to plain with `functions=False`.
+
+  Its stream is forked from `rngs`, else from its own stream (converted
+  before), else from the first unstacked stream among `layer_streams` (the
+  converted layers' streams, after their conversion): a model whose layers
+  draw their own keys draws its own too. With none of these it has no stream
+  (keys from `jact.nnx.use_key`)."""
   cls = type(model)
   base = cls.__dict__.get("_jact_model_base", cls)
   if not settings.functions:
@@ -244,5 +250,7 @@ def convert_model(model, settings: Settings, rngs) -> None:
   model.__class__ = model_class(base)
   model.jact_model = setup_for(settings, type(model).__name__, cell=False, inputs=False)
   source = rngs if rngs is not None else old
+  if source is None:
+    source = next((s for s in layer_streams if not s.key[...].shape), None)
   stream = fork(source, ()) if settings.needs_key else None
   model.jact_model_rngs = stream if stream is not None else nnx.data(None)

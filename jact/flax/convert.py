@@ -92,7 +92,12 @@ like its parameters. With `functions=True` the model's outermost call (linen:
 the method `apply` runs; nnx: `__call__`, the model's class becoming a
 subclass in place) runs through the engine: its residual names are then those
 of the model ("Model.12"), while the twins inside keep their stored pieces
-as they are. `functions=False` converts the layers only.
+(and the parameters they keep, by reference) as they are. A model that is
+itself a layer (a twin, a layer the engine converts) has no functions between
+layers and gets no model call. In nnx the model's call draws its keys like a
+layer: its own stream forked from `rngs` (without `rngs`, from its first
+converted layer's own stream where the layers have streams), else
+`jact.nnx.use_key`. `functions=False` converts the layers only.
 
 Options a twin does not support (a custom `dot_general`/`attention_fn`,
 `mask=`, `axis_name` on LayerNorm/RMSNorm, normalization over non-last axes,
