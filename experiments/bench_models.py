@@ -6,7 +6,9 @@ compares the plain model with `jact.convert(model, bits=b)` and with
 
 * fwd_diff: max |logits - plain logits| of a training forward pass;
 * saved: bytes saved for the backward pass (`jact.residual_report`), and of
-  those the bytes no jact name covers (`unnamed`: what stays full precision);
+  those the bytes without a `checkpoint_name` (`unnamed`: what no jact op
+  named; inside `jax.shard_map` -- the ResNet's step -- every residual is
+  reported as an unnamed output of shard_map, so there it is all of them);
 * temp: compiled temp bytes of the jitted gradient (compile only);
 * compile: seconds to lower and compile the jitted gradient;
 * step: seconds per gradient evaluation (median of a few after warm-up);
