@@ -208,6 +208,13 @@ def peek_stream_key(stream: nnx.RngStream) -> jax.Array:
   return jax.random.fold_in(stream.key[...], stream.count[...])
 
 
+def stream_key_shape(stream: nnx.RngStream) -> tuple:
+  """Shape of the key array behind `stream`: () for one stream, (n,) for the
+  streams of n layers stacked by `nnx.vmap`. Public: `RngStream.key` is a
+  public Variable; `[...]` reads its value."""
+  return tuple(stream.key[...].shape)
+
+
 def _leaf(variable):
   leaves = jax.tree.leaves(variable)
   return leaves[0] if len(leaves) == 1 else tuple(leaves)
@@ -427,6 +434,17 @@ def _check_stream() -> None:
           "the peeked key is not the stream's next key")
 
 
+def _check_stream_key_shape() -> None:
+  _expect(stream_key_shape(nnx.Rngs(default=3)["default"]) == (), "a stream's key is not a scalar")
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stacked(key):
+    return nnx.Rngs(default=key)
+
+  rngs = stacked(jax.random.split(jax.random.key(0), 4))
+  _expect(stream_key_shape(rngs["default"]) == (4,), "stacked streams do not hold one key per layer")
+
+
 def _check_replaced() -> None:
   for training in (True, False):
     model = nnx.BatchNorm(3, use_running_average=not training, rngs=nnx.Rngs(0))
@@ -476,6 +494,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "bind_to_scope": _check_bind,
     "nnx_twin_of": _check_nnx_twin,
     "peek_stream_key": _check_stream,
+    "stream_key_shape": _check_stream_key_shape,
     "variable_values / replaced_variables": _check_replaced,
     "canonicalize_dtype": _check_dtype,
     "attention_signature": _check_attention,

@@ -251,6 +251,6 @@ def convert_model(model, settings: Settings, rngs, layer_streams=()) -> None:
   model.jact_model = setup_for(settings, type(model).__name__, cell=False, inputs=False)
   source = rngs if rngs is not None else old
   if source is None:
-    source = next((s for s in layer_streams if not s.key[...].shape), None)
+    source = next((s for s in layer_streams if not _compat.stream_key_shape(s)), None)
   stream = fork(source, ()) if settings.needs_key else None
   model.jact_model_rngs = stream if stream is not None else nnx.data(None)
