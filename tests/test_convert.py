@@ -328,10 +328,6 @@ def test_linen_embed_dropout_and_sequential():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug in jact/transforms/_interleave.py (evaluate_storing's flush): a twin's "
-    "stored pieces that are alive at a flush are tied to the flush's ready flag, and the "
-    "tied copy has lost the twin's residual name (reported as unnamed)"))
 def test_linen_model_call_keeps_twins_names():
   seq = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
   x = _normal((3, 5))

@@ -109,8 +109,10 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       return  # nothing compressed, or nothing left to order (the epilogue does)
     ready = None
     for v, value in env.items():
-      alive = last_read.get(v, -1) > after or v in outputs
-      if alive and v not in given and _tieable(value):
+      # Only what the rest of the forward pass reads is ordered after the
+      # flush; values merely returned (outputs, pieces an inner jact op stored)
+      # keep their identity and their names (the epilogue orders the outputs).
+      if last_read.get(v, -1) > after and v not in given and _tieable(value):
         if ready is None:
           ready = ready_flag(packed)
         env[v] = _tie(value, ready)
