@@ -90,8 +90,12 @@ def test_convert_nnx_model_call_around_twins_keeps_their_pieces_and_parameters()
   assert _nnx_total(net, x) == 2 * _packed_bytes(8, 256, 4) + relu_mask
   assert convert(net, bits=2) is net
   assert _nnx_total(net, x) == 2 * _packed_bytes(8, 256, 2) + relu_mask
-  model_own = {n: b for n, b in _nnx_bytes(net, x).items() if n.startswith("Sequential.")}
+  # the twins' pieces keep their names; the model's own residual is relu's mask
+  saved = _nnx_bytes(net, x)
+  model_own = {n: b for n, b in saved.items() if n.startswith("Sequential.")}
   assert list(model_own.values()) == [relu_mask]
+  assert {n: b for n, b in saved.items() if n not in model_own} == {
+      n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs", "layers/2.lhs")}
 
 
 def test_convert_nnx_twin_itself_takes_new_bits():
