@@ -172,7 +172,7 @@ def targets(rows) -> list[dict]:
 
   def add(what, model, variant, bits, key, test):
     r = _row(rows, model, variant, bits)
-    if r is None:
+    if r is None or (key == "finite" and "error" in r):  # a failed row is listed by its error
       return
     value = r.get(key)
     out.append({"target": what, "model": model, "variant": variant, "bits": bits, key: value,
@@ -201,6 +201,7 @@ def main(argv=None):
   parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
   parser.add_argument("--json", default=str(RESULTS / "bench_models.json"))
   args = parser.parse_args(argv)
+  run_meta = meta(argv)  # the library as the run starts
   bits_list = (8, 2) if args.quick else (8, 4, 2)
   steps = 1 if args.quick else 3
   print(HEADER, flush=True)
@@ -215,7 +216,7 @@ def main(argv=None):
           f"bits={t['bits']} {value}{' ' + t['error'][:80] if 'error' in t else ''}")
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"meta": meta(argv), "rows": rows, "targets": checks}, indent=1) + "\n")
+  path.write_text(json.dumps({"meta": run_meta, "rows": rows, "targets": checks}, indent=1) + "\n")
   print(f"wrote {path}")
 
 
