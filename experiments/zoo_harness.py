@@ -6,7 +6,9 @@ the *unmodified* model code (`experiments/zoo.py`):
 
 * "plain": the model as written;
 * "convert": `jact.convert(model, bits=bits)` (linen: the 'jact' stream of
-  `apply`; nnx: `rngs=nnx.Rngs(jact=0)`, a stream per layer);
+  `apply`; nnx: converted without `rngs=`, so the state is the plain model's,
+  and run inside `jact.nnx.use_key(key)` -- the functional style, jax.grad
+  over nnx.merge, cannot advance a stream's RngCount, as with nnx.Dropout);
 * "compressed": `jact.compressed` around the whole model (linen: a function
   of the variables and inputs that calls `model.apply`; nnx: the module).
 
@@ -103,14 +105,20 @@ def _linen(case, variant, bits, seed):
 def _nnx(case, variant, bits, seed):
   model = case.build()
   if variant == "convert":
-    model = jact.convert(model, rngs=nnx.Rngs(jact=seed), bits=bits)
+    model = jact.convert(model, bits=bits)
   elif variant == "compressed":
     model = jact.compressed(model, bits=bits)
   graphdef, params, state = nnx.split(model, nnx.Param, ...)
 
   def forward(params, state, batch, key):
     m = nnx.merge(graphdef, params, state)
-    logits = m(*batch["inputs"], key=key) if variant == "compressed" else m(*batch["inputs"])
+    if variant == "compressed":
+      logits = m(*batch["inputs"], key=key)
+    elif variant == "convert":
+      with jact.nnx.use_key(key):
+        logits = m(*batch["inputs"])
+    else:
+      logits = m(*batch["inputs"])
     return logits, nnx.split(m, nnx.Param, ...)[2]
 
   return params, state, forward

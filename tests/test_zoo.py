@@ -10,7 +10,6 @@ gives the full-batch figures), and one 8-bit draw of the gradient is within
 small.
 """
 
-import flax
 import jax
 import jax.numpy as jnp
 import pytest
@@ -55,16 +54,7 @@ def test_saved_bytes_cut_at_2_bits(name):
   assert cut >= MIN_CUT[name], cut
 
 
-# Converted nnx models with `rngs=` (a stream per layer) differentiated in the
-# functional style, jax.grad over nnx.split/nnx.merge, raise flax's
-# TraceContextError (a layer's key draw mutates its RngCount inside the
-# engine's inner trace); nnx.grad on the module and `jact.nnx.use_key` work.
-NNX_RNGS_GRAD = pytest.mark.xfail(
-    raises=flax.errors.TraceContextError, strict=True,
-    reason="jact.convert(rngs=...) nnx model under jax.grad of nnx.merge: RngCount mutated "
-           "from the engine's inner trace")
-GRAD_CASES = [pytest.param(n, marks=NNX_RNGS_GRAD) if CASES[n].framework == "nnx" else n
-              for n in CASES]
+GRAD_CASES = list(CASES)  # nnx: converted without rngs=, keys from jact.nnx.use_key
 
 
 @pytest.mark.parametrize("name", GRAD_CASES)
