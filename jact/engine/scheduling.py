@@ -18,7 +18,13 @@ from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
 
-__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag"]
+__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag",
+           "is_stored", "wait_for"]
+
+
+def is_stored(value) -> bool:
+  """Whether `value` is the stored form of a residual (packed or compressed pieces)."""
+  return isinstance(value, (Packed, PackedBits, PackedPerSample, Compressed))
 
 
 def barrier(residuals, cotangent):
@@ -55,7 +61,7 @@ def barrier(residuals, cotangent):
     return r
 
   residuals = jax.tree.map(
-      tie, residuals, is_leaf=lambda r: isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed)))
+      tie, residuals, is_leaf=is_stored)
   return residuals, cotangent
 
 
@@ -108,15 +114,22 @@ def materialize(x: jax.Array, residuals) -> jax.Array:
   and fused into the op's own single memory pass.
   """
   ready = ready_flag(residuals)
-  # The divisor is per element (a scalar divisor is rewritten by XLA into a
-  # cheap multiplication by its reciprocal).
-  return jax.tree.map(lambda o: o / jnp.where(ready, jnp.ones_like(o), o), x)
+  return jax.tree.map(lambda o: wait_for(o, ready), x)
+
+
+def wait_for(value: jax.Array, ready: jax.Array) -> jax.Array:
+  """`value`, computed only after the always-true flag `ready` (`ready_flag`):
+  a float is divided elementwise by a runtime 1.0 (see `materialize`; a
+  scalar divisor is rewritten by XLA into a cheap multiplication by its
+  reciprocal), anything else selected by the flag."""
+  if jnp.issubdtype(value.dtype, jnp.floating):
+    return value / jnp.where(ready, jnp.ones_like(value), value)
+  return jnp.where(ready, value, jnp.zeros_like(value))
 
 
 def _is_stored(r) -> bool:
   """A stored form: packed or compressed pieces, or raw packed bytes."""
-  return (isinstance(r, (Packed, PackedBits, PackedPerSample, Compressed))
-          or getattr(r, "dtype", None) == jnp.uint8)
+  return is_stored(r) or getattr(r, "dtype", None) == jnp.uint8
 
 
 def finish_forward(out, residuals, *, elementwise: bool = False):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.scheduling import barrier, ready_flag
+from jact.engine.scheduling import barrier, ready_flag, wait_for
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -41,16 +41,6 @@ def _tieable(value) -> bool:
   dtype = getattr(value, "dtype", None)
   return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
           and jnp.size(value) > 0 and _compat.on_device(value))
-
-
-def _tie(value, ready):
-  """`value`, computed only after `ready` (an always-true flag computed from
-  the stored pieces). Floats are materialized once, as
-  `jact.engine.scheduling.materialize` does (XLA would otherwise re-fuse a
-  cheap producer into later consumers and keep its inputs alive)."""
-  if jnp.issubdtype(value.dtype, jnp.floating):
-    return value / jnp.where(ready, jnp.ones_like(value), value)
-  return jnp.where(ready, value, jnp.zeros_like(value))
 
 
 def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
@@ -115,7 +105,7 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       if last_read.get(v, -1) > after and v not in given and _tieable(value):
         if ready is None:
           ready = ready_flag(packed)
-        env[v] = _tie(value, ready)
+        env[v] = wait_for(value, ready)
 
   def settle(after: int):
     nonlocal pending_bytes

@@ -24,7 +24,7 @@ from jact.compressors import Compressed
 from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
-from jact.engine.scheduling import barrier, materialize, ready_flag
+from jact.engine.scheduling import barrier, is_stored, ready_flag, wait_for
 from jact.engine.store import compress_residual, restore_residual
 
 
@@ -139,11 +139,6 @@ def check_overrides(config: ResidualConfig, names) -> None:
       what=f"the overrides mapping of jact.compressed(name={config.name!r})",
       fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
           "inside the function take their widths from a plan (jact.use_plan), not overrides.")
-
-
-def is_stored(value) -> bool:
-  """Whether `value` is a stored (packed or compressed) form of a residual."""
-  return isinstance(value, (PackedBits, Packed, PackedPerSample, Compressed))
 
 
 def restore_saved(value, shape, dtype):
@@ -275,7 +270,7 @@ def output_epilogue(out, values):
   materialized once (see `jact.engine.scheduling.materialize`). Values kept by
   reference (inputs) do not go through the barrier, so that they stay the
   very objects an enclosing `compressed` recognises as its own inputs."""
-  is_packed = [isinstance(v, (Packed, PackedBits, PackedPerSample, Compressed)) for v in values]
+  is_packed = [is_stored(v) for v in values]
   packed = [v for v, p in zip(values, is_packed) if p]
   out, packed = barrier(out, packed)
   ready = ready_flag(packed)
@@ -283,9 +278,7 @@ def output_epilogue(out, values):
   def finish(o):
     if not is_array(o) or not jnp.size(o):
       return o
-    if is_float(o):
-      return materialize(o, packed)
-    return jnp.where(ready, o, jnp.zeros_like(o))
+    return wait_for(o, ready)
 
   it = iter(packed)
   values = tuple(next(it) if p else v for v, p in zip(values, is_packed))
