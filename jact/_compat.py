@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.core
@@ -39,7 +39,7 @@ __all__ = [
     "CompatError", "CHECKS", "check",
     "summarize_source", "checkpoint_name", "policy_checkpoint_name", "barrier_operand",
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
-    "body_operand", "nested_output", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
+    "body_operand", "nested_output", "scan_parts", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "conv_kwargs", "linear_identity_primitive",
@@ -175,6 +175,32 @@ def nested_output(eqn, i: int) -> tuple | None:
   if len(outvars) != len(eqn.outvars) or not is_var(outvars[i]):
     return None
   return body.jaxpr, outvars[i]
+
+
+class ScanParts(NamedTuple):
+  """What `lax.scan` needs to run a scan equation's body again."""
+  body: Any  # ClosedJaxpr: (consts, carry, x) -> (carry, y)
+  num_consts: int
+  num_carry: int
+  length: int
+  reverse: bool
+  unroll: Any
+
+
+def scan_parts(eqn) -> ScanParts | None:
+  """The body and settings of a `lax.scan` equation (its operands are the
+  body's consts, then the initial carry, then the stacked xs), else None.
+
+  Public (partial): `jax.extend.core.primitives.scan_p` by identity; the
+  params `jaxpr`, `num_consts`, `num_carry`, `length`, `reverse`, `unroll`
+  are undocumented. Watch: the keys and the operand order."""
+  if eqn.primitive is not _primitives.scan_p:
+    return None
+  p = eqn.params
+  if not isinstance(p.get("jaxpr"), jax.extend.core.ClosedJaxpr):
+    return None
+  return ScanParts(p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"],
+                   p["unroll"])
 
 
 def call_name(eqn) -> str | None:
@@ -569,6 +595,20 @@ def _check_nested_output():
   assert nested_output(eqns[1], 0) is not None
 
 
+def _check_scan_parts():
+  w = jnp.float32(3.0)
+  eqn, = _eqns(lambda c, xs: lax.scan(lambda c, x: (c * w + x, c - x), c, xs, reverse=True),
+               1.0, jnp.arange(4.0))
+  parts = scan_parts(eqn)
+  assert parts is not None and (parts.num_consts, parts.num_carry, parts.length) == (1, 1, 4), parts
+  assert parts.reverse is True
+  consts, init, xs = eqn.invars[:1], eqn.invars[1:2], eqn.invars[2:]
+  assert len(consts) + len(init) + len(xs) == len(parts.body.jaxpr.invars)
+  carry, y = eval_jaxpr(parts.body.jaxpr, parts.body.consts, 3.0, 2.0, 1.0)
+  assert (carry, y) == (7.0, 1.0), (carry, y)
+  assert scan_parts(_eqns(jnp.sin, 1.0)[0]) is None
+
+
 def _check_call_name():
   def sine(x):
     return jnp.sin(x)
@@ -816,6 +856,8 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "call_body": ("the body of jit / closed_call in params['jaxpr'] / params['call_jaxpr']",
                   _check_call_body),
     "nested_output": ("jit_p/closed_call_p/scan_p; params['jaxpr']", _check_nested_output),
+    "scan_parts": ("scan_p; params jaxpr, num_consts, num_carry, length, reverse, unroll",
+                   _check_scan_parts),
     "call_name": ("the jitted function's name in jit's params['name']", _check_call_name),
     "platform_dependent_branch": (
         "lax.platform_dependent: platform_index params['platforms'] and cond params['branches']",
