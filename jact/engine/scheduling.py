@@ -9,6 +9,7 @@ compressed residuals (so the full-precision value can be freed early).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +20,36 @@ from jact.core.quantize import Packed
 from jact.compressors import Compressed
 
 __all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag",
-           "is_stored", "wait_for"]
+           "is_stored", "wait_for", "Stacked"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+  """The stored form of a residual a `lax.scan` produced one iteration at a
+  time, stored inside the loop: `pieces` is the stored form of one
+  iteration's value (packed pieces, or `Stacked` again for a nested scan)
+  with every leaf stacked along a new leading (iteration) axis.
+
+  >>> import jax.numpy as jnp
+  >>> from jact.core.packing import pack_codes
+  >>> step = pack_codes(jnp.ones((4, 16), bool), 1)
+  >>> s = Stacked(jax.tree.map(lambda a: jnp.stack([a] * 3), step))
+  >>> is_stored(s), s.length
+  (True, 3)
+  """
+  pieces: Any
+
+  @property
+  def length(self) -> int:
+    """Number of iterations stacked."""
+    return int(jax.tree.leaves(self.pieces)[0].shape[0])
 
 
 def is_stored(value) -> bool:
-  """Whether `value` is the stored form of a residual (packed or compressed pieces)."""
-  return isinstance(value, (Packed, PackedBits, PackedPerSample, Compressed))
+  """Whether `value` is the stored form of a residual (packed or compressed
+  pieces, or such pieces stacked over a scan's iterations)."""
+  return isinstance(value, (Packed, PackedBits, PackedPerSample, Compressed, Stacked))
 
 
 def barrier(residuals, cotangent):
@@ -58,6 +83,8 @@ def barrier(residuals, cotangent):
     if isinstance(r, Compressed):
       return dataclasses.replace(r, arrays=jax.tree.map(
           lambda a: jnp.where(arrived, a, jnp.zeros_like(a)), r.arrays))
+    if isinstance(r, Stacked):
+      return Stacked(jax.tree.map(tie, r.pieces, is_leaf=is_stored))
     return r
 
   residuals = jax.tree.map(

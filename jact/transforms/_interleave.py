@@ -12,6 +12,11 @@ wait for the compressed bytes (`jact.engine.scheduling.materialize`), so the
 compiler must finish the compression -- and can free the full-precision
 residual -- before it goes on. A whole model then behaves like a chain of
 separately wrapped blocks.
+
+A residual a `lax.scan` emits per iteration (an RNN over time, a scanned
+stack of layers) is stored inside the loop instead, one iteration at a time,
+and `evaluate_restoring` rebuilds it inside the backward loop that reads it
+(`jact.transforms._scan`): no full-precision stack in either direction.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.scheduling import barrier, ready_flag, wait_for
+from jact.engine.scheduling import Stacked, barrier, ready_flag, wait_for
+from jact.transforms._scan import rebuild, restore_scan, scan_residuals, store_scan
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -53,15 +59,18 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     inputs: values of `jaxpr.invars`.
     store_at: `{position: var}` for the residuals to store (`var` one of
       `jaxpr`'s variables, `position` passed back to `store`).
-    store: `(position, value) -> stored form` (compressed pieces, or the value
-      itself when nothing is compressed).
+    store: `(position, value, steps=()) -> stored form` (compressed pieces,
+      or the value itself when nothing is compressed); `steps` holds the
+      iteration indices of the scans a per-iteration value comes from
+      (outermost first: its rounding seed must differ per iteration).
     needed: one flag per output of `jaxpr`; outputs not needed (residuals
       used only through their stored form) come back as None and are not
       kept alive. Default: all.
 
   Returns:
     `(outputs, stored)`: the values of `jaxpr.outvars` and `{position:
-    stored form}`. Values are unchanged; only the order in which the
+    stored form}` (`jact.engine.scheduling.Stacked` for a residual stored
+    inside a scan). Values are unchanged; only the order in which the
     compiler may compute them is constrained.
   """
   eqns = jaxpr.eqns
@@ -83,6 +92,7 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   total = sum(_nbytes(var) for var in store_at.values())
   flush_bytes = max([total / FLUSHES] + [_nbytes(var) for var in store_at.values()])
 
+  in_loops = scan_residuals(eqns, store_at)
   env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, inputs))
   stored, pending, pending_bytes = {}, [], 0
 
@@ -110,6 +120,8 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   def settle(after: int):
     nonlocal pending_bytes
     for position in done_after.get(after, ()):
+      if position in stored:
+        continue  # stored inside its scan
       pending.append(position)
       pending_bytes += _nbytes(store_at[position])
     if pending and pending_bytes >= flush_bytes:
@@ -117,9 +129,17 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
 
   settle(-1)
   for i, eqn in enumerate(eqns):
-    outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+    if i in in_loops:
+      residuals = in_loops[i]
+      full = {k for k, p in residuals.items()
+              if last_read.get(store_at[p], -1) > i or store_at[p] in outputs}
+      outs, in_loop = store_scan(eqn, [read(v) for v in eqn.invars], residuals, full, store,
+                                 evaluate_storing)
+      stored.update(in_loop)
+    else:
+      outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
     for var, value in zip(eqn.outvars, outs):
-      if _compat.is_var(var):
+      if _compat.is_var(var) and value is not None:
         env[var] = value
     settle(i)
     for v in eqn.invars:  # forget what nothing reads any more
@@ -140,7 +160,8 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     inputs: values of `jaxpr.invars`; those of the positions in `restore`
       are ignored.
     restore: `{invar position: (pieces, rebuild)}`: the stored pieces of a
-      residual and `rebuild(pieces) -> value`.
+      residual and `rebuild(pieces, shape=...) -> value` (`shape` the value's
+      shape, or one iteration's for `Stacked` pieces).
     start: the value to tie reconstructions to before anything is computed
       (the incoming cotangent).
 
@@ -150,7 +171,9 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
   cannot hoist every reconstruction to the start of the backward pass, where
   they would all be alive at once (the peak a whole-model wrap would have
   otherwise; the incoming cotangent of a loss is often a constant, so tying
-  to it alone orders nothing).
+  to it alone orders nothing). A `Stacked` residual that a scan reads as
+  per-iteration input is rebuilt inside that scan's body, one iteration at a
+  time (`jact.transforms._scan.restore_scan`).
   """
   lazy = {jaxpr.invars[p]: entry for p, entry in restore.items()}
   env = dict(zip(jaxpr.constvars, consts))
@@ -162,17 +185,23 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
 
   for eqn in jaxpr.eqns:
-    waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env]
+    in_loop = _in_loop(eqn, lazy, env)
+    waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env
+               and v not in in_loop.values()]
     if waiting:
       anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
                  and v not in given and v not in lazy and _tieable(env[v])]
       anchor = anchors[0] if anchors else frontier
       for v in waiting:
-        pieces, rebuild = lazy[v]
+        pieces, rebuild_one = lazy[v]
         if anchor is not None and all(map(_compat.on_device, jax.tree.leaves(pieces))):
           pieces, _ = barrier(pieces, anchor)
-        env[v] = rebuild(pieces)
-    outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+        env[v] = rebuild(pieces, rebuild_one, v.aval.shape)
+    if in_loop:
+      outs = restore_scan(eqn, [None if j in in_loop else read(v) for j, v in enumerate(eqn.invars)],
+                          {j: lazy[v] for j, v in in_loop.items()}, evaluate_restoring)
+    else:
+      outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
     for var, value in zip(eqn.outvars, outs):
       if _compat.is_var(var):
         env[var] = value
@@ -180,5 +209,19 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
           frontier = value
   for v in jaxpr.outvars:  # a residual passed straight through
     if _compat.is_var(v) and v in lazy and v not in env:
-      env[v] = lazy[v][1](lazy[v][0])
+      env[v] = rebuild(lazy[v][0], lazy[v][1], v.aval.shape)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _in_loop(eqn, lazy: dict, env: dict) -> dict:
+  """`{operand index: var}`: the `Stacked` residuals not yet rebuilt that the
+  scan `eqn` reads only as per-iteration inputs (rebuilt inside its body)."""
+  parts = _compat.scan_parts(eqn)
+  if parts is None:
+    return {}
+  first_x = parts.num_consts + parts.num_carry
+  found = {}
+  for j, v in enumerate(eqn.invars):
+    if _compat.is_var(v) and v in lazy and v not in env and isinstance(lazy[v][0], Stacked):
+      found.setdefault(v, []).append(j)
+  return {js[0]: v for v, js in found.items() if len(js) == 1 and js[0] >= first_x}
