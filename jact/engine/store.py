@@ -31,7 +31,7 @@ from jact.engine.derivatives import first_order_only, reverse_only
 from jact.engine.names import tag
 from jact.engine.probe import group_ranges_sq
 from jact.engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
-from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
 from jact.kernels.api import dequantize, dequantize_per_sample, quantize_per_sample
 
 __all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs"]
@@ -142,6 +142,7 @@ def vjp_with_compressed_inputs(fn: Callable[..., Any], *args: jax.Array, compres
 
   def bwd(residuals, g):
     residuals, g = barrier(residuals, g)
+    residuals = kept_until_cotangent(residuals, g)
     restored = tuple(restore_residual(r, shape) for r, shape in zip(residuals, shapes))
     _, vjp = jax.vjp(fn, *restored)
     return (None, *vjp(g))

@@ -41,7 +41,7 @@ from jax import lax
 
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
-from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
 from jact.engine.rounding import check_float, residual_method
 from jact.engine.names import check_name, tag
 from jact.engine.derivatives import first_order_only, reverse_only
@@ -164,6 +164,7 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
 
   def bwd(res, cts):
     (codes, inv, scale, bias, kernel), g = barrier(res, cts[0])  # mean/var: no gradient
+    kernel = kept_until_cotangent(kernel, g)
     step, start = blpa_grid(bias, scale, bits)
     a2 = blpa_decode(unpack_codes(codes, jnp.uint8), step, start, bits)
     mask = a2 > 0  # == (A2 > 0), exactly
