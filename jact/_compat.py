@@ -42,6 +42,7 @@ __all__ = [
     "body_operand", "nested_output", "scan_parts", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
+    "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
     "saved_residuals",
 ]
@@ -436,6 +437,24 @@ def is_reduction(eqn) -> bool:
   return eqn.primitive.name in _REDUCTION_PRIMITIVES
 
 
+_ELEMENTWISE_LINEAR = frozenset({"add", "sub", "neg", "convert_element_type", "copy", "copy_p"})
+_ELEMENTWISE_NONLINEAR = frozenset({
+    "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "integer_pow",
+    "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "sin", "cos", "tan", "atan", "asinh", "acosh",
+    "atanh", "sinh", "cosh", "abs", "square", "max", "min"})
+
+
+def elementwise_kind(eqn) -> str | None:
+  """'linear' or 'nonlinear' when `eqn` is an elementwise arithmetic
+  primitive of floats (sum, difference, cast; products, quotients and unary
+  functions such as exp, tanh, logistic, integer_pow), else None. None public
+  in jax 0.10.2: primitives are told apart by their internal names."""
+  name = eqn.primitive.name
+  if name in _ELEMENTWISE_LINEAR:
+    return "linear"
+  return "nonlinear" if name in _ELEMENTWISE_NONLINEAR else None
+
+
 _LAYOUT_PRIMITIVES = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose",
                                 "squeeze", "expand_dims", "convert_element_type"})
 
@@ -796,6 +815,13 @@ def _check_is_reduction():
   assert found == [True, True, True, False, False, True], [e.primitive for e in eqns]
 
 
+def _check_elementwise_kind():
+  eqns = _eqns(lambda x: (jnp.tanh(x) * x + 1.0, x ** 3, x.sum()), jnp.ones(3))
+  found = [elementwise_kind(e) for e in eqns]
+  assert found == ["nonlinear", "nonlinear", "linear", "nonlinear", None], (
+      [e.primitive for e in eqns])
+
+
 def _check_is_layout_primitive():
   eqns = _eqns(lambda x: jnp.concatenate([x, x]).reshape(2, -1).T.astype(jnp.bfloat16) * 2, jnp.ones(3))
   layout = [is_layout_primitive(e.primitive) for e in eqns]
@@ -882,6 +908,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
     "is_reduction": ("primitive names", _check_is_reduction),
     "is_layout_primitive": ("primitive names", _check_is_layout_primitive),
+    "elementwise_kind": ("primitive names", _check_elementwise_kind),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
                     _check_conv_kwargs),
     "linear_identity_primitive": (

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.ops.pooling import max_pool
+from jact.transforms._folding import folded_chain, unary_regions
 
 __all__ = ["evaluate_with_exact_selections"]
 
@@ -40,15 +41,24 @@ def _pool_full_rank(x, window, strides, padding, name: str):
   return y[0, ..., 0]
 
 
-def evaluate_with_exact_selections(jaxpr, consts, *args, name: str) -> list:
+def evaluate_with_exact_selections(jaxpr, consts, *args, name: str, fold: bool = True) -> list:
   """`jax.core.eval_jaxpr(jaxpr, consts, *args)` with max pooling that
-  stores its arg-max (residuals named `f"{name}.pool{k}.argmax"`)."""
+  stores its arg-max (residuals named `f"{name}.pool{k}.argmax"`) and, with
+  `fold`, elementwise chains of one tensor that store one derivative
+  (`jact.transforms._folding`)."""
   env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+  regions = unary_regions(jaxpr) if fold else {}
+  skipped = {i for r in regions.values() for i in r.eqns}
 
   def read(v):
     return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
 
   for k, eqn in enumerate(jaxpr.eqns):
+    if k in skipped:  # evaluated with its chain, where the chain's output is made
+      region = regions.get(eqn.outvars[0])
+      if region is not None:
+        env[region.output] = folded_chain(jaxpr, region)(env[region.root])
+      continue
     values = [read(v) for v in eqn.invars]
     geometry = _compat.max_window_geometry(eqn)
     if (geometry is not None and jnp.issubdtype(values[0].dtype, jnp.floating)
