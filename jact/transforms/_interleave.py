@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.scheduling import Stacked, barrier, ready_flag, wait_for
-from jact.transforms._scan import rebuild, restore_scan, scan_residuals, store_scan
+from jact.engine.scheduling import Stacked, barrier, kept_until_cotangent, ready_flag, wait_for
+from jact.transforms._scan import (rebuild, restore_scan, scan_inputs, scan_residuals,
+                                   store_scan, store_stacked)
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -89,10 +90,13 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   done_after = {}
   for position, var in store_at.items():
     done_after.setdefault(max(last_read.get(var, -1), produced.get(var, -1)), []).append(position)
-  total = sum(_nbytes(var) for var in store_at.values())
-  flush_bytes = max([total / FLUSHES] + [_nbytes(var) for var in store_at.values()])
-
   in_loops = scan_residuals(eqns, store_at)
+  per_step = scan_inputs(eqns, store_at)
+  # Residuals stored inside their scan do not wait for a flush: the groups
+  # are a share of the others.
+  in_loop = {p for residuals in in_loops.values() for p in residuals.values()}
+  sizes = [_nbytes(var) for p, var in store_at.items() if p not in in_loop]
+  flush_bytes = max([sum(sizes) / FLUSHES] + sizes)
   env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, inputs))
   stored, pending, pending_bytes = {}, [], 0
 
@@ -101,7 +105,8 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
 
   def flush(after: int):
     nonlocal pending, pending_bytes
-    pieces = {p: store(p, env[store_at[p]]) for p in pending}
+    pieces = {p: store_stacked(p, env[store_at[p]], store) if p in per_step
+              else store(p, env[store_at[p]]) for p in pending}
     pending, pending_bytes = [], 0
     packed = [s for p, s in pieces.items() if s is not env[store_at[p]]]
     stored.update(pieces)
@@ -152,7 +157,7 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
 
 
 def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
-                       start=None) -> list:
+                       start=None, kept: Sequence[int] = ()) -> list:
   """Evaluates a backward-pass `jaxpr`, reconstructing residuals just before use.
 
   Args:
@@ -164,6 +169,7 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
       shape, or one iteration's for `Stacked` pieces).
     start: the value to tie reconstructions to before anything is computed
       (the incoming cotangent).
+    kept: invar positions of residuals kept as they are (kernels).
 
   Each residual is rebuilt right before the first equation that reads it,
   from pieces tied (`jact.engine.scheduling.barrier`) to a value that
@@ -173,12 +179,17 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
   otherwise; the incoming cotangent of a loss is often a constant, so tying
   to it alone orders nothing). A `Stacked` residual that a scan reads as
   per-iteration input is rebuilt inside that scan's body, one iteration at a
-  time (`jact.transforms._scan.restore_scan`).
+  time (`jact.transforms._scan.restore_scan`). An equation that reads only
+  given values, at least one of them `kept` (a kernel's reversal for a
+  convolution's input gradient), reads them tied to the latest value
+  computed (`kept_until_cotangent`): XLA:CPU would otherwise compute it at
+  the start of the program and keep it alive through the forward pass.
   """
   lazy = {jaxpr.invars[p]: entry for p, entry in restore.items()}
   env = dict(zip(jaxpr.constvars, consts))
   env.update((v, x) for v, x in zip(jaxpr.invars, inputs) if v not in lazy)
   given = set(env)
+  kept = {jaxpr.invars[p] for p in kept} - set(lazy)
   frontier = start if start is not None and _tieable(start) else None
 
   def read(v):
@@ -201,7 +212,13 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
       outs = restore_scan(eqn, [None if j in in_loop else read(v) for j, v in enumerate(eqn.invars)],
                           {j: lazy[v] for j, v in in_loop.items()}, evaluate_restoring)
     else:
-      outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+      operands = [read(v) for v in eqn.invars]
+      variables = [v for v in eqn.invars if _compat.is_var(v)]
+      if (frontier is not None and any(v in kept for v in variables)
+          and all(v in given for v in variables)):
+        operands = [kept_until_cotangent(x, frontier) if _compat.is_var(v) and v in kept else x
+                    for v, x in zip(eqn.invars, operands)]
+      outs = _compat.bind_eqn(eqn, operands)
     for var, value in zip(eqn.outvars, outs):
       if _compat.is_var(var):
         env[var] = value

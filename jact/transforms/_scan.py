@@ -31,7 +31,8 @@ from jact.engine import context as _context
 from jact.engine.rounding import NoKey, SaltedSeed
 from jact.engine.scheduling import Stacked, is_stored
 
-__all__ = ["step_seed", "scan_residuals", "store_scan", "restore_scan", "rebuild"]
+__all__ = ["step_seed", "scan_residuals", "scan_inputs", "store_stacked", "store_scan",
+           "restore_scan", "rebuild"]
 
 
 def step_seed(seed, steps):
@@ -66,6 +67,29 @@ def scan_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:
     if hit:
       found[i] = hit
   return found
+
+
+def scan_inputs(eqns, store_at: dict) -> set:
+  """The positions of the residuals of `store_at` (`{position: var}`) that a
+  scan equation reads as stacked per-iteration input (its xs): stored one
+  leading index at a time (`store_stacked`), the backward loop that reads
+  them the same way can rebuild them one iteration at a time."""
+  xs = set()
+  for eqn in eqns:
+    parts = _compat.scan_parts(eqn)
+    if parts is not None:
+      xs.update(v for v in eqn.invars[parts.num_consts + parts.num_carry:] if _compat.is_var(v))
+  return {p for p, var in store_at.items() if var in xs}
+
+
+def store_stacked(position, value, store: Callable):
+  """`Stacked` pieces of `value` stored one leading index at a time
+  (`store(position, value[i], (i,))` for every i), or `store(position,
+  value)` when one index alone is not compressed (too small)."""
+  if _context.current("recorder") is not None:  # recorded first: the whole shape
+    jax.eval_shape(lambda v: store(position, v), jax.ShapeDtypeStruct(value.shape, value.dtype))
+  pieces = jax.vmap(lambda v, i: store(position, v, (i,)))(value, jnp.arange(value.shape[0]))
+  return Stacked(pieces) if is_stored(pieces) else store(position, value)
 
 
 def store_scan(eqn, values, residuals: dict[int, int], full: set, store: Callable,
