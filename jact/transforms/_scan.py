@@ -20,6 +20,7 @@ rebuilt per innermost iteration.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -31,7 +32,7 @@ from jact.engine import context as _context
 from jact.engine.rounding import NoKey, SaltedSeed
 from jact.engine.scheduling import Stacked, is_stored
 
-__all__ = ["step_seed", "scan_residuals", "scan_inputs", "store_stacked", "store_scan",
+__all__ = ["step_seed", "step_config", "scan_residuals", "scan_inputs", "store_stacked", "store_scan",
            "restore_scan", "rebuild"]
 
 
@@ -52,6 +53,15 @@ def step_seed(seed, steps):
   for s in steps:
     seed = rng.hash_uint32(seed, jnp.asarray(s).astype(jnp.uint32))
   return seed
+
+
+def step_config(config, var):
+  """`config` (a `ResidualConfig`) for one iteration's value of the residual
+  `var` stored inside its scan: whether it is large enough to compress
+  (`min_size`) is the whole residual's to decide, not one iteration's."""
+  if math.prod(var.aval.shape) >= config.min_size:
+    return dataclasses.replace(config, min_size=1)
+  return config
 
 
 def scan_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:

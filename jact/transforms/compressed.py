@@ -57,7 +57,7 @@ from jact.engine.scheduling import barrier, materialize
 from jact.engine.derivatives import reverse_only
 from jact.transforms._selections import evaluate_with_exact_selections
 from jact.transforms._interleave import evaluate_restoring, evaluate_storing
-from jact.transforms._scan import step_seed
+from jact.transforms._scan import step_config, step_seed
 from jact.transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
                                            eval_constants, is_array, is_float, is_stored, output_epilogue,
                                            plan_saved, restore_saved, store_saved)
@@ -389,8 +389,9 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     results, stored = evaluate_storing(
         capture.jaxpr, capture.consts, inputs,
         {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
-        lambda p, leaf, steps=(): store_saved(leaf, f"{config.name}.{p}", step_seed(seed, steps),
-                                              p, config, mask=plan[p][1] == "mask"),
+        lambda p, leaf, steps=(): store_saved(
+            leaf, f"{config.name}.{p}", step_seed(seed, steps), p,
+            step_config(config, residual_vars[p]) if steps else config, mask=plan[p][1] == "mask"),
         needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []
