@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.engine.scheduling import Stacked, barrier, kept_until_cotangent, ready_flag, wait_for
-from jact.transforms._scan import (rebuild, restore_scan, scan_inputs, scan_residuals,
-                                   store_scan, store_stacked)
+from jact.transforms._scan import (call_residuals, rebuild, restore_scan, scan_inputs,
+                                   scan_residuals, store_scan, store_stacked)
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -91,10 +91,12 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   for position, var in store_at.items():
     done_after.setdefault(max(last_read.get(var, -1), produced.get(var, -1)), []).append(position)
   in_loops = scan_residuals(eqns, store_at)
+  in_calls = call_residuals(eqns, store_at)
   per_step = scan_inputs(eqns, store_at)
   # Residuals stored inside their scan do not wait for a flush: the groups
   # are a share of the others.
-  in_loop = {p for residuals in in_loops.values() for p in residuals.values()}
+  in_loop = {p for found in (in_loops, in_calls) for residuals in found.values()
+             for p in residuals.values()}
   sizes = [_nbytes(var) for p, var in store_at.items() if p not in in_loop]
   flush_bytes = max([sum(sizes) / FLUSHES] + sizes)
   env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, inputs))
@@ -141,6 +143,14 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
       outs, in_loop = store_scan(eqn, [read(v) for v in eqn.invars], residuals, full, store,
                                  evaluate_storing)
       stored.update(in_loop)
+    elif i in in_calls:  # a jitted call around a scan: its body evaluated in place
+      body, residuals = _compat.call_body(eqn), in_calls[i]
+      wanted = [k not in residuals or last_read.get(v, -1) > i or v in outputs
+                for k, v in enumerate(eqn.outvars)]
+      outs, inner = evaluate_storing(
+          body.jaxpr, body.consts, [read(v) for v in eqn.invars],
+          {p: body.jaxpr.outvars[k] for k, p in residuals.items()}, store, wanted)
+      stored.update(inner)
     else:
       outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
     for var, value in zip(eqn.outvars, outs):
@@ -196,9 +206,10 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
 
   for eqn in jaxpr.eqns:
-    in_loop = _in_loop(eqn, lazy, env)
+    in_loop, in_call = _in_loop(eqn, lazy, env), _in_call(eqn, lazy, env)
+    deferred = set(in_loop.values()) | set(in_call.values())
     waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env
-               and v not in in_loop.values()]
+               and v not in deferred]
     if waiting:
       anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
                  and v not in given and v not in lazy and _tieable(env[v])]
@@ -211,6 +222,12 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     if in_loop:
       outs = restore_scan(eqn, [None if j in in_loop else read(v) for j, v in enumerate(eqn.invars)],
                           {j: lazy[v] for j, v in in_loop.items()}, evaluate_restoring)
+    elif in_call:  # a jitted call around the scans that read them: evaluated in place
+      body = _compat.call_body(eqn)
+      outs = evaluate_restoring(
+          body.jaxpr, body.consts,
+          [None if j in in_call else read(v) for j, v in enumerate(eqn.invars)],
+          {j: lazy[v] for j, v in in_call.items()}, start=frontier)
     else:
       operands = [read(v) for v in eqn.invars]
       variables = [v for v in eqn.invars if _compat.is_var(v)]
@@ -228,6 +245,16 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     if _compat.is_var(v) and v in lazy and v not in env:
       env[v] = rebuild(lazy[v][0], lazy[v][1], v.aval.shape)
   return [read(v) for v in jaxpr.outvars]
+
+
+def _in_call(eqn, lazy: dict, env: dict) -> dict:
+  """`{operand index: var}`: the `Stacked` residuals not yet rebuilt that the
+  jitted call `eqn` reads (its body is evaluated in place, where a scan
+  can rebuild them one iteration at a time)."""
+  if _compat.call_body(eqn) is None:
+    return {}
+  return {j: v for j, v in enumerate(eqn.invars) if _compat.is_var(v) and v in lazy
+          and v not in env and isinstance(lazy[v][0], Stacked)}
 
 
 def _in_loop(eqn, lazy: dict, env: dict) -> dict:

@@ -32,7 +32,7 @@ from jact.engine import context as _context
 from jact.engine.rounding import NoKey, SaltedSeed
 from jact.engine.scheduling import Stacked, is_stored
 
-__all__ = ["step_seed", "step_config", "scan_residuals", "scan_inputs", "store_stacked", "store_scan",
+__all__ = ["step_seed", "step_config", "scan_residuals", "call_residuals", "scan_inputs", "store_stacked", "store_scan",
            "restore_scan", "rebuild"]
 
 
@@ -74,6 +74,40 @@ def scan_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:
       continue
     ys = {v: k for k, v in enumerate(eqn.outvars[parts.num_carry:])}
     hit = {ys[var]: p for p, var in store_at.items() if var in ys}
+    if hit:
+      found[i] = hit
+  return found
+
+
+def _from_scan(jaxpr, var) -> bool:
+  """Whether `var` of `jaxpr` is a scan's stacked output, possibly through
+  jitted calls."""
+  for eqn in jaxpr.eqns:
+    if var in eqn.outvars:
+      k = eqn.outvars.index(var)
+      parts = _compat.scan_parts(eqn)
+      if parts is not None:
+        return k >= parts.num_carry
+      body = _compat.call_body(eqn)
+      return (body is not None and _compat.is_var(body.jaxpr.outvars[k])
+              and _from_scan(body.jaxpr, body.jaxpr.outvars[k]))
+  return False
+
+
+def call_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:
+  """`{equation index: {output index: position}}`: the residuals of
+  `store_at` that a jitted call (`jax.jit`, `closed_call`) returns from a
+  scan inside it (its body is evaluated in place, so that the scan's
+  residuals are stored inside the loop)."""
+  found = {}
+  for i, eqn in enumerate(eqns):
+    body = _compat.call_body(eqn)
+    if body is None:
+      continue
+    outs = {v: k for k, v in enumerate(eqn.outvars)}
+    hit = {outs[var]: p for p, var in store_at.items() if var in outs
+           and _compat.is_var(body.jaxpr.outvars[outs[var]])
+           and _from_scan(body.jaxpr, body.jaxpr.outvars[outs[var]])}
     if hit:
       found[i] = hit
   return found

@@ -53,7 +53,8 @@ from jact import _compat
 from jact.engine import context as _context
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
-from jact.engine.scheduling import barrier, materialize
+from jact.engine.names import tag
+from jact.engine.scheduling import Stacked, barrier, materialize
 from jact.engine.derivatives import reverse_only
 from jact.transforms._selections import evaluate_with_exact_selections
 from jact.transforms._interleave import evaluate_restoring, evaluate_storing
@@ -393,6 +394,9 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
             leaf, f"{config.name}.{p}", step_seed(seed, steps), p,
             step_config(config, residual_vars[p]) if steps else config, mask=plan[p][1] == "mask"),
         needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
+    # pieces stacked by a scan carry their name inside its body: named again outside
+    stored = {p: tag(s, f"{config.name}.{p}") if isinstance(s, Stacked) else s
+              for p, s in stored.items()}
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []
     for position, ((kind, _), leaf) in enumerate(zip(plan, results[n_out:])):
