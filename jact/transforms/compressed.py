@@ -423,7 +423,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     constants = iter(eval_constants(
         saved.capture.jaxpr, saved.capture.consts,
         [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
-    leaves, restore = [], {}
+    leaves, restore, kept = [], {}, []
     for position, ((kind, detail), i, shape, dtype) in enumerate(zip(
         saved.plan, saved.index, saved.shapes, saved.dtypes)):
       if kind == "same":
@@ -435,13 +435,14 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
                                                           dtype=dtype))
         leaves.append(jax.ShapeDtypeStruct(shape, dtype))
       else:
+        kept.append(position)
         leaves.append(restore_saved(values[i], shape, dtype))
     g_leaves, g_tree = jax.tree.flatten(g)
     backward = jax.make_jaxpr(lambda leaves, g: _compat.rebuild_vjp(saved.vjp_layout, leaves)(
         jax.tree.unflatten(g_tree, g)))(leaves, g_leaves)
     anchor = next((t for t in g_leaves if is_array(t) and is_float(t) and jnp.size(t)), None)
     grads = iter(evaluate_restoring(backward.jaxpr, backward.consts, leaves + g_leaves, restore,
-                                    start=anchor))
+                                    start=anchor, kept=kept))
     return (None, *[next(grads) if d else None for d in differentiable])
 
   op.defvjp(fwd, bwd)
