@@ -2,8 +2,9 @@
 
 `jax.random.uniform` over a tensor materializes several tensor-sized
 temporaries (threefry state). Rounding noise instead comes from a hash of
-(seed, element index): a 32-bit seed is drawn once per call site from a JAX
-key, and every element hashes its own flat index inside the quantize fusion.
+(seed, element index): a 32-bit seed is hashed once per call site from a JAX
+key's data words, and every element hashes its own flat index inside the
+quantize fusion.
 Everything here is plain uint32 arithmetic, so the very same functions run
 inside GPU kernels and give bit-identical noise.
 
@@ -51,18 +52,33 @@ def _as_key(key):
 
 
 def seed_from_key(key, site: int = 0) -> jax.Array:
-  """Draws a uint32 scalar seed for one call site from a JAX PRNG key.
+  """Derives a uint32 scalar seed for one call site from a JAX PRNG key.
+
+  The seed is an integer hash of the key's data words and `site` -- no
+  threefry: a `fold_in` plus `bits` is two rolled threefry loops on XLA:CPU,
+  about a dozen small kernels per call site, which made compiled gradients
+  with many compressed layers several times slower to compile. Distinct keys
+  (or sites) give unrelated seeds; the key's own draws (`jax.random.*`) are
+  a different function of the same words.
 
   Args:
-    key: a typed key (`jax.random.key`) or a legacy uint32[2] key.
-    site: call-site index folded into the key, so one key can feed several
+    key: a scalar typed key (`jax.random.key`) or a legacy uint32[2] key.
+    site: call-site index mixed into the seed, so one key can feed several
       independent compressions.
 
   Returns:
     A uint32 scalar.
   """
-  key = jax.random.fold_in(_as_key(key), site)
-  return jax.random.bits(key, (), jnp.uint32)
+  key = _as_key(key)
+  if key.shape:
+    raise ValueError(
+        f"seed_from_key takes one PRNG key, got a key array of shape {key.shape}; "
+        "pass a single key (e.g. keys[i]), or jax.vmap over the keys.")
+  words = jax.random.key_data(key).reshape(-1)
+  x = _lowbias32(jnp.asarray(site, jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1))
+  for i in range(words.shape[0]):  # each step a bijection of the word: distinct keys, distinct chains
+    x = _lowbias32(x ^ words[i].astype(jnp.uint32))
+  return x
 
 
 def _lowbias32(x: jax.Array) -> jax.Array:
