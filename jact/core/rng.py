@@ -182,5 +182,8 @@ def element_bits_at(seed: jax.Array, coords, shape) -> jax.Array:
 def element_bits(seed: jax.Array, shape) -> jax.Array:
   """`element_bits_at` for every element of an array of static `shape` (shape's result)."""
   shape = tuple(int(s) for s in shape)
+  if math.prod(shape) <= 2**32:  # the flat index directly: one iota, not one per axis
+    index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+    return hash_uint32(seed, index)
   coords = [jax.lax.broadcasted_iota(jnp.uint32, shape, a) for a in range(len(shape))]
   return element_bits_at(seed, coords, shape)
