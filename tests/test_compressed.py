@@ -125,7 +125,9 @@ def test_gradient_unbiased_over_keys(name, bits):
   keys = jax.random.split(jax.random.key(7), 256)
   samples = over_keys(lambda k: jax.grad(loss)(params, x, k), keys)
   for (path, e), s in zip(jax.tree_util.tree_leaves_with_path(exact), jax.tree.leaves(samples)):
-    stats = assert_unbiased(s, e, max_pooled_z=4.5, max_mean_z2=1.6)
+    # A norm's 16 or 32 scale / bias gradients share the same rounding draws
+    # (their errors are strongly correlated): pooled over the per-draw sums.
+    stats = assert_unbiased(s, e, max_pooled_z=4.5, max_mean_z2=1.6, correlated=e.size < 256)
     if path[0].key.startswith("w"):  # weight gradients are noisy: the check is not vacuous
       assert stats["noisy_fraction"] > 0.5, (path, stats)
 
