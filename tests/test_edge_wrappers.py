@@ -38,8 +38,11 @@ def _user_block(x):
 
 
 def _trace_other_block_named_blk():
-  """An unrelated compressed block whose residuals are named blk.0, blk.1, blk.2."""
-  other = jact.compressed(lambda a: jnp.sin(jnp.sin(jnp.sin(a))), bits=BITS, name="blk")
+  """An unrelated compressed block whose residuals are named blk.0, blk.1, blk.2
+  (the flips keep the three sines from folding into one elementwise chain,
+  which would store one derivative)."""
+  other = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(jnp.flip(jnp.sin(a))))), bits=BITS,
+                          name="blk")
   report = jact.residual_report(lambda a: other(a, key=jax.random.key(1)).sum(), X)
   assert "blk.2" in {r.name for r in report.residuals}
 
@@ -72,7 +75,8 @@ def test_jact_policies_never_select_a_user_name():
 
 
 def test_jact_policies_select_jact_residuals_under_their_user_visible_names():
-  block = jact.compressed(lambda a: jnp.sin(jnp.sin(a)), bits=BITS, group_size=GROUP, name="blk")
+  block = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(a))), bits=BITS, group_size=GROUP,
+                         name="blk")  # two residuals: the flip keeps them from folding into one
   alone = jact.residual_report(lambda a: block(a, key=jax.random.key(2)).sum(), X)
   for policy in (jact.save_compressed("blk"), jact.save_compressed(), jact.offload_compressed("blk"),
                  jax.checkpoint_policies.save_only_these_names("blk.0", "blk.1")):
