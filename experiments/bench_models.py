@@ -50,7 +50,7 @@ TARGET_MODELS = ("resnet18", "bilstm_sst2", "transformer_lm")
 ERROR_MODELS = ("resnet18", "transformer_lm")
 
 
-def meta(argv) -> dict:
+def meta(argv, module: str = "experiments.bench_models") -> dict:
   try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=True, cwd=Path(__file__).parents[1]).stdout.strip()
@@ -59,7 +59,7 @@ def meta(argv) -> dict:
   except (OSError, subprocess.CalledProcessError):
     commit, dirty = None, None
   return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "command": "python -m experiments.bench_models " + " ".join(argv),
+          "command": f"python -m {module} " + " ".join(argv),
           "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
           "devices": [str(d) for d in jax.devices()],
           "machine": f"{platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}",

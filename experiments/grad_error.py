@@ -84,7 +84,7 @@ def main(argv=None):
   parser.add_argument("--draws", type=int, default=8)
   parser.add_argument("--json", default=str(RESULTS / "grad_error.json"))
   args = parser.parse_args(argv)
-  info = meta(argv)
+  info = meta(argv, "experiments.grad_error")
   info["command"] = "python -m experiments.grad_error " + " ".join(argv)
   rows = []
   for name in args.models:

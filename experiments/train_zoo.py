@@ -178,7 +178,8 @@ def main(argv=None):
       print(summary[-1], flush=True)
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"meta": meta(argv), "summary": summary, "runs": runs}, indent=1) + "\n")
+  run_meta = meta(argv, "experiments.train_zoo")
+  path.write_text(json.dumps({"meta": run_meta, "summary": summary, "runs": runs}, indent=1) + "\n")
   print(f"wrote {path}")
 
 
