@@ -83,7 +83,9 @@ def test_checkpoint_gradients_match_uncompressed_remat():
   key = jax.random.key(0)
   remat = stack_loss(lambda p, x, k: jax.checkpoint(transformer_block)(p, x), r)
   exact = jax.jit(jax.grad(remat, argnums=(0, 1)))(params, x, key)
-  for bits, tol in ((None, 1e-5), (8, 0.03)):
+  # 8 bits: the worst leaf's single-draw error measured 0.029-0.033 over keys
+  # 0-3 (after the seed derivation changed; the draws, not their distribution).
+  for bits, tol in ((None, 1e-5), (8, 0.05)):
     ckpt = jact.checkpoint(transformer_block, bits=bits, compress_argnums=(1,))
     loss = stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x, key)

@@ -200,10 +200,13 @@ def grid_scale(span: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(s, 1 / s): (0.25, 4) where `span` (a range or step, maybe inf) is at least
   2**100, else (1, 1). Scaling by a power of two is exact, so the scaled
   formulas give the unscaled bits wherever those do not overflow or flush."""
-  wide = (span >= jnp.float32(_WIDE)).astype(jnp.float32)
-  # Arithmetic rather than `where` (exact: 1 - 0.75 = 0.25, 1 + 3 = 4): fewer
-  # operations to trace and compile per quantized residual.
-  return 1.0 - 0.75 * wide, 1.0 + 3.0 * wide
+  wide = span >= jnp.float32(_WIDE)
+  # lax.select, not jnp.where (a nested jit call per quantized residual) nor
+  # arithmetic on the flag (1 - 0.75 * wide): Triton contracts that into a
+  # fused multiply-add, which the kernels' exactness checks forbid.
+  one = jnp.ones_like(span, jnp.float32)
+  return (jax.lax.select(wide, jnp.full_like(one, 0.25), one),
+          jax.lax.select(wide, jnp.full_like(one, 4.0), one))
 
 
 def finite_clamp(v: jax.Array, dtype) -> jax.Array:
