@@ -68,11 +68,9 @@ def barrier(residuals, cotangent):
   leaves the reconstructions of every sample intact.
   """
   residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
-  leaves = [c for c in jax.tree.leaves(cotangent)
-            if jnp.size(c) and c.dtype != jax.dtypes.float0]
-  if not leaves:
+  arrived = _arrived(cotangent)
+  if arrived is None:
     return residuals, cotangent
-  arrived = _always(jnp.reshape(leaves[0], (-1,))[0])
 
   def tie(r):
     if isinstance(r, Packed):
@@ -110,11 +108,9 @@ def kept_until_cotangent(values, cotangent):
   >>> kept_until_cotangent((w, None), g)[0]
   Array([0., 1., 2.], dtype=float32)
   """
-  leaves = [c for c in jax.tree.leaves(cotangent)
-            if jnp.size(c) and c.dtype != jax.dtypes.float0]
-  if not leaves:
+  arrived = _arrived(cotangent)
+  if arrived is None:
     return values
-  arrived = _always(jnp.reshape(leaves[0], (-1,))[0])
 
   def tie(v):
     if is_stored(v) or not jnp.issubdtype(jnp.result_type(v), jnp.floating):
@@ -123,6 +119,13 @@ def kept_until_cotangent(values, cotangent):
 
   return jax.tree.map(tie, values, is_leaf=is_stored)
 
+
+def _arrived(cotangent):
+  """The always-true flag that depends on one element of the cotangent's
+  first non-empty array (None when it has none: nothing to order after)."""
+  leaves = [c for c in jax.tree.leaves(cotangent)
+            if jnp.size(c) and c.dtype != jax.dtypes.float0]
+  return _always(jnp.reshape(leaves[0], (-1,))[0]) if leaves else None
 
 def _always(v: jax.Array) -> jax.Array:
   """A boolean scalar that is True for every value of the scalar `v` (NaN
