@@ -10,6 +10,11 @@ model's, for one rounding draw (`single`, key 1) and for the mean of
 whether every draw's gradient is finite. Targets (issue 16): single-draw
 error below 0.5% at 8 bits and 5% at 4 bits; finite at 2 bits.
 
+Each row also names the parameters the single-draw error comes from
+(`largest_errors`: a parameter's share of ||g - g_exact||^2 and of
+||g_exact||^2), which tells a few badly stored residuals from noise spread
+over the whole model.
+
     python -m experiments.grad_error [--models resnet18 transformer_lm] [--bits 8 4 2]
         [--variants compressed convert] [--draws 8] [--json PATH]
 
@@ -44,6 +49,21 @@ def exact_gradient(case, batch):
   return flat(grad(fns.params, jax.random.key(1)))
 
 
+def largest_errors(params, error, exact, top: int = 4) -> list[dict]:
+  """The `top` parameters with the largest share of ||error||^2, with their
+  share of ||exact||^2 (both flat, in `params`' leaf order)."""
+  total_error, total_exact = float(jnp.sum(error**2)), float(jnp.sum(exact**2))
+  rows, start = [], 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    stop = start + leaf.size
+    rows.append({"param": jax.tree_util.keystr(path),
+                 "error_share": float(jnp.sum(error[start:stop]**2)) / total_error,
+                 "gradient_share": float(jnp.sum(exact[start:stop]**2)) / total_exact})
+    start = stop
+  rows.sort(key=lambda r: -r["error_share"])
+  return [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:top]]
+
+
 def measure(case, variant: str, bits: int, batch, exact, draws: int) -> dict:
   """One row: single-draw and `draws`-mean relative errors of `variant` at `bits`."""
   row = {"model": case.name, "variant": variant, "bits": bits}
@@ -56,6 +76,7 @@ def measure(case, variant: str, bits: int, batch, exact, draws: int) -> dict:
     grads = [flat(grad(fns.params, jax.random.key(k))) for k in range(1, draws + 1)]
     norm = jnp.linalg.norm(exact)
     row["single"] = float(jnp.linalg.norm(grads[0] - exact) / norm)
+    row["largest_errors"] = largest_errors(fns.params, grads[0] - exact, exact)
     row["mean"] = float(jnp.linalg.norm(sum(grads) / draws - exact) / norm)
     row["draws"] = draws
     row["finite"] = bool(all(jnp.all(jnp.isfinite(g)) for g in grads))
@@ -72,8 +93,11 @@ def format_row(r: dict) -> str:
   if "error" in r:
     return f"{head}  FAILED {r['error'][:100]}"
   met = "" if "met" not in r else ("  target met" if r["met"] else f"  target {r['target']:.1%} NOT met")
+  top = r["largest_errors"][0]
   return (f"{head}  single {r['single']:7.2%}  mean of {r['draws']} {r['mean']:7.2%}  "
-          f"finite {r['finite']}  compile {r['compile_s']:.0f}s{met}")
+          f"finite {r['finite']}  compile {r['compile_s']:.0f}s{met}\n"
+          f"{'':26s}largest error: {top['param']} ({top['error_share']:.0%} of the error, "
+          f"{top['gradient_share']:.0%} of the gradient)")
 
 
 def main(argv=None):
