@@ -65,8 +65,8 @@ def test_compressor_stored_bytes(bits):
   n = X.size
   assert stored.nbytes == c.stored_bytes(SHAPE, X.dtype) == n * bits // 8 + 8 * C
   assert stored.nbytes == X.nbytes * bits // 32 + 8 * C  # K/32 of float32 + step & start
-  odd = jnp.ones((3, 5, 7))  # 105 values: codes padded to whole bytes
-  assert _compress(c, odd).nbytes == c.stored_bytes(odd.shape, odd.dtype) == -(-105 * bits // 8) + 8 * 7
+  odd = jnp.ones((3, 5, 7))  # 3 rows of 35 values: each row's codes padded to whole bytes
+  assert _compress(c, odd).nbytes == c.stored_bytes(odd.shape, odd.dtype) == 3 * -(-35 * bits // 8) + 8 * 7
   rec = _decompress(stored)
   assert rec.shape == SHAPE and rec.dtype == X.dtype
   assert not c.unbiased and not c.needs_key and c.bits == bits and c.average_bits == bits

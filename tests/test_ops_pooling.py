@@ -121,10 +121,11 @@ def test_argmax_bits():
 def test_max_pool_residual_is_packed_argmax(window, strides, bits):
   x = _data(5, (3, 15, 15, 5))
   f = lambda x: P.max_pool(2.0 * x, window, strides, "SAME")  # an activation made inside
-  n_out = math.prod(jax.eval_shape(f, x).shape)
+  out_shape = jax.eval_shape(f, x).shape
   saved = _saved(f, x)
   assert [a.dtype for a, _ in saved] == [jnp.uint8]
-  assert int(np.prod(saved[0][0].shape)) == math.ceil(n_out * bits / 8)
+  # packed per sample: each of the 3 samples' arg-max codes in whole bytes
+  assert saved[0][0].shape == (3, math.ceil(math.prod(out_shape[1:]) * bits / 8))
   # The very same bytes are what a policy keeping only the name keeps.
   policy = jax.checkpoint_policies.save_only_these_names("max_pool.argmax")
   kept = _saved(jax.checkpoint(f, policy=policy), x)

@@ -90,7 +90,9 @@ def test_pack_codes_roundtrip(bits, shape, seed):
     codes = rng.integers(0, 2**bits, shape).astype(np.int32)
   p = _pack_codes(jnp.asarray(codes), bits)
   assert isinstance(p, PackedBits) and p.shape == shape and p.bits == bits
-  assert p.nbytes == max(1, -(-n // (8 // bits)))
+  # per row of the leading axis (a 0-d or 1-d array is one row), at least one byte a row
+  rows, d = (shape[0], n // shape[0] if shape[0] else 0) if len(shape) >= 2 else (1, n)
+  assert p.nbytes == rows * max(1, -(-d // (8 // bits)))
   assert p.nbytes == sum(leaf.nbytes for leaf in jax.tree.leaves(p))
   back = _unpack_codes(p)
   assert back.shape == shape

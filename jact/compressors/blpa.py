@@ -56,7 +56,6 @@ True
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -65,7 +64,7 @@ import numpy as np
 
 from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels as _channels
 from jact.core.quantize import FLOAT_DTYPES
-from jact.core.packing import pack_codes, unpack_codes
+from jact.core.packing import pack_codes, packed_codes_bytes, unpack_codes
 
 __all__ = ["BLPA", "BLPA_BITS", "check_blpa_bits", "blpa_grid", "blpa_encode", "blpa_decode",
            "blpa_quantize", "blpa_dequantize"]
@@ -220,8 +219,7 @@ class BLPA(Compressor):
     return blpa_dequantize(stored, dtype)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
-    """ceil(n * bits / 8) code bytes + 8 bytes (float32 step, int32 start) per channel."""
-    shape = tuple(shape)
-    k = 8 // self.bits
-    n = max(math.prod(shape), 1)
-    return -(-n // k) + 8 * _channels(shape)
+    """Packed codes (`packed_codes_bytes`: ceil(D * bits / 8) a row of D values) + 8 bytes
+    (float32 step, int32 start) per channel."""
+    shape = tuple(int(s) for s in shape)
+    return packed_codes_bytes(shape, self.bits) + 8 * _channels(shape)

@@ -18,14 +18,13 @@ is at most scale / (2L). The width usually comes from an AC-GC plan
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels
-from jact.core.packing import pack_codes, unpack_codes
+from jact.core.packing import pack_codes, packed_codes_bytes, unpack_codes
 
 __all__ = ["Fixpoint", "FIXPOINT_BITS"]
 
@@ -98,7 +97,6 @@ class Fixpoint(Compressor):
     return out.reshape(stored.shape).astype(dtype or stored.dtype)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
-    """ceil(size / k) bytes of codes (k = 8 // bits codes per byte) + 4 * C."""
+    """Packed codes (`packed_codes_bytes`: ceil(D / k) a row of D values) + 4 * C."""
     shape = tuple(int(s) for s in shape)
-    k = 8 // self.bits
-    return -(-max(math.prod(shape), 1) // k) + 4 * channels(shape)
+    return packed_codes_bytes(shape, self.bits) + 4 * channels(shape)

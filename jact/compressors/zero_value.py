@@ -137,7 +137,7 @@ class ZeroValue(Compressor):
 
     def dense(_):
       f = Fixpoint(fallback)
-      data = pack_codes(f.codes(x, scale) + f.levels, fallback).data
+      data = pack_codes(jnp.ravel(f.codes(x, scale) + f.levels), fallback).data  # one flat row
       return jnp.pad(data, (0, mask_bytes + value_bytes - data.size))
 
     if not x.size:  # no values: an all-zero buffer of the layout's size

@@ -3,7 +3,9 @@
 Codes < 2**bits are packed along the last axis in a planar layout: with
 k = 8 // bits codes per byte and n // k bytes, byte j holds codes j, j + n//k,
 j + 2n//k, ... (contiguous slices only, which fuse well in XLA and lower in
-Triton). `pack_codes` packs any integer or boolean array losslessly;
+Triton). `pack_codes` packs any integer or boolean array losslessly, one
+row (index of the leading axis) at a time, so that no byte mixes two samples
+and a batch-sharded array packs without communication;
 `relu_mask_reference` is the packed-mask op the ReLU kernels implement.
 
 >>> import jax.numpy as jnp
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "check_bits", "pack_bits", "unpack_bits", "PackedBits", "pack_codes", "unpack_codes",
-           "relu_mask_reference"]
+           "packed_codes_bytes", "relu_mask_reference"]
 
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -89,7 +91,8 @@ class PackedBits:
   """Integer codes < 2**bits (masks, arg-max positions) packed losslessly.
 
   Attributes:
-    data: uint8 bytes, planar layout over the flattened codes.
+    data: uint8 bytes, planar layout: [rows, bytes] over each row's flattened
+      codes for arrays of two or more dimensions, [bytes] otherwise.
     shape: shape of the original code array (static).
     bits: width of one code (static).
   """
@@ -105,25 +108,50 @@ class PackedBits:
 def pack_codes(codes: jax.Array, bits: int) -> PackedBits:
   """Packs an integer or boolean array of codes < 2**bits losslessly.
 
+  An array of two or more dimensions is packed per row: its leading axis
+  stays (data is uint8[rows, ceil(D / k)] for D values a row and k = 8 // bits
+  codes a byte), so a byte never holds codes of two samples. Under data
+  parallelism the packing then needs no collective and each device keeps only
+  its own rows' bytes. Lower-dimensional arrays are packed as one flat row.
+
   >>> import jax.numpy as jnp
   >>> m = jnp.arange(10) % 3 == 0
   >>> p = pack_codes(m, 1)
   >>> p.nbytes, bool((unpack_codes(p) == m).all())
   (2, True)
+  >>> pack_codes(jnp.ones((4, 3, 5), bool), 1).data.shape   # 4 rows of 15 bits
+  (4, 2)
   """
   bits = check_bits(bits)
   k = 8 // bits
-  flat = jnp.ravel(codes).astype(jnp.uint8)
-  n = flat.size
-  padded = -(-max(n, 1) // k) * k
-  flat = jnp.pad(flat, (0, padded - n))
-  return PackedBits(pack_bits(flat, bits), tuple(codes.shape), bits)
+  codes = jnp.asarray(codes)
+  rows = (codes.reshape(codes.shape[0], math.prod(codes.shape[1:])) if codes.ndim >= 2
+          else jnp.ravel(codes))
+  d = rows.shape[-1]
+  padded = -(-max(d, 1) // k) * k
+  pad = [(0, 0)] * (rows.ndim - 1) + [(0, padded - d)]
+  rows = jnp.pad(rows.astype(jnp.uint8), pad)
+  return PackedBits(pack_bits(rows, bits), tuple(codes.shape), bits)
+
+
+def packed_codes_bytes(shape: tuple[int, ...], bits: int) -> int:
+  """Bytes `pack_codes` stores for codes of `shape`: ceil(D / k) per row of D
+  values (k = 8 // bits codes a byte), at least one byte for a 0-d or 1-d array.
+
+  >>> packed_codes_bytes((4, 3, 5), 1), packed_codes_bytes((10,), 1), packed_codes_bytes((), 2)
+  (8, 2, 1)
+  """
+  shape, k = tuple(int(s) for s in shape), 8 // check_bits(bits)
+  if len(shape) >= 2:
+    return shape[0] * -(-max(math.prod(shape[1:]), 1) // k)
+  return -(-max(math.prod(shape), 1) // k)
 
 
 def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
   """Inverse of `pack_codes` (booleans come back as bool when bits == 1 and dtype is None)."""
-  n = math.prod(packed.shape)
-  flat = unpack_bits(packed.data, packed.bits)[:n].reshape(packed.shape)
+  shape = packed.shape
+  d = math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
+  flat = unpack_bits(packed.data, packed.bits)[..., :d].reshape(shape)
   if dtype is None:
     return flat.astype(jnp.bool_) if packed.bits == 1 else flat
   return flat.astype(dtype)

@@ -64,6 +64,11 @@ def barrier(residuals, cotangent):
       (NaN and infinities included) and which XLA cannot fold. Without it
       the scheduler hoists every dequantization to the start of the
       backward pass and all reconstructions are alive at once.
+  The flag is per row: row n of a stored residual waits for row n of the
+  cotangent (its first element), so under data parallelism (both sharded
+  on the batch axis) the tie is local to each device and adds no collective.
+  A stored form whose leading axis is not the cotangent's waits for the first
+  row's element (a collective when the batch is sharded).
   The values are never changed: a NaN or infinite gradient of one sample
   leaves the reconstructions of every sample intact.
   """
@@ -72,15 +77,16 @@ def barrier(residuals, cotangent):
   if arrived is None:
     return residuals, cotangent
 
+  def select(a):
+    return jnp.where(_flag_for(arrived, a), a, jnp.zeros_like(a))
+
   def tie(r):
     if isinstance(r, Packed):
-      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)),
-                                 scale=jnp.where(arrived, r.scale, jnp.zeros_like(r.scale)))
+      return dataclasses.replace(r, data=select(r.data), scale=select(r.scale))
     if isinstance(r, (PackedBits, PackedPerSample)):
-      return dataclasses.replace(r, data=jnp.where(arrived, r.data, jnp.zeros_like(r.data)))
+      return dataclasses.replace(r, data=select(r.data))
     if isinstance(r, Compressed):
-      return dataclasses.replace(r, arrays=jax.tree.map(
-          lambda a: jnp.where(arrived, a, jnp.zeros_like(a)), r.arrays))
+      return dataclasses.replace(r, arrays=jax.tree.map(select, r.arrays))
     if isinstance(r, Stacked):
       return Stacked(jax.tree.map(tie, r.pieces, is_leaf=is_stored))
     return r
@@ -100,8 +106,11 @@ def kept_until_cotangent(values, cotangent):
   start of the program, where it stays alive through the whole forward pass
   (ResNet-18 of experiments/zoo.py, `jact.convert` at 2 bits: 5 MiB of
   flipped kernels, temp 3.6 -> 1.7 MiB without them). Each floating-point
-  array is selected by the always-true flag `barrier` uses; the select fuses
-  into its consumer. Stored forms and non-float values pass unchanged.
+  array is selected by the always-true flag `barrier` uses, read at the
+  cotangent's first element (kept values are parameters, not rows of the
+  batch: under data parallelism this one element is a scalar all-reduce);
+  the select fuses into its consumer. Stored forms and non-float values pass
+  unchanged.
 
   >>> import jax.numpy as jnp
   >>> w, g = jnp.arange(3.0), jnp.ones(2)
@@ -112,6 +121,8 @@ def kept_until_cotangent(values, cotangent):
   if arrived is None:
     return values
 
+  arrived = _first(arrived)
+
   def tie(v):
     if is_stored(v) or not jnp.issubdtype(jnp.result_type(v), jnp.floating):
       return v
@@ -121,11 +132,32 @@ def kept_until_cotangent(values, cotangent):
 
 
 def _arrived(cotangent):
-  """The always-true flag that depends on one element of the cotangent's
-  first non-empty array (None when it has none: nothing to order after)."""
+  """The always-true flag that depends on the cotangent's first non-empty
+  array: per row of its leading axis (one element a row, shape [rows]), or a
+  scalar for a 0-d cotangent; None when it has none (nothing to order after)."""
   leaves = [c for c in jax.tree.leaves(cotangent)
             if jnp.size(c) and c.dtype != jax.dtypes.float0]
-  return _always(jnp.reshape(leaves[0], (-1,))[0]) if leaves else None
+  return _always(_row_heads(leaves[0])) if leaves else None
+
+
+def _row_heads(a: jax.Array) -> jax.Array:
+  """The first element of each row of `a`'s leading axis (a scalar for 0-d a):
+  under batch sharding every device reads only its own rows."""
+  return a if a.ndim == 0 else jnp.reshape(a, (a.shape[0], -1))[:, 0]
+
+
+def _first(flag: jax.Array) -> jax.Array:
+  """A per-row flag reduced to its first row (the flag of a value that has no rows)."""
+  return flag if flag.ndim == 0 else flag[0]
+
+
+def _flag_for(flag: jax.Array, value: jax.Array) -> jax.Array:
+  """`flag` shaped to select `value`: per row when `value`'s leading axis is the
+  flag's rows, else the first row's flag."""
+  if flag.ndim == 1 and value.ndim >= 1 and value.shape[0] == flag.shape[0]:
+    return jnp.reshape(flag, flag.shape + (1,) * (value.ndim - 1))
+  return _first(flag)
+
 
 def _always(v: jax.Array) -> jax.Array:
   """A boolean scalar that is True for every value of the scalar `v` (NaN
@@ -151,15 +183,22 @@ def after_residuals(out, residuals):
   into the output's consumer: no extra memory pass.
   """
   ready = ready_flag(residuals)
-  return jax.tree.map(lambda o: jnp.where(ready, o, jnp.zeros_like(o)), out)
+  return jax.tree.map(lambda o: jnp.where(_flag_for(ready, o), o, jnp.zeros_like(o)), out)
 
 
 def ready_flag(residuals) -> jax.Array:
-  """A boolean scalar that is always True but depends on every packed residual."""
+  """An always-true flag that depends on every packed residual: per row
+  (shape [rows]) when all packed bytes share their leading axis -- row n
+  waits for row n of each, so under data parallelism the flag is local to
+  each device -- else a scalar from one byte of each."""
   packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
   if not packed:
     return jnp.bool_(True)
-  t = sum(jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
+  leading = {r.shape[0] if r.ndim else None for r in packed}
+  if len(leading) == 1 and None not in leading:
+    t = sum(_row_heads(r).astype(jnp.float32) for r in packed)
+  else:
+    t = sum(jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
   return t == t  # pylint: disable=comparison-with-itself
 
 
@@ -184,6 +223,7 @@ def wait_for(value: jax.Array, ready: jax.Array) -> jax.Array:
   a float is divided elementwise by a runtime 1.0 (see `materialize`; a
   scalar divisor is rewritten by XLA into a cheap multiplication by its
   reciprocal), anything else selected by the flag."""
+  ready = _flag_for(ready, value)
   if jnp.issubdtype(value.dtype, jnp.floating):
     return value / jnp.where(ready, jnp.ones_like(value), value)
   return jnp.where(ready, value, jnp.zeros_like(value))
