@@ -44,7 +44,7 @@ __all__ = [
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
-    "saved_residuals",
+    "saved_residuals", "varying_axes", "cast_varying",
 ]
 
 
@@ -402,13 +402,66 @@ def bind_eqn(eqn, values: Sequence) -> list:
   None public in jax 0.10.2: `Primitive.get_bind_params` and the equation
   context `eqn.ctx.manager` are undocumented, and `eval_jaxpr` has no
   per-equation hook. Earlier JAX returned `(subfuns, params)` from
-  `get_bind_params`; 0.10 returns the params."""
+  `get_bind_params`; 0.10 returns the params.
+
+  Inside `shard_map`, the values may vary over other mesh axes than those
+  the equation was traced with (a jaxpr traced from abstract values, run on
+  sharded ones): a `pvary` is run on the axes the value does not vary over
+  yet (none: the value as it is), and operands that vary over different axes
+  are first cast to vary over all of them, the cast JAX itself inserts when
+  an invariant value meets a varying one."""
   prim = eqn.primitive
+  if prim.name == "pvary" and len(values) == 1 and "axes" in eqn.params:
+    return [cast_varying(values[0], eqn.params["axes"])]
+  values = _same_varying(values)
   params = prim.get_bind_params(eqn.params)
   subfuns, params = params if isinstance(params, tuple) else ((), params)
   with eqn.ctx.manager:
     outs = prim.bind(*subfuns, *values, **params)
   return list(outs) if prim.multiple_results else [outs]
+
+
+# ----------------------------------------------------------------------------- shard_map axes
+
+
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes (inside `jax.shard_map`) over which `x` varies.
+
+  `jax.typeof(x)` is public; where it keeps them is not: jax 0.10.2 has
+  `.mat.varying`, earlier releases `.vma`. Outside shard_map: empty."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def cast_varying(x, axes):
+  """`x` made to vary over the manual `axes` it does not vary over yet (what
+  JAX inserts when an invariant value meets a varying one; its transpose is a
+  psum). Public: `jax.lax.pcast(..., to='varying')` in jax 0.10.2,
+  `jax.lax.pvary` before."""
+  missing = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,))
+                  if a not in varying_axes(x))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)
+
+
+def _same_varying(values: Sequence) -> list:
+  """`values`, the arrays among them cast to vary over the union of their
+  manual axes when they differ (unchanged outside shard_map)."""
+  arrays = [v for v in values if isinstance(v, jax.Array) or is_tracer(v)]
+  if len(arrays) < 2:
+    return list(values)
+  axes = [varying_axes(v) for v in arrays]
+  union = frozenset().union(*axes)
+  if all(a == union for a in axes):
+    return list(values)
+  return [cast_varying(v, tuple(sorted(union))) if (isinstance(v, jax.Array) or is_tracer(v))
+          else v for v in values]
 
 
 def max_window_geometry(eqn) -> tuple | None:
@@ -866,7 +919,42 @@ def _check_saved_residuals():
 
 
 # One probe per compat function: (what it reads, probe).
+def _in_shard_map(fn, *args):
+  """Runs `fn` inside a shard_map over a one-device mesh axis 'i' (args replicated)."""
+  mesh = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.shard_map(fn, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+                       out_specs=jax.sharding.PartitionSpec())(*args)
+
+
+def _check_varying_axes():
+  def inside(w):
+    assert varying_axes(w) == frozenset(), varying_axes(w)
+    v = cast_varying(w, ("i",))
+    assert varying_axes(v) == frozenset({"i"}), varying_axes(v)
+    return jax.lax.psum(v, "i")
+  _in_shard_map(inside, jnp.ones(2))
+  assert varying_axes(jnp.ones(2)) == frozenset()
+
+
+def _check_cast_varying():
+  def inside(w):
+    v = cast_varying(w, ("i",))
+    assert cast_varying(v, ("i",)) is v  # already varying: unchanged
+    eqns = jax.make_jaxpr(lambda w: w * v)(w).eqns
+    pvary = [e for e in eqns if e.primitive.name == "pvary"]
+    assert pvary and "axes" in pvary[0].params, [e.primitive.name for e in eqns]
+    out, = bind_eqn(pvary[0], [v])  # recorded for an invariant value, run on a varying one
+    assert varying_axes(out) == frozenset({"i"})
+    return jax.lax.psum(v, "i")
+  _in_shard_map(inside, jnp.ones(2))
+
+
 CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
+    "varying_axes": ("jax.typeof(x).mat.varying (jax 0.10.2) / .vma (earlier) inside shard_map",
+                     _check_varying_axes),
+    "cast_varying": ("jax.lax.pcast(..., to='varying') / lax.pvary, and pvary_p's params['axes']",
+                     _check_cast_varying),
     "summarize_source": ("jax.extend.source_info_util.summarize of an equation's source_info",
                          _check_summarize_source),
     "checkpoint_name": ("name_p / params['name'] of jax.ad_checkpoint.checkpoint_name, and "

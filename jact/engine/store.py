@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jact import _compat
 from jact.core.allocate import allocate_per_sample
 from jact.core.persample import PackedPerSample, per_sample_capacity
 from jact.core.quantize import Packed, as_rows
@@ -34,7 +35,7 @@ from jact.engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
 from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
 from jact.kernels.api import dequantize, dequantize_per_sample, quantize_per_sample
 
-__all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs"]
+__all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs", "same_varying_axes"]
 
 
 def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: str | None = None):
@@ -148,4 +149,21 @@ def vjp_with_compressed_inputs(fn: Callable[..., Any], *args: jax.Array, compres
     return (None, *vjp(g))
 
   call.defvjp(fwd, bwd)
-  return reverse_only(call, f"jact.ops.{op}")(seed, *args)
+  return reverse_only(call, f"jact.ops.{op}")(seed, *same_varying_axes(args))
+
+
+def same_varying_axes(args: Sequence[jax.Array]) -> tuple:
+  """`args` cast to vary over every manual mesh axis any of them varies over.
+
+  Inside `jax.shard_map` (with `check_vma`), a custom VJP's backward must
+  return cotangents of its inputs' types: a replicated weight meeting a
+  sharded activation would get a per-device (varying) gradient. Casting the
+  invariant inputs first, as JAX does for its own operations, makes the
+  whole call varying; the cast's transpose then sums the weight's gradient
+  over the devices, exactly as for the plain operation. Outside shard_map
+  nothing changes.
+  """
+  axes = frozenset().union(*(_compat.varying_axes(a) for a in args)) if args else frozenset()
+  if not axes:
+    return tuple(args)
+  return tuple(_compat.cast_varying(a, tuple(sorted(axes))) for a in args)

@@ -1,0 +1,202 @@
+"""jact under jit data parallelism on 8 simulated host devices.
+
+The device count is fixed when jax starts, so each check runs in its own
+process with `--xla_force_host_platform_device_count=8`. A dense+ReLU stack
+(batch sharded over the 8 devices, weights replicated) is differentiated
+plain, with `jact.ops` and with one `jact.compressed` around the whole stack,
+and the compiled programs are compared: their collectives (kinds and counts,
+from the optimized HLO), their per-device compiled temp memory, the
+per-device bytes of the residuals, and the gradients against one device with
+the same key; then the same inside `jax.shard_map` with `check_vma=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r'''
+import collections, json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jact
+
+LAYERS, WIDTH, BATCH = 3, 256, 16384  # activations dominate the per-device memory
+mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+replicated, batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / WIDTH**0.5 for i in range(LAYERS)]
+x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
+
+
+def plain(ws, x, key):
+  for w in ws:
+    x = jax.nn.relu(x @ w)
+  return jnp.mean(x ** 2)
+
+
+def ops(ws, x, key):
+  for i, w in enumerate(ws):
+    x = jact.ops.relu(jact.ops.dense(x, w, key=jax.random.fold_in(key, i), bits=2))
+  return jnp.mean(x ** 2)
+
+
+whole = jact.compressed(lambda ws, x: plain(ws, x, None), bits=2)
+VARIANTS = {"plain": plain, "ops": ops,
+            "compressed": lambda ws, x, key: whole(ws, x, key=key)}
+
+
+def collectives(hlo):
+  ops = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                   r"(?:-start)?\(", hlo)
+  return dict(collections.Counter(ops))
+
+
+def residual_bytes(fn, ws, x, key, per_device):
+  """Bytes of the VJP's residuals that are not the weights (per device: one shard)."""
+  vjp = jax.jit(lambda ws, x, key: jax.vjp(lambda ws: fn(ws, x, key), ws)[1])(ws, x, key)
+  leaves = [a for a in jax.tree.leaves(vjp) if isinstance(a, jax.Array)
+            and not (a.shape == (WIDTH, WIDTH) and a.dtype == jnp.float32)]
+  if per_device:
+    return sum(a.addressable_shards[0].data.nbytes for a in leaves)
+  return sum(a.nbytes for a in leaves)
+
+
+key = jax.random.key(7)
+sharded = ([jax.device_put(w, replicated) for w in ws], jax.device_put(x, batch_sharded))
+out = {}
+for name, fn in VARIANTS.items():
+  grad = jax.jit(jax.grad(fn), out_shardings=replicated)
+  compiled = grad.lower(*sharded, key).compile()
+  single = jax.jit(jax.grad(fn))
+  g8 = grad(*sharded, key)
+  g1 = single(ws, x, key)
+  err = max(float(jnp.max(jnp.abs(a - b)) / (float(jnp.max(jnp.abs(b))) + 1e-30))
+            for a, b in zip(g8, g1))
+  out[name] = {"collectives": collectives(compiled.as_text()),
+               "temp": int(compiled.memory_analysis().temp_size_in_bytes),
+               "single_device_temp": int(single.lower(ws, x, key).compile()
+                                         .memory_analysis().temp_size_in_bytes),
+               "grad_vs_one_device": err,
+               "residual_bytes_per_device": residual_bytes(fn, *sharded, key, True),
+               "residual_bytes_one_device": residual_bytes(fn, ws, x, key, False)}
+
+
+# shard_map with check_vma=True (the default): replicated weights, batch-sharded data.
+def shard_mapped(fn):
+  step = lambda ws, x, key: jax.grad(fn)(ws, x, key)
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P()))
+
+
+def ops8(ws, x, key):
+  for i, w in enumerate(ws):
+    x = jact.ops.relu(jact.ops.dense(x, w, key=jax.random.fold_in(key, i), bits=8))
+  return jnp.mean(x ** 2)
+
+
+whole8 = jact.compressed(lambda ws, x: plain(ws, x, None), bits=8)
+SHARD_MAPPED = {
+    "plain": (plain, ws),
+    "ops": (ops8, ws),
+    "compressed": (lambda ws, x, key: whole8(ws, x, key=key), ws),
+}
+in_shard_map = {}
+for name, (fn, params) in SHARD_MAPPED.items():
+  try:
+    f = shard_mapped(fn)
+    grads = f(params, x, key)
+    in_shard_map[name] = {"collectives": collectives(f.lower(params, x, key).compile().as_text()),
+                          "grads": [np.asarray(g).tolist() for g in jax.tree.leaves(grads)]}
+  except Exception as e:  # reported to the test, which names the failure
+    in_shard_map[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+for name in ("ops", "compressed"):
+  r, ref = in_shard_map[name], in_shard_map["plain"]
+  if "error" not in r and "error" not in ref:
+    r["grad_error"] = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
+                          for a, b in zip(r["grads"], ref["grads"]))
+for r in in_shard_map.values():
+  r.pop("grads", None)
+print(json.dumps({"devices": jax.device_count(), "variants": out, "shard_map": in_shard_map}))
+'''
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+  script = tmp_path_factory.mktemp("distributed") / "data_parallel.py"
+  script.write_text(_SCRIPT)
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                    " --xla_force_host_platform_device_count=8").strip(),
+             JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(pathlib.Path(__file__).parents[1])] + env.get("PYTHONPATH", "").split(os.pathsep))
+  done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                        timeout=900, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 8
+  return result
+
+
+@pytest.fixture(scope="module")
+def eight_devices_jit(eight_devices):
+  return eight_devices["variants"]
+
+
+@pytest.mark.slow
+def test_whole_model_compressed_has_exactly_the_plain_collectives(eight_devices_jit):
+  plain, whole = eight_devices_jit["plain"], eight_devices_jit["compressed"]
+  assert plain["collectives"] == {"all-reduce": 1}, plain  # the gradients' mean
+  assert whole["collectives"] == plain["collectives"], whole
+
+
+@pytest.mark.slow
+def test_ops_add_no_collective_kinds_and_no_per_row_syncs(eight_devices_jit):
+  """jact.ops: only all-reduces, as plain; beyond plain's, at most one per
+  layer -- the tie of the kept kernel to its cotangent, a one-element
+  all-reduce (before per-row packing and flags: 15 for these 3 layers)."""
+  plain, ops = eight_devices_jit["plain"], eight_devices_jit["ops"]
+  assert set(ops["collectives"]) == set(plain["collectives"]), ops
+  # the first layer's input gradient is not asked for: its kernel is not tied
+  assert ops["collectives"]["all-reduce"] <= plain["collectives"]["all-reduce"] + 3 - 1, ops
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ops", "compressed"])
+def test_gradients_equal_one_device_with_the_same_key(eight_devices_jit, variant):
+  # The rounding noise hashes each element's global index: sharding does not change it.
+  assert eight_devices_jit[variant]["grad_vs_one_device"] < 1e-5, eight_devices_jit[variant]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ops", "compressed"])
+def test_per_device_residuals_are_an_eighth(eight_devices_jit, variant):
+  """Packed masks and codes are split by rows like the batch: each device keeps
+  about 1/8 of the single-device residual bytes (within 1.1x)."""
+  r = eight_devices_jit[variant]
+  assert r["residual_bytes_per_device"] <= 1.1 * r["residual_bytes_one_device"] / 8, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ops", "compressed"])
+def test_per_device_compiled_temp_below_plain(eight_devices_jit, variant):
+  plain, r = eight_devices_jit["plain"], eight_devices_jit[variant]
+  assert r["temp"] < plain["temp"], (r, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ops", "compressed"])
+def test_shard_map_with_check_vma(eight_devices, variant):
+  """Inside `jax.shard_map` (check_vma=True, the default), a replicated weight
+  meeting a batch-sharded activation: jact.ops and whole-model jact.compressed
+  differentiate, with the plain model's collectives and its gradient (8 bits:
+  each weight's gradient within 1% in norm; the weights' gradients are summed
+  over the devices, as for the plain model)."""
+  runs = eight_devices["shard_map"]
+  ref, r = runs["plain"], runs[variant]
+  assert "error" not in r and "error" not in ref, (r, ref)
+  assert r["collectives"] == ref["collectives"], (r, ref)
+  assert r["grad_error"] < 0.01, r
