@@ -120,7 +120,28 @@ for name in ("ops", "compressed"):
                           for a, b in zip(r["grads"], ref["grads"]))
 for r in in_shard_map.values():
   r.pop("grads", None)
-print(json.dumps({"devices": jax.device_count(), "variants": out, "shard_map": in_shard_map}))
+
+
+# Rounding noise across shards: identical data on every shard, 64 keys. With one key every shard
+# draws the same noise (local indices), with the axis index folded in independent noise.
+tiled = jnp.tile(x[:32, :64], (8, 1))
+small = jact.compressed(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), bits=2)
+w64 = ws[0][:64, :64]
+exact = 8 * jax.grad(lambda w: jnp.mean(jnp.tanh(tiled[:32] @ w) ** 2))(w64)
+
+
+def noise_variance(fold):
+  def step(w, x, key):
+    if fold:
+      key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+    return jax.grad(lambda w: small(w, x, key=key))(w)
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P()))
+  return float(jnp.mean(jnp.stack([f(w64, tiled, jax.random.key(k)) - exact for k in range(64)]) ** 2))
+
+
+noise = {"same_key": noise_variance(False), "folded": noise_variance(True)}
+print(json.dumps({"devices": jax.device_count(), "variants": out, "shard_map": in_shard_map,
+                  "noise": noise}))
 '''
 
 
@@ -200,3 +221,14 @@ def test_shard_map_with_check_vma(eight_devices, variant):
   assert "error" not in r and "error" not in ref, (r, ref)
   assert r["collectives"] == ref["collectives"], (r, ref)
   assert r["grad_error"] < 0.01, r
+
+
+@pytest.mark.slow
+def test_folding_the_axis_index_makes_shards_draw_independent_noise(eight_devices):
+  """Under shard_map each shard hashes its local element indices, so one key
+  gives every shard the same rounding noise: on identical data the 8-shard sum
+  of gradients has 8x the variance of independent draws. The README's one-line
+  recipe, `jax.random.fold_in(key, jax.lax.axis_index(axis))`, makes the draws
+  independent: the ratio is 8 (measured 8.1; 64 keys x 4096 values, bounds 6-10)."""
+  noise = eight_devices["noise"]
+  assert 6 < noise["same_key"] / noise["folded"] < 10, noise
