@@ -67,8 +67,8 @@ def barrier(residuals, cotangent):
   The flag is per row: row n of a stored residual waits for row n of the
   cotangent (its first element), so under data parallelism (both sharded
   on the batch axis) the tie is local to each device and adds no collective.
-  A stored form whose leading axis is not the cotangent's waits for the first
-  row's element (a collective when the batch is sharded).
+  A stored form whose leading axis is not the cotangent's waits for all rows
+  (a one-element all-reduce when the batch is sharded).
   The values are never changed: a NaN or infinite gradient of one sample
   leaves the reconstructions of every sample intact.
   """
@@ -106,9 +106,9 @@ def kept_until_cotangent(values, cotangent):
   start of the program, where it stays alive through the whole forward pass
   (ResNet-18 of experiments/zoo.py, `jact.convert` at 2 bits: 5 MiB of
   flipped kernels, temp 3.6 -> 1.7 MiB without them). Each floating-point
-  array is selected by the always-true flag `barrier` uses, read at the
-  cotangent's first element (kept values are parameters, not rows of the
-  batch: under data parallelism this one element is a scalar all-reduce);
+  array is selected by the always-true flag `barrier` uses, reduced over
+  the cotangent's rows (kept values are parameters, not rows of the batch:
+  under data parallelism this is a one-element all-reduce);
   the select fuses into its consumer. Stored forms and non-float values pass
   unchanged.
 
@@ -147,13 +147,15 @@ def _row_heads(a: jax.Array) -> jax.Array:
 
 
 def _first(flag: jax.Array) -> jax.Array:
-  """A per-row flag reduced to its first row (the flag of a value that has no rows)."""
-  return flag if flag.ndim == 0 else flag[0]
+  """A per-row flag reduced to a scalar (the flag of a value that has no rows):
+  all rows' flags, a reduction, which sharding mode 'explicit' accepts on a
+  sharded axis where it rejects reading one element."""
+  return flag if flag.ndim == 0 else jnp.all(flag)
 
 
 def _flag_for(flag: jax.Array, value: jax.Array) -> jax.Array:
   """`flag` shaped to select `value`: per row when `value`'s leading axis is the
-  flag's rows, else the first row's flag."""
+  flag's rows, else reduced to a scalar."""
   if flag.ndim == 1 and value.ndim >= 1 and value.shape[0] == flag.shape[0]:
     return jnp.reshape(flag, flag.shape + (1,) * (value.ndim - 1))
   return _first(flag)
