@@ -394,18 +394,22 @@ class CompiledMemory:
 
 
 def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Sequence[int] = (),
+                    in_shardings: Any = None, out_shardings: Any = None,
                     **kwargs: Any) -> CompiledMemory:
   """Compiles `jax.jit(fn, static_argnums=...)` for `args` and reports its buffers.
 
   Lowers and compiles only -- nothing runs and, with `jax.ShapeDtypeStruct`
   arguments, nothing is allocated, so tensors larger than the machine's
-  memory can be measured.
+  memory can be measured. The figures are one device's: with sharded
+  arguments (sharded arrays, `ShapeDtypeStruct(..., sharding=...)` or
+  `in_shardings`) they are per device.
 
   Args:
     fn: the function (e.g. a whole training step).
     *args, **kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them;
       positions in `static_argnums` are hashable Python values.
     static_argnums: as for `jax.jit`.
+    in_shardings, out_shardings: as for `jax.jit` (left to jit when None).
 
   Returns:
     A `CompiledMemory`.
@@ -416,7 +420,10 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
   >>> m.argument_bytes == 2**34, m.output_bytes == 2**18
   (True, True)
   """
-  compiled = jax.jit(fn, static_argnums=static_argnums).lower(*args, **kwargs).compile()
+  shardings = {name: value for name, value in (("in_shardings", in_shardings),
+                                                ("out_shardings", out_shardings))
+               if value is not None}
+  compiled = jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
   stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError(

@@ -77,7 +77,11 @@ for name, fn in VARIANTS.items():
   g1 = single(ws, x, key)
   err = max(float(jnp.max(jnp.abs(a - b)) / (float(jnp.max(jnp.abs(b))) + 1e-30))
             for a, b in zip(g8, g1))
+  report = jact.compiled_memory(
+      jax.grad(fn), ws, x, key,
+      in_shardings=([replicated] * LAYERS, batch_sharded, None), out_shardings=replicated)
   out[name] = {"collectives": collectives(compiled.as_text()),
+               "compiled_memory_temp": report.temp_bytes,
                "temp": int(compiled.memory_analysis().temp_size_in_bytes),
                "single_device_temp": int(single.lower(ws, x, key).compile()
                                          .memory_analysis().temp_size_in_bytes),
@@ -254,3 +258,12 @@ def test_explicit_sharding_mode_gradients(eight_devices, variant):
   """A mesh with AxisType.Explicit: the gradient runs and equals one device's."""
   err = eight_devices["explicit"][variant]
   assert isinstance(err, float) and err < 1e-5, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["plain", "ops", "compressed"])
+def test_compiled_memory_reports_per_device_temp(eight_devices_jit, variant):
+  """jact.compiled_memory with in_shardings / out_shardings: the per-device temp
+  of the same program jit compiles for the sharded arguments."""
+  r = eight_devices_jit[variant]
+  assert r["compiled_memory_temp"] == r["temp"], r
