@@ -413,7 +413,7 @@ def bind_eqn(eqn, values: Sequence) -> list:
   prim = eqn.primitive
   if prim.name == "pvary" and len(values) == 1 and "axes" in eqn.params:
     return [cast_varying(values[0], eqn.params["axes"])]
-  values = _same_varying(values)
+  values = _same_varying(eqn, values)
   params = prim.get_bind_params(eqn.params)
   subfuns, params = params if isinstance(params, tuple) else ((), params)
   with eqn.ctx.manager:
@@ -429,7 +429,10 @@ def varying_axes(x) -> frozenset:
 
   `jax.typeof(x)` is public; where it keeps them is not: jax 0.10.2 has
   `.mat.varying`, earlier releases `.vma`. Outside shard_map: empty."""
-  aval = jax.typeof(x)
+  return _aval_varying(jax.typeof(x))
+
+
+def _aval_varying(aval) -> frozenset:
   mat = getattr(aval, "mat", None)
   if mat is not None and hasattr(mat, "varying"):
     return frozenset(mat.varying)
@@ -450,18 +453,26 @@ def cast_varying(x, axes):
   return lax.pvary(x, missing)
 
 
-def _same_varying(values: Sequence) -> list:
-  """`values`, the arrays among them cast to vary over the union of their
-  manual axes when they differ (unchanged outside shard_map)."""
-  arrays = [v for v in values if isinstance(v, jax.Array) or is_tracer(v)]
-  if len(arrays) < 2:
-    return list(values)
-  axes = [varying_axes(v) for v in arrays]
+def _same_varying(eqn, values: Sequence) -> list:
+  """`values` cast to vary over at least the manual axes the equation's
+  operands varied over when it was traced; then, for a primitive without
+  inner programs (whose operand types are fixed), the arrays cast to the
+  union of their axes when they still differ. Unchanged outside shard_map."""
+  def is_array(v):
+    return isinstance(v, jax.Array) or is_tracer(v)
+
+  values = [cast_varying(v, tuple(sorted(_aval_varying(var.aval))))
+            if is_array(v) and is_var(var) else v for v, var in zip(values, eqn.invars)]
+  if len(values) < 2 or any(isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
+                            for p in eqn.params.values()):
+    return values
+  axes = [varying_axes(v) if is_array(v) else frozenset() for v in values]
   union = frozenset().union(*axes)
   if all(a == union for a in axes):
-    return list(values)
-  return [cast_varying(v, tuple(sorted(union))) if (isinstance(v, jax.Array) or is_tracer(v))
-          else v for v in values]
+    return values
+  # literals (constants in the equation) become arrays of their recorded type to be cast too
+  return [cast_varying(v if is_array(v) else jnp.asarray(v, var.aval.dtype), tuple(sorted(union)))
+          for v, var in zip(values, eqn.invars)]
 
 
 def max_window_geometry(eqn) -> tuple | None:
