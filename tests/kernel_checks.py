@@ -57,7 +57,8 @@ class Poisoned:
 
       def body(*refs):  # drop the aliased inputs
         kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
-      return pl.pallas_call(body, out_shape=out_shape, grid=(grid,), interpret=interpret,
+      return pl.pallas_call(body, out_shape=out_shape,
+                            grid=grid if isinstance(grid, tuple) else (grid,), interpret=interpret,
                             name=name, compiler_params=T.compiler_params(num_warps, num_stages),
                             input_output_aliases={len(args) + i: i for i in range(len(outs))})(
                                 *args, *garbage)

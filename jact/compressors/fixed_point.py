@@ -88,11 +88,12 @@ class Fixpoint(Compressor):
     self.check_input(x)
     scale = self.scales(x)
     q = self.codes(x, scale)
-    return Compressed({"codes": pack_codes(q + self.levels, self.bits), "scale": scale},
-                      self, tuple(x.shape), x.dtype)
+    # packed in the input's shape: one row of codes a sample (see `pack_codes`)
+    codes = pack_codes((q + self.levels).reshape(x.shape), self.bits)
+    return Compressed({"codes": codes, "scale": scale}, self, tuple(x.shape), x.dtype)
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
-    q = unpack_codes(stored.arrays["codes"], jnp.int32) - self.levels
+    q = as_channel_rows(unpack_codes(stored.arrays["codes"], jnp.int32)) - self.levels
     out = self.values(q, stored.arrays["scale"])
     return out.reshape(stored.shape).astype(dtype or stored.dtype)
 

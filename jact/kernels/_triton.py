@@ -94,9 +94,9 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1) -> pltriton.Compile
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def call(kernel, *, grid: int, out_shape, name: str, interpret: bool, num_warps: int = 4,
-         num_stages: int = 1):
-  """`pl.pallas_call` on the Triton backend over a 1-D grid with whole-array refs.
+def call(kernel, *, grid: int | tuple[int, ...], out_shape, name: str, interpret: bool,
+         num_warps: int = 4, num_stages: int = 1):
+  """`pl.pallas_call` on the Triton backend over a grid (an int: 1-D) with whole-array refs.
 
   Every kernel makes its Pallas calls through this function: the kernel
   contract tests replace it with one that pre-fills the outputs with garbage
@@ -104,5 +104,6 @@ def call(kernel, *, grid: int, out_shape, name: str, interpret: bool, num_warps:
   element), so a kernel must write every element of its outputs.
   """
   return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(grid,), interpret=interpret, name=name,
+      kernel, out_shape=out_shape, grid=grid if isinstance(grid, tuple) else (grid,),
+      interpret=interpret, name=name,
       compiler_params=compiler_params(num_warps, num_stages))

@@ -40,11 +40,13 @@ def _activation(x, negative_slope, interpret):
   return jnp.where(x >= 0, x, scaled), x >= 0
 
 
-def _kernel(x_ref, y_ref, mask_ref, *, d, q, total, tile, negative_slope, interpret):
-  b = pl.program_id(0) * tile + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
-  in_bytes = b < total
-  row = b // q
-  j = b - row * q
+def _kernel(x_ref, y_ref, mask_ref, *, rows, d, q, tile, negative_slope, interpret):
+  # Program (row, t) writes bytes t*tile ... of one row: the row's offset is a
+  # multiple of the static d, so loads and stores stay contiguous and aligned
+  # (16-byte vectors) as in a flat layout.
+  row = pl.program_id(0)
+  j = pl.program_id(1) * tile + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
+  in_bytes = (j < q) & (row < rows)  # an empty batch still runs one (idle) row of programs
   byte = jnp.zeros((tile,), jnp.int32)
   for p in range(8):
     col = j + p * q
@@ -54,7 +56,7 @@ def _kernel(x_ref, y_ref, mask_ref, *, d, q, total, tile, negative_slope, interp
     y, bit = _activation(x, negative_slope, interpret)
     T.store(y_ref, idx, y, valid)
     byte = byte | (jnp.where(valid & bit, 1, 0) << p)
-  T.store(mask_ref, b, byte.astype(jnp.uint8), in_bytes)
+  T.store(mask_ref, row * q + j, byte.astype(jnp.uint8), in_bytes)
 
 
 def relu_mask(x: jax.Array, *, negative_slope: float | None = None, interpret: bool | None = None,
@@ -70,13 +72,13 @@ def relu_mask(x: jax.Array, *, negative_slope: float | None = None, interpret: b
   rows = x.shape[0] if x.ndim >= 2 else 1
   d = math.prod(x.shape[1:]) if x.ndim >= 2 else n
   q = -(-max(d, 1) // 8)
-  total = rows * q
-  tile = T.next_pow2(tile or min(_TILE, max(total, 1)))
-  kernel = functools.partial(_kernel, d=d, q=q, total=total, tile=tile,
+  T.check_int32(rows * q, "the mask")
+  tile = T.next_pow2(tile or min(_TILE, q))
+  kernel = functools.partial(_kernel, rows=rows, d=d, q=q, tile=tile,
                              negative_slope=negative_slope, interpret=interpret)
-  y, mask = T.call(kernel, grid=max(-(-total // tile), 1), name="jact_relu_mask",
+  y, mask = T.call(kernel, grid=(max(rows, 1), -(-q // tile)), name="jact_relu_mask",
                    interpret=interpret,
                    out_shape=(jax.ShapeDtypeStruct((n,), x.dtype),
-                              jax.ShapeDtypeStruct((total,), jnp.uint8)))(x.reshape(-1))
+                              jax.ShapeDtypeStruct((rows * q,), jnp.uint8)))(x.reshape(-1))
   mask = mask.reshape((rows, q) if x.ndim >= 2 else (q,))
   return y.reshape(x.shape), PackedBits(mask, tuple(x.shape), 1)
