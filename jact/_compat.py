@@ -461,8 +461,12 @@ def _same_varying(eqn, values: Sequence) -> list:
   def is_array(v):
     return isinstance(v, jax.Array) or is_tracer(v)
 
-  values = [cast_varying(v, tuple(sorted(_aval_varying(var.aval))))
-            if is_array(v) and is_var(var) else v for v, var in zip(values, eqn.invars)]
+  recorded = [_aval_varying(var.aval) if is_var(var) else frozenset() for var in eqn.invars]
+  current = [varying_axes(v) if is_array(v) else frozenset() for v in values]
+  if not any(recorded) and not any(current):  # outside shard_map: nothing to do
+    return list(values)
+  values = [cast_varying(v, tuple(sorted(r))) if is_array(v) and r - c else v
+            for v, r, c in zip(values, recorded, current)]
   if len(values) < 2 or any(isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
                             for p in eqn.params.values()):
     return values
@@ -929,7 +933,6 @@ def _check_saved_residuals():
       f"saved_residuals(sin) gave {saved}")
 
 
-# One probe per compat function: (what it reads, probe).
 def _in_shard_map(fn, *args):
   """Runs `fn` inside a shard_map over a one-device mesh axis 'i' (args replicated)."""
   mesh = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1],
@@ -961,6 +964,7 @@ def _check_cast_varying():
   _in_shard_map(inside, jnp.ones(2))
 
 
+# One probe per compat function: (what it reads, probe).
 CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "varying_axes": ("jax.typeof(x).mat.varying (jax 0.10.2) / .vma (earlier) inside shard_map",
                      _check_varying_axes),

@@ -162,9 +162,9 @@ def _flag_for(flag: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _always(v: jax.Array) -> jax.Array:
-  """A boolean scalar that is True for every value of the scalar `v` (NaN
-  and infinities included) but depends on it, so XLA keeps the data
-  dependency: no float exceeds +inf, and `v == v` holds for any other dtype."""
+  """Booleans, elementwise, that are True for every value of `v` (NaN and
+  infinities included) but depend on it, so XLA keeps the data dependency:
+  no float exceeds +inf, and `v == v` holds for any other dtype."""
   if jnp.issubdtype(v.dtype, jnp.complexfloating):
     v = jnp.real(v)
   if jnp.issubdtype(v.dtype, jnp.floating):
@@ -192,15 +192,15 @@ def ready_flag(residuals) -> jax.Array:
   """An always-true flag that depends on every packed residual: per row
   (shape [rows]) when all packed bytes share their leading axis -- row n
   waits for row n of each, so under data parallelism the flag is local to
-  each device -- else a scalar from one byte of each."""
+  each device -- else a scalar from the rows' first bytes of each."""
   packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
   if not packed:
     return jnp.bool_(True)
   leading = {r.shape[0] if r.ndim else None for r in packed}
   if len(leading) == 1 and None not in leading:
     t = sum(_row_heads(r).astype(jnp.float32) for r in packed)
-  else:
-    t = sum(jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
+  else:  # a sum over each one's rows (explicit sharding mode rejects reading one element)
+    t = sum(jnp.sum(_row_heads(r).astype(jnp.float32)) for r in packed)
   return t == t  # pylint: disable=comparison-with-itself
 
 
