@@ -7,7 +7,11 @@ plain, with `jact.ops` and with one `jact.compressed` around the whole stack,
 and the compiled programs are compared: their collectives (kinds and counts,
 from the optimized HLO), their per-device compiled temp memory, the
 per-device bytes of the residuals, and the gradients against one device with
-the same key; then the same inside `jax.shard_map` with `check_vma=True`.
+the same key. The same process then checks `jax.shard_map` with `check_vma=True`
+(also `jact.convert` of the stack written as a plain Flax MLP), a mesh in
+explicit sharding mode, the rounding noise of shards with and without the
+axis index folded into the key, and `jact.compiled_memory`'s per-device
+figures.
 """
 
 from __future__ import annotations
