@@ -44,7 +44,7 @@ __all__ = [
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
-    "saved_residuals", "varying_axes", "cast_varying",
+    "saved_residuals", "varying_axes", "cast_varying", "leading_axis_sharded",
 ]
 
 
@@ -451,6 +451,14 @@ def cast_varying(x, axes):
   if hasattr(lax, "pcast"):
     return lax.pcast(x, missing, to="varying")
   return lax.pvary(x, missing)
+
+
+def leading_axis_sharded(x) -> bool:
+  """Whether `x`'s type says its leading axis is sharded (explicit sharding
+  mode; under automatic sharding types carry no partitioning). Public:
+  `jax.typeof(x).sharding.spec` in jax 0.10.2."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return bool(spec) and len(spec) > 0 and spec[0] is not None
 
 
 def _same_varying(eqn, values: Sequence) -> list:
@@ -964,8 +972,20 @@ def _check_cast_varying():
   _in_shard_map(inside, jnp.ones(2))
 
 
+def _check_leading_axis_sharded():
+  assert not leading_axis_sharded(jnp.ones((4, 2)))
+  mesh = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.device_put(jnp.ones((4, 2)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i")))
+  seen = []
+  jax.jit(lambda x: seen.append(leading_axis_sharded(x)) or x)(x)
+  assert seen == [True], seen
+
+
 # One probe per compat function: (what it reads, probe).
 CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
+    "leading_axis_sharded": ("jax.typeof(x).sharding.spec (explicit sharding mode)",
+                             _check_leading_axis_sharded),
     "varying_axes": ("jax.typeof(x).mat.varying (jax 0.10.2) / .vma (earlier) inside shard_map",
                      _check_varying_axes),
     "cast_varying": ("jax.lax.pcast(..., to='varying') / lax.pvary, and pvary_p's params['axes']",
