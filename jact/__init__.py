@@ -49,6 +49,7 @@ from jact.report import ResidualReport as ResidualReport
 from jact.report import compiled_memory as compiled_memory
 from jact.report import residual_report as residual_report
 from jact.transforms.compressed import compressed as compressed
+from jact.engine.sharding import sharded_batch as sharded_batch
 
 __version__ = "0.1.0"
 
@@ -57,6 +58,6 @@ __all__ = [
     "ops", "nn", "nnx", "rng", "compressors", "kernels", "sensitivity", "acgc", "allocate",
     "levels", "Controller", "ControllerState", "CompressionVarianceWarning",
     "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
-    "compressed", "checkpoint", "convert", "conversion_report", "save_compressed", "offload_compressed", "save_inputs_only",
+    "compressed", "sharded_batch", "checkpoint", "convert", "conversion_report", "save_compressed", "offload_compressed", "save_inputs_only",
     "BitPlan", "use_plan", "planned", "UnknownResidualWarning",
 ]

@@ -1,6 +1,6 @@
 """Trace-time contexts read by every compression site.
 
-Four things reach the compression sites of ops and `jact.compressed`
+Five things reach the compression sites of ops and `jact.compressed`
 without changing their signatures:
 
 * the active bit plan (static: it decides buffer shapes at trace time),
@@ -14,7 +14,9 @@ without changing their signatures:
   the compressed ops' custom VJPs as an explicit input (see
   `jact.engine.rounding.make_seed`), never as a closed-over tracer;
 * a statistics collector (`jact.engine.probe`), which gathers the layer
-  statistics of the analytic estimators.
+  statistics of the analytic estimators;
+* the mesh axes the batch is sharded over (`jact.sharded_batch`), which
+  the backward passes pin their reconstructions to.
 
 Each channel is one `contextvars.ContextVar`, set on entering a block and
 reset by its token in `finally`, so a block acts only on traces made inside
@@ -46,6 +48,7 @@ _CHANNELS: dict[str, contextvars.ContextVar] = {
     "recorder": contextvars.ContextVar("jact_recorder", default=None),
     "salt": contextvars.ContextVar("jact_salt", default=None),
     "stats": contextvars.ContextVar("jact_stats", default=None),
+    "batch": contextvars.ContextVar("jact_batch_sharding", default=None),
 }
 
 
@@ -71,7 +74,7 @@ def _pushed(kind: str, value) -> Iterator[Any]:
 
 
 def current(kind: str):
-  """The innermost active value of `kind` ('plan', 'recorder', 'salt', 'stats'), or None."""
+  """The innermost active value of `kind` ('plan', 'recorder', 'salt', 'stats', 'batch'), or None."""
   if kind not in _CHANNELS:
     raise ValueError(f"jact: unknown context channel {kind!r}; one of {sorted(_CHANNELS)}")
   value = _CHANNELS[kind].get()

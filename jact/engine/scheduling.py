@@ -73,7 +73,7 @@ def barrier(residuals, cotangent):
   The values are never changed: a NaN or infinite gradient of one sample
   leaves the reconstructions of every sample intact.
   """
-  residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
+  residuals, cotangent = _optimization_barrier((residuals, cotangent))
   arrived = _arrived(cotangent)
   if arrived is None:
     return residuals, cotangent
@@ -95,6 +95,22 @@ def barrier(residuals, cotangent):
   residuals = jax.tree.map(
       tie, residuals, is_leaf=is_stored)
   return residuals, cotangent
+
+
+def _optimization_barrier(tree):
+  """`jax.lax.optimization_barrier` of `tree`'s arrays. Inside `jax.shard_map`
+  the barrier's outputs vary over every manual axis any operand varies over,
+  so arrays invariant over some of them (statistics averaged over an axis)
+  stay outside it, keeping their types."""
+  leaves, treedef = jax.tree.flatten(tree)
+  axes = [_compat.varying_axes(v) if _compat.is_jax_value(v) else None for v in leaves]
+  union = frozenset().union(*(a for a in axes if a is not None))
+  if not union:
+    return jax.lax.optimization_barrier(tree)
+  tied = [i for i, a in enumerate(axes) if a == union]
+  for i, v in zip(tied, jax.lax.optimization_barrier([leaves[i] for i in tied])):
+    leaves[i] = v
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def kept_until_cotangent(values, cotangent):
@@ -192,7 +208,8 @@ def after_residuals(out, residuals):
   into the output's consumer: no extra memory pass.
   """
   ready = ready_flag(residuals)
-  return jax.tree.map(lambda o: jnp.where(_flag_for(ready, o), o, jnp.zeros_like(o)), out)
+  return jax.tree.map(lambda o: jnp.where(_flag_for(ready, o), o, jnp.zeros_like(o))
+                      if _may_wait(o, ready) else o, out)
 
 
 def ready_flag(residuals) -> jax.Array:
@@ -233,10 +250,20 @@ def wait_for(value: jax.Array, ready: jax.Array) -> jax.Array:
   a float is divided elementwise by a runtime 1.0 (see `materialize`; a
   scalar divisor is rewritten by XLA into a cheap multiplication by its
   reciprocal), anything else selected by the flag."""
+  if not _may_wait(value, ready):
+    return value
   ready = _flag_for(ready, value)
   if jnp.issubdtype(value.dtype, jnp.floating):
     return value / jnp.where(ready, jnp.ones_like(value), value)
   return jnp.where(ready, value, jnp.zeros_like(value))
+
+
+def _may_wait(value, flag) -> bool:
+  """Whether `value` can be tied to `flag` without changing its type: inside
+  `jax.shard_map` a value invariant over a manual axis (a statistic averaged
+  over it, its cotangent) cannot wait for a flag that varies over that axis;
+  it is left untied (it is small: a tie only matters for activations)."""
+  return _compat.varying_axes(flag) <= _compat.varying_axes(value)
 
 
 def _is_stored(r) -> bool:

@@ -33,6 +33,7 @@ from jact.engine.names import tag
 from jact.engine.probe import group_ranges_sq
 from jact.engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
 from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
+from jact.engine.sharding import pin_rows
 from jact.kernels.api import dequantize, dequantize_per_sample, quantize_per_sample
 
 __all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs", "same_varying_axes"]
@@ -60,7 +61,7 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   compressor = rounding.compressor
   if compressor is None:
     return x
-  x = first_order_only(x, name, compressor)
+  x = pin_rows(first_order_only(x, name, compressor))  # quantized where its rows are
   if budget is not None:
     if not isinstance(compressor, PerGroup):
       raise ValueError(
@@ -95,7 +96,8 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
 
 
 def restore_residual(r, shape=None, dtype=None):
-  """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`."""
+  """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`
+  (rows sharded as `jact.sharded_batch` says, when a block is active)."""
   if isinstance(r, PackedPerSample):
     r = dequantize_per_sample(r, dtype)
   elif isinstance(r, Packed):
@@ -104,7 +106,7 @@ def restore_residual(r, shape=None, dtype=None):
     r = r.decompress(dtype)
   elif dtype is not None:
     r = r.astype(dtype)
-  return r if shape is None else r.reshape(shape)
+  return pin_rows(r if shape is None else r.reshape(shape))
 
 
 def vjp_with_compressed_inputs(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],

@@ -31,6 +31,7 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
+from jact.engine.sharding import pin_rows
 from jact.engine.store import compress_residual, restore_residual
 from jact.engine.derivatives import reverse_only
 
@@ -56,7 +57,7 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
 
   def bwd(res, g):
     res, g = barrier(res, g)
-    m = unpack_codes(res)
+    m = pin_rows(unpack_codes(res))
     other = jnp.zeros_like(g) if negative_slope is None else g * negative_slope
     return (jnp.where(m, g, other),)
 

@@ -36,7 +36,7 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
-from jact.engine.store import compress_residual, restore_residual
+from jact.engine.store import compress_residual, restore_residual, same_varying_axes
 from jact.engine.derivatives import reverse_only
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
@@ -128,8 +128,10 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       xhat = xhat.astype(x.dtype)
     packed = (tag(compress_residual(xhat, seed, 0, rounding, f"{name}.xhat"), f"{name}.xhat"),
               tag(inv, f"{name}.inv_std"))
-    out, packed = finish_forward((y, mu, var), packed, elementwise=True)
-    return out, (*packed, scale)
+    # only y waits for the residuals: under shard_map the statistics of an axis_name
+    # are invariant over it, and a flag from the (varying) residuals would make them vary
+    y, packed = finish_forward(y, packed, elementwise=True)
+    return (y, mu, var), (*packed, scale)
 
   def bwd(res, cts):
     (xhat, inv, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
@@ -153,6 +155,12 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   bias_shape = None if bias is None else bias.shape
   bias_dtype = None if bias is None else bias.dtype
   apply.defvjp(fwd, bwd)
+  params = [p for p in (scale, bias) if p is not None]
+  x, *params = same_varying_axes((x, *params))  # invariant parameters meet varying x (shard_map)
+  if scale is not None:
+    scale, *params = params
+  if bias is not None:
+    bias, = params
   y, mu, var = reverse_only(apply, f"jact.ops.{op}")(seed, x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:

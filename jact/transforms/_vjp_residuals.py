@@ -25,6 +25,7 @@ from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
 from jact.engine.scheduling import barrier, is_stored, ready_flag, wait_for
+from jact.engine.sharding import pin_rows
 from jact.engine.store import compress_residual, restore_residual
 
 
@@ -117,7 +118,7 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, mask: 
   """The stored form of one residual leaf (compressed, bit-packed or kept);
   `mask`: a float holding only 0 and 1, bit-packed."""
   if leaf.dtype == jnp.bool_ or mask:
-    return tag(pack_codes(leaf != 0, 1), name)
+    return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
   if is_float(leaf) and leaf.size >= config.min_size:
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
@@ -143,7 +144,7 @@ def check_overrides(config: ResidualConfig, names) -> None:
 
 def restore_saved(value, shape, dtype):
   if isinstance(value, PackedBits):
-    return unpack_codes(value).astype(dtype).reshape(shape)
+    return pin_rows(unpack_codes(value).astype(dtype).reshape(shape))
   if isinstance(value, (Packed, PackedPerSample, Compressed)):
     return restore_residual(value, shape, dtype)
   return value
