@@ -11,7 +11,9 @@ the same key. The same process then checks `jax.shard_map` with `check_vma=True`
 (also `jact.convert` of the stack written as a plain Flax MLP), a mesh in
 explicit sharding mode, the rounding noise of shards with and without the
 axis index folded into the key, and `jact.compiled_memory`'s per-device
-figures.
+figures. A second process shards the weights too (FSDP on either weight
+dimension, a 2x4 data x model mesh, traced inside `jact.sharded_batch`) and
+runs Conv -> BatchNorm(axis_name) under shard_map against Flax's.
 """
 
 from __future__ import annotations

@@ -47,9 +47,11 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   >>> g.shape
   (8, 8)
   """
-  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  original = axes
+  axes = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else ()
   if not axes or not all(isinstance(a, str) for a in axes):
-    raise ValueError(f"jact.sharded_batch: axes must be mesh axis names, got {axes!r}")
+    raise ValueError(f"jact.sharded_batch: axes must be mesh axis names (a string or a tuple "
+                     f"of strings), got {original!r}")
   if mesh is not None:
     missing = [a for a in axes if a not in mesh.shape]
     if missing:
