@@ -113,13 +113,23 @@ def barrier_operand(eqn, out_index: int):
 
 def passthrough_operand(eqn, out_index: int):
   """Like `barrier_operand`, also through `lax.reduce_precision` (same value,
-  rounded): the operand behind output `out_index`, or None.
+  rounded) and casts to varying mesh axes: the operand behind output
+  `out_index`, or None.
 
   Public: `jax.lax.optimization_barrier_p`, `jax.lax.reduce_precision_p`
   by identity."""
-  if eqn.primitive is lax.reduce_precision_p:
+  if eqn.primitive is lax.reduce_precision_p or _is_varying_cast(eqn):
     return eqn.invars[out_index]
   return barrier_operand(eqn, out_index)
+
+
+def _is_varying_cast(eqn) -> bool:
+  """Whether `eqn` casts values to vary over manual mesh axes (the same
+  values on every device: `cast_varying`). Found by the primitive's name,
+  "pvary" in jax 0.10.2 (not exported); "pcast" with to="varying" in
+  releases that rename it. Watch: the names and the parameter."""
+  name = eqn.primitive.name
+  return name == "pvary" or (name == "pcast" and str(eqn.params.get("to", "")) == "varying")
 
 
 # ----------------------------------------------------------------------------- calls
@@ -155,6 +165,25 @@ def call_body(eqn, *, closed_call: bool = True) -> jax.extend.core.ClosedJaxpr |
   if not isinstance(body, jax.extend.core.ClosedJaxpr):
     return None
   if len(body.jaxpr.invars) != len(eqn.invars) or len(body.jaxpr.outvars) != len(eqn.outvars):
+    return None
+  return body
+
+
+def shard_map_body(eqn):
+  """The per-device body (an open jaxpr) of a `jax.shard_map` equation whose
+  inputs and outputs map 1:1 onto the body's, or None.
+
+  Public (partial): the primitive is found by its name "shard_map" (not in
+  `jax.extend.core.primitives` in jax 0.10.2); its body is
+  `params["jaxpr"]` (undocumented). Watch: the name, the key and the 1:1
+  mapping."""
+  if eqn.primitive.name != "shard_map":
+    return None
+  body = eqn.params.get("jaxpr")
+  body = getattr(body, "jaxpr", body)  # a ClosedJaxpr in other releases
+  if not isinstance(body, jax.extend.core.Jaxpr):
+    return None
+  if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
     return None
   return body
 

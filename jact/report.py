@@ -213,6 +213,10 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
     fn: the function to differentiate, e.g. a loss of (params, batch).
     *args, **kwargs: its arguments (pytrees of arrays).
 
+  Residuals a `jax.shard_map` inside `fn` saves are reported as one device
+  keeps them (their shape inside the body), under their names, and a
+  replicated argument the body keeps counts as that argument, once.
+
   Returns:
     A `ResidualReport`; `print(report)` shows a table.
 
@@ -280,7 +284,7 @@ def _inner_jaxpr(eqn, producer_map, jaxpr):
   if branch is not None:
     return branch
   body = _compat.call_body(eqn)
-  return None if body is None else body.jaxpr
+  return _compat.shard_map_body(eqn) if body is None else body.jaxpr
 
 
 def _kernel_of(eqn, jaxpr, producer_map) -> str:
@@ -348,6 +352,8 @@ def _saved_values(fn, args, kwargs):
       if inner is not None:
         stack.append((eqn, jaxpr))
         jaxpr, v = inner, inner.outvars[i]
+        if _compat.shard_map_body(eqn) is not None:
+          aval = v.aval  # one device's value: shard_map's output stacks the devices' values
         continue
       eqn_name = _shown_name(_compat.checkpoint_name(eqn))
       if eqn_name is not None:  # an identity too: keep the outermost name, look further

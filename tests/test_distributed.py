@@ -308,7 +308,21 @@ for name in ("twin", "convert"):
 for r in norm.values():
   for k in ("grads", "y", "stats"):
     r.pop(k, None)
-print(json.dumps({"devices": jax.device_count(), "runs": runs, "batch_norm": norm}))
+# residual_report of a function that calls shard_map: one device's residuals, named.
+def body(w, x, key):
+  h = jact.ops.relu(jact.ops.dense(x, w, key=key, bits=2))
+  return jax.lax.psum(jnp.sum(h ** 2), "data")
+
+
+mapped = jax.shard_map(body, mesh=data8, in_specs=(P(), P("data"), P()), out_specs=P())
+inside = jact.residual_report(lambda w, x: mapped(w, x, key), ws[0], x)
+one = jact.residual_report(lambda w, x: jnp.sum(jact.ops.relu(jact.ops.dense(
+    x, w, key=key, bits=2)) ** 2), ws[0], x[:BATCH // 8])
+report = {name: [(r.name, list(r.shape), r.bytes, r.is_argument) for r in rep.residuals]
+          for name, rep in (("shard_map", inside), ("one_device_shard", one))}
+report["totals"] = [inside.total_bytes, one.total_bytes, inside.argument_bytes, one.argument_bytes]
+print(json.dumps({"devices": jax.device_count(), "runs": runs, "batch_norm": norm,
+                  "report": report}))
 """
 
 
@@ -476,3 +490,16 @@ def test_batch_norm_with_axis_name_under_shard_map_equals_flax(sharded_weights, 
       sharded_weights["batch_norm"]
   assert r["y_error"] < 1e-5 and r["stats_error"] < 1e-5, r
   assert r["grad_errors"] and max(r["grad_errors"]) < 0.05, r
+
+
+@pytest.mark.slow
+def test_residual_report_inside_shard_map_is_one_devices(sharded_weights):
+  """`jact.residual_report` of a function calling shard_map (batch over 8
+  devices): the residuals one device keeps, under their names, the replicated
+  weight counted once as an argument -- the report of the body on one device's
+  shard (before: global shapes, no names, the weight 8 times)."""
+  r = sharded_weights["report"]
+  key = lambda row: (str(row[0]), row[1], row[2], row[3])  # noqa: E731
+  assert sorted(r["shard_map"], key=key) == sorted(r["one_device_shard"], key=key), r
+  assert {row[0] for row in r["shard_map"]} >= {"dense.lhs", "relu.mask"}, r
+  assert r["totals"][0] == r["totals"][1] and r["totals"][2] == r["totals"][3], r

@@ -202,3 +202,24 @@ def test_compiled_memory_temp_sees_scratch_buffers():
   m = compiled_memory(lambda a, b: jnp.sort(a @ b, axis=0)[0], a, a)
   assert m.output_bytes == 512 * 4
   assert m.temp_bytes >= 512 * 512 * 4
+
+
+def test_residuals_inside_shard_map_keep_their_names_and_arguments():
+  """A shard_map inside fn (one device here; 8 in tests/test_distributed.py):
+  the body's residuals keep their names and the replicated weight stays an
+  argument, as without the shard_map."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  x, w = jnp.ones((8, 512)), jnp.ones((512, 512))
+
+  def body(w, x):
+    h = jact.ops.relu(jact.ops.dense(x, w, key=jax.random.key(0), bits=2))
+    return jax.lax.psum(jnp.sum(h), "data")
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  inside = jact.residual_report(mapped, w, x)
+  plain = jact.residual_report(lambda w, x: jnp.sum(
+      jact.ops.relu(jact.ops.dense(x, w, key=jax.random.key(0), bits=2))), w, x)
+  rows = lambda r: sorted((str(q.name), q.shape, q.bytes, q.is_argument) for q in r.residuals)  # noqa: E731
+  assert rows(inside) == rows(plain)
+  assert set(inside.by_name()) >= {"dense.lhs", "relu.mask"}
