@@ -174,9 +174,9 @@ def test_a_residual_shared_by_several_ops_is_stored_once():
   report = jact.residual_report(lambda *a: fast(*a, key=jax.random.key(0)), w, w, w, x)
   groups = {n: g for n, g in report.by_name().items() if n}
   assert len(groups) == 2, report
-  # 4-bit codes + bf16 min and scale per group of 256 (rows of 128 values are
-  # grouped across rows: jact.engine.store.compress_residual)
-  one = 64 * 128 * 4 // 8 + 64 * 128 // 256 * 2 * 2
+  # 4-bit codes + bf16 min and scale per group; a row of 128 values is a group of
+  # its own (groups never span samples: jact.core.quantize.as_rows)
+  one = 64 * 128 * 4 // 8 + 64 * 2 * 2
   assert report.total_bytes == 2 * one
   assert report.argument_bytes == 3 * w.nbytes  # weights kept once each, by reference
 

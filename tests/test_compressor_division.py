@@ -59,7 +59,8 @@ SHAPES = [
     (2, 12, 6, 16),      # 2-D: H partial, W shorter than B
     (2, 16, 16, 32),     # 2-D divisible
     (1, 9, 4, 10, 8),    # 3-D mixed
-    (4, 3, 3, 8),        # sample shorter than a group (one row)
+    (4, 3, 3, 8),        # sample shorter than a group (a group of its own)
+    (4, 1, 1, 4),        # samples of 4 values: one row
     (3, 40),             # rank 2: no LFC
 ]
 

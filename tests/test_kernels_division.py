@@ -64,7 +64,8 @@ CASES = [
     ((2, 10, 10, 8), BF16, F32, 4, 4, 64, 2, True),       # partial blocks; a band = 5 groups
     ((2, 10, 10, 8), F16, BF16, 4, 1, 256, 2, False),     # groups of 200 straddle bands of 320
     ((2, 6, 5, 16), F32, F32, 8, 8, 64, None, True),      # map smaller than B: one band a sample
-    ((4, 3, 3, 8), BF16, BF16, 4, 2, 256, 2, False),      # samples of 72 packed in one row
+    ((4, 3, 3, 8), BF16, BF16, 4, 2, 256, 2, True),       # samples of 72: a group each
+    ((4, 1, 1, 4), F32, BF16, 4, 2, 256, 2, False),       # samples of 4 packed in one row
     ((2, 20, 16), F32, BF16, 8, 1, 64, None, True),       # rank 3, one pass
     ((3, 13, 24), F32, F16, 4, 2, 256, 2, False),         # rank 3, groups of 104 straddle bands
     ((1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None, True),  # rank 5, H in one block: one pass
@@ -127,7 +128,8 @@ def test_implementation_field():
 @pytest.mark.parametrize("shape,block,bits,group_size", [
     ((2, 8, 8, 16), 4, 2, 256),     # one pass
     ((2, 10, 10, 8), 4, 1, 256),    # pooling + residual kernels
-    ((4, 3, 3, 8), 4, 8, 256),      # one row
+    ((4, 3, 3, 8), 4, 8, 256),      # samples shorter than a group
+    ((4, 1, 1, 4), 4, 8, 256),      # one row
     ((2, 5, 6, 6, 8), 4, 4, 256),   # rank 5, two kernels
     ((2, 20, 16), 8, 4, 64),        # rank 3, one pass
 ])

@@ -103,7 +103,7 @@ def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bi
 
   For an input of rank 3 to 5: LFC = the pooled map in `lfc_dtype`, HFC =
   x - upsample(LFC as stored), quantized as `PerGroup(bits, group_size)` stores it, with
-  `seed` (a sample shorter than a group is quantized as one row).
+  `seed` (samples of fewer than 8 values are quantized as one row: `as_rows`).
   """
   spatial = tuple(x.shape[1:-1])
   blocks = pool_blocks(spatial, block)

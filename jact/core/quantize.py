@@ -308,11 +308,20 @@ def quantize_rows_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, 
   return packed
 
 
+SMALLEST_ROW = 8
+
+
 def as_rows(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
-  """The shape quantized: the input's, or one row when a sample is shorter than a
-  group (or the input is 1-D), since padding and group statistics would
-  otherwise cost more than the codes."""
+  """The shape quantized: the input's (a sample shorter than a group is a group
+  of its own), or one row when the input is 1-D or its samples hold fewer than
+  `SMALLEST_ROW` values, whose group statistics would cost more than their
+  codes. Groups never span two samples otherwise: under data parallelism they
+  would span devices, and their statistics would need collectives.
+
+  >>> as_rows((64, 100), 256), as_rows((64, 4), 256), as_rows((10,), 256)
+  ((64, 100), (1, 256), (1, 10))
+  """
   d = math.prod(shape[1:]) if len(shape) else 1
-  if len(shape) <= 1 or d < group_size:
+  if len(shape) <= 1 or (d < group_size and d < SMALLEST_ROW):
     return (1, math.prod(shape))
   return tuple(shape)

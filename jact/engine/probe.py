@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jact.engine import context as _context
-from jact.core.quantize import finite_min_max, grouped, effective_group_size
+from jact.core.quantize import as_rows, effective_group_size, finite_min_max, grouped
 
 __all__ = ["Collector", "abs_max", "group_ranges_sq", "observe_linear", "observe_norm"]
 
@@ -51,10 +51,8 @@ def group_ranges_sq(x: jax.Array, group_size: int) -> jax.Array:
   """Per-sample sum over quantization groups of (group range)^2 and the largest
   group range, with x grouped as `jact.quantize` groups it."""
   x = jax.lax.stop_gradient(x)
-  d = math.prod(x.shape[1:]) if x.ndim else 1
-  if x.ndim <= 1 or d < group_size:
-    x = x.reshape(1, -1)
-    d = x.shape[1]
+  x = x.reshape(as_rows(tuple(x.shape), group_size))
+  d = math.prod(x.shape[1:])
   g, _ = grouped(x, effective_group_size(d, group_size))
   lo, hi = finite_min_max(g)
   r = jnp.where(hi >= lo, hi - lo, 0.0)

@@ -47,8 +47,8 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
 
   `rounding.bits` may be a compressor (`jact.compressors`); a plan's integer
   entry changes its width, a compressor entry replaces it. The per-group
-  quantizer quantizes a 1-D tensor, or samples shorter than a group, as a
-  single row (see `jact.compressors.pergroup.as_rows`).
+  quantizer quantizes a 1-D tensor, or samples of fewer than 8 values, as a
+  single row (see `jact.core.quantize.as_rows`).
   """
   budget = None
   if name is not None and rounding.bits is not None:
