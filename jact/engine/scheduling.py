@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.core.packing import PackedBits
+from jact.engine.sharding import batch_is_sharded
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
@@ -125,9 +126,12 @@ def kept_until_cotangent(values, cotangent):
   flipped kernels, temp 3.6 -> 1.7 MiB without them). Each floating-point
   array is selected by the always-true flag `barrier` uses, reduced over
   the cotangent's rows (kept values are parameters, not rows of the batch:
-  under data parallelism this is a one-element all-reduce);
-  the select fuses into its consumer. Stored forms and non-float values pass
-  unchanged.
+  under data parallelism this is a one-element all-reduce, a global sync per
+  op: inside `jact.sharded_batch`, which says the batch is split over
+  devices, values are not tied, and the program has exactly the plain
+  model's collectives -- 3-layer stack on 8 CPU devices: 6.2 MiB per device
+  with ties, 8.1 without, plain 12.0); the select fuses into its consumer.
+  Stored forms and non-float values pass unchanged.
 
   >>> import jax.numpy as jnp
   >>> w, g = jnp.arange(3.0), jnp.ones(2)
@@ -135,7 +139,7 @@ def kept_until_cotangent(values, cotangent):
   Array([0., 1., 2.], dtype=float32)
   """
   arrived = _arrived(cotangent)
-  if arrived is None:
+  if arrived is None or batch_is_sharded():
     return values
 
   arrived = _first(arrived)

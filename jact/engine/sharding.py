@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jact.engine import context as _context
 
-__all__ = ["sharded_batch", "pin_rows"]
+__all__ = ["sharded_batch", "pin_rows", "batch_is_sharded"]
 
 
 @contextlib.contextmanager
@@ -86,3 +86,9 @@ def pin_rows(x):
   spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
   return jax.lax.with_sharding_constraint(
       x, NamedSharding(mesh, spec) if mesh is not None else spec)
+
+
+def batch_is_sharded() -> bool:
+  """Whether a `sharded_batch` block is active: the batch is known to be split
+  over devices, so a value tied to one row of it would need a collective."""
+  return _context.current("batch") is not None

@@ -97,7 +97,9 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
 
 def restore_residual(r, shape=None, dtype=None):
   """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`
-  (rows sharded as `jact.sharded_batch` says, when a block is active)."""
+  (a reconstruction's rows sharded as `jact.sharded_batch` says, when a block
+  is active)."""
+  stored = isinstance(r, (PackedPerSample, Packed, Compressed))
   if isinstance(r, PackedPerSample):
     r = dequantize_per_sample(r, dtype)
   elif isinstance(r, Packed):
@@ -106,7 +108,8 @@ def restore_residual(r, shape=None, dtype=None):
     r = r.decompress(dtype)
   elif dtype is not None:
     r = r.astype(dtype)
-  return pin_rows(r if shape is None else r.reshape(shape))
+  r = r if shape is None else r.reshape(shape)
+  return pin_rows(r) if stored else r  # a kept value (a kernel) keeps its own layout
 
 
 def vjp_with_compressed_inputs(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],
