@@ -482,6 +482,17 @@ def cast_varying(x, axes):
   return lax.pvary(x, missing)
 
 
+def union_of_varying_axes(values: Sequence) -> tuple[str, ...]:
+  """The manual mesh axes any of the arrays among `values` varies over, sorted
+  (empty outside shard_map)."""
+  return tuple(sorted(frozenset().union(
+      *(varying_axes(v) for v in values if _is_array(v)))))
+
+
+def _is_array(v) -> bool:
+  return isinstance(v, jax.Array) or is_tracer(v)
+
+
 def leading_axis_sharded(x) -> bool:
   """Whether `x`'s type says its leading axis is sharded (explicit sharding
   mode; under automatic sharding types carry no partitioning). Public:
@@ -495,24 +506,20 @@ def _same_varying(eqn, values: Sequence) -> list:
   operands varied over when it was traced; then, for a primitive without
   inner programs (whose operand types are fixed), the arrays cast to the
   union of their axes when they still differ. Unchanged outside shard_map."""
-  def is_array(v):
-    return isinstance(v, jax.Array) or is_tracer(v)
-
   recorded = [_aval_varying(var.aval) if is_var(var) else frozenset() for var in eqn.invars]
-  current = [varying_axes(v) if is_array(v) else frozenset() for v in values]
+  current = [varying_axes(v) if _is_array(v) else frozenset() for v in values]
   if not any(recorded) and not any(current):  # outside shard_map: nothing to do
     return list(values)
-  values = [cast_varying(v, tuple(sorted(r))) if is_array(v) and r - c else v
+  values = [cast_varying(v, tuple(sorted(r))) if _is_array(v) and r - c else v
             for v, r, c in zip(values, recorded, current)]
   if len(values) < 2 or any(isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
                             for p in eqn.params.values()):
     return values
-  axes = [varying_axes(v) if is_array(v) else frozenset() for v in values]
-  union = frozenset().union(*axes)
-  if all(a == union for a in axes):
+  union = union_of_varying_axes(values)
+  if all((varying_axes(v) if _is_array(v) else frozenset()) == frozenset(union) for v in values):
     return values
   # literals (constants in the equation) become arrays of their recorded type to be cast too
-  return [cast_varying(v if is_array(v) else jnp.asarray(v, var.aval.dtype), tuple(sorted(union)))
+  return [cast_varying(v if _is_array(v) else jnp.asarray(v, var.aval.dtype), union)
           for v, var in zip(values, eqn.invars)]
 
 

@@ -168,7 +168,7 @@ def same_varying_axes(args: Sequence[jax.Array]) -> tuple:
   over the devices, exactly as for the plain operation. Outside shard_map
   nothing changes.
   """
-  axes = frozenset().union(*(_compat.varying_axes(a) for a in args)) if args else frozenset()
+  axes = _compat.union_of_varying_axes(args)
   if not axes:
     return tuple(args)
-  return tuple(_compat.cast_varying(a, tuple(sorted(axes))) for a in args)
+  return tuple(_compat.cast_varying(a, axes) for a in args)
