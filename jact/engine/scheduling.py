@@ -16,10 +16,10 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.core.packing import PackedBits
-from jact.engine.sharding import batch_is_sharded
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
+from jact.engine.sharding import batch_is_sharded
 
 __all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag",
            "is_stored", "wait_for", "kept_until_cotangent", "Stacked"]

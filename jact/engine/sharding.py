@@ -33,10 +33,13 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
 
   Needed under automatic sharding when weights are sharded too (FSDP,
   tensor parallelism): without it the partitioner may gather the global
-  batch to compute a weight gradient in the weight's layout. Pure data
-  parallelism, `jax.shard_map` and explicit sharding mode do not need it
-  (there the layout is known); inside `shard_map` over these axes it does
-  nothing. `mesh` may be left out inside `jax.set_mesh(mesh)`.
+  batch to compute a weight gradient in the weight's layout. Under pure
+  data parallelism it also drops the ties of kept kernels to a row of the
+  cotangent (`jact.engine.scheduling.kept_until_cotangent`), one
+  single-element all-reduce per op, so the program has exactly the plain
+  model's collectives. Inside `shard_map` over these axes, and in explicit
+  sharding mode, the constraint does nothing (there the layout is known).
+  `mesh` may be left out inside `jax.set_mesh(mesh)`.
 
   >>> import jax, jax.numpy as jnp, jact
   >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
