@@ -8,7 +8,8 @@ and the compiled programs are compared: their collectives (kinds and counts,
 from the optimized HLO), their per-device compiled temp memory, the
 per-device bytes of the residuals, and the gradients against one device with
 the same key. The same process then checks `jax.shard_map` with `check_vma=True`
-(also `jact.convert` of the stack written as a plain Flax MLP), a mesh in
+(also `jact.convert` of the stack written as a plain linen and nnx MLP, which
+are also checked under jit data parallelism), a mesh in
 explicit sharding mode, the rounding noise of shards with and without the
 axis index folded into the key, and `jact.compiled_memory`'s per-device
 figures. A second process shards the weights too (FSDP on either weight
@@ -212,6 +213,8 @@ SHARD_MAPPED = {
     "compressed": (lambda ws, x, key: whole8(ws, x, key=key), ws),
     "linen_plain": (lambda v, x, key: MLP().apply(v, x), mlp_variables),
     "linen_convert": (lambda v, x, key: converted.apply(v, x, rngs={"jact": key}), mlp_variables),
+    "nnx_plain": (nnx_loss(nnx_graph), nnx_params),
+    "nnx_convert": (nnx_loss(nnx_converted_graph), nnx_params),
 }
 in_shard_map = {}
 for name, (fn, params) in SHARD_MAPPED.items():
@@ -222,8 +225,9 @@ for name, (fn, params) in SHARD_MAPPED.items():
                           "grads": [np.asarray(g).tolist() for g in jax.tree.leaves(grads)]}
   except Exception as e:  # reported to the test, which names the failure
     in_shard_map[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-for name in ("ops", "compressed", "linen_convert"):
-  r, ref = in_shard_map[name], in_shard_map["linen_plain" if name.startswith("linen") else "plain"]
+for name in ("ops", "compressed", "linen_convert", "nnx_convert"):
+  r, ref = in_shard_map[name], in_shard_map[name.replace("convert", "plain") if "_" in name
+                                            else "plain"]
   if "error" not in r and "error" not in ref:
     r["grad_error"] = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
                           for a, b in zip(r["grads"], ref["grads"]))
@@ -550,13 +554,14 @@ def test_compiled_memory_reports_per_device_temp(eight_devices_jit, variant):
 
 
 @pytest.mark.slow
-def test_converted_flax_model_under_shard_map(eight_devices):
-  """`jact.convert` of an ordinary Flax MLP inside shard_map (check_vma=True): it
-  differentiates, its 8-bit gradients are within 1% of Flax's, and its only
-  collectives are the parameters' gradient sums (at most one all-reduce a
-  parameter; plain Flax combines them into one)."""
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_converted_flax_model_under_shard_map(eight_devices, framework):
+  """`jact.convert` of an ordinary Flax MLP (linen, nnx) inside shard_map
+  (check_vma=True): it differentiates, its 8-bit gradients are within 1% of
+  Flax's, and its only collectives are the parameters' gradient sums (at most
+  one all-reduce a parameter; plain Flax combines them into one)."""
   runs = eight_devices["shard_map"]
-  r, ref = runs["linen_convert"], runs["linen_plain"]
+  r, ref = runs[f"{framework}_convert"], runs[f"{framework}_plain"]
   assert "error" not in r and "error" not in ref, (r, ref)
   assert set(r["collectives"]) == set(ref["collectives"]) == {"all-reduce"}, (r, ref)
   assert r["collectives"]["all-reduce"] <= 6, r  # a kernel and a bias for each of 3 layers
