@@ -27,17 +27,13 @@ import sys
 
 import pytest
 
-_SCRIPT = r'''
-import collections, json, re, sys
+# Both processes: the dense+ReLU stack plain, with jact.ops and under one jact.compressed
+# (2 bits), and the collectives of an optimized HLO text.
+_STACK = r'''
+import collections, json, re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jact
-
-LAYERS, WIDTH, BATCH = 3, 256, 16384  # activations dominate the per-device memory
-mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-replicated, batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / WIDTH**0.5 for i in range(LAYERS)]
-x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
 
 
 def plain(ws, x, key):
@@ -58,9 +54,17 @@ VARIANTS = {"plain": plain, "ops": ops,
 
 
 def collectives(hlo):
-  ops = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
-                   r"(?:-start)?\(", hlo)
-  return dict(collections.Counter(ops))
+  found = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                     r"(?:-start)?\(", hlo)
+  return dict(collections.Counter(found))
+'''
+
+_SCRIPT = _STACK + r'''
+LAYERS, WIDTH, BATCH = 3, 256, 16384  # activations dominate the per-device memory
+mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+replicated, batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / WIDTH**0.5 for i in range(LAYERS)]
+x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
 
 
 def residual_bytes(fn, ws, x, key, per_device):
@@ -258,34 +262,14 @@ print(json.dumps({"devices": jax.device_count(), "variants": out, "shard_map": i
 '''
 
 
-_SHARDED_WEIGHTS_SCRIPT = r"""
-import collections, json, re
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+_SHARDED_WEIGHTS_SCRIPT = _STACK + r"""
 import flax.linen as nn
-import jact
 
 LAYERS, WIDTH, BATCH = 4, 256, 4096
 Auto = jax.sharding.AxisType.Auto
 ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / WIDTH**0.5 for i in range(LAYERS)]
 x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
 key = jax.random.key(7)
-
-
-def plain(ws, x, key):
-  for w in ws:
-    x = jax.nn.relu(x @ w)
-  return jnp.mean(x ** 2)
-
-
-def ops(ws, x, key):
-  for i, w in enumerate(ws):
-    x = jact.ops.relu(jact.ops.dense(x, w, key=jax.random.fold_in(key, i), bits=2))
-  return jnp.mean(x ** 2)
-
-
-whole = jact.compressed(lambda ws, x: plain(ws, x, None), bits=2)
-VARIANTS = {"plain": plain, "ops": ops, "compressed": lambda ws, x, key: whole(ws, x, key=key)}
 data8 = jax.make_mesh((8,), ("data",), axis_types=(Auto,))
 tp = jax.make_mesh((2, 4), ("data", "model"), axis_types=(Auto, Auto))
 SETUPS = {  # mesh, weight specs, rows of one device's activation
@@ -319,9 +303,7 @@ for setup, (mesh, specs, rows) in SETUPS.items():
     text = hlo.as_text()
     runs[f"{setup}/{name}"] = {
         "temp": int(hlo.memory_analysis().temp_size_in_bytes),
-        "collectives": dict(collections.Counter(re.findall(
-            r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
-            text))),
+        "collectives": collectives(text),
         "large_f32_gathers": large_f32_gathers(text, rows * WIDTH),
         "grad_vs_one_device": max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
                                   for a, b in zip(g, g1))}
@@ -338,9 +320,7 @@ for name, fn in VARIANTS.items():
       *small_args, key).compile()
   small_samples[name] = {
       "temp": int(compiled.memory_analysis().temp_size_in_bytes),
-      "collectives": dict(collections.Counter(re.findall(
-          r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
-          compiled.as_text())))}
+      "collectives": collectives(compiled.as_text())}
 
 
 # BatchNorm with axis_name under shard_map (check_vma=True): Flax's, jact's twin, jact.convert.

@@ -50,18 +50,17 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   >>> g.shape
   (8, 8)
   """
-  original = axes
-  axes = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else ()
-  if not axes or not all(isinstance(a, str) for a in axes):
+  names = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else ()
+  if not names or not all(isinstance(a, str) for a in names):
     raise ValueError(f"jact.sharded_batch: axes must be mesh axis names (a string or a tuple "
-                     f"of strings), got {original!r}")
+                     f"of strings), got {axes!r}")
   if mesh is not None:
-    missing = [a for a in axes if a not in mesh.shape]
+    missing = [a for a in names if a not in mesh.shape]
     if missing:
       raise ValueError(f"jact.sharded_batch: the mesh has no axis {missing[0]!r} "
                        f"(its axes: {tuple(mesh.shape)}); name axes of the mesh the batch "
                        "is sharded over")
-  with _context._pushed("batch", (axes, mesh)):  # pylint: disable=protected-access
+  with _context._pushed("batch", (names, mesh)):  # pylint: disable=protected-access
     yield
 
 

@@ -165,10 +165,10 @@ def same_varying_axes(args: Sequence[jax.Array]) -> tuple:
   sharded activation would get a per-device (varying) gradient. Casting the
   invariant inputs first, as JAX does for its own operations, makes the
   whole call varying; the cast's transpose then sums the weight's gradient
-  over the devices, exactly as for the plain operation. Outside shard_map
-  nothing changes.
+  over the devices, exactly as for the plain operation. None entries (an
+  absent bias) pass through. Outside shard_map nothing changes.
   """
   axes = _compat.union_of_varying_axes(args)
   if not axes:
     return tuple(args)
-  return tuple(_compat.cast_varying(a, axes) for a in args)
+  return tuple(a if a is None else _compat.cast_varying(a, axes) for a in args)

@@ -155,12 +155,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   bias_shape = None if bias is None else bias.shape
   bias_dtype = None if bias is None else bias.dtype
   apply.defvjp(fwd, bwd)
-  params = [p for p in (scale, bias) if p is not None]
-  x, *params = same_varying_axes((x, *params))  # invariant parameters meet varying x (shard_map)
-  if scale is not None:
-    scale, *params = params
-  if bias is not None:
-    bias, = params
+  x, scale, bias = same_varying_axes((x, scale, bias))  # invariant parameters meet varying x
   y, mu, var = reverse_only(apply, f"jact.ops.{op}")(seed, x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:
