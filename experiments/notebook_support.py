@@ -1,0 +1,140 @@
+"""Tables and plots of committed experiment results, for the notebooks and the README.
+
+Every function reads result JSON written by an experiment CLI and tolerates
+missing or partial results (a variant still running, a run not made yet): it
+says what is missing instead of failing, so a notebook renders at any stage.
+
+>>> print(actnn_table({}, ["fp"]))
+| variant | epochs | test accuracy by epoch | final | saved for backward | compiled temp | avg bits |
+|---|---|---|---|---|---|---|
+| fp | not run yet | | | | | |
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "markdown_table",
+           "actnn_table", "accuracy_curves", "variance_table", "show_figure", "bench_memory_table",
+           "plan_cost_table", "bench_plans_table"]
+
+ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
+OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc"]
+
+
+def load_json(path) -> dict | None:
+  """The JSON at `path`, or None when it does not exist."""
+  path = Path(path)
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_variants(directory) -> dict:
+  """{file stem: result} for every JSON file in `directory` (empty when it is missing)."""
+  directory = Path(directory)
+  if not directory.is_dir():
+    return {}
+  return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
+
+
+def mib(n) -> str:
+  return "" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def markdown_table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def actnn_table(runs: dict, names) -> str:
+  """One row per variant: accuracy after each epoch, final accuracy, memory, average bits."""
+  rows = []
+  for name in names:
+    r = runs.get(name)
+    if r is None:
+      rows.append([name, "not run yet", "", "", "", "", ""])
+      continue
+    accs = ", ".join(f"{h['test_accuracy']:.3f}" for h in r["history"])
+    done = f"{len(r['history'])}/{r['epochs']}" + ("" if r["complete"] else " (running)")
+    memory = r.get("memory", {})
+    final = r.get("final_test_accuracy")
+    rows.append([name, done, accs, "" if final is None else f"**{final:.3f}**",
+                 mib(memory.get("saved_bytes")), mib(memory.get("temp_bytes")),
+                 "" if r.get("final_average_bits") is None else f"{r['final_average_bits']:.2f}"])
+  return markdown_table(["variant", "epochs", "test accuracy by epoch", "final",
+                         "saved for backward", "compiled temp", "avg bits"], rows)
+
+
+def accuracy_curves(runs: dict, names, title: str):
+  """Test accuracy after each epoch, one line per variant that has any."""
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for name in names:
+    r = runs.get(name)
+    if r and r["history"]:
+      ax.plot([h["epoch"] for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
+              "o-", label=name)
+  ax.set(xlabel="epoch", ylabel="test accuracy", title=title)
+  if ax.lines:
+    ax.legend(fontsize=8)
+  else:
+    ax.text(0.5, 0.5, "no full-run results yet", ha="center", transform=ax.transAxes)
+  fig.tight_layout()
+  return ax
+
+
+def variance_table(path) -> str:
+  """Gradient variance rows of `experiments.grad_variance` per checkpoint."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  rows = []
+  for epoch, entries in result["checkpoints"].items():
+    for e in entries:
+      bits = "" if e["avg_bits"] is None else f"{e['avg_bits']:.2f}"
+      rows.append([epoch, e["method"], bits, f"{e['variance']:.3g}", f"{e['over_sampling']:.3g}"])
+  return markdown_table(["epoch", "method", "bits", "variance", "/ sampling variance"], rows)
+
+
+def show_figure(path):
+  """Displays the PNG at `path`, or says that it is not there yet."""
+  from IPython.display import Image, Markdown, display
+  path = Path(path)
+  display(Image(filename=str(path)) if path.is_file() else Markdown(f"*{path.name}: not run yet*"))
+
+
+def bench_memory_table(path) -> str:
+  """`experiments.bench_memory`: bytes saved for backward and compiled temp per model and bits."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  rows = [[r["model"], r["bits"] or "plain", mib(r["residual_bytes"]), mib(r["temp_bytes"]),
+           f"{r['temp_reduction']:.1f}x"] for r in result["rows"]]
+  return markdown_table(["model", "bits", "saved for backward", "compiled temp",
+                         "temp reduction"], rows)
+
+
+def plan_cost_table(path) -> str:
+  """Estimator cost in train steps, per model, from `experiments.bit_plans`."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  rows = []
+  for model in ("resnet", "transformer"):
+    if model in result:
+      c = result[model]["cost"]
+      rows.append([model, f"{c['step_s']:.3f} s", f"{c['analytic_in_steps']:.2f}",
+                   f"{c['numeric_in_steps']:.2f}"])
+  return markdown_table(["model", "gradient step", "analytic update (steps)",
+                         "numeric update (steps)"], rows)
+
+
+def bench_plans_table(path) -> str:
+  """`experiments.bench_plans`: compression variance of each plan over the sampling variance."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  rows = [[r["model"], r["method"], f"{r['avg_bits']:.2f}", f"{r['variance']:.3g}",
+           f"{r['variance_over_sampling']:.3g}"] for r in result["rows"]]
+  return markdown_table(["model", "plan", "avg bits", "variance", "/ sampling"], rows)

@@ -1,0 +1,224 @@
+"""Writes the experiment notebooks 02-06 and executes them (and the quickstart) in place.
+
+Each notebook states a paper's claim, shows the committed full-run results
+from `experiments/results/` (tables and plots), and re-runs a small version
+live. Execution stores the outputs in the .ipynb, so a reader sees the figures
+without running anything:
+
+    python notebooks/build.py                 # write 02-06, execute all six
+    python notebooks/build.py --only 02 05    # some of them
+    python notebooks/build.py --no-execute    # write the cells only
+
+The test suite executes every notebook (tests/test_notebook.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''\
+import json, sys, tempfile
+from pathlib import Path
+
+# experiments/ is not installed with jact: put the repository root on the path.
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "experiments" / "__init__.py").is_file())
+sys.path.insert(0, str(ROOT))
+%matplotlib inline
+import matplotlib.pyplot as plt
+from IPython.display import Image, Markdown, display
+
+from experiments import notebook_support as ns
+
+RESULTS = ROOT / "experiments" / "results"
+SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into the repo'''
+
+NOTEBOOKS = {
+    "02_actnn_cifar": [
+        ("markdown", """\
+# ActNN on CIFAR-10: does 2-bit training match full precision?
+
+**Claim (ActNN, Chen et al. 2021).** Storing every activation at 2 bits with per-group stochastic
+rounding trains a CIFAR ResNet to the accuracy of full precision, and the adaptive L3 (2 bits on
+average, per-layer and per-sample widths) does at least as well. Its theory says why: the gradient
+stays unbiased and the added variance is small next to minibatch sampling noise (Fig. 5).
+
+**What ran here.** `python -m experiments.actnn_cifar --epochs 3`: the pre-activation ResNet-20
+(16/32/64 channels) on the full 50k CIFAR-10 training set, SGD with Nesterov momentum, warm-up and
+cosine schedule, batch 128, random crops and flips, **3 epochs per variant** (about an hour each on
+the 2-core CPU this project runs on), every variant from the same initialization with the same
+batches. ActNN trains 200 epochs on a GPU: this is a short-schedule check, not the paper's
+accuracy."""),
+        ("code", SETUP),
+        ("markdown", "## Test accuracy and memory per variant (full runs)"),
+        ("code", """\
+runs = ns.load_variants(RESULTS / "actnn_cifar")
+display(Markdown(ns.actnn_table(runs, ns.ACTNN_MAIN)))
+ns.accuracy_curves(runs, ns.ACTNN_MAIN, "ResNet-20, CIFAR-10 (full runs, CPU)");"""),
+        ("markdown", """\
+## Gradient variance against bits (ActNN Fig. 5)
+
+`python -m experiments.grad_variance`: at the full-precision run's parameters after each epoch,
+the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sampling noise) and
+the variance the compression adds for one fixed minibatch over 8 rounding seeds."""),
+        ("code", 'ns.show_figure(RESULTS / "grad_variance.png")\ndisplay(Markdown(ns.variance_table(RESULTS / "grad_variance.json")))'),
+        ("markdown", """\
+## Re-run a small version live
+
+A tiny ResNet (8/16/32 channels, one block per stage) for one epoch of 1024 images: the same code
+path as the full run, seconds instead of hours. Its accuracy means nothing; that it runs, and the
+memory columns, do."""),
+        ("code", """\
+from experiments import actnn_cifar
+actnn_cifar.main(["--variants", "fp", "pergroup2", "actnn_l3", "--epochs", "1", "--batch", "64",
+                  "--train-size", "1024", "--test-size", "500", "--widths", "8", "16", "32",
+                  "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
+display(Markdown(ns.actnn_table(ns.load_variants(SMALL), ["fp", "pergroup2", "actnn_l3"])))"""),
+    ],
+    "03_gact_transformer_gnn": [
+        ("markdown", """\
+# GACT on a transformer and a GNN, with no layer rewrite
+
+**Claim (GACT, Liu et al. 2022).** Compression applied to an unmodified model by tracing it
+(`jact.compressed`, `jact.convert` here) trains transformers and GNNs at 4 bits on average with
+adaptive per-tensor widths as well as full precision; fixed low widths can hurt some layers (GAT),
+and the adaptive plan recovers.
+
+**What ran here.** `python -m experiments.gact_tasks`: a small transformer classifier on SST-2, a
+character-level LM on tiny Shakespeare, and a GCN and a GAT on Cora, ordinary Flax code with jact
+applied from outside. The scale (steps, widths) is in each task's record below; CPU only."""),
+        ("code", SETUP),
+        ("markdown", "## Results per task (full runs)"),
+        ("code", """\
+tasks = ns.load_variants(RESULTS / "gact")
+display(Markdown(ns.gact_table(tasks)))
+ns.loss_curves(tasks, "GACT tasks (full runs, CPU)");"""),
+        ("markdown", "## Re-run a small version live"),
+        ("code", """\
+from experiments import gact_tasks
+gact_tasks.main(["--small", "--results", str(SMALL)])
+display(Markdown(ns.gact_table(ns.load_variants(SMALL))))"""),
+    ],
+    "04_blpa_division_acgc": [
+        ("markdown", """\
+# BLPA, DIVISION and AC-GC on the same ResNet
+
+**Claims.** BLPA (Chakrabarti & Moseley 2019) keeps a 4-bit pre-ReLU copy per BN-ReLU-conv unit and
+reports no accuracy loss at 4 bits but a drop below. DIVISION (Wang et al. 2022) stores an
+8x8-block low-pass part plus a 2-bit high-frequency part and matches full precision. AC-GC (Evans &
+Aamodt 2021) derives each layer's width from an allowed loss increase e^2.
+
+**What ran here.** The same `experiments.actnn_cifar` runs as notebook 02 (ResNet-20, full
+CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc`. For
+AC-GC the bound is loose on this network: e^2 = 0.5 asks for about 18 bits on average at
+initialization, so the run uses e^2 = 1024 (about 4 bits at initialization)."""),
+        ("code", SETUP),
+        ("markdown", "## Test accuracy and memory (full runs)"),
+        ("code", """\
+runs = ns.load_variants(RESULTS / "actnn_cifar")
+display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
+ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
+        ("markdown", "## Re-run a small version live"),
+        ("code", """\
+from experiments import actnn_cifar
+actnn_cifar.main(["--variants", "blpa2", "division", "acgc", "--epochs", "1", "--batch", "64",
+                  "--train-size", "1024", "--test-size", "500", "--widths", "8", "16", "32",
+                  "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
+display(Markdown(ns.actnn_table(ns.load_variants(SMALL), ["blpa2", "division", "acgc"])))"""),
+    ],
+    "05_memory_and_speed": [
+        ("markdown", """\
+# What memory buys: batch size and step time
+
+**Claim (all five papers).** With activations stored at 2-4 bits the same device fits a several
+times larger batch, for a modest step-time cost.
+
+**What ran here.** `python -m experiments.memory_batch`: for the ResNet-20 and the zoo's
+transformer LM, the largest batch whose real train step stays under a fixed peak-RSS cap on this
+CPU, for plain JAX, `jax.checkpoint`, jact 4 and 2 bits and `jact.checkpoint`; and step time vs
+plain at equal batch (median of 20 steps, same run). `experiments/results/bench_memory.json` adds
+compiled-memory figures for larger models."""),
+        ("code", SETUP),
+        ("markdown", "## Largest batch under the cap, and step time (full run)"),
+        ("code", """\
+display(Markdown(ns.memory_batch_table(RESULTS / "memory_batch.json")))
+for png in sorted(RESULTS.glob("memory_batch_*.png")):
+    ns.show_figure(png)"""),
+        ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
+        ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
+        ("markdown", "## Re-run a small version live"),
+        ("code", """\
+from experiments import memory_batch
+memory_batch.main(["--small", "--results", str(SMALL)])
+display(Markdown(ns.memory_batch_table(SMALL / "memory_batch.json")))"""),
+    ],
+    "06_bit_plans": [
+        ("markdown", """\
+# Bit plans at work
+
+**Claim (ActNN Sec. 4, GACT Sec. 4).** A sensitivity estimate per layer (ActNN: closed form; GACT:
+numeric, from gradient differences) lets an allocator give more bits where the gradient is
+sensitive and fewer elsewhere, at a fixed average, for a fraction of a training step.
+
+**What ran here.** `python -m experiments.bit_plans`: the widths both estimators choose at 2 bits
+average on the ResNet-20 (at the full-precision run's epoch snapshots) and on a character
+transformer while it trains, and each estimator's cost in train steps. `experiments.bench_plans`
+measures the variance each plan gives."""),
+        ("code", SETUP),
+        ("markdown", "## Widths per residual over training (full run)"),
+        ("code", """\
+for png in sorted(RESULTS.glob("bit_plans_*.png")):
+    if "small" not in png.name:
+        ns.show_figure(png)
+display(Markdown(ns.plan_cost_table(RESULTS / "bit_plans.json")))"""),
+        ("markdown", "## Variance each plan gives (bench_plans)"),
+        ("code", 'display(Markdown(ns.bench_plans_table(RESULTS / "bench_plans.json")))'),
+        ("markdown", "## Re-run a small version live"),
+        ("code", """\
+from experiments import bit_plans
+bit_plans.main(["--small", "--models", "transformer", "--results", str(SMALL)])
+ns.show_figure(SMALL / "bit_plans_small_transformer.png")"""),
+    ],
+}
+
+
+def write(name: str, cells) -> Path:
+  nb = nbformat.v4.new_notebook()
+  nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+  nb.metadata["language_info"] = {"name": "python"}
+  make = {"markdown": nbformat.v4.new_markdown_cell, "code": nbformat.v4.new_code_cell}
+  nb.cells = [make[kind](source) for kind, source in cells]
+  path = HERE / f"{name}.ipynb"
+  nbformat.write(nb, path)
+  return path
+
+
+def execute(path: Path, timeout: int = 1800) -> None:
+  nb = nbformat.read(path, as_version=4)
+  NotebookClient(nb, kernel_name="python3", timeout=timeout,
+                 resources={"metadata": {"path": str(HERE)}}).execute()
+  nbformat.write(nb, path)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--only", nargs="+", default=None, help="notebook number prefixes (01 .. 06)")
+  p.add_argument("--no-execute", action="store_true")
+  a = p.parse_args(argv)
+  chosen = lambda name: a.only is None or name[:2] in a.only
+  paths = [write(name, cells) for name, cells in NOTEBOOKS.items() if chosen(name)]
+  if chosen("01_quickstart"):
+    paths.insert(0, HERE / "01_quickstart.ipynb")
+  if not a.no_execute:
+    for path in paths:
+      print("executing", path.name, flush=True)
+      execute(path)
+
+
+if __name__ == "__main__":
+  main()
