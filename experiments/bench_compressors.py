@@ -23,6 +23,8 @@ inputs (AutoQuantZ, capacity `--capacity`; conv inputs the bound leaves
 uncompressed get lossless ZVC).
 
     python -m experiments.bench_compressors --json experiments/results/bench_compressors.json
+    python -m experiments.bench_compressors --methods ActNN --batch 8 --keys 1 --widths 4 8 \
+        --blocks 1 --train-steps 1 --train-batch 8 --json /tmp/c.json    # CPU smoke run
 """
 
 from __future__ import annotations
@@ -139,8 +141,10 @@ def run(args):
       ("BLPA 8-bit", dict(form="blpa", bits=8)),
       ("DIVISION B=8 Q=2", dict(form="layers", compressor=compressors.Division(block=8, bits=2))),
   ]
+  wanted = lambda name: not args.methods or any(
+      name.lower().startswith(m.lower()) for m in args.methods)
   acgc_plans = {}
-  for error in args.errors:
+  for error in args.errors if wanted("AC-GC") else ():
     plan = acgc_plan(params, batch, error, args.acgc_updates, compressors.Fixpoint())
     acgc_plans[error] = json.loads(plan.to_json())
     methods += [
@@ -150,6 +154,7 @@ def run(args):
          dict(form="layers", compressor=compressors.Fixpoint(8),
               plan=zvc_on_conv_inputs(plan, args.capacity))),
     ]
+  methods = [m for m in methods if wanted(m[0])]
   rows = []
   print(f"{'method':<36} {'unit bytes':>11} {'ratio':>6} {'all bytes':>11} {'vs plain':>8} "
         f"{'rel.err':>8} {'bias':>8}")
@@ -177,6 +182,9 @@ def main(argv=None):
   parser.add_argument("--errors", type=float, nargs="+", default=[0.5, 4.0], help="AC-GC e^2")
   parser.add_argument("--acgc-updates", type=int, default=3)
   parser.add_argument("--capacity", type=float, default=0.6, help="ZVC capacity")
+  parser.add_argument("--methods", nargs="+", default=None,
+                      help="only the methods whose names start with one of these (case-insensitive: "
+                           "exact, ActNN, BLPA, DIVISION, AC-GC); unit ratios are then to the first")
   parser.add_argument("--json")
   args = parser.parse_args(argv)
   result = run(args)

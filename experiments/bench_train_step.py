@@ -26,7 +26,9 @@ memory.
         [--json experiments/results/bench_train_step.json]
 
 Parts can run separately (`--batches` with no values skips the timing,
-`--max-batch-search 0` the search, `--no-plain` the plain model). CPU smoke test:
+`--max-batch-search 0` the search, `--no-plain` the plain model; `--search-start`
+is the search's first batch). CPU smoke test (`--stage-sizes 1 1 1 1 --width 8`
+shrinks the network to a 4-block bottleneck ResNet for a quicker one):
 
     python -m experiments.bench_train_step --image 32 --batches 2 --steps 2 --max-batch-search 0 --json /tmp/x.json
 
@@ -113,6 +115,9 @@ class Bench:
 
   def __init__(self, args):
     self.image, self.classes, self.stem = args.image, args.classes, args.stem
+    self.arch = {"width": args.width}  # ResNet-50 unless --stage-sizes shrinks it (smoke tests)
+    if args.stage_sizes:
+      self.arch["stage_sizes"] = tuple(args.stage_sizes)
     self.dtype = jnp.dtype(args.dtype)
     self.tx = optax.sgd(LEARNING_RATE, momentum=0.9)
     self.dataset, self.pool_x, self.pool_y = load_pool(args.dataset, args.image, self.dtype)
@@ -124,7 +129,7 @@ class Bench:
 
   def model(self, bits):
     layers = models.plain_layers() if bits is None else models.jact_layers(bits)
-    return models.ResNet50(num_classes=self.classes, stem=self.stem, layers=layers)
+    return models.ResNet50(num_classes=self.classes, stem=self.stem, layers=layers, **self.arch)
 
   def _init_state(self):
     """Parameters, BatchNorm statistics, momentum and step counter, as numpy."""
@@ -318,7 +323,7 @@ def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
     return cache[b], limit
 
   fits = lambda b: need(b)[0] <= limit
-  start = max(args.batches) if args.batches else 64
+  start = args.search_start or (max(args.batches) if args.batches else 64)
   predicted = largest_batch(fits, start, args.max_batch_search, need=need)
   row = {"config": config_name(bits), "bits": bits, "kernel": kernel_name(bits),
          "image": args.image, "dtype": args.dtype, "limit_bytes": limit,
@@ -416,7 +421,9 @@ def meta_block(args, argv, bench: Bench, limit) -> dict:
       "device": str(dev), "device_kind": dev.device_kind, "machine": platform.machine(),
       "python": platform.python_version(),
       "kernels": {op: jact.kernels.select(op).name for op in KERNEL_OPS},
-      "model": f"ResNet50 ({args.stem} stem)", "image": args.image, "classes": args.classes,
+      "model": f"ResNet50 ({args.stem} stem)" + (
+          f", stages {args.stage_sizes}, width {args.width}"
+          if args.stage_sizes or args.width != 64 else ""), "image": args.image, "classes": args.classes,
       "dtype": args.dtype, "dataset": bench.dataset, "pool_images": int(bench.pool_x.shape[0]),
       "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)", "steps": args.steps,
       "warmup": args.warmup, "repeats": REPEATS, "compiler_options": bench.compiler_options,
@@ -443,6 +450,11 @@ def main(argv=None):
                       help="upper bound of the largest-batch search (0: no search)")
   parser.add_argument("--memory-limit-gb", type=float, default=None,
                       help="memory limit for the search (default: the device's; required on CPU)")
+  parser.add_argument("--search-start", type=int, default=None,
+                      help="first batch the search tries (default: the largest timed batch, or 64)")
+  parser.add_argument("--stage-sizes", nargs="+", type=int, default=None,
+                      help="bottleneck blocks per stage (default ResNet-50's 3 4 6 3; smoke tests)")
+  parser.add_argument("--width", type=int, default=64, help="channels of the first stage")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--dataset", default="auto", choices=list(data_lib.DATASETS))
   parser.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=None,

@@ -16,7 +16,8 @@ wrapped in `jact.compressed(bits=...)`, one call per block), `checkpoint`
 (each block in `jact.checkpoint(bits=...)`) and `remat` (each plain block in
 `jax.checkpoint`, bits ignored).
 
-    python -m experiments.memory_scaling [--json PATH]
+    python -m experiments.memory_scaling [--json PATH] [--blocks relu_cnn transformer]
+        [--modes ops compressed checkpoint remat] [--bits 2 4] [--sizes 1 2 4 8 16]
 """
 
 from __future__ import annotations
@@ -167,14 +168,19 @@ def main(argv=None):
   parser.add_argument("--json", help="write the rows to this file")
   parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
   parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+  parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
+  parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                      help="stack sizes (>= 2 of them; the slope is taken between the last two)")
   args = parser.parse_args(argv)
+  if len(args.sizes) < 2:
+    parser.error("--sizes needs at least two stack sizes")
   rows = []
   mib = 2.0 ** 20
   runs = [(m, b) for m in args.modes for b in ([None, *args.bits] if m == "ops" else
                                                 [None] if m == "remat" else args.bits)]
-  for name in BLOCKS:
+  for name in args.blocks:
     for mode, bits in runs:
-      r = scaling(name, bits, mode=mode)
+      r = scaling(name, bits, sizes=tuple(args.sizes), mode=mode)
       rows.append(r)
       temps = " ".join(f"{t / mib:7.1f}" for t in r["temp_bytes"])
       print(f"{name:12s} {mode:10s} bits={str(bits):4s} temp MiB [{temps}]  per block: temp "

@@ -209,8 +209,9 @@ def reduced_values(jaxpr) -> set:
     for k, out in enumerate(eqn.outvars):
       if not hasattr(out.aval, "shape"):
         continue
+      inner_out = body.jaxpr.outvars[k] if body is not None else None
       if ((_compat.is_reduction(eqn) and _size(out) * REDUCTION <= largest)
-          or (body is not None and body.jaxpr.outvars[k] in inner)
+          or (_compat.is_var(inner_out) and inner_out in inner)  # a Literal is unhashable
           or (from_reduced and _size(out) <= largest)):
         reduced.add(out)
   return reduced
