@@ -28,7 +28,7 @@ for the backward pass and compiled temp, batch `--batch`).
     python -m experiments.actnn_cifar --variants fp actnn_l2 --epochs 3
 
 Small version (a minute): `--dataset cifar10 --train-size 512 --test-size 500
---epochs 1 --widths 8 16 32 --blocks 1 --batch 64`.
+--epochs 1 --widths 8 --blocks 1 --batch 64`.
 """
 
 from __future__ import annotations
