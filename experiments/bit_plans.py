@@ -13,8 +13,8 @@
   is recorded too.
 
 Both record every residual's width (a heat map: residual x time) and the
-estimators' cost in train-step equivalents (the update's time over a jitted
-train step's, medians of 3 after compiling). Writes `<results>/bit_plans.json`
+estimators' cost in train-step equivalents (a compiled `Controller.update`'s
+time, estimation and re-planning included, over a jitted gradient step's). Writes `<results>/bit_plans.json`
 and `bit_plans_<model>.png`.
 
     python -m experiments.bit_plans
@@ -54,29 +54,35 @@ def _median_seconds(fn, repeats=3) -> float:
   return float(np.median(times))
 
 
-def estimator_plan(loss_fn, params, batch, *, estimator: str, avg_bits: float, updates: int,
-                   seed: int = 0):
-  """(plan, estimator state) after `updates` estimator updates at fixed parameters."""
-  c = jact.Controller(loss_fn, estimator=estimator, avg_bits=avg_bits, adapt_interval=1)
-  state = c.init(params, batch, jax.random.key(seed))
+def estimator_plan(controller, params, batch, *, updates: int, seed: int = 0):
+  """(plan, seconds of the last update) after `updates` estimator updates at fixed parameters.
+
+  `controller` is a `jact.Controller` with `adapt_interval=1`; reuse one per
+  estimator so that its update compiles once.
+  """
+  state = controller.init(params, batch, jax.random.key(seed))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
     for i in range(updates):
-      state = c.update(state, params, batch, jax.random.key(seed + 1 + i))
-  return state.plan, state
+      start = time.perf_counter()
+      state = controller.update(state, params, batch, jax.random.key(seed + 1 + i))
+      seconds = time.perf_counter() - start
+  return state.plan, seconds
 
 
-def cost_in_steps(loss_fn, params, batch) -> dict:
-  """Seconds of one estimator update of each kind, in units of one jitted gradient step."""
+def cost_in_steps(loss_fn, params, batch, update_seconds: dict) -> dict:
+  """Estimator updates (`update_seconds`: kind -> seconds, compiled) in jitted gradient steps."""
   grad = jax.jit(jax.grad(loss_fn))
   step = _median_seconds(lambda: grad(params, batch, jax.random.key(0)))
   out = dict(step_s=step)
-  for kind in ESTIMATORS:
-    est = getattr(jact.sensitivity, kind)(loss_fn)
-    state = est.init(params, batch, jax.random.key(1))
-    seconds = _median_seconds(lambda: est.update(state, params, batch, jax.random.key(2)).sensitivity)
+  for kind, seconds in update_seconds.items():
     out[f"{kind}_s"], out[f"{kind}_in_steps"] = seconds, seconds / step
   return out
+
+
+def _controllers(loss_fn, avg_bits: float) -> dict:
+  return {kind: jact.Controller(loss_fn, estimator=kind, avg_bits=avg_bits, adapt_interval=1)
+          for kind in ESTIMATORS}
 
 
 def _widths(plan, names) -> list:
@@ -92,6 +98,7 @@ def resnet_plans(*, runs: Path, epochs, batch_size: int, avg_bits: float, update
   init = preact.init(jax.random.key(0), widths=widths, blocks=blocks)
   names = list(jact.sensitivity.find_residuals(loss_fn, init, batch, jax.random.key(0)))
   out = dict(names=names, times=[], missing=[], **{k: [] for k in ESTIMATORS})
+  controllers, seconds = _controllers(loss_fn, avg_bits), {}
   for epoch in epochs:
     params = init
     if epoch:
@@ -102,10 +109,10 @@ def resnet_plans(*, runs: Path, epochs, batch_size: int, avg_bits: float, update
       params = restored[0]["params"]
     out["times"].append(f"epoch {epoch}")
     for kind in ESTIMATORS:
-      plan, _ = estimator_plan(loss_fn, params, batch, estimator=kind, avg_bits=avg_bits,
-                               updates=updates)
+      plan, seconds[kind] = estimator_plan(controllers[kind], params, batch,
+                                           updates=max(updates, 2))  # the last one: compiled
       out[kind].append(_widths(plan, names))
-  out["cost"] = cost_in_steps(loss_fn, init, batch)
+  out["cost"] = cost_in_steps(loss_fn, init, batch, seconds)
   return out
 
 
@@ -143,6 +150,9 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
   controller = jact.Controller(loss_fn, estimator="numeric", avg_bits=avg_bits,
                                adapt_interval=adapt_interval)
   cstate = controller.init(params, batch, jax.random.key(1))
+  analytic = jact.Controller(loss_fn, estimator="analytic", avg_bits=avg_bits, adapt_interval=1)
+  astate = analytic.init(params, batch, jax.random.key(1))
+  seconds = {k: [] for k in ESTIMATORS}
   names = list(cstate.plan.sizes)
   out = dict(names=names, times=[], losses=[], **{k: [] for k in ESTIMATORS})
   with warnings.catch_warnings():
@@ -151,16 +161,21 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
       _, batch = next(stream)
       key = jax.random.fold_in(jax.random.key(2), step)
       due = controller.due(cstate.step)
+      start = time.perf_counter()
       cstate = controller.update(cstate, params, batch, key)
       if due:
-        analytic, _ = estimator_plan(loss_fn, params, batch, estimator="analytic",
-                                     avg_bits=avg_bits, updates=1, seed=step)
+        seconds["numeric"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        astate = analytic.update(astate, params, batch, key)
+        seconds["analytic"].append(time.perf_counter() - start)
         out["times"].append(f"step {step}")
         out["numeric"].append(_widths(cstate.plan, names))
-        out["analytic"].append(_widths(analytic, names))
+        out["analytic"].append(_widths(astate.plan, names))
       params, opt_state, loss = step_fn(params, opt_state, batch, key, plan=cstate.plan)
       out["losses"].append(float(loss))
-  out["cost"] = cost_in_steps(loss_fn, params, batch)
+  # the first update of each compiled it: the cost is the median of the later ones
+  out["cost"] = cost_in_steps(loss_fn, params, batch,
+                              {k: float(np.median(v[1:] or v)) for k, v in seconds.items()})
   return out
 
 
@@ -210,7 +225,7 @@ def main(argv=None) -> dict:
         if a.small else dict(batch_size=a.batch, epochs=a.epochs, updates=a.updates)
     result["resnet"] = resnet_plans(runs=a.runs, avg_bits=a.avg_bits, **sizes)
   if "transformer" in a.models:
-    sizes = dict(steps=8, adapt_interval=4, batch_size=8, length=32, d=32, blocks=1) \
+    sizes = dict(steps=5, adapt_interval=4, batch_size=8, length=32, d=32, blocks=1) \
         if a.small else dict(steps=a.lm_steps, adapt_interval=a.adapt_interval, batch_size=32,
                              length=64)
     result["transformer"] = transformer_plans(avg_bits=a.avg_bits, **sizes)

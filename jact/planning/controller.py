@@ -21,6 +21,7 @@ controller continues with the same plan, estimates and schedule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Any, Callable
@@ -124,6 +125,9 @@ class Controller:
     budget = None if self.estimator == "acgc" else self.avg_bits  # acgc: widths from `error`
     object.__setattr__(self, "allowed", _check_allowed(self.allowed, budget))
     object.__setattr__(self, "_impl", self._make_estimator())
+    # compiled once per controller (run eagerly, the exact gradients cost hundreds of steps)
+    object.__setattr__(self, "_sampling_variance",
+                       jax.jit(functools.partial(sensitivity.sampling_variance, self.loss_fn)))
 
   def _make_estimator(self):
     if self.estimator == "numeric":
@@ -161,7 +165,7 @@ class Controller:
     report = {"step": state.step, "average_bits": plan.average_bits()}
     if self.estimator != "acgc":
       predicted = sensitivity.predicted_variance(estimates, plan)
-      sampled = float(sensitivity.sampling_variance(self.loss_fn, params, batch, k_var))
+      sampled = float(self._sampling_variance(params, batch, k_var))
       ratio = predicted / sampled if sampled > 0 else float("inf")
       report.update(predicted_variance=predicted, sampling_variance=sampled, ratio=ratio)
       if ratio > self.alert_fraction:
