@@ -1,0 +1,415 @@
+"""Every owed GPU measurement, in chunks of at most 9 minutes, each its own subprocess.
+
+A chunk is one command (`python -m experiments.<script> ... --json FILE`) run
+with a timeout in its own process group, so a chunk that hangs, runs out of
+memory or crashes is killed or recorded and the next one still runs. Each
+chunk leaves `DIR/<chunk>.json` (command, exit code, seconds, device, versions,
+date, the tail of its output and the script's own JSON under "result"), and
+`DIR/summary.json` is rewritten after every chunk (entries of chunks run
+earlier into the same DIR are kept, so the three groups can share one DIR).
+
+Without a GPU (`jax.default_backend() != "gpu"`), or with `--smoke`, every
+chunk runs at tiny sizes instead: a smoke run that checks the commands,
+scripts and JSON end to end (measured: 160 s of CPU time in the chunks, about
+12 processes each importing jax; 5 minutes of wall time on 2 cores shared with
+other jobs). It says so in its output and in the summary ("smoke run on cpu:
+no GPU figure"); none of its numbers is a GPU figure. Its chunks share one
+temporary compilation cache; a GPU run uses none (compile times are reported).
+
+On one GPU (planned for one H100; durations are estimates, nothing has run on a
+GPU yet), three commands of under 10 minutes each, each into the same DIR:
+
+    python -m experiments.gpu_campaign --chunks group1 --out DIR --deadline-s 560
+    python -m experiments.gpu_campaign --chunks group2 --out DIR --deadline-s 560
+    python -m experiments.gpu_campaign --chunks group3 --out DIR --deadline-s 560
+
+`--deadline-s` caps the whole invocation: a chunk's timeout is cut to the time
+left, and chunks that would start with less than a minute left are recorded as
+skipped (rerun them by name: `--chunks largest_jact2`). `--list` prints the
+chunks, their groups, estimated GPU minutes and commands. Chunks run in the
+order listed, most important first within each group.
+
+Before a GPU run: jact is tested with jax 0.10.2 (pyproject.toml: >=0.10.2,
+<0.11); a machine with another jax records its versions in every JSON, so
+check `jax`/`jaxlib` in the summary. `compressor_error` trains on CIFAR-10
+from the data kit: set `JACT_DATA` to a folder holding
+`cifar10/cifar10_jpeg_q75_10k_2k.npz` (the ResNet-50 chunks use real CIFAR-10
+images when found, scikit-learn's digits otherwise: timing and memory do not
+depend on the pixels).
+
+    python -m experiments.gpu_campaign --out /tmp/smoke              # no GPU: smoke run
+    python -m experiments.gpu_campaign --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from experiments.resumable import write_json
+
+__all__ = ["CHUNKS", "GROUPS", "Chunk", "select", "command", "probe", "run_chunk", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_NOTE = "smoke run on {backend}: no GPU figure"
+TAIL_CHARS = 20000
+MIN_START_S = 60  # a chunk is not started with less time than this left before --deadline-s
+
+_TINY_RESNET = ("--image", "16", "--classes", "10", "--stage-sizes", "1", "--width", "4",
+                "--dataset", "sklearn_digits")  # one bottleneck block: the plumbing only
+_SEARCH_SMOKE = _TINY_RESNET + ("--batches", "--max-batch-search", "2", "--search-start", "2",
+                                "--memory-limit-gb", "1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """One measurement run as one subprocess.
+
+  Attributes:
+    name: the chunk's name (its JSON is `<name>.json`).
+    group: the group it runs in (one device call of <= 9 minutes).
+    module: the `experiments` module it runs.
+    gpu_args: its arguments on a GPU.
+    smoke_args: its arguments in a smoke run (tiny sizes).
+    gpu_minutes: expected minutes on one H100 (an estimate: never run on a GPU).
+    measures: what it measures.
+  """
+  name: str
+  group: str
+  module: str
+  gpu_args: tuple[str, ...]
+  smoke_args: tuple[str, ...]
+  gpu_minutes: float
+  measures: str
+
+
+CHUNKS = (
+    Chunk("kernels_exact", "group1", "bench_kernels",
+          ("--sizes-mb", "1", "16", "--reps", "5", "--rotate-mb", "32", "--check-cpu"),
+          ("--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0", "--ops", "relu_mask",
+           "--impls", "xla", "pallas_triton", "--check-cpu"),
+          1.0, "every kernel's bits vs the XLA reference on the GPU and on the CPU (1, 16 MB)"),
+    Chunk("kernels_bandwidth", "group1", "bench_kernels",
+          ("--sizes-mb", "4", "64", "1024", "--reps", "20"),
+          ("--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5", "--ops", "relu_mask",
+           "--impls", "xla"),
+          2.5, "every kernel's GB/s (Pallas/Triton and XLA) vs a same-run device copy, 4 MB-1 GB"),
+    Chunk("kernel_extras", "group1", "gpu_measures", ("relu_grid", "compressors"),
+          ("relu_grid", "compressors", "--small"),
+          1.5, "ReLU-mask kernel on its (row, byte tile) grid: bits and GB/s per row length; "
+               "compress/decompress throughput of every compressor"),
+    Chunk("memory_scaling", "group1", "memory_scaling",
+          ("--modes", "ops", "compressed", "--bits", "2", "--sizes", "1", "4", "8"),
+          ("--blocks", "relu_cnn", "--modes", "ops", "--bits", "2", "--sizes", "1", "2"),
+          2.0, "compiled temp memory added per block vs residual bytes (ReLU CNN and transformer "
+               "stacks), XLA:GPU"),
+    Chunk("offload_attention", "group1", "gpu_measures", ("offload", "attention"),
+          ("offload", "attention", "--small"),
+          1.5, "host-offload step time (jact.offload_compressed) and chunked-attention speed and "
+               "memory vs plain attention"),
+    Chunk("train_step", "group2", "bench_train_step",
+          ("--image", "224", "--batches", "128", "--steps", "10", "--warmup", "2",
+           "--max-batch-search", "0"),
+          _TINY_RESNET + ("--batches", "2", "--steps", "1", "--warmup", "0", "--max-batch-search",
+                          "0", "--no-plain", "--bits", "2"),  # plain: largest_plain's smoke
+          5.0, "ResNet-50 224x224 train step (batch 128): plain vs jact 4 and 2 bits, time and "
+               "compiled memory"),
+    Chunk("ordering", "group2", "gpu_measures", ("ordering",), ("ordering", "--small"),
+          3.0, "compiled temp and step time with jact's XLA:CPU ordering ties folded away: does "
+               "XLA:GPU need them"),
+    Chunk("largest_plain", "group3", "bench_train_step",
+          ("--image", "224", "--batches", "--bits", "--max-batch-search", "4096",
+           "--search-start", "512"),
+          _SEARCH_SMOKE + ("--bits",),
+          2.5, "largest ResNet-50 224x224 batch that fits, plain Flax"),
+    Chunk("largest_jact2", "group3", "bench_train_step",
+          ("--image", "224", "--batches", "--no-plain", "--bits", "2", "--max-batch-search",
+           "4096", "--search-start", "2048"),
+          _SEARCH_SMOKE + ("--no-plain", "--bits", "2"),
+          2.5, "largest ResNet-50 224x224 batch that fits, jact 2 bits"),
+    Chunk("largest_jact4", "group3", "bench_train_step",
+          ("--image", "224", "--batches", "--no-plain", "--bits", "4", "--max-batch-search",
+           "4096", "--search-start", "2048"),
+          _SEARCH_SMOKE + ("--no-plain", "--bits", "4"),
+          2.5, "largest ResNet-50 224x224 batch that fits, jact 4 bits"),
+    Chunk("compressor_error", "group3", "bench_compressors",
+          ("--train-steps", "100", "--keys", "4"),
+          ("--methods", "ActNN 2", "--batch", "8", "--keys", "1", "--widths", "4", "--blocks",
+           "1", "--train-steps", "1", "--train-batch", "8"),
+          1.5, "gradient error, residual bytes and seconds per gradient of every compressor "
+               "(CIFAR pre-activation ResNet; needs the CIFAR-10 data kit)"),
+)
+
+GROUPS = tuple(dict.fromkeys(c.group for c in CHUNKS))
+
+
+def select(names: list[str] | None) -> list[Chunk]:
+  """The chunks named (chunk or group names; None or "all": every chunk), in campaign order."""
+  if not names or "all" in names:
+    return list(CHUNKS)
+  known = {c.name for c in CHUNKS} | set(GROUPS)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"unknown chunks {unknown}; chunks: {[c.name for c in CHUNKS]}, "
+                     f"groups: {list(GROUPS)}, or all")
+  return [c for c in CHUNKS if c.name in names or c.group in names]
+
+
+def command(chunk: Chunk, smoke: bool, json_path: str | os.PathLike) -> list[str]:
+  """The chunk's command line."""
+  args = chunk.smoke_args if smoke else chunk.gpu_args
+  return [sys.executable, "-m", f"experiments.{chunk.module}", *args, "--json", str(json_path)]
+
+
+def _shown(cmd: list[str]) -> str:
+  return shlex.join(["python", *cmd[1:]])
+
+
+_PROBE = ("import json, sys; from experiments.resumable import run_metadata; "
+          "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))")
+
+
+def probe(argv: list[str], timeout: float = 300) -> dict:
+  """Device, backend and versions, read in a subprocess (so this process never
+  holds GPU memory while the chunks run)."""
+  try:
+    run = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout, check=False)
+  except subprocess.TimeoutExpired:
+    return {"backend": "unknown", "error": f"device probe timed out after {timeout} s"}
+  for line in run.stdout.splitlines():
+    if line.startswith("JACT_PROBE "):
+      return json.loads(line[len("JACT_PROBE "):])
+  return {"backend": "unknown", "error": (run.stdout + run.stderr)[-2000:]}
+
+
+def _pump(stream, name: str, tail: list[str]) -> None:
+  """Echoes a chunk's output line by line (prefixed) and keeps its tail."""
+  size = 0
+  for line in stream:
+    sys.stdout.write(f"[{name}] {line}")
+    sys.stdout.flush()
+    tail.append(line)
+    size += len(line)
+    while size > TAIL_CHARS and len(tail) > 1:
+      size -= len(tail.pop(0))
+
+
+def _children_cpu_s() -> float:
+  """User + system CPU seconds of this process's finished children."""
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
+def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None) -> dict:
+  """Runs one chunk (with `env` added to the environment); its record (exit
+  code, seconds, timed out, output tail, its JSON)."""
+  with tempfile.TemporaryDirectory(prefix="jact_campaign_") as tmp:
+    json_path = Path(tmp) / f"{chunk.name}.json"
+    cmd = command(chunk, smoke, json_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    # Its own process group (same session: whoever ends this run's session ends it too).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            process_group=0)
+    tail: list[str] = []
+    reader = threading.Thread(target=_pump, args=(proc.stdout, chunk.name, tail), daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+      code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      code = None
+    finally:  # timed out, or this run interrupted: end the chunk's process group, nothing else
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait() if code is None else code
+    reader.join(timeout=30)
+    seconds, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
+    result = json.loads(json_path.read_text()) if json_path.exists() else None
+  return {"command": _shown(cmd), "started": started, "exit_code": code,
+          "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "timed_out": timed_out, "timeout_s": round(timeout, 1),
+          "output_tail": "".join(tail), "result": result}
+
+
+def _entry(chunk: Chunk, record: dict, meta: dict, smoke: bool) -> dict:
+  """The chunk's line in the summary."""
+  on_gpu = meta.get("backend") == "gpu"
+  return {"chunk": chunk.name, "group": chunk.group, "measures": chunk.measures,
+          "command": record["command"], "exit_code": record["exit_code"],
+          "seconds": record["seconds"], "cpu_s": record.get("cpu_s"),
+          "timed_out": record["timed_out"],
+          "skipped": record.get("skipped", False), "json": f"{chunk.name}.json",
+          "date": record["started"], "device": meta.get("device"), "backend": meta.get("backend"),
+          "jax": meta.get("jax"), "jaxlib": meta.get("jaxlib"), "on_gpu": on_gpu, "smoke": smoke,
+          "gpu_figure": on_gpu and not smoke, "expected_gpu_minutes": chunk.gpu_minutes}
+
+
+def _note(meta: dict, smoke: bool) -> str:
+  backend = meta.get("backend", "unknown")
+  if smoke:
+    return SMOKE_NOTE.format(backend=backend)
+  return f"GPU run on {meta.get('device')}"
+
+
+def _write_summary(out: Path, meta: dict, smoke: bool, entries: dict, argv: list[str]) -> dict:
+  """summary.json: this run's device and note, and every chunk's entry (earlier runs' kept)."""
+  path = out / "summary.json"
+  previous = {}
+  if path.exists():
+    try:
+      previous = json.loads(path.read_text()).get("chunks", {})
+    except (json.JSONDecodeError, AttributeError):
+      previous = {}
+  chunks = {**previous, **entries}
+  summary = {"campaign": "experiments.gpu_campaign", "command": _shown([sys.executable, "-m",
+                                                                      "experiments.gpu_campaign",
+                                                                      *argv]),
+             "smoke": smoke, "on_gpu": meta.get("backend") == "gpu", "note": _note(meta, smoke),
+             "device": meta.get("device"), "backend": meta.get("backend"), "jax": meta.get("jax"),
+             "jaxlib": meta.get("jaxlib"), "date": meta.get("date"), "probe": meta,
+             "all_exit_zero": all(e["exit_code"] == 0 for e in chunks.values()),
+             "chunks": {c.name: chunks[c.name] for c in CHUNKS if c.name in chunks}}
+  write_json(path, summary)
+  return summary
+
+
+def _interrupted(signum, frame):
+  del frame
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _banner(text: str) -> None:
+  line = "=" * max(60, len(text) + 8)
+  print(f"\n{line}\n=== {text.upper()} ===\n{line}\n", flush=True)
+
+
+def list_chunks(smoke: bool) -> str:
+  lines = []
+  for group in GROUPS:
+    chunks = [c for c in CHUNKS if c.group == group]
+    minutes = sum(c.gpu_minutes for c in chunks)
+    lines.append(f"{group} (about {minutes:g} GPU minutes, estimated):")
+    for c in chunks:
+      lines.append(f"  {c.name:18s} ~{c.gpu_minutes:g} min  {c.measures}")
+      lines.append(f"    gpu:   {_shown(command(c, False, f'DIR/{c.name}.json'))}")
+      if smoke:
+        lines.append(f"    smoke: {_shown(command(c, True, f'DIR/{c.name}.json'))}")
+  return "\n".join(lines)
+
+
+def _smoke_env(cache_dir: str) -> dict:
+  """A smoke run's chunks share one compilation cache (deleted afterwards): the
+  tiny ResNet's init and steps are compiled once, not once a chunk. Never on a
+  GPU run, whose compile times are reported."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return {}
+  return {"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def _skipped(chunk: Chunk, smoke: bool, left: float, deadline: float) -> dict:
+  return {"command": _shown(command(chunk, smoke, f"{chunk.name}.json")), "exit_code": None,
+          "seconds": 0.0, "timed_out": False, "skipped": True, "output_tail": "", "result": None,
+          "started": None, "reason": f"deadline: {max(left, 0):.0f} s left of --deadline-s {deadline:g}"}
+
+
+def _run_all(chunks: list[Chunk], args, argv: list[str], meta: dict, smoke: bool, out: Path,
+             t_start: float, env: dict) -> tuple[dict, dict]:
+  """Runs the chunks in order, writing each one's JSON and the summary after each."""
+  entries, summary = {}, {}
+  for chunk in chunks:
+    left = None if args.deadline_s is None else args.deadline_s - (time.perf_counter() - t_start)
+    if left is not None and left < MIN_START_S:
+      record = _skipped(chunk, smoke, left, args.deadline_s)
+      print(f"--- {chunk.name}: skipped ({record['reason']})", flush=True)
+    else:
+      timeout = args.timeout_s if left is None else min(args.timeout_s, left)
+      print(f"--- {chunk.name} ({chunk.group}, timeout {timeout:.0f} s): "
+            f"{_shown(command(chunk, smoke, f'{chunk.name}.json'))}", flush=True)
+      record = run_chunk(chunk, smoke, timeout, env)
+      status = "timed out" if record["timed_out"] else f"exit {record['exit_code']}"
+      print(f"--- {chunk.name}: {status} after {record['seconds']:.1f} s", flush=True)
+    entries[chunk.name] = _entry(chunk, record, meta, smoke)
+    write_json(out / f"{chunk.name}.json", {**entries[chunk.name], **record,
+                                             "note": _note(meta, smoke), "probe": meta})
+    summary = _write_summary(out, meta, smoke, entries, argv)
+  return entries, summary
+
+
+def _report(entries: dict, summary: dict, smoke: bool, out: Path, total: float) -> int:
+  """Prints the table of chunks; 1 if any chunk did not exit 0, else 0."""
+  print(f"\n{'chunk':20s} {'exit':>5s} {'seconds':>8s} {'CPU s':>7s}")
+  for name, e in entries.items():
+    state = "skip" if e["skipped"] else "T/O" if e["timed_out"] else str(e["exit_code"])
+    print(f"{name:20s} {state:>5s} {e['seconds']:8.1f} {e['cpu_s'] or 0:7.1f}")
+  cpu = sum(e["cpu_s"] or 0 for e in entries.values())
+  print(f"total {total:.1f} s wall, {cpu:.1f} s CPU in the chunks; summary: {out / 'summary.json'}")
+  if smoke:
+    _banner(summary["note"])
+  return 1 if any(e["exit_code"] != 0 for e in entries.values()) else 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", help="folder for <chunk>.json and summary.json")
+  parser.add_argument("--chunks", nargs="+", default=None,
+                      help=f"chunk or group names ({', '.join(GROUPS)}) or all (default)")
+  parser.add_argument("--list", action="store_true", help="print the chunks and their commands")
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
+  parser.add_argument("--timeout-s", type=float, default=540.0, help="per chunk (default 540)")
+  parser.add_argument("--deadline-s", type=float, default=None,
+                      help="wall-clock limit of this whole invocation (chunks' timeouts are cut to "
+                           "it; chunks that would start with under a minute left are skipped)")
+  args = parser.parse_args(argv)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if args.list:
+    print(list_chunks(smoke=True))
+    return 0
+  if not args.out:
+    parser.error("--out is required (or --list)")
+  try:
+    chunks = select(args.chunks)
+  except ValueError as e:
+    parser.error(str(e))
+  previous_handler = signal.signal(signal.SIGTERM, _interrupted)  # a killed run ends its chunk
+  try:
+    return _campaign(chunks, args, argv)
+  finally:
+    signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _campaign(chunks: list[Chunk], args, argv: list[str]) -> int:
+  t_start = time.perf_counter()
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  meta = probe(argv)
+  smoke = args.smoke or meta.get("backend") != "gpu"
+  if smoke:
+    _banner(SMOKE_NOTE.format(backend=meta.get("backend", "unknown")) +
+            " -- tiny sizes, every number below is meaningless")
+  else:
+    _banner(f"GPU campaign on {meta.get('device')} (jax {meta.get('jax')})")
+  with tempfile.TemporaryDirectory(prefix="jact_campaign_cache_") as cache:
+    entries, summary = _run_all(chunks, args, argv, meta, smoke, out, t_start,
+                                _smoke_env(cache) if smoke else {})
+  return _report(entries, summary, smoke, out, time.perf_counter() - t_start)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
