@@ -125,8 +125,13 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
                   blocks: int = 3, lr: float = 0.1, weight_decay: float = 5e-4, seed: int = 0,
                   acgc_error: float = ACGC_ERROR, adapt_interval: int = 100,
                   checkpoint_every: int = 100, runs: Path = RUNS, log_every: int = 50,
-                  stop_after_s: float | None = None, verbose: bool = True) -> dict:
-  """Trains (or resumes) one variant; returns its result dict (complete or partial)."""
+                  stop_after_s: float | None = None, verbose: bool = True,
+                  on_epoch=None) -> dict:
+  """Trains (or resumes) one variant; returns its result dict (complete or partial).
+
+  `on_epoch(partial_result)`, if given, is called after every epoch's evaluation
+  (e.g. to write the running result where notebooks read it).
+  """
   x_train, y_train, x_test, y_test = data
   settings = variant_settings(name, acgc_error)
   control = settings.pop("controller", None)
@@ -204,11 +209,20 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
               flush=True)
       resumable.save(run_dir / "snapshots" / f"epoch{progress['step'] // per_epoch}",
                      dict(params=params), dict(step=progress["step"]))
+      if on_epoch is not None and progress["step"] < total:
+        on_epoch(_result(name, settings, control, epochs, batch_size, total, progress, cstate))
     if progress["step"] % checkpoint_every == 0 or progress["step"] == total:
       checkpoint()
     if stop_after_s is not None and time.perf_counter() - started > stop_after_s:
       checkpoint()
       break
+  return _result(name, settings, control, epochs, batch_size, total, progress, cstate,
+                 loss_fn, params, first)
+
+
+def _result(name, settings, control, epochs, batch_size, total, progress, cstate, loss_fn=None,
+            params=None, first=None) -> dict:
+  """The variant's result; memory and final figures once it is complete."""
   plan = cstate.plan if cstate is not None else None
   result = dict(variant=name, settings={k: repr(v) for k, v in settings.items()},
                 controller=control, epochs=epochs, batch_size=batch_size, steps=progress["step"],
@@ -216,7 +230,7 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
                 history=progress["history"], losses=progress["losses"], plans=progress["plans"],
                 median_step_s=float(np.median(progress["step_seconds"]))
                 if progress["step_seconds"] else None)
-  if result["complete"]:
+  if result["complete"] and params is not None:
     result["final_test_accuracy"] = progress["history"][-1]["test_accuracy"]
     result["memory"] = _memory(loss_fn, params, first, plan)
     if plan is not None:
@@ -250,14 +264,17 @@ def main(argv=None):
       a.dataset, train_size=a.train_size, test_size=a.test_size)
   meta = resumable.run_metadata("experiments.actnn_cifar", argv)
   for name in a.variants:
+    def write(result, name=name):
+      result.update(meta=meta, train_size=len(x_tr), test_size=len(x_te),
+                    widths=list(a.widths), blocks=a.blocks, lr=a.lr, seed=a.seed)
+      resumable.write_json(a.results / f"{name}.json", result)
+
     result = train_variant(name, data=(x_tr, y_tr, x_te, y_te), epochs=a.epochs,
                            batch_size=a.batch, widths=tuple(a.widths), blocks=a.blocks, lr=a.lr,
                            seed=a.seed, acgc_error=a.acgc_error,
                            adapt_interval=a.adapt_interval, checkpoint_every=a.checkpoint_every,
-                           runs=a.runs, stop_after_s=a.stop_after)
-    result.update(meta=meta, train_size=len(x_tr), test_size=len(x_te),
-                  widths=list(a.widths), blocks=a.blocks, lr=a.lr, seed=a.seed)
-    resumable.write_json(a.results / f"{name}.json", result)
+                           runs=a.runs, stop_after_s=a.stop_after, on_epoch=write)
+    write(result)
     print(f"[{name}] {'done' if result['complete'] else 'stopped'}: "
           f"{result.get('final_test_accuracy')} {result.get('memory')}", flush=True)
 
