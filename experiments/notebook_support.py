@@ -17,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "markdown_table",
            "actnn_table", "accuracy_curves", "variance_table", "show_figure", "bench_memory_table",
-           "plan_cost_table", "bench_plans_table"]
+           "plan_cost_table", "bench_plans_table", "memory_batch_table"]
 
 ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
 OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc"]
@@ -138,3 +138,27 @@ def bench_plans_table(path) -> str:
   rows = [[r["model"], r["method"], f"{r['avg_bits']:.2f}", f"{r['variance']:.3g}",
            f"{r['variance_over_sampling']:.3g}"] for r in result["rows"]]
   return markdown_table(["model", "plan", "avg bits", "variance", "/ sampling"], rows)
+
+
+def memory_batch_table(path) -> str:
+  """`experiments.memory_batch`: largest batch under the cap and step time, per model and method."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  cap = result["settings"]["cap_mib"]
+  rows = []
+  for model, r in result["models"].items():
+    times = r.get("timing", {}).get("methods", {})
+    for method, row in r["methods"].items():
+      if row["status"] != "measured":
+        rows.append([model, method, row.get("reason", row["status"])[:60], "", "", "", ""])
+        continue
+      at = row.get("at_largest", {})
+      ratio = times.get(method, {}).get("ratio_vs_plain")
+      fmt = lambda v: "" if v is None else f"{v:.1f}"
+      rows.append([model, method, row["largest_batch"], fmt(row.get("batch_vs_plain")),
+                   fmt(at.get("step_mib")), fmt(at.get("compiled_step_mib")),
+                   "" if ratio is None else f"{ratio:.2f}"])
+  return (f"cap: {cap:g} MiB of `{result['settings']['measure']}`\n\n" + markdown_table(
+      ["model", "method", "largest batch", "x plain", "step MiB there", "XLA temp+out MiB",
+       "step time x plain"], rows))

@@ -139,23 +139,28 @@ display(Markdown(ns.actnn_table(ns.load_variants(SMALL), ["blpa2", "division"]))
 times larger batch, for a modest step-time cost.
 
 **What ran here.** `python -m experiments.memory_batch`: for the ResNet-20 and the zoo's
-transformer LM, the largest batch whose real train step stays under a fixed peak-RSS cap on this
-CPU, for plain JAX, `jax.checkpoint`, jact 4 and 2 bits and `jact.checkpoint`; and step time vs
-plain at equal batch (median of 20 steps, same run). `experiments/results/bench_memory.json` adds
+transformer LM, the largest batch whose real train step stays under a fixed cap (512 MiB) on the
+peak RSS the running step adds on this CPU (each probe a fresh process), for plain JAX,
+`jax.checkpoint`, jact 4 and 2 bits and `jact.checkpoint` (host offload: unsupported on CPU, where
+every memory kind is the same RAM); and step time vs plain at equal batch (median of 20
+interleaved steps, same run). `experiments/results/bench_memory.json` adds
 compiled-memory figures for larger models."""),
         ("code", SETUP),
         ("markdown", "## Largest batch under the cap, and step time (full run)"),
         ("code", """\
 display(Markdown(ns.memory_batch_table(RESULTS / "memory_batch.json")))
 for png in sorted(RESULTS.glob("memory_batch_*.png")):
-    ns.show_figure(png)"""),
+    if "small" not in png.name:
+        ns.show_figure(png)"""),
         ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
         ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
         ("markdown", "## Re-run a small version live"),
         ("code", """\
 from experiments import memory_batch
 memory_batch.main(["--small", "--results", str(SMALL)])
-display(Markdown(ns.memory_batch_table(SMALL / "memory_batch.json")))"""),
+display(Markdown(ns.memory_batch_table(SMALL / "memory_batch_small.json")))
+for png in sorted(SMALL.glob("memory_batch_small_*.png")):
+    ns.show_figure(png)"""),
     ],
     "06_bit_plans": [
         ("markdown", """\
