@@ -17,7 +17,8 @@ from pathlib import Path
 
 __all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "markdown_table",
            "actnn_table", "accuracy_curves", "variance_table", "show_figure", "bench_memory_table",
-           "plan_cost_table", "bench_plans_table", "memory_batch_table"]
+           "plan_cost_table", "bench_plans_table", "memory_batch_table", "gact_table",
+           "loss_curves"]
 
 ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
 OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc"]
@@ -162,3 +163,40 @@ def memory_batch_table(path) -> str:
   return (f"cap: {cap:g} MiB of `{result['settings']['measure']}`\n\n" + markdown_table(
       ["model", "method", "largest batch", "x plain", "step MiB there", "XLA temp+out MiB",
        "step time x plain"], rows))
+
+
+def gact_table(tasks: dict) -> str:
+  """`experiments.gact_tasks`: per task and variant, the held-out metric, memory and bits."""
+  if not tasks:
+    return "*gact tasks: not run yet*"
+  rows = []
+  for task, result in tasks.items():
+    for name, v in result["variants"].items():
+      metric = v["best_by"]
+      rows.append([task, name, f"{metric} {v['best'][metric]:.4f}",
+                   f"{v['final'][metric]:.4f}" if metric in v["final"] else "",
+                   mib(v["saved_bytes"]), mib(v["temp_bytes"]),
+                   "" if v["average_bits"] is None else f"{v['average_bits']:.2f}",
+                   f"{v['steps']}", "yes" if v["finite"] else "**no**"])
+  return markdown_table(["task", "variant", "best held-out", "final", "saved for backward",
+                         "compiled temp", "avg bits", "steps", "finite"], rows)
+
+
+def loss_curves(tasks: dict, title: str):
+  """Training loss per task (one panel each), one line per variant."""
+  import matplotlib.pyplot as plt
+  if not tasks:
+    fig, ax = plt.subplots(figsize=(5, 2))
+    ax.text(0.5, 0.5, "no full-run results yet", ha="center", transform=ax.transAxes)
+    ax.set_axis_off()
+    return ax
+  fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3), squeeze=False)
+  for ax, (task, result) in zip(axes[0], tasks.items()):
+    for name, v in result["variants"].items():
+      ax.plot([p["step"] for p in v["losses"]], [p["loss"] for p in v["losses"]], label=name)
+    ax.set(title=task, xlabel="step")
+    ax.legend(fontsize=7)
+  axes[0][0].set_ylabel("training loss")
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  return axes

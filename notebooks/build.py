@@ -98,11 +98,19 @@ applied from outside. The scale (steps, widths) is in each task's record below; 
 tasks = ns.load_variants(RESULTS / "gact")
 display(Markdown(ns.gact_table(tasks)))
 ns.loss_curves(tasks, "GACT tasks (full runs, CPU)");"""),
-        ("markdown", "## Re-run a small version live"),
+        ("markdown", """\
+## Re-run a small version live
+
+The GCN on Cora, plain and with every residual at 4 bits, for a few epochs (`--small` sizes): the
+same code path as the full run. `python -m experiments.gact_tasks --small` runs every task and
+variant small (a few minutes: each adaptive variant compiles the numeric estimator)."""),
         ("code", """\
 from experiments import gact_tasks
-gact_tasks.main(["--small", "--results", str(SMALL)])
-display(Markdown(ns.gact_table(ns.load_variants(SMALL))))"""),
+gact_tasks.main(["--small", "--tasks", "cora_gcn", "--variants", "fp", "fixed4",
+                 "--results", str(SMALL)])
+small = ns.load_variants(SMALL)
+display(Markdown(ns.gact_table(small)))
+ns.loss_curves(small, "Cora GCN, small live run");"""),
     ],
     "04_blpa_division_acgc": [
         ("markdown", """\
