@@ -44,17 +44,27 @@ the training used instead of compiling it a second time), the adaptive plans
 (average bits, GACT's variance ratio at each adaptation), the median step
 seconds (steps that compiled excluded) and the controller's seconds.
 
-Full-run scale (`TASKS`; about 40-60 minutes in all on two free CPU cores):
-SST-2 2 epochs (216 steps of 64 sentences, 64 tokens, width 128); Shakespeare
-300 steps of 32 windows of 128 characters; Cora 200 full-graph epochs per
-model. Adaptive variants re-plan every 100 steps (Cora: 50 epochs).
+Full-run scale (`TASKS`): SST-2 2 epochs (216 steps of 64 sentences of at most
+64 words, width 128, 4 heads, MLP 512, 8000-word vocabulary; Adam 1e-3 with
+10% warm-up and cosine decay); Shakespeare 300 steps of 32 windows of 128
+characters (`LMConfig()`, same optimizer); Cora 200 full-graph epochs per model
+(Adam 0.01 / 0.005, weight decay 5e-4, dropout 0.5 / 0.6). Adaptive variants
+re-plan at steps 0, 100, 200 (Cora: every 50 epochs). Estimated from probes
+(CPU seconds per step and per compile / adaptation): about 45-50 minutes for
+everything on two free CPU cores -- SST-2 ~18, Shakespeare ~21, Cora ~10; the
+adaptive variants take 2-3x their fixed twins (the controller's estimator is
+1 + L gradients per adaptation, L ~ 32 residuals, plus a compile per new plan).
 
     python -m experiments.gact_tasks                      # writes experiments/results/gact/<task>.json
     python -m experiments.gact_tasks --small --results /tmp/gact   # every task and variant, tiny
 
-`--small` runs tiny models for a few steps (for a notebook in CI; the cost is
-the compiles: jact's train steps and the controller's estimator, several
-seconds each).
+`--small` runs tiny models (one block, width 32; Cora as it is) for 4 steps
+with one adaptation. Its cost is compiling, not training: a jact train step
+compiles in ~10-25 s of CPU, the controller's first adaptation (the estimator's
+and the sampling-variance check's compiles) in ~20-70 s, so the whole
+small run takes 5-8 minutes of CPU (500 s measured on a busy 2-core machine),
+80% of it in the six adaptive variants; `--tasks cora_gcn --variants fp fixed4`
+takes ~15 s.
 
 >>> [name for name in TASKS], VARIANTS["cora_gat"]
 (['sst2', 'shakespeare', 'cora_gcn', 'cora_gat'], ('fp', 'fixed4', 'adaptive2'))
@@ -207,7 +217,8 @@ def propagate(graph: Graph, h):
 
 
 class GCN(nn.Module):
-  """Kipf & Welling's two-layer GCN: A relu(A drop(x) W1 + b1) ... with A = D^-1/2 (A + I) D^-1/2."""
+  """Kipf & Welling's two-layer GCN, A drop(relu(A drop(x) W1 + b1)) W2 + b2, where
+  A = D^-1/2 (A + I) D^-1/2 is the data kit's normalized adjacency."""
   num_classes: int
   hidden: int = 16
   dropout: float = 0.5
@@ -273,13 +284,15 @@ class TaskSetup:
 
   Attributes:
     params: initial parameters (the same for every variant).
-    losses: variant -> `loss(params, batch, key)` (the model as the variant runs it).
-    controllers: variant -> Controller settings (adaptive variants).
+    losses: variant -> `loss(params, batch, key, *extra)` (the model as the variant runs it).
+    controllers: variant -> `jact.Controller` settings (the adaptive variants).
     batch: step -> the step's batch (the same for every variant).
-    evaluate: params -> held-out metrics (plain forward).
+    evaluate: params -> held-out metrics (the plain model's forward pass).
     optimizer: the optax transformation.
-    extra: step arguments after the key (data every step reads, such as Cora's graph).
-    higher_is_better: the metric `evaluate` ranks by ("accuracy": True, "loss": False).
+    metric: the metric of `evaluate` that picks the best evaluation.
+    higher_is_better: whether a higher `metric` is better (accuracy) or not (loss).
+    description: facts about the data, stored with the results.
+    extra: step arguments after the key (data every step reads: Cora's features, graph).
   """
   params: Any
   losses: dict[str, Callable[..., Any]]
@@ -303,17 +316,18 @@ def _adam_warmup_cosine(lr: float, steps: int):
   return optax.adam(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps))
 
 
-def _converted_losses(plain, with_block, bits_fixed: int, loss_of) -> dict:
-  """fp / gact_l1 / fixed / gact_cb1 losses of a linen classifier or LM.
-
-  `with_block(block_wrapper)` builds the model with its block class wrapped;
-  `loss_of(model, rngs)` is the loss function of a model applied with `rngs`."""
-  level = jact.levels.get("gact:L1")
-  cb1 = with_block(functools.partial(checkpointed_block, bits=int(level.bits)))
-  return {"fp": loss_of(plain, False),
-          "gact_l1": loss_of(jact.convert(plain, bits=int(level.bits)), True),
-          f"fixed{bits_fixed}": loss_of(jact.convert(plain, bits=bits_fixed), True),
-          "gact_cb1": loss_of(jact.convert(cb1, bits=int(level.bits)), True)}
+def _transformer_losses(plain, checkpointed, params, example, seed: int) -> dict:
+  """fp / gact_l1 / fixed2 / gact_cb1 losses of a linen model, `checkpointed` the same
+  model with `checkpointed_block` blocks (checked: the very same parameters)."""
+  cb1_params = jax.eval_shape(
+      lambda: checkpointed.init(jax.random.key(seed), example)["params"])
+  if jax.tree.map(jnp.shape, cb1_params) != jax.tree.map(jnp.shape, params):
+    raise AssertionError("the checkpointed model's parameters differ from the plain model's")
+  bits = int(jact.levels.get("gact:L1").bits)
+  return {"fp": _linen_loss(plain, False),
+          "gact_l1": _linen_loss(jact.convert(plain, bits=bits), True),
+          "fixed2": _linen_loss(jact.convert(plain, bits=2), True),
+          "gact_cb1": _linen_loss(jact.convert(checkpointed, bits=bits), True)}
 
 
 def _linen_loss(model, with_key: bool):
@@ -328,11 +342,6 @@ def _init(model, seed: int, *inputs):
   """The model's initial parameters (jitted: Flax's init op by op compiles every op)."""
   return jax.jit(lambda key, *inputs: model.init(key, *inputs)["params"])(
       jax.random.key(seed), *inputs)
-
-
-def _same_tree(a, b, what: str):
-  if jax.tree.structure(a) != jax.tree.structure(b) or jax.tree.leaves(a) != jax.tree.leaves(b):
-    raise AssertionError(f"{what}: the checkpointed model's parameters differ from the plain one's")
 
 
 def _sst2_encode(sentences, ids, length):
@@ -369,10 +378,8 @@ def _sst2(cfg: dict, seed: int, steps: int) -> TaskSetup:
                             max_len=cfg["length"])
   plain = build()
   params = _init(plain, seed, jnp.asarray(x_train[:2]))
-  losses = _converted_losses(plain, lambda wrap: build(block=wrap(EncoderBlock)), 2, _linen_loss)
-  with_cb1 = build(block=checkpointed_block(EncoderBlock))
-  _same_tree(jax.eval_shape(lambda: with_cb1.init(jax.random.key(seed), x_train[:2])["params"]),
-             jax.eval_shape(lambda: params), "sst2")
+  losses = _transformer_losses(plain, build(block=checkpointed_block(EncoderBlock)), params,
+                               jnp.asarray(x_train[:2]), seed)
   per_epoch = len(x_train) // cfg["batch"]
   logits = jax.jit(lambda p, x: plain.apply({"params": p}, x))
 
@@ -396,7 +403,8 @@ def _sst2(cfg: dict, seed: int, steps: int) -> TaskSetup:
 def _shakespeare(cfg: dict, seed: int, steps: int) -> TaskSetup:
   """Random windows of the first 90% of the text; held-out loss on fixed windows of
   the last 10% (`experiments.train_zoo.shakespeare_batches`)."""
-  text = data_lib._data_file("tinyshakespeare/input.txt").read_text()  # pylint: disable=protected-access
+  path = data_lib._data_file("tinyshakespeare/input.txt")  # pylint: disable=protected-access
+  text = path.read_text()
   vocab = sorted(set(text))
   config = cfg["config"]
   if len(vocab) != config.vocab_size:
@@ -419,11 +427,9 @@ def _shakespeare(cfg: dict, seed: int, steps: int) -> TaskSetup:
           for i in range(0, cfg["eval_batches"] * cfg["batch"], cfg["batch"])]
   plain = zoo.TransformerLM(config)
   params = _init(plain, seed, held[0][0])
-  losses = _converted_losses(plain, lambda wrap: BlockFieldLM(config, block=wrap(zoo.DecoderBlock)),
-                             2, _linen_loss)
-  with_cb1 = BlockFieldLM(config, block=checkpointed_block(zoo.DecoderBlock))
-  _same_tree(jax.eval_shape(lambda: with_cb1.init(jax.random.key(seed), held[0][0])["params"]),
-             jax.eval_shape(lambda: params), "shakespeare")
+  losses = _transformer_losses(
+      plain, BlockFieldLM(config, block=checkpointed_block(zoo.DecoderBlock)), params,
+      held[0][0], seed)
   held_loss = jax.jit(lambda p, x, y: _xent(plain.apply({"params": p}, x), y))
 
   def evaluate(p):
@@ -611,10 +617,11 @@ def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
     out["seconds"] = time.perf_counter() - started
     resumable.write_json(Path(results) / f"{task}.json", out)
     if verbose:
-      print(f"[{task}] {variant}: {record['best_by']} best {record['best'][record['best_by']]:.4f}"
-            f", saved {record['saved_bytes'] / 2**20:.2f} MiB, temp "
-            f"{record['temp_bytes'] / 2**20:.2f} MiB, bits {record['average_bits']}, "
-            f"{record['median_step_s']:.3f} s/step, {record['seconds']:.0f} s", flush=True)
+      best = record["best"][record["best_by"]] if record["best"] else float("nan")
+      print(f"[{task}] {variant}: {record['best_by']} best {best:.4f}, saved "
+            f"{record['saved_bytes'] / 2**20:.2f} MiB, temp {record['temp_bytes'] / 2**20:.2f} MiB, "
+            f"bits {record['average_bits']}, {record['median_step_s']:.3f} s/step, "
+            f"{record['seconds']:.0f} s", flush=True)
   return out
 
 
@@ -624,7 +631,8 @@ def main(argv=None) -> dict:
   p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
   p.add_argument("--variants", nargs="+", default=None,
                  help="only these variants (of those each task has)")
-  p.add_argument("--steps", type=int, default=None, help="training steps (Cora: epochs) per variant")
+  p.add_argument("--steps", type=int, default=None,
+                 help="training steps (Cora: epochs) per variant")
   p.add_argument("--small", action="store_true", help="tiny models, a few steps (CI)")
   p.add_argument("--results", type=Path, default=RESULTS)
   p.add_argument("--seed", type=int, default=0)
