@@ -75,11 +75,11 @@ def restore(directory, like):
 def run_metadata(module: str, argv=None) -> dict:
   """Command, date, versions and device of a run, stored with its results."""
   import flax
+  import jaxlib
   args = list(sys.argv[1:] if argv is None else argv)
   return {"command": " ".join(["python -m", module, *args]),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
-          else jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "cpu_count": os.cpu_count(),
           "machine": platform.machine(), "python": platform.python_version()}
 

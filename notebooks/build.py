@@ -38,6 +38,19 @@ from experiments import notebook_support as ns
 RESULTS = ROOT / "experiments" / "results"
 SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into the repo'''
 
+
+
+def _small_actnn_run(*variants: str) -> str:
+  """The live cell of notebooks 02 and 04: `variants` of actnn_cifar at small size."""
+  names = ", ".join(f'"{v}"' for v in variants)
+  return f"""\
+from experiments import actnn_cifar
+actnn_cifar.main(["--variants", {names}, "--dataset", "cifar10", "--epochs", "1",
+                  "--batch", "64", "--train-size", "512", "--test-size", "500", "--widths", "8",
+                  "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
+display(Markdown(ns.actnn_table(ns.load_variants(SMALL), [{names}])))"""
+
+
 NOTEBOOKS = {
     "02_actnn_cifar": [
         ("markdown", """\
@@ -73,12 +86,7 @@ the variance the compression adds for one fixed minibatch over 8 rounding seeds.
 A tiny ResNet (one stage of 8 channels, one block) for one epoch of 512 images of the kit's
 CIFAR-10 subset: the same code path as the full run, a minute instead of hours. Its accuracy means nothing; that it runs, and the
 memory columns, do."""),
-        ("code", """\
-from experiments import actnn_cifar
-actnn_cifar.main(["--variants", "fp", "actnn_l3", "--dataset", "cifar10", "--epochs", "1",
-                  "--batch", "64", "--train-size", "512", "--test-size", "500", "--widths", "8",
-                  "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
-display(Markdown(ns.actnn_table(ns.load_variants(SMALL), ["fp", "actnn_l3"])))"""),
+        ("code", _small_actnn_run("fp", "actnn_l3")),
     ],
     "03_gact_transformer_gnn": [
         ("markdown", """\
@@ -132,12 +140,7 @@ runs = ns.load_variants(RESULTS / "actnn_cifar")
 display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
 ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
         ("markdown", "## Re-run a small version live"),
-        ("code", """\
-from experiments import actnn_cifar
-actnn_cifar.main(["--variants", "blpa2", "division", "--dataset", "cifar10", "--epochs", "1",
-                  "--batch", "64", "--train-size", "512", "--test-size", "500", "--widths", "8",
-                  "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
-display(Markdown(ns.actnn_table(ns.load_variants(SMALL), ["blpa2", "division"])))"""),
+        ("code", _small_actnn_run("blpa2", "division")),
     ],
     "05_memory_and_speed": [
         ("markdown", """\
