@@ -1,0 +1,167 @@
+"""The README's key results: accuracy and memory per method per task, as a table and two plots.
+
+Reads the committed full-run results of `experiments.actnn_cifar` and
+`experiments.gact_tasks` (whatever exists: a variant still running shows its
+last epoch, one not run yet says so) and writes
+
+* the markdown table (printed, and `summary.md`),
+* `summary_accuracy.png`: the ResNet-20's test accuracy after each epoch per variant,
+* `summary_tradeoff.png`: every task's held-out metric against the bytes its
+  variants save for the backward pass, relative to fp,
+
+under `experiments/results/`, each plot titled with its scale and hardware.
+
+    python -m experiments.summary
+
+>>> print(key_table({}, {}).splitlines()[2])
+| CIFAR-10, pre-act ResNet-20 | fp | not run yet |  |  |  |  |
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from experiments import notebook_support as support
+
+__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "accuracy_plot", "tradeoff_plot", "main"]
+
+RESULTS = Path(__file__).parent / "results"
+ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc"]
+GACT_TASKS = {"sst2": "SST-2, transformer classifier", "shakespeare": "tiny Shakespeare, char LM",
+              "cora_gcn": "Cora, GCN", "cora_gat": "Cora, GAT"}
+ACTNN_TASK = "CIFAR-10, pre-act ResNet-20"
+HARDWARE = "2-core x86 CPU (XLA:CPU)"
+
+
+def _ratio(saved, fp_saved) -> str:
+  return "" if saved is None or not fp_saved else f"{fp_saved / saved:.1f}x"
+
+
+def _actnn_rows(runs: dict) -> list:
+  fp_saved = (runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
+  rows = []
+  for name in ACTNN_VARIANTS:
+    r = runs.get(name)
+    if r is None:
+      rows.append([ACTNN_TASK, name, "not run yet", "", "", "", ""])
+      continue
+    memory = r.get("memory", {})
+    if r["complete"]:
+      metric = f"accuracy **{r['final_test_accuracy']:.3f}**"
+    elif r["history"]:
+      last = r["history"][-1]
+      metric = f"accuracy {last['test_accuracy']:.3f} after epoch {last['epoch']}/{r['epochs']} (running)"
+    else:
+      metric = "running"
+    bits = r.get("final_average_bits")
+    rows.append([ACTNN_TASK, name, metric, support.mib(memory.get("saved_bytes")),
+                 _ratio(memory.get("saved_bytes"), fp_saved), support.mib(memory.get("temp_bytes")),
+                 "" if bits is None else f"{bits:.2f}"])
+  return rows
+
+
+def _gact_rows(tasks: dict) -> list:
+  rows = []
+  for task, title in GACT_TASKS.items():
+    result = tasks.get(task)
+    if result is None:
+      rows.append([title, "all", "not run yet", "", "", "", ""])
+      continue
+    variants = result["variants"]
+    fp_saved = variants.get("fp", {}).get("saved_bytes")
+    for name, v in variants.items():
+      metric = v["best_by"]
+      final = v["final"].get(metric)
+      shown = f"{metric} **{final:.3f}**" if final is not None else f"best {metric} {v['best'][metric]:.3f}"
+      bits = v["average_bits"]
+      rows.append([title, name, shown, support.mib(v["saved_bytes"]),
+                   _ratio(v["saved_bytes"], fp_saved), support.mib(v["temp_bytes"]),
+                   "" if bits is None else f"{bits:.2f}"])
+  return rows
+
+
+def key_table(actnn_runs: dict, gact_tasks: dict) -> str:
+  """One row per task and method: final held-out metric, bytes saved for backward
+  (and fp's over them), the train step's compiled temp, average bits of adaptive plans."""
+  return support.markdown_table(
+      ["task", "method", "final held-out metric", "saved for backward", "fp / saved",
+       "compiled temp", "avg bits"], _actnn_rows(actnn_runs) + _gact_rows(gact_tasks))
+
+
+def accuracy_plot(actnn_runs: dict, path: Path):
+  """ResNet-20 test accuracy by epoch, per variant, titled with scale and hardware."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.ticker import MaxNLocator
+  ax = support.accuracy_curves(actnn_runs, ACTNN_VARIANTS, title="")
+  fp = actnn_runs.get("fp") or {}
+  scale = (f"{fp.get('train_size', 50000)} images, batch {fp.get('batch_size', 128)}, "
+           f"{fp.get('epochs', 3)} epochs")
+  ax.set_title(f"{ACTNN_TASK}: test accuracy by variant\n{scale}, {HARDWARE}", fontsize=9)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.figure.tight_layout()
+  ax.figure.savefig(path, dpi=110)
+  plt.close(ax.figure)
+  return path
+
+
+def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
+  """Held-out metric against bytes saved for backward (relative to fp), one panel per task."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  panels = []
+  fp_saved = (actnn_runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
+  points = [(name, r["memory"]["saved_bytes"], r["final_test_accuracy"])
+            for name, r in actnn_runs.items() if r.get("complete") and "memory" in r]
+  if fp_saved and points:
+    panels.append((f"{ACTNN_TASK} (3 epochs)", "test accuracy", fp_saved, points))
+  for task, title in GACT_TASKS.items():
+    result = gact_tasks.get(task)
+    if result is None or "fp" not in result["variants"]:
+      continue
+    variants = result["variants"]
+    metric = variants["fp"]["best_by"]
+    points = [(name, v["saved_bytes"], v["final"][metric]) for name, v in variants.items()
+              if metric in v["final"]]
+    panels.append((title, f"final {metric}", variants["fp"]["saved_bytes"], points))
+  fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.4 * max(len(panels), 1), 3.2),
+                           squeeze=False)
+  if not panels:
+    axes[0][0].text(0.5, 0.5, "no full-run results yet", ha="center",
+                    transform=axes[0][0].transAxes)
+    axes[0][0].set_axis_off()
+  for ax, (title, ylabel, fp_bytes, points) in zip(axes[0], panels):
+    for name, saved, value in points:
+      ax.scatter(saved / fp_bytes, value)
+      ax.annotate(name, (saved / fp_bytes, value), fontsize=7, xytext=(3, 2),
+                  textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set(title=title, xlabel="saved for backward / fp", ylabel=ylabel)
+    ax.title.set_fontsize(9)
+  fig.suptitle(f"Held-out metric vs memory kept for the backward pass; {HARDWARE}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv=None) -> str:
+  p = argparse.ArgumentParser(prog="python -m experiments.summary",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--results", type=Path, default=RESULTS)
+  a = p.parse_args(argv)
+  actnn_runs = support.load_variants(a.results / "actnn_cifar")
+  gact_tasks = support.load_variants(a.results / "gact")
+  table = key_table(actnn_runs, gact_tasks)
+  (a.results / "summary.md").write_text(table + "\n")
+  accuracy_plot(actnn_runs, a.results / "summary_accuracy.png")
+  tradeoff_plot(actnn_runs, gact_tasks, a.results / "summary_tradeoff.png")
+  print(table)
+  return table
+
+
+if __name__ == "__main__":
+  main()
