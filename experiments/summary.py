@@ -116,17 +116,29 @@ def accuracy_plot(actnn_runs: dict, path: Path):
   return path
 
 
+def _limits(values, fp_value, min_span):
+  """y limits holding every value and spanning at least `min_span` (so that a
+  difference of a few thousandths does not fill the panel)."""
+  lo, hi = min(values + [fp_value]), max(values + [fp_value])
+  pad = max(0.0, min_span - (hi - lo)) / 2
+  return lo - pad - 0.05 * min_span, hi + pad + 0.05 * min_span
+
+
 def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
-  """Held-out metric against bytes saved for backward (relative to fp), one panel per task."""
+  """Held-out metric against bytes saved for backward (relative to fp), one panel per task;
+  accuracy panels span at least 10 points, loss panels 10% of fp's loss."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import LogLocator, NullFormatter
   panels = []
-  fp_saved = (actnn_runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
+  fp = actnn_runs.get("fp") or {}
   points = [(name, r["memory"]["saved_bytes"], r["final_test_accuracy"])
             for name, r in actnn_runs.items() if r.get("complete") and "memory" in r]
-  if fp_saved and points:
-    panels.append((f"{ACTNN_TASK} (3 epochs)", "test accuracy", fp_saved, points))
+  if "memory" in fp and points:
+    panels.append((f"{ACTNN_TASK}\n{fp['epochs']} epochs of {fp['train_size']}",
+                   "test accuracy", fp["memory"]["saved_bytes"], fp["final_test_accuracy"],
+                   points))
   for task, title in GACT_TASKS.items():
     result = gact_tasks.get(task)
     if result is None or "fp" not in result["variants"]:
@@ -135,22 +147,32 @@ def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
     metric = _metric(variants["fp"])
     points = [(name, v["saved_bytes"], v["final"][metric]) for name, v in variants.items()
               if metric in v["final"]]
-    panels.append((title, f"final {metric}", variants["fp"]["saved_bytes"], points))
-  fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(3.4 * max(len(panels), 1), 3.2),
-                           squeeze=False)
+    unit = "epochs" if task.startswith("cora") else "steps"
+    panels.append((f"{title}\n{variants['fp']['steps']} {unit}", metric.replace("_", " "),
+                   variants["fp"]["saved_bytes"], variants["fp"]["final"][metric], points))
+  columns = min(max(len(panels), 1), 3)
+  rows = max(1, -(-len(panels) // columns))
+  fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.2 * rows), squeeze=False)
+  flat = list(axes.flat)
+  for ax in flat[len(panels):]:
+    ax.set_axis_off()
   if not panels:
-    axes[0][0].text(0.5, 0.5, "no full-run results yet", ha="center",
-                    transform=axes[0][0].transAxes)
-    axes[0][0].set_axis_off()
-  for ax, (title, ylabel, fp_bytes, points) in zip(axes[0], panels):
+    flat[0].text(0.5, 0.5, "no full-run results yet", ha="center", transform=flat[0].transAxes)
+  for ax, (title, ylabel, fp_bytes, fp_value, points) in zip(flat, panels):
     for name, saved, value in points:
       ax.scatter(saved / fp_bytes, value)
       ax.annotate(name, (saved / fp_bytes, value), fontsize=7, xytext=(3, 2),
                   textcoords="offset points")
+    ax.axhline(fp_value, color="0.6", lw=0.8, ls=":")
     ax.set_xscale("log")
-    ax.set(title=title, xlabel="saved for backward / fp", ylabel=ylabel)
-    ax.title.set_fontsize(9)
-  fig.suptitle(f"Held-out metric vs memory kept for the backward pass; {HARDWARE}", fontsize=10)
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(*_limits([v for _, _, v in points], fp_value,
+                         0.1 if "accuracy" in ylabel else 0.1 * fp_value))
+    ax.set(xlabel="saved for backward / fp", ylabel=ylabel)
+    ax.set_title(title, fontsize=8)
+  fig.suptitle("Held-out metric vs memory kept for the backward pass (dotted: fp); "
+               f"full runs on a {HARDWARE}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

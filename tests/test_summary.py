@@ -25,7 +25,7 @@ def _actnn(name, history, complete, saved=None, bits=None):
 
 
 def _gact_variant(saved, accuracy, bits=None):
-  return dict(best_by="accuracy", best=dict(accuracy=accuracy), final=dict(accuracy=accuracy),
+  return dict(best_by="accuracy", best=dict(accuracy=accuracy), final=dict(accuracy=accuracy), steps=200,
               saved_bytes=saved, temp_bytes=2 * saved, average_bits=bits)
 
 
