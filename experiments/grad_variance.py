@@ -15,7 +15,13 @@ run after each epoch (`--runs`; epoch 0 is the shared initialization):
   plans and for the plans chosen by `jact.Controller` with the ActNN analytic
   estimator (per-sample, L3) and the GACT numeric estimator at 2 bits average.
 
-Writes `<results>/grad_variance.json` and `grad_variance.png`.
+Writes `<results>/grad_variance.json` after every checkpoint (`complete`
+false until the last) and `grad_variance.png`; a rerun with the same settings
+keeps the checkpoints already measured and measures only the others (`--fresh`
+measures all again). Cost: about 100 gradients of 128 images per checkpoint
+(16 exact, 8 for each of six plans, the numeric estimator's 1 + L with L = 36
+residuals) plus a compile per plan; one checkpoint took over 50 CPU-minutes on a
+2-core machine shared with three other runs.
 
     python -m experiments.grad_variance             # after experiments.actnn_cifar --variants fp
     python -m experiments.grad_variance --small     # a minute: small net, initialization only
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import warnings
 from pathlib import Path
 
@@ -74,16 +81,24 @@ def adaptive_plan(loss_fn, params, batch, avg_bits: float, **controller):
     return c.update(state, params, batch, jax.random.key(3)).plan
 
 
+@functools.cache
+def _gradients():
+  """(jact loss, compressed gradient with a static plan, exact gradient), compiled once
+  for every checkpoint."""
+  loss_fn = functools.partial(preact.loss, form="layers", bits=2)
+  grad = jax.jit(jact.planned(jax.grad(loss_fn)), static_argnames="plan")
+  exact = jax.jit(lambda p, b, k, plan=None: jax.grad(
+      functools.partial(preact.loss, form="plain"))(p, b, k))
+  return loss_fn, grad, exact
+
+
 def measure_checkpoint(params, batches, *, keys: int, avg_bits: float = 2.0) -> list[dict]:
   """Rows (method, average bits, variance) at one set of parameters.
 
   `batches[0]` is the fixed batch of the compression terms; all of them give
   the sampling variance.
   """
-  loss_fn = functools.partial(preact.loss, form="layers", bits=2)
-  grad = jax.jit(jact.planned(jax.grad(loss_fn)), static_argnames="plan")
-  exact = jax.jit(lambda p, b, k, plan=None: jax.grad(
-      functools.partial(preact.loss, form="plain"))(p, b, k))
+  loss_fn, grad, exact = _gradients()
   batch = batches[0]
   sites = jact.sensitivity.find_residuals(loss_fn, params, batch, jax.random.key(1))
   sizes = {n: s.size for n, s in sites.items()}
@@ -145,6 +160,8 @@ def main(argv=None) -> dict:
   p.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
   p.add_argument("--small", action="store_true",
                  help="small ResNet (widths 8/16/32, 1 block), batch 32, initialization only")
+  p.add_argument("--fresh", action="store_true",
+                 help="measure every checkpoint again (default: keep those already written)")
   a = p.parse_args(argv)
   widths, blocks = ((8, 16, 32), 1) if a.small else ((16, 32, 64), 3)
   if a.small:
@@ -156,10 +173,21 @@ def main(argv=None) -> dict:
   batches = [tuple(map(jnp.asarray, (x[i], y[i]))) for i in
              (rng.choice(len(x), a.batch, replace=False) for _ in range(a.sampling_batches))]
   init = preact.init(jax.random.key(0), widths=widths, blocks=blocks)  # actnn_cifar's seed 0
-  result = dict(meta=resumable.run_metadata("experiments.grad_variance", argv), batch=a.batch,
-                keys=a.keys, sampling_batches=a.sampling_batches, widths=list(widths),
-                blocks=blocks, checkpoints={}, missing=[])
+  settings = dict(batch=a.batch, keys=a.keys, sampling_batches=a.sampling_batches,
+                  avg_bits=a.avg_bits, widths=list(widths), blocks=blocks)
+  name = "grad_variance_small" if a.small else "grad_variance"
+  path = a.results / f"{name}.json"
+  earlier = None if a.fresh or not path.is_file() else json.loads(path.read_text())
+  kept = {} if earlier is None or any(earlier.get(k) != v for k, v in settings.items()) else {
+      e: rows for e, rows in earlier["checkpoints"].items() if int(e) in a.epochs}
+  result = dict(meta=resumable.run_metadata("experiments.grad_variance", argv), **settings,
+                checkpoints=kept, missing=[], complete=False)
+  if kept:
+    result["meta"]["kept_from"] = earlier["meta"]
+    print(f"keeping epochs {sorted(map(int, kept))} from {path} ({earlier['meta']['date']})")
   for epoch in a.epochs:
+    if str(epoch) in kept:
+      continue
     params = init if epoch == 0 else _snapshot(a.runs, epoch, init)
     if params is None:
       result["missing"].append(epoch)
@@ -171,8 +199,11 @@ def main(argv=None) -> dict:
       bits = "" if r["avg_bits"] is None else f"{r['avg_bits']:.2f}"
       print(f"epoch {epoch} {r['method']:<13} bits {bits:>5} variance {r['variance']:.4g} "
             f"(x{r['over_sampling']:.3g} sampling)", flush=True)
-  name = "grad_variance_small" if a.small else "grad_variance"
-  resumable.write_json(a.results / f"{name}.json", result)
+    resumable.write_json(path, result)  # a partial result survives an interrupted run
+  result["checkpoints"] = {str(e): result["checkpoints"][str(e)] for e in a.epochs
+                           if str(e) in result["checkpoints"]}
+  result["complete"] = not result["missing"]
+  resumable.write_json(path, result)
   if result["checkpoints"]:
     plot(result, a.results / f"{name}.png")
   return result
