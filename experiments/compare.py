@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from experiments import data as data_lib
+from experiments import resumable
 from experiments.models import SmallCNN, jact_layers, plain_layers
 
 __all__ = ["run_comparison", "format_table", "residual_bytes", "main"]
@@ -201,15 +202,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def run_metadata(argv=None) -> dict:
   """Device, versions, date and command of a run, stored with its results."""
-  import datetime
-  import platform
-  import sys
-
-  import flax
-  return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": "python -m experiments.compare " + " ".join(argv if argv is not None else sys.argv[1:]),
-          "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-          "device": str(jax.devices()[0]), "python": platform.python_version()}
+  return resumable.run_metadata("experiments.compare", argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

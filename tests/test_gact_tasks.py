@@ -1,15 +1,14 @@
 """`experiments.gact_tasks --small` end to end on the real data kit: the LM (jact.convert,
-GACT L1 and CB1) and the GAT (jact.compressed, adaptive 2 bits), every variant. The SST-2
-transformer and the GCN run the same code paths (the GCN also in notebook 03); all four:
-`python -m experiments.gact_tasks --small` (a few minutes: each adaptive variant compiles the
-numeric estimator).
+fp and GACT CB1) and the GAT (jact.compressed, fp and adaptive 2 bits). The other variants
+(L1, fixed bits) and tasks (the SST-2 transformer, the GCN, also run in notebook 03) take the
+same code paths; every task and variant: `python -m experiments.gact_tasks --small` (a few
+minutes: each adaptive variant compiles the numeric estimator, so CI runs one per task).
 
 Properties checked: one JSON per task with the run's metadata; every variant
 present with finite losses; the same first loss in every variant of a task
 (same initial parameters and first batch, and jact's forward pass is exact);
-every compressed variant saves fewer bytes for the backward pass than fp; CB1
-saves fewer than L1 (only the blocks' 4-bit inputs stay inside the blocks);
-adaptive plans keep within their average-bit budget.
+every compressed variant saves under half the bytes fp saves for the backward
+pass; adaptive plans keep within their average-bit budget.
 """
 
 import json
@@ -23,12 +22,14 @@ pytestmark = pytest.mark.slow  # compiles a jact train step and an estimator per
 
 BUDGET = {"gact_l1": 4.0, "gact_cb1": 4.0, "adaptive2": 2.0}
 TESTED = ["shakespeare", "cora_gat"]
+TESTED_VARIANTS = ["fp", "gact_cb1", "adaptive2"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   out = tmp_path_factory.mktemp("gact")
-  results = gact_tasks.main(["--small", "--quiet", "--tasks", *TESTED, "--results", str(out)])
+  results = gact_tasks.main(["--small", "--quiet", "--tasks", *TESTED,
+                              "--variants", *TESTED_VARIANTS, "--results", str(out)])
   return results, out
 
 
@@ -40,7 +41,8 @@ def test_one_json_per_task_with_metadata(run):
     assert written["task"] == task and written["meta"]["small"] is True
     assert written["meta"]["command"].startswith("python -m experiments.gact_tasks")
     assert "--small" in written["meta"]["command"]
-    assert list(written["variants"]) == list(gact_tasks.VARIANTS[task])
+    expected = [v for v in gact_tasks.VARIANTS[task] if v in TESTED_VARIANTS]
+    assert list(written["variants"]) == expected and len(expected) == 2
 
 
 def test_losses_finite_and_same_start(run):
@@ -64,8 +66,6 @@ def test_compressed_variants_save_fewer_bytes(run):
       assert r["temp_bytes"] > 0 and r["median_step_s"] > 0
       if name != "fp":
         assert r["saved_bytes"] < fp / 2, (task, name, r["saved_bytes"], fp)
-    if "gact_cb1" in variants:
-      assert variants["gact_cb1"]["saved_bytes"] < variants["gact_l1"]["saved_bytes"], task
 
 
 def test_adaptive_plans_within_budget(run):
