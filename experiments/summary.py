@@ -49,10 +49,10 @@ def _actnn_rows(runs: dict) -> list:
       continue
     memory = r.get("memory", {})
     if r["complete"]:
-      metric = f"accuracy **{r['final_test_accuracy']:.3f}**"
+      metric = f"test accuracy **{r['final_test_accuracy']:.3f}**"
     elif r["history"]:
       last = r["history"][-1]
-      metric = f"accuracy {last['test_accuracy']:.3f} after epoch {last['epoch']}/{r['epochs']} (running)"
+      metric = f"test accuracy {last['test_accuracy']:.3f} after epoch {last['epoch']}/{r['epochs']} (running)"
     else:
       metric = "running"
     bits = r.get("final_average_bits")
