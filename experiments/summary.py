@@ -100,8 +100,6 @@ def key_table(actnn_runs: dict, gact_tasks: dict) -> str:
 
 def accuracy_plot(actnn_runs: dict, path: Path):
   """ResNet-20 test accuracy by epoch, per variant, titled with scale and hardware."""
-  import matplotlib
-  matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.ticker import MaxNLocator
   ax = support.accuracy_curves(actnn_runs, ACTNN_VARIANTS, title="")
@@ -127,8 +125,6 @@ def _limits(values, fp_value, min_span):
 def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
   """Held-out metric against bytes saved for backward (relative to fp), one panel per task;
   accuracy panels span at least 10 points, loss panels 10% of fp's loss."""
-  import matplotlib
-  matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.ticker import LogLocator, NullFormatter
   panels = []
@@ -184,6 +180,8 @@ def main(argv=None) -> str:
                               description=__doc__.split("\n")[0])
   p.add_argument("--results", type=Path, default=RESULTS)
   a = p.parse_args(argv)
+  import matplotlib
+  matplotlib.use("Agg")  # files only (the plot functions themselves leave a notebook's backend)
   actnn_runs = support.load_variants(a.results / "actnn_cifar")
   gact_tasks = support.load_variants(a.results / "gact")
   table = key_table(actnn_runs, gact_tasks)
