@@ -57,7 +57,9 @@ per method, with the cap) and `memory_batch.json` (`--small`: `*_small*`)
 under `--results`.
 
     python -m experiments.memory_batch [--models resnet20 transformer_lm] [--methods ...]
-        [--cap-mib 512] [--cap-on step_mib] [--granularity 16] [--small] [--results DIR]
+        [--cap-mib 512] [--cap-on step_mib] [--granularity 16] [--small] [--results DIR] [--fresh]
+
+A rerun keeps the models already measured with the same settings (see `run`).
 
 `--small` (tiny ResNet, plain and jact2, a 40 MiB cap, `FAST_COMPILE_FLAGS`)
 is a quick check of the whole pipeline.
@@ -81,6 +83,7 @@ import functools
 import gc
 import importlib
 import math
+import json
 import multiprocessing
 import os
 import re
@@ -740,24 +743,44 @@ def settings(config: Config, models, methods) -> dict:
           "compiled_needed_mib": "jact.compiled_memory: temp + arguments + outputs - aliased"}
 
 
+def _same_settings(a: dict, b: dict) -> bool:
+  """Whether two runs' settings agree on everything but the models measured."""
+  comparable = lambda s: json.loads(json.dumps({k: v for k, v in s.items() if k != "models"}))
+  return comparable(a) == comparable(b)
+
+
 def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, argv=None,
-        suffix: str = "", log=print) -> dict:
+        suffix: str = "", log=print, fresh: bool = False) -> dict:
   """The whole experiment; writes `memory_batch{suffix}.json` (after each model)
-  and `memory_batch{suffix}_{model}.png` under `results`."""
+  and `memory_batch{suffix}_{model}.png` under `results`.
+
+  A model already in that JSON, measured with the same settings, is kept
+  rather than measured again (a stopped run resumes at the next model) unless
+  `fresh`.
+  """
   t0 = time.perf_counter()
   results = Path(results)
+  path = results / f"memory_batch{suffix}.json"
   out = {"meta": resumable.run_metadata(MODULE, argv),
          "settings": settings(config, models, methods), "models": {}}
+  earlier = None if fresh or not path.is_file() else json.loads(path.read_text())
+  if earlier is not None and not _same_settings(earlier["settings"], out["settings"]):
+    log(f"{path} was measured with other settings: measuring every model again")
+    earlier = None
   offload = offload_support() if "offload" in methods else None
   if offload is not None:
     out["offload"] = offload
   with tempfile.TemporaryDirectory(prefix="memory_batch_xla_cache_") as cache_dir:
     for model in models:
+      if earlier is not None and model in earlier["models"]:
+        log(f"{model}: kept from {path} (--fresh measures it again)")
+        out["models"][model] = earlier["models"][model]
+        continue
       result = measure_model(model, methods, config, offload, cache_dir, log)
       result["plot"] = plot(model, result, config, results / f"memory_batch{suffix}_{model}.png")
       out["models"][model] = result
       out["wall_s"] = time.perf_counter() - t0
-      resumable.write_json(results / f"memory_batch{suffix}.json", out)
+      resumable.write_json(path, out)
   log(summary(out))
   return out
 
@@ -803,6 +826,8 @@ def main(argv=None):
                       help=f"compile with {FAST_COMPILE_FLAGS} (same buffers, slower code; "
                            "default: with --small only)")
   parser.add_argument("--results", type=Path, default=RESULTS)
+  parser.add_argument("--fresh", action="store_true",
+                      help="measure every model again, even those already in the results JSON")
   args = parser.parse_args(argv)
   config = SMALL if args.small else FULL
   overrides = {"cap_mib": args.cap_mib, "measure": args.cap_on, "granularity": args.granularity,
@@ -811,7 +836,8 @@ def main(argv=None):
   config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
   models = args.models or (SMALL_MODELS if args.small else MODELS)
   methods = args.methods or (SMALL_METHODS if args.small else METHODS)
-  return run(models, methods, config, args.results, argv, suffix="_small" if args.small else "")
+  return run(models, methods, config, args.results, argv, suffix="_small" if args.small else "",
+             fresh=args.fresh)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,29 @@ def test_small_run(tmp_path):
   assert timing["batch"] <= min(largest.values())
   assert timing["methods"]["plain"]["ratio_vs_plain"] == 1.0
   assert timing["methods"]["jact2"]["ratio_vs_plain"] > 0
+
+
+def test_a_rerun_keeps_models_measured_with_the_same_settings(tmp_path, monkeypatch):
+  """A stopped run resumes at the next model; other settings or `fresh` measure again."""
+  measured = []
+
+  def fake_measure(model, methods, config, offload, cache_dir, log):
+    measured.append(model)
+    return {"methods": {}, "note": f"{model} #{len(measured)}"}
+
+  monkeypatch.setattr(mb, "measure_model", fake_measure)
+  monkeypatch.setattr(mb, "plot", lambda model, result, config, path: str(path))
+  methods = ("plain",)
+  mb.run(("resnet20",), methods, mb.SMALL, tmp_path, suffix="_t", log=lambda line: None)
+  out = mb.run(mb.MODELS, methods, mb.SMALL, tmp_path, suffix="_t", log=lambda line: None)
+  assert measured == ["resnet20", "transformer_lm"]
+  assert out["models"]["resnet20"]["note"] == "resnet20 #1"
+  written = json.loads((tmp_path / "memory_batch_t.json").read_text())
+  assert set(written["models"]) == set(mb.MODELS)
+
+  mb.run(mb.MODELS, methods, dataclasses.replace(mb.SMALL, cap_mib=41), tmp_path, suffix="_t",
+         log=lambda line: None)
+  assert measured[2:] == list(mb.MODELS)
+  mb.run(("resnet20",), methods, dataclasses.replace(mb.SMALL, cap_mib=41), tmp_path,
+         suffix="_t", log=lambda line: None, fresh=True)
+  assert measured[4:] == ["resnet20"]
