@@ -57,12 +57,37 @@ def pytest_configure(config):
   add_xla_flag(YNN_FLAG, config)
 
 
+def shared_fixture(item) -> str | None:
+  """The first module- or session-scoped fixture of this test suite that `item`
+  uses (as "its/defining/file.py::name"), or None."""
+  info = getattr(item, "_fixtureinfo", None)
+  if info is None:
+    return None
+  for name in item.fixturenames:
+    definitions = info.name2fixturedefs.get(name)
+    if not definitions:
+      continue
+    definition = definitions[-1]
+    if definition.scope in ("module", "session") and definition.baseid.startswith("tests"):
+      return f"{definition.baseid}::{name}"
+  return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-  """The Pallas kernels' doctests run in interpret mode (5-15 s each on a CPU core): slow."""
+  """The Pallas kernels' doctests run in interpret mode (5-15 s each on a CPU core): slow.
+
+  Tests that share a module- or session-scoped fixture (an 8-device subprocess,
+  a compiled model, a training run) go to one xdist worker (`--dist loadgroup`
+  in pyproject.toml), so the fixture is built once rather than once per worker.
+  """
   del config
   for item in items:
     if isinstance(item, pytest.DoctestItem) and item.nodeid.startswith("jact/kernels/"):
       item.add_marker(pytest.mark.slow)
+    group = shared_fixture(item)
+    if group is not None:
+      item.add_marker(pytest.mark.xdist_group(group))
 
 
 @contextlib.contextmanager
