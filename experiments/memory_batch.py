@@ -82,8 +82,8 @@ import dataclasses
 import functools
 import gc
 import importlib
-import math
 import json
+import math
 import multiprocessing
 import os
 import re
