@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import warnings
 from pathlib import Path
 
@@ -177,8 +176,9 @@ def main(argv=None) -> dict:
                   avg_bits=a.avg_bits, widths=list(widths), blocks=blocks)
   name = "grad_variance_small" if a.small else "grad_variance"
   path = a.results / f"{name}.json"
-  earlier = None if a.fresh or not path.is_file() else json.loads(path.read_text())
-  kept = {} if earlier is None or any(earlier.get(k) != v for k, v in settings.items()) else {
+  earlier = resumable.earlier_result(
+      path, lambda e: all(e.get(k) == v for k, v in settings.items()), a.fresh)
+  kept = {} if earlier is None else {
       e: rows for e, rows in earlier["checkpoints"].items() if int(e) in a.epochs}
   result = dict(meta=resumable.run_metadata("experiments.grad_variance", argv), **settings,
                 checkpoints=kept, missing=[], complete=False)

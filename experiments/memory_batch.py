@@ -763,10 +763,8 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
   path = results / f"memory_batch{suffix}.json"
   out = {"meta": resumable.run_metadata(MODULE, argv),
          "settings": settings(config, models, methods), "models": {}}
-  earlier = None if fresh or not path.is_file() else json.loads(path.read_text())
-  if earlier is not None and not _same_settings(earlier["settings"], out["settings"]):
-    log(f"{path} was measured with other settings: measuring every model again")
-    earlier = None
+  earlier = resumable.earlier_result(
+      path, lambda e: _same_settings(e["settings"], out["settings"]), fresh, log)
   offload = offload_support() if "offload" in methods else None
   if offload is not None:
     out["offload"] = offload

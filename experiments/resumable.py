@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["save", "restore", "run_metadata", "write_json"]
+__all__ = ["save", "restore", "run_metadata", "write_json", "earlier_result"]
 
 _CURRENT, _NEW, _OLD = "checkpoint", "checkpoint.new", "checkpoint.old"
 
@@ -91,3 +91,17 @@ def write_json(path, payload: dict) -> None:
   tmp = path.with_suffix(path.suffix + ".tmp")
   tmp.write_text(json.dumps(payload, indent=1))
   tmp.replace(path)
+
+
+def earlier_result(path, same_settings, fresh: bool = False, log=print) -> dict | None:
+  """The results JSON a previous run wrote at `path`, for a rerun to keep what
+  it measured: None when `fresh`, when there is none, or when
+  `same_settings(earlier)` is false (it was measured otherwise)."""
+  path = Path(path)
+  if fresh or not path.is_file():
+    return None
+  earlier = json.loads(path.read_text())
+  if not same_settings(earlier):
+    log(f"{path} was measured with other settings: measuring again")
+    return None
+  return earlier
