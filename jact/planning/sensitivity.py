@@ -17,9 +17,8 @@ over a small state pytree:
 ops or `jact.compressed` (key: the PRNG key for the rounding noise).
 
 * `numeric` (GACT Algorithm 1): c_l = 1/2 ||g(seeds) - g(seeds with l's
-  re-drawn)||^2 / S(b_l). The gradients of all residuals' variants are one
-  batched computation (`jax.lax.map` over the residuals, `chunk_size` of
-  them at a time: None = all at once), sharing nothing but the compile.
+  re-drawn)||^2 / S(b_l): one gradient per residual (`chunk_size` of them per
+  computation) plus the reference gradient.
 * `analytic` (ActNN Eq. 9 and Appendix B): closed forms for dense layers,
   channels-last convolutions and batch/layer norms from one gradient pass
   with probes, with the per-layer output-gradient magnitude kept as a moving
@@ -50,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jact import _compat
 from jact.engine import context as _context, probe as _probe
 from jact.compressors import PerGroup
 from jact.planning.plan import BitPlan, use_plan
@@ -145,48 +145,76 @@ def _check_decay(decay):
 
 def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 0.9,
             chunk_size: int | None = None) -> Estimator:
-  """GACT's numeric sensitivity (Algorithm 1), batched over all residuals.
+  """GACT's numeric sensitivity (Algorithm 1): one gradient per residual variant.
 
   Args:
     loss_fn: `loss_fn(params, batch, key) -> scalar` using jact compression.
     probe_bits: width every residual is quantized to while estimating (c_l
       does not depend on it to first order; higher is more linear).
     decay: moving-average decay of the estimates.
-    chunk_size: how many residual variants are differentiated at once
-      (memory grows with it); None: all of them in one batch.
+    chunk_size: how many residual variants are differentiated in one
+      computation (memory and compile time grow with it); None: one at a time.
 
-  Cost of one update: 1 + L gradient evaluations (L residuals), batched.
+  Cost of one update: 1 + L gradient evaluations (L residuals). Called
+  eagerly (as `jact.Controller` does), the variants are dispatched as
+  `L / chunk_size` calls of one compiled function, each chunk unrolled; under
+  an enclosing `jit` they are a `jax.lax.map` (XLA:CPU runs convolutions inside
+  a loop body about 20x slower than the same convolutions unrolled, so the
+  eager form is the fast one there; both give the same estimate).
   """
   _check_decay(decay)
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
   grad_fn = jax.grad(loss_fn)
 
   def init(params, batch, key) -> SensitivityState:
     return _empty_state(find_residuals(loss_fn, params, batch, key))
 
-  @jax.jit
-  def update(state: SensitivityState, params, batch, key) -> SensitivityState:
-    names = state.names
+  def grads(state, params, batch, key, salt):
     # Sensitivity is measured for the per-group stochastic quantizer: a site with
     # another (possibly deterministic) compressor is probed with PerGroup.
     probe = BitPlan({n: probe_bits if isinstance(b, (int, PerGroup)) else PerGroup(probe_bits)
-                     for n, b in zip(names, state.bits)})
+                     for n, b in zip(state.names, state.bits)})
+    with use_plan(probe), _context.salted(state.names, salt):
+      return grad_fn(params, batch, key)
 
-    def grads(salt):
-      with use_plan(probe), _context.salted(names, salt):
-        return grad_fn(params, batch, key)
+  def reference(state, params, batch, key):
+    return grads(state, params, batch, key, jnp.zeros((len(state.names),), jnp.uint32))
 
-    n = len(names)
-    g0 = grads(jnp.zeros((n,), jnp.uint32))
+  def spread(state, g0, params, batch, key, salt):
+    g1 = grads(state, params, batch, key, salt)
+    return 0.5 * _sq_norm(jax.tree.map(jnp.subtract, g1, g0))
+
+  def redraws(n):
     # Variant l re-draws residual l's rounding noise only.
-    redraw = jnp.uint32(0x2545F491) * jnp.eye(n, dtype=jnp.uint32)
+    return jnp.uint32(0x2545F491) * jnp.eye(n, dtype=jnp.uint32)
 
-    def spread(salt):
-      g1 = grads(salt)
-      return 0.5 * _sq_norm(jax.tree.map(jnp.subtract, g1, g0))
-
-    sq = jax.lax.map(spread, redraw, batch_size=chunk_size)
+  def finish(state, sq):
     c = sq / jnp.float32((2.0**probe_bits - 1.0) ** -2)
     return _ema(state, c, jnp.zeros_like(c), decay)
+
+  @jax.jit
+  def update_traced(state, params, batch, key):
+    g0 = reference(state, params, batch, key)
+    sq = jax.lax.map(lambda salt: spread(state, g0, params, batch, key, salt),
+                     redraws(len(state.names)), batch_size=chunk_size)
+    return finish(state, sq)
+
+  @jax.jit
+  def spread_chunk(state, g0, params, batch, key, salts):
+    return jnp.stack([spread(state, g0, params, batch, key, s) for s in salts])
+
+  reference_jit, finish_jit = jax.jit(reference), jax.jit(finish)
+
+  def update(state: SensitivityState, params, batch, key) -> SensitivityState:
+    if any(map(_compat.is_tracer, jax.tree.leaves((state, params, batch, key)))):
+      return update_traced(state, params, batch, key)
+    g0 = reference_jit(state, params, batch, key)
+    salts = redraws(len(state.names))
+    step = chunk_size or 1
+    sq = jnp.concatenate([spread_chunk(state, g0, params, batch, key, salts[i:i + step])
+                          for i in range(0, len(state.names), step)])
+    return finish_jit(state, sq)
 
   return Estimator(init, update)
 
