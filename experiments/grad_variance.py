@@ -140,6 +140,7 @@ def plot(result: dict, path) -> None:
   ax.set(xscale="log", yscale="log", xlabel="bits (average)", ylabel="gradient variance",
          title="compression variance vs sampling variance (dashed)")
   ax.set_xticks(UNIFORM_BITS, [str(b) for b in UNIFORM_BITS])
+  ax.set_xticks([], minor=True)
   ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
