@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from jact import _compat
 from jact.kernels import division, pergroup, persample, relu
 from jact.core.persample import quantize_per_sample_reference
 from jact.core.quantize import quantize_reference
@@ -117,7 +118,7 @@ def triton_modules(fn: Callable, *args) -> list[TritonModule]:
   ['jact_relu_mask']
   """
   with _capturing() as texts:
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = _compat.lower_for_cuda(fn, *args).as_text()
   launches = _LAUNCH.findall(hlo)
   if len(launches) != len(texts):
     raise RuntimeError(f"found {len(texts)} Triton modules but {len(launches)} launch configs; "

@@ -17,6 +17,7 @@ This module imports only JAX: it sits below jact/core in the import graph.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import warnings
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import ad_checkpoint as _private_ad_checkpoint
 from jax.experimental import pallas as _pallas
+from jax.experimental.pallas import triton as _pallas_triton
 from jax.extend.core import primitives as _primitives
 from jax.interpreters import ad, batching, mlir
 
@@ -44,7 +46,7 @@ __all__ = [
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
-    "saved_residuals", "varying_axes", "cast_varying", "leading_axis_sharded",
+    "saved_residuals", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
 ]
 
 
@@ -221,16 +223,23 @@ def scan_parts(eqn) -> ScanParts | None:
   """The body and settings of a `lax.scan` equation (its operands are the
   body's consts, then the initial carry, then the stacked xs), else None.
 
-  Public (partial): `jax.extend.core.primitives.scan_p` by identity; the
-  params `jaxpr`, `num_consts`, `num_carry`, `length`, `reverse`, `unroll`
-  are undocumented. Watch: the keys and the operand order."""
+  Public (partial): `jax.extend.core.primitives.scan_p` by identity; its
+  params are undocumented. `jaxpr`, `length`, `reverse`, `unroll` are read as
+  they are; how many operands are consts and carries comes from
+  `num_consts`/`num_carry` on jax 0.10.2 and from `ft_in` on jax >= 0.11 (a
+  flat tree of three groups, consts / carry / xs, whose leaves count the
+  operands: `len(ft_in.unpack()[0])`). Watch: the keys and the operand order."""
   if eqn.primitive is not _primitives.scan_p:
     return None
   p = eqn.params
   if not isinstance(p.get("jaxpr"), jax.extend.core.ClosedJaxpr):
     return None
-  return ScanParts(p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"],
-                   p["unroll"])
+  if "num_consts" in p:
+    num_consts, num_carry = p["num_consts"], p["num_carry"]
+  else:
+    consts, carry, _ = p["ft_in"].unpack()
+    num_consts, num_carry = len(consts), len(carry)
+  return ScanParts(p["jaxpr"], num_consts, num_carry, p["length"], p["reverse"], p["unroll"])
 
 
 def call_name(eqn) -> str | None:
@@ -290,6 +299,42 @@ def lowering_platform() -> str:
     return backend
   version = jax.extend.backend.get_backend().platform_version
   return "rocm" if "rocm" in str(version).lower() else "cuda"
+
+
+# ----------------------------------------------------------------------------- cuda from any host
+
+def _abstract_gpu(device_kind: str):
+  """Context naming the GPU a Pallas Triton kernel is lowered for, or None
+  where JAX needs none. jax 0.10.2 lowers for compute capability 9.0 when no
+  GPU is attached; jax >= 0.11 reads the target from the device kind of the
+  context's abstract mesh (`jax._src.pallas.triton.gpu_info`, private) and
+  fails without a GPU or one. None public: `jax.sharding.AbstractMesh(...,
+  abstract_device=)` is public, its `AbstractDevice` is not exported (watch:
+  `jax._src.mesh.AbstractDevice`'s fields)."""
+  try:
+    from jax._src.pallas.triton import gpu_info  # noqa: F401  # jax >= 0.11
+  except ImportError:
+    return None
+  from jax._src.mesh import AbstractDevice
+  mesh = jax.sharding.AbstractMesh((1,), ("jact_cuda_target",), abstract_device=AbstractDevice(
+      device_kind=device_kind, num_cores=None, platform="gpu"))
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn: Callable, *args, device_kind: str = "NVIDIA H100",
+                   platforms: Sequence[str] = ("cuda",)):
+  """`jax.jit(fn)` traced at `args` and lowered for cuda (with any other
+  `platforms`) on any host, a machine without a GPU included, its Pallas
+  Triton kernels compiled to Triton IR for `device_kind` ("NVIDIA H100":
+  sm_90). Array arguments count by shape and dtype only.
+
+  Public: `jit(f).trace(*args).lower(lowering_platforms=...)`; naming the
+  target GPU is not (see `_abstract_gpu`)."""
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a, args)
+  target = _abstract_gpu(device_kind) if "cuda" in platforms else None
+  with target if target is not None else contextlib.nullcontext():
+    return jax.jit(fn).trace(*abstract).lower(lowering_platforms=tuple(platforms))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -801,6 +846,16 @@ def _check_pallas_kernel_name():
   assert pallas_kernel_name(_eqns(jnp.sin, 1.0)[0]) is None
 
 
+def _check_lower_for_cuda():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  call = _pallas.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), name="jact_probe",
+      compiler_params=_pallas_triton.CompilerParams(num_warps=4, num_stages=1))
+  text = lower_for_cuda(call, jnp.ones((8, 128))).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "jact_probe" in text, "no Triton call in the lowering"
+
+
 def _check_vjp_residuals():
   x = jnp.arange(3.0)
   _, vjp = jax.vjp(jnp.sin, x)
@@ -809,11 +864,14 @@ def _check_vjp_residuals():
   zero, = rebuild_vjp(layout, [jnp.zeros_like(leaves[0])])(jnp.ones(3))
   assert not bool(jnp.any(zero)), "rebuilt VJP does not use the replaced residuals"
   # The order residual names are built from: used primals, then residuals.
-  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-  _, vjp = jax.vjp(lambda x, w: jnp.tanh(x @ w), x, w)
+  # (sin, not tanh: jax 0.11 gave tanh a one-residual rule, so what tanh keeps is not stable.)
+  x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+  _, vjp = jax.vjp(lambda x, w: jnp.sin(x @ w), x, w)
   leaves, layout = vjp_residuals(vjp)
   shapes = [tuple(l.shape) for l in leaves]
-  assert shapes == [(2, 3), (3, 4), (2, 4), (2, 4)], f"tanh(x @ w) VJP leaves {shapes}"
+  assert shapes == [(2, 3), (3, 4), (2, 4)], f"sin(x @ w) VJP leaves {shapes}"
+  assert bool(jnp.array_equal(leaves[1], w)) and bool(jnp.allclose(leaves[2], jnp.cos(x @ w))), (
+      "sin(x @ w) VJP leaves are not (x, w, cos(x @ w))")
   g = jnp.ones((2, 4))
   for a, b in zip(rebuild_vjp(layout, leaves)(g), vjp(g)):
     assert bool(jnp.array_equal(a, b)), "rebuilt VJP differs from the original"
@@ -1041,7 +1099,8 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "call_body": ("the body of jit / closed_call in params['jaxpr'] / params['call_jaxpr']",
                   _check_call_body),
     "nested_output": ("jit_p/closed_call_p/scan_p; params['jaxpr']", _check_nested_output),
-    "scan_parts": ("scan_p; params jaxpr, num_consts, num_carry, length, reverse, unroll",
+    "scan_parts": ("scan_p; params jaxpr, num_consts/num_carry (jax 0.10) or ft_in (>= 0.11), "
+                   "length, reverse, unroll",
                    _check_scan_parts),
     "call_name": ("the jitted function's name in jit's params['name']", _check_call_name),
     "platform_dependent_branch": (
@@ -1053,6 +1112,8 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "is_view": ("lax.reshape_p / squeeze_p / slice_p / bitcast_convert_type_p", _check_is_view),
     "pallas_kernel_name": ("jax.experimental.pallas.pallas_call_p and its params['name']",
                            _check_pallas_kernel_name),
+    "lower_for_cuda": ("a Pallas Triton kernel lowered for cuda on any host: the abstract mesh's "
+                       "AbstractDevice on jax >= 0.11", _check_lower_for_cuda),
     "vjp_residuals": ("the pytree layout of the object jax.vjp returns", _check_vjp_residuals),
     "rebuild_vjp": ("jax.tree.unflatten of that layout", _check_vjp_residuals),
     "eval_jaxpr": ("jax.core.eval_jaxpr", _check_eval_jaxpr),

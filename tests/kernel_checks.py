@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jact import _compat
 from jact.kernels import _triton as T
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -92,7 +93,7 @@ def cuda_kernels(fn, reference, *args):
   """The names of the Triton kernels `fn` lowers to for CUDA (from any host),
   checking that they are its only custom calls and that its outputs have the
   structure, shapes and dtypes of `reference` (the XLA twin) at `args`."""
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  lowered = _compat.lower_for_cuda(fn, *args)
   calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
   assert all("@__gpu$xla.gpu.triton" in c for c in calls), calls
   names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z_]+)"', c)]

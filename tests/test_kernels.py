@@ -12,6 +12,7 @@ import pytest
 
 import jact
 from jact import kernels
+from jact import _compat
 from jact.compressors import PerGroup
 from jact.kernels import pergroup, relu
 from jact.core.packing import relu_mask_reference
@@ -138,7 +139,7 @@ def test_dispatch_through_ops_gives_the_same_gradient_and_reports_the_kernel():
 
 
 def _cuda_text(fn, *args, platforms=("cuda",)):
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=platforms).as_text()
+  return _compat.lower_for_cuda(fn, *args, platforms=platforms).as_text()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from jact.compressors._base import from_dict
 from jact.compressors.division import Division
 from jact.core.division import pool_blocks, pool, division_compress_reference
 from jact.kernels import division
+from jact import _compat
 from kernel_checks import assert_same_bits, assert_same_packed
 
 def activation(shape, dtype=jnp.float32, seed=0, specials=False):
@@ -138,7 +139,6 @@ def test_kernels_lower_for_cuda(shape, block, bits, group_size):
   f = functools.partial(division.division_compress, block=block, bits=bits,
                         group_size=group_size, lfc_dtype=jnp.bfloat16, interpret=False)
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  lowered = jax.jit(f).trace(x, jax.ShapeDtypeStruct((), jnp.uint32)).lower(
-      lowering_platforms=("cuda",))
+  lowered = _compat.lower_for_cuda(f, x, jax.ShapeDtypeStruct((), jnp.uint32))
   expected = 1 if division.fused(shape, block, group_size) else 2
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == expected
