@@ -259,15 +259,21 @@ def main(argv=None):
                  help="checkpoint and stop a variant after this long (resume later)")
   p.add_argument("--runs", type=Path, default=RUNS)
   p.add_argument("--results", type=Path, default=RESULTS)
+  p.add_argument("--json", type=Path, default=None,
+                 help="also write every variant's result into this one file (the GPU campaign)")
   a = p.parse_args(argv)
   x_tr, y_tr, x_te, y_te = data_lib.load_image_dataset(
       a.dataset, train_size=a.train_size, test_size=a.test_size)
   meta = resumable.run_metadata("experiments.actnn_cifar", argv)
+  combined = {"meta": meta, "variants": {}}
   for name in a.variants:
     def write(result, name=name):
       result.update(meta=meta, train_size=len(x_tr), test_size=len(x_te),
                     widths=list(a.widths), blocks=a.blocks, lr=a.lr, seed=a.seed)
       resumable.write_json(a.results / f"{name}.json", result)
+      if a.json is not None:
+        combined["variants"][name] = result
+        resumable.write_json(a.json, combined)
 
     result = train_variant(name, data=(x_tr, y_tr, x_te, y_te), epochs=a.epochs,
                            batch_size=a.batch, widths=tuple(a.widths), blocks=a.blocks, lr=a.lr,

@@ -259,7 +259,8 @@ def main(argv=None):
                       help="also compare the on-device reference with the CPU reference")
   parser.add_argument("--json", default="experiments/results/bench_kernels.json")
   args = parser.parse_args(argv)
-  impls = args.impls or (["xla", "pallas_triton"] if jax.default_backend() == "gpu" else ["xla"])
+  every = sorted({name for op in args.ops for name in kernels.available(op)})  # jax_triton too
+  impls = args.impls or (every if jax.default_backend() == "gpu" else ["xla"])
   rows = run(args.sizes_mb, impls, args.ops, args.reps, args.rotate_mb, args.check_cpu)
   device = jax.devices()[0]
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

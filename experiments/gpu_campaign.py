@@ -1,43 +1,38 @@
-"""Every owed GPU measurement, in chunks of at most 9 minutes, each its own subprocess.
+"""Every owed GPU measurement in one device call of at most 8 minutes, most valuable first.
 
 A chunk is one command (`python -m experiments.<script> ... --json FILE`) run
 with a timeout in its own process group, so a chunk that hangs, runs out of
 memory or crashes is killed or recorded and the next one still runs. Each
 chunk leaves `DIR/<chunk>.json` (command, exit code, seconds, device, versions,
-date, the tail of its output and the script's own JSON under "result"), and
-`DIR/summary.json` is rewritten after every chunk (entries of chunks run
-earlier into the same DIR are kept, so the three groups can share one DIR).
+date, the tail of its output and the script's own JSON under "result") as soon
+as it ends, and `DIR/summary.json` is rewritten after every chunk (entries of
+chunks run earlier into the same DIR are kept), so a call cut short keeps what
+finished. The stages, in order:
+
+  i    versions, `_compat` probes, every kernel bit-exact vs its XLA reference
+  ii   every kernel's GB/s vs a same-run device-to-device copy
+  iii  ResNet-50 224x224 and a transformer LM: step time, compile time,
+       compiled and peak memory, plain vs jact 8/4/2 bits (LM: and jact.checkpoint)
+  iv   largest ResNet-50 batch that fits, plain vs jact 2 bits
+  v    fidelity: pre-act ResNet-20 on full CIFAR-10, FP / 2 bits / ActNN L3 /
+       BLPA 2 bits, two seeds, 10 epochs or what the time left allows
+
+On a GPU each chunk's timeout is its `budget_s` (the fidelity chunks: the time
+left), cut to `--deadline-s` (default 470 s); a chunk that would start with
+under a minute left is recorded as skipped (rerun it by name: `--chunks
+fidelity_seed1`). The GPU call (the machine has jax preinstalled; jact goes on
+the path without installing anything; the CIFAR-10 file travels in the tree):
+
+    JACT_DATA=gpu_data PYTHONPATH=. python -m experiments.gpu_campaign --out DIR
 
 Without a GPU (`jax.default_backend() != "gpu"`), or with `--smoke`, every
 chunk runs at tiny sizes instead: a smoke run that checks the commands,
-scripts and JSON end to end (measured: 160 s of CPU time in the chunks, about
-12 processes each importing jax; 5 minutes of wall time on 2 cores shared with
-other jobs). It says so in its output and in the summary ("smoke run on cpu:
-no GPU figure"); none of its numbers is a GPU figure. Its chunks share one
-temporary compilation cache; a GPU run uses none (compile times are reported).
+scripts and JSON end to end (Pallas kernels in interpret mode). It says so in
+its output and in the summary ("smoke run on cpu: no GPU figure"); none of its
+numbers is a GPU figure. Its chunks share one temporary compilation cache; a
+GPU run uses none (compile times are reported).
 
-On one GPU (planned for one H100; durations are estimates, nothing has run on a
-GPU yet), three commands of under 10 minutes each, each into the same DIR:
-
-    python -m experiments.gpu_campaign --chunks group1 --out DIR --deadline-s 560
-    python -m experiments.gpu_campaign --chunks group2 --out DIR --deadline-s 560
-    python -m experiments.gpu_campaign --chunks group3 --out DIR --deadline-s 560
-
-`--deadline-s` caps the whole invocation: a chunk's timeout is cut to the time
-left, and chunks that would start with less than a minute left are recorded as
-skipped (rerun them by name: `--chunks largest_jact2`). `--list` prints the
-chunks, their groups, estimated GPU minutes and commands. Chunks run in the
-order listed, most important first within each group.
-
-Before a GPU run: jact is tested with jax 0.10.2 (pyproject.toml: >=0.10.2,
-<0.11); a machine with another jax records its versions in every JSON, so
-check `jax`/`jaxlib` in the summary. `compressor_error` trains on CIFAR-10
-from the data kit: set `JACT_DATA` to a folder holding
-`cifar10/cifar10_jpeg_q75_10k_2k.npz` (the ResNet-50 chunks use real CIFAR-10
-images when found, scikit-learn's digits otherwise: timing and memory do not
-depend on the pixels).
-
-    python -m experiments.gpu_campaign --out /tmp/smoke              # no GPU: smoke run
+    python -m experiments.gpu_campaign --smoke --out /tmp/smoke
     python -m experiments.gpu_campaign --list
 """
 
@@ -60,12 +55,14 @@ from pathlib import Path
 
 from experiments.resumable import write_json
 
-__all__ = ["CHUNKS", "GROUPS", "Chunk", "select", "command", "probe", "run_chunk", "main"]
+__all__ = ["CHUNKS", "STAGES", "Chunk", "select", "command", "probe", "run_chunk", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_NOTE = "smoke run on {backend}: no GPU figure"
 TAIL_CHARS = 20000
 MIN_START_S = 60  # a chunk is not started with less time than this left before --deadline-s
+GPU_DEADLINE_S = 470.0  # one device call: 8 minutes, the jax import and device probe included
+SMOKE_TIMEOUT_S = 300.0  # per chunk in a smoke run
 
 _TINY_RESNET = ("--image", "16", "--classes", "10", "--stage-sizes", "1", "--width", "4",
                 "--dataset", "sklearn_digits")  # one bottleneck block: the plumbing only
@@ -79,98 +76,101 @@ class Chunk:
 
   Attributes:
     name: the chunk's name (its JSON is `<name>.json`).
-    group: the group it runs in (one device call of <= 9 minutes).
+    stage: the campaign stage it belongs to ("i" ... "v").
     module: the `experiments` module it runs.
     gpu_args: its arguments on a GPU.
     smoke_args: its arguments in a smoke run (tiny sizes).
-    gpu_minutes: expected minutes on one H100 (an estimate: never run on a GPU).
+    budget_s: its timeout on a GPU in seconds (None: the time left).
     measures: what it measures.
+
+  Arguments may name `{out}` (the campaign's folder) and `{per_variant_s}`
+  (the chunk's timeout, less a minute for start-up, shared among its
+  `--variants`), filled in when it runs.
   """
   name: str
-  group: str
+  stage: str
   module: str
   gpu_args: tuple[str, ...]
   smoke_args: tuple[str, ...]
-  gpu_minutes: float
+  budget_s: float | None
   measures: str
 
 
+_FIDELITY = ("--variants", "fp", "pergroup2", "actnn_l3", "blpa2", "--epochs", "10",
+             "--runs", "{out}/runs", "--results", "{out}/actnn_cifar", "--stop-after", "{per_variant_s}")
+_FIDELITY_SMOKE = ("--variants", "fp", "blpa2", "--epochs", "1", "--dataset", "cifar10",
+                   "--train-size", "128", "--test-size", "100", "--widths", "4", "--blocks", "1",
+                   "--batch", "32", "--runs", "{out}/runs", "--results", "{out}/actnn_cifar")
+
+# In order of value: what a GPU minute buys first. `budget_s` caps a chunk on a GPU.
 CHUNKS = (
-    Chunk("kernels_exact", "group1", "bench_kernels",
-          ("--sizes-mb", "1", "16", "--reps", "5", "--rotate-mb", "32", "--check-cpu"),
+    Chunk("checks", "i", "gpu_checks", (), (), 30,
+          "versions, device, every jact._compat / jact.flax._compat probe, kernels chosen"),
+    Chunk("kernels_exact", "i", "bench_kernels",
+          ("--sizes-mb", "1", "16", "--reps", "3", "--rotate-mb", "32", "--check-cpu"),
           ("--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0", "--ops", "relu_mask",
-           "--impls", "xla", "pallas_triton", "--check-cpu"),
-          1.0, "every kernel's bits vs the XLA reference on the GPU and on the CPU (1, 16 MB)"),
-    Chunk("kernels_bandwidth", "group1", "bench_kernels",
-          ("--sizes-mb", "4", "64", "1024", "--reps", "20"),
+           "quantize", "--impls", "xla", "pallas_triton", "--check-cpu"),
+          45, "every registered kernel's bits vs the XLA reference on the GPU and on the CPU"),
+    Chunk("kernels_bandwidth", "ii", "bench_kernels",
+          ("--sizes-mb", "4", "64", "512", "--reps", "10", "--rotate-mb", "256"),
           ("--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5", "--ops", "relu_mask",
            "--impls", "xla"),
-          2.5, "every kernel's GB/s (Pallas/Triton and XLA) vs a same-run device copy, 4 MB-1 GB"),
-    Chunk("kernel_extras", "group1", "gpu_measures", ("relu_grid", "compressors"),
-          ("relu_grid", "compressors", "--small"),
-          1.5, "ReLU-mask kernel on its (row, byte tile) grid: bits and GB/s per row length; "
-               "compress/decompress throughput of every compressor"),
-    Chunk("memory_scaling", "group1", "memory_scaling",
-          ("--modes", "ops", "compressed", "--bits", "2", "--sizes", "1", "4", "8"),
-          ("--blocks", "relu_cnn", "--modes", "ops", "--bits", "2", "--sizes", "1", "2"),
-          2.0, "compiled temp memory added per block vs residual bytes (ReLU CNN and transformer "
-               "stacks), XLA:GPU"),
-    Chunk("offload_attention", "group1", "gpu_measures", ("offload", "attention"),
-          ("offload", "attention", "--small"),
-          1.5, "host-offload step time (jact.offload_compressed) and chunked-attention speed and "
-               "memory vs plain attention"),
-    Chunk("train_step", "group2", "bench_train_step",
-          ("--image", "224", "--batches", "128", "--steps", "10", "--warmup", "2",
-           "--max-batch-search", "0"),
+          60, "every kernel's GB/s (XLA, Pallas/Triton, jax-triton) vs a same-run device copy"),
+    Chunk("resnet50", "iii", "bench_train_step",
+          ("--image", "224", "--batches", "128", "--bits", "2", "4", "8", "--steps", "5",
+           "--warmup", "1", "--max-batch-search", "0"),
           _TINY_RESNET + ("--batches", "2", "--steps", "1", "--warmup", "0", "--max-batch-search",
-                          "0", "--no-plain", "--bits", "2"),  # plain: largest_plain's smoke
-          5.0, "ResNet-50 224x224 train step (batch 128): plain vs jact 4 and 2 bits, time and "
-               "compiled memory"),
-    Chunk("ordering", "group2", "gpu_measures", ("ordering",), ("ordering", "--small"),
-          3.0, "compiled temp and step time with jact's XLA:CPU ordering ties folded away: does "
-               "XLA:GPU need them"),
-    Chunk("largest_plain", "group3", "bench_train_step",
-          ("--image", "224", "--batches", "--bits", "--max-batch-search", "4096",
+                          "0", "--bits", "2"),
+          110, "ResNet-50 224x224 train step (batch 128): plain vs jact 2/4/8 bits: step time, "
+               "compile seconds, compiled and peak memory"),
+    Chunk("lm", "iii", "gpu_lm", ("--layers", "6", "--width", "512", "--length", "512", "--batch",
+                                  "32"), ("--small",),
+          60, "transformer LM train step: plain vs jact 8/4/2 bits vs jact.checkpoint: step time, "
+              "compile seconds, compiled and peak memory"),
+    Chunk("largest_batch", "iv", "bench_train_step",
+          ("--image", "224", "--batches", "--bits", "2", "--max-batch-search", "4096",
            "--search-start", "512"),
-          _SEARCH_SMOKE + ("--bits",),
-          2.5, "largest ResNet-50 224x224 batch that fits, plain Flax"),
-    Chunk("largest_jact2", "group3", "bench_train_step",
-          ("--image", "224", "--batches", "--no-plain", "--bits", "2", "--max-batch-search",
-           "4096", "--search-start", "2048"),
-          _SEARCH_SMOKE + ("--no-plain", "--bits", "2"),
-          2.5, "largest ResNet-50 224x224 batch that fits, jact 2 bits"),
-    Chunk("largest_jact4", "group3", "bench_train_step",
-          ("--image", "224", "--batches", "--no-plain", "--bits", "4", "--max-batch-search",
-           "4096", "--search-start", "2048"),
-          _SEARCH_SMOKE + ("--no-plain", "--bits", "4"),
-          2.5, "largest ResNet-50 224x224 batch that fits, jact 4 bits"),
-    Chunk("compressor_error", "group3", "bench_compressors",
-          ("--train-steps", "100", "--keys", "4"),
-          ("--methods", "ActNN 2", "--batch", "8", "--keys", "1", "--widths", "4", "--blocks",
-           "1", "--train-steps", "1", "--train-batch", "8"),
-          1.5, "gradient error, residual bytes and seconds per gradient of every compressor "
-               "(CIFAR pre-activation ResNet; needs the CIFAR-10 data kit)"),
+          _SEARCH_SMOKE + ("--bits", "2"),
+          75, "largest ResNet-50 224x224 batch that fits, plain Flax vs jact 2 bits"),
+    Chunk("fidelity_seed0", "v", "actnn_cifar", _FIDELITY + ("--seed", "0"),
+          _FIDELITY_SMOKE + ("--seed", "0"),
+          None, "pre-act ResNet-20 on full CIFAR-10: FP vs 2-bit vs ActNN L3 vs BLPA 2-bit, "
+                "10 epochs or what the time left allows (needs the CIFAR-10 data kit)"),
+    Chunk("fidelity_seed1", "v", "actnn_cifar", _FIDELITY + ("--seed", "1"),
+          _FIDELITY_SMOKE + ("--seed", "1"),
+          None, "the same with a second seed"),
 )
 
-GROUPS = tuple(dict.fromkeys(c.group for c in CHUNKS))
+STAGES = tuple(dict.fromkeys(c.stage for c in CHUNKS))
 
 
 def select(names: list[str] | None) -> list[Chunk]:
-  """The chunks named (chunk or group names; None or "all": every chunk), in campaign order."""
+  """The chunks named (chunk or stage names; None or "all": every chunk), in campaign order."""
   if not names or "all" in names:
     return list(CHUNKS)
-  known = {c.name for c in CHUNKS} | set(GROUPS)
+  known = {c.name for c in CHUNKS} | set(STAGES)
   unknown = [n for n in names if n not in known]
   if unknown:
     raise ValueError(f"unknown chunks {unknown}; chunks: {[c.name for c in CHUNKS]}, "
-                     f"groups: {list(GROUPS)}, or all")
-  return [c for c in CHUNKS if c.name in names or c.group in names]
+                     f"stages: {list(STAGES)}, or all")
+  return [c for c in CHUNKS if c.name in names or c.stage in names]
 
 
-def command(chunk: Chunk, smoke: bool, json_path: str | os.PathLike) -> list[str]:
-  """The chunk's command line."""
+def command(chunk: Chunk, smoke: bool, json_path: str | os.PathLike, out: str | os.PathLike = "DIR",
+            timeout_s: float | None = None) -> list[str]:
+  """The chunk's command line, `{out}` and `{per_variant_s}` filled in."""
   args = chunk.smoke_args if smoke else chunk.gpu_args
-  return [sys.executable, "-m", f"experiments.{chunk.module}", *args, "--json", str(json_path)]
+  variants = _count_variants(args)
+  per_variant = "600" if timeout_s is None else f"{max(30.0, (timeout_s - 60) / variants):.0f}"
+  filled = [a.format(out=out, per_variant_s=per_variant) for a in args]
+  return [sys.executable, "-m", f"experiments.{chunk.module}", *filled, "--json", str(json_path)]
+
+
+def _count_variants(args) -> int:
+  if "--variants" not in args:
+    return 1
+  rest = args[args.index("--variants") + 1:]
+  return max(1, next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest)))
 
 
 def _shown(cmd: list[str]) -> str:
@@ -213,12 +213,13 @@ def _children_cpu_s() -> float:
   return usage.ru_utime + usage.ru_stime
 
 
-def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None) -> dict:
+def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None,
+              out: str | os.PathLike = "DIR") -> dict:
   """Runs one chunk (with `env` added to the environment); its record (exit
   code, seconds, timed out, output tail, its JSON)."""
   with tempfile.TemporaryDirectory(prefix="jact_campaign_") as tmp:
     json_path = Path(tmp) / f"{chunk.name}.json"
-    cmd = command(chunk, smoke, json_path)
+    cmd = command(chunk, smoke, json_path, out, timeout)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
@@ -250,14 +251,14 @@ def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None
 def _entry(chunk: Chunk, record: dict, meta: dict, smoke: bool) -> dict:
   """The chunk's line in the summary."""
   on_gpu = meta.get("backend") == "gpu"
-  return {"chunk": chunk.name, "group": chunk.group, "measures": chunk.measures,
+  return {"chunk": chunk.name, "stage": chunk.stage, "measures": chunk.measures,
           "command": record["command"], "exit_code": record["exit_code"],
           "seconds": record["seconds"], "cpu_s": record.get("cpu_s"),
           "timed_out": record["timed_out"],
           "skipped": record.get("skipped", False), "json": f"{chunk.name}.json",
           "date": record["started"], "device": meta.get("device"), "backend": meta.get("backend"),
           "jax": meta.get("jax"), "jaxlib": meta.get("jaxlib"), "on_gpu": on_gpu, "smoke": smoke,
-          "gpu_figure": on_gpu and not smoke, "expected_gpu_minutes": chunk.gpu_minutes}
+          "gpu_figure": on_gpu and not smoke, "budget_s": chunk.budget_s}
 
 
 def _note(meta: dict, smoke: bool) -> str:
@@ -301,12 +302,11 @@ def _banner(text: str) -> None:
 
 def list_chunks(smoke: bool) -> str:
   lines = []
-  for group in GROUPS:
-    chunks = [c for c in CHUNKS if c.group == group]
-    minutes = sum(c.gpu_minutes for c in chunks)
-    lines.append(f"{group} (about {minutes:g} GPU minutes, estimated):")
-    for c in chunks:
-      lines.append(f"  {c.name:18s} ~{c.gpu_minutes:g} min  {c.measures}")
+  for stage in STAGES:
+    lines.append(f"stage {stage}:")
+    for c in (c for c in CHUNKS if c.stage == stage):
+      budget = "the time left" if c.budget_s is None else f"{c.budget_s:g} s"
+      lines.append(f"  {c.name:18s} {budget:>13s}  {c.measures}")
       lines.append(f"    gpu:   {_shown(command(c, False, f'DIR/{c.name}.json'))}")
       if smoke:
         lines.append(f"    smoke: {_shown(command(c, True, f'DIR/{c.name}.json'))}")
@@ -329,20 +329,30 @@ def _skipped(chunk: Chunk, smoke: bool, left: float, deadline: float) -> dict:
           "started": None, "reason": f"deadline: {max(left, 0):.0f} s left of --deadline-s {deadline:g}"}
 
 
+def chunk_timeout(chunk: Chunk, smoke: bool, left: float | None, timeout_s: float | None) -> float:
+  """A chunk's timeout: `--timeout-s` if given, else its GPU budget (the time
+  left for the fidelity chunks) or, in a smoke run, SMOKE_TIMEOUT_S; never past
+  the deadline."""
+  if timeout_s is None:
+    timeout_s = SMOKE_TIMEOUT_S if smoke else chunk.budget_s
+  limits = [t for t in (timeout_s, left) if t is not None]
+  return min(limits) if limits else SMOKE_TIMEOUT_S
+
+
 def _run_all(chunks: list[Chunk], args, argv: list[str], meta: dict, smoke: bool, out: Path,
-             t_start: float, env: dict) -> tuple[dict, dict]:
+             t_start: float, env: dict, deadline: float | None) -> tuple[dict, dict]:
   """Runs the chunks in order, writing each one's JSON and the summary after each."""
   entries, summary = {}, {}
   for chunk in chunks:
-    left = None if args.deadline_s is None else args.deadline_s - (time.perf_counter() - t_start)
+    left = None if deadline is None else deadline - (time.perf_counter() - t_start)
     if left is not None and left < MIN_START_S:
-      record = _skipped(chunk, smoke, left, args.deadline_s)
+      record = _skipped(chunk, smoke, left, deadline)
       print(f"--- {chunk.name}: skipped ({record['reason']})", flush=True)
     else:
-      timeout = args.timeout_s if left is None else min(args.timeout_s, left)
-      print(f"--- {chunk.name} ({chunk.group}, timeout {timeout:.0f} s): "
-            f"{_shown(command(chunk, smoke, f'{chunk.name}.json'))}", flush=True)
-      record = run_chunk(chunk, smoke, timeout, env)
+      timeout = chunk_timeout(chunk, smoke, left, args.timeout_s)
+      print(f"--- {chunk.name} (stage {chunk.stage}, timeout {timeout:.0f} s): "
+            f"{_shown(command(chunk, smoke, f'{chunk.name}.json', out, timeout))}", flush=True)
+      record = run_chunk(chunk, smoke, timeout, env, out)
       status = "timed out" if record["timed_out"] else f"exit {record['exit_code']}"
       print(f"--- {chunk.name}: {status} after {record['seconds']:.1f} s", flush=True)
     entries[chunk.name] = _entry(chunk, record, meta, smoke)
@@ -369,13 +379,16 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", help="folder for <chunk>.json and summary.json")
   parser.add_argument("--chunks", nargs="+", default=None,
-                      help=f"chunk or group names ({', '.join(GROUPS)}) or all (default)")
+                      help=f"chunk or stage names ({', '.join(STAGES)}) or all (default)")
   parser.add_argument("--list", action="store_true", help="print the chunks and their commands")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
-  parser.add_argument("--timeout-s", type=float, default=540.0, help="per chunk (default 540)")
+  parser.add_argument("--timeout-s", type=float, default=None,
+                      help="per chunk (default: its GPU budget; smoke run: "
+                           f"{SMOKE_TIMEOUT_S:g})")
   parser.add_argument("--deadline-s", type=float, default=None,
-                      help="wall-clock limit of this whole invocation (chunks' timeouts are cut to "
-                           "it; chunks that would start with under a minute left are skipped)")
+                      help="wall-clock limit of this whole invocation (default on a GPU: "
+                           f"{GPU_DEADLINE_S:g}; chunks' timeouts are cut to it; chunks that "
+                           "would start with under a minute left are skipped)")
   args = parser.parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
   if args.list:
@@ -405,9 +418,10 @@ def _campaign(chunks: list[Chunk], args, argv: list[str]) -> int:
             " -- tiny sizes, every number below is meaningless")
   else:
     _banner(f"GPU campaign on {meta.get('device')} (jax {meta.get('jax')})")
+  deadline = args.deadline_s if args.deadline_s is not None or smoke else GPU_DEADLINE_S
   with tempfile.TemporaryDirectory(prefix="jact_campaign_cache_") as cache:
     entries, summary = _run_all(chunks, args, argv, meta, smoke, out, t_start,
-                                _smoke_env(cache) if smoke else {})
+                                _smoke_env(cache) if smoke else {}, deadline)
   return _report(entries, summary, smoke, out, time.perf_counter() - t_start)
 
 

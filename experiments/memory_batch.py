@@ -283,8 +283,8 @@ def lm_loss(method: str, cfg: zoo.LMConfig) -> Callable:
   if method == "plain":
     model = zoo.TransformerLM(cfg)
     return lambda params, batch, key: _xent(model.apply({"params": params}, batch[0]), batch[1])
-  if method in ("jact4", "jact2"):
-    model = jact.convert(zoo.TransformerLM(cfg), bits=int(method[-1]))
+  if method.removeprefix("jact").isdigit():  # jact4, jact2, ... (gpu_lm adds jact8)
+    model = jact.convert(zoo.TransformerLM(cfg), bits=int(method.removeprefix("jact")))
     return lambda params, batch, key: _xent(
         model.apply({"params": params}, batch[0], rngs={"jact": key}), batch[1])
   return lambda params, batch, key: _xent(
