@@ -243,7 +243,9 @@ def test_policy_chooses_fewer_residuals():
   g = jax.grad(lambda p: jnp.sum(jact.compressed(
       block, bits=None, policy=jax.checkpoint_policies.dots_saveable)(p, x) * r))(params)
   e = jax.grad(lambda p: jnp.sum(block(p, x) * r))(params)
-  chex.assert_trees_all_close(g, e, rtol=1e-5, atol=1e-6)
+  # atol 1e-5: float32 rounding where terms of gradients up to ~10 in size cancel (on jax 0.12
+  # one of 1024 entries differs by 1.3e-6 from jax's own order of operations).
+  chex.assert_trees_all_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -274,8 +276,10 @@ def test_bits_none_gives_the_exact_gradient_and_vmap_works():
   block, params, x, r = setup("conv_bn")
   fast = jact.compressed(block, bits=None)
   g = jax.grad(lambda p: jnp.sum(fast(p, x) * r))(params)
+  # atol 1e-5: float32 rounding where terms of gradients up to ~25 in size cancel (on jax 0.12
+  # one of 16 entries differs by 2.5e-6 from jax's own order of operations).
   chex.assert_trees_all_close(g, jax.grad(lambda p: jnp.sum(block(p, x) * r))(params),
-                              rtol=1e-5, atol=1e-6)
+                              rtol=1e-5, atol=1e-5)
   batched = jax.vmap(lambda x: jact.compressed(block, bits=2)(params, x[None],
                                                               key=jax.random.key(0)))(x)
   np.testing.assert_allclose(batched[:, 0], jax.vmap(lambda x: block(params, x[None]))(x)[:, 0],
