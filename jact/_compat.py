@@ -598,7 +598,8 @@ _ELEMENTWISE_LINEAR = frozenset({"add", "sub", "neg", "convert_element_type", "c
 _ELEMENTWISE_NONLINEAR = frozenset({
     "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "integer_pow",
     "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "sin", "cos", "tan", "atan", "asinh", "acosh",
-    "atanh", "sinh", "cosh", "abs", "square", "max", "min"})
+    "atanh", "sinh", "cosh", "abs", "square", "max", "min",
+    "one_minus_square"})  # 1 - x**2: tanh's derivative on jax >= 0.11
 
 
 def elementwise_kind(eqn) -> str | None:
