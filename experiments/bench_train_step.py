@@ -94,6 +94,14 @@ def device_memory() -> dict | None:
   return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
+def compiled_memory_of(compiled) -> CompiledMemory:
+  """XLA's memory analysis of a compiled function as a `CompiledMemory`."""
+  s = compiled.memory_analysis()
+  return CompiledMemory(int(s.temp_size_in_bytes), int(s.argument_size_in_bytes),
+                        int(s.output_size_in_bytes), int(s.alias_size_in_bytes),
+                        int(s.generated_code_size_in_bytes))
+
+
 def needed_bytes(mem: CompiledMemory) -> int:
   """Device memory a compiled step needs: temp + arguments + outputs - aliased."""
   return mem.temp_bytes + mem.argument_bytes + mem.output_bytes - mem.alias_bytes
@@ -172,11 +180,7 @@ class Bench:
     compiled = jax.jit(self.step_fn(bits), donate_argnums=0).lower(
         self.state_spec, x, y, self.key).compile(self.compiler_options)
     seconds = time.perf_counter() - t0
-    s = compiled.memory_analysis()
-    mem = CompiledMemory(int(s.temp_size_in_bytes), int(s.argument_size_in_bytes),
-                         int(s.output_size_in_bytes), int(s.alias_size_in_bytes),
-                         int(s.generated_code_size_in_bytes))
-    return compiled, mem, seconds
+    return compiled, compiled_memory_of(compiled), seconds
 
   def batch(self, batch: int):
     """Real images and labels repeated to `batch` examples, on the device."""

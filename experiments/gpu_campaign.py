@@ -115,7 +115,7 @@ CHUNKS = (
           ("--sizes-mb", "4", "64", "512", "--reps", "10", "--rotate-mb", "256"),
           ("--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5", "--ops", "relu_mask",
            "--impls", "xla"),
-          60, "every kernel's GB/s (XLA, Pallas/Triton, jax-triton) vs a same-run device copy"),
+          60, "every registered kernel's GB/s (XLA, Pallas/Triton) vs a same-run device copy"),
     Chunk("resnet50", "iii", "bench_train_step",
           ("--image", "224", "--batches", "128", "--bits", "2", "4", "8", "--steps", "5",
            "--warmup", "1", "--max-batch-search", "0"),

@@ -23,16 +23,11 @@ import time
 
 import jax
 
-from experiments import memory_batch, resumable, zoo
+from experiments import bench_train_step, memory_batch, resumable, zoo
 
 __all__ = ["METHODS", "measure", "main"]
 
 METHODS = ("plain", "jact8", "jact4", "jact2", "jact_checkpoint")
-
-
-def _peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else int(stats.get("peak_bytes_in_use", 0))
 
 
 def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: int) -> dict:
@@ -43,11 +38,9 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, key).compile()
   compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  row = {"method": method, "compile_s": round(compile_s, 2),
-         "temp_bytes": int(mem.temp_size_in_bytes),
-         "needed_bytes": int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                             + mem.output_size_in_bytes - mem.alias_size_in_bytes)}
+  mem = bench_train_step.compiled_memory_of(compiled)
+  row = {"method": method, "compile_s": round(compile_s, 2), "temp_bytes": mem.temp_bytes,
+         "needed_bytes": bench_train_step.needed_bytes(mem)}
   params, opt_state, loss = compiled(params, opt_state, batch, key)  # warm-up
   jax.block_until_ready(loss)
   times = []
@@ -57,8 +50,9 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
       params, opt_state, loss = compiled(params, opt_state, batch, jax.random.key(1 + r * steps + i))
     jax.block_until_ready((params, loss))
     times.append((time.perf_counter() - t0) / steps)
+  device = bench_train_step.device_memory()  # None on CPU
   row.update(step_ms=round(1e3 * statistics.median(times), 3), loss=float(loss),
-             peak_bytes_in_use=_peak_bytes())
+             peak_bytes_in_use=None if device is None else device["peak_bytes_in_use"])
   return row
 
 
@@ -81,7 +75,7 @@ def main(argv=None) -> int:
   config = memory_batch.Config(widths=(8,), blocks=1, lm=cfg, cap_mib=0, start=1, granularity=1,
                                upper=1, time_batch=a.batch, time_steps=a.steps)
   params = memory_batch.init_params("transformer_lm", config)
-  batch = memory_batch.real_batch("transformer_lm", a.batch, config)
+  batch = memory_batch.shakespeare_batch(a.batch, a.length)
   out = {"meta": resumable.run_metadata("experiments.gpu_lm", argv),
          "config": {"layers": a.layers, "width": a.width, "heads": cfg.num_heads,
                     "length": a.length, "batch": a.batch, "steps": a.steps,
