@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fill gpu_data/ (git-ignored) with what the GPU campaign needs beside the working tree on a
 # GPU machine that has Python 3.12 and jax/flax/optax/triton but no network: the CIFAR-10
-# and tiny Shakespeare files of the data kit (about 22 MB) and the wheel of the one extra the
-# campaign imports that such a machine may lack (Pillow, to decode CIFAR-10's JPEGs; about
-# 5 MB). Everything stays under the 64 MiB a device call takes along.
+# and tiny Shakespeare files of the data kit (about 22 MB) and the wheels of the extras the
+# campaign imports that such a machine may lack (Pillow, to decode CIFAR-10's JPEGs, and
+# jax-triton 0.3.1, which launches the "jax_triton" kernel; about 5 MB). Everything stays under
+# the 64 MiB a device call takes along.
 #
 #   scripts/gpu_bundle.sh [DATA_DIR]      (default: $JACT_DATA, else ../shared/data)
 set -euo pipefail
@@ -15,5 +16,5 @@ cp "$data"/cifar10/cifar10_jpeg_q75_full.npz "$data"/cifar10/cifar10_jpeg_q75_10
 cp "$data"/tinyshakespeare/input.txt "$out/tinyshakespeare/"
 python -m pip download --quiet --no-deps --only-binary :all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$out/wheels" \
-  "pillow>=10"
+  "pillow>=10" "jax-triton==0.3.1"
 du -sh "$out"

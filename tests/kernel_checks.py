@@ -66,6 +66,24 @@ class Poisoned:
     return run
 
 
+class PoisonedTriton:
+  """A stand-in for `jact.kernels._jax_triton.call` (the jax-triton kernels'
+  launcher) that passes it `initial` outputs of garbage: `fills()`'s integer
+  value for integer outputs, its float value for float outputs. `calls` counts
+  the calls made."""
+
+  def __init__(self, call, fills):
+    self.call, self.fills = call, fills
+    self.calls = 0
+
+  def __call__(self, kernel, *args, out_shape, **kwargs):
+    self.calls += 1
+    int_fill, float_fill = self.fills()
+    initial = [jnp.asarray(int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill)
+               for o in out_shape]
+    return self.call(kernel, *args, out_shape=out_shape, **{**kwargs, "initial": initial})
+
+
 def poisoned_call(kernel, **kwargs):
   """`_triton.call` with outputs that start as 0xA5 (integers) or 1.5 (floats)."""
   return Poisoned(lambda: (0xA5, 1.5))(kernel, **kwargs)

@@ -39,8 +39,9 @@ import pytest
 from jact.core.persample import quantize_per_sample_reference
 from jact.core.quantize import effective_group_size, quantize_reference, quantize_rows_reference
 from jact.kernels import REGISTRY
+from jact.kernels import _jax_triton
 from jact.kernels import _triton as T
-from kernel_checks import Poisoned, assert_same_tree, bits_of, cuda_kernels
+from kernel_checks import Poisoned, PoisonedTriton, assert_same_tree, bits_of, cuda_kernels
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 REFERENCE = "xla"
@@ -93,7 +94,8 @@ def quantize_cases():
       seed = jnp.uint32(0xC0FFEE + bits) if stochastic else None
       return ((activation(shape, dtype, seed=bits), seed),
               dict(bits=bits, group_size=g, stochastic=stochastic))
-    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick)
+    return Case(name, make, {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)},
+                quick)
 
   return [
       case("b1-f32-group200", (4, 1000), F32, 1, 256, rows=4),  # groups of 200: not a power of two
@@ -311,6 +313,8 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
   fills = {}
   poisoned = Poisoned(lambda: (fills["int"], fills["float"]))
   monkeypatch.setattr(T, "call", poisoned)
+  poisoned_triton = PoisonedTriton(_jax_triton.call, lambda: (fills["int"], fills["float"]))
+  monkeypatch.setattr(_jax_triton, "call", poisoned_triton)
   fn = _kernel(op, name, case)
 
   @jax.jit
@@ -320,9 +324,9 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
 
   for int_fill, float_fill in FILLS:  # one trace: the fills are arguments
     got = run(args, jnp.int32(int_fill), jnp.float32(float_fill))
-    assert poisoned.calls, (
-        f"{op}/{name} made no Pallas call through jact.kernels._triton.call, so its outputs "
-        f"could not be pre-filled; build its pallas_call with `_triton.call`")
+    assert poisoned.calls or poisoned_triton.calls, (
+        f"{op}/{name} made no Pallas call through jact.kernels._triton.call nor Triton call "
+        f"through jact.kernels._jax_triton.call, so its outputs could not be pre-filled")
     for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
       a, b = np.asarray(a), np.asarray(b)
       stale = (bits_of(a) != bits_of(b)) & (
@@ -336,12 +340,35 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
                                 f"{int_fill:#x} / {float_fill}")
 
 
+def _jax_triton_ptx():
+  from jact.kernels import pergroup_jax_triton
+  return {"quantize": pergroup_jax_triton.compile_for_cuda}
+
+
+def _lowers_jax_triton_kernel(op, case):
+  """A jax-triton kernel's Triton source compiled for sm_90 here (a CPU jaxlib
+  cannot load jax-triton, whose lowering builds a CUDA jaxlib object): PTX with
+  no fused multiply-add and no approximate division, which would break
+  bit-exactness on the device."""
+  from experiments.compile_kernels import ptx_facts
+  compile_for_cuda = _jax_triton_ptx().get(op)
+  if compile_for_cuda is None:
+    pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to _jax_triton_ptx", pytrace=False)
+  args, kwargs, _ = _reference(op, case)
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  facts = ptx_facts(compile_for_cuda(*shapes, **kwargs, **case.options.get("jax_triton", {})))
+  assert facts["loads"] and facts["stores"], facts
+  assert facts["fused_multiply_adds"] == 0 and facts["approximate_divisions"] == 0, facts
+
+
 @pytest.mark.parametrize("op,name,case", _params(_every, per_case=False))
 def test_lowers_for_cuda(op, name, case):
   """Lowered for CUDA from this host: Triton calls only (at least one for a
   kernel that lowers for cuda, none for one that lowers everywhere, like the
   reference), with the reference's output structure, shapes and dtypes."""
   _require(op, case)
+  if name == "jax_triton":
+    return _lowers_jax_triton_kernel(op, case)
   impl = REGISTRY.available(op)[name]
   if impl.lowering_platforms and "cuda" not in impl.lowering_platforms:
     pytest.fail(f"{op}/{name} lowers only for {impl.lowering_platforms}: extend this test to "

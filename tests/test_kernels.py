@@ -63,14 +63,14 @@ def test_registered_kernel_wins_by_priority_on_its_platform_only():
 
 
 def test_unknown_names_raise_with_the_choices():
-  with pytest.raises(ValueError, match="available: \\['pallas_triton', 'xla'\\]"):
+  with pytest.raises(ValueError, match="available: \\['jax_triton', 'pallas_triton', 'xla'\\]"):
     kernels.select("quantize", implementation="cuda_magic")
   with pytest.raises(KeyError, match="known ops"):
     kernels.available("no_such_op")
   with pytest.raises(ValueError, match="available"):
     with kernels.use(quantize="nope"):
       pass
-  with pytest.raises(ValueError, match="use one of \\['pallas_triton', 'xla'\\]"):
+  with pytest.raises(ValueError, match="use one of \\['jax_triton', 'pallas_triton', 'xla'\\]"):
     PerGroup(2, implementation="triton")
   with pytest.raises(ValueError, match="available"):
     jact.quantize(jnp.ones((2, 8)), jax.random.key(0), bits=2, implementation="cuda")
@@ -294,3 +294,25 @@ def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch)
   assert " conditional(" not in staged.as_text() and " case(" not in staged.as_text()
   assert (staged.memory_analysis().temp_size_in_bytes
           == plain.memory_analysis().temp_size_in_bytes)
+
+
+def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
+  """`use(quantize="jax_triton")` routes jact's quantizer (and a layer's
+  compressed residual) to the Triton-language kernel (Triton's interpreter off
+  GPU), with the reference's bits; the Pallas kernel stays the GPU default."""
+  from jact.kernels import _jax_triton
+  launches = []
+  launch = _jax_triton.call
+  monkeypatch.setattr(_jax_triton, "call", lambda *a, **k: launches.append(k["name"]) or launch(*a, **k))
+  x = jax.random.normal(jax.random.key(3), (4, 300))
+  w = jax.random.normal(jax.random.key(4), (300, 8)) / 20
+  key = jax.random.key(5)
+  loss = lambda x, w: jnp.sum(dense(x, w, key=key, bits=2) ** 2)
+  assert kernels.select("quantize", platform="gpu").name == "pallas_triton"
+  with kernels.use(quantize="jax_triton"):
+    assert kernels.select("quantize").name == "jax_triton"
+    chosen = jact.quantize(x, key, bits=2, group_size=64)
+    grads = jax.jit(jax.grad(loss, argnums=1))(x, w)
+  assert launches == ["jact_quantize_jax_triton"] * 2, launches  # the quantizer, then the layer
+  assert_same_packed(chosen, jact.quantize(x, key, bits=2, group_size=64, implementation="xla"))
+  assert_same_bits(grads, jax.jit(jax.grad(loss, argnums=1))(x, w))

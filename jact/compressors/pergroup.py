@@ -48,7 +48,8 @@ class PerGroup(Compressor):
   def __post_init__(self):
     check_bits(self.bits)
     check_group_size(self.group_size)
-    check_implementation(self.implementation, "quantize")
+    for op in ("quantize", "dequantize"):  # the kernel runs both ways (jax_triton: quantize only)
+      check_implementation(self.implementation, op)
 
   @property
   def unbiased(self) -> bool:

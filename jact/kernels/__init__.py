@@ -2,7 +2,8 @@
 
 Each op name maps to implementations keyed by name. The `"xla"` reference is
 always registered (it is the test oracle); the Pallas kernels
-(`"pallas_triton"`, Triton backend) register themselves for GPUs, and
+(`"pallas_triton"`, Triton backend) register themselves for GPUs, as does
+a jax-triton kernel of "quantize" (`"jax_triton"`, chosen only when asked), and
 `select` picks one by backend unless the caller (`implementation=`) or a
 `use(...)` context asks for a specific implementation. Every implementation
 of an op returns the same bits for the same inputs and seed. `dispatch`
@@ -25,7 +26,7 @@ Ops (each implementation takes the reference's arguments):
 >>> import jax
 >>> from jact import kernels
 >>> sorted(kernels.available("quantize"))
-['pallas_triton', 'xla']
+['jax_triton', 'pallas_triton', 'xla']
 >>> kernels.select("quantize").name
 'xla'
 >>> with kernels.use(quantize="xla"):
@@ -34,6 +35,8 @@ Ops (each implementation takes the reference's arguments):
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from jact.core.division import division_compress_reference
 from jact.core.packing import relu_mask_reference
@@ -72,7 +75,24 @@ def _pallas_triton() -> list[Implementation]:
       ("division_compress", division.division_compress)]]
 
 
-REGISTRY = Registry(_REFERENCES + _pallas_triton())
+def _quantize_jax_triton(*args, **kwargs):
+  """`jact.kernels.pergroup_jax_triton.quantize`, imported (with `triton`) when first called."""
+  from jact.kernels import pergroup_jax_triton
+  return pergroup_jax_triton.quantize(*args, **kwargs)
+
+
+def _jax_triton_kernels() -> list[Implementation]:
+  """The kernels written in Triton's language and launched with jax-triton, when
+  the `triton` package is installed. Below the Pallas kernels in priority:
+  chosen by `use(quantize="jax_triton")` or `implementation="jax_triton"`
+  (jax 0.12 deprecates Pallas' Triton backend; these do not depend on it)."""
+  if importlib.util.find_spec("triton") is None:  # pragma: no cover
+    return []
+  return [Implementation("quantize", "jax_triton", _quantize_jax_triton, platforms=("gpu",),
+                         priority=5, max_size=2**31 - 1, lowering_platforms=("cuda",))]
+
+
+REGISTRY = Registry(_REFERENCES + _pallas_triton() + _jax_triton_kernels())
 """jact's kernel table (immutable; `REGISTRY.extended(...)` makes a new one)."""
 
 available = REGISTRY.available
