@@ -24,6 +24,8 @@ LAZY_ALLOWED = {
     # the Pallas kernels are registered only when this jax has Pallas' Triton backend
     ("jact.kernels", "jact.kernels.division"), ("jact.kernels", "jact.kernels.pergroup"),
     ("jact.kernels", "jact.kernels.persample"), ("jact.kernels", "jact.kernels.relu"),
+    # the jax-triton kernel imports `triton`: only when it is first called
+    ("jact.kernels", "jact.kernels.pergroup_jax_triton"),
 }
 
 
