@@ -309,9 +309,12 @@ class RMSNorm(_Twin, nnx.RMSNorm):
 
 
 class Dropout(_Twin, nnx.Dropout):
-  """`nnx.Dropout` (same 'dropout' stream) whose backward keeps only a 4-byte seed.
+  """`nnx.Dropout` whose backward keeps only the key (its 8 bytes of data).
 
-  The mask comes from jact's hash PRNG, so it differs from Flax's for the same key.
+  The mask is Flax's: a key from `rngs` (the 'dropout' stream, an `RngStream`
+  or a key), then `jax.random.bernoulli` with the same keep probability,
+  broadcast shape and sharding, so the output is bit-identical to
+  `nnx.Dropout`'s for the same rngs.
   """
 
   def __init__(self, rate: float, *, name: str | None = None, **kwargs):
@@ -335,10 +338,14 @@ class Dropout(_Twin, nnx.Dropout):
       key = rngs[self.rng_collection]()
     elif isinstance(rngs, nnx.RngStream):
       key = rngs()
-    else:
+    elif isinstance(rngs, jax.Array):
       key = rngs
+    else:
+      raise TypeError(f"jact.nnx.Dropout: rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG "
+                      f"key (jax.Array), got {type(rngs).__name__}.")
     return dropout_op(inputs, self.rate, key=key, broadcast_dims=self.broadcast_dims,
-                      name=self.residual_name)
+                      name=self.residual_name, draw="flax",
+                      out_sharding=jax.typeof(inputs).sharding)
 
 
 # ----------------------------------------------------------------------------- attention
