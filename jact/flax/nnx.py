@@ -23,6 +23,7 @@ fix if differentiated. Residual names default to the class name;
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -32,6 +33,7 @@ from jax import lax
 
 from jact.compressors import Compressor
 from jact.flax import _hooks
+from jact.flax._convert_generic import record
 from jact.flax._hooks import Hook, use_key
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
@@ -44,7 +46,14 @@ __all__ = [
 
 
 class _Twin:
-  """Mixin: settings, RNG stream and residual name of an nnx twin."""
+  """Mixin: settings, RNG stream and residual name of an nnx twin. Each call
+  of a twin is recorded for `jact.conversion_report` (a 'twin' row)."""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    call = cls.__dict__.get("__call__")
+    if call is not None:
+      cls.__call__ = _recorded(call)
 
   @classmethod
   def _check_settings(cls, rngs, bits, group_size, stochastic, compressor=None) -> None:
@@ -100,6 +109,16 @@ class _Twin:
       return _hooks.provide(**{slot: self._keyless(plain)})
     calls = _hooks.Calls(op, key, (self.residual_name,), slot, **self._rounding(), **static)
     return _hooks.provide(**{slot: calls})
+
+
+def _recorded(call):
+  """`call` (a twin's `__call__`) noting the call in a conversion report being taken."""
+  @functools.wraps(call)
+  def recorded(self, *args, **kwargs):
+    record(self.residual_name, type(self).__name__, "twin")
+    return call(self, *args, **kwargs)
+
+  return recorded
 
 
 def _first_not_none(*values, error_msg: str):
