@@ -256,8 +256,8 @@ def _causal_mask(query, key):
 # those it ignores by design (documented on the twins); any other keyword is
 # accepted at Flax's default value and rejected, by name, otherwise.
 ATTENTION_HANDLED = ("bias", "mask", "dropout_rng", "dropout_rate", "deterministic", "precision",
-                     "module", "is_causal")
-ATTENTION_IGNORED = ("broadcast_dropout", "dtype", "force_fp32_for_softmax")
+                     "module", "is_causal", "broadcast_dropout")
+ATTENTION_IGNORED = ("dtype", "force_fp32_for_softmax")
 _ATTENTION_SIGNATURE = _compat.attention_signature()
 _ATTENTION_DEFAULTS = _compat.attention_defaults()
 _LINEN_ATTENTION = tuple(inspect.signature(nn.dot_product_attention).parameters)
@@ -302,15 +302,14 @@ def _check_attention_keywords(kwargs: dict, supported) -> None:
 def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
   """The op behind `attention_slot`: jact's attention with the layer's key and settings.
 
-  Dropout (when active) draws its mask from the same key as the rounding noise;
-  with no rounding key, Flax's dropout key is used. Flax's `broadcast_dropout`
-  (one mask shared over batch and heads) is not reproduced: jact drops
-  attention weights element-wise.
+  Dropout (when active) draws its mask from Flax's dropout key (the layer's
+  'dropout' stream) exactly as Flax's attention does, `broadcast_dropout`
+  included, so the weights are Flax's; its backward keeps only that key.
   """
   def op(query, keys, value, **kwargs):
     _check_attention_keywords(kwargs, ATTENTION_HANDLED + ATTENTION_IGNORED)
-    bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal = (
-        kwargs[n] for n in ATTENTION_HANDLED)
+    (bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal,
+     broadcast_dropout) = (kwargs[n] for n in ATTENTION_HANDLED)
     if module is not None:
       raise ValueError(
           "jact attention does not return the attention weights, so sow_weights=True is not "
@@ -318,11 +317,10 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
     if is_causal:
       causal = _causal_mask(query, keys)
       mask = causal if mask is None else jnp.logical_and(mask, causal)
-    dropping = dropout_rate > 0.0 and not deterministic
-    op_key = key if key is not None or not dropping else dropout_rng
     return dot_product_attention(
         query, keys, value, bias=bias, mask=mask, dropout_rate=dropout_rate,
-        deterministic=deterministic, key=op_key, precision=precision, name=name, **settings)
+        deterministic=deterministic, key=key, dropout_key=dropout_rng,
+        broadcast_dropout=bool(broadcast_dropout), precision=precision, name=name, **settings)
 
   return op
 

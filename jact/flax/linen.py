@@ -300,9 +300,9 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   """`flax.linen.MultiHeadDotProductAttention` with compressed projections and attention.
 
   Residual names: "<path>/query", "/key", "/value", "/out" (projection inputs)
-  and "<path>/attention" (jact attention). Not supported: sow_weights=True and
-  Flax's broadcast dropout (jact drops attention weights element-wise, with
-  the mask drawn from the 'jact' key when there is one).
+  and "<path>/attention" (jact attention). Attention dropout draws Flax's own
+  masks from the 'dropout' stream (`broadcast_dropout` included). Not
+  supported: sow_weights=True.
   """
   bits: int | None = 4
   group_size: int = 256

@@ -374,9 +374,9 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   """`nnx.MultiHeadAttention` with compressed projections and attention.
 
   Residual names: "<name>/query", "/key", "/value", "/out" and
-  "<name>/attention". Not supported: sow_weights=True, Flax's broadcast
-  dropout (jact drops attention weights element-wise, with the mask drawn
-  from the 'jact' key when there is one).
+  "<name>/attention". Attention dropout draws Flax's own masks from the
+  layer's dropout key (`broadcast_dropout` included). Not supported:
+  sow_weights=True.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,

@@ -10,6 +10,9 @@ Two ways to draw the keep mask (`draw=`):
   `flax.linen.Dropout` and `flax.nnx.Dropout` draw from the same key, so the
   output is bit-identical to theirs; the residual is the key's data (8 bytes
   for the default threefry key).
+* "flax_attention": the same mask applied as Flax's attention applies its
+  weight dropout, `x * (keep / keep_prob)` in x's dtype (bit-identical to
+  `flax.linen.dot_product_attention_weights`'s for the same key).
 
 Either way the backward regenerates the very same mask from what it stored.
 Kept values are scaled by 1 / (1 - rate), like `flax.linen.Dropout`.
@@ -22,9 +25,9 @@ True
 >>> g = jax.grad(lambda x: dropout(x, 0.25, key=jax.random.key(0)).sum())(x)
 >>> bool((g == y).all())
 True
->>> import flax.linen as nn
->>> plain = nn.Dropout(0.25, deterministic=False).apply({}, x, rngs={'dropout': jax.random.key(0)})
->>> bool((dropout(x, 0.25, key=jax.random.key(0), draw="flax") == plain).all())
+>>> keep = jax.random.bernoulli(jax.random.key(0), 0.75, x.shape)   # what Flax draws
+>>> y = dropout(x, 0.25, key=jax.random.key(0), draw="flax")
+>>> bool((y == jnp.where(keep, x / 0.75, 0.0)).all())
 True
 """
 
@@ -44,7 +47,7 @@ from jact.engine.derivatives import reverse_only
 
 __all__ = ["dropout", "keep_mask", "check_rate", "DRAWS"]
 
-DRAWS = ("hash", "flax")  # how the keep mask is drawn (see the module docstring)
+DRAWS = ("hash", "flax", "flax_attention")  # how the mask is drawn (see the module docstring)
 
 
 def check_rate(rate, *, allow_one: bool = False) -> float:
@@ -104,9 +107,10 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
     deterministic: if True, return x unchanged (whatever the rate).
     broadcast_dims: axes that share one mask value (as in flax).
     name: residual name; the saved seed (or key data) is tagged `name.seed`.
-    draw: "hash" (jact's counter-based hash, a 4-byte residual) or "flax"
+    draw: "hash" (jact's counter-based hash, a 4-byte residual), "flax"
       (`jax.random.bernoulli` as Flax's Dropout draws it: the same mask as
-      `flax.linen.Dropout` for the same key; the key's data is kept).
+      `flax.linen.Dropout` for the same key; the key's data is kept) or
+      "flax_attention" (that mask applied as Flax's attention-weight dropout).
     out_sharding: with draw="flax", passed to `jax.random.bernoulli` (what
       `nnx.Dropout` passes: the input's sharding).
 
@@ -117,8 +121,8 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
   name = check_name(name)
   if draw not in DRAWS:
     raise ValueError(f"jact.ops.dropout draw must be one of {DRAWS}, got {draw!r}: 'hash' "
-                     f"(jact's hash, a 4-byte residual) or 'flax' (Flax's masks for the "
-                     f"same key).")
+                     f"(jact's hash, a 4-byte residual), 'flax' (Flax's masks for the same "
+                     f"key) or 'flax_attention' (applied as Flax's attention dropout).")
   if deterministic or rate == 0.0:
     return x
   x = check_float(x, "dropout")
@@ -131,7 +135,7 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
   dims = {d % x.ndim for d in broadcast_dims} if x.ndim else set()
   mask_shape = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
   keep_prob = 1.0 - rate
-  if draw == "flax":
+  if draw != "hash":
     _check_flax_key(key)
     seed, rebuild_key = _stored_key(key)
     sharding = {} if out_sharding is None else {"out_sharding": out_sharding}
@@ -145,6 +149,8 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
       return keep_mask(seed, mask_shape, rate)
 
   def apply_mask(seed, v):
+    if draw == "flax_attention":  # Flax's attention: one multiplier, 1 / keep_prob or 0
+      return v * (mask_of(seed).astype(v.dtype) / jnp.asarray(keep_prob, v.dtype))
     m = jnp.broadcast_to(mask_of(seed), v.shape)
     return jax.lax.select(m, v / jnp.asarray(keep_prob, v.dtype), jnp.zeros_like(v))
 
