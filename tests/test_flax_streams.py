@@ -105,6 +105,7 @@ def test_dropout_op_flax_draw_keeps_only_the_key():
     jact.ops.dropout(x, 0.5, key=jax.random.split(key), draw="flax")
 
 
+@pytest.mark.slow  # compiles a converted and a plain attention gradient per case: ~8 s
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_attention_dropout_draws_flax_masks(broadcast):
   """Attention-weight dropout of the converted attention layers (linen, nnx)
@@ -146,6 +147,7 @@ class DropoutMLP(nn.Module):
     return nn.Dense(4)(x)
 
 
+@pytest.mark.slow  # compiles a converted model's and the plain one's gradients: ~6 s
 def test_converted_linen_training_forward_is_plain():
   x = _normal((8, 32))
   model, converted = DropoutMLP(), jact.convert(DropoutMLP(), bits=8)
@@ -180,6 +182,7 @@ class NnxDropoutMLP(nnx.Module):
     return self.out(self.drop2(nnx.relu(self.fc2(x))))
 
 
+@pytest.mark.slow  # compiles converted and plain nnx training steps per case: ~4 s
 @pytest.mark.parametrize("streams", [True, False])
 def test_converted_nnx_training_forward_is_plain(streams):
   x = _normal((8, 32))
@@ -266,6 +269,7 @@ def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
         wrapped.apply(variables, x, rngs=rngs), model.apply(variables, x, rngs=rngs))
 
 
+@pytest.mark.slow  # compiles a wrapped scanned stack twice (bits None and 8): ~4 s
 def test_key_residuals_pass_through_the_engine():
   """A function whose VJP saves typed keys (dropout keys split over a scanned,
   rematerialized stack, one more at the top level and inside a jitted call)
@@ -354,6 +358,7 @@ def test_use_key_entered_outside_a_jitted_step_raises():
       jax.jit(lambda s: jax.grad(lambda s: loss(nnx.merge(graphdef, s)))(s))(state)
 
 
+@pytest.mark.slow  # compiles three steps, one eager gradient and two abstract traces: ~4 s
 def test_use_key_inside_the_step_draws_fresh_noise_per_key():
   model, loss = _linear_and_loss()
 
@@ -382,6 +387,7 @@ def test_use_key_inside_the_step_draws_fresh_noise_per_key():
     jax.make_jaxpr(jax.grad(lambda s: loss(nnx.merge(graphdef, s))))(state)
 
 
+@pytest.mark.slow  # compiles four gradients of converted and compressed functions: ~3 s
 def test_linen_and_compressed_constant_keys_in_a_step_are_the_callers_constant():
   """A key written inside a jitted step (linen's rngs=, jact.compressed's key=)
   is a constant of that step as in JAX and Flax: the same as passing it in."""
@@ -423,6 +429,7 @@ class StdConvNet(nn.Module):
     return nn.Dense(3)(x.mean(axis=(1, 2)))
 
 
+@pytest.mark.slow  # traces and measures every layer of two converted models: ~4 s
 def test_linen_report_lists_subclasses_of_supported_layers():
   x = _normal((2, 8, 8, 3))
   variables = StdConvNet().init(KEY, x)
