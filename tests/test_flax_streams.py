@@ -247,7 +247,7 @@ class ScanViT(nn.Module):
     return nn.Dense(3)(nn.LayerNorm()(x).mean(axis=1))
 
 
-@pytest.mark.slow  # tracing and compiling three wrapped scan+remat ViTs: ~20 s of one CPU core
+@pytest.mark.slow  # compiles five wrapped scan+remat ViT gradients and a report: ~30 s of one CPU core
 def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
   x = _normal((4, 8, 12))
   model = ScanViT()
@@ -267,6 +267,12 @@ def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
     assert _rel_err(g, g_ref) < 0.03, _rel_err(g, g_ref)  # measured 1.1% (convert), 0.9%
     np.testing.assert_array_equal(  # the same dropout masks: the same forward
         wrapped.apply(variables, x, rngs=rngs), model.apply(variables, x, rngs=rngs))
+  # the report reads the scanned keys too: each scanned dropout keeps one key per layer
+  converted = jact.convert(ScanViT(), bits=4)
+  report = jact.conversion_report(lambda v: jnp.sum(converted.apply(v, x, rngs=rngs)), variables)
+  drops = [r for r in report.rows if r.layer == "Dropout"]
+  assert len(drops) == 3 and all(r.how == "twin" and r.saved_bytes == 8 * ScanViT.depth
+                                 for r in drops), str(report)
 
 
 @pytest.mark.slow  # compiles a wrapped scanned stack twice (bits None and 8): ~4 s
