@@ -275,6 +275,59 @@ def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
                                  for r in drops), str(report)
 
 
+class NnxBlock(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.fc = nnx.Linear(16, 16, rngs=rngs)
+    self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.drop(nnx.gelu(self.fc(self.norm(x))))
+
+
+class NnxStack(nnx.Module):
+  """Blocks built with nnx.vmap (stacked dropout streams), run by nnx.scan
+  over nnx.remat: the nnx form of a scanned ViT."""
+
+  def __init__(self, rngs: nnx.Rngs, depth: int = 3):
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return NnxBlock(rngs)
+
+    self.blocks = blocks(rngs)
+    self.head = nnx.Linear(16, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.blocks))
+
+
+@pytest.mark.slow  # compiles three nnx scan+remat training steps: ~10 s of one CPU core
+def test_nnx_scan_remat_dropout_stack_trains_like_plain():
+  x = _normal((4, 8, 16))
+  loss = lambda m: jnp.sum(m(x) ** 2)
+  plain = NnxStack(nnx.Rngs(0, dropout=1))
+  value, g_ref = nnx.jit(lambda m: nnx.value_and_grad(loss)(m))(plain)
+  with_streams = jact.convert(NnxStack(nnx.Rngs(0, dropout=1)), bits=8, rngs=nnx.Rngs(jact=3))
+  without = jact.convert(NnxStack(nnx.Rngs(0, dropout=1)), bits=8)
+
+  @nnx.jit
+  def step(m, key):
+    with jact.nnx.use_key(key):
+      return nnx.value_and_grad(loss)(m)
+
+  for model in (with_streams, without):
+    converted_value, g = step(model, KEY)
+    np.testing.assert_array_equal(converted_value, value)  # the same masks, per layer
+    assert _rel_err(nnx.state(g, nnx.Param), nnx.state(g_ref, nnx.Param)) < 0.02
+
+
 @pytest.mark.slow  # compiles a wrapped scanned stack twice (bits None and 8): ~4 s
 def test_key_residuals_pass_through_the_engine():
   """A function whose VJP saves typed keys (dropout keys split over a scanned,
