@@ -15,6 +15,7 @@ from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax import _convert_linen_engine as _engine
 from jact.flax._conversion import Settings, unsupported
+from jact.flax._convert_generic import is_recording
 
 _ACTIVE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
     "jact_convert_settings", default=None)
@@ -221,10 +222,11 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
                                  inputs=False)
     finally:
       _engine.IN_MODEL.reset(token)
-  if (context.method_name == "__call__"
+  in_model = _engine.IN_MODEL.get()
+  if (context.method_name == "__call__" and (not in_model or is_recording())
       and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
       and not module.is_initializing() and _own_params(module)):
-    if _engine.IN_MODEL.get():  # compressed by the model's call: reported as such
+    if in_model:  # compressed by the model's call: reported as such
       _engine.note(module, "plain", _no_twin(base), base.__call__, None, args, kwargs,
                    descendants=True)
     else:
