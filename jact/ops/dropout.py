@@ -88,10 +88,10 @@ def _stored_key(key):
 def _check_flax_key(key) -> None:
   shape, dtype = tuple(getattr(key, "shape", ())), getattr(key, "dtype", None)
   typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-  if (typed and shape) or (not typed and (shape != (2,) or dtype != jnp.uint32)):
+  if (typed and shape) or (not typed and (len(shape) != 1 or dtype != jnp.uint32)):
     raise ValueError(
         f"jact.ops.dropout(draw='flax') takes one PRNG key (jax.random.key(...) or a legacy "
-        f"uint32[2] jax.random.PRNGKey), got {dtype} of shape {shape}; pass a single key.")
+        f"uint32 jax.random.PRNGKey), got {dtype} of shape {shape}; pass a single key.")
 
 
 def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
