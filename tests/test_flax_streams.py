@@ -165,7 +165,7 @@ def test_converted_linen_training_forward_is_plain():
   np.testing.assert_array_equal(y, jax.jit(lambda v: model.apply(v, x, rngs=rngs))(variables))
   np.testing.assert_array_equal(converted.apply(variables, x, False), model.apply(variables, x,
                                                                                   False))
-  assert _rel_err(g, g_ref) < 0.01, _rel_err(g, g_ref)  # measured 0.2%
+  assert _rel_err(g, g_ref) < 0.01, _rel_err(g, g_ref)  # measured 0.5%
 
 
 class NnxDropoutMLP(nnx.Module):
