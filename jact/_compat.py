@@ -32,6 +32,7 @@ import jax.extend.source_info_util
 import jax.numpy as jnp
 from jax import lax
 from jax._src import ad_checkpoint as _private_ad_checkpoint
+from jax._src import core as _private_core
 from jax.experimental import pallas as _pallas
 from jax.experimental.pallas import triton as _pallas_triton
 from jax.extend.core import primitives as _primitives
@@ -46,7 +47,7 @@ __all__ = [
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
-    "saved_residuals", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
+    "saved_residuals", "current_trace", "jit_traces_since", "abstract_evaluation", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
 ]
 
 
@@ -411,6 +412,49 @@ def is_tracer(x) -> bool:
   """Whether `x` is a tracer (e.g. a closed-over value of an enclosing
   transformation). Public: `jax.core.Tracer` (kept in `jax.core` 0.10.2)."""
   return isinstance(x, jax.core.Tracer)
+
+
+# ----------------------------------------------------------------------------- trace state
+
+def current_trace():
+  """The innermost trace active now (an opaque object compared by identity).
+  None public in jax 0.10.2: `jax._src.core.trace_ctx.trace`."""
+  return _private_core.trace_ctx.trace
+
+
+def jit_traces_since(outer) -> bool:
+  """Whether a `jax.jit` trace opened inside trace `outer` (from
+  `current_trace()`) is active now: what is read here from outside it is
+  baked into the compiled function as a constant, and its later calls replay
+  it. Eager `grad`/`vmap` and the staging of a `scan` or `checkpoint` body do
+  not count. None public in jax 0.10.2: walks `Trace.parent_trace` from the
+  current trace up to `outer`, reading each staging trace's
+  `frame.debug_info.traced_for` ('jit' for jit, pjit and nnx.jit)."""
+  trace = current_trace()
+  while trace is not None and trace is not outer:
+    info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    if getattr(info, "traced_for", None) == "jit":
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
+_ABSTRACT_ONLY = ("eval_shape", "make_jaxpr_f")  # jax functions whose traces are never compiled
+
+
+def abstract_evaluation() -> bool:
+  """Whether the caller runs inside `jax.eval_shape` / `nnx.eval_shape` or
+  `jax.make_jaxpr`, whose jit trace is read once and never compiled. None
+  public in jax 0.10.2: looks on the Python stack for those functions'
+  frames (by name, in jax's own source files)."""
+  root = jax.__file__.rsplit("/", 1)[0]
+  frame = inspect.currentframe()
+  while frame is not None:
+    code = frame.f_code
+    if code.co_name in _ABSTRACT_ONLY and code.co_filename.startswith(root):
+      return True
+    frame = frame.f_back
+  return False
 
 
 # ----------------------------------------------------------------------------- values
@@ -895,6 +939,25 @@ def _check_is_tracer():
     assert seen == [True] and not is_tracer(jnp.ones(1)) and not is_tracer(1.0)
 
 
+def _check_trace_state():
+  outer, seen = current_trace(), []
+
+  def probe(x):  # a new function each time: jit's trace cache is shared with eval_shape's
+    return seen.append((jit_traces_since(outer), abstract_evaluation())) or x
+
+  jax.jit(lambda x: probe(x))(1.0)
+  jax.eval_shape(lambda x: probe(x), 1.0)
+  jax.make_jaxpr(lambda x: probe(x))(2.0)
+  jax.grad(lambda x: probe(x))(1.0)
+  jax.vmap(lambda x: probe(x))(jnp.ones(2))
+  lax.scan(lambda c, x: (probe(c), None), 1.0, None, length=1)
+  jax.grad(jax.checkpoint(lambda x: probe(x)))(1.0)
+  jax.jit(lambda x: jax.grad(lambda y: probe(y))(x))(3.0)
+  assert seen == [(True, False), (True, True), (True, True), (False, False), (False, False),
+                  (False, False), (False, False), (True, False)], seen
+  assert not jit_traces_since(outer) and not abstract_evaluation()
+
+
 def _check_is_jax_value():
   seen = []
 
@@ -1120,6 +1183,11 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "eval_jaxpr": ("jax.core.eval_jaxpr", _check_eval_jaxpr),
     "is_tracer": ("jax.core.Tracer", _check_is_tracer),
     "is_jax_value": ("tracers are jax.Array; the .aval attribute", _check_is_jax_value),
+    "current_trace": ("jax._src.core.trace_ctx.trace", _check_trace_state),
+    "jit_traces_since": ("Trace.parent_trace and the staging trace's "
+                         "frame.debug_info.traced_for == 'jit'", _check_trace_state),
+    "abstract_evaluation": ("the frames of jax.eval_shape and jax.make_jaxpr's inner "
+                            "make_jaxpr_f", _check_trace_state),
     "on_device": ("jax.typeof(x).memory_space, jax.memory.Space", _check_on_device),
     "is_var": ("jax.extend.core.Var", _check_is_var),
     "is_literal": ("jax.extend.core.Literal", _check_is_literal),

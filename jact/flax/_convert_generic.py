@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import zlib
 from typing import Iterator
 
@@ -97,7 +98,8 @@ def saved_bytes(fn, inputs, kept) -> int:
       if id(leaf) in excluded or id(leaf) in seen:
         continue
       seen.add(id(leaf))
-      counted[id(leaf)] = int(jnp.size(leaf)) * jnp.dtype(leaf.dtype).itemsize
+      # typed PRNG keys (a scan's per-layer dropout keys): an itemsize, no numpy dtype
+      counted[id(leaf)] = math.prod(leaf.shape) * leaf.dtype.itemsize
     return out
 
   jax.eval_shape(run, *[flat[k] for k in diff])

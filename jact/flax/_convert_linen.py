@@ -15,6 +15,7 @@ from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax import _convert_linen_engine as _engine
 from jact.flax._conversion import Settings, unsupported
+from jact.flax._convert_generic import is_recording
 
 _ACTIVE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
     "jact_convert_settings", default=None)
@@ -221,15 +222,32 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
                                  inputs=False)
     finally:
       _engine.IN_MODEL.reset(token)
-  if (context.method_name == "__call__" and not _engine.IN_MODEL.get()
+  in_model = _engine.IN_MODEL.get()
+  if (context.method_name == "__call__" and (not in_model or is_recording())
       and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
       and not module.is_initializing() and _own_params(module)):
-    reason = ("no twin, and its own parameters are used outside any converted layer "
-              "(convert with functions=True to compress them through the model's call)")
-    unsupported(settings, _where(module), reason)
-    _engine.note(module, "plain", reason, base.__call__, None, args, kwargs,
-                 descendants=True)
+    if in_model:  # compressed by the model's call: reported as such
+      _engine.note(module, "plain", _no_twin(base), base.__call__, None, args, kwargs,
+                   descendants=True)
+    else:
+      reason = (f"{_no_twin(base)}, and its own parameters are used outside any converted "
+                f"layer (convert with functions=True to compress them through the model's "
+                f"call)")
+      unsupported(settings, _where(module), reason)
+      _engine.note(module, "plain", reason, base.__call__, None, args, kwargs,
+                   descendants=True)
   return next_fun(*args, **kwargs)
+
+
+def _no_twin(cls: type) -> str:
+  """Why a layer with parameters of its own gets no twin: a subclass of a
+  supported layer (twins replace exact types only: a subclass may change what
+  the layer computes, e.g. a weight-standardized `StdConv(nn.Conv)`), or none."""
+  parent = next((b for b in cls.__mro__[1:] if b in _LINEN_RULES or b in _engine.GENERIC), None)
+  if parent is None:
+    return "no twin"
+  return (f"no twin: a subclass of flax.linen.{parent.__name__} (twins and the engine "
+          f"replace exact types only)")
 
 
 def _generic(next_fun, args, kwargs, module, settings: Settings, base: type, how: str):

@@ -206,3 +206,28 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   for node in nodes + list(twins.values()):
     _swap_in(node, twins)
   return twins.get(id(model), model)
+
+
+def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool]]:
+  """(name, class, reason, in_model) of each layer of `model` that `convert`
+  left plain for an option its twin lacks (what it warned about); `in_model`:
+  a converted model's call (`functions=True`) around it compresses its
+  residuals. Layers inside twins and engine layers are theirs."""
+  found, covered, models = [], [], []
+  for path, module in sorted(nnx.iter_modules(model), key=lambda pm: len(pm[0])):
+    path = tuple(path)
+    if any(path[:len(p)] == p for p in covered):
+      continue
+    if type(module) in _TWIN_TYPES or _engine.is_engine_layer(module):
+      covered.append(path)
+      continue
+    if "_jact_model_base" in type(module).__dict__:
+      models.append(path)
+    rule = _NNX_RULES.get(type(module))
+    reason = None if rule is None else rule[1](module)
+    if reason is not None:
+      name = "/".join(str(p) for p in path) or type(module).__name__
+      in_model = any(path[:len(p)] == p for p in models)
+      found.append((name, type(module).__name__, reason, in_model))
+  return found
+

@@ -23,6 +23,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from jact import _compat as _jax_compat
 from jact.engine.derivatives import inference_only
 from jact.engine.rounding import Rounding, residual_method
 from jact.flax import _compat
@@ -149,13 +150,36 @@ _USE_KEY: contextvars.ContextVar[_KeySource | None] = contextvars.ContextVar(
     "jact_nnx_key", default=None)
 
 
+def baked_key_message(name: str) -> str:
+  """The error of a concrete `use_key` key read while a jitted function entered
+  inside the block is traced (residual `name`)."""
+  return (f"jact.nnx.use_key: {name!r} read the key of a use_key block entered outside the "
+          f"jitted function being traced. That key is baked into the compiled function as a "
+          f"constant: every later call would silently reuse this call's rounding noise, "
+          f"whatever key later blocks hold. Enter use_key inside the jitted step with a traced "
+          f"key: pass the key (or an nnx.Rngs) as an argument, e.g. `@nnx.jit def step(model, "
+          f"x, key): with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)(model, x)`; or give "
+          f"the layers their own streams: jact.convert(model, rngs=nnx.Rngs(jact=0)).")
+
+
 class _KeySource:
-  """The key of a `use_key` block and how many keys each residual name drew."""
+  """The key of a `use_key` block and how many keys each residual name drew.
+
+  A concrete key (not a tracer) read inside a `jax.jit` / `nnx.jit` trace
+  opened after the block was entered raises `baked_key_message`: the compiled
+  function would keep it. A concrete key written inside the jitted step is the
+  caller's constant (a fixed key in a test) and is left alone, as are traces
+  that are never compiled (`jax.eval_shape`, `jax.make_jaxpr`)."""
 
   def __init__(self, key):
     self.key, self.calls = key, {}
+    self.trace = _jax_compat.current_trace()
+    self.concrete = not _jax_compat.is_tracer(key)
 
   def draw(self, name: str):
+    if (self.concrete and _jax_compat.jit_traces_since(self.trace)
+        and not _jax_compat.abstract_evaluation()):
+      raise ValueError(baked_key_message(name))
     i = self.calls.get(name, 0)
     self.calls[name] = i + 1
     salt = zlib.crc32(name.encode()) & 0x7FFFFFFF
@@ -173,9 +197,13 @@ def use_key(key):
   gets `fold_in(fold_in(key, hash(residual name)), i)`, so every layer and
   call has its own noise; a layer's own stream, where it has one, is not
   used inside the block. Use a fresh key every step, entered inside the
-  jitted step (a key a jitted function closes over is a constant: every call
-  would reuse it); draw it from an `nnx.Rngs` passed to the step, or pass
-  the key as an argument. Keys are drawn while tracing, so the layers of an
+  jitted step: draw it from an `nnx.Rngs` passed to the step, or pass the
+  key as an argument. A block entered outside a jitted step is read only
+  while the step is traced (its key would be baked into the compiled step,
+  every later call reusing the first call's noise): a layer drawing such a
+  concrete key inside a `jax.jit` / `nnx.jit` trace raises a ValueError
+  naming the fix (`jax.eval_shape` / `jax.make_jaxpr`, which compile
+  nothing, are fine; so is a constant key written inside the step). Keys are drawn while tracing, so the layers of an
   `nnx.scan` body share theirs across iterations: give stacked layers their
   own streams (`convert(..., rngs=)`) instead. Without a key (and without a
   stream) a layer runs plain: fine for inference, an error if
@@ -228,8 +256,8 @@ def _causal_mask(query, key):
 # those it ignores by design (documented on the twins); any other keyword is
 # accepted at Flax's default value and rejected, by name, otherwise.
 ATTENTION_HANDLED = ("bias", "mask", "dropout_rng", "dropout_rate", "deterministic", "precision",
-                     "module", "is_causal")
-ATTENTION_IGNORED = ("broadcast_dropout", "dtype", "force_fp32_for_softmax")
+                     "module", "is_causal", "broadcast_dropout")
+ATTENTION_IGNORED = ("dtype", "force_fp32_for_softmax")
 _ATTENTION_SIGNATURE = _compat.attention_signature()
 _ATTENTION_DEFAULTS = _compat.attention_defaults()
 _LINEN_ATTENTION = tuple(inspect.signature(nn.dot_product_attention).parameters)
@@ -274,15 +302,14 @@ def _check_attention_keywords(kwargs: dict, supported) -> None:
 def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
   """The op behind `attention_slot`: jact's attention with the layer's key and settings.
 
-  Dropout (when active) draws its mask from the same key as the rounding noise;
-  with no rounding key, Flax's dropout key is used. Flax's `broadcast_dropout`
-  (one mask shared over batch and heads) is not reproduced: jact drops
-  attention weights element-wise.
+  Dropout (when active) draws its mask from Flax's dropout key (the layer's
+  'dropout' stream) exactly as Flax's attention does, `broadcast_dropout`
+  included, so the weights are Flax's; its backward keeps only that key.
   """
   def op(query, keys, value, **kwargs):
     _check_attention_keywords(kwargs, ATTENTION_HANDLED + ATTENTION_IGNORED)
-    bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal = (
-        kwargs[n] for n in ATTENTION_HANDLED)
+    (bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal,
+     broadcast_dropout) = (kwargs[n] for n in ATTENTION_HANDLED)
     if module is not None:
       raise ValueError(
           "jact attention does not return the attention weights, so sow_weights=True is not "
@@ -290,11 +317,10 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
     if is_causal:
       causal = _causal_mask(query, keys)
       mask = causal if mask is None else jnp.logical_and(mask, causal)
-    dropping = dropout_rate > 0.0 and not deterministic
-    op_key = key if key is not None or not dropping else dropout_rng
     return dot_product_attention(
         query, keys, value, bias=bias, mask=mask, dropout_rate=dropout_rate,
-        deterministic=deterministic, key=op_key, precision=precision, name=name, **settings)
+        deterministic=deterministic, key=key, dropout_key=dropout_rng,
+        broadcast_dropout=bool(broadcast_dropout), precision=precision, name=name, **settings)
 
   return op
 

@@ -11,8 +11,10 @@ pass as a plain layer and as converted. Each plain layer also gets a
 `ConversionWarning` naming it and its share of the saved bytes.
 
 nnx models are converted when `convert` runs (layers with an option their
-twin lacks are warned about then); their report lists the engine calls (the
-layers with no twin and the model's call), without bytes.
+twin lacks are warned about then); their report lists the twin and engine
+calls (the layers with no twin and the model's call), without bytes, and,
+after them, the layers of the nnx modules passed to `fn` that `convert` left
+plain, with the reason ('model' where the model's call compresses them).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn, jact
 >>> class Net(nn.Module):
@@ -36,7 +38,11 @@ import dataclasses
 import warnings
 from typing import Any, Callable
 
+import jax
+from flax import nnx
+
 from jact.flax._conversion import ConversionWarning
+from jact.flax._convert_nnx import plain_layers
 from jact.flax._convert_generic import Row, recording, saved_bytes
 
 __all__ = ["conversion_report", "ConversionReport"]
@@ -70,6 +76,24 @@ class ConversionReport:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _nnx_plain_rows(args, kwargs) -> list[Row]:
+  """Rows for the layers of the nnx modules passed to `fn` that `convert` left
+  plain ('model' when a converted model's call compresses them)."""
+  modules = [leaf for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module)
+             if _is_nnx_module(leaf)]
+  rows, seen = [], set()
+  for module in modules:
+    for name, layer, reason, in_model in plain_layers(module):
+      if (name, layer) not in seen:
+        seen.add((name, layer))
+        rows.append(Row(name, layer, "model" if in_model else "plain", reason))
+  return rows
+
+
+def _is_nnx_module(x) -> bool:
+  return isinstance(x, nnx.Module)
+
+
 def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ConversionReport:
   """Traces `fn(*args, **kwargs)` (abstractly) and reports each layer call of the
   converted models inside it; warns (`ConversionWarning`) about each layer left
@@ -80,7 +104,7 @@ def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Conv
   """
   with recording() as rows:
     total = saved_bytes(lambda *a: fn(*a, **kwargs), args, kept=set(range(len(args))))
-  report = ConversionReport(list(rows), total)
+  report = ConversionReport(list(rows) + _nnx_plain_rows(args, kwargs), total)
   for row in report.plain():
     share = ("" if row.saved_bytes is None or not total
              else f"; it saves {row.saved_bytes:,} B, {100 * row.saved_bytes / total:.0f}% of "

@@ -108,9 +108,10 @@ outside any converted layer (a hand-written cell) is covered by the model's
 call; with `functions=False` it is warned about. `jact.conversion_report(loss,
 *args)` lists every layer call with how it was converted (and, for linen, the
 bytes it saves plain and converted) and warns about what is left plain with
-its share of the saved bytes. Converted Dropout draws its masks from jact's
-hash PRNG: same rate and statistics, different masks than Flax's for the
-same key.
+its share of the saved bytes. Converted Dropout and attention-weight dropout
+draw their masks exactly as Flax's do, from the model's own 'dropout' stream
+(their backward keeps only the key): a converted model's training forward is
+bit-identical to the plain model's for the same rngs.
 
 >>> import jax, jax.numpy as jnp
 >>> import flax.linen as nn

@@ -273,9 +273,11 @@ class RMSNorm(_Twin, nn.RMSNorm):
 
 
 class Dropout(_Twin, nn.Dropout):
-  """`flax.linen.Dropout` (same 'dropout' stream) whose backward keeps only a 4-byte seed.
+  """`flax.linen.Dropout` whose backward keeps only the key (its 8 bytes of data).
 
-  The mask comes from jact's hash PRNG, so it differs from Flax's for the same key.
+  The mask is Flax's: `make_rng(rng_collection)` (or `rng=`), then
+  `jax.random.bernoulli` with the same keep probability and broadcast shape,
+  so the output is bit-identical to `flax.linen.Dropout`'s for the same rngs.
   """
 
   @nn.compact
@@ -288,7 +290,7 @@ class Dropout(_Twin, nn.Dropout):
     if rng is None:
       rng = self.make_rng(self.rng_collection)
     return dropout_op(inputs, self.rate, key=rng, broadcast_dims=self.broadcast_dims,
-                      name=self._residual_name())
+                      name=self._residual_name(), draw="flax")
 
 
 # ----------------------------------------------------------------------------- attention
@@ -298,9 +300,9 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   """`flax.linen.MultiHeadDotProductAttention` with compressed projections and attention.
 
   Residual names: "<path>/query", "/key", "/value", "/out" (projection inputs)
-  and "<path>/attention" (jact attention). Not supported: sow_weights=True and
-  Flax's broadcast dropout (jact drops attention weights element-wise, with
-  the mask drawn from the 'jact' key when there is one).
+  and "<path>/attention" (jact attention). Attention dropout draws Flax's own
+  masks from the 'dropout' stream (`broadcast_dropout` included). Not
+  supported: sow_weights=True.
   """
   bits: int | None = 4
   group_size: int = 256

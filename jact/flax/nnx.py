@@ -23,6 +23,7 @@ fix if differentiated. Residual names default to the class name;
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -32,6 +33,7 @@ from jax import lax
 
 from jact.compressors import Compressor
 from jact.flax import _hooks
+from jact.flax._convert_generic import record
 from jact.flax._hooks import Hook, use_key
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
@@ -44,7 +46,14 @@ __all__ = [
 
 
 class _Twin:
-  """Mixin: settings, RNG stream and residual name of an nnx twin."""
+  """Mixin: settings, RNG stream and residual name of an nnx twin. Each call
+  of a twin is recorded for `jact.conversion_report` (a 'twin' row)."""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    call = cls.__dict__.get("__call__")
+    if call is not None:
+      cls.__call__ = _recorded(call)
 
   @classmethod
   def _check_settings(cls, rngs, bits, group_size, stochastic, compressor=None) -> None:
@@ -100,6 +109,16 @@ class _Twin:
       return _hooks.provide(**{slot: self._keyless(plain)})
     calls = _hooks.Calls(op, key, (self.residual_name,), slot, **self._rounding(), **static)
     return _hooks.provide(**{slot: calls})
+
+
+def _recorded(call):
+  """`call` (a twin's `__call__`) noting the call in a conversion report being taken."""
+  @functools.wraps(call)
+  def recorded(self, *args, **kwargs):
+    record(self.residual_name, type(self).__name__, "twin")
+    return call(self, *args, **kwargs)
+
+  return recorded
 
 
 def _first_not_none(*values, error_msg: str):
@@ -309,9 +328,12 @@ class RMSNorm(_Twin, nnx.RMSNorm):
 
 
 class Dropout(_Twin, nnx.Dropout):
-  """`nnx.Dropout` (same 'dropout' stream) whose backward keeps only a 4-byte seed.
+  """`nnx.Dropout` whose backward keeps only the key (its 8 bytes of data).
 
-  The mask comes from jact's hash PRNG, so it differs from Flax's for the same key.
+  The mask is Flax's: a key from `rngs` (the 'dropout' stream, an `RngStream`
+  or a key), then `jax.random.bernoulli` with the same keep probability,
+  broadcast shape and sharding, so the output is bit-identical to
+  `nnx.Dropout`'s for the same rngs.
   """
 
   def __init__(self, rate: float, *, name: str | None = None, **kwargs):
@@ -335,10 +357,14 @@ class Dropout(_Twin, nnx.Dropout):
       key = rngs[self.rng_collection]()
     elif isinstance(rngs, nnx.RngStream):
       key = rngs()
-    else:
+    elif isinstance(rngs, jax.Array):
       key = rngs
+    else:
+      raise TypeError(f"jact.nnx.Dropout: rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG "
+                      f"key (jax.Array), got {type(rngs).__name__}.")
     return dropout_op(inputs, self.rate, key=key, broadcast_dims=self.broadcast_dims,
-                      name=self.residual_name)
+                      name=self.residual_name, draw="flax",
+                      out_sharding=jax.typeof(inputs).sharding)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -348,9 +374,9 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   """`nnx.MultiHeadAttention` with compressed projections and attention.
 
   Residual names: "<name>/query", "/key", "/value", "/out" and
-  "<name>/attention". Not supported: sow_weights=True, Flax's broadcast
-  dropout (jact drops attention weights element-wise, with the mask drawn
-  from the 'jact' key when there is one).
+  "<name>/attention". Attention dropout draws Flax's own masks from the
+  layer's dropout key (`broadcast_dropout` included). Not supported:
+  sow_weights=True.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,

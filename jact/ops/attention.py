@@ -35,6 +35,7 @@ __all__ = ["dot_product_attention"]
 def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                           bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                           dropout_rate: float = 0.0, deterministic: bool = True, key=None,
+                          dropout_key=None, broadcast_dropout: bool = False,
                           bits: int | None = 4, compressor: Compressor | None = None,
                           group_size: int = 256, stochastic: bool = True, precision=None,
                           name: str = "attention") -> jax.Array:
@@ -51,6 +52,12 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       default).
     deterministic: if True, no dropout.
     key: PRNG key for the rounding noise and the dropout mask.
+    dropout_key: a PRNG key for the dropout mask instead, drawn and applied
+      as Flax's attention does (`jax.random.bernoulli`; the weights are then
+      bit-identical to `flax.linen.dot_product_attention_weights`'s for the
+      same key); the key's data is the dropout's residual.
+    broadcast_dropout: with `dropout_key`, one mask shared over the batch
+      and head axes (Flax's default).
     bits, group_size, stochastic: compression of every residual.
     compressor: a `jact.compressors` object for every residual instead of `bits`.
     precision: einsum precision.
@@ -72,7 +79,7 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   if not query.ndim == keys.ndim == value.ndim or query.ndim < 3:
     raise ValueError("query, keys and value must have the same rank >= 3: "
                      "[batch..., length, num_heads, depth]")
-  if key is None and (rounding.needs_key or use_dropout):
+  if key is None and (rounding.needs_key or (use_dropout and dropout_key is None)):
     raise ValueError(
         "jact.ops.dot_product_attention needs a PRNG key (rounding noise"
         f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
@@ -89,7 +96,11 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   if mask is not None:
     w = jnp.where(mask, w, jnp.finfo(dtype).min)
   p = softmax(w, key=k_sm, name=f"{name}.softmax", **opts).astype(dtype)
-  if use_dropout:
+  if use_dropout and dropout_key is not None:
+    shared = tuple(range(p.ndim - 2)) if broadcast_dropout else ()
+    p = dropout(p, rate, key=dropout_key, broadcast_dims=shared, name=f"{name}.dropout",
+                draw="flax_attention")
+  elif use_dropout:
     p = dropout(p, rate, key=k_drop, name=f"{name}.dropout")
   return einsum("...hqk,...khd->...qhd", p, value, key=k_pv, precision=precision,
                 name=f"{name}.pv", **opts)

@@ -45,8 +45,8 @@ FLUSHES = 32
 
 
 def _nbytes(var) -> int:
-  aval = var.aval
-  return math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+  aval = var.aval  # typed PRNG keys (extended dtypes) have an itemsize but no numpy dtype
+  return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def _tieable(value) -> bool:
