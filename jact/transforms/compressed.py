@@ -279,6 +279,8 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   for route in _MODULE_ROUTES:  # Flax modules have their own path (jact.flax registers it)
     if route.handles(fn):
       return route.wrap(fn, config, policy, compress_argnums)
+  if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
+    return CompressedModule(fn, config, policy, compress_argnums)
   check_key = reserved_key_check(fn, "jact.compressed")
   checked = returning_arrays(fn, "jact.compressed")
 
@@ -294,6 +296,82 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
 
   wrapped.residual_config = config
   return wrapped
+
+
+def is_callable_pytree(fn) -> bool:
+  """Whether `fn` is a callable pytree node (an `equinox.Module`, a
+  `jax.tree_util.Partial`): its leaves are parameters a gradient must reach."""
+  return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
+
+
+def _takes_keyword_key(fn) -> bool:
+  try:
+    param = inspect.signature(fn).parameters.get("key")
+  except (TypeError, ValueError):
+    return False
+  return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+
+
+def _call_module(module, *args, **kwargs):
+  return module(*args, **kwargs)
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedModule:
+  """`jact.compressed(module)` for a callable pytree, such as an `eqx.Module`.
+
+  A pytree whose one child is `module`, so its parameters stay leaves of the
+  model that holds it: `eqx.filter_grad`, `eqx.partition` and optimizers see
+  them, where a closure would hide them (and get no gradient). Calling it
+  runs `module(*args, **kwargs)` with compressed residuals; the module is
+  an argument kept by reference (parameters are exact). When the module's
+  call takes a keyword `key` (Equinox's convention for dropout), `key=`
+  goes to it as well, so its randomness is the plain model's for the same
+  key; rounding then draws from `jax.random.fold_in(key, ROUNDING_STREAM)`.
+
+  The same holds for any callable pytree, e.g. `jax.tree_util.Partial`:
+
+  >>> import jax, jax.numpy as jnp, jact
+  >>> layer = jax.tree_util.Partial(lambda w, x: jnp.tanh(x @ w), jnp.ones((64, 256)) / 64)
+  >>> fast = jact.compressed(layer, bits=2)
+  >>> loss = lambda f, x: jnp.sum(f(x, key=jax.random.key(0)) ** 2)
+  >>> grads = jax.grad(loss)(fast, jnp.ones((32, 64)))   # same structure as `fast`
+  >>> grads.module.args[0].shape
+  (64, 256)
+  """
+
+  ROUNDING_STREAM = 0x6A616374  # folded into a key shared with the module's own randomness
+
+  def __init__(self, module, config: ResidualConfig, policy=None, compress_argnums=()):
+    self.module = module
+    self.config = config
+    self.policy = policy
+    self.compress_argnums = compress_argnums
+
+  def tree_flatten(self):
+    return (self.module,), (self.config, self.policy, self.compress_argnums)
+
+  @classmethod
+  def tree_unflatten(cls, static, children):
+    return cls(children[0], *static)
+
+  @property
+  def residual_config(self) -> ResidualConfig:
+    return self.config
+
+  def __call__(self, *args, key=None, **kwargs):
+    rounding_key = key
+    if key is not None and _takes_keyword_key(self.module):
+      kwargs = {**kwargs, "key": key}
+      rounding_key = jax.random.fold_in(key, self.ROUNDING_STREAM)
+    flags = input_flags(self.module, args, kwargs, self.compress_argnums)
+    checked = returning_arrays(_call_module, "jact.compressed")
+    return call_compressed(checked, (self.module, *args), kwargs, key=rounding_key,
+                           config=self.config, policy=self.policy,
+                           compress_inputs=(False,) * len(jax.tree.leaves(self.module)) + flags)
+
+  def __repr__(self) -> str:
+    return f"jact.compressed({self.module!r}, name={self.config.name!r})"
 
 
 def _hoist_closure(fn, args, name: str):
