@@ -130,6 +130,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
   Args:
     fn: any function of pytrees of arrays (non-array leaves are treated as
       static). Can also be used as a decorator with keyword arguments only.
+      A callable pytree (an `eqx.Module`, a `jax.tree_util.Partial`) gives
+      a `CompressedModule`: a pytree holding it, so its parameters get
+      gradients, and passing `key=` on to it when its call takes `key`.
     bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
     compressor: a `jact.compressors` object for the floating residuals
       instead of `bits` (leave `bits` at its default).
@@ -162,9 +165,26 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
   config = ResidualConfig(residual_method(bits, compressor, "jact.compressed"), group_size,
                           stochastic, min_size, name, overrides)
   argnums = check_argnums(compress_argnums)
+  check_policy(policy, "jact.compressed")
   if fn is None:
     return functools.partial(_wrap, config=config, policy=policy, compress_argnums=argnums)
   return _wrap(fn, config=config, policy=policy, compress_argnums=argnums)
+
+
+def check_policy(policy, api: str) -> None:
+  """A clear error unless `policy` is None or a `jax.checkpoint` policy (a callable)."""
+  if policy is None or callable(policy):
+    return
+  hint = ""
+  if isinstance(policy, str):
+    import difflib  # pylint: disable=import-outside-toplevel
+    known = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
+    close = difflib.get_close_matches(policy, known, n=1, cutoff=0.3) or ["dots_saveable"]
+    hint = f", e.g. policy=jax.checkpoint_policies.{close[0]}"
+  raise TypeError(
+      f"{api}: policy must be a jax.checkpoint policy -- a function such as "
+      f"jax.checkpoint_policies.dots_saveable or jact.save_compressed() -- or None, got "
+      f"{type(policy).__name__} {policy!r:.60}; pass the policy object itself{hint}")
 
 
 def check_argnums(argnums) -> tuple[int, ...]:
@@ -280,7 +300,8 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
     if route.handles(fn):
       return route.wrap(fn, config, policy, compress_argnums)
   if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
-    return CompressedModule(fn, config, policy, compress_argnums)
+    return CompressedModule(fn, _wrap(module_call(fn), config=config, policy=policy,
+                                      compress_argnums=module_argnums(compress_argnums)))
   check_key = reserved_key_check(fn, "jact.compressed")
   checked = returning_arrays(fn, "jact.compressed")
 
@@ -312,13 +333,30 @@ def _takes_keyword_key(fn) -> bool:
   return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
 
 
-def _call_module(module, *args, **kwargs):
-  return module(*args, **kwargs)
+_MODULE_KEY = "_jact_module_key"  # carries a module's own `key=` past the wrapper's
+
+
+def module_call(module) -> Callable[..., Any]:
+  """`call(module, *args, **kwargs) = module(*args, **kwargs)`, named after the
+  module; a keyword `_MODULE_KEY` reaches the module as its `key`."""
+  def call(module, *args, **kwargs):
+    if _MODULE_KEY in kwargs:
+      kwargs["key"] = kwargs.pop(_MODULE_KEY)
+    return module(*args, **kwargs)
+
+  call.__name__ = call.__qualname__ = type(module).__name__
+  return call
+
+
+def module_argnums(argnums: tuple[int, ...]) -> tuple[int, ...]:
+  """`compress_argnums` of a module's call, as positions of `call(module, *args)`."""
+  return tuple(i + 1 for i in argnums)
 
 
 @jax.tree_util.register_pytree_node_class
 class CompressedModule:
-  """`jact.compressed(module)` for a callable pytree, such as an `eqx.Module`.
+  """`jact.compressed(module)` (or `jact.checkpoint(module)`) for a callable
+  pytree, such as an `eqx.Module`.
 
   A pytree whose one child is `module`, so its parameters stay leaves of the
   model that holds it: `eqx.filter_grad`, `eqx.partition` and optimizers see
@@ -338,40 +376,38 @@ class CompressedModule:
   >>> grads = jax.grad(loss)(fast, jnp.ones((32, 64)))   # same structure as `fast`
   >>> grads.module.args[0].shape
   (64, 256)
+
+  Attributes:
+    module: the wrapped callable pytree.
+    call: `call(module, *args, key=..., **kwargs)`, the module's call through
+      `jact.compressed` or `jact.checkpoint` (static).
   """
 
   ROUNDING_STREAM = 0x6A616374  # folded into a key shared with the module's own randomness
 
-  def __init__(self, module, config: ResidualConfig, policy=None, compress_argnums=()):
+  def __init__(self, module, call: Callable[..., Any]):
     self.module = module
-    self.config = config
-    self.policy = policy
-    self.compress_argnums = compress_argnums
+    self.call = call
 
   def tree_flatten(self):
-    return (self.module,), (self.config, self.policy, self.compress_argnums)
+    return (self.module,), self.call
 
   @classmethod
-  def tree_unflatten(cls, static, children):
-    return cls(children[0], *static)
+  def tree_unflatten(cls, call, children):
+    return cls(children[0], call)
 
   @property
   def residual_config(self) -> ResidualConfig:
-    return self.config
+    return self.call.residual_config
 
   def __call__(self, *args, key=None, **kwargs):
-    rounding_key = key
     if key is not None and _takes_keyword_key(self.module):
-      kwargs = {**kwargs, "key": key}
-      rounding_key = jax.random.fold_in(key, self.ROUNDING_STREAM)
-    flags = input_flags(self.module, args, kwargs, self.compress_argnums)
-    checked = returning_arrays(_call_module, "jact.compressed")
-    return call_compressed(checked, (self.module, *args), kwargs, key=rounding_key,
-                           config=self.config, policy=self.policy,
-                           compress_inputs=(False,) * len(jax.tree.leaves(self.module)) + flags)
+      return self.call(self.module, *args, key=jax.random.fold_in(key, self.ROUNDING_STREAM),
+                       **kwargs, **{_MODULE_KEY: key})
+    return self.call(self.module, *args, key=key, **kwargs)
 
   def __repr__(self) -> str:
-    return f"jact.compressed({self.module!r}, name={self.config.name!r})"
+    return f"CompressedModule({self.module!r}, name={self.residual_config.name!r})"
 
 
 def _hoist_closure(fn, args, name: str):
