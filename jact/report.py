@@ -228,6 +228,7 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
   >>> len(g.pieces), g.bytes == 8 * 512 * 2 // 8 + 8 * 2 * 4, r.argument_bytes == w.nbytes
   (3, True, True)
   """
+  _check_callable(fn, "residual_report")
   rows, seen = [], set()
   for aval, name, source, var, is_argument, kernel in _saved_values(fn, args, kwargs):
     if var is not None:
@@ -295,6 +296,13 @@ def _kernel_of(eqn, jaxpr, producer_map) -> str:
       return "xla"
     eqn = found[0]
   return _compat.pallas_kernel_name(eqn) or "xla"
+
+
+def _check_callable(fn, api: str) -> None:
+  if not callable(fn):
+    raise TypeError(f"jact.{api}: fn must be the function to measure (e.g. a loss or a "
+                    f"training step), got {type(fn).__name__} {fn!r:.40}; pass it first: "
+                    f"jact.{api}(fn, *args)")
 
 
 def _is_traceable(leaf) -> bool:
@@ -461,6 +469,7 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
   >>> m.argument_bytes == 2**34, m.output_bytes == 2**18
   (True, True)
   """
+  _check_callable(fn, "compiled_memory")
   shardings = {name: value for name, value in (("in_shardings", in_shardings),
                                                 ("out_shardings", out_shardings))
                if value is not None}

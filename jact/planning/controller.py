@@ -114,6 +114,18 @@ class Controller:
   chunk_size: int | None = None
 
   def __post_init__(self):
+    if not callable(self.loss_fn):
+      raise TypeError(f"jact.Controller: loss_fn must be loss_fn(params, batch, key) -> "
+                      f"scalar, got {type(self.loss_fn).__name__} {self.loss_fn!r:.40}")
+    for field in ("avg_bits", "alert_fraction", "error"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"jact.Controller: {field} must be a number, got "
+                        f"{type(value).__name__} {value!r}")
+    if not self.alert_fraction > 0:
+      raise ValueError(f"jact.Controller: alert_fraction must be positive (the fraction of the "
+                       f"sampling variance above which to warn, e.g. 0.5), got "
+                       f"{self.alert_fraction!r}")
     if self.estimator not in _ESTIMATORS:
       raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {self.estimator!r}")
     if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:

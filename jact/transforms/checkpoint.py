@@ -37,6 +37,7 @@ import jax
 
 from jact.compressors import Compressor
 from jact import _compat
+from jact.core import rng
 from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
 from jact.engine.rounding import residual_method
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
@@ -237,7 +238,7 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
     check_key(args)
-    body_key = None if key is None else jax.random.fold_in(key, 1)
+    body_key = None if key is None else jax.random.fold_in(rng.single_key(key), 1)
     flags = input_flags(fn, args, kwargs, compress_argnums)
     # The incoming cotangent of a segment in a residual stream is an elementwise
     # sum over all later segments' backward passes; unless it is materialized,

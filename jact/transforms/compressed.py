@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 
 from jact import _compat
+from jact.core import rng
 from jact.engine import context as _context
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
@@ -188,9 +189,16 @@ def check_policy(policy, api: str) -> None:
 
 
 def check_argnums(argnums) -> tuple[int, ...]:
-  argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  if not all(isinstance(i, int) and i >= 0 for i in argnums):
-    raise ValueError(f"compress_argnums must be non-negative ints, got {argnums!r}")
+  if isinstance(argnums, int) and not isinstance(argnums, bool):
+    argnums = (argnums,)
+  try:
+    argnums = tuple(argnums)
+  except TypeError:
+    argnums = (argnums,)
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums):
+    raise ValueError(f"compress_argnums must be non-negative ints (positions of the activation "
+                     f"arguments, e.g. compress_argnums=(1,) for block(params, x)), got "
+                     f"{argnums!r}")
   return argnums
 
 
@@ -402,8 +410,8 @@ class CompressedModule:
 
   def __call__(self, *args, key=None, **kwargs):
     if key is not None and _takes_keyword_key(self.module):
-      return self.call(self.module, *args, key=jax.random.fold_in(key, self.ROUNDING_STREAM),
-                       **kwargs, **{_MODULE_KEY: key})
+      rounding_key = jax.random.fold_in(rng.single_key(key), self.ROUNDING_STREAM)
+      return self.call(self.module, *args, key=rounding_key, **kwargs, **{_MODULE_KEY: key})
     return self.call(self.module, *args, key=key, **kwargs)
 
   def __repr__(self) -> str:
