@@ -284,6 +284,22 @@ def test_transformer_block_module_wrap_passes_the_dropout_key_on():
 
 
 @pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+def test_checkpointed_module_keeps_a_compressed_copy_of_its_input_and_gets_gradients():
+  block, x, key = TransformerBlock(jax.random.key(0)), _tokens()[0], jax.random.key(9)
+  remat = jact.checkpoint(block, bits=8, compress_argnums=(0,))  # x is the module call's arg 0
+
+  def loss(m, x, key):
+    return jnp.mean((m(x, key=key) - 1.0) ** 2)
+
+  grads = eqx.filter_jit(eqx.filter_grad(loss))(remat, x, key)
+  plain = eqx.filter_jit(eqx.filter_grad(loss))(block, x, key)
+  _assert_same_finite_pattern_and_nonzero(grads.module, plain)
+  assert _rel_error(grads.module, plain) < 0.01
+  saved = jact.residual_report(loss, remat, x, key).by_name()
+  assert saved and all(name.startswith("checkpoint") for name in saved if name is not None)
+
+
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
 def test_model_holding_compressed_blocks_trains_under_filter_jit():
   model, x, key = CompressedStack(jax.random.key(0)), _tokens(), jax.random.key(6)
   plain_model = eqx.tree_at(lambda m: m.blocks, model, [b.module for b in model.blocks])

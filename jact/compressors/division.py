@@ -172,8 +172,9 @@ class Division(Compressor):
   def _check_keep(self, shape) -> None:
     check_rank(shape)
     if len(shape) == 2 and self.keep == "lfc":
-      raise ValueError("Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
-                       "input has no low-frequency part.")
+      raise ValueError(f"Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
+                       f"input of shape {tuple(shape)} has no low-frequency part: use "
+                       f"keep='both' (stored as per-group quantization) or PerGroup(bits).")
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
     if "hfc" in stored.arrays:

@@ -129,7 +129,8 @@ class Controller:
     if self.estimator not in _ESTIMATORS:
       raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {self.estimator!r}")
     if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
-      raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval!r}")
+      raise ValueError(f"jact.Controller: adapt_interval must be a positive int (steps "
+                       f"between estimations, e.g. 50), got {self.adapt_interval!r}")
     if not isinstance(self.warmup, int) or self.warmup < 0:
       raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
     if not 1 <= self.avg_bits <= 32:

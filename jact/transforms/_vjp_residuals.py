@@ -60,7 +60,9 @@ class ResidualConfig:
     Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
     check_name(self.name)
     if not isinstance(self.min_size, int) or self.min_size < 1:
-      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}")
+      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}: "
+                       f"floating residuals with fewer values are kept exact (default "
+                       f"min_size={DEFAULT_MIN_SIZE}; min_size=1 compresses every one)")
     if self.overrides is not None and not (isinstance(self.overrides, Mapping)
                                            or hasattr(self.overrides, "bits_for")):
       raise TypeError("overrides must be a mapping from residual names to bits, or an object "

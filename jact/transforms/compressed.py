@@ -208,7 +208,8 @@ def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
   never are (the rule of `compressed` and `jact.checkpoint`)."""
   if any(i >= len(args) for i in argnums):
     raise ValueError(f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
-                     f"{len(args)} positional arguments")
+                     f"{len(args)} positional arguments: list positions below {len(args)}, "
+                     f"and pass the activations positionally")
   flags = []
   for i, a in enumerate(args):
     flags += [i in argnums] * len(jax.tree.leaves(a))
