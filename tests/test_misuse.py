@@ -37,11 +37,6 @@ def _grad(wrapped, key=KEY):
   return jax.make_jaxpr(jax.grad(lambda w: wrapped(w, X, key=key).sum()))(W)
 
 
-def _with_optional_key(w, x, *, key=None):
-  y = jnp.tanh(x @ w)
-  return y if key is None else y * jax.random.bernoulli(key, 0.9, y.shape) / 0.9
-
-
 def _dense_loss(names):
   def loss(ws, x, key):
     h = x
@@ -90,12 +85,6 @@ CASES = [
      ValueError, ["bits=2", "compressor=PerGroup", "Pass compressor= alone"]),
     ("compressed-compressor-str", lambda: jact.compressed(_block, compressor="division"),
      TypeError, ["compressor=", "'division'", "jact.compressors.Division()"]),
-    ("compressed-optional-key", lambda: _grad(jact.compressed(_with_optional_key)),
-     TypeError, ["optional parameter `key`", "default None", "key=None",
-                 "functools.partial(_with_optional_key, key=k)", "jact.compressed(module)"]),
-    ("checkpoint-optional-key", lambda: _grad(jact.checkpoint(_with_optional_key,
-                                                              compress_argnums=(1,))),
-     TypeError, ["optional parameter `key`", "jact.checkpoint(module)"]),
     ("compressed-not-callable", lambda: jact.compressed(3),
      TypeError, ["jact.compressed", "int", "takes a function"]),
     ("compressed-no-key", lambda: _grad(jact.compressed(_block, bits=2), key=None),

@@ -237,7 +237,7 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
-    check_key(args, key)
+    check_key(args)
     body_key = None if key is None else jax.random.fold_in(rng.single_key(key), 1)
     flags = input_flags(fn, args, kwargs, compress_argnums)
     # The incoming cotangent of a segment in a residual stream is an elementwise

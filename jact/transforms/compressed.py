@@ -221,36 +221,23 @@ def _fn_name(fn) -> str:
   return getattr(fn, "__name__", type(fn).__name__)
 
 
-def reserved_key_check(fn, api: str) -> Callable[[tuple, Any], None]:
-  """A call-time check `check(args, key)` for a parameter `key` of `fn` that a
-  call leaves unfilled: the wrapper takes `key=` as its own rounding key, so
-  a required `key` would be missing and an optional one (Equinox's dropout
-  key) would silently keep its default."""
+def reserved_key_check(fn, api: str) -> Callable[[tuple], None]:
+  """A call-time check for a required parameter `key` of `fn` that a call
+  leaves unfilled: the wrapper takes `key=` as its own rounding key."""
   try:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):  # no signature to read (some builtins)
     params = {}
   param = params.get("key")
-  bound = isinstance(fn, functools.partial) and "key" in fn.keywords
-  if param is None or bound or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-    return lambda args, key: None
+  if param is None or param.default is not param.empty or param.kind in (
+      param.VAR_POSITIONAL, param.VAR_KEYWORD):
+    return lambda args: None
   positional = param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
   index = list(params).index("key")
 
-  def check(args, key):
+  def check(args):
     if positional and len(args) > index:
       return  # fn's own key passed positionally
-    if param.default is not param.empty:
-      if key is None:
-        return
-      raise TypeError(
-          f"{api}: {_fn_name(fn)} has its own optional parameter `key` (default "
-          f"{param.default!r:.40}), but the keyword `key=` is the PRNG key of jact's "
-          f"stochastic rounding and is not passed on, so {_fn_name(fn)} would silently run "
-          f"with key={param.default!r:.40} (e.g. dropout off). Pass its key positionally, "
-          f"bind it before wrapping ({api}(functools.partial({_fn_name(fn)}, key=k))), or, "
-          f"for an Equinox module, wrap the module itself ({api}(module)), which passes "
-          f"key= on to it.")
     raise TypeError(
         f"{api}: {_fn_name(fn)} needs its own parameter `key`, but the keyword `key=` is "
         f"reserved by jact.compressed / jact.checkpoint for the PRNG key of stochastic "
@@ -329,7 +316,7 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
-    check_key(args, key)
+    check_key(args)
     for route in _MODULE_ROUTES:  # e.g. nnx modules/Rngs passed as arguments
       if route.takes_arguments(args, kwargs):
         return route.call(fn, args, kwargs, key=key, config=config, policy=policy,
