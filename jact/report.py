@@ -228,6 +228,7 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
   >>> len(g.pieces), g.bytes == 8 * 512 * 2 // 8 + 8 * 2 * 4, r.argument_bytes == w.nbytes
   (3, True, True)
   """
+  _check_callable(fn, "residual_report")
   rows, seen = [], set()
   for aval, name, source, var, is_argument, kernel in _saved_values(fn, args, kwargs):
     if var is not None:
@@ -297,6 +298,40 @@ def _kernel_of(eqn, jaxpr, producer_map) -> str:
   return _compat.pallas_kernel_name(eqn) or "xla"
 
 
+def _check_callable(fn, api: str) -> None:
+  if not callable(fn):
+    raise TypeError(f"jact.{api}: fn must be the function to measure (e.g. a loss or a "
+                    f"training step), got {type(fn).__name__} {fn!r:.40}; pass it first: "
+                    f"jact.{api}(fn, *args)")
+
+
+def _is_traceable(leaf) -> bool:
+  """Whether `leaf` is traced as an argument: an array or an abstract one.
+  Other leaves (Python numbers and flags, functions) are static, as in
+  `jact.compressed` and `equinox.filter_vjp`."""
+  return _compat.is_jax_value(leaf) or isinstance(leaf, (np.ndarray, np.generic,
+                                                         jax.ShapeDtypeStruct))
+
+
+def _over_traceable_leaves(fn, args, kwargs):
+  """`(call, values, {})`: `call(*values)` is `fn(*args, **kwargs)` with the
+  traceable leaves passed in and every other leaf held fixed (unchanged
+  when all leaves are traceable)."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_traceable(leaf)]
+  if len(dynamic) == len(leaves):
+    return fn, args, kwargs
+
+  def call(*values):
+    full = list(leaves)
+    for i, value in zip(dynamic, values):
+      full[i] = value
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    return fn(*a, **k)
+
+  return call, [leaves[i] for i in dynamic], {}
+
+
 def _saved_values(fn, args, kwargs):
   """(aval, name, description, identity, is_argument, kernel) of every residual of jax.vjp(fn, ...).
 
@@ -308,14 +343,19 @@ def _saved_values(fn, args, kwargs):
   """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
 
-  def flat_fn(*leaves):
+  def unflattened(*leaves):
     a, k = jax.tree_util.tree_unflatten(treedef, leaves)
     return fn(*a, **k)
 
-  closed, out_shape = jax.make_jaxpr(lambda *l: jax.vjp(flat_fn, *l), return_shape=True)(*leaves)
+  # Leaves JAX cannot trace (an Equinox module's activation function, a
+  # flag) are held fixed, as `jact.compressed` holds them.
+  dynamic = [i for i, leaf in enumerate(leaves) if _is_traceable(leaf)]
+  flat_fn, values, _ = _over_traceable_leaves(unflattened, tuple(leaves), {})
+  closed, out_shape = jax.make_jaxpr(lambda *l: jax.vjp(flat_fn, *l), return_shape=True)(*values)
   top = closed.jaxpr
   num_res = len(_compat.vjp_residuals(out_shape[1])[0])
-  arg_names = _arg_names(fn, args, kwargs)
+  all_names = _arg_names(fn, args, kwargs)
+  arg_names = [all_names[i] for i in dynamic]
   producers: dict[int, dict] = {}
 
   def producer_map(jaxpr):
@@ -413,7 +453,10 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
   Args:
     fn: the function (e.g. a whole training step).
     *args, **kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them;
-      positions in `static_argnums` are hashable Python values.
+      positions in `static_argnums` are hashable Python values. Without
+      `static_argnums` and `in_shardings`, leaves that are not arrays (an
+      Equinox module's functions and flags) are held fixed, as
+      `equinox.filter_jit` holds them.
     static_argnums: as for `jax.jit`.
     in_shardings, out_shardings: as for `jax.jit` (left to jit when None).
 
@@ -426,9 +469,12 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
   >>> m.argument_bytes == 2**34, m.output_bytes == 2**18
   (True, True)
   """
+  _check_callable(fn, "compiled_memory")
   shardings = {name: value for name, value in (("in_shardings", in_shardings),
                                                 ("out_shardings", out_shardings))
                if value is not None}
+  if not shardings and static_argnums == ():
+    fn, args, kwargs = _over_traceable_leaves(fn, args, kwargs)
   compiled = jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
   stats = compiled.memory_analysis()
   if stats is None:

@@ -109,6 +109,12 @@ class Division(Compressor):
         or self.block <= 0):
       raise ValueError(f"block must be a positive int (the pooling block and stride, "
                        f"e.g. 8), got {self.block!r}.")
+    if self.block < 2:
+      raise ValueError(
+          f"block must be a positive int of at least 2, got block={self.block!r}: with B=1 the "
+          f"low-frequency part is the whole map, so DIVISION would store more bytes than the "
+          f"input (compression rate (B^-2 + Q/32)^-1 < 1). Use block=8 (the paper's setting) "
+          f"or 4, or PerGroup(bits) for plain quantization.")
     check_bits(self.bits)
     check_group_size(self.group_size)
     if self.keep not in ("both", "lfc", "hfc"):
@@ -166,8 +172,9 @@ class Division(Compressor):
   def _check_keep(self, shape) -> None:
     check_rank(shape)
     if len(shape) == 2 and self.keep == "lfc":
-      raise ValueError("Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
-                       "input has no low-frequency part.")
+      raise ValueError(f"Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
+                       f"input of shape {tuple(shape)} has no low-frequency part: use "
+                       f"keep='both' (stored as per-group quantization) or PerGroup(bits).")
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
     if "hfc" in stored.arrays:

@@ -149,6 +149,10 @@ def packed_codes_bytes(shape: tuple[int, ...], bits: int) -> int:
 
 def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
   """Inverse of `pack_codes` (booleans come back as bool when bits == 1 and dtype is None)."""
+  if not isinstance(packed, PackedBits):
+    raise TypeError(f"unpack_codes takes the jact.PackedBits that pack_codes returns, got "
+                    f"{type(packed).__name__}; pack the codes first "
+                    f"(packed = jact.pack_codes(codes, bits)).")
   shape = packed.shape
   d = math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
   flat = unpack_bits(packed.data, packed.bits)[..., :d].reshape(shape)

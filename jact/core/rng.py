@@ -43,12 +43,28 @@ def _as_key(key):
         "stochastic=False for deterministic round-to-nearest.")
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key
-  arr = jnp.asarray(key)
-  if arr.dtype == jnp.uint32 and arr.shape == (2,):
-    return jax.random.wrap_key_data(arr)
+  try:
+    arr = jnp.asarray(key)
+  except TypeError:
+    arr = None
+  if arr is not None and arr.dtype == jnp.uint32 and arr.ndim and arr.shape[-1] == 2:
+    return jax.random.wrap_key_data(arr)  # legacy uint32[..., 2] keys (jax.random.PRNGKey)
   raise TypeError(
-      f"expected a JAX PRNG key (jax.random.key(...)), got {type(key).__name__} "
-      f"with dtype {getattr(arr, 'dtype', None)} and shape {getattr(arr, 'shape', None)}.")
+      f"key: expected a JAX PRNG key (jax.random.key(...)), got {type(key).__name__} "
+      f"with dtype {getattr(arr, 'dtype', None)} and shape {getattr(arr, 'shape', None)}; "
+      f"pass key=jax.random.key(seed) (or a legacy uint32[2] jax.random.PRNGKey(seed)), "
+      f"a fresh one per step.")
+
+
+def single_key(key) -> jax.Array:
+  """`key` as one typed PRNG key (a legacy uint32[2] key is wrapped); a clear
+  error for None, a non-key, or a batch of keys."""
+  key = _as_key(key)
+  if key.shape:
+    raise ValueError(
+        f"key= takes one PRNG key, got a key array of shape {key.shape}; "
+        "pass a single key (e.g. keys[i]), or jax.vmap over the keys.")
+  return key
 
 
 def seed_from_key(key, site: int = 0) -> jax.Array:
@@ -69,11 +85,7 @@ def seed_from_key(key, site: int = 0) -> jax.Array:
   Returns:
     A uint32 scalar.
   """
-  key = _as_key(key)
-  if key.shape:
-    raise ValueError(
-        f"seed_from_key takes one PRNG key, got a key array of shape {key.shape}; "
-        "pass a single key (e.g. keys[i]), or jax.vmap over the keys.")
+  key = single_key(key)
   words = jax.random.key_data(key).reshape(-1)
   x = _lowbias32(jnp.asarray(site, jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1))
   for i in range(words.shape[0]):  # each step a bijection of the word: distinct keys, distinct chains

@@ -20,7 +20,8 @@ __all__ = ["JACT_NAME_PREFIX", "is_jact_name", "tag", "check_name"]
 
 def check_name(name: Any) -> str:
   if not isinstance(name, str) or not name:
-    raise ValueError(f"a residual name must be a non-empty string, got {name!r}")
+    raise ValueError(f"a residual name must be a non-empty string, got {name!r}: pass "
+                     f"name='block1' (a string) as the residual-name prefix")
   return name
 
 

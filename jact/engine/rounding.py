@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from jact.core import rng
@@ -44,6 +45,10 @@ class Rounding:
         raise ValueError(f"{e} Or pass a compressor from jact.compressors "
                          "(e.g. compressor=jact.compressors.Division()).") from None
     check_group_size(self.group_size)
+    if not isinstance(self.stochastic, (bool, np.bool_)):
+      raise TypeError(
+          f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
+          f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}.")
 
   @property
   def compressor(self) -> Compressor | None:

@@ -102,6 +102,10 @@ def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Conv
   `fn` returns an array or a pytree of arrays (e.g. a loss); its array
   arguments (variables, batch, keys) are not counted as saved.
   """
+  if not callable(fn):
+    raise TypeError(f"jact.conversion_report: fn must be a function that calls the converted "
+                    f"model (e.g. lambda v, x: model.apply(v, x).sum()), got "
+                    f"{type(fn).__name__} {fn!r:.40}")
   with recording() as rows:
     total = saved_bytes(lambda *a: fn(*a, **kwargs), args, kept=set(range(len(args))))
   report = ConversionReport(list(rows) + _nnx_plain_rows(args, kwargs), total)

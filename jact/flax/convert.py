@@ -205,4 +205,6 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
   raise TypeError(
       f"jact.convert accepts a flax.linen.Module (returns a converted copy) or a "
       f"flax.nnx.Module (converted in place), got {type(model).__module__}."
-      f"{type(model).__qualname__}.")
+      f"{type(model).__qualname__}. Wrap any other model (an Equinox module, a plain JAX "
+      f"function) with jact.compressed(model_or_loss, bits=...) instead; pass a linen class "
+      f"as an instance (Model(...)).")

@@ -114,10 +114,23 @@ class Controller:
   chunk_size: int | None = None
 
   def __post_init__(self):
+    if not callable(self.loss_fn):
+      raise TypeError(f"jact.Controller: loss_fn must be loss_fn(params, batch, key) -> "
+                      f"scalar, got {type(self.loss_fn).__name__} {self.loss_fn!r:.40}")
+    for field in ("avg_bits", "alert_fraction", "error"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"jact.Controller: {field} must be a number, got "
+                        f"{type(value).__name__} {value!r}")
+    if not self.alert_fraction > 0:
+      raise ValueError(f"jact.Controller: alert_fraction must be positive (the fraction of the "
+                       f"sampling variance above which to warn, e.g. 0.5), got "
+                       f"{self.alert_fraction!r}")
     if self.estimator not in _ESTIMATORS:
       raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {self.estimator!r}")
     if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
-      raise ValueError(f"adapt_interval must be a positive int, got {self.adapt_interval!r}")
+      raise ValueError(f"jact.Controller: adapt_interval must be a positive int (steps "
+                       f"between estimations, e.g. 50), got {self.adapt_interval!r}")
     if not isinstance(self.warmup, int) or self.warmup < 0:
       raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
     if not 1 <= self.avg_bits <= 32:
@@ -210,17 +223,21 @@ class Controller:
     The checkpoint's residual names and sizes must be those of `like` (the
     model being trained): sensitivities and plan entries belong to names.
     """
+    if not isinstance(like, ControllerState):
+      raise TypeError(
+          f"jact.Controller.restore: like must be a ControllerState of the model being trained "
+          f"(it gives the estimates' structure and the residual names), got "
+          f"{type(like).__name__} {like!r:.60}; pass like=controller.init(params, batch, key)")
     path = os.fspath(os.path.abspath(directory))
     meta = _read_meta(path)
+    plan, saved_names = _check_meta(path, meta)
     if meta["estimator"] != self.estimator:
       raise ValueError(f"jact.Controller.restore: the checkpoint at {path} was written by a "
                        f"{meta['estimator']!r} controller, this one uses {self.estimator!r}; "
                        f"restore it with Controller(..., estimator={meta['estimator']!r})")
-    plan = BitPlan.from_dict(meta["plan"])
-    saved_names = tuple(meta.get("names") or sorted(dict(plan.sizes)))
     _check_same_residuals(path, saved_names, dict(plan.sizes), like)
     estimates = _read_estimates(path, like.estimates)
-    return ControllerState(estimates, plan, int(meta["step"]), dict(meta["report"]))
+    return ControllerState(estimates, plan, meta["step"], dict(meta["report"]))
 
 
 def _orbax():
@@ -254,6 +271,39 @@ def _read_meta(path: str) -> dict:
     raise ValueError(f"jact.Controller.restore: {path} holds no controller state (fields "
                      f"plan, step, report, estimator); {_DAMAGED}")
   return meta
+
+
+_EDITED = ("the checkpoint's metadata (meta/metadata) was edited or damaged: restore an "
+           "unedited checkpoint, or start again from Controller.init")
+
+
+def _check_meta(path: str, meta: dict) -> tuple[BitPlan, tuple[str, ...]]:
+  """`(plan, names)` of a checkpoint's metadata, checked for consistency: a
+  known estimator, a non-negative int step, a report dict, a valid plan and
+  residual names that are the plan's."""
+  def bad(what):
+    return ValueError(f"jact.Controller.restore: {what} in the checkpoint at {path}; {_EDITED}")
+
+  if meta["estimator"] not in _ESTIMATORS:
+    raise bad(f"estimator={meta['estimator']!r} is none of {_ESTIMATORS}")
+  step = meta["step"]
+  if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    raise bad(f"step={step!r} is not a non-negative int")
+  if not isinstance(meta["report"], dict):
+    raise bad(f"report={meta['report']!r:.60} is not a mapping")
+  try:
+    plan = BitPlan.from_dict(meta["plan"])
+  except (TypeError, ValueError) as e:
+    raise bad(f"the plan is not valid ({e})") from e
+  names = meta.get("names")
+  if names is None:  # checkpoints written before names were stored
+    return plan, tuple(sorted(dict(plan.sizes)))
+  if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    raise bad(f"names={names!r:.60} is not a list of residual names")
+  if set(names) != set(dict(plan.sizes)):
+    raise bad(f"the residual names {sorted(names)} are not those of its plan "
+              f"{sorted(dict(plan.sizes))}")
+  return plan, tuple(names)
 
 
 def _check_same_residuals(path: str, saved_names, saved_sizes: dict, like: ControllerState):

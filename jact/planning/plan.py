@@ -292,6 +292,9 @@ def planned(step: Callable[..., Any] | None = None, *, strict: bool = False) -> 
   """
   if step is None:
     return functools.partial(planned, strict=strict)
+  if not callable(step):
+    raise TypeError(f"jact.planned takes the training step function (then called with "
+                    f"plan=...), got {type(step).__name__} {step!r:.40}")
 
   @functools.wraps(step)
   def run(*args, plan: BitPlan | None, **kwargs):

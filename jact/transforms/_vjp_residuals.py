@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 import jax
@@ -17,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import _compat
-from jact.core.packing import PackedBits, pack_codes, unpack_codes
+from jact.core.packing import SUPPORTED_BITS, PackedBits, pack_codes, unpack_codes
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
-from jact.compressors import Compressed
+from jact.compressors import Compressed, Compressor
 from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
@@ -59,11 +60,16 @@ class ResidualConfig:
     Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
     check_name(self.name)
     if not isinstance(self.min_size, int) or self.min_size < 1:
-      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}")
+      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}: "
+                       f"floating residuals with fewer values are kept exact (default "
+                       f"min_size={DEFAULT_MIN_SIZE}; min_size=1 compresses every one)")
     if self.overrides is not None and not (isinstance(self.overrides, Mapping)
                                            or hasattr(self.overrides, "bits_for")):
       raise TypeError("overrides must be a mapping from residual names to bits, or an object "
                       f"with a bits_for(name, default) method; got {type(self.overrides).__name__}")
+    if isinstance(self.overrides, Mapping):
+      for name, entry in self.overrides.items():
+        check_override(name, entry)
 
   def rounding_for(self, name: str) -> Rounding:
     bits = self.bits
@@ -83,6 +89,22 @@ class ResidualConfig:
 def is_array(x) -> bool:
   return isinstance(x, (np.ndarray, np.generic)) or _compat.is_jax_value(x)
 
+
+
+def check_override(name, entry) -> None:
+  """A clear error unless `overrides[name] = entry` names a residual and gives
+  it a width (1, 2, 4, 8), None (kept uncompressed) or a compressor."""
+  if not isinstance(name, str):
+    raise TypeError(f"overrides keys must be residual names (str, e.g. 'compressed.3' as "
+                    f"jact.residual_report lists them), got {type(name).__name__} {name!r}")
+  if entry is None or isinstance(entry, Compressor):
+    return
+  if isinstance(entry, numbers.Integral) and not isinstance(entry, bool) and entry in SUPPORTED_BITS:
+    return
+  raise ValueError(
+      f"overrides[{name!r}] = {entry!r} is not a residual width: use one of {SUPPORTED_BITS}, "
+      f"None to keep the residual uncompressed, or a compressor from jact.compressors "
+      f"(e.g. jact.compressors.PerGroup(4)).")
 
 
 @jax.tree_util.register_dataclass

@@ -37,10 +37,13 @@ import jax
 
 from jact.compressors import Compressor
 from jact import _compat
+from jact.core import rng
 from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
 from jact.engine.rounding import residual_method
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
-                                        check_argnums, compressed, input_flags, reserved_key_check,
+                                        CompressedModule, check_argnums, check_policy, compressed,
+                                        input_flags, is_callable_pytree, module_argnums,
+                                        module_call, over_array_leaves, reserved_key_check,
                                         returning_arrays)
 
 __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
@@ -172,7 +175,9 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   noise to the whole segment's backward pass (GACT §5: negligible).
 
   Args:
-    fn: the segment, a function of pytrees of arrays.
+    fn: the segment, a function of pytrees of arrays (non-array leaves are
+      held fixed, as in `jact.compressed`), or a callable pytree such as an
+      `eqx.Module` (see `jact.compressed`: the result is a pytree holding it).
     policy: a `jax.checkpoint` policy for the recomputation (default: save
       nothing, i.e. `save_inputs_only()`); values it saves are compressed.
       `save_compressed()` keeps the body's compressed residuals instead of
@@ -194,6 +199,7 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   Returns:
     `wrapped(*args, key=None, **kwargs)`.
   """
+  check_policy(policy, "jact.checkpoint")
   if fn is None:
     return functools.partial(checkpoint, policy=policy, bits=bits, compressor=compressor,
                              group_size=group_size, stochastic=stochastic, min_size=min_size,
@@ -201,6 +207,11 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
                              prevent_cse=prevent_cse)
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
+  if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
+    return CompressedModule(fn, checkpoint(
+        module_call(fn), policy=policy, bits=bits, compressor=compressor, group_size=group_size,
+        stochastic=stochastic, min_size=min_size, name=name,
+        compress_argnums=module_argnums(check_argnums(compress_argnums)), prevent_cse=prevent_cse))
   check_key = reserved_key_check(fn, "jact.checkpoint")
   compress_argnums = check_argnums(compress_argnums)
   if not compress_argnums and (policy is None
@@ -217,13 +228,17 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, compressor=compressor,
                     group_size=group_size, stochastic=stochastic, min_size=min_size,
                     name=f"{name}.body")
-  rematted = jax.checkpoint(lambda key, args, kwargs: body(*args, key=key, **kwargs),
-                            policy=policy, prevent_cse=prevent_cse)
+
+  def rematted(key, args, kwargs):
+    # Non-array leaves (flags, functions, strings) are held fixed, as in
+    # jact.compressed: jax.checkpoint traces only the arrays.
+    call, values, _ = over_array_leaves(body, args, {**kwargs, "key": key})
+    return jax.checkpoint(call, policy=policy, prevent_cse=prevent_cse)(*values)
 
   @functools.wraps(fn)
   def wrapped(*args, key=None, **kwargs):
     check_key(args)
-    body_key = None if key is None else jax.random.fold_in(key, 1)
+    body_key = None if key is None else jax.random.fold_in(rng.single_key(key), 1)
     flags = input_flags(fn, args, kwargs, compress_argnums)
     # The incoming cotangent of a segment in a residual stream is an elementwise
     # sum over all later segments' backward passes; unless it is materialized,

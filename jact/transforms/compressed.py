@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 
 from jact import _compat
+from jact.core import rng
 from jact.engine import context as _context
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
@@ -130,6 +131,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
   Args:
     fn: any function of pytrees of arrays (non-array leaves are treated as
       static). Can also be used as a decorator with keyword arguments only.
+      A callable pytree (an `eqx.Module`, a `jax.tree_util.Partial`) gives
+      a `CompressedModule`: a pytree holding it, so its parameters get
+      gradients, and passing `key=` on to it when its call takes `key`.
     bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
     compressor: a `jact.compressors` object for the floating residuals
       instead of `bits` (leave `bits` at its default).
@@ -162,15 +166,39 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
   config = ResidualConfig(residual_method(bits, compressor, "jact.compressed"), group_size,
                           stochastic, min_size, name, overrides)
   argnums = check_argnums(compress_argnums)
+  check_policy(policy, "jact.compressed")
   if fn is None:
     return functools.partial(_wrap, config=config, policy=policy, compress_argnums=argnums)
   return _wrap(fn, config=config, policy=policy, compress_argnums=argnums)
 
 
+def check_policy(policy, api: str) -> None:
+  """A clear error unless `policy` is None or a `jax.checkpoint` policy (a callable)."""
+  if policy is None or callable(policy):
+    return
+  hint = ""
+  if isinstance(policy, str):
+    import difflib  # pylint: disable=import-outside-toplevel
+    known = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
+    close = difflib.get_close_matches(policy, known, n=1, cutoff=0.3) or ["dots_saveable"]
+    hint = f", e.g. policy=jax.checkpoint_policies.{close[0]}"
+  raise TypeError(
+      f"{api}: policy must be a jax.checkpoint policy -- a function such as "
+      f"jax.checkpoint_policies.dots_saveable or jact.save_compressed() -- or None, got "
+      f"{type(policy).__name__} {policy!r:.60}; pass the policy object itself{hint}")
+
+
 def check_argnums(argnums) -> tuple[int, ...]:
-  argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  if not all(isinstance(i, int) and i >= 0 for i in argnums):
-    raise ValueError(f"compress_argnums must be non-negative ints, got {argnums!r}")
+  if isinstance(argnums, int) and not isinstance(argnums, bool):
+    argnums = (argnums,)
+  try:
+    argnums = tuple(argnums)
+  except TypeError:
+    argnums = (argnums,)
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums):
+    raise ValueError(f"compress_argnums must be non-negative ints (positions of the activation "
+                     f"arguments, e.g. compress_argnums=(1,) for block(params, x)), got "
+                     f"{argnums!r}")
   return argnums
 
 
@@ -180,7 +208,8 @@ def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
   never are (the rule of `compressed` and `jact.checkpoint`)."""
   if any(i >= len(args) for i in argnums):
     raise ValueError(f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
-                     f"{len(args)} positional arguments")
+                     f"{len(args)} positional arguments: list positions below {len(args)}, "
+                     f"and pass the activations positionally")
   flags = []
   for i, a in enumerate(args):
     flags += [i in argnums] * len(jax.tree.leaves(a))
@@ -279,6 +308,9 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   for route in _MODULE_ROUTES:  # Flax modules have their own path (jact.flax registers it)
     if route.handles(fn):
       return route.wrap(fn, config, policy, compress_argnums)
+  if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
+    return CompressedModule(fn, _wrap(module_call(fn), config=config, policy=policy,
+                                      compress_argnums=module_argnums(compress_argnums)))
   check_key = reserved_key_check(fn, "jact.compressed")
   checked = returning_arrays(fn, "jact.compressed")
 
@@ -294,6 +326,97 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
 
   wrapped.residual_config = config
   return wrapped
+
+
+def is_callable_pytree(fn) -> bool:
+  """Whether `fn` is a callable pytree node (an `equinox.Module`, a
+  `jax.tree_util.Partial`): its leaves are parameters a gradient must reach."""
+  return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
+
+
+def _takes_keyword_key(fn) -> bool:
+  try:
+    param = inspect.signature(fn).parameters.get("key")
+  except (TypeError, ValueError):
+    return False
+  return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+
+
+_MODULE_KEY = "_jact_module_key"  # carries a module's own `key=` past the wrapper's
+
+
+def module_call(module) -> Callable[..., Any]:
+  """`call(module, *args, **kwargs) = module(*args, **kwargs)`, named after the
+  module; a keyword `_MODULE_KEY` reaches the module as its `key`."""
+  def call(module, *args, **kwargs):
+    if _MODULE_KEY in kwargs:
+      kwargs["key"] = kwargs.pop(_MODULE_KEY)
+    return module(*args, **kwargs)
+
+  call.__name__ = call.__qualname__ = type(module).__name__
+  return call
+
+
+def module_argnums(argnums: tuple[int, ...]) -> tuple[int, ...]:
+  """`compress_argnums` of a module's call, as positions of `call(module, *args)`."""
+  return tuple(i + 1 for i in argnums)
+
+
+@jax.tree_util.register_pytree_node_class
+class CompressedModule:
+  """`jact.compressed(module)` (or `jact.checkpoint(module)`) for a callable
+  pytree, such as an `eqx.Module`.
+
+  A pytree whose one child is `module`, so its parameters stay leaves of the
+  model that holds it: `eqx.filter_grad`, `eqx.partition` and optimizers see
+  them, where a closure would hide them (and get no gradient). Calling it
+  runs `module(*args, **kwargs)` with compressed residuals; the module is
+  an argument kept by reference (parameters are exact). When the module's
+  call takes a keyword `key` (Equinox's convention for dropout), `key=`
+  goes to it as well, so its randomness is the plain model's for the same
+  key; rounding then draws from `jax.random.fold_in(key, ROUNDING_STREAM)`.
+
+  The same holds for any callable pytree, e.g. `jax.tree_util.Partial`:
+
+  >>> import jax, jax.numpy as jnp, jact
+  >>> layer = jax.tree_util.Partial(lambda w, x: jnp.tanh(x @ w), jnp.ones((64, 256)) / 64)
+  >>> fast = jact.compressed(layer, bits=2)
+  >>> loss = lambda f, x: jnp.sum(f(x, key=jax.random.key(0)) ** 2)
+  >>> grads = jax.grad(loss)(fast, jnp.ones((32, 64)))   # same structure as `fast`
+  >>> grads.module.args[0].shape
+  (64, 256)
+
+  Attributes:
+    module: the wrapped callable pytree.
+    call: `call(module, *args, key=..., **kwargs)`, the module's call through
+      `jact.compressed` or `jact.checkpoint` (static).
+  """
+
+  ROUNDING_STREAM = 0x6A616374  # folded into a key shared with the module's own randomness
+
+  def __init__(self, module, call: Callable[..., Any]):
+    self.module = module
+    self.call = call
+
+  def tree_flatten(self):
+    return (self.module,), self.call
+
+  @classmethod
+  def tree_unflatten(cls, call, children):
+    return cls(children[0], call)
+
+  @property
+  def residual_config(self) -> ResidualConfig:
+    return self.call.residual_config
+
+  def __call__(self, *args, key=None, **kwargs):
+    if key is not None and _takes_keyword_key(self.module):
+      rounding_key = jax.random.fold_in(rng.single_key(key), self.ROUNDING_STREAM)
+      return self.call(self.module, *args, key=rounding_key, **kwargs, **{_MODULE_KEY: key})
+    return self.call(self.module, *args, key=key, **kwargs)
+
+  def __repr__(self) -> str:
+    return f"CompressedModule({self.module!r}, name={self.residual_config.name!r})"
 
 
 def _hoist_closure(fn, args, name: str):
