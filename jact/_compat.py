@@ -527,6 +527,41 @@ def cast_varying(x, axes):
   return lax.pvary(x, missing)
 
 
+def bound_axis_sizes(axis_name) -> tuple[tuple[Any, int], ...]:
+  """`((name, size), ...)` of the named axes of `axis_name` (a name or a
+  tuple of names) bound where this is traced (`jax.vmap(axis_name=)`,
+  `shard_map`, `pmap`); names not bound here are left out.
+
+  Public: `jax.lax.axis_size(name)`; whether a name is bound has no public
+  query in jax 0.10.2 (watch `jax._src.core.get_axis_env().axis_exists`)."""
+  from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  env = _core.get_axis_env()
+  return tuple((n, int(lax.axis_size(n))) for n in names if env.axis_exists(n))
+
+
+@contextlib.contextmanager
+def axes_bound(sizes: Sequence[tuple[Any, int]]):
+  """Binds the named axes `sizes` (from `bound_axis_sizes` in a forward
+  rule) that are not bound here, for a custom_vjp backward rule.
+
+  JAX traces the backward rule of a custom_vjp function batched by
+  `jax.vmap(axis_name=...)` under `jax.grad` outside that vmap without the
+  vmap's axis in scope (jax 0.10.2), so a collective over it there (batch
+  norm's cross-device means) fails with "unbound axis name", although the
+  batching trace that runs the rule handles the collective. Public
+  replacement: none in jax 0.10.2; watch `jax._src.core.extend_axis_env_nd`
+  and `batching.batch_custom_vjp_bwd`."""
+  from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+  env = _core.get_axis_env()
+  missing = [(n, s) for n, s in sizes if not env.axis_exists(n)]
+  if not missing:
+    yield
+    return
+  with _core.extend_axis_env_nd(missing):
+    yield
+
+
 def union_of_varying_axes(values: Sequence) -> tuple[str, ...]:
   """The manual mesh axes any of the arrays among `values` varies over, sorted
   (empty outside shard_map)."""

@@ -22,6 +22,7 @@ import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jact.engine.derivatives import inference_only
 from jact.engine.rounding import Rounding, residual_method
@@ -74,12 +75,16 @@ class Calls:
 
   Several Flax sub-layers can share one hook (attention's query/key/value
   projections), so the i-th call gets `fold_in(key, i)` and `names[i]`.
-  With `key=None` (no stochastic rounding) no key is passed.
+  With `key=None` (no stochastic rounding) no key is passed. A call with
+  complex operands runs `plain` (the lax op; jact's ops take real floats):
+  its residuals are then JAX's own, exact (and, inside a converted model's
+  call, kept exact by the engine).
   """
 
   def __init__(self, op: Callable[..., Any], key, names: Sequence[str], op_name: str,
-               **settings):
+               plain: Callable[..., Any] | None = None, **settings):
     self.op, self.key, self.names, self.op_name = op, key, tuple(names), op_name
+    self.plain = plain
     self.settings = settings
     self.count = 0
 
@@ -92,6 +97,8 @@ class Calls:
 
   def __call__(self, *args, **kwargs):
     key, name = self.next_key_and_name()
+    if self.plain is not None and any(jnp.iscomplexobj(a) for a in args):
+      return self.plain(*args, **kwargs)
     kwargs = _drop_sharding(dict(kwargs), self.op_name)
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
@@ -304,8 +311,8 @@ def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any
   projection and the attention itself, each with its own key and residual name."""
   sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
   qkv = Calls(linear.dot_general, sub(0), tuple(f"{name}/{p}" for p in ("query", "key", "value")),
-              "dot_general", compress=(True, False), **rounding)
-  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
+              "dot_general", plain=lax.dot_general, compress=(True, False), **rounding)
+  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general", plain=lax.dot_general,
               compress=(True, False), **rounding)
   return {"qkv": qkv, "out": out,
           "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}
