@@ -97,7 +97,7 @@ class Calls:
 
   def __call__(self, *args, **kwargs):
     key, name = self.next_key_and_name()
-    if self.plain is not None and any(jnp.iscomplexobj(a) for a in args):
+    if self.plain is not None and any(hasattr(a, 'dtype') and jnp.iscomplexobj(a) for a in args):
       return self.plain(*args, **kwargs)
     kwargs = _drop_sharding(dict(kwargs), self.op_name)
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)

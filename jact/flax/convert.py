@@ -83,10 +83,11 @@ and layers left plain inside the model                (`functions=True`, default
 Cells run per step inside `nn.RNN` / `nn.scan` / `nnx.RNN`, so their
 residuals are compressed inside the scan body. linen scans pass only the
 streams listed in `split_rngs`, so a layer there cannot see 'jact': its key is
-the apply's 'jact' key folded with the layer's path and with the bits of the
-sums of its float arguments (they differ from step to step; bit-identical
-steps would share their noise, a correlation, not an error) -- no need to edit
-`split_rngs`. In nnx, a layer built inside `nnx.vmap` (a scan over stacked
+the apply's 'jact' key folded with the layer's path and with an
+order-independent fingerprint (an integer sum of the bits) of its float
+arguments: they differ from step to step, and a batch sharded over devices
+draws the same noise as on one device (bit-identical steps would share their
+noise, a correlation, not an error) -- no need to edit `split_rngs`. In nnx, a layer built inside `nnx.vmap` (a scan over stacked
 blocks) gets a stream with one key per stacked layer, which `nnx.scan` slices
 like its parameters. With `functions=True` the model's outermost call (linen:
 the method `apply` runs; nnx: `__call__`, the model's class becoming a
