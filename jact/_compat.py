@@ -527,6 +527,14 @@ def cast_varying(x, axes):
   return lax.pvary(x, missing)
 
 
+def is_static_shape(shape) -> bool:
+  """Whether every dimension of `shape` is a known integer: under `jax.export`
+  with `jax.export.symbolic_shape("b, ...")` a dimension is a symbolic
+  expression, which cannot be compared with a number. Public: symbolic
+  dimensions are documented as not being ints; their class is not."""
+  return all(isinstance(d, int) for d in shape)
+
+
 def bound_axis_sizes(axis_name) -> tuple[tuple[Any, int], ...]:
   """`((name, size), ...)` of the named axes of `axis_name` (a name or a
   tuple of names) bound where this is traced (`jax.vmap(axis_name=)`,
