@@ -47,6 +47,7 @@ __all__ = [
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
     "saved_residuals", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
+    "is_static_shape", "bound_axis_sizes", "axes_bound",
 ]
 
 
@@ -1121,7 +1122,48 @@ def _check_leading_axis_sharded():
 
 
 # One probe per compat function: (what it reads, probe).
+def _check_is_static_shape():
+  from jax import export  # pylint: disable=import-outside-toplevel
+  b, = export.symbolic_shape("b")
+  seen = {}
+
+  def f(x):
+    seen["shape"] = x.shape
+    return x
+
+  export.export(jax.jit(f))(jax.ShapeDtypeStruct((b, 3), jnp.float32))
+  assert is_static_shape((2, 3)) and not is_static_shape(seen["shape"]), seen["shape"]
+
+
+def _bound_axes_backward():
+  """grad outside vmap(axis_name) of a custom_vjp whose backward takes a pmean."""
+  sizes = {}
+
+  @jax.custom_vjp
+  def f(x):
+    return x
+
+  def fwd(x):
+    sizes["b"] = bound_axis_sizes("b")
+    return x, None
+
+  def bwd(_, g):
+    with axes_bound(sizes["b"]):
+      return (lax.pmean(g, "b"),)
+
+  f.defvjp(fwd, bwd)
+  x = jnp.arange(4.0)
+  got = jax.grad(lambda x: jnp.sum(jax.vmap(f, axis_name="b")(x) * x))(x)
+  assert sizes["b"] == (("b", 4),), sizes["b"]
+  assert bool(jnp.allclose(got, x.mean() + x)), got  # d/dx of f(x) * x, f backward a mean
+
+
 CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
+    "is_static_shape": ("symbolic dimensions (jax.export) are not ints", _check_is_static_shape),
+    "bound_axis_sizes": ("jax._src.core.get_axis_env().axis_exists and lax.axis_size",
+                         _bound_axes_backward),
+    "axes_bound": ("jax._src.core.extend_axis_env_nd in a custom_vjp backward under vmap",
+                   _bound_axes_backward),
     "leading_axis_sharded": ("jax.typeof(x).sharding.spec (explicit sharding mode)",
                              _check_leading_axis_sharded),
     "varying_axes": ("jax.typeof(x).mat.varying (jax 0.10.2) / .vma (earlier) inside shard_map",
