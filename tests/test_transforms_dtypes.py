@@ -117,6 +117,26 @@ def test_nnx_batch_norm_with_axis_name_under_nnx_vmap(bits, functions):
     assert _relative(got, want) < 0.05
 
 
+def _eval_bn(rngs):
+  model = NnxBN(rngs)
+  model.bn.use_running_average = True  # evaluation: no statistics written
+  return model
+
+
+@pytest.mark.slow  # three models built, converted and run under vmap: ~5 s
+def test_nnx_eval_batch_norm_under_a_closing_jax_vmap():
+  """Under `jax.vmap` closing over the model, nnx forbids state updates: the
+  plain model in evaluation mode updates none, nor does a model converted
+  without streams; one converted with its own streams would advance them,
+  which is refused with jact's error naming the fixes."""
+  run = lambda m: jax.vmap(lambda x: m(x), axis_name="batch")(XS)
+  want = run(_eval_bn(nnx.Rngs(0)))
+  _assert_close(run(jact.convert(_eval_bn(nnx.Rngs(0)), bits=8)), want)
+  streams = jact.convert(_eval_bn(nnx.Rngs(0)), bits=8, rngs=nnx.Rngs(jact=1))
+  with pytest.raises(ValueError, match=r"own 'jact' stream.*nnx\.vmap.*jact\.nnx\.use_key"):
+    run(streams)
+
+
 # ----------------------------------------------------------------------------- second order
 
 

@@ -18,6 +18,7 @@ import inspect
 import zlib
 from typing import Any, Callable, Sequence
 
+import flax.errors
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -215,6 +216,23 @@ def use_key(key):
     yield
   finally:
     _USE_KEY.reset(token)
+
+
+def draw(stream, what: str):
+  """The next key of `stream`, the own 'jact' stream of `what` (a layer or
+  model): a clear error where nnx forbids advancing it (inside a JAX
+  transform that closes over the model)."""
+  try:
+    return stream()
+  except flax.errors.TraceContextError as err:
+    raise ValueError(
+        f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
+        f"rngs=...)), which advances the stream's count, and nnx forbids that inside a JAX "
+        f"transform that closes over the model (jax.vmap, jax.jit or jax.grad of a "
+        f"closure). Use the nnx transforms (nnx.vmap, nnx.jit, nnx.grad), or nnx.split / "
+        f"nnx.merge inside the JAX transform, as for any nnx model with RNG streams; or "
+        f"convert without rngs= and pass keys with jact.nnx.use_key inside the "
+        f"transform.") from err
 
 
 def context_key(name: str):

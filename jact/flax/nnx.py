@@ -85,7 +85,8 @@ class _Twin:
       return True, key
     if self.jact_rngs is None:
       return False, None
-    return True, self.jact_rngs()
+    return True, _hooks.draw(self.jact_rngs, f"jact.nnx.{type(self).__name__} "
+                                              f"{self.residual_name!r}")
 
   def _keyless(self, fn):
     """`fn`, the layer's plain computation run without a key: differentiating it raises."""
