@@ -38,7 +38,8 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   cotangent (`jact.engine.scheduling.kept_until_cotangent`), one
   single-element all-reduce per op, so the program has exactly the plain
   model's collectives. Inside `shard_map` over these axes, and in explicit
-  sharding mode, the constraint does nothing (there the layout is known).
+  sharding mode (a mesh with Explicit axes, `jax.make_mesh`'s default), the
+  constraint does nothing (there the layout is known).
   `mesh` may be left out inside `jax.set_mesh(mesh)`.
 
   >>> import jax, jax.numpy as jnp, jact

@@ -109,7 +109,10 @@ outside any converted layer (a hand-written cell) is covered by the model's
 call; with `functions=False` it is warned about. `jact.conversion_report(loss,
 *args)` lists every layer call with how it was converted (and, for linen, the
 bytes it saves plain and converted) and warns about what is left plain with
-its share of the saved bytes. Converted Dropout draws its masks from jact's
+its share of the saved bytes. A Dense/Conv twin (and attention's
+projections) called with complex operands runs Flax's own (lax) op, its
+residuals exact; the engine keeps complex residuals exact too (the other
+twins take real floats only and say so). Converted Dropout draws its masks from jact's
 hash PRNG: same rate and statistics, different masks than Flax's for the
 same key.
 

@@ -17,7 +17,8 @@ traced jaxpr, and keeps for the backward pass:
 * boolean residuals (masks) packed losslessly to 1 bit;
 * floating residuals of at least `min_size` values quantized with
   stochastic rounding to `bits` bits;
-* everything else (integers, small tensors) as it is.
+* everything else (integers, complex values, small tensors, residuals whose
+  shape has a symbolic `jax.export` dimension) as it is.
 
 The backward starts with an optimization barrier, reconstructs the
 residuals and feeds them to the original VJP, so the gradients are exactly
