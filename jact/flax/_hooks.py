@@ -18,7 +18,6 @@ import inspect
 import zlib
 from typing import Any, Callable, Sequence
 
-import flax.errors
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -224,7 +223,7 @@ def draw(stream, what: str):
   transform that closes over the model)."""
   try:
     return stream()
-  except flax.errors.TraceContextError as err:
+  except _compat.trace_context_error() as err:
     raise ValueError(
         f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
         f"rngs=...)), which advances the stream's count, and nnx forbids that inside a JAX "
