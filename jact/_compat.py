@@ -48,6 +48,7 @@ __all__ = [
     "elementwise_kind",
     "conv_kwargs", "linear_identity_primitive",
     "saved_residuals", "current_trace", "jit_traces_since", "abstract_evaluation", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
+    "is_static_shape", "bound_axis_sizes", "axes_bound",
 ]
 
 
@@ -569,6 +570,49 @@ def cast_varying(x, axes):
   if hasattr(lax, "pcast"):
     return lax.pcast(x, missing, to="varying")
   return lax.pvary(x, missing)
+
+
+def is_static_shape(shape) -> bool:
+  """Whether every dimension of `shape` is a known integer: under `jax.export`
+  with `jax.export.symbolic_shape("b, ...")` a dimension is a symbolic
+  expression, which cannot be compared with a number. Public: symbolic
+  dimensions are documented as not being ints; their class is not."""
+  return all(isinstance(d, int) for d in shape)
+
+
+def bound_axis_sizes(axis_name) -> tuple[tuple[Any, int], ...]:
+  """`((name, size), ...)` of the named axes of `axis_name` (a name or a
+  tuple of names) bound where this is traced (`jax.vmap(axis_name=)`,
+  `shard_map`, `pmap`); names not bound here are left out.
+
+  Public: `jax.lax.axis_size(name)`; whether a name is bound has no public
+  query in jax 0.10.2 (watch `jax._src.core.get_axis_env().axis_exists`)."""
+  from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  env = _core.get_axis_env()
+  return tuple((n, int(lax.axis_size(n))) for n in names if env.axis_exists(n))
+
+
+@contextlib.contextmanager
+def axes_bound(sizes: Sequence[tuple[Any, int]]):
+  """Binds the named axes `sizes` (from `bound_axis_sizes` in a forward
+  rule) that are not bound here, for a custom_vjp backward rule.
+
+  JAX traces the backward rule of a custom_vjp function batched by
+  `jax.vmap(axis_name=...)` under `jax.grad` outside that vmap without the
+  vmap's axis in scope (jax 0.10.2), so a collective over it there (batch
+  norm's cross-device means) fails with "unbound axis name", although the
+  batching trace that runs the rule handles the collective. Public
+  replacement: none in jax 0.10.2; watch `jax._src.core.extend_axis_env_nd`
+  and `batching.batch_custom_vjp_bwd`."""
+  from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+  env = _core.get_axis_env()
+  missing = [(n, s) for n, s in sizes if not env.axis_exists(n)]
+  if not missing:
+    yield
+    return
+  with _core.extend_axis_env_nd(missing):
+    yield
 
 
 def union_of_varying_axes(values: Sequence) -> tuple[str, ...]:
@@ -1141,7 +1185,48 @@ def _check_leading_axis_sharded():
 
 
 # One probe per compat function: (what it reads, probe).
+def _check_is_static_shape():
+  from jax import export  # pylint: disable=import-outside-toplevel
+  b, = export.symbolic_shape("b")
+  seen = {}
+
+  def f(x):
+    seen["shape"] = x.shape
+    return x
+
+  export.export(jax.jit(f))(jax.ShapeDtypeStruct((b, 3), jnp.float32))
+  assert is_static_shape((2, 3)) and not is_static_shape(seen["shape"]), seen["shape"]
+
+
+def _bound_axes_backward():
+  """grad outside vmap(axis_name) of a custom_vjp whose backward takes a pmean."""
+  sizes = {}
+
+  @jax.custom_vjp
+  def f(x):
+    return x
+
+  def fwd(x):
+    sizes["b"] = bound_axis_sizes("b")
+    return x, None
+
+  def bwd(_, g):
+    with axes_bound(sizes["b"]):
+      return (lax.pmean(g, "b"),)
+
+  f.defvjp(fwd, bwd)
+  x = jnp.arange(4.0)
+  got = jax.grad(lambda x: jnp.sum(jax.vmap(f, axis_name="b")(x) * x))(x)
+  assert sizes["b"] == (("b", 4),), sizes["b"]
+  assert bool(jnp.allclose(got, x.mean() + x)), got  # d/dx of f(x) * x, f backward a mean
+
+
 CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
+    "is_static_shape": ("symbolic dimensions (jax.export) are not ints", _check_is_static_shape),
+    "bound_axis_sizes": ("jax._src.core.get_axis_env().axis_exists and lax.axis_size",
+                         _bound_axes_backward),
+    "axes_bound": ("jax._src.core.extend_axis_env_nd in a custom_vjp backward under vmap",
+                   _bound_axes_backward),
     "leading_axis_sharded": ("jax.typeof(x).sharding.spec (explicit sharding mode)",
                              _check_leading_axis_sharded),
     "varying_axes": ("jax.typeof(x).mat.varying (jax 0.10.2) / .vma (earlier) inside shard_map",

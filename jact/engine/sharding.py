@@ -38,7 +38,8 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   cotangent (`jact.engine.scheduling.kept_until_cotangent`), one
   single-element all-reduce per op, so the program has exactly the plain
   model's collectives. Inside `shard_map` over these axes, and in explicit
-  sharding mode, the constraint does nothing (there the layout is known).
+  sharding mode (a mesh with Explicit axes, `jax.make_mesh`'s default), the
+  constraint does nothing (there the layout is known).
   `mesh` may be left out inside `jax.set_mesh(mesh)`.
 
   >>> import jax, jax.numpy as jnp, jact
@@ -78,16 +79,33 @@ def pin_rows(x):
     raise ValueError(
         f"jact.sharded_batch({axes!r}): no mesh with these axes is known while tracing; "
         "pass the mesh (jact.sharded_batch(axes, mesh)) or trace inside jax.set_mesh(mesh)")
-  axis_types = dict(zip(getattr(context_mesh, "axis_names", ()),
-                        getattr(context_mesh, "axis_types", ())))
-  if any(axis_types.get(a) in (jax.sharding.AxisType.Manual, jax.sharding.AxisType.Explicit)
-         for a in axes):
+  if _layout_known(axes, mesh, context_mesh):
     return x
   if x.shape[0] % math.prod(shape[a] for a in axes):
     return x
   spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
   return jax.lax.with_sharding_constraint(
       x, NamedSharding(mesh, spec) if mesh is not None else spec)
+
+
+def _axis_types(mesh) -> dict:
+  return dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+
+
+def _layout_known(axes, mesh, context_mesh) -> bool:
+  """Whether the layout of `axes` is already fixed where this is traced: a
+  batch axis manual here (inside `shard_map`) or explicit (explicit sharding
+  mode: the sharding is in the value's type), in the mesh given to
+  `sharded_batch` or the context mesh, or any explicit axis in the mesh the
+  constraint would name (`jax.make_mesh` makes every axis Explicit by default,
+  and an unconstrained dimension cannot be stated over such a mesh)."""
+  fixed = (jax.sharding.AxisType.Manual, jax.sharding.AxisType.Explicit)
+  for m in (mesh, context_mesh):
+    types = _axis_types(m)
+    if any(types.get(a) in fixed for a in axes):
+      return True
+  named = _axis_types(mesh if mesh is not None else context_mesh)
+  return any(t == jax.sharding.AxisType.Explicit for t in named.values())
 
 
 def batch_is_sharded() -> bool:

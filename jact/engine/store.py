@@ -17,6 +17,7 @@ Every residual piece is tagged with `jax.ad_checkpoint.checkpoint_name`, so
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,6 +40,26 @@ from jact.kernels.api import dequantize, dequantize_per_sample, quantize_per_sam
 __all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs", "same_varying_axes"]
 
 
+class SymbolicShapeWarning(UserWarning):
+  """A residual with a symbolic dimension (`jax.export`) is kept uncompressed."""
+
+
+def kept_symbolic(x) -> bool:
+  """Whether `x` has a symbolic dimension (traced for `jax.export` with
+  `jax.export.symbolic_shape("b, ...")`), which the quantizers' layouts
+  (groups, padding, per-row flags) cannot be computed for: such a residual is
+  kept exact, the safe layout (the gradients are plain JAX's), with a
+  warning; export with a concrete batch size to store it compressed."""
+  if _compat.is_static_shape(jnp.shape(x)):
+    return False
+  warnings.warn(
+      "jact: a residual has a symbolic shape (jax.export with a symbolic dimension); it is "
+      "kept uncompressed, so the exported function's gradients are plain JAX's and it saves "
+      "no activation memory. Export with a concrete batch size to store residuals "
+      "compressed.", SymbolicShapeWarning, stacklevel=2)
+  return True
+
+
 def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: str | None = None):
   """Quantizes a float residual (or returns it unchanged when bits is None).
 
@@ -48,8 +69,11 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   `rounding.bits` may be a compressor (`jact.compressors`); a plan's integer
   entry changes its width, a compressor entry replaces it. The per-group
   quantizer quantizes a 1-D tensor, or samples of fewer than 8 values, as a
-  single row (see `jact.core.quantize.as_rows`).
+  single row (see `jact.core.quantize.as_rows`). A residual whose shape has
+  a symbolic dimension (`jax.export` with a symbolic batch) is kept exact.
   """
+  if kept_symbolic(x):
+    return x
   budget = None
   if name is not None and rounding.bits is not None:
     bits = apply_plan_entry(rounding.bits, _context.planned_bits(name, rounding.bits))

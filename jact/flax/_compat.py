@@ -20,6 +20,7 @@ import inspect
 from typing import Any, Callable, ContextManager, Iterator
 
 import flax
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ from flax.linen import transforms as linen_transforms
 __all__ = [
     "pack_all", "lift_method_call", "state_restored", "run_methods_within", "suppress_capture", "bind_to_scope",
     "nnx_twin_of", "peek_stream_key", "variable_values", "replaced_variables",
-    "canonicalize_dtype", "attention_signature", "attention_defaults", "FlaxCompatError",
+    "canonicalize_dtype", "attention_signature", "attention_defaults", "trace_context_error",
+    "FlaxCompatError",
     "check",
 ]
 
@@ -213,6 +215,18 @@ def stream_key_shape(stream: nnx.RngStream) -> tuple:
   streams of n layers stacked by `nnx.vmap`. Public: `RngStream.key` is a
   public Variable; `[...]` reads its value."""
   return tuple(stream.key[...].shape)
+
+
+def trace_context_error() -> type:
+  """The exception nnx raises when a Variable (an RNG stream's count) is updated
+  inside a JAX transform that closes over its module (`jax.vmap(lambda x:
+  model(x))`).
+
+  Public replacement: partial. `flax.errors.TraceContextError` is listed in
+  Flax's error reference; which update raises it is nnx's internal check.
+  Watch: `flax.nnx.variablelib.Variable._check_can_update`.
+  """
+  return flax.errors.TraceContextError
 
 
 def _leaf(variable):
@@ -487,6 +501,16 @@ def _check_attention() -> None:
             f"dot_product_attention does not take" if names else f"{where} attention passed none")
 
 
+def _check_trace_context_error() -> None:
+  stream = nnx.Rngs(default=0)["default"]
+  try:
+    jax.vmap(lambda x: jax.random.normal(stream(), ()) * x)(jnp.ones(2))
+  except trace_context_error():
+    return
+  raise AssertionError("advancing a stream inside jax.vmap closing over it did not raise "
+                       "trace_context_error()")
+
+
 _CHECKS: dict[str, Callable[[], None]] = {
     "pack_all / lift_method_call": _check_lift,
     "run_methods_within": _check_methods_within,
@@ -498,6 +522,7 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "variable_values / replaced_variables": _check_replaced,
     "canonicalize_dtype": _check_dtype,
     "attention_signature": _check_attention,
+    "trace_context_error": _check_trace_context_error,
 }
 
 

@@ -64,15 +64,30 @@ def scan_key(outer_key, name: str, args):
   `nn.scan` / `nn.RNN`, which pass only the streams listed in `split_rngs`).
 
   The outer key (drawn outside the scan, the same in every iteration) is
-  folded with the layer's name and with the bits of the sum of each float
-  argument (the carry and the step's input), which differ from one iteration
-  to the next; two iterations with bit-identical arguments share their noise
-  (a correlation, not an error)."""
+  folded with the layer's name and with a fingerprint of each float argument
+  (the carry and the step's input), which differ from one iteration to the
+  next. The fingerprint (`_fingerprint`) is an integer sum of the values'
+  bits, so it does not depend on the order in which a reduction visits them:
+  a batch sharded over devices gets the same key as on one device. Two
+  iterations with bit-identical arguments share their noise (a correlation,
+  not an error)."""
   key = jax.random.fold_in(outer_key, name_salt(name))
   for leaf in _float_leaves(args):
-    total = jnp.sum(lax.stop_gradient(leaf).astype(jnp.float32))
-    key = jax.random.fold_in(key, lax.bitcast_convert_type(total, jnp.uint32))
+    key = jax.random.fold_in(key, _fingerprint(lax.stop_gradient(leaf)))
   return key
+
+
+def _fingerprint(x) -> jax.Array:
+  """A uint32 of `x`'s values and their positions, independent of the order (and
+  the device split) of the reduction that computes it: the sum modulo 2**32
+  (integer addition: exact in any order) of each value's float32 bits mixed
+  with its flat index."""
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  index = lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
+  for axis in range(1, x.ndim):
+    index = index * jnp.uint32(x.shape[axis]) + lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+  mixed = (bits ^ (index * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
+  return jnp.sum(mixed, dtype=jnp.uint32)  # integer sum mod 2**32: exact in any order
 
 
 def saved_bytes(fn, inputs, kept) -> int:

@@ -49,7 +49,7 @@ def _draw(module, stream_attr: str, config) -> tuple[bool, Any]:
     return True, None
   stream = getattr(module, stream_attr, None)
   if stream is not None:
-    return True, stream()
+    return True, _hooks.draw(stream, f"jact.convert's {type(module).__name__} {config.name!r}")
   key = _hooks.context_key(config.name)
   return key is not None, key
 

@@ -22,6 +22,7 @@ import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jact import _compat as _jax_compat
 from jact.engine.derivatives import inference_only
@@ -75,12 +76,16 @@ class Calls:
 
   Several Flax sub-layers can share one hook (attention's query/key/value
   projections), so the i-th call gets `fold_in(key, i)` and `names[i]`.
-  With `key=None` (no stochastic rounding) no key is passed.
+  With `key=None` (no stochastic rounding) no key is passed. A call with
+  complex operands runs `plain` (the lax op; jact's ops take real floats):
+  its residuals are then JAX's own, exact (and, inside a converted model's
+  call, kept exact by the engine).
   """
 
   def __init__(self, op: Callable[..., Any], key, names: Sequence[str], op_name: str,
-               **settings):
+               plain: Callable[..., Any] | None = None, **settings):
     self.op, self.key, self.names, self.op_name = op, key, tuple(names), op_name
+    self.plain = plain
     self.settings = settings
     self.count = 0
 
@@ -93,6 +98,8 @@ class Calls:
 
   def __call__(self, *args, **kwargs):
     key, name = self.next_key_and_name()
+    if self.plain is not None and any(hasattr(a, 'dtype') and jnp.iscomplexobj(a) for a in args):
+      return self.plain(*args, **kwargs)
     kwargs = _drop_sharding(dict(kwargs), self.op_name)
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
@@ -238,6 +245,23 @@ def use_key(key):
     _USE_KEY.reset(token)
 
 
+def draw(stream, what: str):
+  """The next key of `stream`, the own 'jact' stream of `what` (a layer or
+  model): a clear error where nnx forbids advancing it (inside a JAX
+  transform that closes over the model)."""
+  try:
+    return stream()
+  except _compat.trace_context_error() as err:
+    raise ValueError(
+        f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
+        f"rngs=...)), which advances the stream's count, and nnx forbids that inside a JAX "
+        f"transform that closes over the model (jax.vmap, jax.jit or jax.grad of a "
+        f"closure). Use the nnx transforms (nnx.vmap, nnx.jit, nnx.grad), or nnx.split / "
+        f"nnx.merge inside the JAX transform, as for any nnx model with RNG streams; or "
+        f"convert without rngs= and pass keys with jact.nnx.use_key inside the "
+        f"transform.") from err
+
+
 def context_key(name: str):
   """The next key of residual `name` inside `use_key`, or None outside it."""
   source = _USE_KEY.get()
@@ -330,8 +354,8 @@ def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any
   projection and the attention itself, each with its own key and residual name."""
   sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
   qkv = Calls(linear.dot_general, sub(0), tuple(f"{name}/{p}" for p in ("query", "key", "value")),
-              "dot_general", compress=(True, False), **rounding)
-  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general",
+              "dot_general", plain=lax.dot_general, compress=(True, False), **rounding)
+  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general", plain=lax.dot_general,
               compress=(True, False), **rounding)
   return {"qkv": qkv, "out": out,
           "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}

@@ -187,7 +187,8 @@ def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy,
       return inference_only(y, keyless), variables
     flags = _flags(name_of, (variable_groups, rng_groups), args, kwargs, argnums)
     return call_compressed(pure, (variable_groups, rng_groups, *args), kwargs, key=key,
-                           config=config, policy=policy, compress_inputs=flags)
+                           config=config, policy=policy, compress_inputs=flags,
+                           state_output=True)
 
   return _compat.pack_all(inner, name="compressed")
 
@@ -354,7 +355,7 @@ def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
   flags = [False] * len(jax.tree.leaves(state)) + [
       f for f, leaf in zip(rest_flags, rest) if jax.tree.leaves(leaf)]
   out, updates = call_compressed(pure, (state, rest), {}, key=key, config=config,
-                                 policy=policy, compress_inputs=flags)
+                                 policy=policy, compress_inputs=flags, state_output=True)
   if jax.tree.leaves(updates):
     nnx.update(nodes, updates)
   return out

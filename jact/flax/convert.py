@@ -83,10 +83,11 @@ and layers left plain inside the model                (`functions=True`, default
 Cells run per step inside `nn.RNN` / `nn.scan` / `nnx.RNN`, so their
 residuals are compressed inside the scan body. linen scans pass only the
 streams listed in `split_rngs`, so a layer there cannot see 'jact': its key is
-the apply's 'jact' key folded with the layer's path and with the bits of the
-sums of its float arguments (they differ from step to step; bit-identical
-steps would share their noise, a correlation, not an error) -- no need to edit
-`split_rngs`. In nnx, a layer built inside `nnx.vmap` (a scan over stacked
+the apply's 'jact' key folded with the layer's path and with an
+order-independent fingerprint (an integer sum of the bits) of its float
+arguments: they differ from step to step, and a batch sharded over devices
+draws the same noise as on one device (bit-identical steps would share their
+noise, a correlation, not an error) -- no need to edit `split_rngs`. In nnx, a layer built inside `nnx.vmap` (a scan over stacked
 blocks) gets a stream with one key per stacked layer, which `nnx.scan` slices
 like its parameters. With `functions=True` the model's outermost call (linen:
 the method `apply` runs; nnx: `__call__`, the model's class becoming a
@@ -108,10 +109,13 @@ outside any converted layer (a hand-written cell) is covered by the model's
 call; with `functions=False` it is warned about. `jact.conversion_report(loss,
 *args)` lists every layer call with how it was converted (and, for linen, the
 bytes it saves plain and converted) and warns about what is left plain with
-its share of the saved bytes. Converted Dropout and attention-weight dropout
-draw their masks exactly as Flax's do, from the model's own 'dropout' stream
-(their backward keeps only the key): a converted model's training forward is
-bit-identical to the plain model's for the same rngs.
+its share of the saved bytes. A Dense/Conv twin (and attention's
+projections) called with complex operands runs Flax's own (lax) op, its
+residuals exact; the engine keeps complex residuals exact too (the other
+twins take real floats only and say so). Converted Dropout and
+attention-weight dropout draw their masks exactly as Flax's do, from the
+model's own 'dropout' stream (their backward keeps only the key): a converted
+model's training forward is bit-identical to the plain model's for the same rngs.
 
 >>> import jax, jax.numpy as jnp
 >>> import flax.linen as nn

@@ -90,7 +90,8 @@ class _Twin:
     compress, key = self._key()
     if not compress:
       return _hooks.provide(**{slot: self._keyless(plain)})
-    calls = _hooks.Calls(op, key, (self._residual_name(),), slot, **self._rounding(), **static)
+    calls = _hooks.Calls(op, key, (self._residual_name(),), slot, plain=plain, **self._rounding(),
+                          **static)
     return _hooks.provide(**{slot: calls})
 
 

@@ -94,7 +94,8 @@ class _Twin:
       return True, key
     if self.jact_rngs is None:
       return False, None
-    return True, self.jact_rngs()
+    return True, _hooks.draw(self.jact_rngs, f"jact.nnx.{type(self).__name__} "
+                                              f"{self.residual_name!r}")
 
   def _keyless(self, fn):
     """`fn`, the layer's plain computation run without a key: differentiating it raises."""
@@ -107,7 +108,8 @@ class _Twin:
     compress, key = self._key()
     if not compress:
       return _hooks.provide(**{slot: self._keyless(plain)})
-    calls = _hooks.Calls(op, key, (self.residual_name,), slot, **self._rounding(), **static)
+    calls = _hooks.Calls(op, key, (self.residual_name,), slot, plain=plain, **self._rounding(),
+                          **static)
     return _hooks.provide(**{slot: calls})
 
 

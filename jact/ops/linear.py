@@ -42,11 +42,24 @@ def _check_compressed(args, compress, bits, op: str) -> None:
         check_float(a, op)
 
 
+def _check_real(args, op: str) -> None:
+  """A clear error for a complex operand, at every width (bits=None too): the
+  op's residual storage and backward rule are written for real floats."""
+  for a in args:
+    if jnp.iscomplexobj(a):
+      raise TypeError(
+          f"jact.ops.{op} takes real floating-point operands, got {jnp.asarray(a).dtype}: "
+          f"complex values are not supported by jact's ops. Use the plain op (lax / jnp) for "
+          f"complex values, or wrap the computation in jact.compressed, which keeps complex "
+          f"residuals exact.")
+
+
 def _apply(fn, args, *, compress, key, bits, compressor, group_size, stochastic, name, op,
            layer=None):
   """`layer`: (kind, info) for the analytic estimators when the lhs is the
   stored activation of a dense layer or a channels-last convolution."""
   bits = residual_method(bits, compressor, f"jact.ops.{op}")
+  _check_real(args, op)
   _check_compressed(args, compress, bits, op)
   rounding = Rounding(bits, group_size, stochastic)
   name = check_name(name)
@@ -104,6 +117,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, key
           bits: int | None = 4, compressor: Compressor | None = None, group_size: int = 256,
           stochastic: bool = True, precision=None, name: str = "dense") -> jax.Array:
   """`x @ kernel + bias` over the last axis of x, storing x compressed (residual `name.lhs`)."""
+  _check_real((x, kernel), "dense")
   _check_compressed((x,), (True,), residual_method(bits, compressor, "jact.ops.dense"), "dense")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   y = dot_general(x, kernel, dims, precision, key=key, bits=bits, compressor=compressor,
@@ -164,6 +178,7 @@ def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
          bits: int | None = 4, compressor: Compressor | None = None, group_size: int = 256,
          stochastic: bool = True, precision=None, name: str = "conv") -> jax.Array:
   """Channels-last convolution (x: N,[D,]H,W,C; kernel: [D,]H,W,I,O), Flax's layout."""
+  _check_real((x, kernel), "conv")
   _check_compressed((x,), (True,), residual_method(bits, compressor, "jact.ops.conv"), "conv")
   n = x.ndim - 2
   y = conv_general_dilated(

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jact import _compat
 from jact.engine import probe as _probe
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
@@ -121,7 +122,11 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     y, mu, var, _, _ = forward(x, scale, bias)
     return y, mu, var
 
+  bound = {}  # the sizes of the named axes where the forward rule ran
+
   def fwd(seed, x, scale, bias):
+    if axis_name is not None:
+      bound["sizes"] = _compat.bound_axis_sizes(axis_name)
     y, mu, var, xc, inv = forward(x, scale, bias)
     xhat = xc * inv
     if rounding.bits is None:
@@ -134,6 +139,11 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     return (y, mu, var), (*packed, scale)
 
   def bwd(res, cts):
+    # under jax.grad of jax.vmap(axis_name=...), JAX runs this rule without the axis bound
+    with _compat.axes_bound(bound.get("sizes", ())):
+      return _bwd(res, cts)
+
+  def _bwd(res, cts):
     (xhat, inv, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
     xhat = restore_residual(xhat, g.shape, jnp.float32)
     g32 = g.astype(_F32)

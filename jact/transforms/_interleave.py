@@ -45,7 +45,11 @@ FLUSHES = 32
 
 
 def _nbytes(var) -> int:
+  """Bytes of `var`; 0 for a symbolic (jax.export) shape: such a residual is
+  kept exact (`jact.engine.store.compress_residual`), nothing to schedule."""
   aval = var.aval  # typed PRNG keys (extended dtypes) have an itemsize but no numpy dtype
+  if not _compat.is_static_shape(aval.shape):
+    return 0
   return math.prod(aval.shape) * aval.dtype.itemsize
 
 

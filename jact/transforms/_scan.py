@@ -59,7 +59,8 @@ def step_config(config, var):
   """`config` (a `ResidualConfig`) for one iteration's value of the residual
   `var` stored inside its scan: whether it is large enough to compress
   (`min_size`) is the whole residual's to decide, not one iteration's."""
-  if math.prod(var.aval.shape) >= config.min_size:
+  shape = var.aval.shape
+  if _compat.is_static_shape(shape) and math.prod(shape) >= config.min_size:
     return dataclasses.replace(config, min_size=1)
   return config
 

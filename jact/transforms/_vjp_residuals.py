@@ -27,7 +27,7 @@ from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
 from jact.engine.scheduling import barrier, is_stored, ready_flag, wait_for
 from jact.engine.sharding import pin_rows
-from jact.engine.store import compress_residual, restore_residual
+from jact.engine.store import compress_residual, kept_symbolic, restore_residual
 
 
 DEFAULT_MIN_SIZE = 1024
@@ -139,6 +139,8 @@ def is_float(x) -> bool:
 def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, mask: bool = False):
   """The stored form of one residual leaf (compressed, bit-packed or kept);
   `mask`: a float holding only 0 and 1, bit-packed."""
+  if kept_symbolic(leaf):
+    return leaf
   if leaf.dtype == jnp.bool_ or mask:
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
   if is_float(leaf) and leaf.size >= config.min_size:
@@ -205,8 +207,19 @@ def input_dependent(jaxpr) -> set:
 REDUCTION = 8  # a reduction whose output is this many times smaller than its operand
 
 
-def _size(var) -> int:
-  return math.prod(var.aval.shape)
+def _size(var) -> int | None:
+  """Values in `var`, None for a symbolic (jax.export) shape."""
+  shape = var.aval.shape
+  return math.prod(shape) if _compat.is_static_shape(shape) else None
+
+
+def _at_most(size, factor: int, largest) -> bool:
+  """`size * factor <= largest` for sizes that may be symbolic (None): a static
+  size from a symbolic operand is a reduction over the symbolic batch; a
+  symbolic size is never called small."""
+  if size is None:
+    return False
+  return largest is None or size * factor <= largest
 
 
 def reduced_values(jaxpr) -> set:
@@ -224,7 +237,8 @@ def reduced_values(jaxpr) -> set:
     ins = [v for v in eqn.invars if _compat.is_var(v) and hasattr(v.aval, "shape")]
     if not ins:
       continue
-    largest = max(_size(v) for v in ins)
+    sizes = [_size(v) for v in ins]
+    largest = None if None in sizes else max(sizes)  # None: a symbolic (jax.export) batch
     body = _compat.call_body(eqn)
     inner = reduced_values(body.jaxpr) if body is not None else set()
     from_reduced = all(v in reduced for v in ins)
@@ -232,9 +246,9 @@ def reduced_values(jaxpr) -> set:
       if not hasattr(out.aval, "shape"):
         continue
       inner_out = body.jaxpr.outvars[k] if body is not None else None
-      if ((_compat.is_reduction(eqn) and _size(out) * REDUCTION <= largest)
+      if ((_compat.is_reduction(eqn) and _at_most(_size(out), REDUCTION, largest))
           or (_compat.is_var(inner_out) and inner_out in inner)  # a Literal is unhashable
-          or (from_reduced and _size(out) <= largest)):
+          or (from_reduced and _at_most(_size(out), 1, largest))):
         reduced.add(out)
   return reduced
 

@@ -17,7 +17,8 @@ traced jaxpr, and keeps for the backward pass:
 * boolean residuals (masks) packed losslessly to 1 bit;
 * floating residuals of at least `min_size` values quantized with
   stochastic rounding to `bits` bits;
-* everything else (integers, small tensors) as it is.
+* everything else (integers, complex values, small tensors, residuals whose
+  shape has a symbolic `jax.export` dimension) as it is.
 
 The backward starts with an optimization barrier, reconstructs the
 residuals and feeds them to the original VJP, so the gradients are exactly
@@ -78,6 +79,10 @@ __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
 
 
 
+
+
+def is_complex(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.complexfloating)
 
 
 def over_array_leaves(fn, args, kwargs):
@@ -443,7 +448,8 @@ def _hoist_closure(fn, args, name: str):
 
 
 def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
-                    compress_inputs=None, materialize_cotangent: bool = False):
+                    compress_inputs=None, materialize_cotangent: bool = False,
+                    state_output: bool = False):
   """`fn(*args, **kwargs)` with compressed residuals (the body of `compressed`).
 
   `policy`, when given, is a `jax.checkpoint` policy applied to `fn` before
@@ -452,7 +458,11 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   `compress_inputs` has one flag per leaf of `(args, kwargs)`: store a
   compressed copy of that input instead of keeping it by reference.
   `materialize_cotangent` makes the backward materialize its incoming
-  cotangent once (see `jact.checkpoint`).
+  cotangent once (see `jact.checkpoint`). `state_output`: `fn` returns
+  `(output, state)`, the state (a module's updated variables: batch
+  statistics, RNG counts) being no activation: it does not wait for the
+  stored residuals, so a statistic averaged over a `jax.vmap` axis stays
+  unbatched (as `nnx.vmap(..., out_axes=None)` / `in_axes=None` need).
   """
   if config.needs_key and key is None:
     raise ValueError(
@@ -475,7 +485,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   converted, consts = _hoist_closure(call, dynamic_leaves, config.name)
   inputs = list(dynamic_leaves) + list(consts)
   input_flags = [bool(compress_inputs[i]) for i in dynamic] + [False] * len(consts)
-  differentiable = tuple(is_float(x) for x in inputs)
+  # complex inputs are differentiable too; their residuals are kept exact (`store_saved`)
+  differentiable = tuple(is_float(x) or is_complex(x) for x in inputs)
 
   def run(*inputs):
     return converted(*inputs[:len(dynamic_leaves)], *inputs[len(dynamic_leaves):])
@@ -532,7 +543,11 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
       values.append(leaf)
     check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
                               if k == "compress"})
-    out, values = output_epilogue(out, tuple(values))
+    if state_output:
+      result, values = output_epilogue(out[0], tuple(values))
+      out = (result, out[1])
+    else:
+      out, values = output_epilogue(out, tuple(values))
     shapes = tuple(tuple(v.aval.shape) for v in residual_vars)
     dtypes = tuple(v.aval.dtype for v in residual_vars)
     return out, Saved(values, plan, tuple(index), shapes, dtypes, capture, residual_vars,
