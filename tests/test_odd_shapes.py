@@ -29,35 +29,54 @@ Z_MAX = 4.5  # two-sided; 4.5 sigma over the ~100 (shape, dtype, bits) cells her
 SHAPES = [(3, 13), (5, 7), (1, 3), (7, 1), (2, 9, 3), (13,), (3, 2, 3)]
 
 
-@functools.cache
-def _errors(shape, dtype, bits, out_dtype):
-  x = jnp.asarray(np.random.default_rng(len(shape) + bits).standard_normal(shape)
-                  .astype(np.float32)).astype(dtype)
-  c = PerGroup(bits)
+WIDTHS = (1, 2, 4, 8)
+OUTS = (None, jnp.float32)  # decoded in the input's dtype, and in float32
 
-  @jax.jit
+
+@functools.cache
+def _errors(shape, dtype):
+  """Per-draw total errors [len(WIDTHS), len(OUTS), DRAWS] (one compilation)."""
+  x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape)
+                  .astype(np.float32)).astype(dtype)
+
+  @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
   def draw(keys):
     def one(key):
-      y = c.decompress(c.compress(x, rng.seed_from_key(key)), out_dtype)
-      return jnp.sum(y.astype(jnp.float32) - x.astype(jnp.float32))
-    return jax.vmap(one)(keys)
+      seed = rng.seed_from_key(key)
+      out = []
+      for bits in WIDTHS:
+        c = PerGroup(bits)
+        stored = c.compress(x, jnp.uint32(bits) ^ seed)
+        out.append([jnp.sum(c.decompress(stored, o).astype(jnp.float32) - x.astype(jnp.float32))
+                    for o in OUTS])
+      return jnp.asarray(out)
+    return jnp.moveaxis(jax.vmap(one)(keys), 0, -1)
 
-  return np.asarray(draw(jax.random.split(jax.random.key(bits), DRAWS)), np.float64)
+  return np.asarray(draw(jax.random.split(jax.random.key(len(shape)), DRAWS)), np.float64)
 
 
 def _z(total):
   return total.mean() / (total.std() / np.sqrt(total.size))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+# One cell runs in the quick suite; the others compile a quantizer per width and
+# dtype (seconds each on XLA:CPU) and are marked slow.
+CELLS = [pytest.param(shape, dtype, id=f"{shape}-{jnp.dtype(dtype).name}",
+                      marks=() if (shape, dtype) == ((3, 13), jnp.float32) else pytest.mark.slow)
+         for shape in SHAPES for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)]
+
+
+@pytest.mark.parametrize("shape, dtype", CELLS)
 def test_rounding_is_unbiased_at_odd_shapes(shape, dtype):
-  for bits in (1, 2, 4, 8):
-    for out in (None, jnp.float32):  # decoded in the input's dtype, and in float32
-      total = _errors(shape, dtype, bits, out)
-      assert total.std() > 0, (shape, bits)  # the rounding is random (else the test is empty)
-      assert abs(_z(total)) <= Z_MAX, (shape, jnp.dtype(dtype).name, bits, out, _z(total))
+  errors = _errors(shape, dtype)
+  for i, bits in enumerate(WIDTHS):
+    for j, out in enumerate(OUTS):
+      total = errors[i, j]
+      what = (shape, jnp.dtype(dtype).name, bits, out)
+      if total.std() == 0:  # every draw exact (8-bit grids finer than bfloat16's few values)
+        assert (total == 0).all(), (what, total[:4])
+        continue
+      assert abs(_z(total)) <= Z_MAX, (what, _z(total))
 
 
 class ConvBN(nn.Module):

@@ -210,28 +210,33 @@ def test_stochastic_rounding_is_unbiased_and_variance_bounded(bits, dtype):
   lo = np.repeat(minimum[0], 256, axis=1)[:, :300].reshape(-1)
   step = np.repeat(scale[0], 256, axis=1)[:, :300].reshape(-1)
 
-  # Every draw is one of the two grid points around x.
+  # Every draw is one of the two grid points around x -- for float16 / bfloat16 the grid
+  # points as decoding rounds them to the dtype (the rounding is onto those, unbiased).
   pos = (exact - lo) / step
-  below = lo + np.floor(pos) * step
-  on_grid = (np.abs(samples - below) <= 1e-6 * step) | (np.abs(samples - below - step) <= 1e-6 * step)
+  rounded = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(dtype), np.float64)
+  below = rounded(lo + np.floor(pos) * step)
+  above = rounded(lo + (np.floor(pos) + 1) * step)
+  tol = 1e-6 * step
+  on_grid = (np.abs(samples - below) <= tol) | (np.abs(samples - above) <= tol)
   assert on_grid.all()
 
   # Unbiasedness (tests/stats.py tolerances: pooled |z| < 4, mean z^2 < 1.6). Elements whose
   # rounding probability is below 25/K would often show no spread in K draws; they are left
   # out of the check (at most 10% of them) -- elements exactly on the grid stay in as
   # deterministic ones.
-  frac = pos - np.floor(pos)
+  gap = np.maximum(above - below, 1e-30)
+  frac = np.clip((exact - below) / gap, 0.0, 1.0)
   margin = np.minimum(frac, 1 - frac)
   keep = (margin >= 25 / _K) | (margin <= 1e-7)
   assert keep.mean() > 0.9
   assert_unbiased(samples[:, keep], exact[keep])
 
-  # Variance: a two-point distribution has sample variance p(1-p) step^2 K/(K-1) <= step^2/4
+  # Variance: a two-point distribution has sample variance p(1-p) gap^2 K/(K-1) <= gap^2/4
   # * K/(K-1); slack 1e-3 covers the K/(K-1) factor and float32 rounding.
   var = samples.var(0, ddof=1)
-  assert (var <= step**2 / 4 * (1 + 1e-3)).all()
-  # ... and matches the stochastic-rounding variance frac(1-frac) step^2 in total (within 5%).
-  expected_var = (frac * (1 - frac) * step**2).sum()
+  assert (var <= gap**2 / 4 * (1 + 1e-3)).all()
+  # ... and matches the stochastic-rounding variance frac(1-frac) gap^2 in total (within 5%).
+  expected_var = (frac * (1 - frac) * gap**2).sum()
   assert abs(var.sum() / expected_var - 1) < 0.05
 
 

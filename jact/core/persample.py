@@ -131,7 +131,7 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   # Group statistics and codes as in jact.quantize, with per-sample levels.
   g, _ = grouped(x, group_size)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None]
-  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d, dtype)
   codes = codes.reshape(n, dp)
 
   # Every width is packed for every sample (static shapes), in units of
@@ -189,5 +189,5 @@ def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array
   dtype = jnp.dtype(dtype or p.dtype)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None, None]
   g = decode_groups(codes, p.minimum.astype(jnp.float32)[..., None],
-                    p.scale.astype(jnp.float32)[..., None], levels, dtype)
+                    p.scale.astype(jnp.float32)[..., None], levels, dtype, p.dtype)
   return g.reshape(n, dp)[:, :d].reshape(p.shape).astype(dtype)

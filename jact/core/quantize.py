@@ -72,7 +72,8 @@ __all__ = [
     "Packed", "quantize_reference", "dequantize_reference", "check_bits", "check_group_size",
     "check_float_dtype", "effective_group_size", "as_rows", "quantize_rows_reference", "grouped", "finite_min_max",
     "grid_scale", "finite_clamp", "group_values", "group_codes", "group_extremes", "decode_groups",
-    "flag_step", "split_step", "kind_value", "nonfinite_kind", "flagged_levels", "bf16_directed",
+    "flag_step", "split_step", "kind_value", "nonfinite_kind", "flagged_levels", "round_to",
+    "lattice_codes", "bf16_directed",
     "bf16_round_directed", "SUPPORTED_BITS", "FLOAT_DTYPES",
 ]
 
@@ -290,17 +291,46 @@ def flagged_levels(levels: jax.Array, flagged: jax.Array) -> jax.Array:
   return jax.lax.select(flagged, levels - 1.0, levels)
 
 
+def round_to(v: jax.Array, dtype) -> jax.Array:
+  """float32 v rounded to nearest in `dtype` (finite values in its range), as float32."""
+  dtype = jnp.dtype(dtype)
+  return v if dtype == jnp.float32 else v.astype(dtype).astype(jnp.float32)
+
+
 def decode_groups(codes: jax.Array, minimum: jax.Array, stored: jax.Array, levels,
-                  dtype) -> jax.Array:
+                  dtype, through=None) -> jax.Array:
   """float32 reconstruction of codes (float32) with their groups' bf16 minimum
-  and stored step as float32 (broadcast against codes): the grid value, clamped
-  into `dtype`'s finite range, or the group's non-finite kind for the top code
-  of a flagged group."""
+  and stored step as float32 (broadcast against codes): the grid value,
+  clamped into the finite range of `through` (the quantized tensor's dtype;
+  default `dtype`) and rounded to it, then clamped into `dtype`'s; or the
+  group's non-finite kind for the top code of a flagged group."""
+  through = jnp.dtype(through or dtype)
   step, flagged, kind = split_step(stored)
-  value = finite_clamp(group_values(codes, minimum, step), dtype)
+  value = round_to(finite_clamp(group_values(codes, minimum, step), through), through)
+  if jnp.dtype(dtype) != through:
+    value = finite_clamp(value, dtype)
   full = lambda a: jnp.broadcast_to(a, value.shape)
   top = codes == jnp.asarray(levels, jnp.float32)
   return jax.lax.select(full(flagged) & top, full(kind_value(kind)), value)
+
+
+def lattice_codes(x, k_low, top, noise, minimum, stored, dtype, levels, divide=None):
+  """Codes of float32 values x (of a float16 / bfloat16 tensor) rounded
+  stochastically between the two *decoded* neighbours a <= x <= b (grid points
+  k_low and k_low + 1 as `decode_groups` returns them in `dtype`): code
+  k_low + 1 with probability (x - a) / (b - a). Decoding rounds grid points to
+  the tensor's dtype, so rounding onto those points (not the float32 grid)
+  keeps the reconstruction unbiased. `divide` is the float32 division (the
+  kernels pass their correctly rounded one)."""
+  divide = divide or (lambda a, b: a / b)
+  a = decode_groups(k_low, minimum, stored, levels, dtype)
+  b = decode_groups(k_low + 1.0, minimum, stored, levels, dtype)
+  gap = b - a
+  positive = gap > 0
+  p = jax.lax.select(positive, divide(x - a, jax.lax.select(positive, gap, jnp.ones_like(gap))),
+                     jnp.zeros_like(gap))
+  up = jax.lax.select(noise < p, jnp.ones_like(p), jnp.zeros_like(p))
+  return jnp.minimum(k_low + up, top)
 
 
 def group_extremes(g: jax.Array, size: int | None = None):
@@ -327,15 +357,17 @@ def group_extremes(g: jax.Array, size: int | None = None):
   return lo, hi, nonfinite_kind((k & 1) != 0, (k & 2) != 0, (k & 4) != 0)
 
 
-def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None):
+def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None,
+                dtype=None):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
   `levels` (2**bits - 1) is a number or an array broadcasting against the
   statistics [N, groups] (one per sample: `jact.core.persample`). With a `seed`
   the rounding is stochastic (noise hashed from each value's flat index),
   without it round-to-nearest. `size` is the number of values per sample
-  (the rest of the last group is padding, coded 0). Returns (minimum, stored
-  step) in bf16 and uint8 codes.
+  (the rest of the last group is padding, coded 0). `dtype` is the tensor's
+  dtype: float16 / bfloat16 values are rounded between decoded neighbours
+  (`lattice_codes`). Returns (minimum, stored step) in bf16 and uint8 codes.
   """
   levels = jnp.asarray(levels, jnp.float32)
   lo, hi, kind = group_extremes(g, size)
@@ -381,7 +413,13 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
     noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))  # 64-bit-safe flat index
   else:
     noise = jnp.float32(0.5)
-  codes = jnp.minimum(jnp.maximum(jnp.floor(v + noise), 0.0), full(finite_levels))
+  top = full(finite_levels)
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    codes = jnp.minimum(jnp.maximum(jnp.floor(v + noise), 0.0), top)
+  else:  # grid points decode rounded to dtype: round between those (see `lattice_codes`)
+    k_low = jnp.minimum(jnp.maximum(jnp.floor(v), 0.0), jnp.maximum(top - 1.0, 0.0))
+    codes = lattice_codes(clipped, k_low, top, jnp.broadcast_to(noise, g.shape), lo_g,
+                          full(stored), dtype, full(levels))
   nonfinite = ~jnp.isfinite(g)
   if size is not None and g.shape[-2] * g.shape[-1] != size:
     position = jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 2) * g.shape[-1] + \
@@ -397,7 +435,7 @@ def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group
   the effective one, `seed` a uint32 scalar or None when not stochastic)."""
   levels = float((1 << bits) - 1)
   g, (n, groups, d) = grouped(x, group_size)
-  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d, x.dtype)
   data = pack_bits(codes, bits)
   return Packed(data, minimum, scale, tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
 
@@ -407,7 +445,8 @@ def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   dtype = jnp.dtype(dtype or packed.dtype)
   codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
   g = decode_groups(codes, packed.minimum.astype(jnp.float32)[..., None],
-                    packed.scale.astype(jnp.float32)[..., None], float((1 << packed.bits) - 1), dtype)
+                    packed.scale.astype(jnp.float32)[..., None], float((1 << packed.bits) - 1), dtype,
+                    packed.dtype)
   n, groups, group_size = g.shape
   d = math.prod(packed.shape[1:]) if packed.shape else 1
   flat = g.reshape(n, groups * group_size)  # explicit: -1 is ambiguous for empty tensors

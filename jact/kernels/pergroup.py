@@ -137,38 +137,58 @@ def inverse_step(step, *, interpret: bool):
 
 
 def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: bool,
-                  finite_levels=None, valid=None):
+                  finite_levels=None, valid=None, dtype=None, stored=None):
   """Integer codes (int32) of values v given their groups' statistics (broadcast
-  against v; `inv_step` and `finite_levels` as `group_stats` returns them):
-  clipped to [minimum, hi], hashed stochastic rounding with the flat `index`
-  (round to nearest when seed is None) onto codes 0 .. finite_levels; a
-  non-finite value where `valid` (None: everywhere) gets the top code `levels`,
-  padding (NaN, not valid) code 0."""
+  against v; `inv_step`, `finite_levels` and the `stored` step as `group_stats`
+  returns them): clipped to [minimum, hi], hashed stochastic rounding with the
+  flat `index` (round to nearest when seed is None) onto codes
+  0 .. finite_levels -- for a float16 / bfloat16 `dtype` between the decoded
+  neighbours (`jact.core.quantize.lattice_codes`); a non-finite value where
+  `valid` (None: everywhere) gets the top code `levels`, padding (NaN, not
+  valid) code 0."""
   clipped = jnp.where(jnp.isnan(v), minimum, jnp.clip(v, minimum, hi))
   s, _ = grid_scale(hi - minimum)
   offset = T.mul(clipped, s, interpret) - T.mul(minimum, s, interpret)
   scaled = T.mul(offset, inv_step, interpret)
   u = jnp.float32(0.5) if seed is None else T.noise(seed, index)
-  top = levels if finite_levels is None else finite_levels
-  code = jnp.minimum(jnp.maximum(jnp.floor(T.add(scaled, u, interpret)), 0.0), top)
+  top = jnp.broadcast_to(jnp.asarray(levels if finite_levels is None else finite_levels,
+                                     jnp.float32), scaled.shape)
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    code = jnp.minimum(jnp.maximum(jnp.floor(T.add(scaled, u, interpret)), 0.0), top)
+  else:
+    k_low = jnp.minimum(jnp.maximum(jnp.floor(scaled), 0.0), jnp.maximum(top - 1.0, 0.0))
+    decode = functools.partial(decode_values, minimum=minimum, stored=stored, dtype=dtype,
+                               levels=levels, interpret=interpret)
+    a, b = decode(k_low), decode(k_low + 1.0)
+    gap = T.add(b, -a, interpret)
+    positive = gap > 0
+    p = jnp.where(positive, T.div(T.add(clipped, -a, interpret), jnp.where(positive, gap, 1.0),
+                                  interpret), 0.0)
+    code = jnp.minimum(k_low + jnp.where(u < p, 1.0, 0.0), top)
   nonfinite = ~jnp.isfinite(v) if valid is None else ~jnp.isfinite(v) & valid
   return jnp.where(nonfinite, levels, code).astype(jnp.int32)
 
 
-def decode_values(code, minimum, stored, dtype, *, levels, interpret: bool):
+def decode_values(code, minimum, stored, dtype, *, levels, interpret: bool, through=None):
   """float32 code * step + minimum, as `jact.core.quantize.decode_groups` computes
-  it, clamped into the finite range of `dtype` (`jact.core.quantize.finite_clamp`);
-  the group's non-finite kind for the top code `levels` of a flagged group."""
+  it: clamped into the finite range of `through` (the quantized tensor's dtype,
+  default `dtype`) and rounded to it, then clamped into `dtype`'s; the group's
+  non-finite kind for the top code `levels` of a flagged group."""
+  through = jnp.dtype(through or dtype)
   step, flagged, kind = Q.split_step(stored)
   s, inv_s = grid_scale(step)
   value = T.add(T.mul(code, T.mul(step, s, interpret), interpret), T.mul(minimum, s, interpret),
                 interpret)
-  big = float(jnp.finfo(dtype).max)
-  value = jnp.clip(T.mul(value, inv_s, interpret), -big, big)
+  big = float(jnp.finfo(through).max)
+  value = Q.round_to(jnp.clip(T.mul(value, inv_s, interpret), -big, big), through)
+  if jnp.dtype(dtype) != through:
+    big = float(jnp.finfo(dtype).max)
+    value = jnp.clip(value, -big, big)
   return jnp.where(flagged & (code == levels), Q.kind_value(kind), value)
 
 
-def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None):
+def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None,
+                dtype=None):
   """Statistics and packed bytes for a tile of R groups (the reference's math).
 
   Args:
@@ -180,6 +200,8 @@ def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, vali
     index: k uint32 arrays [R, P], the flat index of each value (the hash input).
     valid: k bool arrays [R, P] marking the groups' own values (the rest is
       padding); None when every NaN is padding.
+    dtype: the tensor's dtype (float16 / bfloat16 values round between decoded
+      neighbours); None for float32.
 
   Returns:
     (minimum, stored step) float32 [R] holding bf16 values, and the packed
@@ -191,7 +213,8 @@ def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, vali
   for p, (v, idx) in enumerate(zip(planes, index)):
     code = encode_values(v, minimum[:, None], hi[:, None], inv_step[:, None], levels, seed, idx,
                          interpret=interpret, finite_levels=finite_levels[:, None],
-                         valid=None if valid is None else valid[p]) << (p * bits)
+                         valid=None if valid is None else valid[p], dtype=dtype,
+                         stored=step[:, None]) << (p * bits)
     packed = code if packed is None else packed | code
   return minimum, step, packed
 
@@ -223,7 +246,7 @@ def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, st
     index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = float((1 << bits) - 1)
   minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret,
-                                      valid=valid)
+                                      valid=valid, dtype=x_ref.dtype)
   T.store(data_ref, row * q + j, packed.astype(jnp.uint8), row_ok & (j < q))
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   T.store(min_ref, r, minimum.astype(jnp.bfloat16), r < n_rows)
@@ -260,7 +283,7 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
 
 
 def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups, d, group_size,
-                       bits, rows, q_pad, interpret):
+                       bits, rows, q_pad, through, interpret):
   k = 8 // bits
   q = group_size // k
   pid = pl.program_id(0)
@@ -276,7 +299,7 @@ def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups,
   for p in range(k):
     code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
     value = decode_values(code, minimum, step, out_ref.dtype, levels=float(mask),
-                          interpret=interpret)
+                          interpret=interpret, through=through)
     col = group * group_size + p * q + j
     offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
     T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))
@@ -295,7 +318,8 @@ def dequantize(packed: Packed, dtype=None, *, interpret: bool | None = None,
   r = rows_per_program((8 // packed.bits) * T.next_pow2(q), rows)
   kernel = functools.partial(
       _dequantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=packed.group_size,
-      bits=packed.bits, rows=r, q_pad=T.next_pow2(q), interpret=interpret)
+      bits=packed.bits, rows=r, q_pad=T.next_pow2(q), through=jnp.dtype(packed.dtype),
+      interpret=interpret)
   out = T.call(kernel, grid=max(1, -(-n_rows // r)), out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
                name="jact_dequantize", interpret=interpret)(
                    packed.data.reshape(-1), packed.minimum.reshape(-1), packed.scale.reshape(-1))

@@ -46,7 +46,8 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
                     GROUPS: tl.constexpr, D: tl.constexpr, GROUP_SIZE: tl.constexpr,
                     BITS: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
                     STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, INV_LEVELS: tl.constexpr,
-                    INV_FLAGGED: tl.constexpr, BF16_MAX: tl.constexpr):
+                    INV_FLAGGED: tl.constexpr, BF16_MAX: tl.constexpr, LATTICE: tl.constexpr,
+                    DTYPE_MAX: tl.constexpr):
   K: tl.constexpr = 8 // BITS
   Q: tl.constexpr = GROUP_SIZE // K
   LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -131,7 +132,29 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
     noise = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
   else:
     noise = 0.5
-  code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), finite_levels[:, None, None])
+  top = finite_levels[:, None, None]
+  if LATTICE == 0:  # float32: the grid itself
+    code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), top)
+  else:  # between the decoded neighbours, rounded to the dtype (`lattice_codes`)
+    k_low = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), tl.maximum(top - 1.0, 0.0))
+    wide_d = step >= 1.2676506002282294e30  # the decoder's grid scale (of the step)
+    sd = tl.where(wide_d, 0.25, 1.0)
+    inv_sd = tl.where(wide_d, 4.0, 1.0)[:, None, None]
+    st, mn_s = (step * sd)[:, None, None], (minimum * sd)[:, None, None]
+    a = tl.minimum(tl.maximum((k_low * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    b = tl.minimum(tl.maximum(((k_low + 1.0) * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    if LATTICE == 1:  # round to nearest even bfloat16, by the bits
+      ua = a.to(tl.uint32, bitcast=True)
+      a = ((ua + 0x7FFF + ((ua >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+      ub = b.to(tl.uint32, bitcast=True)
+      b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+      a = a.to(tl.float16).to(tl.float32)
+      b = b.to(tl.float16).to(tl.float32)
+    gap = b - a
+    positive = gap > 0.0
+    prob = tl.where(positive, tl.div_rn(clipped - a, tl.where(positive, gap, 1.0)), 0.0)
+    code = tl.minimum(k_low + tl.where(noise < prob, 1.0, 0.0), top)
   code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
   packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
   row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
@@ -155,7 +178,10 @@ def kernel_constants(shape, dtype, *, bits: int, group_size: int, stochastic: bo
                    IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
                    INV_LEVELS=float(np.float32(1.0) / levels),
                    INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
-                   BF16_MAX=_BF16_MAX)
+                   BF16_MAX=_BF16_MAX,
+                   LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(
+                       jnp.dtype(dtype), 0),
+                   DTYPE_MAX=float(jnp.finfo(dtype).max))
   return -(-n_rows // r), constants
 
 

@@ -149,7 +149,8 @@ def _pack_width(x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, samp
     index = (sample * (groups * group_size) + pos).astype(jnp.uint32)
     finite_levels = flagged_levels(jnp.full(v.shape, levels), split_step(stored)[1])
     code = encode_values(v, minimum, hi, inv_step, levels, seed, index, interpret=interpret,
-                         finite_levels=finite_levels, valid=own) << (p * bits)
+                         finite_levels=finite_levels, valid=own, dtype=x_ref.dtype,
+                         stored=stored) << (p * bits)
     packed = code if packed is None else packed | code
   T.store(data_ref, offset + j, packed.astype(jnp.uint8), in_sample)
 
@@ -223,7 +224,7 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
 
 
 def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, bits, d, groups,
-                  group_size, unit, values, capacity, interpret):
+                  group_size, unit, values, capacity, through, interpret):
   """Decodes sample `sample`'s values of program tile t at a static width `bits`."""
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
   j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
@@ -237,18 +238,18 @@ def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, b
     step = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     code = ((byte >> (p * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
     value = decode_values(code, minimum, step, out_ref.dtype, levels=float((1 << bits) - 1),
-                          interpret=interpret)
+                          interpret=interpret, through=through)
     T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
 
 
 def _unpack_kernel(data_ref, width_ref, offset_ref, min_ref, scale_ref, out_ref, *, d, groups,
-                   group_size, tiles, values, capacity, interpret):
+                   group_size, tiles, values, capacity, through, interpret):
   pid = pl.program_id(0)
   sample, t = pid // tiles, pid % tiles
   branches = [functools.partial(
       _unpack_width, data_ref, min_ref, scale_ref, out_ref, bits=b, d=d, groups=groups,
       group_size=group_size, unit=groups * group_size // 8, values=values, capacity=capacity,
-      interpret=interpret) for b in _WIDTHS]
+      through=through, interpret=interpret) for b in _WIDTHS]
   jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
 
@@ -268,7 +269,7 @@ def dequantize_per_sample(p: PackedPerSample, dtype=None, *, interpret: bool | N
   _, dp, _, values, tiles = _geometry(d, p.group_size, rows)
   kernel = functools.partial(
       _unpack_kernel, d=d, groups=groups, group_size=p.group_size, tiles=tiles, values=values,
-      capacity=p.data.size, interpret=interpret)
+      capacity=p.data.size, through=jnp.dtype(p.dtype), interpret=interpret)
   out = T.call(kernel, grid=n * tiles, out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
                name="jact_per_sample_unpack", interpret=interpret)(
                    p.data, _width_index(p.bits), _offsets(p.bits, dp), p.minimum.reshape(-1),
