@@ -311,3 +311,36 @@ def test_model_gradients_are_non_finite_exactly_where_plain_ones_are(name, bits)
   half = "fp16" in name  # plain JAX takes gelu's derivative in float16, jact in float32
   _check(jact_fn, plain_fn, args, bits, rtol8=0.1 if half else 0.05,
          rtol_exact=1e-2 if half else 1e-4)
+
+
+# ----------------------------------------------------------------------------- other compressors
+
+
+def _poisoned_map():
+  x = np.random.default_rng(40).standard_normal((3, 8, 8, 4)).astype(np.float32)
+  x[0, 1, 1, 0], x[1, 5, 5, 2], x[2, 0, 7, 3] = np.nan, np.inf, -np.inf  # one per sample
+  return x
+
+
+@pytest.mark.parametrize("compressor", [
+    jact.compressors.Fixpoint(2), jact.compressors.Fixpoint(8),
+    jact.compressors.ZeroValue(jact.compressors.Fixpoint(4), 0.5),  # sparse or dense fallback
+    jact.compressors.ZeroValue(None, 0.9), jact.compressors.Division(block=4, bits=2),
+    jact.compressors.Division(block=4, bits=4, keep="hfc")], ids=repr)
+def test_compressors_keep_non_finite_values_exactly(compressor):
+  x = _poisoned_map()
+  y = np.asarray(compressor.decompress(compressor.compress(jnp.asarray(x), jnp.uint32(5))))
+  np.testing.assert_array_equal(np.isfinite(y), np.isfinite(x))
+  # one kind per sample here: each comes back as itself
+  assert np.isnan(y[0, 1, 1, 0]) and y[1, 5, 5, 2] == np.inf and y[2, 0, 7, 3] == -np.inf
+
+
+def test_division_lfc_only_propagates_within_the_block():
+  """keep='lfc' stores no per-element part: a non-finite value makes its block's LFC NaN,
+  so exactly its 4 x 4 block comes back NaN, nothing else."""
+  x = _poisoned_map()
+  c = jact.compressors.Division(block=4, keep="lfc")
+  y = np.asarray(c.decompress(c.compress(jnp.asarray(x), None)))
+  blocks = ~np.isfinite(x).reshape(3, 2, 4, 2, 4, 4).all(axis=(2, 4), keepdims=True)
+  want = np.broadcast_to(blocks, (3, 2, 4, 2, 4, 4)).reshape(x.shape)
+  np.testing.assert_array_equal(~np.isfinite(y), want)
