@@ -175,6 +175,11 @@ OPS = {
         lambda b, q, k, v: ops.dot_product_attention(q, k, v, key=KEY, bits=b), _attention,
         (_normal((N, 5, 2, 8), 16), _normal((N, 5, 2, 8), 17),
          _set(_normal((N, 5, 2, 8), 18), (2, 1, 1, 0), np.inf))),
+    "chunked-attention-nan-key": (
+        lambda b, q, k, v: ops.chunked_attention(q, k, v, query_chunk=2, key_chunk=2, key=KEY,
+                                                 bits=b), _attention,
+        (_normal((N, 5, 2, 8), 24), _set(_normal((N, 5, 2, 8), 25), (1, 3, 1, 2), np.nan),
+         _normal((N, 5, 2, 8), 26))),
     "max-pool-then-dense-nan": (
         lambda b, x, w: ops.dense(ops.max_pool(x, (2, 2), (2, 2)).reshape(N, -1), w, key=KEY,
                                   bits=b),
@@ -304,7 +309,13 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("bits", WIDTHS, ids=lambda b: f"b{b}")
+# Each case compiles a model's plain and compressed gradients (2-4 s on XLA:CPU): the 8-bit
+# width (pattern and accuracy) runs in the quick suite, the others are marked slow.
+MODEL_WIDTHS = [pytest.param(b, id=f"b{b}", marks=() if b == 8 else pytest.mark.slow)
+                for b in WIDTHS]
+
+
+@pytest.mark.parametrize("bits", MODEL_WIDTHS)
 @pytest.mark.parametrize("name", MODELS)
 def test_model_gradients_are_non_finite_exactly_where_plain_ones_are(name, bits):
   jact_fn, plain_fn, args = MODELS[name]
