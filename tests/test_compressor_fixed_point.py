@@ -45,10 +45,13 @@ def test_fixpoint_zeros_exact_error_falls_and_non_finite_inputs():
     errs.append(float(jnp.mean((x_hat - x) ** 2)))
   assert errs[0] > errs[1] > errs[2]
   bad = jnp.array([[1.0, jnp.inf], [jnp.nan, -jnp.inf], [2.0, 0.5]])
-  x_hat = Fixpoint(8).decompress(Fixpoint(8).compress(bad))
-  assert bool(jnp.all(jnp.isfinite(x_hat)))
-  np.testing.assert_allclose(x_hat[:, 1], [0.5, -0.5, 0.5], rtol=1e-6)
-  assert float(x_hat[1, 0]) == 0.0
+  x_hat = np.asarray(Fixpoint(8).decompress(Fixpoint(8).compress(bad)))
+  # Non-finite exactly where the input is (channel 1 mixes +-inf: NaN), finite values on the
+  # grid of the channel's largest finite |x|.
+  np.testing.assert_array_equal(np.isfinite(x_hat), np.isfinite(np.asarray(bad)))
+  assert np.isnan(x_hat[1, 0]) and np.isnan(x_hat[:2, 1]).all()
+  np.testing.assert_allclose(x_hat[[0, 2], 0], [1.0, 2.0], rtol=1e-2)
+  np.testing.assert_allclose(x_hat[2, 1], 0.5, rtol=1e-6)
   with pytest.raises(ValueError, match="2, 4 or 8"):
     Fixpoint(1)
 

@@ -78,6 +78,37 @@ def activation(shape, dtype, seed, scale=3.0):
   return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
+def nonfinite_groups(dtype, seed, groups=3, group=16):
+  """Samples of `groups` groups of `group` values, each group one pattern of
+  non-finite values (+inf, -inf, NaN, both infinities, nothing finite, a
+  constant, a wide range, +-0), in an order drawn from `seed`; made on the host."""
+  rng = np.random.default_rng(seed)
+  patterns = [
+      {}, {3: np.inf}, {0: -np.inf}, {7: np.nan}, {1: np.inf, 2: -np.inf},
+      "nan", "inf", ("const", 1.5, {4: np.inf}), ("const", 0.0, {5: np.nan}),
+      ("wide", {6: np.inf}), ("const", -2.0, {group - 1: -np.inf}), ("zeros", {0: np.inf}),
+  ]
+  rows = []
+  for pattern in [patterns[i] for i in rng.permutation(len(patterns))]:
+    v = rng.standard_normal(group)
+    if pattern == "nan" or pattern == "inf":
+      v[:] = np.nan if pattern == "nan" else np.inf
+    elif isinstance(pattern, dict):
+      for i, value in pattern.items():
+        v[i] = value
+    else:
+      kind, *rest = pattern
+      v = {"const": np.full(group, rest[0] if kind == "const" else 0.0),
+           "wide": rng.uniform(-3e38, 3e38, group), "zeros": np.array([0.0, -0.0] * (group // 2))}[kind]
+      for i, value in rest[-1].items():
+        v[i] = value
+    rows.append(v)
+  x = np.stack(rows).reshape(-1, groups * group)
+  if jnp.dtype(dtype) != jnp.float32:
+    x = np.where(np.isfinite(x), np.clip(x, -60000, 60000), x)
+  return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
 def random_bytes(shape, seed):
   """Every byte value: any code the dequantizers may meet."""
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
@@ -102,7 +133,16 @@ def quantize_cases():
       case("b2-bf16-partial-group", (3, 7, 13), BF16, 2, 64, rows=2, quick=True),  # 64 + 27
       case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
       case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
-  ]
+  ] + [nonfinite_case(bits, dtype, rows=2) for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32))]
+
+
+def nonfinite_case(bits, dtype, rows):
+  """Groups of 16 holding every pattern of `nonfinite_groups`."""
+  def make():
+    return ((nonfinite_groups(dtype, seed=bits), jnp.uint32(0xF1A6 + bits)),
+            dict(bits=bits, group_size=16, stochastic=True))
+  return Case(f"b{bits}-{jnp.dtype(dtype).name}-nonfinite-kinds", make,
+              {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)})
 
 
 def dequantize_cases():
@@ -124,7 +164,17 @@ def dequantize_cases():
       case("b2-bf16-to-f32-partial-group", (3, 7, 13), BF16, 2, 64, F32, rows=2),
       case("b4-f32-to-f16-clamped", (2, 300), F32, 4, 256, F16, rows=1, scale=1e6, quick=True),
       case("b8-f16-view-shape", (3, 2, 3), F16, 8, 256, None, rows=1, rows_view=True),
-  ]
+  ] + [nonfinite_dequantize_case(bits, out) for bits, out in ((1, None), (2, F16), (4, None), (8, BF16))]
+
+
+def nonfinite_dequantize_case(bits, out):
+  """Random codes in the flagged groups of `nonfinite_groups` (every code, the top one included)."""
+  def make():
+    packed = quantize_reference(nonfinite_groups(F32, seed=20 + bits), jnp.uint32(bits), bits=bits,
+                                group_size=16)
+    packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
+    return (packed,), dict(dtype=out)
+  return Case(f"b{bits}-nonfinite-kinds", make, {"pallas_triton": dict(rows=2)})
 
 
 def relu_mask_cases():
@@ -149,7 +199,9 @@ def _per_sample_args(shape, dtype, widths, per_value, group_size, seed):
   bits = jnp.asarray(widths, jnp.int32)
   capacity = int(per_value * shape[0] * dp)
   assert sum(widths) * dp // 8 <= capacity
-  return activation(shape, dtype, seed=len(widths)), bits, dict(
+  x = (nonfinite_groups(dtype, seed=len(widths)) if group_size == 16
+       else activation(shape, dtype, seed=len(widths)))
+  return x, bits, dict(
       capacity_bytes=capacity, group_size=g, seed=seed)
 
 
@@ -160,6 +212,7 @@ PER_SAMPLE = [
     ("bf16-zero-only-programs", (5, 7, 13), BF16, [8, 1, 2, 4, 1], 64.0, 256, True, 1),
     ("f16-nearest-group112", (6, 784), F16, [2, 8, 1, 4, 4, 1], 0.5, 256, False, 4),
     ("f32-below-one-group", (3, 20), F32, [8, 2, 1], 1.0, 256, True, 1),
+    ("f32-nonfinite-kinds", (4, 48), F32, [1, 2, 4, 8], 1.0, 16, True, 2),
 ]
 
 
@@ -184,7 +237,7 @@ def dequantize_per_sample_cases():
       return (packed,), dict(dtype=out)
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
 
-  outs = [None, F32, F16, None]
+  outs = [None, F32, F16, None, F16]
   return [case(*c, out=o) for c, o in zip(PER_SAMPLE, outs)]
 
 

@@ -66,7 +66,7 @@ def test_matches_quantize_per_sample(shape, dtype):
   want, data = _reference(x, bits=BITS)
   assert p.data.shape == (cap,) and y.dtype == x.dtype and y.shape == x.shape
   np.testing.assert_array_equal(p.bits, BITS)
-  np.testing.assert_array_equal(y, want)  # bit-exact, sample by sample
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))  # bit-exact
   # Segments lie back to back, exactly filling the buffer here; within one,
   # byte j holds values j, j+Q, ... of the whole (padded) sample.
   np.testing.assert_array_equal(p.data, data)
@@ -115,8 +115,9 @@ def test_fallback_to_one_bit():
   for bits in ([8] * 6, [1, 2, 4, 8, 2, 2]):  # 48 and 19 bits per value: too many
     p, y = _roundtrip(x, jnp.array(bits, jnp.int32), capacity=cap, stochastic=False)
     np.testing.assert_array_equal(p.bits, 1)
-    np.testing.assert_array_equal(y, y1)
-    assert bool(jnp.isfinite(y).all())
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y1, np.float32))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(y, np.float32)),
+                                  np.isfinite(np.asarray(x, np.float32)))  # non-finite kept
   # Invalid widths round down to 1, 2, 4 or 8 (here 17 bits: they fit).
   p, _ = _roundtrip(x, jnp.array([0, 3, 2, 9, -7, 5], jnp.int32), capacity=cap, stochastic=False)
   np.testing.assert_array_equal(p.bits, [1, 2, 2, 8, 1, 4])

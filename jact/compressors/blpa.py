@@ -37,11 +37,21 @@ Deviations from the paper, all for an exact ReLU mask (A~ > 0) == (A > 0):
 
 As a generic compressor (`BLPA(bits)`) beta_c and gamma_c are the channel
 mean and standard deviation of the tensor itself (over all axes but the last;
-a 0-D or 1-D tensor is one channel); for a training-mode batch-norm output
+a 0-D or 1-D tensor is one channel; finite values only); for a training-mode batch-norm output
 these are BN's beta and |gamma| sqrt(var / (var + eps)). `blpa_quantize`
 takes them explicitly (the fused `jact.ops.blpa.blpa_block` passes BN's
 parameters). Stored: the packed codes, ceil(n K / 8) bytes, plus per channel
 the float32 step and the int32 window start (8 bytes per channel).
+
+Non-finite values: BLPA cannot carry them -- all 2**K codes are in use and
+its grid is per channel across the whole batch, so marking a value would
+spread to every sample. A NaN or inf is stored as a finite bin (NaN as the
+lowest, +-inf clipped to the window's ends) and the generic compressor takes
+its statistics from finite values only, so the other samples' values are
+stored exactly as without it. This is a documented limit: the gradient of
+the affected element is finite where plain JAX's may not be (in the fused
+`jact.ops.blpa.blpa_block`, batch norm's own statistics are already
+non-finite then, as in plain JAX).
 
 >>> import jax, jax.numpy as jnp
 >>> c = BLPA(bits=4)
@@ -210,9 +220,11 @@ class BLPA(Compressor):
     x32 = as_channel_rows(x.astype(_F32))
     if not x32.shape[0]:  # no values: no statistics (the mean of nothing is NaN)
       beta = gamma = jnp.zeros(x32.shape[1], _F32)
-    else:
-      beta = jnp.mean(x32, 0)
-      gamma = jnp.sqrt(jnp.mean(jnp.square(x32 - beta), 0))
+    else:  # from the finite values only: one sample's NaN must not reach the others
+      finite = jnp.isfinite(x32)
+      count = jnp.maximum(jnp.sum(finite, 0), 1).astype(_F32)
+      beta = jnp.sum(jnp.where(finite, x32, 0.0), 0) / count
+      gamma = jnp.sqrt(jnp.sum(jnp.where(finite, jnp.square(x32 - beta), 0.0), 0) / count)
     return blpa_quantize(x, beta, gamma, self.bits)
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:

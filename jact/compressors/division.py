@@ -18,12 +18,14 @@ does not divide an axis the last, partial block averages only its valid
 elements. A rank-2 input (N, C) has no spatial axes, hence no LFC: it is
 stored as plain per-group quantization of x.
 
-Non-finite values follow the per-group quantizer's rule (statistics from
-finite values only, reconstructions always finite): the LFC averages each
+Non-finite values come back exactly where they were: the LFC averages each
 block's *finite* values (0 for a block with none, or whose mean is not finite
 in `lfc_dtype`), so one NaN or inf leaves its block's other values intact;
-the non-finite value itself gets a non-finite HFC, which the quantizer stores
-as its group's largest (+inf) or smallest (-inf, NaN) HFC.
+the non-finite value itself gets a non-finite HFC, which the per-group
+quantizer keeps exactly (its flagged groups, `jact.core.quantize`). With
+`keep='lfc'` (no HFC) per-element exactness is impossible: a block holding a
+non-finite value stores a NaN LFC, so its whole block reconstructs as NaN
+(never other blocks, never other samples).
 
 Stored bytes: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) for the LFC
 plus `PerGroup(Q, group_size).stored_bytes(shape)` for the HFC (Q/8 bytes a
@@ -78,6 +80,16 @@ __all__ = ["Division", "division_compress_reference"]
 
 
 
+
+
+def _nan_where_not_finite(x: jax.Array, blocks: tuple[int, ...], lfc: jax.Array) -> jax.Array:
+  """`lfc` with NaN for every block of x holding a non-finite value."""
+  bad = (~jnp.isfinite(x)).astype(jnp.float32)
+  spatial = x.shape[1:-1]
+  window = (1, *blocks, 1)
+  pads = ((0, 0), *((0, -s % b) for s, b in zip(spatial, blocks)), (0, 0))
+  count = jax.lax.reduce_window(bad, 0.0, jax.lax.add, window, window, pads)
+  return jnp.where(count > 0, jnp.array(jnp.nan, lfc.dtype), lfc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +171,8 @@ class Division(Compressor):
     arrays = {}
     if self.keep == "lfc":  # no HFC: the pooled map alone
       spatial = shape[1:-1]
-      arrays["lfc"] = stored_lfc(x, pool_blocks(spatial, self.block), self.lfc_dtype)
+      blocks = pool_blocks(spatial, self.block)
+      arrays["lfc"] = _nan_where_not_finite(x, blocks, stored_lfc(x, blocks, self.lfc_dtype))
     else:
       compress = kernels.dispatch("division_compress", self.implementation, size=x.size)
       lfc, hfc = compress(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
@@ -185,7 +198,8 @@ class Division(Compressor):
       spatial = tuple(stored.shape[1:-1])
       out = out + upsample(stored.arrays["lfc"], pool_blocks(spatial, self.block), spatial)
     dtype = jnp.dtype(dtype or stored.dtype)
-    return finite_clamp(out, dtype).reshape(stored.shape).astype(dtype)
+    out = jnp.where(jnp.isinf(out), out, finite_clamp(out, dtype))  # infinities stay
+    return out.reshape(stored.shape).astype(dtype)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
     """LFC: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) (none for rank 2);

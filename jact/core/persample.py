@@ -1,7 +1,7 @@
 """Per-sample mixed precision (ActNN L3): one width per sample, one static buffer.
 
 Sample n of x (axis 0) is quantized per group exactly like `jact.quantize`
-(same groups, bf16 statistics, non-finite handling and hash noise) but with
+(same groups, bf16 statistics, non-finite flags and kinds, hash noise) but with
 its own width b_n in (1, 2, 4, 8), decided at run time (e.g. by
 `jact.allocate.allocate_per_sample` inside the same jit). Its codes are
 packed at b_n bits per value -- planar within the sample: with k = 8 // b_n
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact.core.packing import unpack_bits
-from jact.core.quantize import (check_group_size, effective_group_size,
-                                finite_clamp, group_codes, group_values, grouped)
+from jact.core.quantize import (check_group_size, decode_groups, effective_group_size,
+                                group_codes, grouped)
 
 __all__ = ["PackedPerSample", "per_sample_capacity", "quantize_per_sample_reference",
            "dequantize_per_sample_reference"]
@@ -131,7 +131,7 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   # Group statistics and codes as in jact.quantize, with per-sample levels.
   g, _ = grouped(x, group_size)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None]
-  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d, dtype)
   codes = codes.reshape(n, dp)
 
   # Every width is packed for every sample (static shapes), in units of
@@ -185,8 +185,9 @@ def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array
                      [seg, unpack_bits(seg[:, :4 * unit], 4), unpack_bits(seg[:, :2 * unit], 2)],
                      unpack_bits(seg[:, :unit], 1))
   codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
-  g = group_values(codes, p.minimum.astype(jnp.float32)[..., None],
-                   p.scale.astype(jnp.float32)[..., None])
   d = math.prod(p.shape[1:])
   dtype = jnp.dtype(dtype or p.dtype)
-  return finite_clamp(g.reshape(n, dp)[:, :d], dtype).reshape(p.shape).astype(dtype)
+  levels = ((1 << bits) - 1).astype(jnp.float32)[:, None, None]
+  g = decode_groups(codes, p.minimum.astype(jnp.float32)[..., None],
+                    p.scale.astype(jnp.float32)[..., None], levels, dtype, p.dtype)
+  return g.reshape(n, dp)[:, :d].reshape(p.shape).astype(dtype)

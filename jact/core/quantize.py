@@ -10,12 +10,23 @@ densely into uint8 in a planar layout: with k = 8 // bits codes per byte and
 Q = G // k bytes per group, byte j holds the group's elements j, j+Q, j+2Q, ...
 (contiguous slices only, which fuse well in XLA and lower in Triton).
 
-Non-finite values: a group's minimum and step are computed from its *finite*
-values only, so one inf or NaN never poisons its neighbours; +inf is stored
-as the group's largest finite value, -inf and NaN as its smallest, and a group
-with no finite value stores zeros. Dequantized data is therefore always
-finite (no NaN flood); non-finite activations are a training failure that the
-forward output (which is exact) still shows.
+Non-finite values propagate exactly: a reconstruction is NaN, +inf or -inf
+exactly where the input is, and finite everywhere else. A group's minimum and
+step come from its *finite* values only (one inf never widens its neighbours'
+grid); a group that also holds non-finite values is *flagged* by the sign bit
+of its stored step (steps are otherwise >= +0). A flagged group codes its
+finite values on 2**bits - 2 steps (codes 0 .. 2**bits - 2, still unbiased)
+and gives every non-finite value the top code 2**bits - 1, which decodes to
+the group's non-finite *kind*, kept in the two lowest mantissa bits of the
+step: 1 NaN, 2 +inf, 3 -inf (NaN when a group mixes kinds). Before the kind
+is written, a flagged step is rounded up to a multiple of 4 bf16 ulps (and to
+at least the smallest normal bfloat16), so clearing those bits gives back a
+step that still covers the group. Unflagged groups are stored exactly as
+before, so data without non-finite values costs nothing. At 1 bit a flagged
+group has a single level for its finite values: they are all stored as the
+midpoint of their finite range (rounded down to bfloat16) -- biased, but only
+in groups that hold a non-finite value, whose gradients are non-finite anyway
+wherever that value reaches.
 
 Range: every finite float32 group is covered. A group whose range reaches
 2**100 is encoded and decoded on a grid scaled by 1/4 (exact: a power of two),
@@ -60,7 +71,9 @@ from jact.core.packing import SUPPORTED_BITS, check_bits, pack_bits, unpack_bits
 __all__ = [
     "Packed", "quantize_reference", "dequantize_reference", "check_bits", "check_group_size",
     "check_float_dtype", "effective_group_size", "as_rows", "quantize_rows_reference", "grouped", "finite_min_max",
-    "grid_scale", "finite_clamp", "group_values", "group_codes", "bf16_directed",
+    "grid_scale", "finite_clamp", "group_values", "group_codes", "group_extremes", "decode_groups",
+    "flag_step", "split_step", "kind_value", "nonfinite_kind", "flagged_levels", "round_to",
+    "lattice_codes", "bf16_directed",
     "bf16_round_directed", "SUPPORTED_BITS", "FLOAT_DTYPES",
 ]
 
@@ -222,16 +235,146 @@ def group_values(codes: jax.Array, minimum: jax.Array, step: jax.Array) -> jax.A
   return (codes * (step * s) + minimum * s) * inv_s
 
 
-def group_codes(g: jax.Array, levels, seed: jax.Array | None):
+# Non-finite kinds of a flagged group (the two lowest mantissa bits of its bf16 step).
+KIND_NAN, KIND_POS_INF, KIND_NEG_INF = 1, 2, 3
+_SIGN = 0x80000000  # float32 bits of a bf16 value: bf16 bit i is float32 bit i + 16
+_KIND_BITS = 0x30000
+_SMALLEST_NORMAL = 0x00800000
+_LARGEST_FLAGGED = 0x7F7C0000  # the largest bf16 whose two lowest mantissa bits are clear
+
+
+def nonfinite_kind(has_nan, has_pos_inf, has_neg_inf) -> jax.Array:
+  """int32 kind of a group from what it holds: 0 (all finite), NaN (any NaN, or
+  both infinities), +inf or -inf."""
+  zero = jnp.zeros(jnp.shape(has_nan), jnp.int32)
+  const = lambda k: jnp.full(jnp.shape(has_nan), k, jnp.int32)
+  kind = jax.lax.select(has_neg_inf, const(KIND_NEG_INF), zero)
+  kind = jax.lax.select(has_pos_inf, const(KIND_POS_INF), kind)
+  return jax.lax.select(has_nan | (has_pos_inf & has_neg_inf), const(KIND_NAN), kind)
+
+
+def flag_step(step: jax.Array, kind: jax.Array) -> jax.Array:
+  """The stored step (float32 holding a bf16 value): `step` where kind is 0,
+  else `step` rounded up to a multiple of 4 bf16 ulps (at least the smallest
+  normal, at most 0x7F7C), with the kind in its two lowest mantissa bits and
+  the sign bit set (the group's flag). Pure bit operations: shared by the
+  reference and the kernels."""
+  u = jax.lax.bitcast_convert_type(step, jnp.uint32)
+  up = (u + jnp.uint32(_KIND_BITS)) & jnp.uint32(~_KIND_BITS & 0xFFFFFFFF)
+  up = jnp.minimum(jnp.maximum(up, jnp.uint32(_SMALLEST_NORMAL)), jnp.uint32(_LARGEST_FLAGGED))
+  flagged = up | (kind.astype(jnp.uint32) << 16) | jnp.uint32(_SIGN)
+  return jax.lax.bitcast_convert_type(jax.lax.select(kind != 0, flagged, u), jnp.float32)
+
+
+def split_step(stored: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(step, flagged, kind) of a stored step (float32 holding a bf16 value): the
+  grid step with the flag and kind bits cleared, whether the group holds
+  non-finite values (its sign bit: -0.0 would count, but is never stored), and
+  the int32 kind (0 when not flagged)."""
+  u = jax.lax.bitcast_convert_type(stored, jnp.uint32)
+  flagged = (u >> 31) == 1
+  step = jax.lax.select(flagged, u & jnp.uint32(0x7FFC0000), u)
+  kind = jax.lax.select(flagged, ((u >> 16) & 3).astype(jnp.int32), jnp.zeros(u.shape, jnp.int32))
+  return jax.lax.bitcast_convert_type(step, jnp.float32), flagged, kind
+
+
+def kind_value(kind: jax.Array) -> jax.Array:
+  """float32 NaN, +inf or -inf for kinds 1, 2, 3 (NaN for any other)."""
+  nan = jnp.full(kind.shape, jnp.nan, jnp.float32)
+  value = jax.lax.select(kind == KIND_POS_INF, jnp.full(kind.shape, jnp.inf, jnp.float32), nan)
+  return jax.lax.select(kind == KIND_NEG_INF, jnp.full(kind.shape, -jnp.inf, jnp.float32), value)
+
+
+def flagged_levels(levels: jax.Array, flagged: jax.Array) -> jax.Array:
+  """The largest code a group's *finite* values take: levels (2**bits - 1), one
+  less in a flagged group (the top code means "non-finite")."""
+  return jax.lax.select(flagged, levels - 1.0, levels)
+
+
+def round_to(v: jax.Array, dtype) -> jax.Array:
+  """float32 v rounded to nearest in `dtype` (finite values in its range), as float32."""
+  dtype = jnp.dtype(dtype)
+  return v if dtype == jnp.float32 else v.astype(dtype).astype(jnp.float32)
+
+
+def decode_groups(codes: jax.Array, minimum: jax.Array, stored: jax.Array, levels,
+                  dtype, through=None) -> jax.Array:
+  """float32 reconstruction of codes (float32) with their groups' bf16 minimum
+  and stored step as float32 (broadcast against codes): the grid value,
+  clamped into the finite range of `through` (the quantized tensor's dtype;
+  default `dtype`) and rounded to it, then clamped into `dtype`'s; or the
+  group's non-finite kind for the top code of a flagged group."""
+  through = jnp.dtype(through or dtype)
+  step, flagged, kind = split_step(stored)
+  value = round_to(finite_clamp(group_values(codes, minimum, step), through), through)
+  if jnp.dtype(dtype) != through:
+    value = finite_clamp(value, dtype)
+  full = lambda a: jnp.broadcast_to(a, value.shape)
+  top = codes == jnp.asarray(levels, jnp.float32)
+  return jax.lax.select(full(flagged) & top, full(kind_value(kind)), value)
+
+
+def lattice_codes(x, k_low, top, noise, minimum, stored, dtype, levels, divide=None):
+  """Codes of float32 values x (of a float16 / bfloat16 tensor) rounded
+  stochastically between the two *decoded* neighbours a <= x <= b (grid points
+  k_low and k_low + 1 as `decode_groups` returns them in `dtype`): code
+  k_low + 1 with probability (x - a) / (b - a). Decoding rounds grid points to
+  the tensor's dtype, so rounding onto those points (not the float32 grid)
+  keeps the reconstruction unbiased. `divide` is the float32 division (the
+  kernels pass their correctly rounded one)."""
+  divide = divide or (lambda a, b: a / b)
+  a = decode_groups(k_low, minimum, stored, levels, dtype)
+  b = decode_groups(k_low + 1.0, minimum, stored, levels, dtype)
+  gap = b - a
+  positive = gap > 0
+  p = jax.lax.select(positive, divide(x - a, jax.lax.select(positive, gap, jnp.ones_like(gap))),
+                     jnp.zeros_like(gap))
+  up = jax.lax.select(noise < p, jnp.ones_like(p), jnp.zeros_like(p))
+  return jnp.minimum(k_low + up, top)
+
+
+def group_extremes(g: jax.Array, size: int | None = None):
+  """(finite minimum, finite maximum, non-finite kind) of each group of g[..., G]
+  (+inf, -inf, 0 without finite values). Only the first `size` values of each
+  row of groups count (the rest is padding); all when None. One variadic
+  reduce, as `finite_min_max`."""
+  g = g.astype(jnp.float32)
+  bits = jnp.where(g != g, 1, 0) | jnp.where(g == jnp.inf, 2, 0) | jnp.where(g == -jnp.inf, 4, 0)
+  if size is not None and g.shape[-2] * g.shape[-1] != size:
+    position = jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 0) * g.shape[-1] + \
+        jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 1)
+    bits = jnp.where(position < size, bits, 0)
+  bits = bits.astype(jnp.int32)
+
+  def reducer(a, b):
+    (a_lo, a_hi, a_k), (b_lo, b_hi, b_k) = a, b
+    lo = jax.lax.select(jnp.isfinite(b_lo) & ~(b_lo >= a_lo), b_lo, a_lo)
+    hi = jax.lax.select(jnp.isfinite(b_hi) & ~(b_hi <= a_hi), b_hi, a_hi)
+    return lo, hi, a_k | b_k
+
+  init = jax.lax.optimization_barrier((jnp.float32(jnp.inf), jnp.float32(-jnp.inf), jnp.int32(0)))
+  lo, hi, k = jax.lax.reduce((g, g, bits), init, reducer, (g.ndim - 1,))
+  return lo, hi, nonfinite_kind((k & 1) != 0, (k & 2) != 0, (k & 4) != 0)
+
+
+def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None,
+                dtype=None):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
   `levels` (2**bits - 1) is a number or an array broadcasting against the
   statistics [N, groups] (one per sample: `jact.core.persample`). With a `seed`
   the rounding is stochastic (noise hashed from each value's flat index),
-  without it round-to-nearest. Returns (minimum, scale) in bf16 and uint8 codes.
+  without it round-to-nearest. `size` is the number of values per sample
+  (the rest of the last group is padding, coded 0). `dtype` is the tensor's
+  dtype: float16 / bfloat16 values are rounded between decoded neighbours
+  (`lattice_codes`). Returns (minimum, stored step) in bf16 and uint8 codes.
   """
   levels = jnp.asarray(levels, jnp.float32)
-  lo, hi = finite_min_max(g)
+  lo, hi, kind = group_extremes(g, size)
+  flagged = kind != 0
+  levels = jnp.broadcast_to(levels, lo.shape)
+  finite_levels = flagged_levels(levels, flagged)
+  single = finite_levels == 0  # 1 bit, flagged: one level for the finite values
   any_finite = lo <= hi
   zero = jnp.zeros_like(lo)
   # jax.lax.select rather than jnp.where / jnp.clip (each a nested jit call),
@@ -239,6 +382,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   # multiplied by hundreds in tracing, lowering and XLA's passes.
   lo = jax.lax.select(any_finite & (lo != 0), lo, zero)  # a zero minimum is +0, whatever the order
   hi = jax.lax.select(any_finite & (hi != 0), hi, zero)
+  lo = jax.lax.select(single, lo * 0.5 + hi * 0.5, lo)  # the single level: the midpoint
   # A minimum below -3.39e38 has no finite bf16 below it: values there are clipped.
   minimum = jnp.maximum(bf16_directed(lo, up=False), -jnp.finfo(jnp.bfloat16).max)
   lo_b = minimum.astype(jnp.float32)
@@ -249,9 +393,13 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
   # XLA rewrites a division by a constant into exactly this product, so the
   # step is the same whether `levels` is a constant or computed (per sample),
   # and GPU kernels reproduce it with one correctly rounded multiply.
-  scale = bf16_directed((hi * s - lo_b * s) * (jnp.float32(1.0) / levels) * inv_s, up=True)
+  inv_levels = jax.lax.select(
+      single, zero, jax.lax.select(flagged, jnp.float32(1.0) / jnp.maximum(levels - 1.0, 1.0),
+                                   jnp.float32(1.0) / levels))
+  scale = bf16_directed((hi * s - lo_b * s) * inv_levels * inv_s, up=True)
   scale = jnp.minimum(scale, jnp.finfo(jnp.bfloat16).max)  # 1 bit, range > 3.39e38: clipped
-  step = scale.astype(jnp.float32)
+  stored = flag_step(scale.astype(jnp.float32), kind)
+  step, _, _ = split_step(stored)
   positive = step > 0
   inv_step = jax.lax.select(positive, 1.0 / jax.lax.select(positive, step * s, jnp.ones_like(step)),
                             zero)
@@ -265,8 +413,20 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None):
     noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))  # 64-bit-safe flat index
   else:
     noise = jnp.float32(0.5)
-  codes = jnp.minimum(jnp.maximum(jnp.floor(v + noise), 0.0), jnp.expand_dims(levels, -1))
-  return minimum, scale, codes.astype(jnp.uint8)
+  top = full(finite_levels)
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    codes = jnp.minimum(jnp.maximum(jnp.floor(v + noise), 0.0), top)
+  else:  # grid points decode rounded to dtype: round between those (see `lattice_codes`)
+    k_low = jnp.minimum(jnp.maximum(jnp.floor(v), 0.0), jnp.maximum(top - 1.0, 0.0))
+    codes = lattice_codes(clipped, k_low, top, jnp.broadcast_to(noise, g.shape), lo_g,
+                          full(stored), dtype, full(levels))
+  nonfinite = ~jnp.isfinite(g)
+  if size is not None and g.shape[-2] * g.shape[-1] != size:
+    position = jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 2) * g.shape[-1] + \
+        jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 1)
+    nonfinite = nonfinite & (position < size)
+  codes = jax.lax.select(nonfinite, full(levels), codes)
+  return minimum, stored.astype(jnp.bfloat16), codes.astype(jnp.uint8)
 
 
 def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
@@ -275,7 +435,7 @@ def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group
   the effective one, `seed` a uint32 scalar or None when not stochastic)."""
   levels = float((1 << bits) - 1)
   g, (n, groups, d) = grouped(x, group_size)
-  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None)
+  minimum, scale, codes = group_codes(g, levels, seed if stochastic else None, d, x.dtype)
   data = pack_bits(codes, bits)
   return Packed(data, minimum, scale, tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
 
@@ -284,14 +444,15 @@ def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   """The XLA reference of `dequantize`."""
   dtype = jnp.dtype(dtype or packed.dtype)
   codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
-  g = group_values(codes, packed.minimum.astype(jnp.float32)[..., None],
-                   packed.scale.astype(jnp.float32)[..., None])
+  g = decode_groups(codes, packed.minimum.astype(jnp.float32)[..., None],
+                    packed.scale.astype(jnp.float32)[..., None], float((1 << packed.bits) - 1), dtype,
+                    packed.dtype)
   n, groups, group_size = g.shape
   d = math.prod(packed.shape[1:]) if packed.shape else 1
   flat = g.reshape(n, groups * group_size)  # explicit: -1 is ambiguous for empty tensors
   if flat.shape[1] != d:
     flat = flat[:, :d]
-  return finite_clamp(flat, dtype).reshape(packed.view_shape or packed.shape).astype(dtype)
+  return flat.reshape(packed.view_shape or packed.shape).astype(dtype)
 
 
 def quantize_rows_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,

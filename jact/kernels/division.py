@@ -196,7 +196,7 @@ def _encode_rows(x_ref, lfc_ref, seed, data_ref, min_ref, scale_ref, row, row_ok
   j = jax.lax.broadcasted_iota(jnp.int32, (row.shape[0], q_pad), 1)
   sample, group = _div(rr, groups), _rem(rr, groups)
   ok = row_ok[:, None] & (j < q)
-  planes, index = [], []
+  planes, index, valid = [], [], []
   for p in range(k):
     col = group * group_size + p * q + j
     mask = ok & (col < d)
@@ -204,9 +204,11 @@ def _encode_rows(x_ref, lfc_ref, seed, data_ref, min_ref, scale_ref, row, row_ok
     v = T.load(x_ref, flat, mask, jnp.array(jnp.nan, x_ref.dtype)).astype(jnp.float32)
     up = T.load(lfc_ref, _lfc_offset(flat, m), mask, jnp.zeros((), lfc_ref.dtype))
     planes.append(T.add(v, -up.astype(jnp.float32), interpret))
+    valid.append(mask)
     index.append(rr.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = float((1 << bits) - 1)  # static: the reciprocal is a constant, as in XLA
-  minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret)
+  minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret,
+                                      valid=valid)
   T.store(data_ref, rr * q + j, packed.astype(jnp.uint8), ok)
   T.store(min_ref, row, minimum.astype(jnp.bfloat16), row_ok)
   T.store(scale_ref, row, step.astype(jnp.bfloat16), row_ok)

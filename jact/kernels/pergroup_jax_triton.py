@@ -11,7 +11,9 @@ scaled, stochastically rounded with `jact.core.rng`'s hash of (seed, flat
 index) and packed (plane p at bits p * bits of each byte). Every float
 operation is one IEEE operation rounded to nearest: the kernel is compiled
 without contraction and divides with `tl.div_rn`. (One function, no `@triton.jit`
-helpers: Triton's interpreter, the CPU path, cannot call those.)
+helpers: Triton's interpreter, the CPU path, cannot call those.) Groups holding
+non-finite values are flagged and coded as in the reference (`jact.core.quantize`,
+"Non-finite values").
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.core.quantize import quantize_reference
@@ -44,7 +46,8 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
                     GROUPS: tl.constexpr, D: tl.constexpr, GROUP_SIZE: tl.constexpr,
                     BITS: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
                     STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, INV_LEVELS: tl.constexpr,
-                    BF16_MAX: tl.constexpr):
+                    INV_FLAGGED: tl.constexpr, BF16_MAX: tl.constexpr, LATTICE: tl.constexpr,
+                    DTYPE_MAX: tl.constexpr):
   K: tl.constexpr = 8 // BITS
   Q: tl.constexpr = GROUP_SIZE // K
   LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -70,9 +73,20 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
   finite = (v == v) & (tl.abs(v) != float("inf"))
   lo = tl.min(tl.min(tl.where(finite, v, float("inf")), axis=2), axis=1)  # [ROWS]
   hi = tl.max(tl.max(tl.where(finite, v, -float("inf")), axis=2), axis=1)
+  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
+  has_nan = tl.max(tl.max(((v != v) & mask).to(tl.int32), axis=2), axis=1) > 0
+  has_pos = tl.max(tl.max((v == float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  has_neg = tl.max(tl.max((v == -float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  kind = tl.where(has_neg, 3, 0)
+  kind = tl.where(has_pos, 2, kind)
+  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
+  flagged = kind != 0
+  finite_levels = tl.where(flagged, LEVELS - 1.0, LEVELS * 1.0)  # the top code means non-finite
+  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
   any_finite = lo <= hi
   lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
   hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
+  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
   u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
   down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
   minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
@@ -81,10 +95,17 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
   s = tl.where(wide, 0.25, 1.0)
   inv_s = tl.where(wide, 4.0, 1.0)
   span = hi * s - minimum * s
-  u = (span * INV_LEVELS * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
+  inv_levels = tl.where(single, 0.0, tl.where(flagged, INV_FLAGGED, INV_LEVELS))
+  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
   up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
   step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
   step = tl.minimum(step, BF16_MAX)
+  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
+  u = step.to(tl.uint32, bitcast=True)
+  rounded = (u + 0x30000) & 0xFFFCFFFF
+  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
+  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
+  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
   positive = step > 0.0
   inv_step = tl.where(positive, tl.div_rn(tl.full(step.shape, 1.0, tl.float32),
                                           tl.where(positive, step * s, 1.0)), 0.0)
@@ -111,14 +132,37 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
     noise = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
   else:
     noise = 0.5
-  code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), LEVELS).to(tl.int32)
+  top = finite_levels[:, None, None]
+  if LATTICE == 0:  # float32: the grid itself
+    code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), top)
+  else:  # between the decoded neighbours, rounded to the dtype (`lattice_codes`)
+    k_low = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), tl.maximum(top - 1.0, 0.0))
+    wide_d = step >= 1.2676506002282294e30  # the decoder's grid scale (of the step)
+    sd = tl.where(wide_d, 0.25, 1.0)
+    inv_sd = tl.where(wide_d, 4.0, 1.0)[:, None, None]
+    st, mn_s = (step * sd)[:, None, None], (minimum * sd)[:, None, None]
+    a = tl.minimum(tl.maximum((k_low * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    b = tl.minimum(tl.maximum(((k_low + 1.0) * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    if LATTICE == 1:  # round to nearest even bfloat16, by the bits
+      ua = a.to(tl.uint32, bitcast=True)
+      a = ((ua + 0x7FFF + ((ua >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+      ub = b.to(tl.uint32, bitcast=True)
+      b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+      a = a.to(tl.float16).to(tl.float32)
+      b = b.to(tl.float16).to(tl.float32)
+    gap = b - a
+    positive = gap > 0.0
+    prob = tl.where(positive, tl.div_rn(clipped - a, tl.where(positive, gap, 1.0)), 0.0)
+    code = tl.minimum(k_low + tl.where(noise < prob, 1.0, 0.0), top)
+  code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
   packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
   row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
   tl.store(data_ptr + row2 * Q + j2, packed.to(tl.uint8), mask=(row2 < N_ROWS) & (j2 < Q))
   # the statistics hold bf16 values: their bf16 bits are the float32's high half
   tl.store(min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16),
            mask=row1 < N_ROWS)
-  tl.store(scale_ptr + row1, (step.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16),
+  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16),
            mask=row1 < N_ROWS)
 
 
@@ -132,7 +176,12 @@ def kernel_constants(shape, dtype, *, bits: int, group_size: int, stochastic: bo
   constants = dict(N_ROWS=n_rows, GROUPS=groups, D=d, GROUP_SIZE=group_size, BITS=bits, ROWS=r,
                    Q_PAD=q_pad, STOCHASTIC=bool(stochastic),
                    IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
-                   INV_LEVELS=float(np.float32(1.0) / levels), BF16_MAX=_BF16_MAX)
+                   INV_LEVELS=float(np.float32(1.0) / levels),
+                   INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
+                   BF16_MAX=_BF16_MAX,
+                   LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(
+                       jnp.dtype(dtype), 0),
+                   DTYPE_MAX=float(jnp.finfo(dtype).max))
   return -(-n_rows // r), constants
 
 

@@ -27,7 +27,8 @@ x twice and writes the codes, 2 s + b / 8 bytes, plus 12 / G written and
 dequantize reads b / 8 + 4 / G and writes the output itemsize.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.persample import quantize_per_sample_reference
+>>> from jact.core.quantize import flagged_levels, split_step
+from jact.core.persample import quantize_per_sample_reference
 >>> @jax.jit
 ... def both(x, bits, seed):
 ...   args = dict(capacity_bytes=1200, group_size=152, seed=seed)
@@ -53,6 +54,7 @@ from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
 from jact.kernels.pergroup import decode_values, encode_values, group_stats
+from jact.core.quantize import flagged_levels, split_step
 from jact.core.persample import (PackedPerSample, dequantize_per_sample_reference,
                                  quantize_per_sample_reference)
 
@@ -100,7 +102,7 @@ def _stats_kernel(x_ref, width_ref, min_ref, scale_ref, hi_ref, inv_ref, *, n_ro
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   ok = r < n_rows
   levels = ((1 << (1 << T.load(width_ref, r // groups, ok, 0))) - 1).astype(jnp.float32)
-  minimum, step, hi, inv_step = group_stats([v], levels, interpret=interpret)
+  minimum, step, hi, inv_step, _ = group_stats([v], levels, interpret=interpret, valid=[mask])
   T.store(min_ref, r, minimum.astype(jnp.bfloat16), ok)
   T.store(scale_ref, r, step.astype(jnp.bfloat16), ok)
   T.store(hi_ref, r, hi, ok)
@@ -125,7 +127,8 @@ def _statistics(x, width, *, groups, group_size, rows, interpret):
 # ----------------------------------------------------------------------------- pass 2: codes
 
 
-def _pack_width(x_ref, min_ref, hi_ref, inv_ref, data_ref, seed, sample, t, offset, *, bits, d,
+def _pack_width(x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, sample, t, offset, *,
+                bits, d,
                 groups, group_size, unit, values, interpret):
   """Packs sample `sample`'s bytes of program tile t at a static width `bits`."""
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
@@ -136,14 +139,18 @@ def _pack_width(x_ref, min_ref, hi_ref, inv_ref, data_ref, seed, sample, t, offs
   packed = None
   for p in range(k):
     pos = p * q + j
-    v = T.load(x_ref, sample * d + pos, in_sample & (pos < d), nan).astype(jnp.float32)
+    own = in_sample & (pos < d)
+    v = T.load(x_ref, sample * d + pos, own, nan).astype(jnp.float32)
     r = sample * groups + pos // group_size
     minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
+    stored = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     hi = T.load(hi_ref, r, in_sample, jnp.float32(0))
     inv_step = T.load(inv_ref, r, in_sample, jnp.float32(0))
     index = (sample * (groups * group_size) + pos).astype(jnp.uint32)
-    code = encode_values(v, minimum, hi, inv_step, levels, seed, index,
-                         interpret=interpret) << (p * bits)
+    finite_levels = flagged_levels(jnp.full(v.shape, levels), split_step(stored)[1])
+    code = encode_values(v, minimum, hi, inv_step, levels, seed, index, interpret=interpret,
+                         finite_levels=finite_levels, valid=own, dtype=x_ref.dtype,
+                         stored=stored) << (p * bits)
     packed = code if packed is None else packed | code
   T.store(data_ref, offset + j, packed.astype(jnp.uint8), in_sample)
 
@@ -151,10 +158,11 @@ def _pack_width(x_ref, min_ref, hi_ref, inv_ref, data_ref, seed, sample, t, offs
 def _pack_kernel(*refs, n, d, groups, group_size, tiles, values, zero_tile, capacity, stochastic,
                  interpret):
   if stochastic:
-    x_ref, width_ref, offset_ref, used_ref, min_ref, hi_ref, inv_ref, seed_ref, data_ref = refs
+    (x_ref, width_ref, offset_ref, used_ref, min_ref, scale_ref, hi_ref, inv_ref, seed_ref,
+     data_ref) = refs
     seed = seed_ref[0]
   else:
-    x_ref, width_ref, offset_ref, used_ref, min_ref, hi_ref, inv_ref, data_ref = refs
+    x_ref, width_ref, offset_ref, used_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref = refs
     seed = None
   pid = pl.program_id(0)
   z = pid * zero_tile + jax.lax.broadcasted_iota(jnp.int32, (zero_tile,), 0)
@@ -164,8 +172,8 @@ def _pack_kernel(*refs, n, d, groups, group_size, tiles, values, zero_tile, capa
   @pl.when(sample < n)
   def _():
     branches = [functools.partial(
-        _pack_width, x_ref, min_ref, hi_ref, inv_ref, data_ref, seed, bits=b, d=d, groups=groups,
-        group_size=group_size, unit=groups * group_size // 8, values=values, interpret=interpret)
+        _pack_width, x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, bits=b, d=d,
+        groups=groups, group_size=group_size, unit=groups * group_size // 8, values=values, interpret=interpret)
         for b in _WIDTHS]
     jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
@@ -203,7 +211,7 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   kernel = functools.partial(
       _pack_kernel, n=n, d=d, groups=groups, group_size=group_size, tiles=tiles, values=values,
       zero_tile=zero_tile, capacity=capacity, stochastic=stochastic, interpret=interpret)
-  args = [x.reshape(-1), width, offsets, used, minimum, hi, inv_step]
+  args = [x.reshape(-1), width, offsets, used, minimum, scale, hi, inv_step]
   if stochastic:
     args.append(jnp.asarray(seed, jnp.uint32).reshape(1))
   data = T.call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((capacity,), jnp.uint8),
@@ -216,7 +224,7 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
 
 
 def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, bits, d, groups,
-                  group_size, unit, values, capacity, interpret):
+                  group_size, unit, values, capacity, through, interpret):
   """Decodes sample `sample`'s values of program tile t at a static width `bits`."""
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
   j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
@@ -229,18 +237,19 @@ def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, b
     minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     step = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     code = ((byte >> (p * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
-    value = decode_values(code, minimum, step, out_ref.dtype, interpret=interpret)
+    value = decode_values(code, minimum, step, out_ref.dtype, levels=float((1 << bits) - 1),
+                          interpret=interpret, through=through)
     T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
 
 
 def _unpack_kernel(data_ref, width_ref, offset_ref, min_ref, scale_ref, out_ref, *, d, groups,
-                   group_size, tiles, values, capacity, interpret):
+                   group_size, tiles, values, capacity, through, interpret):
   pid = pl.program_id(0)
   sample, t = pid // tiles, pid % tiles
   branches = [functools.partial(
       _unpack_width, data_ref, min_ref, scale_ref, out_ref, bits=b, d=d, groups=groups,
       group_size=group_size, unit=groups * group_size // 8, values=values, capacity=capacity,
-      interpret=interpret) for b in _WIDTHS]
+      through=through, interpret=interpret) for b in _WIDTHS]
   jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
 
@@ -260,7 +269,7 @@ def dequantize_per_sample(p: PackedPerSample, dtype=None, *, interpret: bool | N
   _, dp, _, values, tiles = _geometry(d, p.group_size, rows)
   kernel = functools.partial(
       _unpack_kernel, d=d, groups=groups, group_size=p.group_size, tiles=tiles, values=values,
-      capacity=p.data.size, interpret=interpret)
+      capacity=p.data.size, through=jnp.dtype(p.dtype), interpret=interpret)
   out = T.call(kernel, grid=n * tiles, out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
                name="jact_per_sample_unpack", interpret=interpret)(
                    p.data, _width_index(p.bits), _offsets(p.bits, dp), p.minimum.reshape(-1),

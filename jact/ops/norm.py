@@ -153,7 +153,12 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     d_scale = None
     h = g32
     if scale is not None:
-      d_scale = jnp.sum(g32 * xhat, param_red).reshape(scale.shape).astype(scale.dtype)
+      d_scale = jnp.sum(g32 * xhat, param_red).reshape(scale.shape)
+      if all(inv.shape[a] == 1 for a in param_red):
+        # Plain JAX multiplies the reduced sum by 1/std: a non-finite statistic (an empty
+        # batch's NaN) makes its scale gradient NaN even where the sum is empty.
+        d_scale = d_scale + (0.0 * inv).reshape(scale.shape)
+      d_scale = d_scale.astype(scale.dtype)
       h = g32 * scale.astype(_F32).reshape(bshape)
     if use_mean:
       mean_hx, mean_h = mean(h * xhat, h, keepdims=True)

@@ -128,23 +128,42 @@ def _window_slices(x, offsets, strides, pads, out_shape):
 
 
 def _argmax_codes(x, y, offsets, strides, pads, out_shape):
-  """uint8 index of the first offset whose value equals the window maximum y.
+  """uint8 index of the window position plain JAX's max-pool gradient picks.
 
-  Offsets are visited last to first, each overwriting the codes inside its
-  box in place (`dynamic_update_slice`), so the first match wins and the only
-  temporaries are uint8 codes: no padded copy of x (pads are never fused on
-  XLA:CPU). Windows with no match (all padding) keep code 0, whose position
-  then lies in the padding and gets no gradient.
+  That is XLA's select-and-scatter with `>=` over the padded window (padding
+  is -inf): walking the window in order, the current pick is kept while it is
+  >= the next value. Without NaN this is the first position holding the
+  maximum y; after a NaN (never >= anything, and nothing is >= it) the pick
+  moves to the next position, so in a window with NaN it is the first maximum
+  *after the last NaN* (padding included), or that NaN when it comes last.
+  Computed walking the offsets last to first with the state of each window's
+  suffix (its pick, maximum, and whether it holds a NaN): elementwise over
+  the output, which XLA fuses into one pass (no padded copy of x; pads are
+  never fused on XLA:CPU). A pick in the padding gets no gradient.
   """
+  del y
+  ninf = jnp.array(-jnp.inf, x.dtype)
   code = jnp.zeros(out_shape, jnp.uint8)
+  best = jnp.full(out_shape, ninf)
+  has_nan = jnp.zeros(out_shape, bool)
+  last = len(offsets) - 1
   for k in reversed(range(len(offsets))):
     x_start, x_limit, i0, i1 = _box(x.shape, offsets[k], strides, pads, out_shape)
-    if any(a == b for a, b in zip(i0, i1)):
+    empty = any(a == b for a, b in zip(i0, i1))
+    if not empty:
+      c, m, n = (lax.slice(a, i0, i1) for a in (code, best, has_nan))
+    if empty or any(a > 0 or b < size for a, b, size in zip(i0, i1, out_shape)):
+      # Windows outside the box read padding (-inf) here: picked where the suffix is all -inf.
+      pad_take = (~has_nan & (best == ninf)) if k < last else jnp.ones(out_shape, bool)
+      code = jnp.where(pad_take, jnp.uint8(k), code)
+    if empty:
       continue
-    piece = lax.slice(x, x_start, x_limit, strides)
-    y_box, code_box = lax.slice(y, i0, i1), lax.slice(code, i0, i1)
-    hit = (piece == y_box) | (jnp.isnan(piece) & jnp.isnan(y_box))
-    code = lax.dynamic_update_slice(code, jnp.where(hit, jnp.uint8(k), code_box), i0)
+    v = lax.slice(x, x_start, x_limit, strides)
+    nan = jnp.isnan(v)
+    take = (~nan & ~n & (v >= m)) if k < last else jnp.ones(v.shape, bool)
+    code = lax.dynamic_update_slice(code, jnp.where(take, jnp.uint8(k), c), i0)
+    best = lax.dynamic_update_slice(best, jnp.where(take, v, m), i0)
+    has_nan = lax.dynamic_update_slice(has_nan, n | nan, i0)
   return code
 
 
