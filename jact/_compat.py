@@ -594,6 +594,17 @@ def is_reduction(eqn) -> bool:
   return eqn.primitive.name in _REDUCTION_PRIMITIVES
 
 
+def reduced_axes(eqn) -> tuple[int, ...] | None:
+  """The operand axes a reduction equation (`is_reduction`) reduces, or
+  None. None public in jax 0.10.2: the axes are `params["axes"]` of the
+  reduce_* / arg-max primitives (a general `lax.reduce` names them
+  `dimensions`)."""
+  if not is_reduction(eqn):
+    return None
+  axes = eqn.params.get("axes", eqn.params.get("dimensions"))
+  return None if axes is None else tuple(int(a) for a in axes)
+
+
 _ELEMENTWISE_LINEAR = frozenset({"add", "sub", "neg", "convert_element_type", "copy", "copy_p"})
 _ELEMENTWISE_NONLINEAR = frozenset({
     "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "integer_pow",
@@ -986,6 +997,13 @@ def _check_is_reduction():
   assert found == [True, True, True, False, False, True], [e.primitive for e in eqns]
 
 
+def _check_reduced_axes():
+  x = jnp.ones((4, 3, 2))
+  eqns = _eqns(lambda x: (x.sum((0, 2)), x.max(1), jnp.argmax(x, 2), x * 2), x)
+  found = [reduced_axes(e) for e in eqns]
+  assert found == [(0, 2), (1,), (2,), None], [(e.primitive, e.params) for e in eqns]
+
+
 def _check_elementwise_kind():
   eqns = _eqns(lambda x: (jnp.tanh(x) * x + 1.0, x ** 3, x.sum()), jnp.ones(3))
   found = [elementwise_kind(e) for e in eqns]
@@ -1128,6 +1146,7 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
     "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
     "is_reduction": ("primitive names", _check_is_reduction),
+    "reduced_axes": ("params['axes'] of reduce_sum / reduce_max / argmax", _check_reduced_axes),
     "is_layout_primitive": ("primitive names", _check_is_layout_primitive),
     "elementwise_kind": ("primitive names", _check_elementwise_kind),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
