@@ -255,7 +255,7 @@ class OffsetNormNet(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.LayerNorm(name="input_norm")(x)
+    x = nn.LayerNorm(use_fast_variance=False, name="input_norm")(x)
     x = nn.Dense(self.hidden, name="dense1")(x)
     x = nn.RMSNorm(name="rms")(x)
     x = nn.gelu(x)

@@ -36,6 +36,7 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
+from jact.engine.rows import axes_from_end, store_rows
 from jact.engine.store import compress_residual, restore_residual, same_varying_axes
 from jact.engine.derivatives import reverse_only
 
@@ -134,8 +135,14 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     xhat = xc * inv
     if rounding.bits is None:
       xhat = xhat.astype(x.dtype)
-    packed = (tag(compress_residual(xhat, seed, 0, rounding, f"{name}.xhat"), f"{name}.xhat"),
-              tag(inv, f"{name}.inv_std"))
+    compress = lambda v: compress_residual(v, seed, 0, rounding, f"{name}.xhat")
+    if not use_mean and rounding.bits is not None and xhat.size:
+      # RMS norm: x_hat keeps x's offset (1 + small deviations for x = 100 + noise),
+      # which the backward needs: centered and scaled per row before rounding
+      stored = store_rows(xhat, axes_from_end(red, x.ndim), compress)
+    else:
+      stored = compress(xhat)
+    packed = (tag(stored, f"{name}.xhat"), tag(inv, f"{name}.inv_std"))
     if clipped_variance:  # 1 per row where the fast variance was not clipped (almost always)
       packed += (tag(jnp.expand_dims(slope, red), f"{name}.var_slope"),)
     # only y waits for the residuals: under shard_map the statistics of an axis_name

@@ -17,12 +17,8 @@ residuals whose backward works on such rows: values linked by elementwise
 arithmetic to the operand of a reduction (the sum of `x` and of `x**2`
 behind a mean and a variance), or combined with a broadcast statistic
 (`x - mean`, `rsqrt(var) * scale`, `e / sum(e)`). Their rows are the
-reduced axes. `store_rows` keeps, per row, the float32 mean of the finite
-values and a bfloat16 scale (the largest deviation), and quantizes
-`(x - mean) / scale` with the residual's own compressor; non-finite values
-pass through as they are. The reconstruction `mean + scale * z` is unbiased
-when `z` is (stochastic rounding), and its error is relative to each row's
-own spread.
+reduced axes; `jact.engine.rows.store_rows` stores them centered and scaled
+per row.
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.transforms._vjp_residuals import reduced_values
@@ -37,18 +33,15 @@ own spread.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.compressors import Compressed
-from jact.engine.store import restore_residual
+from jact.engine.rows import axes_from_end as _negative
 
-__all__ = ["normalization_rows", "store_rows", "RowNormalized"]
+__all__ = ["normalization_rows"]
 
 REDUCTION = 8  # a statistic is at least this many times smaller than its rows' tensor
 
@@ -83,12 +76,6 @@ def _statistics(jaxpr, reduced) -> set:
     if ins and all(v in stat for v in ins):
       stat.update(v for v in eqn.outvars if _compat.is_var(v))
   return stat
-
-
-def _negative(axes, ndim: int) -> tuple[int, ...]:
-  """Axes counted from the end (so they also name the axes of one scan
-  iteration's value, which lacks the leading iteration axes)."""
-  return tuple(sorted(a % ndim - ndim for a in axes))
 
 
 def _reduced_inputs(jaxpr) -> dict:
@@ -153,42 +140,3 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
       family_axes.setdefault(find(v), axes)
   members = set(parent) | set(from_reduction) | set(from_broadcast)
   return {v: family_axes[find(v)] for v in members if find(v) in family_axes}
-
-
-@dataclasses.dataclass(frozen=True)
-class RowNormalized:
-  """How `store_rows` rebuilds a residual (the static part of its `Compressed`).
-
-  Attributes:
-    axes: the axes of a row (counted from the end).
-  """
-  axes: tuple[int, ...]
-
-  def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
-    arrays = stored.arrays
-    z = restore_residual(arrays["codes"], stored.shape, jnp.float32)
-    x = arrays["mean"] + arrays["scale"].astype(jnp.float32) * z
-    return x.astype(stored.dtype if dtype is None else dtype)
-
-
-def fits_rows(leaf, axes) -> bool:
-  """Whether `leaf` has the axes `axes` (counted from the end) and more than
-  one row's worth of values in them."""
-  return bool(axes) and all(-leaf.ndim <= a < 0 for a in axes) and leaf.size > 0
-
-
-def store_rows(leaf: jax.Array, axes: tuple[int, ...],
-               compress: Callable[[jax.Array], object]) -> Compressed:
-  """`leaf` stored as per-row mean (float32), scale (bfloat16) and
-  `compress((leaf - mean) / scale)`; rows span `axes`. Statistics are of the
-  finite values; non-finite values are compressed as they are."""
-  x = leaf.astype(jnp.float32)
-  finite = jnp.isfinite(x)
-  count = jnp.maximum(jnp.sum(finite, axes, keepdims=True), 1).astype(jnp.float32)
-  mean = jnp.sum(jnp.where(finite, x / count, 0.0), axes, keepdims=True)
-  deviation = jnp.where(finite, x - mean, 0.0)
-  scale = jnp.max(jnp.abs(deviation), axes, keepdims=True)
-  scale = jnp.where(scale > 0, scale, 1.0).astype(jnp.bfloat16)
-  z = jnp.where(finite, deviation / scale.astype(jnp.float32), x)
-  return Compressed({"codes": compress(z), "mean": mean, "scale": scale},
-                    RowNormalized(tuple(axes)), tuple(leaf.shape), leaf.dtype)

@@ -27,7 +27,8 @@ from jact.engine.rounding import Rounding, apply_plan_entry
 from jact.engine.scheduling import barrier, is_stored, ready_flag, wait_for
 from jact.engine.sharding import pin_rows
 from jact.engine.store import compress_residual, restore_residual
-from jact.transforms._rows import fits_rows, normalization_rows, store_rows
+from jact.engine.rows import fits_rows, store_rows
+from jact.transforms._rows import normalization_rows
 
 
 DEFAULT_MIN_SIZE = 1024
