@@ -143,8 +143,8 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     else:
       stored = compress(xhat)
     packed = (tag(stored, f"{name}.xhat"), tag(inv, f"{name}.inv_std"))
-    if clipped_variance:  # 1 per row where the fast variance was not clipped (almost always)
-      packed += (tag(jnp.expand_dims(slope, red), f"{name}.var_slope"),)
+    if clipped_variance:  # twice the slope per row: 2 where the fast variance was not clipped
+      packed += (tag(jnp.expand_dims(2 * slope, red).astype(jnp.uint8), f"{name}.var_slope"),)
     # only y waits for the residuals: under shard_map the statistics of an axis_name
     # are invariant over it, and a flag from the (varying) residuals would make them vary
     y, packed = finish_forward(y, packed, elementwise=True)
@@ -165,7 +165,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     if use_mean:
       mean_hx, mean_h = mean(h * xhat, h, keepdims=True)
       if slope:
-        mean_hx = mean_hx * slope[0]
+        mean_hx = mean_hx * (0.5 * slope[0].astype(_F32))
       dx = h - xhat * mean_hx - mean_h
     else:
       dx = h - xhat * mean(h * xhat, keepdims=True)
