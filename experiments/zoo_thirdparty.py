@@ -10,6 +10,8 @@ a shared quantization grid cannot hold: inputs with a large offset feeding
 LayerNorm/RMSNorm/GroupNorm, a hand-written RMS normalization, an L2
 normalization and a division chain.
 
+Heads are randomly initialized (a zero-initialized head, as some of these
+codebases use, leaves every other parameter without a gradient at step 0).
 Every model comes as an `experiments.zoo.Case`, so `experiments.zoo_harness`
 drives it plain, converted (`jact.convert`) or wrapped whole
 (`jact.compressed`). No dropout: plain and jact forwards compare value for
@@ -249,7 +251,11 @@ class OffsetNormNet(nn.Module):
   """Sensor-style inputs with a large offset straight into normalization layers.
 
   LayerNorm on the raw input, a Dense, RMSNorm, a GroupNorm over channels,
-  and a second offset (a learned bias of 100 added before the last LayerNorm)."""
+  and a second offset (a learned bias of 100 added before the last LayerNorm).
+  The input LayerNorm computes its variance as E[(x - E[x])^2]: Flax's fast
+  E[x^2] - E[x]^2 cancels to nothing in float32 on 1000 + 0.01 noise, so
+  plain Flax's own forward is meaningless there (that case is checked on the
+  layer alone, `experiments.whole_model_error.offset_layer_norm_error`)."""
   hidden: int = 64
   num_classes: int = 10
 
