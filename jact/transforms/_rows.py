@@ -45,12 +45,6 @@ __all__ = ["normalization_rows"]
 
 REDUCTION = 8  # a statistic is at least this many times smaller than its rows' tensor
 
-# Elementwise arithmetic that keeps a value's rows: what links a residual to
-# the tensor a statistic is computed from.
-_LINKS = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type",
-                    "integer_pow", "square", "copy", "copy_p"})
-
-
 def _shape(v) -> tuple[int, ...]:
   return tuple(getattr(v.aval, "shape", ()))
 
@@ -119,7 +113,7 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
         if v in inner and _float_var(outer) and _shape(outer) == _shape(v):
           from_reduction.setdefault(outer, inner[v])
       continue
-    if eqn.primitive.name not in _LINKS or len(eqn.outvars) != 1 or not _float_var(eqn.outvars[0]):
+    if not _compat.is_row_link(eqn) or len(eqn.outvars) != 1 or not _float_var(eqn.outvars[0]):
       continue
     out = eqn.outvars[0]
     shape = _shape(out)
