@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.rows import axes_from_end as _negative
+from jact.engine.rows import axes_from_end
 
 __all__ = ["normalization_rows"]
 
@@ -70,6 +70,19 @@ def _statistics(jaxpr, reduced) -> set:
     if ins and all(v in stat for v in ins):
       stat.update(v for v in eqn.outvars if _compat.is_var(v))
   return stat
+
+
+def _row_axes(axes, shape) -> tuple[int, ...]:
+  """The axes of a row, counted from the end, without a tensor's leading
+  (batch) axis: statistics stay per sample, so storing them needs no
+  communication across a sharded batch (a batch norm's per-channel rows
+  become per sample and channel). () when a row would hold fewer than
+  `REDUCTION` values (its statistics would cost more than they save)."""
+  ndim = len(shape)
+  kept = [a % ndim for a in axes if ndim == 1 or a % ndim != 0]
+  if not kept or math.prod(shape[a] for a in kept) < REDUCTION:
+    return ()
+  return axes_from_end(kept, ndim)
 
 
 def _reduced_inputs(jaxpr) -> dict:
@@ -104,7 +117,9 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
     axes = _compat.reduced_axes(eqn)
     if axes is not None:
       if ins and axes and all(_size(o) * REDUCTION <= _size(ins[0]) for o in eqn.outvars):
-        from_reduction.setdefault(ins[0], _negative(axes, len(_shape(ins[0]))))
+        rows = _row_axes(axes, _shape(ins[0]))
+        if rows:
+          from_reduction.setdefault(ins[0], rows)
       continue
     body = _compat.call_body(eqn)
     if body is not None:
@@ -126,8 +141,9 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
       if (w in stat and len(_shape(w)) == len(shape) and w not in same
           and _size(w) * REDUCTION <= _size(out)):
         axes = [i for i, (a, b) in enumerate(zip(_shape(w), shape)) if a == 1 and b > 1]
-        if axes:
-          from_broadcast.setdefault(out, _negative(axes, len(shape)))
+        rows = _row_axes(axes, shape)
+        if rows:
+          from_broadcast.setdefault(out, rows)
   family_axes = {}
   for hints in (from_reduction, from_broadcast):  # a reduction's axes first
     for v, axes in hints.items():
