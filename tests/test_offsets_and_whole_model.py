@@ -76,9 +76,14 @@ def test_nnx_rms_norm_on_offset_inputs_matches_plain_at_4_bits():
   plain_model = nnx.RMSNorm(256, rngs=nnx.Rngs(0))
   plain = jax.grad(lambda x: jnp.sum(plain_model(x) * w))(x)
   model = jact.convert(nnx.RMSNorm(256, rngs=nnx.Rngs(0)), bits=4)
-  with jact.nnx.use_key(jax.random.key(3)):
-    got = jax.grad(lambda x: jnp.sum(model(x) * w))(x)
-  assert relative_error(got, plain) < 0.01
+
+  @jax.jit
+  def grad(x, key):
+    with jact.nnx.use_key(key):
+      return jax.grad(lambda x: jnp.sum(model(x) * w))(x)
+
+  errors = [relative_error(grad(x, jax.random.key(s)), plain) for s in (1, 2)]
+  assert max(errors) < 0.01, errors
 
 
 # ----------------------------------------------------------------------------- row storage
