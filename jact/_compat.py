@@ -39,7 +39,7 @@ from jax.extend.core import primitives as _primitives
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
-    "CompatError", "CHECKS", "check",
+    "CompatError", "CHECKS", "check", "reduced_axes", "is_row_link",
     "summarize_source", "checkpoint_name", "policy_checkpoint_name", "barrier_operand",
     "passthrough_operand", "is_call", "call_body", "call_name", "platform_dependent_branch",
     "body_operand", "nested_output", "scan_parts", "lowering_platform", "is_view", "pallas_kernel_name", "vjp_residuals",
@@ -682,6 +682,30 @@ def is_reduction(eqn) -> bool:
   return eqn.primitive.name in _REDUCTION_PRIMITIVES
 
 
+def reduced_axes(eqn) -> tuple[int, ...] | None:
+  """The operand axes a reduction equation (`is_reduction`) reduces, or
+  None. None public in jax 0.10.2: the axes are `params["axes"]` of the
+  reduce_* / arg-max primitives (a general `lax.reduce` names them
+  `dimensions`)."""
+  if not is_reduction(eqn):
+    return None
+  axes = eqn.params.get("axes", eqn.params.get("dimensions"))
+  return None if axes is None else tuple(int(a) for a in axes)
+
+
+_ROW_LINKS = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type",
+                        "integer_pow", "square", "copy", "copy_p"})
+
+
+def is_row_link(eqn) -> bool:
+  """Whether `eqn` is elementwise arithmetic that keeps its operands' rows
+  (sums, differences, products and quotients with broadcast values, casts,
+  integer powers): what links a residual to the tensor a normalization's
+  statistic is computed from. None public in jax 0.10.2: primitives are
+  told apart by their internal names."""
+  return eqn.primitive.name in _ROW_LINKS
+
+
 _ELEMENTWISE_LINEAR = frozenset({"add", "sub", "neg", "convert_element_type", "copy", "copy_p"})
 _ELEMENTWISE_NONLINEAR = frozenset({
     "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "integer_pow",
@@ -1093,6 +1117,20 @@ def _check_is_reduction():
   assert found == [True, True, True, False, False, True], [e.primitive for e in eqns]
 
 
+def _check_reduced_axes():
+  x = jnp.ones((4, 3, 2))
+  eqns = _eqns(lambda x: (x.sum((0, 2)), x.max(1), jnp.argmax(x, 2), x * 2), x)
+  found = [reduced_axes(e) for e in eqns]
+  assert found == [(0, 2), (1,), (2,), None], [(e.primitive, e.params) for e in eqns]
+
+
+def _check_is_row_link():
+  x = jnp.ones((4, 3))
+  eqns = _eqns(lambda x: ((x - x.mean(1, keepdims=True)) ** 2 * 2.0, jnp.tanh(x)), x)
+  found = [is_row_link(e) for e in eqns]
+  assert found == [False, False, True, True, True, True, False], [e.primitive for e in eqns]
+
+
 def _check_elementwise_kind():
   eqns = _eqns(lambda x: (jnp.tanh(x) * x + 1.0, x ** 3, x.sum()), jnp.ones(3))
   found = [elementwise_kind(e) for e in eqns]
@@ -1281,6 +1319,8 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "bind_eqn": ("Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind", _check_bind_eqn),
     "max_window_geometry": ("lax.reduce_window(x, -inf, lax.max, ...)", _check_max_window_geometry),
     "is_reduction": ("primitive names", _check_is_reduction),
+    "reduced_axes": ("params['axes'] of reduce_sum / reduce_max / argmax", _check_reduced_axes),
+    "is_row_link": ("primitive names", _check_is_row_link),
     "is_layout_primitive": ("primitive names", _check_is_layout_primitive),
     "elementwise_kind": ("primitive names", _check_elementwise_kind),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",

@@ -37,6 +37,7 @@ from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
 from jact.engine.names import check_name, tag
+from jact.engine.rows import axes_from_end, store_rows
 from jact.engine.store import compress_residual, restore_residual, same_varying_axes
 from jact.engine.derivatives import reverse_only
 
@@ -94,32 +95,40 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       means = list(lax.pmean(jnp.stack(means), axis_name, axis_index_groups=axis_index_groups))
     return means if len(values) > 1 else means[0]
 
+  clipped_variance = use_mean and use_fast_variance
+
   def stats(x32):
+    """(mean, variance, d variance / d raw variance): the fast variance
+    E[x^2] - E[x]^2 is clipped at 0 (it can come out negative, or far
+    off, for inputs with a large offset); where it is, plain autodiff of
+    that formula (what Flax computes) passes 0 (0.5 at exactly 0) of the
+    variance's gradient on, and so does the backward here."""
     if not use_mean:
       var = mean(lax.square(x32))
-      return jnp.zeros_like(var), var
+      return jnp.zeros_like(var), var, None
     if use_fast_variance:
       mu, mu2 = mean(x32, lax.square(x32))
-      var = jnp.maximum(0.0, mu2 - lax.square(mu))
-    else:
-      mu = mean(x32)
-      var = mean(lax.square(x32 - jnp.expand_dims(mu, red)))
-    return mu, var
+      raw = mu2 - lax.square(mu)
+      var = jnp.maximum(0.0, raw)
+      return mu, var, jnp.where(raw > 0, 1.0, jnp.where(raw == 0, 0.5, 0.0)).astype(_F32)
+    mu = mean(x32)
+    var = mean(lax.square(x32 - jnp.expand_dims(mu, red)))
+    return mu, var, None
 
   def forward(x, scale, bias):
     x32 = x.astype(_F32)
-    mu, var = stats(x32)
+    mu, var, slope = stats(x32)
     inv = lax.rsqrt(jnp.expand_dims(var, red) + epsilon)
     xc = x32 - jnp.expand_dims(mu, red)
     mul = inv if scale is None else inv * scale.astype(_F32).reshape(bshape)
     y = xc * mul
     if bias is not None:
       y = y + bias.astype(_F32).reshape(bshape)
-    return y.astype(x.dtype), mu, var, xc, inv
+    return y.astype(x.dtype), mu, var, xc, inv, slope
 
   @jax.custom_vjp
   def apply(seed, x, scale, bias):
-    y, mu, var, _, _ = forward(x, scale, bias)
+    y, mu, var = forward(x, scale, bias)[:3]
     return y, mu, var
 
   bound = {}  # the sizes of the named axes where the forward rule ran
@@ -127,12 +136,20 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   def fwd(seed, x, scale, bias):
     if axis_name is not None:
       bound["sizes"] = _compat.bound_axis_sizes(axis_name)
-    y, mu, var, xc, inv = forward(x, scale, bias)
+    y, mu, var, xc, inv, slope = forward(x, scale, bias)
     xhat = xc * inv
     if rounding.bits is None:
       xhat = xhat.astype(x.dtype)
-    packed = (tag(compress_residual(xhat, seed, 0, rounding, f"{name}.xhat"), f"{name}.xhat"),
-              tag(inv, f"{name}.inv_std"))
+    compress = lambda v: compress_residual(v, seed, 0, rounding, f"{name}.xhat")
+    if not use_mean and rounding.bits is not None and xhat.size:
+      # RMS norm: x_hat keeps x's offset (1 + small deviations for x = 100 + noise),
+      # which the backward needs: centered and scaled per row before rounding
+      stored = store_rows(xhat, axes_from_end(red, x.ndim), compress)
+    else:
+      stored = compress(xhat)
+    packed = (tag(stored, f"{name}.xhat"), tag(inv, f"{name}.inv_std"))
+    if clipped_variance:  # twice the slope per row: 2 where the fast variance was not clipped
+      packed += (tag(jnp.expand_dims(2 * slope, red).astype(jnp.uint8), f"{name}.var_slope"),)
     # only y waits for the residuals: under shard_map the statistics of an axis_name
     # are invariant over it, and a flag from the (varying) residuals would make them vary
     y, packed = finish_forward(y, packed, elementwise=True)
@@ -144,7 +161,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       return _bwd(res, cts)
 
   def _bwd(res, cts):
-    (xhat, inv, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
+    (xhat, inv, *slope, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
     xhat = restore_residual(xhat, g.shape, jnp.float32)
     g32 = g.astype(_F32)
     d_bias = None
@@ -162,6 +179,8 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       h = g32 * scale.astype(_F32).reshape(bshape)
     if use_mean:
       mean_hx, mean_h = mean(h * xhat, h, keepdims=True)
+      if slope:
+        mean_hx = mean_hx * (0.5 * slope[0].astype(_F32))
       dx = h - xhat * mean_hx - mean_h
     else:
       dx = h - xhat * mean(h * xhat, keepdims=True)
@@ -174,7 +193,7 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   y, mu, var = reverse_only(apply, f"jact.ops.{op}")(seed, x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:
-    _, _, _, xc, inv = forward(x, scale, bias)
+    _, _, _, xc, inv, _ = forward(x, scale, bias)
     y = _probe.observe_norm(collector, f"{name}.xhat", op, xc * inv, inv,
                             None if scale is None else scale.reshape(bshape), y,
                             reduction_axes=red, group_size=group_size)

@@ -28,6 +28,8 @@ from jact.engine.rounding import Rounding, apply_plan_entry
 from jact.engine.scheduling import barrier, is_stored, ready_flag, wait_for
 from jact.engine.sharding import pin_rows
 from jact.engine.store import compress_residual, kept_symbolic, restore_residual
+from jact.engine.rows import fits_rows, store_rows
+from jact.transforms._rows import normalization_rows
 
 
 DEFAULT_MIN_SIZE = 1024
@@ -136,17 +138,22 @@ def is_float(x) -> bool:
           and jnp.issubdtype(dtype, jnp.floating))
 
 
-def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, mask: bool = False):
+def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail=None):
   """The stored form of one residual leaf (compressed, bit-packed or kept);
-  `mask`: a float holding only 0 and 1, bit-packed."""
+  `detail` is its plan entry's: 'mask' (a float holding only 0 and 1,
+  bit-packed) or ('rows', axes) (centered and scaled per normalization row
+  before it is quantized: `jact.transforms._rows`)."""
   if kept_symbolic(leaf):
     return leaf
-  if leaf.dtype == jnp.bool_ or mask:
+  if leaf.dtype == jnp.bool_ or detail == "mask":
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
   if is_float(leaf) and leaf.size >= config.min_size:
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
-      return tag(compress_residual(leaf, seed, site, rounding, name), name)
+      compress = lambda x: compress_residual(x, seed, site, rounding, name)
+      if isinstance(detail, tuple) and detail[0] == "rows" and fits_rows(leaf, detail[1]):
+        return tag(store_rows(leaf, detail[1], compress), name)
+      return tag(compress(leaf), name)
   return leaf
 
 
@@ -268,7 +275,9 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
 
   Returns one tuple per residual: (kind, detail) with kind
   'input' (detail: input index, kept by reference), 'compress' (quantize or
-  bit-pack; detail 'mask' for a float holding a boolean, stored as 1 bit),
+  bit-pack; detail 'mask' for a float holding a boolean, stored as 1 bit,
+  or ('rows', axes) for a value a normalization works on row by row,
+  stored centered and scaled per row: `jact.transforms._rows`),
   'keep' (as it is; detail 'reduced' for reduced statistics, see
   `reduced_values`), 'same' (detail: an earlier residual) or 'constant'
   (independent of the inputs: recomputed in the backward pass).
@@ -276,6 +285,7 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
   dependent = input_dependent(jaxpr)
   producers = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
   reduced = reduced_values(jaxpr)
+  rows = normalization_rows(jaxpr, reduced)
   inputs = {v: k for k, v in enumerate(jaxpr.invars)}
   plan, first = [], {}
   for position, var in enumerate(residual_vars):
@@ -293,6 +303,8 @@ def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):
         plan.append(("keep", "reduced"))
       elif is_float(var.aval) and from_mask(var, producers):
         plan.append(("compress", "mask"))
+      elif var in rows and is_float(var.aval):
+        plan.append(("compress", ("rows", rows[var])))
       else:
         plan.append(("compress", None))
   return tuple(plan)

@@ -526,7 +526,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
         lambda p, leaf, steps=(): store_saved(
             leaf, f"{config.name}.{p}", step_seed(seed, steps), p,
-            step_config(config, residual_vars[p]) if steps else config, mask=plan[p][1] == "mask"),
+            step_config(config, residual_vars[p]) if steps else config, plan[p][1]),
         needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
     # pieces stacked by a scan carry their name inside its body: named again outside
     stored = {p: tag(s, f"{config.name}.{p}") if isinstance(s, Stacked) else s
