@@ -14,9 +14,11 @@ from experiments.compile_time import count_eqns
 from jact.core import rng
 from jact.core.quantize import dequantize_reference, quantize_reference
 
-# 129 equations today (161 before the quantizer lost its nested `where` /
-# `clip` calls and per-axis index iotas); a model holds one per residual.
-MAX_QUANTIZE_EQNS = 140
+# 204 equations today: 129 before non-finite values got their flagged groups
+# (issue 31: the flag, the reserved code, the kind bits), 161 before the
+# quantizer lost its nested `where` / `clip` calls and per-axis index iotas;
+# a model holds one per residual. Cutting it back is compile-time work.
+MAX_QUANTIZE_EQNS = 210
 
 
 @pytest.mark.slow

@@ -246,11 +246,11 @@ _LARGEST_FLAGGED = 0x7F7C0000  # the largest bf16 whose two lowest mantissa bits
 def nonfinite_kind(has_nan, has_pos_inf, has_neg_inf) -> jax.Array:
   """int32 kind of a group from what it holds: 0 (all finite), NaN (any NaN, or
   both infinities), +inf or -inf."""
-  zero = jnp.zeros(jnp.shape(has_nan), jnp.int32)
-  const = lambda k: jnp.full(jnp.shape(has_nan), k, jnp.int32)
-  kind = jax.lax.select(has_neg_inf, const(KIND_NEG_INF), zero)
-  kind = jax.lax.select(has_pos_inf, const(KIND_POS_INF), kind)
-  return jax.lax.select(has_nan | (has_pos_inf & has_neg_inf), const(KIND_NAN), kind)
+  # arithmetic on the flags, not selects between new constants: the result
+  # keeps the flags' sharding (an Explicit mesh refuses unsharded cases)
+  nan = (has_nan | (has_pos_inf & has_neg_inf)).astype(jnp.int32)
+  pos, neg = has_pos_inf.astype(jnp.int32), has_neg_inf.astype(jnp.int32)
+  return nan * KIND_NAN + (1 - nan) * (pos * KIND_POS_INF + (1 - pos) * neg * KIND_NEG_INF)
 
 
 def flag_step(step: jax.Array, kind: jax.Array) -> jax.Array:
@@ -274,21 +274,22 @@ def split_step(stored: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   u = jax.lax.bitcast_convert_type(stored, jnp.uint32)
   flagged = (u >> 31) == 1
   step = jax.lax.select(flagged, u & jnp.uint32(0x7FFC0000), u)
-  kind = jax.lax.select(flagged, ((u >> 16) & 3).astype(jnp.int32), jnp.zeros(u.shape, jnp.int32))
+  kind = jax.lax.select(flagged, ((u >> 16) & 3).astype(jnp.int32), jnp.zeros_like(u, jnp.int32))
   return jax.lax.bitcast_convert_type(step, jnp.float32), flagged, kind
 
 
 def kind_value(kind: jax.Array) -> jax.Array:
   """float32 NaN, +inf or -inf for kinds 1, 2, 3 (NaN for any other)."""
-  nan = jnp.full(kind.shape, jnp.nan, jnp.float32)
-  value = jax.lax.select(kind == KIND_POS_INF, jnp.full(kind.shape, jnp.inf, jnp.float32), nan)
-  return jax.lax.select(kind == KIND_NEG_INF, jnp.full(kind.shape, -jnp.inf, jnp.float32), value)
+  # *_like constants keep `kind`'s sharding (an Explicit mesh refuses unsharded cases)
+  nan = jnp.full_like(kind, jnp.nan, jnp.float32)
+  value = jax.lax.select(kind == KIND_POS_INF, jnp.full_like(kind, jnp.inf, jnp.float32), nan)
+  return jax.lax.select(kind == KIND_NEG_INF, jnp.full_like(kind, -jnp.inf, jnp.float32), value)
 
 
 def flagged_levels(levels: jax.Array, flagged: jax.Array) -> jax.Array:
   """The largest code a group's *finite* values take: levels (2**bits - 1), one
   less in a flagged group (the top code means "non-finite")."""
-  return jax.lax.select(flagged, levels - 1.0, levels)
+  return levels - flagged.astype(jnp.float32)  # arithmetic keeps `flagged`'s sharding
 
 
 def round_to(v: jax.Array, dtype) -> jax.Array:
@@ -372,7 +373,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
   levels = jnp.asarray(levels, jnp.float32)
   lo, hi, kind = group_extremes(g, size)
   flagged = kind != 0
-  levels = jnp.broadcast_to(levels, lo.shape)
+  levels = levels + jnp.zeros_like(lo)  # broadcast with `lo`'s sharding (exact: + 0)
   finite_levels = flagged_levels(levels, flagged)
   single = finite_levels == 0  # 1 bit, flagged: one level for the finite values
   any_finite = lo <= hi

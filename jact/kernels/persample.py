@@ -27,8 +27,7 @@ x twice and writes the codes, 2 s + b / 8 bytes, plus 12 / G written and
 dequantize reads b / 8 + 4 / G and writes the output itemsize.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.quantize import flagged_levels, split_step
-from jact.core.persample import quantize_per_sample_reference
+>>> from jact.core.persample import quantize_per_sample_reference
 >>> @jax.jit
 ... def both(x, bits, seed):
 ...   args = dict(capacity_bytes=1200, group_size=152, seed=seed)

@@ -73,13 +73,16 @@ def _statistics(jaxpr, reduced) -> set:
 
 
 def _row_axes(axes, shape) -> tuple[int, ...]:
-  """The axes of a row, counted from the end, without a tensor's leading
-  (batch) axis: statistics stay per sample, so storing them needs no
-  communication across a sharded batch (a batch norm's per-channel rows
-  become per sample and channel). () when a row would hold fewer than
-  `REDUCTION` values (its statistics would cost more than they save)."""
+  """The axes of a row, counted from the end. () -- no rows -- when the
+  statistic spans a tensor's leading (batch) axis (a batch norm's
+  per-channel statistics, a loss's total): its residuals are centered over
+  the batch already, and per-sample rows of a small feature map would cost
+  more bits than they save (6 bytes per 64 values of an 8x8 map at 2 bits);
+  and when a row would hold fewer than `REDUCTION` values."""
   ndim = len(shape)
-  kept = [a % ndim for a in axes if ndim == 1 or a % ndim != 0]
+  if ndim > 1 and any(a % ndim == 0 for a in axes):
+    return ()
+  kept = [a % ndim for a in axes]
   if not kept or math.prod(shape[a] for a in kept) < REDUCTION:
     return ()
   return axes_from_end(kept, ndim)

@@ -21,7 +21,7 @@ from jact import _compat
 from jact.core.packing import SUPPORTED_BITS, PackedBits, pack_codes, unpack_codes
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
-from jact.compressors import Compressed, Compressor
+from jact.compressors import Compressed, Compressor, PerGroup
 from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
@@ -151,7 +151,8 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
       compress = lambda x: compress_residual(x, seed, site, rounding, name)
-      if isinstance(detail, tuple) and detail[0] == "rows" and fits_rows(leaf, detail[1]):
+      if (isinstance(detail, tuple) and detail[0] == "rows" and fits_rows(leaf, detail[1])
+          and isinstance(rounding.compressor, PerGroup)):  # rows fix the shared group grid
         return tag(store_rows(leaf, detail[1], compress), name)
       return tag(compress(leaf), name)
   return leaf
