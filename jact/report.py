@@ -36,6 +36,7 @@ import numpy as np
 
 from jact import _compat
 from jact.engine.names import JACT_NAME_PREFIX
+from jact.transforms.compressed import over_array_leaves
 
 __all__ = [
     "Residual", "ResidualGroup", "ResidualReport", "residual_report",
@@ -317,19 +318,10 @@ def _over_traceable_leaves(fn, args, kwargs):
   """`(call, values, {})`: `call(*values)` is `fn(*args, **kwargs)` with the
   traceable leaves passed in and every other leaf held fixed (unchanged
   when all leaves are traceable)."""
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if _is_traceable(leaf)]
-  if len(dynamic) == len(leaves):
+  if all(_is_traceable(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
     return fn, args, kwargs
-
-  def call(*values):
-    full = list(leaves)
-    for i, value in zip(dynamic, values):
-      full[i] = value
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
-    return fn(*a, **k)
-
-  return call, [leaves[i] for i in dynamic], {}
+  call, values, _ = over_array_leaves(fn, args, kwargs, is_dynamic=_is_traceable)
+  return call, values, {}
 
 
 def _saved_values(fn, args, kwargs):

@@ -10,11 +10,6 @@ rounding and `jact.sharded_batch` on a `jax.make_mesh` mesh.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import warnings
 
 import flax.linen as nn
@@ -27,6 +22,7 @@ from jax import export
 
 import jact
 from jact.engine.store import SymbolicShapeWarning
+from test_distributed import _run_on_eight_devices as run_on_eight_devices
 
 KEY = jax.random.key(7)
 
@@ -462,19 +458,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
-  script = tmp_path_factory.mktemp("transforms") / "script.py"
-  script.write_text(_EIGHT_DEVICES)
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                    " --xla_force_host_platform_device_count=8").strip(),
-             JAX_PLATFORMS="cpu")
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(pathlib.Path(__file__).parents[1])] + env.get("PYTHONPATH", "").split(os.pathsep))
-  done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                        timeout=600, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  result = json.loads(done.stdout.strip().splitlines()[-1])
-  assert result["devices"] == 8
-  return result
+  return run_on_eight_devices(_EIGHT_DEVICES, tmp_path_factory.mktemp("transforms"))
 
 
 @pytest.mark.slow  # a process on 8 simulated devices: ~15 s

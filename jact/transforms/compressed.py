@@ -85,12 +85,12 @@ def is_complex(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.complexfloating)
 
 
-def over_array_leaves(fn, args, kwargs):
+def over_array_leaves(fn, args, kwargs, is_dynamic: Callable[[Any], bool] = is_array):
   """`(call, values, dynamic)`: `call(*values)` is `fn(*args, **kwargs)` with
-  the array leaves of `(args, kwargs)` (indices `dynamic` among its leaves)
-  passed positionally and every other leaf held fixed."""
+  the array leaves of `(args, kwargs)` (those `is_dynamic` accepts; indices
+  `dynamic` among its leaves) passed positionally and every other leaf held fixed."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
+  dynamic = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
 
   def call(*values):
     full = list(leaves)
