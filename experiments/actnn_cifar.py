@@ -121,6 +121,11 @@ def _memory(loss_fn, params, batch, plan) -> dict:
   return dict(saved_bytes=int(saved), temp_bytes=int(temp))
 
 
+def run_name(variant: str, seed: int) -> str:
+  """A run's folder and result name: the variant, and the seed unless it is 0 (older runs)."""
+  return variant if seed == 0 else f"{variant}_seed{seed}"
+
+
 def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths=(16, 32, 64),
                   blocks: int = 3, lr: float = 0.1, weight_decay: float = 5e-4, seed: int = 0,
                   acgc_error: float = ACGC_ERROR, adapt_interval: int = 100,
@@ -157,7 +162,7 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
     controller = jact.Controller(loss_fn, adapt_interval=adapt_interval, **control)
     cstate = controller.init(params, first, key)
 
-  run_dir = Path(runs) / name
+  run_dir = Path(runs) / run_name(name, seed)
   progress = dict(step=0, history=[], losses=[], step_seconds=[], plans=[])
   restored = resumable.restore(run_dir, dict(params=params, opt_state=opt_state))
   if restored is not None:
@@ -270,7 +275,7 @@ def main(argv=None):
     def write(result, name=name):
       result.update(meta=meta, train_size=len(x_tr), test_size=len(x_te),
                     widths=list(a.widths), blocks=a.blocks, lr=a.lr, seed=a.seed)
-      resumable.write_json(a.results / f"{name}.json", result)
+      resumable.write_json(a.results / f"{run_name(name, a.seed)}.json", result)
       if a.json is not None:
         combined["variants"][name] = result
         resumable.write_json(a.json, combined)
