@@ -25,14 +25,15 @@ sizes, for a smoke run on CPU (the figures then mean nothing).
   `jact.ops.chunked_attention` uncompressed and at 8/4 bits, over sequence
   lengths: time and compiled temp memory (out of memory is recorded).
 * `ordering`: the data-dependency ties jact adds because XLA:CPU expands
-  optimization barriers before scheduling (`jact.engine.scheduling`: the
+  optimization barriers before scheduling (`jact.core.xla_cpu`: the
   always-true flags that make decompression wait for the cotangent and
-  outputs wait for the compressed bytes) are replaced by constants, which
-  XLA folds away: "shipped" (as released), "no_ties" (ties folded,
-  optimization barriers kept) and "no_ties_no_barriers" (barriers removed
-  too), each compiled afresh; compiled temp memory and step time of
-  `experiments.memory_scaling`'s stacks and a CIFAR ResNet-18, next to plain.
-  If XLA:GPU keeps the temp memory without the ties, it does not need them.
+  outputs wait for the compressed bytes), lowered only in programs for the
+  CPU: "shipped" (as released), "ties" (traced into every program, as before
+  they were CPU-only), "no_ties" (none, optimization barriers kept) and
+  "no_ties_no_barriers" (barriers removed too), each compiled afresh;
+  compiled temp memory and step time of `experiments.memory_scaling`'s stacks
+  and a CIFAR ResNet-18, next to plain. On a GPU "shipped" is "no_ties": if
+  XLA:GPU keeps the temp memory of "ties" without them, it does not need them.
 
     python -m experiments.gpu_measures relu_grid compressors --json /tmp/k.json
     python -m experiments.gpu_measures offload attention ordering --small --json /tmp/s.json
@@ -358,33 +359,35 @@ def measure_attention(small: bool, reps: int) -> list[dict]:
 # ---------------------------------------------------------------------------
 # ordering
 
-ORDERING_MODES = ("shipped", "no_ties", "no_ties_no_barriers")
+ORDERING_MODES = ("shipped", "ties", "no_ties", "no_ties_no_barriers")
 
 
-def _ready_flag_constant(residuals):
-  del residuals
-  return jnp.bool_(True)
+def _ties_everywhere(rule, values, anchors):
+  return list(rule(list(values), list(anchors))) if values else list(values)
 
 
-def _always_constant(v):
-  return jnp.ones(jnp.shape(v), bool)
+def _no_ties(rule, values, anchors):
+  del rule, anchors
+  return list(values)
 
 
 @contextlib.contextmanager
 def ordering_ties(mode: str):
-  """Within the block, jact's XLA:CPU ordering ties are constants (`mode`
-  "no_ties"), also without optimization barriers ("no_ties_no_barriers"), or
-  as shipped ("shipped"). jax's caches are cleared on entry and exit so no
+  """Within the block, jact's XLA:CPU ordering ties (`jact.core.xla_cpu.on_cpu`)
+  are as shipped (in programs for the CPU only: "shipped"), traced into every
+  program whatever its platform, as before they were CPU-only ("ties"),
+  left out everywhere ("no_ties"), also without optimization barriers
+  ("no_ties_no_barriers"). jax's caches are cleared on entry and exit so no
   trace made in another mode is reused."""
   if mode not in ORDERING_MODES:
     raise ValueError(f"mode must be one of {ORDERING_MODES}, got {mode!r}")
+  from jact.core import xla_cpu
   from jact.engine import scheduling
   patches = []
-  if mode != "shipped":
-    patches.append((scheduling, "_always", _always_constant))
-    for module in list(sys.modules.values()):
-      if getattr(module, "ready_flag", None) is scheduling.ready_flag and module.__name__.startswith("jact"):
-        patches.append((module, "ready_flag", _ready_flag_constant))
+  if mode == "ties":
+    patches.append((xla_cpu, "on_cpu", _ties_everywhere))
+  elif mode != "shipped":
+    patches.append((xla_cpu, "on_cpu", _no_ties))
   if mode == "no_ties_no_barriers":
     patches.append((scheduling, "_optimization_barrier", lambda tree: tree))
   saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
@@ -445,16 +448,19 @@ def _resnet_workload(bits):
   return make, variables["params"], x
 
 
-def measure_ordering(small: bool, reps: int) -> list[dict]:
+def measure_ordering(small: bool, reps: int, modes=ORDERING_MODES, workloads=None) -> list[dict]:
   rows = []
   for name, (make_loss, params, x) in _stack_workloads(small).items():
-    modes = ("shipped",) if "plain" in name else ORDERING_MODES
-    for mode in modes:
+    if workloads and not any(w in name for w in workloads):
+      continue
+    for mode in ("shipped",) if "plain" in name else modes:
       with ordering_ties(mode):
         grad = jax.grad(make_loss())  # a fresh function: traced in this mode
         row = {"workload": name, "mode": mode,
                **_compile_and_time(grad, (params, x, jax.random.key(1)), reps)}
       rows.append(row)
+      print(f"   {name} [{mode}]: " + ", ".join(f"{k} {row[k]}" for k in ("temp_bytes", "ms", "error")
+                                               if k in row), flush=True)
   for r in rows:
     base = next(b for b in rows if b["workload"] == r["workload"] and b["mode"] == "shipped")
     if "error" not in r and "error" not in base:
@@ -485,6 +491,10 @@ def main(argv=None):
   parser.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
   parser.add_argument("--reps", type=int, default=None, help="calls per timed block (default 20, small 2)")
   parser.add_argument("--json", help="write the rows to this file")
+  parser.add_argument("--ordering-modes", nargs="+", choices=ORDERING_MODES, default=ORDERING_MODES,
+                      help="ordering: the modes to compare (plain workloads run shipped only)")
+  parser.add_argument("--ordering-workloads", nargs="+", default=None,
+                      help="ordering: only workloads whose name holds one of these")
   args = parser.parse_args(argv)
   reps = args.reps or (2 if args.small else 20)
   global _compiler_options
@@ -496,7 +506,9 @@ def main(argv=None):
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     try:
-      result[name] = MEASURES[name](args.small, reps)
+      extra = (dict(modes=tuple(args.ordering_modes), workloads=args.ordering_workloads)
+               if name == "ordering" else {})
+      result[name] = MEASURES[name](args.small, reps, **extra)
     except Exception as e:  # noqa: BLE001 - the other measures still run; the exit status says so
       traceback.print_exc()
       result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}

@@ -46,7 +46,7 @@ __all__ = [
     "rebuild_vjp", "eval_jaxpr", "is_tracer", "is_jax_value", "on_device", "is_var", "is_literal",
     "literal_value", "prune_jaxpr", "bind_eqn", "max_window_geometry", "is_reduction", "is_layout_primitive",
     "elementwise_kind",
-    "conv_kwargs", "linear_identity_primitive",
+    "conv_kwargs", "linear_identity_primitive", "platform_lowered_primitive", "register_pass_through",
     "saved_residuals", "current_trace", "jit_traces_since", "abstract_evaluation", "varying_axes", "cast_varying", "leading_axis_sharded", "lower_for_cuda",
     "is_static_shape", "bound_axis_sizes", "axes_bound",
 ]
@@ -110,9 +110,18 @@ def barrier_operand(eqn, out_index: int):
 
   Public: `jax.lax.optimization_barrier_p` by identity; the positional
   pass-through is the documented meaning of `lax.optimization_barrier`."""
-  if eqn.primitive is lax.optimization_barrier_p:
+  if eqn.primitive is lax.optimization_barrier_p or eqn.primitive in _PASS_THROUGH:
     return eqn.invars[out_index]
   return None
+
+
+_PASS_THROUGH: set = set()  # jact's own primitives whose outputs are their first operands
+
+
+def register_pass_through(primitive) -> None:
+  """Declares that output i of `primitive` is operand i, unchanged in value
+  (`barrier_operand` sees through it as through an optimization barrier)."""
+  _PASS_THROUGH.add(primitive)
 
 
 def passthrough_operand(eqn, out_index: int):
@@ -770,6 +779,56 @@ def linear_identity_primitive(name: str, fail: Callable[..., Any]) -> jax.extend
   return p
 
 
+# An operand a batching rule receives unbatched: `batching.not_mapped` in older
+# releases, None since (the old name deprecated).
+_NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Primitive:
+  """A new multiple-result primitive `p` for code that only one platform's
+  programs should contain: `p.bind(*values, *anchors, n_values=k, rule=f)`
+  returns the k values unchanged in type (shape, dtype, sharding, varying
+  axes), computed by `f(values, anchors)` (a list of k arrays, traced with
+  jax.numpy) in a program lowered for `platform` and passed through unchanged
+  on every other platform (the anchors then unused). Forward mode passes the
+  values' tangents through; `vmap` maps `f` (every value batched). Evaluated
+  eagerly (outside `jit`), it returns the values.
+
+  Public (semi): `jax.extend.core.Primitive` with `mlir.register_lowering(...,
+  platform=)` and `mlir.lower_fun` -- the documented route for custom
+  primitives with per-platform lowerings; the batching-rule convention (an
+  unbatched operand's dimension is None, `batching.not_mapped` before) is
+  undocumented (watch: its signature)."""
+  p = jax.extend.core.Primitive(name)
+  p.multiple_results = True
+  p.def_impl(lambda *args, n_values, rule: list(args[:n_values]))
+  p.def_abstract_eval(lambda *avals, n_values, rule: list(avals[:n_values]))
+
+  def on_platform(*args, n_values, rule):
+    with jax.named_scope(name):  # the rule's operations carry the name in the program's locations
+      return list(rule(list(args[:n_values]), list(args[n_values:])))
+
+  mlir.register_lowering(p, mlir.lower_fun(on_platform, multiple_results=True), platform=platform)
+  mlir.register_lowering(p, lambda ctx, *args, n_values, rule: list(args[:n_values]))
+
+  def jvp(primals, tangents, *, n_values, rule):
+    return p.bind(*primals, n_values=n_values, rule=rule), list(tangents[:n_values])
+
+  def batch(args, dims, *, n_values, rule):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    values = [jnp.moveaxis(a, d, 0) if d is not _NOT_MAPPED
+              else jnp.broadcast_to(a, (size,) + a.shape) for a, d in zip(args[:n_values], dims)]
+    anchors = list(args[n_values:])
+    axes = [None if d is _NOT_MAPPED else d for d in dims[n_values:]]
+    mapped = lambda v, a: rule(list(v), list(a))
+    batched_rule = lambda v, a: jax.vmap(mapped, in_axes=(0, axes), axis_size=size)(v, a)
+    return p.bind(*values, *anchors, n_values=n_values, rule=batched_rule), [0] * n_values
+
+  ad.primitive_jvps[p] = jvp
+  batching.primitive_batchers[p] = batch
+  return p
+
+
 # ----------------------------------------------------------------------------- tests' helper
 
 def saved_residuals(fn: Callable, *args, **kwargs) -> list[tuple[Any, str]]:
@@ -1156,6 +1215,25 @@ def _check_conv_kwargs():
   assert conv_kwargs(_eqns(jnp.sin, 1.0)[0]) is None
 
 
+def _check_platform_lowered_primitive():
+  p = platform_lowered_primitive("jact_compat_probe_platform", "cpu")
+  double = lambda values, anchors: [v * 2.0 + 0.0 * anchors[0] for v in values]
+  f = lambda t, a: p.bind(t, a, n_values=1, rule=double)[0]
+  t, a = jnp.arange(3.0), jnp.float32(1.0)
+  assert bool(jnp.array_equal(f(t, a), t)), "eager evaluation is not the identity"
+  expected = t * 2.0 if jax.default_backend() == "cpu" else t
+  assert bool(jnp.array_equal(jax.jit(f)(t, a), expected)), "the lowered rule was not applied"
+  batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(jnp.ones((2, 3)), a)
+  assert batched.shape == (2, 3)
+  _, tangent = jax.jvp(lambda t: f(t, a), (t,), (jnp.ones(3),))
+  assert bool(jnp.array_equal(tangent, jnp.ones(3))), "forward mode does not pass the tangent"
+  text = jax.jit(f).trace(t, a).lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
+  assert "jact_compat_probe_platform" not in text, "the rule is lowered for another platform"
+  register_pass_through(p)
+  eqn = _only(_eqns(lambda t: p.bind(t, a, n_values=1, rule=double), t), p)
+  assert barrier_operand(eqn, 0) is eqn.invars[0]
+
+
 def _check_linear_identity_primitive():
   def fail(*_, **__):
     raise TypeError("jact probe: forward mode evaluated")
@@ -1325,6 +1403,12 @@ CHECKS: dict[str, tuple[str, Callable[[], None]]] = {
     "elementwise_kind": ("primitive names", _check_elementwise_kind),
     "conv_kwargs": ("conv_general_dilated_p params as lax.conv_general_dilated keywords",
                     _check_conv_kwargs),
+    "platform_lowered_primitive": (
+        "jax.extend.core.Primitive, mlir.register_lowering(platform=), mlir.lower_fun, "
+        "batching.primitive_batchers / not_mapped, ad.primitive_jvps",
+        _check_platform_lowered_primitive),
+    "register_pass_through": ("barrier_operand through jact's own pass-through primitives",
+                              _check_platform_lowered_primitive),
     "linear_identity_primitive": (
         "jax.extend.core.Primitive with jax.interpreters.ad.deflinear2, batching.defvectorized, "
         "mlir.register_lowering", _check_linear_identity_primitive),

@@ -46,7 +46,7 @@ The entry points that pick a kernel are `jact.quantize` / `jact.dequantize`
 (`jact.kernels.api`); this module holds the reference they are checked against.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core import rng
+>>> from jact.core import rng, xla_cpu
 >>> x = jnp.linspace(-1.0, 1.0, 2 * 320).reshape(2, 320)
 >>> p = quantize_reference(x, rng.seed_from_key(jax.random.key(0)), bits=4, group_size=160)
 >>> p.data.shape, p.data.dtype, p.nbytes, p.group_size
@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact.core import rng
+from jact.core import rng, xla_cpu
 from jact.core.packing import SUPPORTED_BITS, check_bits, pack_bits, unpack_bits
 
 __all__ = [
@@ -150,23 +150,24 @@ def bf16_directed(x: jax.Array, up: bool) -> jax.Array:
 def effective_group_size(sample_size: int, group_size: int) -> int:
   """The group size actually used for samples of `sample_size` values.
 
-  Padding a sample to a multiple of the group size costs a full copy of the
-  tensor on XLA:CPU (pad is never fused there), so when the requested size
-  does not divide the sample, the largest multiple of 8 that does divide it
-  and is at least a quarter of the request is used instead; only when there
-  is none is the sample padded. Samples shorter than a group use one group of
-  their own length rounded up to 8.
+  Samples shorter than a group use one group of their own length rounded up
+  to 8. Otherwise the requested size, except in a program for the CPU, where
+  padding a sample costs a full copy of the tensor (XLA:CPU never fuses a
+  pad): there a size that divides the sample is chosen when one is at least a
+  quarter of the request (`jact.core.xla_cpu.pad_free_group_size`).
 
-  >>> effective_group_size(32 * 32 * 64, 256), effective_group_size(784, 256), effective_group_size(10, 256)
+  >>> from jact.core.xla_cpu import traced_for
+  >>> with traced_for("cpu"):
+  ...   effective_group_size(32 * 32 * 64, 256), effective_group_size(784, 256), effective_group_size(10, 256)
   (256, 112, 16)
+  >>> with traced_for("cuda"):
+  ...   effective_group_size(784, 256)
+  256
   """
   group_size = check_group_size(group_size)
   if sample_size <= group_size:
     return max(8, -(-sample_size // 8) * 8)
-  for g in range(group_size, max(8, group_size // 4) - 1, -8):
-    if sample_size % g == 0:
-      return g
-  return group_size
+  return xla_cpu.pad_free_group_size(sample_size, group_size)
 
 
 def grouped(x: jax.Array, group_size: int):

@@ -4,6 +4,15 @@
 XLA cannot hoist it into the forward pass), `finish_forward` /
 `materialize` / `after_residuals` make the forward output wait for the
 compressed residuals (so the full-precision value can be freed early).
+
+Two devices do this. `jax.lax.optimization_barrier`, on every platform. And,
+because XLA:CPU expands optimization barriers before it fuses and schedules,
+data dependencies XLA cannot fold (always-true flags selecting a value, a
+division by a runtime 1.0): these are XLA:CPU workarounds, so they are
+emitted through `jact.core.xla_cpu.on_cpu`, one primitive whose rule is
+lowered only in programs for the CPU -- a program lowered for cuda, rocm or
+tpu holds the values themselves, unchanged, and not one flag
+(tests/test_platform_ordering.py lowers for cuda from the CPU and checks).
 """
 
 from __future__ import annotations
@@ -15,14 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
+from jact.core import xla_cpu
 from jact.core.packing import PackedBits
 from jact.core.persample import PackedPerSample
 from jact.core.quantize import Packed
 from jact.compressors import Compressed
 from jact.engine.sharding import batch_is_sharded
 
-__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "ready_flag",
-           "is_stored", "wait_for", "kept_until_cotangent", "Stacked"]
+__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "wait_for_all",
+           "is_stored", "kept_until_cotangent", "Stacked"]
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +71,7 @@ def barrier(residuals, cotangent):
     * `jax.lax.optimization_barrier` ties the residuals to the cotangent;
     * XLA:CPU expands optimization barriers before fusion and scheduling, so
       the packed residuals (bytes and group statistics) are also given a real data
-      dependency on the cotangent: they are selected by `_always(g0)` (g0 one
+      dependency on the cotangent: they are selected by `xla_cpu.always(g0)` (g0 one
       element of the cotangent), which is True for every value g0 can hold
       (NaN and infinities included) and which XLA cannot fold. Without it
       the scheduler hoists every dequantization to the start of the
@@ -75,14 +85,11 @@ def barrier(residuals, cotangent):
   leaves the reconstructions of every sample intact.
   """
   residuals, cotangent = _optimization_barrier((residuals, cotangent))
-  arrived = _arrived(cotangent)
-  if arrived is None:
+  head = _cotangent_head(cotangent)
+  if head is None:
     return residuals, cotangent
 
-  def select(a):
-    return jnp.where(_flag_for(arrived, a), a, jnp.zeros_like(a))
-
-  def tie(r):
+  def tie(r, select):
     if isinstance(r, Packed):
       return dataclasses.replace(r, data=select(r.data), scale=select(r.scale))
     if isinstance(r, (PackedBits, PackedPerSample)):
@@ -90,11 +97,13 @@ def barrier(residuals, cotangent):
     if isinstance(r, Compressed):
       return dataclasses.replace(r, arrays=jax.tree.map(select, r.arrays))
     if isinstance(r, Stacked):
-      return Stacked(jax.tree.map(tie, r.pieces, is_leaf=is_stored))
+      return Stacked(jax.tree.map(lambda p: tie(p, select), r.pieces, is_leaf=is_stored))
     return r
 
-  residuals = jax.tree.map(
-      tie, residuals, is_leaf=is_stored)
+  arrays = []
+  jax.tree.map(lambda r: tie(r, lambda a: arrays.append(a) or a), residuals, is_leaf=is_stored)
+  tied = iter(xla_cpu.on_cpu(xla_cpu.select_after_arrival, arrays, [head]))
+  residuals = jax.tree.map(lambda r: tie(r, lambda a: next(tied)), residuals, is_leaf=is_stored)
   return residuals, cotangent
 
 
@@ -138,65 +147,24 @@ def kept_until_cotangent(values, cotangent):
   >>> kept_until_cotangent((w, None), g)[0]
   Array([0., 1., 2.], dtype=float32)
   """
-  arrived = _arrived(cotangent)
-  if arrived is None or batch_is_sharded():
+  head = _cotangent_head(cotangent)
+  if head is None or batch_is_sharded():
     return values
-
-  arrived = _first(arrived)
-
-  def tie(v):
-    if is_stored(v) or not jnp.issubdtype(jnp.result_type(v), jnp.floating):
-      return v
-    return jnp.where(arrived, v, jnp.zeros_like(v))
-
-  return jax.tree.map(tie, values, is_leaf=is_stored)
+  leaves, treedef = jax.tree.flatten(values, is_leaf=is_stored)
+  tieable = [i for i, v in enumerate(leaves)
+             if not is_stored(v) and jnp.issubdtype(jnp.result_type(v), jnp.floating)]
+  tied = xla_cpu.on_cpu(xla_cpu.select_after_any_arrival, [leaves[i] for i in tieable], [head])
+  for i, v in zip(tieable, tied):
+    leaves[i] = v
+  return jax.tree.unflatten(treedef, leaves)
 
 
-def _arrived(cotangent):
-  """The always-true flag that depends on the cotangent's first non-empty
-  array: per row of its leading axis (one element a row, shape [rows]), or a
-  scalar for a 0-d cotangent; None when it has none (nothing to order after)."""
+def _cotangent_head(cotangent):
+  """The cotangent's first non-empty array, whose rows' first elements say it
+  arrived; None when it has none (nothing to order after)."""
   leaves = [c for c in jax.tree.leaves(cotangent)
             if jnp.size(c) and c.dtype != jax.dtypes.float0]
-  return _always(_row_heads(leaves[0])) if leaves else None
-
-
-def _row_heads(a: jax.Array) -> jax.Array:
-  """The first element of each row of `a`'s leading axis (a scalar for 0-d a):
-  under batch sharding every device reads only its own rows."""
-  return a if a.ndim == 0 else jnp.reshape(a, (a.shape[0], -1))[:, 0]
-
-
-def _first(flag: jax.Array) -> jax.Array:
-  """A per-row flag reduced to a scalar (the flag of a value that has no rows):
-  the first row's flag, or, when the rows are sharded in explicit sharding
-  mode (which rejects reading one element of a sharded axis), all rows' flags.
-  Not always the reduction: on XLA:CPU a kernel tied to it was again flipped
-  at the start of the program (tests/test_memory.py flipped-kernel test)."""
-  if flag.ndim == 0:
-    return flag
-  if _compat.leading_axis_sharded(flag):
-    return jnp.all(flag)
-  return flag[0]
-
-
-def _flag_for(flag: jax.Array, value: jax.Array) -> jax.Array:
-  """`flag` shaped to select `value`: per row when `value`'s leading axis is the
-  flag's rows, else reduced to a scalar."""
-  if flag.ndim == 1 and value.ndim >= 1 and value.shape[0] == flag.shape[0]:
-    return jnp.reshape(flag, flag.shape + (1,) * (value.ndim - 1))
-  return _first(flag)
-
-
-def _always(v: jax.Array) -> jax.Array:
-  """Booleans, elementwise, that are True for every value of `v` (NaN and
-  infinities included) but depend on it, so XLA keeps the data dependency:
-  no float exceeds +inf, and `v == v` holds for any other dtype."""
-  if jnp.issubdtype(v.dtype, jnp.complexfloating):
-    v = jnp.real(v)
-  if jnp.issubdtype(v.dtype, jnp.floating):
-    return jnp.logical_not(v > jnp.asarray(jnp.inf, v.dtype))
-  return v == v  # pylint: disable=comparison-with-itself
+  return leaves[0] if leaves else None
 
 
 def after_residuals(out, residuals):
@@ -211,26 +179,27 @@ def after_residuals(out, residuals):
   forces compression to finish before the output is used. The select fuses
   into the output's consumer: no extra memory pass.
   """
-  ready = ready_flag(residuals)
-  return jax.tree.map(lambda o: jnp.where(_flag_for(ready, o), o, jnp.zeros_like(o))
-                      if _may_wait(o, ready) else o, out)
+  packed = _packed_bytes(residuals)
+  return _tree_on_cpu(xla_cpu.select_when_ready, out, packed)
 
 
-def ready_flag(residuals) -> jax.Array:
-  """An always-true flag that depends on every packed residual: per row
-  (shape [rows]) when all packed bytes share their leading axis -- row n
-  waits for row n of each, so under data parallelism the flag is local to
-  each device -- else a scalar from the rows' first bytes of each."""
-  packed = [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
+def _packed_bytes(residuals) -> list:
+  """The non-empty packed byte arrays of `residuals` (what ready flags read)."""
+  return [r for r in jax.tree.leaves(residuals) if jnp.size(r) and r.dtype == jnp.uint8]
+
+
+def _tree_on_cpu(rule, tree, packed: list):
+  """`tree` with every array leaf that may wait for `packed` passed through
+  `rule` in one CPU-only equation (unchanged where nothing is packed)."""
   if not packed:
-    return jnp.bool_(True)
-  leading = {r.shape[0] if r.ndim else None for r in packed}
-  if len(leading) == 1 and None not in leading:
-    t = sum(_row_heads(r).astype(jnp.float32) for r in packed)
-  else:  # one byte of each (a sum over its rows where explicit sharding mode needs it)
-    t = sum(jnp.sum(_row_heads(r).astype(jnp.float32)) if _compat.leading_axis_sharded(r)
-            else jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
-  return t == t  # pylint: disable=comparison-with-itself
+    return tree
+  axes = frozenset().union(*(_compat.varying_axes(r) for r in packed))
+  leaves, treedef = jax.tree.flatten(tree)
+  waiting = [i for i, o in enumerate(leaves)
+             if _compat.is_jax_value(o) and axes <= _compat.varying_axes(o)]
+  for i, o in zip(waiting, xla_cpu.on_cpu(rule, [leaves[i] for i in waiting], packed)):
+    leaves[i] = o
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def materialize(x: jax.Array, residuals) -> jax.Array:
@@ -245,29 +214,13 @@ def materialize(x: jax.Array, residuals) -> jax.Array:
   byte of the op's packed residuals, which also orders it after compression),
   and fused into the op's own single memory pass.
   """
-  ready = ready_flag(residuals)
-  return jax.tree.map(lambda o: wait_for(o, ready), x)
+  return _tree_on_cpu(xla_cpu.wait_when_ready, x, _packed_bytes(residuals))
 
 
-def wait_for(value: jax.Array, ready: jax.Array) -> jax.Array:
-  """`value`, computed only after the always-true flag `ready` (`ready_flag`):
-  a float is divided elementwise by a runtime 1.0 (see `materialize`; a
-  scalar divisor is rewritten by XLA into a cheap multiplication by its
-  reciprocal), anything else selected by the flag."""
-  if not _may_wait(value, ready):
-    return value
-  ready = _flag_for(ready, value)
-  if jnp.issubdtype(value.dtype, jnp.floating):
-    return value / jnp.where(ready, jnp.ones_like(value), value)
-  return jnp.where(ready, value, jnp.zeros_like(value))
-
-
-def _may_wait(value, flag) -> bool:
-  """Whether `value` can be tied to `flag` without changing its type: inside
-  `jax.shard_map` a value invariant over a manual axis (a statistic averaged
-  over it, its cotangent) cannot wait for a flag that varies over that axis;
-  it is left untied (it is small: a tie only matters for activations)."""
-  return _compat.varying_axes(flag) <= _compat.varying_axes(value)
+def wait_for_all(values: list, residuals) -> list:
+  """`values` (arrays), each computed only after the packed residuals
+  `residuals` (`materialize` of each, in one equation)."""
+  return list(materialize(list(values), residuals))
 
 
 def _is_stored(r) -> bool:

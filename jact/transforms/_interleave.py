@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
-from jact.engine.scheduling import Stacked, barrier, kept_until_cotangent, ready_flag, wait_for
+from jact.engine.scheduling import Stacked, barrier, kept_until_cotangent, wait_for_all
 from jact.transforms._scan import (call_residuals, rebuild, restore_scan, scan_inputs,
                                    scan_residuals, store_scan, store_stacked)
 
@@ -123,15 +123,13 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     stored.update(pieces)
     if not packed or after >= len(eqns) - 1:
       return  # nothing compressed, or nothing left to order (the epilogue does)
-    ready = None
-    for v, value in env.items():
-      # Only what the rest of the forward pass reads is ordered after the
-      # flush; values merely returned (outputs, pieces an inner jact op stored)
-      # keep their identity and their names (the epilogue orders the outputs).
-      if last_read.get(v, -1) > after and v not in given and _tieable(value):
-        if ready is None:
-          ready = ready_flag(packed)
-        env[v] = wait_for(value, ready)
+    # Only what the rest of the forward pass reads is ordered after the
+    # flush; values merely returned (outputs, pieces an inner jact op stored)
+    # keep their identity and their names (the epilogue orders the outputs).
+    waiting = [v for v, value in env.items()
+               if last_read.get(v, -1) > after and v not in given and _tieable(value)]
+    for v, value in zip(waiting, wait_for_all([env[v] for v in waiting], packed)):
+      env[v] = value
 
   def settle(after: int):
     nonlocal pending_bytes
