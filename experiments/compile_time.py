@@ -177,13 +177,13 @@ def resnet50_programs(bits: int, batch: int = 8, image: int = 224) -> dict:
                                                 train=False))
 
   def loss_of(net):
-    def loss(params, x, y, key):
-      logits, _ = net.apply({**variables, "params": params}, x, train=True, rngs={"jact": key},
-                            mutable=["batch_stats"])
+    def loss(params, batch_stats, x, y, key):
+      logits, _ = net.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                            rngs={"jact": key}, mutable=["batch_stats"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return jax.grad(loss)
 
-  args = (variables["params"], x, y, jax.random.key(1))
+  args = (variables["params"], variables["batch_stats"], x, y, jax.random.key(1))
   return {"plain": (loss_of(model), args), "convert": (loss_of(jact.convert(model, bits=bits)), args)}
 
 
