@@ -47,9 +47,15 @@ _compat.register_pass_through(_cpu_ordering_p)
 
 def on_cpu(rule, values: list, anchors: list) -> list:
   """`rule(values, anchors)` in a program for the CPU, `values` in any other
-  (one equation; the anchors are what the rule may read)."""
+  (one equation; the anchors are what the rule may read). Inside `shard_map`
+  the values are first made to vary over the manual axes the anchors vary
+  over, as a select between them would make them on every platform, so a
+  program's types do not depend on the platform it is lowered for."""
   if not values:
     return list(values)
+  axes = sorted(frozenset().union(*(_compat.varying_axes(a) for a in anchors)), key=str)
+  if axes:
+    values = [_compat.cast_varying(v, tuple(axes)) for v in values]
   return _cpu_ordering_p.bind(*values, *anchors, n_values=len(values), rule=rule)
 
 
