@@ -65,11 +65,11 @@ def main(argv=None) -> int:
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--small", action="store_true", help="a 2-layer width-32 LM (CPU smoke run)")
+  p.add_argument("--small", action="store_true", help="a 1-layer width-16 LM (CPU smoke run)")
   p.add_argument("--json", required=True)
   a = p.parse_args(argv)
   if a.small:
-    a.layers, a.width, a.length, a.batch, a.steps, a.repeats = 2, 32, 32, 4, 1, 1
+    a.layers, a.width, a.length, a.batch, a.steps, a.repeats = 1, 16, 16, 2, 1, 1
   cfg = zoo.LMConfig(emb_dim=a.width, num_heads=max(1, a.width // 64), num_layers=a.layers,
                      mlp_dim=4 * a.width, max_len=a.length)
   config = memory_batch.Config(widths=(8,), blocks=1, lm=cfg, cap_mib=0, start=1, granularity=1,

@@ -160,10 +160,14 @@ def main(argv=None) -> dict:
   p.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
   p.add_argument("--small", action="store_true",
                  help="small ResNet (widths 8/16/32, 1 block), batch 32, initialization only")
+  p.add_argument("--widths", type=int, nargs="+", default=None,
+                 help="the ResNet's stage widths (default 16 32 64; --small: 8 16 32)")
   p.add_argument("--fresh", action="store_true",
                  help="measure every checkpoint again (default: keep those already written)")
   a = p.parse_args(argv)
   widths, blocks = ((8, 16, 32), 1) if a.small else ((16, 32, 64), 3)
+  if a.widths:
+    widths = tuple(a.widths)
   if a.small:
     a.epochs, a.batch, a.keys, a.sampling_batches = [0], 32, 4, 4
   x, y, _, _ = data_lib.load_image_dataset(

@@ -5,6 +5,10 @@ variance falls as bits rise (at 1/2/4/8 bits the (2^b - 1)^-2 factor differs by 
 more between neighbours, far above the 4-seed spread); the result is written as
 complete; a second run with the same settings keeps the measured checkpoint (same
 rows, `kept_from` recorded) instead of measuring it again, and `--fresh` does not.
+
+The net is `--small`'s with one stage (`--widths 8`: stem, one pre-act block, head):
+the properties are about the quantizer's (2^b - 1)^-2 factor and the resumption,
+not depth; each plan compiles the gradient once, so one stage costs a third of three.
 """
 
 import json
@@ -18,7 +22,7 @@ pytestmark = pytest.mark.slow  # compiles the ResNet's gradient per plan and bot
 
 
 def test_small_run_and_resume(tmp_path, monkeypatch):
-  args = ["--small", "--results", str(tmp_path), "--runs", str(tmp_path / "runs")]
+  args = ["--small", "--widths", "8", "--results", str(tmp_path), "--runs", str(tmp_path / "runs")]
   first = grad_variance.main(args)
   rows = first["checkpoints"]["0"]
   assert first["complete"] and [r["method"] for r in rows][:5] == ["sampling"] + ["uniform"] * 4
