@@ -43,11 +43,11 @@ def test_interface_bytes_json_and_dense_op(c):
   report = jact.residual_report(loss, w)
   assert report.by_name()["fc.lhs"].bytes == c.stored_bytes(x.shape, x.dtype)
   # The weight gradient is the exact formula at the reconstruction (same seed).
-  g = jax.grad(loss)(w)
+  g = jax.jit(jax.grad(loss))(w)  # jitted: op by op, the compressors dispatch for seconds
   y = x @ w
   if c.needs_key:
     site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
-    x_hat = c.decompress(c.compress(x, site))
+    x_hat = jax.jit(lambda s: c.decompress(c.compress(x, s)))(site)
   expected = jnp.einsum("nhwc,nhwk->ck", x_hat, 2 * y)
   np.testing.assert_allclose(g, expected, rtol=2e-4, atol=2e-4 * float(jnp.abs(expected).max()))
 
@@ -91,7 +91,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   block = jact.compressed(f, compressor=c, name="blk")
   k = jnp.asarray(np.random.default_rng(3).normal(size=(3, 3, 16, 16)).astype(np.float32)) / 12
   key = jax.random.key(0) if c.needs_key else None
-  g = jax.grad(block)(k, x, key=key)
+  g = jax.jit(jax.grad(block))(k, x, key=key)  # jitted: op by op, it dispatches for seconds
   names = jact.residual_report(lambda k: block(k, x, key=key), k).by_name()
   float_groups = [n for n in names if n and n.startswith("blk")]
   assert float_groups, names
@@ -101,7 +101,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   seed = jact.rng.seed_from_key(key) if c.needs_key else None
   want, _ = _vjp_at_reconstruction(f, (k, x), names, c, seed, "blk")
   np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-  exact = jax.grad(f)(k, x)
+  exact = jax.jit(jax.grad(f))(k, x)
   assert float(jnp.abs(want - exact).max()) > 1e-3 * float(jnp.abs(exact).max())
 
   class Net(nn.Module):
@@ -111,8 +111,8 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
 
   net = Net()
   rngs = {"params": jax.random.key(1), "jact": jax.random.key(2)}
-  variables = net.init(rngs, x)
-  grads = jax.grad(lambda v: net.apply(v, x, rngs={"jact": jax.random.key(3)}))(variables)
+  variables = jax.jit(net.init)(rngs, x)
+  grads = jax.jit(jax.grad(lambda v: net.apply(v, x, rngs={"jact": jax.random.key(3)})))(variables)
   grads = grads["params"]["Conv_0"]
   # Bias gradient: one per output position (exact, needs no residual). Kernel
   # gradient: the conv's kernel VJP at the reconstruction of the input stored
@@ -190,7 +190,7 @@ def cifar_net():
   x = x - x.mean(axis=(0, 1, 2))
   params = preact.init(jax.random.key(0), widths=(8, 16), blocks=1)
   batch = (jnp.asarray(x[:16]), jnp.asarray(y[:16]))
-  exact = jax.grad(preact.loss)(params, batch, form="plain")
+  exact = jax.jit(jax.grad(preact.loss), static_argnames="form")(params, batch, form="plain")
   return params, batch, exact
 
 
@@ -238,7 +238,7 @@ def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
       with jact.use_plan(plan):
         return loss(p, batch, None)
 
-    err = _rel_err(jax.grad(planned)(params), exact) ** 2
+    err = _rel_err(jax.jit(jax.grad(planned))(params), exact) ** 2
     assert err <= e2, (e2, err, plan)
     widths[e2] = {n: (c.bits if c is not None else 32) for n, c in plan.items()}
   assert all(widths[0.05][n] >= widths[2.0][n] for n in widths[2.0])

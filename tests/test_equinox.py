@@ -170,16 +170,33 @@ def _assert_same_finite_pattern_and_nonzero(got, want):
     assert bool(jnp.any(g != 0)) == bool(jnp.any(w != 0)), where
 
 
+# ----------------------------------------------------------------------------- shared steps
+# Compiling an Equinox training step takes seconds; the steps several tests
+# compare against are compiled and run once (on the fixed models and inputs
+# above; the results are arrays, never modified).
+
+
+@functools.cache
+def _plain_value_and_grads(make, loss):
+  """Plain loss and gradients of `make(key 0)` on `_images()` (CNN or UNet)."""
+  return eqx.filter_jit(eqx.filter_value_and_grad(loss))(make(jax.random.key(0)), _images())
+
+
+@functools.cache
+def _cnn_8_bit_value_and_grads():
+  """The CNN's loss wrap at 8 bits under `eqx.filter_jit`, rounding key 2."""
+  fast = jact.compressed(_cnn_loss, bits=8)
+  return eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, k: fast(m, x, key=k)))(
+      CNN(jax.random.key(0)), _images(), jax.random.key(2))
+
+
 # ----------------------------------------------------------------------------- loss wrap
 
 
 @pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
 def test_cnn_loss_wrap_gives_plain_loss_and_gradients_within_1_percent_at_8_bits():
-  model, x = CNN(jax.random.key(0)), _images()
-  fast = jact.compressed(_cnn_loss, bits=8, name="cnn")
-  loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(
-      lambda m, x: fast(m, x, key=jax.random.key(2))))(model, x)
-  plain_loss, plain = eqx.filter_jit(eqx.filter_value_and_grad(_cnn_loss))(model, x)
+  loss, grads = _cnn_8_bit_value_and_grads()
+  plain_loss, plain = _plain_value_and_grads(CNN, _cnn_loss)
   assert loss == plain_loss  # the forward pass is exact
   _assert_same_finite_pattern_and_nonzero(grads, plain)
   assert _rel_error(grads, plain) < 0.01
@@ -191,12 +208,10 @@ def test_partition_combine_and_filter_jit_recipes_agree():
   params, static = eqx.partition(model, eqx.is_array)
   fast = jact.compressed(lambda p, x: _cnn_loss(eqx.combine(p, static), x), bits=8)
   by_partition = jax.jit(jax.grad(lambda p, x, k: fast(p, x, key=k)))(params, x, jax.random.key(2))
-  fast_loss = jact.compressed(_cnn_loss, bits=8)
-  by_filter = eqx.filter_jit(eqx.filter_grad(lambda m, x, k: fast_loss(m, x, key=k)))(
-      model, x, jax.random.key(2))
+  _, by_filter = _cnn_8_bit_value_and_grads()  # jact.compressed(_cnn_loss, bits=8), key 2
   # The same residuals rounded with the same key: the same gradients.
   np.testing.assert_allclose(_rel_error(by_filter, by_partition), 0.0, atol=1e-6)
-  assert _rel_error(by_partition, eqx.filter_grad(_cnn_loss)(model, x)) < 0.01
+  assert _rel_error(by_partition, _plain_value_and_grads(CNN, _cnn_loss)[1]) < 0.01
 
 
 @pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
@@ -206,7 +221,7 @@ def test_bits_none_is_plain(make, loss):
   model, x = make(jax.random.key(0)), _images()
   kept = jact.compressed(loss, bits=None)
   value, grads = eqx.filter_jit(eqx.filter_value_and_grad(kept))(model, x)
-  plain_value, plain = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x)
+  plain_value, plain = _plain_value_and_grads(make, loss)
   np.testing.assert_allclose(value, plain_value, rtol=1e-6)  # fused differently under jit
   # rtol/atol 1e-5: float32 reassociation between jax's VJP and the replayed jaxpr, nothing else.
   for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):
@@ -261,7 +276,7 @@ def test_a_wrapped_module_is_a_pytree_whose_parameters_get_gradients():
   key = jax.random.key(4)  # UNet takes no key: it is the rounding key
   grads = eqx.filter_jit(eqx.filter_grad(
       lambda m, x: _regression_loss(functools.partial(m, key=key), x)))(fast, x)
-  plain = eqx.filter_jit(eqx.filter_grad(_regression_loss))(unet, x)
+  plain = _plain_value_and_grads(UNet, _regression_loss)[1]
   _assert_same_finite_pattern_and_nonzero(grads.module, plain)
   assert _rel_error(grads.module, plain) < 0.01
   # Optimizer updates apply to the wrapper like to the module.
@@ -275,8 +290,9 @@ def test_transformer_block_module_wrap_passes_the_dropout_key_on():
   fast = jact.compressed(block, bits=8)
   keys = jax.random.split(key, BATCH)
   # Training mode: the module gets `key` (Equinox's dropout key), so the forward pass is plain's.
-  np.testing.assert_array_equal(jax.vmap(lambda x, k: fast(x, key=k))(x, keys),
-                                jax.vmap(lambda x, k: block(x, key=k))(x, keys))
+  forward = lambda m, x, k: jax.vmap(lambda x, k: m(x, key=k))(x, k)
+  np.testing.assert_array_equal(eqx.filter_jit(forward)(fast, x, keys),
+                                eqx.filter_jit(forward)(block, x, keys))
   grads = eqx.filter_jit(eqx.filter_grad(_sequence_loss))(fast, x, key)
   plain = eqx.filter_jit(eqx.filter_grad(_sequence_loss))(block, x, key)
   _assert_same_finite_pattern_and_nonzero(grads.module, plain)

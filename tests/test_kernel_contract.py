@@ -109,6 +109,12 @@ def nonfinite_groups(dtype, seed, groups=3, group=16):
   return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
+def jitted(fn, *args, **kwargs):
+  """`fn(*args, **kwargs)` compiled as one program (static keyword arguments):
+  op by op, the references take seconds to dispatch their many small operations."""
+  return jax.jit(functools.partial(fn, **kwargs))(*args)
+
+
 def random_bytes(shape, seed):
   """Every byte value: any code the dequantizers may meet."""
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
@@ -151,9 +157,10 @@ def dequantize_cases():
     def make():
       x = activation(shape, dtype, seed=10 + bits, scale=scale)
       if rows_view:  # samples of < 8 values: one row, the shape kept as `view_shape`
-        packed = quantize_rows_reference(x, jnp.uint32(bits), bits=bits, group_size=group_size)
+        packed = jitted(quantize_rows_reference, x, jnp.uint32(bits), bits=bits,
+                        group_size=group_size)
       else:
-        packed = quantize_reference(x, jnp.uint32(bits), bits=bits, group_size=effective_group_size(
+        packed = jitted(quantize_reference, x, jnp.uint32(bits), bits=bits, group_size=effective_group_size(
             int(np.prod(shape[1:])), group_size))
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
       return (packed,), dict(dtype=out)
@@ -170,8 +177,8 @@ def dequantize_cases():
 def nonfinite_dequantize_case(bits, out):
   """Random codes in the flagged groups of `nonfinite_groups` (every code, the top one included)."""
   def make():
-    packed = quantize_reference(nonfinite_groups(F32, seed=20 + bits), jnp.uint32(bits), bits=bits,
-                                group_size=16)
+    packed = jitted(quantize_reference, nonfinite_groups(F32, seed=20 + bits), jnp.uint32(bits),
+                    bits=bits, group_size=16)
     packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
     return (packed,), dict(dtype=out)
   return Case(f"b{bits}-nonfinite-kinds", make, {"pallas_triton": dict(rows=2)})
@@ -232,7 +239,7 @@ def dequantize_per_sample_cases():
     def make():
       x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size,
                                          jnp.uint32(77))
-      packed = quantize_per_sample_reference(x, bits, **kwargs)
+      packed = jitted(quantize_per_sample_reference, x, bits, **kwargs)
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=len(widths)))
       return (packed,), dict(dtype=out)
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])

@@ -10,6 +10,8 @@ gives the full-batch figures), and one 8-bit draw of the gradient is within
 small.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -30,6 +32,18 @@ def small(batch, n=4):
   return jax.tree.map(lambda a: a[:n], batch)
 
 
+# A model's parameters and batch are made once for the three tests (initializing
+# the zoo's models compiles them); the tests only read them.
+@functools.cache
+def _batch(name):
+  return small(CASES[name].batch(0))
+
+
+@functools.cache
+def _fns(name, variant, bits=None):
+  return variant_fns(CASES[name], variant, bits)
+
+
 def saved_bytes(fns, batch):
   return jact.residual_report(lambda p, s, b: fns.loss(p, s, b, KEY)[0], fns.params, fns.state,
                               batch).total_bytes
@@ -37,9 +51,8 @@ def saved_bytes(fns, batch):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_identical_after_convert(name):
-  case = CASES[name]
-  batch = small(case.batch(0))
-  plain, converted = variant_fns(case, "plain"), variant_fns(case, "convert", 2)
+  batch = _batch(name)
+  plain, converted = _fns(name, "plain"), _fns(name, "convert", 2)
   want = jax.jit(plain.forward)(plain.params, plain.state, batch, KEY)
   got = jax.jit(converted.forward)(converted.params, converted.state, batch, KEY)
   assert jnp.allclose(got[0], want[0], rtol=1e-5, atol=1e-5), float(jnp.abs(got[0] - want[0]).max())
@@ -47,9 +60,8 @@ def test_forward_identical_after_convert(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_saved_bytes_cut_at_2_bits(name):
-  case = CASES[name]
-  batch = small(case.batch(0))
-  plain, converted = variant_fns(case, "plain"), variant_fns(case, "convert", 2)
+  batch = _batch(name)
+  plain, converted = _fns(name, "plain"), _fns(name, "convert", 2)
   cut = saved_bytes(plain, batch) / saved_bytes(converted, batch)
   assert cut >= MIN_CUT[name], cut
 
@@ -59,9 +71,8 @@ GRAD_CASES = list(CASES)  # nnx: converted without rngs=, keys from jact.nnx.use
 
 @pytest.mark.parametrize("name", GRAD_CASES)
 def test_8bit_gradient_close(name):
-  case = CASES[name]
-  batch = small(case.batch(0))
-  plain, converted = variant_fns(case, "plain"), variant_fns(case, "convert", 8)
+  batch = _batch(name)
+  plain, converted = _fns(name, "plain"), _fns(name, "convert", 8)
   grad = lambda f: flat(jax.jit(jax.grad(f.loss, has_aux=True))(f.params, f.state, batch, KEY)[0])
   exact, approx = grad(plain), grad(converted)
   err = float(jnp.linalg.norm(approx - exact) / jnp.linalg.norm(exact))
