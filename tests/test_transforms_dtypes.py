@@ -155,12 +155,14 @@ def _scalar(model, variables, rngs):
 
 
 @pytest.mark.slow  # second derivatives of a conv + batch norm + GRU model: ~10 s
-@pytest.mark.parametrize("argnums", [0, 1], ids=["params", "input"])
-def test_hessian_of_a_converted_linen_model_at_bits_none_is_plain(argnums):
+def test_hessian_of_a_converted_linen_model_at_bits_none_is_plain():
+  """One jitted Hessian in (params, input): its blocks hold the params-params
+  and input-input Hessians (once two eager tests) and the cross terms too."""
   variables = ConvRNN().init(jax.random.key(3), XH)
-  want = jax.hessian(_scalar(ConvRNN(), variables, {}), argnums=argnums)(variables["params"], XH)
-  got = jax.hessian(_scalar(jact.convert(ConvRNN(), bits=None), variables, {"jact": KEY}),
-                    argnums=argnums)(variables["params"], XH)
+  hessian = lambda model, rngs: jax.jit(jax.hessian(_scalar(model, variables, rngs),
+                                                    argnums=(0, 1)))(variables["params"], XH)
+  want = hessian(ConvRNN(), {})
+  got = hessian(jact.convert(ConvRNN(), bits=None), {"jact": KEY})
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -192,9 +194,10 @@ def test_hessian_of_a_converted_nnx_model_at_bits_none_is_plain(functions):
     graphdef, state = nnx.split(model)
     return lambda x: nnx.merge(graphdef, state)(x).sum()
 
-  want = jax.hessian(scalar(NnxBlock(nnx.Rngs(0))))(x)
-  got = jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None,
-                                        functions=functions)))(x)
+  # jitted: one compile of each second derivative instead of op-by-op dispatch
+  want = jax.jit(jax.hessian(scalar(NnxBlock(nnx.Rngs(0)))))(x)
+  got = jax.jit(jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None,
+                                                functions=functions))))(x)
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -333,19 +336,25 @@ def _export_grads(model, variables, rngs):
   return grads
 
 
+@pytest.fixture(scope="module")
+def export_setup():
+  """The plain model's gradients at batch sizes 4 and 6, jitted once for both cases."""
+  variables = ExportModel().init(jax.random.key(12), XE)
+  plain = jax.jit(_export_grads(ExportModel(), variables, lambda k: {}))
+  xs = {n: jax.random.normal(jax.random.key(n), (n, *XE.shape[1:])) for n in (4, 6)}
+  return variables, {n: (x, plain(variables["params"], x, KEY)) for n, x in xs.items()}
+
+
 @pytest.mark.slow  # exports a conv/attention/GRU model's gradient: ~6 s
 @pytest.mark.parametrize("functions", [True, False])
-def test_export_with_a_symbolic_batch_of_a_converted_model(functions):
-  variables = ExportModel().init(jax.random.key(12), XE)
-  want = _export_grads(ExportModel(), variables, lambda k: {})(variables["params"], XE, KEY)
+def test_export_with_a_symbolic_batch_of_a_converted_model(export_setup, functions):
+  variables, wants = export_setup
   grads = _export_grads(jact.convert(ExportModel(), bits=4, functions=functions), variables,
                         lambda k: {"jact": k})
   spec = jax.ShapeDtypeStruct((BATCH, *XE.shape[1:]), XE.dtype)
   with pytest.warns(SymbolicShapeWarning, match="symbolic"):
     exported = export.export(jax.jit(grads))(variables["params"], spec, KEY)
-  for n in (4, 6):  # any batch size: the residuals are kept exact, the gradients plain
-    x = jax.random.normal(jax.random.key(n), (n, *XE.shape[1:]))
-    want = _export_grads(ExportModel(), variables, lambda k: {})(variables["params"], x, KEY)
+  for x, want in wants.values():  # any batch size: the residuals are kept exact, the gradients plain
     _assert_close(exported.call(variables["params"], x, KEY), want, rtol=1e-4, atol=1e-5)
 
 
@@ -377,7 +386,7 @@ def test_export_with_a_symbolic_batch_of_a_converted_nnx_model():
     return grads, state
 
   plain, state = grads_of(NnxBlock(nnx.Rngs(0)))
-  want = plain(state, x, KEY)
+  want = jax.jit(plain)(state, x, KEY)
   grads, state = grads_of(jact.convert(NnxBlock(nnx.Rngs(0)), bits=2))
   spec = jax.ShapeDtypeStruct((BATCH, 3, 3), jnp.float32)
   with warnings.catch_warnings():
