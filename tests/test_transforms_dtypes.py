@@ -10,6 +10,7 @@ rounding and `jact.sharded_batch` on a `jax.make_mesh` mesh.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -58,6 +59,7 @@ class LinenBN(nn.Module):
 XS = jax.random.normal(jax.random.key(0), (4, 8, 3))  # 4 "devices" x 8 samples
 
 
+@functools.partial(jax.jit, static_argnums=(0,))  # one compile, not op-by-op under vmap
 def _linen_bn_grads(model, variables, rngs):
   def loss(params):
     def one(x):
@@ -102,10 +104,15 @@ def _nnx_vmap_loss(model):
 @pytest.mark.parametrize("bits", [None, 8])
 def test_nnx_batch_norm_with_axis_name_under_nnx_vmap(bits, functions):
   plain = NnxBN(nnx.Rngs(0))
-  want = nnx.grad(_nnx_vmap_loss)(plain)
+  want = nnx.jit(nnx.grad(_nnx_vmap_loss))(plain)  # jitted: one compile, not op-by-op
   model = jact.convert(NnxBN(nnx.Rngs(0)), bits=bits, functions=functions)
-  with jact.nnx.use_key(KEY):
-    got = nnx.grad(_nnx_vmap_loss)(model)
+
+  @nnx.jit
+  def grad(model, key):
+    with jact.nnx.use_key(key):
+      return nnx.grad(_nnx_vmap_loss)(model)
+
+  got = grad(model, KEY)
   _assert_close(nnx.state(model, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
   if bits is None:  # float reassociation only (the first layer's bias gradient is ~0)
     assert _relative(got, want) < 1e-5
@@ -241,7 +248,7 @@ def test_bf16_gru_gradients(bits):
 
   def grads(model, rngs):
     loss = lambda p: model.apply({"params": p}, XB, rngs=rngs).astype(jnp.float32).sum()
-    return jax.grad(loss)(variables["params"])
+    return jax.jit(jax.grad(loss))(variables["params"])  # one compile, not op-by-op
 
   want = grads(Bf16GRU(), {})
   got = grads(jact.convert(Bf16GRU(), bits=bits), {"jact": KEY})
@@ -283,7 +290,7 @@ def test_gradients_of_complex_values(bits, functions, param_dtype):
 
   def grads(m, rngs):
     loss = lambda p, x: jnp.sum(jnp.abs(m.apply({"params": p}, x, rngs=rngs)) ** 2)
-    return jax.grad(loss, argnums=(0, 1))(variables["params"], XC)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], XC)
 
   want = grads(model, {})
   got = grads(jact.convert(model, bits=bits, functions=functions), {"jact": KEY})
@@ -413,8 +420,8 @@ class Recurrent(nn.Module):
     return nn.Dense(1)(nn.RNN(nn.GRUCell(64))(x)[:, -1])
 
 
-def grads(model, key):
-  loss = lambda p, x: jnp.mean(model.apply({"params": p}, x, rngs={"jact": key}) ** 2)
+def grads(model):  # the key an argument: one compile serves both keys
+  loss = lambda p, x, key: jnp.mean(model.apply({"params": p}, x, rngs={"jact": key}) ** 2)
   return jax.jit(jax.grad(loss))
 
 
@@ -427,12 +434,11 @@ x = jax.random.normal(jax.random.key(0), (16, 5, 8))
 params = Recurrent().init(jax.random.key(1), x)["params"]
 auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 sharded = jax.device_put(x, NamedSharding(auto, P("data")))
-converted, plain = grads(jact.convert(Recurrent(), bits=2), key), grads(Recurrent(), key)
-one = converted(params, x)
-result["rnn"] = {"sharded_vs_one": distance(converted(params, sharded), one),
-                 "noise": distance(one, plain(params, x)),
-                 "other_key_vs_one": distance(grads(jact.convert(Recurrent(), bits=2),
-                                                    jax.random.key(3))(params, x), one)}
+converted, plain = grads(jact.convert(Recurrent(), bits=2)), grads(Recurrent())
+one = converted(params, x, key)
+result["rnn"] = {"sharded_vs_one": distance(converted(params, sharded, key), one),
+                 "noise": distance(one, plain(params, x, key)),
+                 "other_key_vs_one": distance(converted(params, x, jax.random.key(3)), one)}
 
 w = jax.random.normal(jax.random.key(3), (8, 64)) / 3
 xs = jax.random.normal(jax.random.key(4), (64, 8))
