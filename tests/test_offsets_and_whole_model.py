@@ -177,7 +177,11 @@ def test_whole_model_wrap_keeps_a_small_scale_row_beside_large_ones():
 
 @pytest.fixture(scope="module")
 def vit_setup():
-  model = ViT()
+  # one encoder block (the zoo's ViT has two): the class-token row meets the
+  # patch rows in the first LayerNorm's input, before any block's output;
+  # measured at one block: whole / convert 0.81 at 4 bits, 0.84 at 2 bits,
+  # and without the rows (rows_off) 720 times plain's norm at 2 bits
+  model = ViT(depth=1)
   images = jax.random.normal(jax.random.key(0), (8, 16, 16, 3))
   labels = jnp.arange(8) % 10
   variables = model.init(jax.random.key(1), images)
@@ -185,7 +189,7 @@ def vit_setup():
   def loss(logits):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  plain = flat(jax.grad(lambda p: loss(model.apply(p, images)))(variables))
+  plain = flat(jax.jit(jax.grad(lambda p: loss(model.apply(p, images))))(variables))
   return model, images, variables, loss, plain
 
 

@@ -15,8 +15,8 @@ from test_compressed import rel_err, transformer_block, transformer_params
 DEPTH = 3
 
 
-def stack_setup():
-  params = [transformer_params(jax.random.key(i)) for i in range(DEPTH)]
+def stack_setup(depth=DEPTH):
+  params = [transformer_params(jax.random.key(i)) for i in range(depth)]
   x = jax.random.normal(jax.random.key(10), (4, 16, 32))
   r = jax.random.normal(jax.random.key(11), x.shape)
   return params, x, r
@@ -80,29 +80,37 @@ def test_compress_argnums_is_one_rule_with_one_default_in_compressed_and_checkpo
 
 @pytest.mark.slow
 def test_checkpoint_gradients_match_uncompressed_remat():
-  params, x, r = stack_setup()
+  # a stack of two blocks (one fewer than the other tests: five compiled
+  # gradients of the unrolled stack, each ~1/3 cheaper); a block's checkpoint
+  # still receives another checkpointed block's output and cotangent
+  params, x, r = stack_setup(depth=2)
   key = jax.random.key(0)
   remat = stack_loss(lambda p, x, k: jax.checkpoint(transformer_block)(p, x), r)
   exact = jax.jit(jax.grad(remat, argnums=(0, 1)))(params, x, key)
   # 8 bits: the worst leaf's single-draw error measured 0.029-0.033 over keys
-  # 0-3 (after the seed derivation changed; the draws, not their distribution).
+  # 0-3 with three blocks (after the seed derivation changed; the draws, not
+  # their distribution), 0.028-0.033 with these two.
+  compiled = {}
   for bits, tol in ((None, 1e-5), (8, 0.05)):
     ckpt = jact.checkpoint(transformer_block, bits=bits, compress_argnums=(1,))
-    loss = stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x, key)
+    loss = stack_loss(lambda p, x, k, ckpt=ckpt: ckpt(p, x, key=k), r)
+    compiled[bits] = loss, jax.jit(jax.grad(loss, argnums=(0, 1)))
+    grads = compiled[bits][1](params, x, key)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(exact)):
       assert rel_err(g, e) < tol, (bits, rel_err(g, e))
   # The noise is a function of the key alone: a differently built program
-  # (value_and_grad) with the same key gives the same 2-bit gradient, and
-  # another key a different one.
-  ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,))
-  loss2 = stack_loss(lambda p, x, k: ckpt(p, x, key=k), r)
-  grad2 = jax.jit(jax.grad(loss2))
-  g = grad2(params, x, key)[0]["wq"]
-  np.testing.assert_allclose(jax.jit(jax.value_and_grad(loss2))(params, x, key)[1][0]["wq"], g,
+  # (value_and_grad) with the same key gives the same 8-bit gradient, and
+  # another key a different one, apart by about as much as a draw is from the
+  # exact gradient (the 8-bit gradient compiled above, reused: a 2-bit stack
+  # once compiled for this cost two more compiles).
+  loss8, grad8 = compiled[8]
+  g = grad8(params, x, key)[0][0]["wq"]
+  np.testing.assert_allclose(jax.jit(jax.value_and_grad(loss8))(params, x, key)[1][0]["wq"], g,
                              rtol=1e-5, atol=1e-6 * float(jnp.abs(g).max()))
-  other = grad2(params, x, jax.random.key(1))[0]["wq"]
-  assert rel_err(other, g) > 0.1, rel_err(other, g)  # 2-bit noise: measured 1.46
+  other = grad8(params, x, jax.random.key(1))[0][0]["wq"]
+  noise = rel_err(g, exact[0][0]["wq"])
+  # two independent draws: ~sqrt(2) times one draw's error
+  assert rel_err(other, g) > 0.5 * noise > 0, (rel_err(other, g), noise)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ rounding and `jact.sharded_batch` on a `jax.make_mesh` mesh.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -58,6 +59,7 @@ class LinenBN(nn.Module):
 XS = jax.random.normal(jax.random.key(0), (4, 8, 3))  # 4 "devices" x 8 samples
 
 
+@functools.partial(jax.jit, static_argnums=(0,))  # one compile, not op-by-op under vmap
 def _linen_bn_grads(model, variables, rngs):
   def loss(params):
     def one(x):
@@ -102,10 +104,15 @@ def _nnx_vmap_loss(model):
 @pytest.mark.parametrize("bits", [None, 8])
 def test_nnx_batch_norm_with_axis_name_under_nnx_vmap(bits, functions):
   plain = NnxBN(nnx.Rngs(0))
-  want = nnx.grad(_nnx_vmap_loss)(plain)
+  want = nnx.jit(nnx.grad(_nnx_vmap_loss))(plain)  # jitted: one compile, not op-by-op
   model = jact.convert(NnxBN(nnx.Rngs(0)), bits=bits, functions=functions)
-  with jact.nnx.use_key(KEY):
-    got = nnx.grad(_nnx_vmap_loss)(model)
+
+  @nnx.jit
+  def grad(model, key):
+    with jact.nnx.use_key(key):
+      return nnx.grad(_nnx_vmap_loss)(model)
+
+  got = grad(model, KEY)
   _assert_close(nnx.state(model, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
   if bits is None:  # float reassociation only (the first layer's bias gradient is ~0)
     assert _relative(got, want) < 1e-5
@@ -155,12 +162,14 @@ def _scalar(model, variables, rngs):
 
 
 @pytest.mark.slow  # second derivatives of a conv + batch norm + GRU model: ~10 s
-@pytest.mark.parametrize("argnums", [0, 1], ids=["params", "input"])
-def test_hessian_of_a_converted_linen_model_at_bits_none_is_plain(argnums):
+def test_hessian_of_a_converted_linen_model_at_bits_none_is_plain():
+  """One jitted Hessian in (params, input): its blocks hold the params-params
+  and input-input Hessians (once two eager tests) and the cross terms too."""
   variables = ConvRNN().init(jax.random.key(3), XH)
-  want = jax.hessian(_scalar(ConvRNN(), variables, {}), argnums=argnums)(variables["params"], XH)
-  got = jax.hessian(_scalar(jact.convert(ConvRNN(), bits=None), variables, {"jact": KEY}),
-                    argnums=argnums)(variables["params"], XH)
+  hessian = lambda model, rngs: jax.jit(jax.hessian(_scalar(model, variables, rngs),
+                                                    argnums=(0, 1)))(variables["params"], XH)
+  want = hessian(ConvRNN(), {})
+  got = hessian(jact.convert(ConvRNN(), bits=None), {"jact": KEY})
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -192,9 +201,10 @@ def test_hessian_of_a_converted_nnx_model_at_bits_none_is_plain(functions):
     graphdef, state = nnx.split(model)
     return lambda x: nnx.merge(graphdef, state)(x).sum()
 
-  want = jax.hessian(scalar(NnxBlock(nnx.Rngs(0))))(x)
-  got = jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None,
-                                        functions=functions)))(x)
+  # jitted: one compile of each second derivative instead of op-by-op dispatch
+  want = jax.jit(jax.hessian(scalar(NnxBlock(nnx.Rngs(0)))))(x)
+  got = jax.jit(jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None,
+                                                functions=functions))))(x)
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -238,7 +248,7 @@ def test_bf16_gru_gradients(bits):
 
   def grads(model, rngs):
     loss = lambda p: model.apply({"params": p}, XB, rngs=rngs).astype(jnp.float32).sum()
-    return jax.grad(loss)(variables["params"])
+    return jax.jit(jax.grad(loss))(variables["params"])  # one compile, not op-by-op
 
   want = grads(Bf16GRU(), {})
   got = grads(jact.convert(Bf16GRU(), bits=bits), {"jact": KEY})
@@ -280,7 +290,7 @@ def test_gradients_of_complex_values(bits, functions, param_dtype):
 
   def grads(m, rngs):
     loss = lambda p, x: jnp.sum(jnp.abs(m.apply({"params": p}, x, rngs=rngs)) ** 2)
-    return jax.grad(loss, argnums=(0, 1))(variables["params"], XC)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], XC)
 
   want = grads(model, {})
   got = grads(jact.convert(model, bits=bits, functions=functions), {"jact": KEY})
@@ -333,19 +343,25 @@ def _export_grads(model, variables, rngs):
   return grads
 
 
+@pytest.fixture(scope="module")
+def export_setup():
+  """The plain model's gradients at batch sizes 4 and 6, jitted once for both cases."""
+  variables = ExportModel().init(jax.random.key(12), XE)
+  plain = jax.jit(_export_grads(ExportModel(), variables, lambda k: {}))
+  xs = {n: jax.random.normal(jax.random.key(n), (n, *XE.shape[1:])) for n in (4, 6)}
+  return variables, {n: (x, plain(variables["params"], x, KEY)) for n, x in xs.items()}
+
+
 @pytest.mark.slow  # exports a conv/attention/GRU model's gradient: ~6 s
 @pytest.mark.parametrize("functions", [True, False])
-def test_export_with_a_symbolic_batch_of_a_converted_model(functions):
-  variables = ExportModel().init(jax.random.key(12), XE)
-  want = _export_grads(ExportModel(), variables, lambda k: {})(variables["params"], XE, KEY)
+def test_export_with_a_symbolic_batch_of_a_converted_model(export_setup, functions):
+  variables, wants = export_setup
   grads = _export_grads(jact.convert(ExportModel(), bits=4, functions=functions), variables,
                         lambda k: {"jact": k})
   spec = jax.ShapeDtypeStruct((BATCH, *XE.shape[1:]), XE.dtype)
   with pytest.warns(SymbolicShapeWarning, match="symbolic"):
     exported = export.export(jax.jit(grads))(variables["params"], spec, KEY)
-  for n in (4, 6):  # any batch size: the residuals are kept exact, the gradients plain
-    x = jax.random.normal(jax.random.key(n), (n, *XE.shape[1:]))
-    want = _export_grads(ExportModel(), variables, lambda k: {})(variables["params"], x, KEY)
+  for x, want in wants.values():  # any batch size: the residuals are kept exact, the gradients plain
     _assert_close(exported.call(variables["params"], x, KEY), want, rtol=1e-4, atol=1e-5)
 
 
@@ -377,7 +393,7 @@ def test_export_with_a_symbolic_batch_of_a_converted_nnx_model():
     return grads, state
 
   plain, state = grads_of(NnxBlock(nnx.Rngs(0)))
-  want = plain(state, x, KEY)
+  want = jax.jit(plain)(state, x, KEY)
   grads, state = grads_of(jact.convert(NnxBlock(nnx.Rngs(0)), bits=2))
   spec = jax.ShapeDtypeStruct((BATCH, 3, 3), jnp.float32)
   with warnings.catch_warnings():
@@ -404,8 +420,8 @@ class Recurrent(nn.Module):
     return nn.Dense(1)(nn.RNN(nn.GRUCell(64))(x)[:, -1])
 
 
-def grads(model, key):
-  loss = lambda p, x: jnp.mean(model.apply({"params": p}, x, rngs={"jact": key}) ** 2)
+def grads(model):  # the key an argument: one compile serves both keys
+  loss = lambda p, x, key: jnp.mean(model.apply({"params": p}, x, rngs={"jact": key}) ** 2)
   return jax.jit(jax.grad(loss))
 
 
@@ -418,12 +434,11 @@ x = jax.random.normal(jax.random.key(0), (16, 5, 8))
 params = Recurrent().init(jax.random.key(1), x)["params"]
 auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 sharded = jax.device_put(x, NamedSharding(auto, P("data")))
-converted, plain = grads(jact.convert(Recurrent(), bits=2), key), grads(Recurrent(), key)
-one = converted(params, x)
-result["rnn"] = {"sharded_vs_one": distance(converted(params, sharded), one),
-                 "noise": distance(one, plain(params, x)),
-                 "other_key_vs_one": distance(grads(jact.convert(Recurrent(), bits=2),
-                                                    jax.random.key(3))(params, x), one)}
+converted, plain = grads(jact.convert(Recurrent(), bits=2)), grads(Recurrent())
+one = converted(params, x, key)
+result["rnn"] = {"sharded_vs_one": distance(converted(params, sharded, key), one),
+                 "noise": distance(one, plain(params, x, key)),
+                 "other_key_vs_one": distance(converted(params, x, jax.random.key(3)), one)}
 
 w = jax.random.normal(jax.random.key(3), (8, 64)) / 3
 xs = jax.random.normal(jax.random.key(4), (64, 8))
