@@ -66,12 +66,10 @@ def select_after_arrival(values, anchors):
   return [jnp.where(_flag_for(arrived, a), a, jnp.zeros_like(a)) for a in values]
 
 
-
 def select_after_any_arrival(values, anchors):
   """(CPU rule) each value selected by the cotangent's first row's flag."""
   arrived = _first(always(row_heads(anchors[0])))
   return [jnp.where(arrived, v, jnp.zeros_like(v)) for v in values]
-
 
 
 def row_heads(a: jax.Array) -> jax.Array:
@@ -112,7 +110,6 @@ def always(v: jax.Array) -> jax.Array:
   return v == v  # pylint: disable=comparison-with-itself
 
 
-
 def select_when_ready(values, anchors):
   """(CPU rule) each value selected by the ready flag of the packed bytes."""
   ready = _ready_flag(anchors)
@@ -137,7 +134,6 @@ def _ready_flag(packed: list) -> jax.Array:
     t = sum(jnp.sum(row_heads(r).astype(jnp.float32)) if _compat.leading_axis_sharded(r)
             else jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
   return t == t  # pylint: disable=comparison-with-itself
-
 
 
 def _wait_for(value: jax.Array, ready: jax.Array) -> jax.Array:
