@@ -150,13 +150,9 @@ def kept_until_cotangent(values, cotangent):
   head = _cotangent_head(cotangent)
   if head is None or batch_is_sharded():
     return values
-  leaves, treedef = jax.tree.flatten(values, is_leaf=is_stored)
-  tieable = [i for i, v in enumerate(leaves)
-             if not is_stored(v) and jnp.issubdtype(jnp.result_type(v), jnp.floating)]
-  tied = xla_cpu.on_cpu(xla_cpu.select_after_any_arrival, [leaves[i] for i in tieable], [head])
-  for i, v in zip(tieable, tied):
-    leaves[i] = v
-  return jax.tree.unflatten(treedef, leaves)
+  floating = lambda v: not is_stored(v) and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+  return _leaves_on_cpu(xla_cpu.select_after_any_arrival, values, [head], floating,
+                        is_leaf=is_stored)
 
 
 def _cotangent_head(cotangent):
@@ -190,15 +186,24 @@ def _packed_bytes(residuals) -> list:
 
 def _tree_on_cpu(rule, tree, packed: list):
   """`tree` with every array leaf that may wait for `packed` passed through
-  `rule` in one CPU-only equation (unchanged where nothing is packed)."""
+  `rule` in one CPU-only equation (unchanged where nothing is packed). Inside
+  `jax.shard_map` a value invariant over a manual axis the bytes vary over (a
+  statistic averaged over it, its cotangent) is left untied, keeping its type
+  (it is small: a tie only matters for activations)."""
   if not packed:
     return tree
   axes = frozenset().union(*(_compat.varying_axes(r) for r in packed))
-  leaves, treedef = jax.tree.flatten(tree)
-  waiting = [i for i, o in enumerate(leaves)
-             if _compat.is_jax_value(o) and axes <= _compat.varying_axes(o)]
-  for i, o in zip(waiting, xla_cpu.on_cpu(rule, [leaves[i] for i in waiting], packed)):
-    leaves[i] = o
+  may_wait = lambda o: _compat.is_jax_value(o) and axes <= _compat.varying_axes(o)
+  return _leaves_on_cpu(rule, tree, packed, may_wait)
+
+
+def _leaves_on_cpu(rule, tree, anchors: list, chosen, is_leaf=None):
+  """`tree` with the leaves `chosen(leaf)` accepts passed through the CPU-only
+  `rule` together, in one equation (`jact.core.xla_cpu.on_cpu`)."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
+  picked = [i for i, v in enumerate(leaves) if chosen(v)]
+  for i, v in zip(picked, xla_cpu.on_cpu(rule, [leaves[i] for i in picked], anchors)):
+    leaves[i] = v
   return jax.tree.unflatten(treedef, leaves)
 
 

@@ -25,7 +25,7 @@ from jact.compressors import Compressed, Compressor, PerGroup
 from jact.engine import context as _context
 from jact.engine.names import check_name, is_jact_name, tag
 from jact.engine.rounding import Rounding, apply_plan_entry
-from jact.engine.scheduling import barrier, is_stored, wait_for_all
+from jact.engine.scheduling import barrier, is_stored, materialize
 from jact.engine.sharding import pin_rows
 from jact.engine.store import compress_residual, kept_symbolic, restore_residual
 from jact.engine.rows import fits_rows, store_rows
@@ -324,10 +324,6 @@ def output_epilogue(out, values):
   is_packed = [is_stored(v) for v in values]
   packed = [v for v, p in zip(values, is_packed) if p]
   out, packed = barrier(out, packed)
-  leaves, treedef = jax.tree.flatten(out)
-  waiting = [i for i, o in enumerate(leaves) if is_array(o) and jnp.size(o)]
-  for i, o in zip(waiting, wait_for_all([leaves[i] for i in waiting], packed)):
-    leaves[i] = o
   it = iter(packed)
   values = tuple(next(it) if p else v for v, p in zip(values, is_packed))
-  return jax.tree.unflatten(treedef, leaves), values
+  return materialize(out, packed), values
