@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
+from jact.core import rng
 from jact.flax._conversion import Settings
 from jact.transforms.compressed import ResidualConfig
 
@@ -71,9 +72,9 @@ def scan_key(outer_key, name: str, args):
   a batch sharded over devices gets the same key as on one device. Two
   iterations with bit-identical arguments share their noise (a correlation,
   not an error)."""
-  key = jax.random.fold_in(outer_key, name_salt(name))
+  key = rng.derive_key(outer_key, name_salt(name))
   for leaf in _float_leaves(args):
-    key = jax.random.fold_in(key, _fingerprint(lax.stop_gradient(leaf)))
+    key = rng.derive_key(key, _fingerprint(lax.stop_gradient(leaf)))
   return key
 
 
