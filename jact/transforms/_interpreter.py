@@ -39,7 +39,7 @@ from jact import _compat
 
 __all__ = ["EVERY", "Fragment", "Frame", "evaluate", "run"]
 
-Handler = Callable[["Frame", Any], "list | None"]
+Rule = tuple  # (primitive | predicate(eqn) -> bool, handler(frame, eqn) -> list | None)
 Hook = Callable[..., None]
 
 
@@ -118,7 +118,7 @@ def _body(eqn, calls: str | None):
   return _compat.call_body(eqn, closed_call=calls == "all")
 
 
-def run(frame: Frame, rules: Sequence = (), *, before: Hook | None = None,
+def run(frame: Frame, rules: Sequence[Rule] = (), *, before: Hook | None = None,
         after: Hook | None = None, calls: str | None = None) -> Frame:
   """Evaluates `frame.jaxpr`'s equations in order, writing into `frame.env`.
 
@@ -161,7 +161,7 @@ def _apply(frame: Frame, eqn, rules: list, before, after, calls) -> list:
   return child.read_all(body.jaxpr.outvars)
 
 
-def evaluate(jaxpr, consts: Sequence, args: Sequence, rules: Sequence = (), *,
+def evaluate(jaxpr, consts: Sequence, args: Sequence, rules: Sequence[Rule] = (), *,
              before: Hook | None = None, after: Hook | None = None,
              calls: str | None = None) -> list:
   """The values of `jaxpr.outvars` given `consts` and `args`, every equation
