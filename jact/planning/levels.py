@@ -38,6 +38,7 @@ from jact.engine.names import check_name
 from jact.engine.rounding import Rounding, residual_method
 from jact.ops.linear import conv_general_dilated
 from jact.planning.controller import Controller
+from jact.transforms import _interpreter as interpreter
 from jact.transforms.checkpoint import checkpoint, offload_compressed
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, compressed, input_flags,
                                         over_array_leaves)
@@ -218,27 +219,18 @@ class _CompressedConv:
 
 
 def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
-  """Evaluates `jaxpr` with its convolutions run by `conv`; `by_reference`
-  flags the inputs that are the block's own arguments (kept, not compressed)."""
-  env, arguments = {}, set()
-  is_var = _compat.is_var
-  read = lambda v: env[v] if is_var(v) else _compat.literal_value(v)
-  env.update(zip(jaxpr.constvars, consts))
-  for var, value, ref in zip(jaxpr.invars, args, by_reference):
-    env[var] = value
-    if ref:
-      arguments.add(var)
-  for eqn in jaxpr.eqns:
-    values = [read(v) for v in eqn.invars]
-    conv_kwargs = _compat.conv_kwargs(eqn)  # None for other eqns and sharded convs
-    sub = _compat.call_body(eqn, closed_call=False)  # entered: jax.jit bodies
-    if conv_kwargs is not None:
-      outs = [conv(conv_kwargs, *values, keep=is_var(eqn.invars[0])
-                   and eqn.invars[0] in arguments)]
-    elif sub is not None:
-      outs = _evaluate(sub.jaxpr, sub.consts, values,
-                       [is_var(v) and v in arguments for v in eqn.invars], conv)
-    else:
-      outs = _compat.bind_eqn(eqn, values)
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
+  """Evaluates `jaxpr` with its convolutions run by `conv` (also inside
+  `jax.jit` bodies, entered in place); `by_reference` flags the inputs that
+  are the block's own arguments (kept, not compressed)."""
+  arguments = {v for v, ref in zip(jaxpr.invars, by_reference) if ref}
+
+  def run_conv(frame, eqn):
+    conv_kwargs = _compat.conv_kwargs(eqn)  # None for sharded convs: run plain
+    if conv_kwargs is None:
+      return None
+    lhs = frame.origin(eqn.invars[0])
+    return [conv(conv_kwargs, *frame.read_all(eqn.invars),
+                 keep=_compat.is_var(lhs) and lhs in arguments)]
+
+  return interpreter.evaluate(jaxpr, consts, args, {lax.conv_general_dilated_p: run_conv},
+                              calls="jit")

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from jact import _compat
+from jact.transforms import _interpreter as interpreter
 
-__all__ = ["Region", "unary_regions", "folded_chain", "MIN_NONLINEAR"]
+__all__ = ["Region", "unary_regions", "fold_rule", "folded_chain", "MIN_NONLINEAR"]
 
 MIN_NONLINEAR = 2  # a chain with fewer nonlinear steps saves at most one tensor anyway
 
@@ -114,18 +115,32 @@ def _scaling(eqn) -> bool:
           or (name == "div" and _compat.is_literal(ins[1])))
 
 
+def fold_rule(jaxpr) -> tuple:
+  """An interpreter rule (`jact.transforms._interpreter`) for `jaxpr`: the
+  equations of each foldable chain (`unary_regions`) make no value of their
+  own; the one whose output the chain exports makes it with `folded_chain`."""
+  member_of = {i: region for region in unary_regions(jaxpr).values() for i in region.eqns}
+
+  def fold(frame, eqn):
+    region = member_of.get(frame.index)
+    if region is None:
+      return None
+    if eqn.outvars[0] is not region.output:
+      return [None]  # evaluated with its chain, where the chain's output is made
+    return [folded_chain(jaxpr, region)(frame.env[region.root])]
+
+  return interpreter.EVERY, fold
+
+
 def folded_chain(jaxpr, region: Region):
   """`region`'s output as a function of its root, with a custom VJP that
   keeps `f'(x)` (one tensor of x's shape) as its only residual."""
-  eqns = [jaxpr.eqns[i] for i in region.eqns]
+  steps = interpreter.Fragment((), (region.root,), tuple(jaxpr.eqns[i] for i in region.eqns),
+                               (region.output,))
 
   def chain(x):
-    env = {region.root: x}
-    read = lambda v: _compat.literal_value(v) if _compat.is_literal(v) else env[v]
-    for eqn in eqns:
-      [out] = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
-      env[eqn.outvars[0]] = out
-    return env[region.output]
+    [y] = interpreter.evaluate(steps, (), [x])
+    return y
 
   @jax.custom_vjp
   def folded(x):

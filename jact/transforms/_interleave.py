@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.engine.scheduling import Stacked, barrier, kept_until_cotangent, wait_for_all
+from jact.transforms import _interpreter as interpreter
 from jact.transforms._scan import (call_residuals, rebuild, restore_scan, scan_inputs,
                                    scan_residuals, store_scan, store_stacked)
 
@@ -108,11 +109,9 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
              for p in residuals.values()}
   sizes = [_nbytes(var) for p, var in store_at.items() if p not in in_loop]
   flush_bytes = max([sum(sizes) / FLUSHES] + sizes)
-  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, inputs))
+  frame = interpreter.Frame.start(jaxpr, consts, inputs)
+  env = frame.env
   stored, pending, pending_bytes = {}, [], 0
-
-  def read(v):
-    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
 
   def flush(after: int):
     nonlocal pending, pending_bytes
@@ -141,36 +140,40 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     if pending and pending_bytes >= flush_bytes:
       flush(after)
 
-  settle(-1)
-  for i, eqn in enumerate(eqns):
+  def store_inside_loops(frame, eqn):
+    """A scan (or a jitted call around one) emitting residuals: stored per iteration."""
+    i = frame.index
     if i in in_loops:
       residuals = in_loops[i]
       full = {k for k, p in residuals.items()
               if last_read.get(store_at[p], -1) > i or store_at[p] in outputs}
-      outs, in_loop = store_scan(eqn, [read(v) for v in eqn.invars], residuals, full, store,
-                                 evaluate_storing)
-      stored.update(in_loop)
+      outs, inner = store_scan(eqn, frame.read_all(eqn.invars), residuals, full, store,
+                               evaluate_storing)
     elif i in in_calls:  # a jitted call around a scan: its body evaluated in place
       body, residuals = _compat.call_body(eqn), in_calls[i]
       wanted = [k not in residuals or last_read.get(v, -1) > i or v in outputs
                 for k, v in enumerate(eqn.outvars)]
       outs, inner = evaluate_storing(
-          body.jaxpr, body.consts, [read(v) for v in eqn.invars],
+          body.jaxpr, body.consts, frame.read_all(eqn.invars),
           {p: body.jaxpr.outvars[k] for k, p in residuals.items()}, store, wanted)
-      stored.update(inner)
     else:
-      outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
-    for var, value in zip(eqn.outvars, outs):
-      if _compat.is_var(var) and value is not None:
-        env[var] = value
+      return None
+    stored.update(inner)
+    return outs
+
+  def settle_and_forget(frame, eqn, outs):
+    i = frame.index
     settle(i)
     for v in eqn.invars:  # forget what nothing reads any more
       if _compat.is_var(v) and last_read.get(v) == i and v not in outputs and v not in given \
           and all(store_at[p] is not v for p in pending):
         env.pop(v, None)
+
+  settle(-1)
+  interpreter.run(frame, [(interpreter.EVERY, store_inside_loops)], after=settle_and_forget)
   if pending:
     flush(len(eqns))
-  return [read(v) if n else None for v, n in zip(jaxpr.outvars, needed)], stored
+  return [frame.read(v) if n else None for v, n in zip(jaxpr.outvars, needed)], stored
 
 
 def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
@@ -203,55 +206,66 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
   the start of the program and keep it alive through the forward pass.
   """
   lazy = {jaxpr.invars[p]: entry for p, entry in restore.items()}
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update((v, x) for v, x in zip(jaxpr.invars, inputs) if v not in lazy)
+  frame = interpreter.Frame.start(jaxpr, consts, [None if v in lazy else x
+                                                  for v, x in zip(jaxpr.invars, inputs)])
+  env = frame.env
   given = set(env)
   kept = {jaxpr.invars[p] for p in kept} - set(lazy)
   frontier = start if start is not None and _tieable(start) else None
 
-  def read(v):
-    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
-
-  for eqn in jaxpr.eqns:
-    in_loop, in_call = _in_loop(eqn, lazy, env), _in_call(eqn, lazy, env)
-    deferred = set(in_loop.values()) | set(in_call.values())
+  def rebuild_before_use(frame, eqn):
+    """Rebuilds the residuals `eqn` reads (except those a loop rebuilds per iteration)."""
+    deferred = set(_in_loop(eqn, lazy, env).values()) | set(_in_call(eqn, lazy, env).values())
     waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env
                and v not in deferred]
-    if waiting:
-      anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
-                 and v not in given and v not in lazy and _tieable(env[v])]
-      anchor = anchors[0] if anchors else frontier
-      for v in waiting:
-        pieces, rebuild_one = lazy[v]
-        if anchor is not None and all(map(_compat.on_device, jax.tree.leaves(pieces))):
-          pieces, _ = barrier(pieces, anchor)
-        env[v] = rebuild(pieces, rebuild_one, v.aval.shape)
+    if not waiting:
+      return
+    anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
+               and v not in given and v not in lazy and _tieable(env[v])]
+    anchor = anchors[0] if anchors else frontier
+    for v in waiting:
+      pieces, rebuild_one = lazy[v]
+      if anchor is not None and all(map(_compat.on_device, jax.tree.leaves(pieces))):
+        pieces, _ = barrier(pieces, anchor)
+      env[v] = rebuild(pieces, rebuild_one, v.aval.shape)
+
+  def restore_inside_loops(frame, eqn):
+    """A scan (or a jitted call around scans) reading residuals per iteration."""
+    in_loop, in_call = _in_loop(eqn, lazy, env), _in_call(eqn, lazy, env)
     if in_loop:
-      outs = restore_scan(eqn, [None if j in in_loop else read(v) for j, v in enumerate(eqn.invars)],
+      return restore_scan(eqn, [None if j in in_loop else frame.read(v)
+                                for j, v in enumerate(eqn.invars)],
                           {j: lazy[v] for j, v in in_loop.items()}, evaluate_restoring)
-    elif in_call:  # a jitted call around the scans that read them: evaluated in place
+    if in_call:  # a jitted call around the scans that read them: evaluated in place
       body = _compat.call_body(eqn)
-      outs = evaluate_restoring(
+      return evaluate_restoring(
           body.jaxpr, body.consts,
-          [None if j in in_call else read(v) for j, v in enumerate(eqn.invars)],
+          [None if j in in_call else frame.read(v) for j, v in enumerate(eqn.invars)],
           {j: lazy[v] for j, v in in_call.items()}, start=frontier)
-    else:
-      operands = [read(v) for v in eqn.invars]
-      variables = [v for v in eqn.invars if _compat.is_var(v)]
-      if (frontier is not None and any(v in kept for v in variables)
-          and all(v in given for v in variables)):
-        operands = [kept_until_cotangent(x, frontier) if _compat.is_var(v) and v in kept else x
-                    for v, x in zip(eqn.invars, operands)]
-      outs = _compat.bind_eqn(eqn, operands)
+    return None
+
+  def tie_kept(frame, eqn):
+    """An equation of given values only, some `kept`: run after the latest value."""
+    variables = [v for v in eqn.invars if _compat.is_var(v)]
+    if (frontier is None or not any(v in kept for v in variables)
+        or not all(v in given for v in variables)):
+      return None
+    return _compat.bind_eqn(eqn, [kept_until_cotangent(frame.read(v), frontier)
+                                  if _compat.is_var(v) and v in kept else frame.read(v)
+                                  for v in eqn.invars])
+
+  def advance_frontier(frame, eqn, outs):
+    nonlocal frontier
     for var, value in zip(eqn.outvars, outs):
-      if _compat.is_var(var):
-        env[var] = value
-        if _tieable(value):
-          frontier = value
+      if _compat.is_var(var) and _tieable(value):
+        frontier = value
+
+  interpreter.run(frame, [(interpreter.EVERY, restore_inside_loops), (interpreter.EVERY, tie_kept)],
+                  before=rebuild_before_use, after=advance_frontier)
   for v in jaxpr.outvars:  # a residual passed straight through
     if _compat.is_var(v) and v in lazy and v not in env:
       env[v] = rebuild(lazy[v][0], lazy[v][1], v.aval.shape)
-  return [read(v) for v in jaxpr.outvars]
+  return frame.read_all(jaxpr.outvars)
 
 
 def _in_call(eqn, lazy: dict, env: dict) -> dict:

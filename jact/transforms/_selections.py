@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact.ops.pooling import max_pool
-from jact.transforms._folding import folded_chain, unary_regions
+from jact.transforms import _interpreter as interpreter
+from jact.transforms._folding import fold_rule
 
 __all__ = ["evaluate_with_exact_selections"]
 
@@ -41,30 +42,23 @@ def _pool_full_rank(x, window, strides, padding, name: str):
   return y[0, ..., 0]
 
 
+def _is_max_pool(eqn) -> bool:
+  return _compat.max_window_geometry(eqn) is not None
+
+
 def evaluate_with_exact_selections(jaxpr, consts, *args, name: str, fold: bool = True) -> list:
   """`jax.core.eval_jaxpr(jaxpr, consts, *args)` with max pooling that
   stores its arg-max (residuals named `f"{name}.pool{k}.argmax"`) and, with
   `fold`, elementwise chains of one tensor that store one derivative
   (`jact.transforms._folding`)."""
-  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-  regions = unary_regions(jaxpr) if fold else {}
-  skipped = {i for r in regions.values() for i in r.eqns}
 
-  def read(v):
-    return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
-
-  for k, eqn in enumerate(jaxpr.eqns):
-    if k in skipped:  # evaluated with its chain, where the chain's output is made
-      region = regions.get(eqn.outvars[0])
-      if region is not None:
-        env[region.output] = folded_chain(jaxpr, region)(env[region.root])
-      continue
-    values = [read(v) for v in eqn.invars]
+  def exact_pool(frame, eqn):
     geometry = _compat.max_window_geometry(eqn)
-    if (geometry is not None and jnp.issubdtype(values[0].dtype, jnp.floating)
-        and math.prod(geometry[0]) <= _MAX_WINDOW):
-      outs = [_pool_full_rank(values[0], *geometry, name=f"{name}.pool{k}")]
-    else:
-      outs = _compat.bind_eqn(eqn, values)
-    env.update((v, x) for v, x in zip(eqn.outvars, outs) if _compat.is_var(v))
-  return [read(v) for v in jaxpr.outvars]
+    x = frame.read(eqn.invars[0])
+    if not jnp.issubdtype(x.dtype, jnp.floating) or math.prod(geometry[0]) > _MAX_WINDOW:
+      return None  # run as it is
+    return [_pool_full_rank(x, *geometry, name=f"{name}.pool{frame.index}")]
+
+  rules = [fold_rule(jaxpr)] if fold else []
+  rules.append((_is_max_pool, exact_pool))
+  return interpreter.evaluate(jaxpr, consts, args, rules)
