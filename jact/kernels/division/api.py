@@ -6,7 +6,7 @@ reference, the one-pass Pallas kernel on a GPU, or the one named by
 
 >>> import jax, jax.numpy as jnp
 >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 16))
->>> lfc, hfc = division_compress(x, jnp.uint32(3), block=4, bits=2)
+>>> lfc, hfc = jax.jit(lambda x: division_compress(x, jnp.uint32(3), block=4, bits=2))(x)
 >>> lfc.shape, lfc.dtype, hfc.bits
 ((2, 2, 2, 16), dtype(bfloat16), 2)
 """

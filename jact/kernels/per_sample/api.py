@@ -6,9 +6,13 @@ then run the implementation the kernel table picks for their op
 >>> import jax, jax.numpy as jnp
 >>> from jact.core.persample import per_sample_capacity
 >>> x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
->>> p = quantize_per_sample(x, jnp.array([1, 2, 4, 8]), key=jax.random.key(0),
-...                         capacity_bytes=per_sample_capacity(x.shape, avg_bits=4.0))
->>> p.bits.tolist(), dequantize_per_sample(p).shape
+>>> cap = per_sample_capacity(x.shape, avg_bits=4.0)
+>>> @jax.jit
+... def roundtrip(x, bits, key):
+...   p = quantize_per_sample(x, bits, capacity_bytes=cap, key=key)
+...   return p.bits, dequantize_per_sample(p)
+>>> bits, y = roundtrip(x, jnp.array([1, 2, 4, 8]), jax.random.key(0))
+>>> bits.tolist(), y.shape
 ([1, 2, 4, 8], (4, 64))
 """
 
