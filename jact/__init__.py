@@ -38,8 +38,8 @@ from jact.core.quantize import Packed as Packed
 from jact.core.packing import PackedBits as PackedBits
 from jact.core.packing import pack_codes as pack_codes
 from jact.core.packing import unpack_codes as unpack_codes
-from jact.kernels.api import dequantize as dequantize
-from jact.kernels.api import quantize as quantize
+from jact.kernels.quantize.api import dequantize as dequantize
+from jact.kernels.quantize.api import quantize as quantize
 from jact.transforms.checkpoint import checkpoint as checkpoint
 from jact.transforms.checkpoint import offload_compressed as offload_compressed
 from jact.transforms.checkpoint import save_compressed as save_compressed

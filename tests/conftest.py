@@ -75,7 +75,9 @@ def shared_fixture(item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-  """The Pallas kernels' doctests run in interpret mode (5-15 s each on a CPU core): slow.
+  """The kernels' doctests (`jact/kernels/<op>/pallas_triton.py`, `jax_triton.py`) run in
+  interpret mode (5-15 s each on a CPU core): slow. The XLA references and entry points
+  beside them are not.
 
   Tests that share a module- or session-scoped fixture (an 8-device subprocess,
   a compiled model, a training run) go to one xdist worker (`--dist loadgroup`
@@ -83,7 +85,8 @@ def pytest_collection_modifyitems(config, items):
   """
   del config
   for item in items:
-    if isinstance(item, pytest.DoctestItem) and item.nodeid.startswith("jact/kernels/"):
+    if isinstance(item, pytest.DoctestItem) and item.nodeid.startswith("jact/kernels/") and \
+        item.nodeid.split("::")[0].endswith(("/pallas_triton.py", "/jax_triton.py")):
       item.add_marker(pytest.mark.slow)
     group = shared_fixture(item)
     if group is not None:

@@ -15,9 +15,10 @@ from jax import lax
 import jact
 from jact import compressors as C
 from jact import ops
-from jact.kernels import division as division_kernels
-from jact.kernels import pergroup as pergroup_kernels
-from jact.core.quantize import dequantize_reference, quantize_reference
+from jact.kernels.division import pallas_triton as division_kernels
+from jact.kernels.division.reference import division_compress_reference
+from jact.kernels.quantize import pallas_triton as pergroup_kernels
+from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
 from kernel_checks import assert_same_bits, assert_same_packed
 from stats import assert_unbiased, over_keys
 
@@ -191,13 +192,14 @@ def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   """The per-sample quantizer (one width per sample) shares the group math: finite
   too, and its Pallas kernels (interpret mode) store and reconstruct the same bits."""
   from jact.core import persample
-  from jact.kernels import persample as persample_kernels
+  from jact.kernels.per_sample import pallas_triton as persample_kernels
+  from jact.kernels.per_sample import reference
   for x in (_f16_extremes(), _f32_wide()):
     widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)
     args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256,
                 seed=jnp.uint32(5))
-    ref = persample.quantize_per_sample_reference(x, widths, **args)
-    y = persample.dequantize_per_sample_reference(ref)
+    ref = reference.quantize_per_sample_reference(x, widths, **args)
+    y = reference.dequantize_per_sample_reference(ref)
     assert y.dtype == x.dtype and bool(jnp.isfinite(y).all())
     got = persample_kernels.quantize_per_sample(x, widths, interpret=True, **args)
     for field in ("data", "bits", "minimum", "scale"):
@@ -284,7 +286,7 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.float16)
   x = jnp.asarray(x)
   lfc, hfc = division_kernels.division_compress(x, jnp.uint32(3), interpret=True, **args)
-  ref_lfc, ref_hfc = C.division.division_compress_reference(x, jnp.uint32(3), **args)
+  ref_lfc, ref_hfc = division_compress_reference(x, jnp.uint32(3), **args)
   assert_same_bits(lfc, ref_lfc)
   assert_same_packed(hfc, ref_hfc)
   assert bool(jnp.isfinite(ref_lfc).all())

@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.core.persample import quantize_per_sample_reference
-from jact.core.quantize import effective_group_size, quantize_reference, quantize_rows_reference
+from jact.core.quantize import effective_group_size
+from jact.kernels.per_sample.reference import quantize_per_sample_reference
+from jact.kernels.quantize.reference import quantize_reference, quantize_rows_reference
 from jact.kernels import REGISTRY
 from jact.kernels import _jax_triton
 from jact.kernels import _triton as T
@@ -401,8 +402,8 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
 
 
 def _jax_triton_ptx():
-  from jact.kernels import pergroup_jax_triton
-  return {"quantize": pergroup_jax_triton.compile_for_cuda}
+  from jact.kernels.quantize import jax_triton
+  return {"quantize": jax_triton.compile_for_cuda}
 
 
 def _lowers_jax_triton_kernel(op, case):

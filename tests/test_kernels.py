@@ -16,10 +16,12 @@ import jact
 from jact import kernels
 from jact import _compat
 from jact.compressors import PerGroup
-from jact.kernels import pergroup, relu
-from jact.core.packing import relu_mask_reference
+from jact.kernels.quantize import pallas_triton as pergroup
+from jact.kernels.relu_mask import pallas_triton as relu
+from jact.kernels.relu_mask.reference import relu_mask_reference
 from jact.ops.linear import dense
-from jact.core.quantize import dequantize_reference, effective_group_size, quantize_reference
+from jact.core.quantize import effective_group_size
+from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
 from kernel_checks import (assert_lowers_for_cuda, assert_same_bits, assert_same_packed,
                            poisoned_call)
 

@@ -1,4 +1,4 @@
-"""The Pallas per-sample mixed-precision kernels (`jact.kernels.persample`).
+"""The Pallas per-sample mixed-precision kernels (`jact.kernels.per_sample.pallas_triton`).
 
 They run in interpret mode on CPU (slow: small inputs, few grid steps, every
 call jitted) and must be bit-exact with the XLA reference for the same seed:
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from jact import kernels
-from jact.kernels import persample
-from jact.kernels.api import dequantize_per_sample, quantize_per_sample
-from jact.core.persample import (dequantize_per_sample_reference, per_sample_capacity,
-                                 quantize_per_sample_reference)
+from jact.kernels.per_sample import pallas_triton as persample
+from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
+from jact.kernels.per_sample.reference import (dequantize_per_sample_reference,
+                                               quantize_per_sample_reference)
+from jact.core.persample import per_sample_capacity
 from jact.core.quantize import effective_group_size
 from kernel_checks import assert_lowers_for_cuda, assert_same_bits, poisoned_call
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import jact
 from jact.core.quantize import Packed, effective_group_size, split_step
 from jact.core.packing import PackedBits, pack_bits, pack_codes, unpack_bits, unpack_codes
-from jact.kernels.api import dequantize, quantize
+from jact.kernels.quantize.api import dequantize, quantize
 from stats import assert_unbiased
 
 BITS = (1, 2, 4, 8)

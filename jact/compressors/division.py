@@ -8,7 +8,7 @@ stochastic rounding at Q bits (`PerGroup(Q, group_size)`). The
 reconstruction upsample(LFC) + dequantized HFC is unbiased: the residual is
 taken against the LFC *as stored*, so E[decompress] = x up to float rounding.
 
-Kernels: `compress` runs the "division_compress" op of `jact.kernels` (the
+Kernels: `compress` runs `jact.kernels.division.api.division_compress` (the
 XLA reference `division_compress_reference`, or a one-pass Pallas kernel on
 GPU; `implementation=` picks one); all store the same bits, since the pooling
 sums in a fixed order (see `pool`).
@@ -55,14 +55,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact import kernels
 from jact.compressors._base import Compressed, Compressor, check_implementation
 from jact.compressors.pergroup import PerGroup
 from jact.core.quantize import FLOAT_DTYPES, check_group_size, finite_clamp
 from jact.core.packing import check_bits
-from jact.core.division import (check_rank, division_compress_reference, pool_blocks, stored_lfc,
-                                upsample)
-from jact.kernels.api import dequantize
+from jact.core.division import check_rank, pool_blocks, stored_lfc, upsample
+from jact.kernels.division.api import division_compress
+from jact.kernels.division.reference import division_compress_reference
+from jact.kernels.quantize.api import dequantize
 
 __all__ = ["Division", "division_compress_reference"]
 
@@ -174,9 +174,9 @@ class Division(Compressor):
       blocks = pool_blocks(spatial, self.block)
       arrays["lfc"] = _nan_where_not_finite(x, blocks, stored_lfc(x, blocks, self.lfc_dtype))
     else:
-      compress = kernels.dispatch("division_compress", self.implementation, size=x.size)
-      lfc, hfc = compress(x, seed, block=self.block, bits=self.bits, group_size=self.group_size,
-                         lfc_dtype=self.lfc_dtype)
+      lfc, hfc = division_compress(x, seed, block=self.block, bits=self.bits,
+                                   group_size=self.group_size, lfc_dtype=self.lfc_dtype,
+                                   implementation=self.implementation)
       if self.keep == "both":
         arrays["lfc"] = lfc
       arrays["hfc"] = hfc

@@ -22,7 +22,7 @@ import jax
 from jact.compressors._base import Compressor, check_implementation
 from jact.core.quantize import Packed, as_rows, check_group_size, effective_group_size
 from jact.core.packing import check_bits
-from jact.kernels.api import dequantize, quantize
+from jact.kernels.quantize.api import dequantize, quantize
 
 __all__ = ["PerGroup"]
 

@@ -1,8 +1,10 @@
 """DIVISION's frequency split (reference numerics): average-pooled low-frequency
 component (LFC) and the quantized high-frequency remainder (HFC).
 
-`jact.compressors.Division` is the compressor built on it; the Pallas kernel
-`jact.kernels.division` implements `division_compress_reference` bit for bit.
+The pieces the XLA reference (`jact.kernels.division.reference`) and the Pallas
+kernel (`jact.kernels.division.pallas_triton`) share: pooling blocks, the
+fixed-order pooled sum, the stored LFC and its upsampling.
+`jact.compressors.Division` is the compressor built on them.
 """
 
 from __future__ import annotations
@@ -13,11 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from typing import Any
-
-from jact.core.quantize import quantize_rows_reference
-
-__all__ = ["division_compress_reference"]
+__all__ = ["check_rank", "pool_blocks", "block_counts", "pool", "stored_lfc", "upsample"]
 
 
 _F32 = jnp.float32
@@ -97,16 +95,14 @@ def upsample(lfc: jax.Array, blocks: tuple[int, ...], spatial: tuple[int, ...]) 
   return up
 
 
-def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
-                                group_size: int, lfc_dtype: Any):
-  """The XLA reference of the "division_compress" kernel op: (LFC, packed HFC).
+# The XLA reference of the "division_compress" op moved to `jact.kernels.division.reference`
+# (kernels grouped by op); its old import path stays for code written against it. jact itself
+# imports the new one (tests/test_layout.py checks that).
+_MOVED = ("division_compress_reference",)
 
-  For an input of rank 3 to 5: LFC = the pooled map in `lfc_dtype`, HFC =
-  x - upsample(LFC as stored), quantized as `PerGroup(bits, group_size)` stores it, with
-  `seed` (samples of fewer than 8 values are quantized as one row: `as_rows`).
-  """
-  spatial = tuple(x.shape[1:-1])
-  blocks = pool_blocks(spatial, block)
-  lfc = stored_lfc(x, blocks, lfc_dtype)
-  hfc = x.astype(jnp.float32) - upsample(lfc, blocks, spatial)
-  return lfc, quantize_rows_reference(hfc, seed, bits=bits, group_size=group_size)
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    from jact.kernels.division import reference
+    return getattr(reference, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

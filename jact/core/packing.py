@@ -5,8 +5,8 @@ k = 8 // bits codes per byte and n // k bytes, byte j holds codes j, j + n//k,
 j + 2n//k, ... (contiguous slices only, which fuse well in XLA and lower in
 Triton). `pack_codes` packs any integer or boolean array losslessly, one
 row (index of the leading axis) at a time, so that no byte mixes two samples
-and a batch-sharded array packs without communication;
-`relu_mask_reference` is the packed-mask op the ReLU kernels implement.
+and a batch-sharded array packs without communication (the packed ReLU mask,
+`jact.kernels.relu_mask`, is such a row-wise packing of x > 0).
 
 >>> import jax.numpy as jnp
 >>> codes = jnp.arange(16, dtype=jnp.uint8) % 4
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "check_bits", "pack_bits", "unpack_bits", "PackedBits", "pack_codes", "unpack_codes",
-           "packed_codes_bytes", "relu_mask_reference"]
+           "packed_codes_bytes"]
 
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -161,10 +161,14 @@ def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
   return flat.astype(dtype)
 
 
-def relu_mask_reference(x: jax.Array, *, negative_slope: float | None = None):
-  """(activation, packed 1-bit mask): `jax.nn.relu(x)` and x > 0 without a
-  slope, else `jax.nn.leaky_relu(x, negative_slope)` and x >= 0 (the XLA
-  reference of the "relu_mask" kernel)."""
-  if negative_slope is None:
-    return jax.nn.relu(x), pack_codes(x > 0, 1)
-  return jax.nn.leaky_relu(x, negative_slope), pack_codes(x >= 0, 1)
+# The XLA reference of the "relu_mask" op moved to `jact.kernels.relu_mask.reference` (kernels
+# grouped by op); its old import path stays for code written against it. jact itself imports
+# the new one (tests/test_layout.py checks that).
+_MOVED = ("relu_mask_reference",)
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    from jact.kernels.relu_mask import reference
+    return getattr(reference, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,8 @@ from jact.engine.probe import group_ranges_sq
 from jact.engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
 from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
 from jact.engine.sharding import pin_rows
-from jact.kernels.api import dequantize, dequantize_per_sample, quantize_per_sample
+from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
+from jact.kernels.quantize.api import dequantize
 
 __all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs", "same_varying_axes"]
 

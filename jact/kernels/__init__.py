@@ -14,14 +14,33 @@ it supports (the Pallas kernels: cuda) and the reference runs everywhere else
 off GPU runs in interpret mode (slow: for tests). `jact.residual_report`
 shows which kernel produced each residual.
 
-Ops (each implementation takes the reference's arguments):
+Layout: one package per op family, the reference next to its kernels (as
+tokamax's `ops/normalization/`), each with one module per implementation and
+an `api` module holding the op's validated entry point:
 
-* "quantize" / "dequantize": per-group quantization (`jact.quantize`);
-* "relu_mask": ReLU / leaky ReLU output and its packed 1-bit mask;
-* "quantize_per_sample" / "dequantize_per_sample": one width per sample in
-  one static buffer (`jact.core.persample`);
-* "division_compress": DIVISION's pooled LFC and quantized HFC
-  (`jact.compressors.Division`).
+* `quantize/`: ops "quantize" / "dequantize", per-group quantization;
+  entry points `jact.kernels.quantize.api.quantize` / `dequantize`
+  (`jact.quantize`, `jact.dequantize`);
+* `per_sample/`: ops "quantize_per_sample" / "dequantize_per_sample", one
+  width per sample in one static buffer (`jact.core.persample`);
+* `relu_mask/`: op "relu_mask", ReLU / leaky ReLU output and its packed 1-bit
+  mask (`jact.ops.relu`);
+* `division/`: op "division_compress", DIVISION's pooled LFC and quantized
+  HFC (`jact.compressors.Division`).
+
+In each: `reference.py` (the "xla" implementation, every kernel's oracle),
+`pallas_triton.py` (the "pallas_triton" kernel), `jax_triton.py` where one
+exists ("jax_triton", quantize only) and `api.py` (the entry point: it
+validates its arguments, then runs the implementation this table picks for
+it; callers call that function, never the table by op name). The numerics
+the implementations share stay in `jact.core` (`Packed`, `group_codes`,
+`decode_groups`, pooling). Shared Triton pieces: `_triton.py` (Pallas) and
+`_jax_triton.py` (the jax-triton launcher); `registry.py` is the generic
+table (it imports nothing from jact); `api.py` re-exports the entry points.
+This module builds the table (`REGISTRY`) from the references and kernels.
+The op packages import nothing themselves, so the table imports their
+modules without a cycle (an entry point imports this table, not the
+reverse).
 
 >>> import jax
 >>> from jact import kernels
@@ -38,11 +57,12 @@ from __future__ import annotations
 
 import importlib.util
 
-from jact.core.division import division_compress_reference
-from jact.core.packing import relu_mask_reference
-from jact.core.persample import dequantize_per_sample_reference, quantize_per_sample_reference
-from jact.core.quantize import dequantize_reference, quantize_reference
+from jact.kernels.division.reference import division_compress_reference
+from jact.kernels.per_sample.reference import (dequantize_per_sample_reference,
+                                               quantize_per_sample_reference)
+from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
 from jact.kernels.registry import Implementation, Registry
+from jact.kernels.relu_mask.reference import relu_mask_reference
 
 __all__ = ["Implementation", "Registry", "REGISTRY", "available", "select", "dispatch", "use"]
 
@@ -62,23 +82,26 @@ def _pallas_triton() -> list[Implementation]:
     from jax.experimental.pallas import triton as _  # noqa: F401
   except ImportError:  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
     return []
-  from jact.kernels import division, pergroup, persample, relu
+  from jact.kernels.division import pallas_triton as division
+  from jact.kernels.per_sample import pallas_triton as per_sample
+  from jact.kernels.quantize import pallas_triton as quantize
+  from jact.kernels.relu_mask import pallas_triton as relu_mask
 
   # inline PTX (`_triton.mul`, ...) makes them NVIDIA-only
   gpu = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1, lowering_platforms=("cuda",))
   return [Implementation(op, "pallas_triton", fn, **gpu) for op, fn in [
-      ("quantize", pergroup.quantize),
-      ("dequantize", pergroup.dequantize),
-      ("relu_mask", relu.relu_mask),
-      ("quantize_per_sample", persample.quantize_per_sample),
-      ("dequantize_per_sample", persample.dequantize_per_sample),
+      ("quantize", quantize.quantize),
+      ("dequantize", quantize.dequantize),
+      ("relu_mask", relu_mask.relu_mask),
+      ("quantize_per_sample", per_sample.quantize_per_sample),
+      ("dequantize_per_sample", per_sample.dequantize_per_sample),
       ("division_compress", division.division_compress)]]
 
 
 def _quantize_jax_triton(*args, **kwargs):
-  """`jact.kernels.pergroup_jax_triton.quantize`, imported (with `triton`) when first called."""
-  from jact.kernels import pergroup_jax_triton
-  return pergroup_jax_triton.quantize(*args, **kwargs)
+  """`jact.kernels.quantize.jax_triton.quantize`, imported (with `triton`) when first called."""
+  from jact.kernels.quantize import jax_triton
+  return jax_triton.quantize(*args, **kwargs)
 
 
 def _jax_triton_kernels() -> list[Implementation]:

@@ -25,8 +25,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jact import kernels
-from jact.core.packing import relu_mask_reference, unpack_codes
+from jact.core.packing import unpack_codes
+from jact.kernels.relu_mask.api import relu_mask
+from jact.kernels.relu_mask.reference import relu_mask_reference
 from jact.compressors import Compressor
 from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
 from jact.engine.scheduling import barrier, finish_forward
@@ -52,7 +53,7 @@ def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
     return fn(x)
 
   def fwd(x):
-    y, mask = kernels.dispatch("relu_mask", size=x.size)(x, negative_slope=negative_slope)
+    y, mask = relu_mask(x, negative_slope=negative_slope)
     return finish_forward(y, tag(mask, f"{name}.mask"), elementwise=True)
 
   def bwd(res, g):

@@ -1,6 +1,6 @@
 """Per-group quantize-and-pack written in Triton's language, launched with jax-triton.
 
-The same contract, bits and layout as the Pallas kernel `jact.kernels.pergroup.quantize`
+The same contract, bits and layout as the Pallas kernel `pallas_triton.quantize`
 (registered beside it as the "jax_triton" implementation of "quantize"): one
 program handles `ROWS` groups; group r covers flat elements [sample * D + g * G,
 ... + G) of the (N, D) input; its k = 8 // bits planes of Q = G / k values are
@@ -16,7 +16,7 @@ non-finite values are flagged and coded as in the reference (`jact.core.quantize
 "Non-finite values").
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.quantize import quantize_reference
+>>> from jact.kernels.quantize.reference import quantize_reference
 >>> x = jax.random.normal(jax.random.key(0), (4, 300))
 >>> p = quantize(x, jnp.uint32(5), bits=2, group_size=152, interpret=True)
 >>> r = quantize_reference(x, jnp.uint32(5), bits=2, group_size=152)
@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from jact.core.quantize import Packed
-from jact.kernels import _jax_triton, pergroup
+from jact.kernels import _jax_triton
+from jact.kernels.quantize import pallas_triton as pergroup
 from jact.kernels._triton import check_int32
 
 __all__ = ["quantize", "quantize_kernel", "kernel_constants", "compile_for_cuda"]
@@ -189,7 +190,7 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
              stochastic: bool = True, interpret: bool | None = None, rows: int | None = None,
              initial=None) -> Packed:
   """Per-group quantization of x (N, ...) in one Triton pass; the contract of
-  `jact.core.quantize.quantize_reference` (and `jact.kernels.pergroup.quantize`).
+  `reference.quantize_reference` (and `pallas_triton.quantize`).
   `interpret` defaults to True off GPU (Triton's interpreter, slow); `rows`
   sets the groups per program; `initial` pre-fills the outputs (tests)."""
   if interpret is None:

@@ -5,7 +5,7 @@ bf16 minimum and step: the finite-only min/max, the directed bf16 rounding,
 the hashed stochastic rounding and the planar bit packing all happen in one
 pass. `dequantize` is the inverse pass. Non-finite values take the reference's
 flagged-group path (`jact.core.quantize`, "Non-finite values"). Both are bit-exact with
-`jact.core.quantize.quantize_reference` / `dequantize_reference` for the same seed.
+`reference.quantize_reference` / `dequantize_reference` for the same seed.
 
 One program handles `rows` groups; group r (sample r // groups, group
 r % groups) covers flat elements [sample * D + g * G, ... + G) of the
@@ -14,7 +14,7 @@ here it is masked out with NaN). Each of the k = 8 // bits planes of a group
 is a contiguous run of Q = G / k values, loaded as a power-of-two tile.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.quantize import quantize_reference
+>>> from jact.kernels.quantize.reference import quantize_reference
 >>> x = jax.random.normal(jax.random.key(0), (4, 300))
 >>> seed = jnp.uint32(5)
 >>> p = quantize(x, seed, bits=2, group_size=152, stochastic=True, interpret=True)
@@ -258,7 +258,7 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
              rows: int | None = None) -> Packed:
   """Per-group quantization of x (N, ...) in one Pallas pass.
 
-  Same contract as `jact.core.quantize.quantize_reference`: `group_size` is the
+  Same contract as `reference.quantize_reference`: `group_size` is the
   effective group size (a multiple of 8), `seed` a uint32 scalar (ignored
   when not stochastic). `interpret` defaults to True off GPU; `rows` sets
   the groups per program (tests use it to bound the grid).

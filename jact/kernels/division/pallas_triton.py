@@ -2,7 +2,7 @@
 
 `division_compress` returns the pooled low-frequency map (LFC) in `lfc_dtype`
 and the per-group quantized residual HFC = x - upsample(LFC as stored),
-bit-exact with `jact.compressors.division.division_compress_reference`.
+bit-exact with `reference.division_compress_reference`.
 
 The map (N, [D,] [H,] W, C) is viewed as (N, D, H, W, C) with unit axes
 added (a 1-D map (N, L, C) as (N, 1, L, 1, C)). A *band* is one row of the
@@ -24,11 +24,11 @@ Two paths:
   LFC (itemsize / B^2) written.
 * two kernels otherwise (groups straddle bands, or small samples quantized
   as one row): a pooling kernel writes the LFC, then a residual kernel over
-  tiles of groups (like `jact.kernels.pergroup.quantize`) subtracts the
+  tiles of groups (like `jact.kernels.quantize.pallas_triton.quantize`) subtracts the
   gathered LFC value of each element before encoding: x is read twice.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.division import division_compress_reference
+>>> from jact.kernels.division.reference import division_compress_reference
 >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 16))
 >>> args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.bfloat16)
 >>> lfc, hfc = division_compress(x, jnp.uint32(3), interpret=True, **args)
@@ -53,7 +53,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jact.core.quantize import as_rows
 from jact.kernels import _triton as T
-from jact.kernels.pergroup import encode_tile, packed_out_shape, packing_geometry
+from jact.kernels.quantize.pallas_triton import encode_tile, packed_out_shape, packing_geometry
 from jact.core.quantize import Packed, check_group_size, effective_group_size
 from jact.core.packing import check_bits
 
@@ -256,7 +256,7 @@ def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int, g
                       rows: int | None = None) -> tuple[jax.Array, Packed]:
   """(LFC, packed HFC) of x (rank 3 to 5), bit-exact with the XLA reference.
 
-  Same contract as `jact.compressors.division.division_compress_reference`.
+  Same contract as `reference.division_compress_reference`.
   `interpret` defaults to True off GPU; `rows` sets the groups per tile (tests
   use it to bound the grid of the two-kernel path).
   """

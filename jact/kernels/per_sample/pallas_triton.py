@@ -1,6 +1,6 @@
 """Pallas (Triton backend) kernels for per-sample mixed-precision quantization.
 
-Bit-exact with `jact.core.persample.quantize_per_sample_reference` /
+Bit-exact with `reference.quantize_per_sample_reference` /
 `dequantize_per_sample_reference` for the same seed: same groups, bf16
 statistics, non-finite handling, hash noise (index n Dp + position) and
 layout (sample n planar at b_n bits, at byte sum_{m<n} b_m Dp / 8 of one
@@ -27,7 +27,7 @@ x twice and writes the codes, 2 s + b / 8 bytes, plus 12 / G written and
 dequantize reads b / 8 + 4 / G and writes the output itemsize.
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.persample import quantize_per_sample_reference
+>>> from jact.kernels.per_sample.reference import quantize_per_sample_reference
 >>> @jax.jit
 ... def both(x, bits, seed):
 ...   args = dict(capacity_bytes=1200, group_size=152, seed=seed)
@@ -52,10 +52,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jact.kernels import _triton as T
-from jact.kernels.pergroup import decode_values, encode_values, group_stats
+from jact.kernels.quantize.pallas_triton import decode_values, encode_values, group_stats
 from jact.core.quantize import flagged_levels, split_step
-from jact.core.persample import (PackedPerSample, dequantize_per_sample_reference,
-                                 quantize_per_sample_reference)
+from jact.core.persample import PackedPerSample
+from jact.kernels.per_sample.reference import (dequantize_per_sample_reference,
+                                               quantize_per_sample_reference)
 
 __all__ = ["quantize_per_sample", "dequantize_per_sample"]
 
@@ -182,7 +183,7 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
                         rows: int | None = None) -> PackedPerSample:
   """Per-sample mixed-precision quantization of x (N, ...) in two Pallas passes.
 
-  Same contract as `jact.core.persample.quantize_per_sample_reference`: `bits`
+  Same contract as `reference.quantize_per_sample_reference`: `bits`
   int32[N] in (1, 2, 4, 8) fitting `capacity_bytes`, `group_size` the
   effective one, `seed` a uint32 scalar or None (round to nearest).
   `interpret` defaults to True off GPU; `rows` (groups per statistics

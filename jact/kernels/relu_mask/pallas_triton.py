@@ -1,13 +1,13 @@
 """Pallas (Triton backend) kernel: ReLU / leaky ReLU output and its 1-bit mask in one pass.
 
 Reads x once and writes the activation and the packed mask (1/8 byte a
-value) together, bit-exact with `jact.ops.activation.relu_mask_reference`:
+value) together, bit-exact with `reference.relu_mask_reference`:
 the mask is `jact.pack_codes(mask, 1)`, packed per row of the leading axis
 (k = 8 planes: byte j of a row of D values holds its values j, j + Q, ...,
 j + 7Q with Q = ceil(D / 8); a 0-d or 1-d input is one row).
 
 >>> import jax, jax.numpy as jnp
->>> from jact.core.packing import relu_mask_reference
+>>> from jact.kernels.relu_mask.reference import relu_mask_reference
 >>> x = jax.random.normal(jax.random.key(0), (3, 50))
 >>> y, m = relu_mask(x, interpret=True)
 >>> y_ref, m_ref = relu_mask_reference(x)
