@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
-import jax
 
 from jact import _compat
 
@@ -106,7 +105,7 @@ class Frame:
 
 
 def _matches(match, eqn) -> bool:
-  if isinstance(match, jax.extend.core.Primitive):
+  if hasattr(match, "bind"):  # a primitive (predicates are plain functions)
     return eqn.primitive is match
   return bool(match(eqn))
 
