@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jact
-
 from experiments.compile_time import count_eqns
 from jact.core import rng
 from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
@@ -62,41 +60,3 @@ def test_quantizer_size_is_bounded():
   jaxpr = jax.make_jaxpr(
       lambda x, s: quantize_reference(x.reshape(16, -1), s, bits=2, group_size=256))(x, jnp.uint32(1))
   assert count_eqns(jaxpr.jaxpr) <= MAX_QUANTIZE_EQNS
-
-
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
-def test_converted_models_derive_rounding_keys_without_threefry(framework):
-  """A converted model draws one rounding key per layer call; `make_rng` /
-  `stream()` (threefry `fold_in`) made each a rolled while loop of small
-  kernels on XLA:CPU. jact derives them by integer hashing: the compiled
-  gradient holds no loop at all."""
-  import flax.linen as nn
-  from flax import nnx
-  x = jnp.ones((4, 16), jnp.float32)
-  if framework == "linen":
-    class MLP(nn.Module):
-      @nn.compact
-      def __call__(self, x):
-        return nn.Dense(4)(nn.relu(nn.Dense(16)(nn.relu(nn.Dense(16)(x)))))
-
-    model = jact.convert(MLP(), bits=4)
-    params = model.init(jax.random.key(0), x)
-
-    def loss(params, key):
-      return jnp.sum(model.apply(params, x, rngs={"jact": key}) ** 2)
-    lowered = jax.jit(jax.grad(loss)).lower(params, jax.random.key(1))
-  else:
-    class MLP(nnx.Module):
-      def __init__(self, rngs):
-        self.a, self.b = nnx.Linear(16, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
-
-      def __call__(self, x):
-        return self.b(nnx.relu(self.a(x)))
-
-    model = jact.convert(MLP(nnx.Rngs(0)), bits=4, rngs=nnx.Rngs(jact=1))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def step(params, rest):  # merged in the jitted step, differentiated by nnx.grad
-      return nnx.grad(lambda m: jnp.sum(m(x) ** 2))(nnx.merge(graphdef, params, rest))
-    lowered = jax.jit(step).lower(params, rest)
-  assert "while" not in lowered.as_text()

@@ -26,9 +26,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = ["seed_from_key", "derive_key", "hash_uint32", "uniform_from_bits", "split_seed", "element_bits",
+__all__ = ["seed_from_key", "hash_uint32", "uniform_from_bits", "split_seed", "element_bits",
            "element_bits_at", "index_words"]
 
 _GOLDEN = 0x9E3779B9
@@ -92,43 +91,6 @@ def seed_from_key(key, site: int = 0) -> jax.Array:
   for i in range(words.shape[0]):  # each step a bijection of the word: distinct keys, distinct chains
     x = _lowbias32(x ^ words[i].astype(jnp.uint32))
   return x
-
-
-def derive_key(key, *data) -> jax.Array:
-  """A PRNG key for a sub-stream of `key` named by `data` (Python ints or
-  uint32 scalars, maybe traced), by integer hashing.
-
-  It plays `jax.random.fold_in`'s role for keys that only feed jact's own
-  rounding noise (`seed_from_key`, itself a hash): distinct data give
-  unrelated keys, and for fixed data distinct keys give distinct keys (each
-  key word goes through a bijection). No threefry: on XLA:CPU every
-  `fold_in` is a rolled loop of about a dozen small kernels, and a converted
-  model derived one per layer (32 loops in the zoo's transformer LM,
-  an eighth of its compile time). Keys a user's own code draws from
-  (`jax.random.*`, dropout) are still derived with `jax.random.fold_in`.
-
-  The result has `key`'s implementation and form: a typed key for a typed
-  key, uint32[2] data for a legacy `jax.random.PRNGKey`.
-
-  >>> k = jax.random.key(0)
-  >>> a, b = derive_key(k, 1), derive_key(k, 2)
-  >>> bool((jax.random.key_data(a) != jax.random.key_data(b)).any())
-  True
-  >>> derive_key(jax.random.PRNGKey(0), 7).shape
-  (2,)
-  """
-  typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-  key = single_key(key)
-  words = jax.random.key_data(key)
-  mix = jnp.uint32(_GOLDEN)
-  for d in data:
-    d = jnp.uint32(int(d) & 0xFFFFFFFF) if isinstance(d, (int, np.integer)) else jnp.asarray(d).astype(jnp.uint32)
-    mix = _lowbias32(mix ^ d) + jnp.uint32(_GOLDEN)
-  lanes = jax.lax.iota(jnp.uint32, words.shape[-1]) * jnp.uint32(_MIX1)
-  derived = _lowbias32(words ^ _lowbias32(mix + lanes))
-  if not typed:
-    return derived
-  return jax.random.wrap_key_data(derived, impl=jax.random.key_impl(key))
 
 
 def _lowbias32(x: jax.Array) -> jax.Array:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import inspect
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -27,16 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core import lift
-from flax.core import scope as linen_scope
 from flax.linen import dtypes as linen_dtypes
 from flax.linen import module as linen_module
 from flax.linen import transforms as linen_transforms
 
-from jact.core import rng
-
 __all__ = [
     "pack_all", "lift_method_call", "state_restored", "run_methods_within", "suppress_capture", "bind_to_scope",
-    "nnx_twin_of", "peek_stream_key", "next_rng_key", "next_stream_key", "variable_values", "replaced_variables",
+    "nnx_twin_of", "peek_stream_key", "variable_values", "replaced_variables",
     "canonicalize_dtype", "attention_signature", "attention_defaults", "trace_context_error",
     "FlaxCompatError",
     "check",
@@ -212,46 +208,6 @@ def peek_stream_key(stream: nnx.RngStream) -> jax.Array:
   `flax.nnx.RngStream.__call__`.
   """
   return jax.random.fold_in(stream.key[...], stream.count[...])
-
-
-def next_rng_key(module: nn.Module, name: str) -> jax.Array:
-  """`module.make_rng(name)` for a stream that feeds only jact's rounding noise.
-
-  The stream's counter advances exactly as `make_rng` advances it (the
-  model's later draws are unchanged), and the key comes from the same root
-  key and the same static data (the module path and the count), hashed by
-  `jact.core.rng.derive_key` instead of threefry: `make_rng` is a
-  `jax.random.fold_in`, a rolled threefry loop per layer on XLA:CPU.
-
-  Internal: `Scope.rngs`, `Scope.rng_counters`, `LazyRng` and the scope's
-  validity checks. Public replacement: none in flax 0.12.8 (`make_rng`
-  always folds with threefry). Watch: `flax.core.scope.Scope.make_rng`.
-  """
-  scope = module.scope
-  if scope is None or not scope.has_rng(name):
-    return module.make_rng(name)  # Flax's own error (or its 'params' fallback)
-  scope._check_valid()  # pylint: disable=protected-access
-  scope._validate_trace_level()  # pylint: disable=protected-access
-  scope.rng_counters[name] += 1
-  lazy = linen_scope.LazyRng.create(scope.rngs[name], scope.rng_counters[name])
-  digest = hashlib.sha1(repr(tuple(lazy.suffix)).encode()).digest()
-  return rng.derive_key(lazy.rng, int.from_bytes(digest[:4], "big"),
-                        int.from_bytes(digest[4:8], "big"))
-
-
-def next_stream_key(stream: nnx.RngStream) -> jax.Array:
-  """`stream()` for a stream that feeds only jact's rounding noise: the count
-  advances as `stream()` advances it, the key is `derive_key(key, count)`
-  (no threefry). Raises what `stream()` raises where nnx forbids advancing
-  the stream (the count's update is checked by the Variable itself).
-
-  Public: `RngStream.key` / `.count` are public Variables. Watch:
-  `flax.nnx.RngStream.__call__` (what a draw checks and updates).
-  """
-  count = stream.count[...]
-  key = rng.derive_key(stream.key[...], count)
-  stream.count[...] = count + 1
-  return key
 
 
 def stream_key_shape(stream: nnx.RngStream) -> tuple:
@@ -492,31 +448,6 @@ def _check_stream() -> None:
           "the peeked key is not the stream's next key")
 
 
-def _check_next_keys() -> None:
-  class Draws(nn.Module):
-    jact_draws: int
-
-    @nn.compact
-    def __call__(self):
-      keys = [next_rng_key(self, "jact") for _ in range(self.jact_draws)]
-      return keys, self.make_rng("jact")
-
-  data = jax.random.key_data
-  rngs = {"jact": jax.random.key(5)}
-  (first, second), third = Draws(2).apply({}, rngs=rngs)
-  _expect(not bool(jnp.array_equal(data(first), data(second))),
-          "next_rng_key gave the same key twice")
-  # two jact draws then make_rng: the stream's third draw, as after two make_rng calls
-  plain = nn.apply(lambda m: [m.make_rng("jact") for _ in range(3)][-1], Draws(0))({}, rngs=rngs)
-  _expect(bool(jnp.array_equal(data(third), data(plain))),
-          "next_rng_key did not advance the stream's counter as make_rng does")
-  stream = nnx.Rngs(jact=3)["jact"]
-  first = next_stream_key(stream)
-  _expect(int(stream.count[...]) == 1, "next_stream_key did not advance the stream's count")
-  _expect(not bool(jnp.array_equal(data(first), data(next_stream_key(stream)))),
-          "next_stream_key gave the same key twice")
-
-
 def _check_stream_key_shape() -> None:
   _expect(stream_key_shape(nnx.Rngs(default=3)["default"]) == (), "a stream's key is not a scalar")
 
@@ -588,7 +519,6 @@ _CHECKS: dict[str, Callable[[], None]] = {
     "nnx_twin_of": _check_nnx_twin,
     "peek_stream_key": _check_stream,
     "stream_key_shape": _check_stream_key_shape,
-    "next_rng_key / next_stream_key": _check_next_keys,
     "variable_values / replaced_variables": _check_replaced,
     "canonicalize_dtype": _check_dtype,
     "attention_signature": _check_attention,

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
-from jact.core import rng
 from jact.flax._conversion import Settings
 from jact.transforms.compressed import ResidualConfig
 
@@ -72,9 +71,9 @@ def scan_key(outer_key, name: str, args):
   a batch sharded over devices gets the same key as on one device. Two
   iterations with bit-identical arguments share their noise (a correlation,
   not an error)."""
-  key = rng.derive_key(outer_key, name_salt(name))
+  key = jax.random.fold_in(outer_key, name_salt(name))
   for leaf in _float_leaves(args):
-    key = rng.derive_key(key, _fingerprint(lax.stop_gradient(leaf)))
+    key = jax.random.fold_in(key, _fingerprint(lax.stop_gradient(leaf)))
   return key
 
 

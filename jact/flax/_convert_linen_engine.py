@@ -91,7 +91,7 @@ def key_for(module, settings: Settings, args) -> tuple[bool, Any]:
   if not settings.needs_key:
     return True, None
   if module.has_rng("jact"):
-    return True, _compat.next_rng_key(module, "jact")
+    return True, module.make_rng("jact")
   outer = OUTER_KEY.get()
   if outer is not None:
     return True, scan_key(outer, name_of(module), args)

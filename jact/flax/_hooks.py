@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
-from jact.core import rng
 from jact.engine.derivatives import inference_only
 from jact.engine.rounding import Rounding, residual_method
 from jact.flax import _compat
@@ -94,7 +93,7 @@ class Calls:
     i = self.count
     self.count += 1
     name = self.names[i] if i < len(self.names) else f"{self.names[-1]}.{i}"
-    key = None if self.key is None else rng.derive_key(self.key, i)
+    key = None if self.key is None else jax.random.fold_in(self.key, i)
     return key, name
 
   def __call__(self, *args, **kwargs):
@@ -191,7 +190,7 @@ class _KeySource:
     i = self.calls.get(name, 0)
     self.calls[name] = i + 1
     salt = zlib.crc32(name.encode()) & 0x7FFFFFFF
-    return rng.derive_key(self.key, salt, i)
+    return jax.random.fold_in(jax.random.fold_in(self.key, salt), i)
 
 
 @contextlib.contextmanager
@@ -251,7 +250,7 @@ def draw(stream, what: str):
   model): a clear error where nnx forbids advancing it (inside a JAX
   transform that closes over the model)."""
   try:
-    return _compat.next_stream_key(stream)
+    return stream()
   except _compat.trace_context_error() as err:
     raise ValueError(
         f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
@@ -353,7 +352,7 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
 def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any]]:
   """The compressed ops an attention twin provides: q/k/v projections, output
   projection and the attention itself, each with its own key and residual name."""
-  sub = (lambda i: None) if key is None else (lambda i: rng.derive_key(key, i))
+  sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
   qkv = Calls(linear.dot_general, sub(0), tuple(f"{name}/{p}" for p in ("query", "key", "value")),
               "dot_general", plain=lax.dot_general, compress=(True, False), **rounding)
   out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general", plain=lax.dot_general,

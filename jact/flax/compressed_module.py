@@ -204,7 +204,7 @@ def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
     compress = True
     if key is None and cfg.needs_key:
       if self.has_rng("jact"):
-        key = _compat.next_rng_key(self, "jact")
+        key = self.make_rng("jact")
       else:  # init, inference: the plain module (same parameters, same output)
         compress = False
     # `fn` runs on a `module_class` clone bound to the lifted scopes (as in linen's
@@ -289,7 +289,7 @@ def _draw_key(module, key, config: ResidualConfig, name: str):
   stream = getattr(module, "jact_rngs", None)
   if stream is None:
     return False, None
-  return True, _compat.next_stream_key(stream)
+  return True, stream()
 
 
 def _call(module, target: nnx.Module, method, args, kwargs, key, config: ResidualConfig, policy,

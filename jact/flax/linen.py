@@ -72,7 +72,7 @@ class _Twin:
                             self._api()):
       return True, None
     if self.has_rng("jact"):
-      return True, _compat.next_rng_key(self, "jact")
+      return True, self.make_rng("jact")
     return False, None
 
   def _keyless(self, fn: Callable) -> Callable:

@@ -32,7 +32,6 @@ import jax
 from jax import lax
 
 from jact import _compat
-from jact.core import rng
 from jact.compressors import Compressor
 from jact.engine.names import check_name
 from jact.engine.rounding import Rounding, residual_method
@@ -212,7 +211,7 @@ class _CompressedConv:
       return lax.conv_general_dilated(lhs, rhs, **params)
     if all(d == 1 for d in params["lhs_dilation"]):
       params["lhs_dilation"] = None
-    key = None if self.key is None else rng.derive_key(self.key, i)
+    key = None if self.key is None else jax.random.fold_in(self.key, i)
     return conv_general_dilated(lhs, rhs, key=key, bits=self.bits, compressor=self.compressor,
                                 group_size=self.group_size, stochastic=self.stochastic,
                                 name=f"{self.name}.conv{i}", **params)

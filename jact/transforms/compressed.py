@@ -416,7 +416,7 @@ class CompressedModule:
 
   def __call__(self, *args, key=None, **kwargs):
     if key is not None and _takes_keyword_key(self.module):
-      rounding_key = rng.derive_key(key, self.ROUNDING_STREAM)
+      rounding_key = jax.random.fold_in(rng.single_key(key), self.ROUNDING_STREAM)
       return self.call(self.module, *args, key=rounding_key, **kwargs, **{_MODULE_KEY: key})
     return self.call(self.module, *args, key=key, **kwargs)
 
