@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
 
-
 from jact import _compat
 
 __all__ = ["EVERY", "Fragment", "Frame", "evaluate", "run"]
