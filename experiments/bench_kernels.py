@@ -252,7 +252,8 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
           speedup = row["speedup_vs_xla"]
           print(f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB {t * 1e3:9.3f} ms "
                 f"{gbps:8.1f} GB/s {gbps / copy_gbps:6.1%} of copy"
-                f"{'' if speedup is None else f'  x{speedup:.2f} vs xla'}  exact={same}", flush=True)
+                f"{'' if speedup is None else f'  x{speedup:.2f} vs xla'}  exact={same}"
+                f"{'' if same_cpu is None else f' exact_vs_cpu={same_cpu}'}", flush=True)
         del inputs
   return rows
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jact.core import rng
 from jact.core.quantize import effective_group_size
 from jact.kernels.per_sample.reference import quantize_per_sample_reference
 from jact.kernels.quantize.reference import quantize_reference, quantize_rows_reference
@@ -116,6 +117,23 @@ def jitted(fn, *args, **kwargs):
   return jax.jit(functools.partial(fn, **kwargs))(*args)
 
 
+def at_code_boundaries(n, groups, group, bits, seed):
+  """float32 (n, groups * group) values whose exact v + u lies just under a code boundary
+  for `seed`'s noise (u), so a kernel that fuses the product v with the add of u into one
+  multiply-add, or rounds it otherwise than the reference, gets other codes. Each group
+  holds 0 and 3.9375: its step is the same and not a power of two."""
+  levels = (1 << bits) - 1
+  ends = np.zeros((n, groups, group), np.float32)
+  ends[..., 1] = 3.9375
+  step = np.asarray(quantize_reference(jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
+                                       group_size=group).scale, np.float32)[..., None]
+  u = np.asarray(rng.uniform_from_bits(rng.element_bits(seed, (n, groups, group))), np.float64)
+  k = np.random.default_rng(0).integers(1, levels, (n, groups, group))
+  x = ((k - u - 2e-6) * step).astype(np.float32)
+  x[..., :2] = ends[..., :2]
+  return jnp.asarray(x.reshape(n, -1))
+
+
 def random_bytes(shape, seed):
   """Every byte value: any code the dequantizers may meet."""
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8))
@@ -140,7 +158,18 @@ def quantize_cases():
       case("b2-bf16-partial-group", (3, 7, 13), BF16, 2, 64, rows=2, quick=True),  # 64 + 27
       case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
       case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
+      boundary_case(8, rows=4),
   ] + [nonfinite_case(bits, dtype, rows=2) for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32))]
+
+
+def boundary_case(bits, rows):
+  """Values just under code boundaries (`at_code_boundaries`): one rounding per operation."""
+  def make():
+    seed = jnp.uint32(0xB0B + bits)
+    return ((at_code_boundaries(4, 8, 256, bits, seed), seed),
+            dict(bits=bits, group_size=256, stochastic=True))
+  return Case(f"b{bits}-f32-at-code-boundaries", make,
+              {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)})
 
 
 def nonfinite_case(bits, dtype, rows):

@@ -172,6 +172,56 @@ def test_non_bf16_constant_within_one_bf16_ulp():
     assert np.isfinite(xh).all() and np.abs(xh - c).max() <= 2**-7 * c
 
 
+# ----------------------------------------------------------------------------- one rounding per operation
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_round_to_equals_the_dtype_conversion(dtype):
+  """`round_to` (bit arithmetic / reduce_precision, which XLA:GPU cannot drop as excess
+  precision) rounds as the conversion does: every finite value of the dtype, its float32
+  neighbours, the midpoints between consecutive values (ties to even) and subnormals."""
+  from jact.core.quantize import round_to
+  v = np.asarray(jnp.asarray(np.arange(2**16, dtype=np.uint16).view(dtype)).astype(jnp.float32))
+  v = np.sort(v[np.isfinite(v)])
+  mid = ((v[:-1].astype(np.float64) + v[1:]) / 2).astype(np.float32)
+  r = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+  w = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(-np.inf)),
+                      mid, r, r * 1e-5, r * 1e-7])
+  big = float(jnp.finfo(dtype).max)
+  w = np.clip(w, -big, big)
+  expected = np.asarray(jnp.asarray(w).astype(dtype).astype(jnp.float32))
+  got = np.asarray(jax.jit(lambda t: round_to(t, dtype))(w))
+  np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_stochastic_codes_round_once_per_operation():
+  """code = floor(fl(fl(offset * 1/step) + u)): the noise is added to the rounded product,
+  never fused with it into one multiply-add (XLA:CPU contracts freely, the GPU kernels
+  round every operation). Values are placed just under a code boundary, where the two
+  differ: the test asserts that many of them do."""
+  from jact.core import rng
+  from jact.kernels.quantize.reference import quantize_reference
+  n, groups, g, bits = 8, 16, 256, 8
+  seed = jnp.uint32(77)
+  quantize8 = jax.jit(lambda x: quantize_reference(x, seed, bits=bits, group_size=g))
+  ends = np.zeros((n, groups, g), np.float32)
+  ends[..., 1] = 3.9375  # each group holds 0 and this maximum: its step is not a power of two
+  step = np.asarray(quantize8(jnp.asarray(ends.reshape(n, -1))).scale, np.float32)[..., None]
+  u = np.asarray(rng.uniform_from_bits(rng.element_bits(seed, (n, groups, g))), np.float64)
+  k = np.random.default_rng(3).integers(1, 254, (n, groups, g))
+  x = ((k - u - 2e-6) * step).astype(np.float32)  # exact v + u just under the boundary k
+  x[..., :2] = ends[..., :2]
+  p = quantize8(jnp.asarray(x.reshape(n, -1)))
+  assert (np.asarray(p.minimum, np.float32) == 0).all()
+  assert (np.asarray(p.scale, np.float32)[..., None] == step).all()
+  codes = np.asarray(unpack_bits(p.data, bits))
+  inv = np.float32(1) / step
+  separate = np.minimum(np.floor(x * inv + u.astype(np.float32)), 255)  # float32: two roundings
+  fused = np.minimum(np.floor((x.astype(np.float64) * inv + u).astype(np.float32)), 255)  # one
+  assert (separate != fused).sum() >= 20  # the input does probe the difference
+  np.testing.assert_array_equal(codes, separate)
+
+
 # ----------------------------------------------------------------------------- unbiasedness and variance
 
 

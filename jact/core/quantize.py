@@ -299,9 +299,35 @@ def flagged_levels(levels: jax.Array, flagged: jax.Array) -> jax.Array:
 
 
 def round_to(v: jax.Array, dtype) -> jax.Array:
-  """float32 v rounded to nearest in `dtype` (finite values in its range), as float32."""
+  """float32 v rounded to nearest-even in `dtype` (finite values in its range), as float32.
+
+  Bit arithmetic, not a float32 -> dtype -> float32 convert pair: XLA:GPU may
+  drop such a pair (excess precision is allowed by default), which on an H200
+  made the XLA quantizer round bfloat16 values between unrounded grid points
+  (137 codes of 1M differed from the CPU's). The same code runs in the kernels.
+  """
   dtype = jnp.dtype(dtype)
-  return v if dtype == jnp.float32 else v.astype(dtype).astype(jnp.float32)
+  if dtype == jnp.float32:
+    return v
+  if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return v.astype(dtype).astype(jnp.float32)
+  drop = 16 if dtype == jnp.bfloat16 else 13  # float32 significand bits the dtype lacks
+  u = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  odd = (u >> drop) & jnp.uint32(1)
+  kept = jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+  u = (u + jnp.uint32((1 << (drop - 1)) - 1) + odd) & kept
+  rounded = jax.lax.bitcast_convert_type(u, jnp.float32)
+  if dtype == jnp.bfloat16:  # same exponent range as float32: no subnormals of its own
+    return rounded
+  # float16 subnormals (|v| < 2**-14) lie on a 2**-24 grid: round |v| * 2**24 (exact,
+  # < 1024) to an integer, ties to even, in integer arithmetic.
+  scaled = jnp.abs(v) * jnp.float32(2.0**24)
+  whole = scaled.astype(jnp.int32)
+  frac = scaled - whole.astype(jnp.float32)
+  up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+  tiny = (whole + up.astype(jnp.int32)).astype(jnp.float32) * jnp.float32(2.0**-24)
+  tiny = jax.lax.select((u >> 31) == 1, -tiny, tiny)
+  return jax.lax.select(jnp.abs(v) < jnp.float32(2.0**-14), tiny, rounded)
 
 
 def decode_groups(codes: jax.Array, minimum: jax.Array, stored: jax.Array, levels,
@@ -422,7 +448,10 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
     noise = jnp.float32(0.5)
   top = full(finite_levels)
   if dtype is None or jnp.dtype(dtype) == jnp.float32:
-    codes = jnp.minimum(jnp.maximum(jnp.floor(v + noise), 0.0), top)
+    # max(v, 0) is a no-op here (v >= 0) that keeps v + noise from being contracted into
+    # one fused multiply-add with v's product: XLA:CPU does that, Triton's explicitly
+    # rounded kernels do not, and the two roundings differ where v + noise is near an integer.
+    codes = jnp.minimum(jnp.floor(jnp.maximum(v, 0.0) + noise), top)
   else:  # grid points decode rounded to dtype: round between those (see `lattice_codes`)
     k_low = jnp.minimum(jnp.maximum(jnp.floor(v), 0.0), jnp.maximum(top - 1.0, 0.0))
     codes = lattice_codes(clipped, k_low, top, jnp.broadcast_to(noise, g.shape), lo_g,

@@ -154,7 +154,7 @@ def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: b
   top = jnp.broadcast_to(jnp.asarray(levels if finite_levels is None else finite_levels,
                                      jnp.float32), scaled.shape)
   if dtype is None or jnp.dtype(dtype) == jnp.float32:
-    code = jnp.minimum(jnp.maximum(jnp.floor(T.add(scaled, u, interpret)), 0.0), top)
+    code = jnp.minimum(jnp.floor(T.add(jnp.maximum(scaled, 0.0), u, interpret)), top)  # as the reference
   else:
     k_low = jnp.minimum(jnp.maximum(jnp.floor(scaled), 0.0), jnp.maximum(top - 1.0, 0.0))
     decode = functools.partial(decode_values, minimum=minimum, stored=stored, dtype=dtype,
