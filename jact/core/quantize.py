@@ -387,7 +387,19 @@ def group_extremes(g: jax.Array, size: int | None = None):
 
   init = jax.lax.optimization_barrier((jnp.float32(jnp.inf), jnp.float32(-jnp.inf), jnp.int32(0)))
   lo, hi, k = jax.lax.reduce((g, g, bits), init, reducer, (g.ndim - 1,))
-  return lo, hi, nonfinite_kind((k & 1) != 0, (k & 2) != 0, (k & 4) != 0)
+  return lo, hi, kind_of_bits(k)
+
+
+# kind of each or-ed bit set nan | 2 * (+inf) | 4 * (-inf), one nibble per set:
+# 0 -> 0, only +inf -> KIND_POS_INF, only -inf -> KIND_NEG_INF, anything else -> KIND_NAN
+_KIND_TABLE = 0x11131210
+
+
+def kind_of_bits(k: jax.Array) -> jax.Array:
+  """`nonfinite_kind` of int32 bit sets k = nan | 2 * (+inf) | 4 * (-inf), by a table
+  lookup in one constant (3 operations instead of ~25: the statistics feed several
+  fusions, each of which recomputes them)."""
+  return (jnp.int32(_KIND_TABLE) >> (k * 4)) & 15
 
 
 def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None,
