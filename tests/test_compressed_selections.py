@@ -71,6 +71,34 @@ def test_reduced_values_follow_statistics_not_activations():
   assert (32, 64) not in shapes  # centred and normalized activations are not statistics
 
 
+@pytest.mark.parametrize("statistic", [
+    lambda x: x.var(-1, keepdims=True),  # divides by n - ddof, a traced scalar, inside jit
+    lambda x: x.std(-1, ddof=1, keepdims=True),
+    lambda x: jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-6)])
+def test_statistics_through_traced_scalars_are_reduced_values(statistic):
+  """jnp.var's divisor is a scalar computed inside its jit: a scalar (or a value made
+  from scalars alone) does not stop a statistic from being one, so it is kept exact
+  instead of quantized on a grid shared by 256 rows."""
+  jaxpr = jax.make_jaxpr(statistic)(jnp.ones((32, 64))).jaxpr
+  assert all(v in reduced_values(jaxpr) for v in jaxpr.outvars)
+  grown = jax.make_jaxpr(lambda x: x * statistic(x))(jnp.ones((32, 64))).jaxpr
+  assert not any(v in reduced_values(grown) for v in grown.outvars)  # an activation again
+
+
+def test_layer_norm_with_jnp_var_stores_its_statistics_exactly():
+  def layer_norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-6)
+
+  x = jax.random.normal(jax.random.key(0), (16, 32, 256)) * jnp.linspace(0.1, 10.0, 32)[:, None]
+  block = jact.compressed(layer_norm, bits=2, compress_argnums=(0,))
+  report = jact.residual_report(lambda x: block(x, key=jax.random.key(1)).sum(), x)
+  exact = [r for r in report.residuals if r.name is None and tuple(r.shape) == (16, 32, 1)]
+  assert len(exact) == 3 and all(r.dtype == jnp.float32 for r in exact)  # variance, rsqrt, x̂'s
+  quantized = [r for r in report.residuals if r.dtype == jnp.uint8]
+  # activation-sized codes, and one byte: jnp.var's n - ddof > 0 flag, a packed bool
+  assert quantized and all(r.bytes >= 2**12 or r.shape == (1,) for r in quantized)
+
+
 def test_outer_wrap_keeps_the_pieces_a_scanned_inner_block_stored():
   """A compressed model around a scan over compressed blocks: the blocks'
   pieces leave the scan stacked (uint8 codes, bf16 group statistics); the

@@ -240,7 +240,7 @@ def reduced_values(jaxpr) -> set:
   Their values can span orders of magnitude across rows (a softmax row sum
   over 1 or 4096 keys), which a group's shared uniform grid cannot hold; they
   are small, so they are kept exact."""
-  reduced = set()
+  reduced, scalar = set(), set()
   for eqn in jaxpr.eqns:
     ins = [v for v in eqn.invars if _compat.is_var(v) and hasattr(v.aval, "shape")]
     if not ins:
@@ -249,7 +249,13 @@ def reduced_values(jaxpr) -> set:
     largest = None if None in sizes else max(sizes)  # None: a symbolic (jax.export) batch
     body = _compat.call_body(eqn)
     inner = reduced_values(body.jaxpr) if body is not None else set()
-    from_reduced = all(v in reduced for v in ins)
+    # Scalars and what is computed from scalars alone (a divisor n - ddof, a broadcast
+    # fill value) neither make nor spoil a statistic: jnp.var divides by a traced scalar.
+    neutral = [v in scalar or size == 1 for v, size in zip(ins, sizes)]
+    if all(neutral):
+      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape"))
+    from_reduced = (any(v in reduced for v in ins)
+                    and all(v in reduced or n for v, n in zip(ins, neutral)))
     for k, out in enumerate(eqn.outvars):
       if not hasattr(out.aval, "shape"):
         continue
