@@ -74,7 +74,8 @@ def test_reduced_values_follow_statistics_not_activations():
 @pytest.mark.parametrize("statistic", [
     lambda x: x.var(-1, keepdims=True),  # divides by n - ddof, a traced scalar, inside jit
     lambda x: x.std(-1, ddof=1, keepdims=True),
-    lambda x: jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-6)])
+    lambda x: jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-6),
+    lambda x: jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))])  # Equinox's LayerNorm
 def test_statistics_through_traced_scalars_are_reduced_values(statistic):
   """jnp.var's divisor is a scalar computed inside its jit: a scalar (or a value made
   from scalars alone) does not stop a statistic from being one, so it is kept exact
@@ -97,6 +98,19 @@ def test_layer_norm_with_jnp_var_stores_its_statistics_exactly():
   quantized = [r for r in report.residuals if r.dtype == jnp.uint8]
   # activation-sized codes, and one byte: jnp.var's n - ddof > 0 flag, a packed bool
   assert quantized and all(r.bytes >= 2**12 or r.shape == (1,) for r in quantized)
+
+
+def test_equinox_layer_norm_keeps_its_statistics_exact():
+  """eqx.nn.LayerNorm (jnp.var, then jnp.maximum(0, var)) applied per token by vmap,
+  inside a whole-model wrap: no statistic is quantized."""
+  eqx = pytest.importorskip("equinox", reason="the Equinox recipes need equinox (test extras)")
+  norm = eqx.nn.LayerNorm(256)
+  block = jact.compressed(lambda x: jax.vmap(jax.vmap(norm))(x), bits=4, compress_argnums=(0,))
+  x = jax.random.normal(jax.random.key(0), (16, 64, 256))  # statistics: 1024 values, min_size
+  report = jact.residual_report(lambda x: block(x, key=jax.random.key(1)).sum(), x)
+  quantized = [r for r in report.residuals if r.dtype == jnp.uint8]
+  assert quantized and all(r.bytes >= 2**12 or r.shape == (1,) for r in quantized)
+  assert len([r for r in report.residuals if r.name is None and r.shape == (16, 64, 1)]) >= 2
 
 
 def test_outer_wrap_keeps_the_pieces_a_scanned_inner_block_stored():

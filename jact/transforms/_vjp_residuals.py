@@ -243,14 +243,16 @@ def reduced_values(jaxpr) -> set:
   reduced, scalar = set(), set()
   for eqn in jaxpr.eqns:
     ins = [v for v in eqn.invars if _compat.is_var(v) and hasattr(v.aval, "shape")]
+    # Scalars and what is computed from scalars and literals alone (a divisor n - ddof,
+    # a broadcast fill value) neither make nor spoil a statistic: jnp.var divides by a
+    # traced scalar, jnp.maximum's derivative selects between broadcast constants.
     if not ins:
+      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape"))
       continue
     sizes = [_size(v) for v in ins]
     largest = None if None in sizes else max(sizes)  # None: a symbolic (jax.export) batch
     body = _compat.call_body(eqn)
     inner = reduced_values(body.jaxpr) if body is not None else set()
-    # Scalars and what is computed from scalars alone (a divisor n - ddof, a broadcast
-    # fill value) neither make nor spoil a statistic: jnp.var divides by a traced scalar.
     neutral = [v in scalar or size == 1 for v, size in zip(ins, sizes)]
     if all(neutral):
       scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape"))
