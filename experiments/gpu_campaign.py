@@ -124,7 +124,10 @@ CHUNKS = (
           110, "ResNet-50 224x224 train step (batch 128): plain vs jact 2/4/8 bits: step time, "
                "compile seconds, compiled and peak memory"),
     Chunk("lm", "iii", "gpu_lm", ("--layers", "6", "--width", "512", "--length", "512", "--batch",
-                                  "32"), ("--small",),
+                                  "32"),
+          # smoke: one width of jact.convert (8 and 4 bits run the same code as 2 bits
+          # with another integer; a compile of the tiny LM each, ~5 s of CPU)
+          ("--small", "--methods", "plain", "jact2", "jact_checkpoint"),
           60, "transformer LM train step: plain vs jact 8/4/2 bits vs jact.checkpoint: step time, "
               "compile seconds, compiled and peak memory"),
     Chunk("largest_batch", "iv", "bench_train_step",

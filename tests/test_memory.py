@@ -1,7 +1,7 @@
 """Compiled memory, not only residual accounting (compile-only, on CPU).
 
 For a ReLU CNN block and a pre-LN transformer block written with `jact.ops`,
-stacks of 1, 3 and 5 blocks are compiled (never run) and XLA's temp memory of
+stacks of 1, 3 and 5 (CNN) or 1, 2 and 3 (transformer) blocks are compiled (never run) and XLA's temp memory of
 the train step is read, plain (bits=None, i.e. the jax ops) and jact at 2 bits.
 """
 
@@ -15,23 +15,26 @@ from experiments.memory_scaling import scaling
 
 pytestmark = pytest.mark.slow  # every test compiles whole train steps (a minute per fixture on a CPU core)
 
-SIZES = (1, 3, 5)
+# Stack sizes per block: the slope is taken between the last two. The CNN
+# needs 5 blocks for its deepest-stack saving to clear 3x (its fixed overhead
+# is large: 2.9x at 3 blocks); the transformer clears it at 3 (6x), and its
+# 2-bit stacks compile superlinearly in depth, so it stops there.
 CASES = {
-    "relu_cnn": dict(x_shape=(16, 16, 16, 64), channels=64),
-    "transformer": dict(x_shape=(8, 128, 128), dim=128, mlp=512),
+    "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
+    "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 128, 128), dim=128, mlp=512),
 }
 
 
 @pytest.fixture(scope="module")
 def series():
-  return {(name, bits): scaling(name, bits, sizes=SIZES, **kw)
-          for name, kw in CASES.items() for bits in (None, 2)}
+  return {(name, bits): scaling(name, bits, **kw) for name, kw in CASES.items()
+          for bits in (None, 2)}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_train_step_temp_memory_lower_than_plain(series, name):
   plain, jact2 = series[name, None], series[name, 2]
-  for n, p, j in zip(SIZES, plain["temp_bytes"], jact2["temp_bytes"]):
+  for n, p, j in zip(plain["sizes"], plain["temp_bytes"], jact2["temp_bytes"]):
     assert j < p, f"{name}: {n} blocks: jact temp {j} >= plain {p}"
   # At the deepest stack the saving is large (measured: ~5x CNN, ~12x transformer).
   assert jact2["temp_bytes"][-1] * 3 < plain["temp_bytes"][-1]
@@ -59,9 +62,11 @@ def test_temp_memory_added_per_block_follows_residual_bytes(series, name):
 
 # `jact.compressed` around each plain-JAX block (block input compressed too:
 # compress_argnums=(1,)), and `jact.checkpoint` per block.
+# (the transformer's compressed stacks compile superlinearly in depth: 5, 10,
+# 17 and 29 s for 1-4 blocks on one CPU core, so they stop at 3)
 GENERIC_CASES = {
     "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
-    "transformer": dict(sizes=(1, 2, 4), x_shape=(8, 64, 64), dim=64, mlp=256),
+    "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 64, 64), dim=64, mlp=256),
 }
 
 

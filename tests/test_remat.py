@@ -140,10 +140,15 @@ def test_compressed_names_work_with_jax_policies():
   rem = jax.checkpoint(lambda p, x: block(p, x, key=key), policy=policy)
   report = jact.residual_report(lambda p, x: jnp.sum(rem(p, x) * r), params[0], x)
   assert {n for n in report.by_name() if n} == set(names)
-  g = jax.grad(lambda p: jnp.sum(rem(p, x) * r))(params[0])
-  g2 = jax.grad(lambda p: jnp.sum(block(p, x, key=key) * r))(params[0])
+  # Jitted (run eagerly, the two gradients took ~10 s of op-by-op dispatch). Two
+  # differently built programs: XLA reassociates their float32 sums, so they
+  # agree to a few ulps of each leaf's largest entry (measured 1.7e-5 of 34, 5e-7
+  # of the scale), as the value_and_grad check above; 2-bit residuals drawn with
+  # other noise (another key) differ by 0.3-1.6 of the scale (measured).
+  g = jax.jit(jax.grad(lambda p: jnp.sum(rem(p, x) * r)))(params[0])
+  g2 = jax.jit(jax.grad(lambda p: jnp.sum(block(p, x, key=key) * r)))(params[0])
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g2)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.abs(b).max()))
 
 
 def _cuda_hlo(f, *args):
