@@ -140,6 +140,8 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
       link(out, next(iter(same)))
     if not broadcasts:
       continue
+    if not _compat.is_static_shape(shape):  # a symbolic (jax.export) batch: no row hints
+      continue
     for w in ins:
       if (w in stat and len(_shape(w)) == len(shape) and w not in same
           and _size(w) * REDUCTION <= _size(out)):

@@ -247,15 +247,15 @@ def reduced_values(jaxpr) -> set:
     # a broadcast fill value) neither make nor spoil a statistic: jnp.var divides by a
     # traced scalar, jnp.maximum's derivative selects between broadcast constants.
     if not ins:
-      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape"))
+      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape") and _size(o) is not None)
       continue
     sizes = [_size(v) for v in ins]
     largest = None if None in sizes else max(sizes)  # None: a symbolic (jax.export) batch
     body = _compat.call_body(eqn)
     inner = reduced_values(body.jaxpr) if body is not None else set()
     neutral = [v in scalar or size == 1 for v, size in zip(ins, sizes)]
-    if all(neutral):
-      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape"))
+    if all(neutral):  # static shapes only: a symbolic (jax.export) batch is never neutral
+      scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape") and _size(o) is not None)
     from_reduced = (any(v in reduced for v in ins)
                     and all(v in reduced or n for v, n in zip(ins, neutral)))
     for k, out in enumerate(eqn.outvars):
