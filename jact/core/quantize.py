@@ -312,11 +312,11 @@ def round_to(v: jax.Array, dtype) -> jax.Array:
   if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return v.astype(dtype).astype(jnp.float32)
   drop = 16 if dtype == jnp.bfloat16 else 13  # float32 significand bits the dtype lacks
-  u = jax.lax.bitcast_convert_type(v, jnp.uint32)
-  odd = (u >> drop) & jnp.uint32(1)
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  odd = (bits >> drop) & jnp.uint32(1)
   kept = jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
-  u = (u + jnp.uint32((1 << (drop - 1)) - 1) + odd) & kept
-  rounded = jax.lax.bitcast_convert_type(u, jnp.float32)
+  rounded = jax.lax.bitcast_convert_type((bits + jnp.uint32((1 << (drop - 1)) - 1) + odd) & kept,
+                                         jnp.float32)
   if dtype == jnp.bfloat16:  # same exponent range as float32: no subnormals of its own
     return rounded
   # float16 subnormals (|v| < 2**-14) lie on a 2**-24 grid: round |v| * 2**24 (exact,
@@ -326,7 +326,7 @@ def round_to(v: jax.Array, dtype) -> jax.Array:
   frac = scaled - whole.astype(jnp.float32)
   up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
   tiny = (whole + up.astype(jnp.int32)).astype(jnp.float32) * jnp.float32(2.0**-24)
-  tiny = jax.lax.select((u >> 31) == 1, -tiny, tiny)
+  tiny = jax.lax.select((bits >> 31) == 1, -tiny, tiny)  # -0.0 stays -0.0
   return jax.lax.select(jnp.abs(v) < jnp.float32(2.0**-14), tiny, rounded)
 
 

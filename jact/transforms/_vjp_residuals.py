@@ -258,13 +258,16 @@ def reduced_values(jaxpr) -> set:
       scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape") and _size(o) is not None)
     from_reduced = (any(v in reduced for v in ins)
                     and all(v in reduced or n for v, n in zip(ins, neutral)))
+    # never larger than its statistics (a broadcast constant may be activation-sized)
+    stat_sizes = [size for v, size in zip(ins, sizes) if v in reduced]
+    largest_stat = None if None in stat_sizes else max(stat_sizes, default=0)
     for k, out in enumerate(eqn.outvars):
       if not hasattr(out.aval, "shape"):
         continue
       inner_out = body.jaxpr.outvars[k] if body is not None else None
       if ((_compat.is_reduction(eqn) and _at_most(_size(out), REDUCTION, largest))
           or (_compat.is_var(inner_out) and inner_out in inner)  # a Literal is unhashable
-          or (from_reduced and _at_most(_size(out), 1, largest))):
+          or (from_reduced and _at_most(_size(out), 1, largest_stat))):
         reduced.add(out)
   return reduced
 
