@@ -254,9 +254,8 @@ def nonfinite_kind(has_nan, has_pos_inf, has_neg_inf) -> jax.Array:
   both infinities), +inf or -inf."""
   # arithmetic on the flags, not selects between new constants: the result
   # keeps the flags' sharding (an Explicit mesh refuses unsharded cases)
-  nan = (has_nan | (has_pos_inf & has_neg_inf)).astype(jnp.int32)
-  pos, neg = has_pos_inf.astype(jnp.int32), has_neg_inf.astype(jnp.int32)
-  return nan * KIND_NAN + (1 - nan) * (pos * KIND_POS_INF + (1 - pos) * neg * KIND_NEG_INF)
+  as_int = lambda flag: jnp.asarray(flag).astype(jnp.int32)
+  return kind_of_bits(as_int(has_nan) | as_int(has_pos_inf) << 1 | as_int(has_neg_inf) << 2)
 
 
 def flag_step(step: jax.Array, kind: jax.Array) -> jax.Array:
