@@ -204,16 +204,23 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
   def spread_chunk(state, g0, params, batch, key, salts):
     return jnp.stack([spread(state, g0, params, batch, key, s) for s in salts])
 
-  reference_jit, finish_jit = jax.jit(reference), jax.jit(finish)
+  # One compiled gradient serves the reference and every variant (one at a
+  # time), so an update compiles the model's gradient once, not twice.
+  grads_jit, finish_jit = jax.jit(grads), jax.jit(finish)
+  half_sq_distance = jax.jit(lambda g1, g0: 0.5 * _sq_norm(jax.tree.map(jnp.subtract, g1, g0)))
 
   def update(state: SensitivityState, params, batch, key) -> SensitivityState:
     if any(map(_compat.is_tracer, jax.tree.leaves((state, params, batch, key)))):
       return update_traced(state, params, batch, key)
-    g0 = reference_jit(state, params, batch, key)
-    salts = redraws(len(state.names))
-    step = chunk_size or 1
-    sq = jnp.concatenate([spread_chunk(state, g0, params, batch, key, salts[i:i + step])
-                          for i in range(0, len(state.names), step)])
+    n = len(state.names)
+    g0 = grads_jit(state, params, batch, key, jnp.zeros((n,), jnp.uint32))
+    salts = redraws(n)
+    if (chunk_size or 1) == 1:
+      sq = jnp.stack([half_sq_distance(grads_jit(state, params, batch, key, salts[i]), g0)
+                      for i in range(n)])
+    else:
+      sq = jnp.concatenate([spread_chunk(state, g0, params, batch, key, salts[i:i + chunk_size])
+                            for i in range(0, n, chunk_size)])
     return finish_jit(state, sq)
 
   return Estimator(init, update)

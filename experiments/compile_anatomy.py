@@ -1,0 +1,203 @@
+"""Where the compile time of a compressed gradient goes (XLA:CPU).
+
+For one zoo model's `jact.convert` gradient (default: the transformer LM at 4
+bits), compiles, as in `experiments.compile_time`:
+
+* plain -- the model without jact;
+* jact -- as shipped;
+* exact residuals -- jact with every residual kept exact (no quantizer, no
+  dequantizer), everything else (custom VJPs, seeds, names, ordering) kept:
+  the cost of the plumbing;
+* no CPU ordering -- jact without the XLA:CPU ordering devices (always-true
+  selects, runtime-1.0 divisions), and both removed. *Attribution only*:
+  without the ordering the compiled step holds far more memory (its
+  `temp_bytes` shows how much), it is not a program jact would run;
+* quantizers alone -- the model's own quantize calls (recorded while tracing
+  it: shapes, dtypes, widths, group sizes) compiled in one program, their
+  seeds once derived from a constant per call (as each residual's site seed
+  is) and once passed as parameters (then the quantize kernels of equal
+  shapes are identical and XLA:CPU compiles one of them);
+* minimal quantizers -- the same calls through a bare per-group stochastic
+  quantizer (min/max, hashed noise, floor, 4-bit packing; none of jact's
+  non-finite, wide-range or low-precision handling), a lower bound for any
+  per-group quantizer written in XLA.
+
+Each row has compile CPU-seconds, optimized HLO instructions, fusions and
+the number of distinct fused computations (fusions that differ only in
+names count once: roughly the kernels XLA:CPU generates code for).
+
+    python -m experiments.compile_anatomy [--model transformer_lm] [--bits 4] [--json PATH]
+
+writes `experiments/results/compile_anatomy.json` (default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jact.kernels
+from jact.core import rng, xla_cpu
+from jact.core.quantize import grouped
+from jact.core.packing import pack_bits
+from jact.engine import store
+from experiments.compile_time import RESULTS, meta
+from experiments.zoo import CASES
+from experiments.zoo_harness import variant_fns
+
+
+def distinct_fusions(hlo: str) -> int:
+  """Fused computations of an optimized HLO text that differ in more than names."""
+  bodies = re.findall(r"\n(%fused_computation[^\s]* .*?\n})", hlo, re.S)
+
+  def normalized(body):
+    body = re.sub(r", metadata=\{[^}]*\}", "", body)
+    body = re.sub(r"%[\w.\-]+", "%", body)
+    return re.sub(r"(param_\d+)\.\d+", r"\1", body)
+
+  return len({normalized(b) for b in bodies})
+
+
+def compile_row(fn, args) -> dict:
+  """Compile CPU-seconds and sizes of `jax.jit(fn)` at `args`."""
+  lowered = jax.jit(fn).lower(*args)
+  start = time.process_time()
+  compiled = lowered.compile()
+  seconds = time.process_time() - start
+  hlo = compiled.as_text()
+  return {"compile_cpu_s": seconds,
+          "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
+          "fusions": hlo.count(" fusion("), "distinct_fusions": distinct_fusions(hlo),
+          "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+  old = getattr(module, name)
+  setattr(module, name, value)
+  try:
+    yield
+  finally:
+    setattr(module, name, old)
+
+
+@contextlib.contextmanager
+def exact_residuals():
+  """Every jact module's `compress_residual` returns the residual unchanged."""
+  original = store.compress_residual
+  keep = lambda x, *args, **kwargs: x
+  owners = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("jact")
+            and getattr(m, "compress_residual", None) is original]
+  with contextlib.ExitStack() as stack:
+    for module in owners:
+      stack.enter_context(patched(module, "compress_residual", keep))
+    yield
+
+
+def no_cpu_ordering():
+  return patched(xla_cpu, "on_cpu", lambda rule, values, anchors: list(values))
+
+
+@contextlib.contextmanager
+def recording_quantize_calls(calls: list):
+  """Records (shape, dtype, bits, group size, stochastic) of every quantize kernel call."""
+  dispatch = jact.kernels.dispatch
+
+  def recording(op, implementation=None, **kwargs):
+    fn = dispatch(op, implementation, **kwargs)
+    if op != "quantize":
+      return fn
+
+    def call(x, seed, *, bits, group_size, stochastic):
+      calls.append((tuple(x.shape), jnp.dtype(x.dtype).name, bits, group_size, stochastic))
+      return fn(x, seed, bits=bits, group_size=group_size, stochastic=stochastic)
+    return call
+
+  with patched(jact.kernels, "dispatch", recording):
+    yield
+
+
+def gradient_program(case, bits: int):
+  fns = variant_fns(case, "convert" if bits else "plain", bits)
+  return jax.grad(fns.loss, has_aux=True), (fns.params, fns.state, case.batch(0), jax.random.key(1))
+
+
+def minimal_quantize(x, seed, bits: int, group_size: int):
+  """A bare per-group stochastic quantizer (the lower bound; not jact's rounding)."""
+  g, _ = grouped(x.astype(jnp.float32), group_size)
+  lo, hi = jnp.min(g, axis=-1), jnp.max(g, axis=-1)
+  step = (hi - lo) / (2**bits - 1)
+  noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))
+  codes = jnp.floor((g - lo[..., None]) / step[..., None] + noise).astype(jnp.uint8)
+  return lo.astype(jnp.bfloat16), step.astype(jnp.bfloat16), pack_bits(codes, bits)
+
+
+def quantizer_programs(calls):
+  """(name, fn, args) of the recorded calls' quantizers compiled alone."""
+  quantize = jact.kernels.dispatch("quantize", "xla")
+  inputs = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype, *_ in calls]
+  one_seed = jax.ShapeDtypeStruct((), jnp.uint32)
+
+  def constant_seeds(xs, seed):
+    return [quantize(x, rng.split_seed(seed, i), bits=b, group_size=g, stochastic=s)
+            for i, (x, (_, _, b, g, s)) in enumerate(zip(xs, calls))]
+
+  def seed_parameters(xs, seeds):
+    return [quantize(x, seed, bits=b, group_size=g, stochastic=s)
+            for x, seed, (_, _, b, g, s) in zip(xs, seeds, calls)]
+
+  def minimal(xs, seeds):
+    return [minimal_quantize(x, seed, b, g) for x, seed, (_, _, b, g, _) in zip(xs, seeds, calls)]
+
+  return [("quantizers alone, constant seeds", constant_seeds, (inputs, one_seed)),
+          ("quantizers alone, seeds as parameters", seed_parameters, (inputs, [one_seed] * len(calls))),
+          ("minimal quantizers, seeds as parameters", minimal, (inputs, [one_seed] * len(calls)))]
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="transformer_lm", choices=sorted(CASES))
+  parser.add_argument("--bits", type=int, default=4)
+  parser.add_argument("--json", type=Path, default=RESULTS / "compile_anatomy.json")
+  args = parser.parse_args(argv)
+  case, info, rows = CASES[args.model], meta(argv), []
+
+  def add(name, make, *contexts):
+    with contextlib.ExitStack() as stack:
+      for context in contexts:
+        stack.enter_context(context)
+      fn, fn_args = make()
+      row = {"program": name, **compile_row(fn, fn_args)}
+    rows.append(row)
+    print(f"{name:42s} compile {row['compile_cpu_s']:6.2f} CPU-s  HLO {row['hlo_instructions']:6d}"
+          f"  fusions {row['fusions']:4d} ({row['distinct_fusions']:4d} distinct)"
+          f"  temp {row['temp_bytes'] / 2**20:8.1f} MiB", flush=True)
+
+  calls = []
+  add("plain", lambda: gradient_program(case, None))
+  add("jact", lambda: gradient_program(case, args.bits), recording_quantize_calls(calls))
+  add("jact, exact residuals", lambda: gradient_program(case, args.bits), exact_residuals())
+  add("jact, no CPU ordering", lambda: gradient_program(case, args.bits), no_cpu_ordering())
+  add("jact, exact residuals, no CPU ordering", lambda: gradient_program(case, args.bits),
+      exact_residuals(), no_cpu_ordering())
+  for name, fn, fn_args in quantizer_programs(calls):
+    add(name, lambda fn=fn, fn_args=fn_args: (fn, fn_args))
+  info.update(model=args.model, bits=args.bits, quantize_calls=len(calls),
+              distinct_quantize_calls=len(set(calls)), load_average_end=os.getloadavg())
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  args.json.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
+  print(f"{len(calls)} quantize calls ({len(set(calls))} distinct); wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
