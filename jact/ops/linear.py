@@ -25,9 +25,8 @@ from jax import lax
 
 from jact.engine import probe as _probe
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
-from jact.engine.names import check_name
-from jact.engine.store import vjp_with_compressed_inputs
+from jact.engine.op import Keep, Store, compressed_op
+from jact.engine.rounding import Rounding, check_float, residual_method
 
 __all__ = ["dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose"]
 
@@ -62,16 +61,36 @@ def _apply(fn, args, *, compress, key, bits, compressor, group_size, stochastic,
   _check_real(args, op)
   _check_compressed(args, compress, bits, op)
   rounding = Rounding(bits, group_size, stochastic)
-  name = check_name(name)
-  seed = make_seed(key, rounding, op)
-  names = tuple(f"{name}.{role}" for role in ("lhs", "rhs", "arg2")[:len(args)])
-  y = vjp_with_compressed_inputs(fn, *args, compress=compress, seed=seed, rounding=rounding, names=names,
-                      op=op)
+  compress = tuple(bool(c) for c in compress)
+  if len(compress) != len(args):
+    raise ValueError(f"jact.ops.{op}: compress needs one flag per operand ({len(args)}), "
+                     f"got {compress}")
+  y = compressed_op(*_stored_operands(fn, compress), op=op, name=name, rounding=rounding,
+                    key=key, primal=fn)(*args)
   collector = _probe.active()
   if collector is not None and layer is not None and compress[0] and bits is not None:
     kind, info = layer
-    y = _probe.observe_linear(collector, names[0], kind, args[0], y, group_size=group_size, **info)
+    y = _probe.observe_linear(collector, f"{name}.lhs", kind, args[0], y,
+                              group_size=group_size, **info)
   return y
+
+
+def _stored_operands(fn, compress):
+  """(forward, backward) of `fn` storing the operands marked in `compress`
+  compressed (`name.lhs`, `name.rhs`) and keeping the others (weights, alive
+  anyway); the backward is the exact VJP of `fn` at the reconstructions. For
+  a function linear in each stored operand the gradients are unbiased."""
+  roles = ("lhs", "rhs", "arg2")[:len(compress)]
+
+  def forward(*args):
+    return fn(*args), {role: Store(a) if c else Keep(a, tie=True)
+                       for role, a, c in zip(roles, args, compress)}
+
+  def backward(res, g):
+    _, vjp = jax.vjp(fn, *res.values())
+    return vjp(g)
+
+  return forward, backward
 
 
 def _dense_layer(lhs, dimension_numbers, compress):
