@@ -58,11 +58,8 @@ import numpy as np
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
-from jact.engine.scheduling import barrier, finish_forward
-from jact.engine.names import check_name, tag
-from jact.engine.store import compress_residual, restore_residual
-from jact.engine.derivatives import reverse_only
+from jact.engine.op import Keep, Save, Store, compressed_op
+from jact.engine.rounding import Rounding, check_float, residual_method
 
 __all__ = ["chunked_attention"]
 
@@ -156,7 +153,6 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   """
   bits = residual_method(bits, compressor, "jact.ops.chunked_attention", default_bits=None)
   rounding = Rounding(bits, group_size, stochastic)
-  name = check_name(name)
   query_chunk = _check_chunk(query_chunk, "query_chunk")
   key_chunk = _check_chunk(key_chunk, "key_chunk")
   query, keys, value = (check_float(a, _OP) for a in (query, keys, value))
@@ -189,7 +185,6 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       raise TypeError(f"jact.ops.chunked_attention: mask must be boolean (True = attend), got "
                       f"{mask_in.dtype}; pass mask.astype(bool) or use an additive bias.")
     mask = _canonical(mask_in, full, "mask")
-  seed = make_seed(key, rounding, _OP)
   if recompute is None:
     recompute = bits is not None
   elif not isinstance(recompute, (bool, np.bool_)):
@@ -354,36 +349,22 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       db = db[..., :bias.shape[-2], :bias.shape[-1]]
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype), db
 
-  @jax.custom_vjp
-  def apply(seed, q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask)[0]
-
-  def fwd(seed, q, k, v, bias, mask):
+  def storing(q, k, v, bias, mask):
     out, lse = forward(q, k, v, bias, mask)
-    saved = (q, k, v) if recompute else (q, k, v, out)
-    residuals = tuple(tag(compress_residual(a, seed, site, rounding, f"{name}.{role}"),
-                          f"{name}.{role}")
-                      for site, (a, role) in enumerate(zip(saved, "q k v out".split())))
+    residuals = {"q": Store(q), "k": Store(k), "v": Store(v)}
     if not recompute:
-      residuals = (*residuals, tag(lse, f"{name}.lse"))
-    out, residuals = finish_forward(out, residuals)
-    return out, (residuals, bias, mask)
+      residuals.update(out=Store(out), lse=Save(lse))
+    return out, {**residuals, "bias": Keep(bias), "mask": Keep(mask)}
 
-  def bwd(res, g):
-    (residuals, bias, mask), g = barrier(res, g)
-    q = restore_residual(residuals[0], query.shape)
-    k = restore_residual(residuals[1], keys.shape)
-    v = restore_residual(residuals[2], value.shape)
-    if recompute:
-      out, lse = forward(q, k, v, bias, mask)
-    else:
-      out, lse = restore_residual(residuals[3], g.shape), residuals[4]
+  def stored_backward(res, g):
+    q, k, v, bias, mask = (res[r] for r in ("q", "k", "v", "bias", "mask"))
+    out, lse = forward(q, k, v, bias, mask) if recompute else (res["out"], res["lse"])
     dq, dk, dv, db = backward(q, k, v, out, lse, bias, mask, g)
     if bias is not None:
       db = db.astype(bias.dtype)
-    return None, dq, dk, dv, db, None
+    return dq, dk, dv, db, None
 
-  apply.defvjp(fwd, bwd)
   # bias and mask enter in the canonical rank (a differentiable reshape of the
   # caller's bias, so its gradient comes back in the caller's shape).
-  return reverse_only(apply, "jact.ops.chunked_attention")(seed, query, keys, value, bias, mask)
+  return compressed_op(storing, stored_backward, op=_OP, name=name, rounding=rounding, key=key,
+                       primal=lambda *args: forward(*args)[0])(query, keys, value, bias, mask)
