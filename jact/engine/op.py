@@ -50,6 +50,8 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -63,7 +65,8 @@ from jact.engine.rows import store_rows
 from jact.engine.scheduling import barrier, finish_forward, is_stored, kept_until_cotangent
 from jact.engine.store import compress_residual, restore_residual
 
-__all__ = ["Store", "Save", "Keep", "compressed_op", "same_varying_axes"]
+__all__ = ["Store", "Save", "Keep", "compressed_op", "same_varying_axes", "takes_compressor",
+           "REMOVED_KEYWORDS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,3 +270,45 @@ def same_varying_axes(args) -> tuple:
 
 def _is_float(a) -> bool:
   return _compat.is_jax_value(a) and jnp.issubdtype(jnp.result_type(a), jnp.floating)
+
+
+# The per-group quantizer's settings, once repeated in every op's signature:
+# now one `compressor=jact.compressors.PerGroup(bits, group_size=..., stochastic=...)`.
+REMOVED_KEYWORDS = ("group_size", "stochastic")
+
+
+def takes_compressor(fn: Callable) -> Callable:
+  """`fn` (a public op taking `bits=` and `compressor=`) with a clear TypeError
+  for the keywords it no longer takes (`REMOVED_KEYWORDS`), naming the
+  compressor to pass instead. The signature and docstring stay `fn`'s.
+
+  >>> import jax.numpy as jnp
+  >>> @takes_compressor
+  ... def op(x, *, bits=4, compressor=None):
+  ...   return x
+  >>> op(jnp.ones(2), bits=2, stochastic=False)
+  Traceback (most recent call last):
+  ...
+  TypeError: jact.ops.op no longer takes stochastic=: the quantizer's settings are one argument. Pass compressor=jact.compressors.PerGroup(2, group_size=256, stochastic=False) instead of bits=2, stochastic=False.
+  """
+  api = f"jact.ops.{fn.__name__}"
+  bits_default = inspect.signature(fn).parameters["bits"].default
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    removed = {k: kwargs[k] for k in REMOVED_KEYWORDS if k in kwargs}
+    if removed:
+      raise TypeError(_removed_message(api, kwargs.get("bits", bits_default), removed))
+    return fn(*args, **kwargs)
+
+  return call
+
+
+def _removed_message(api: str, bits, removed: dict) -> str:
+  settings = {"group_size": 256, "stochastic": True, **removed}
+  width = bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
+  given = ", ".join(f"{k}={v!r}" for k, v in removed.items())
+  return (f"{api} no longer takes {', '.join(k + '=' for k in removed)}: the quantizer's "
+          f"settings are one argument. Pass compressor=jact.compressors.PerGroup({width}, "
+          f"group_size={settings['group_size']!r}, stochastic={settings['stochastic']!r}) "
+          f"instead of bits={bits!r}, {given}.")

@@ -29,8 +29,8 @@ from jact.core.packing import unpack_codes
 from jact.kernels.relu_mask.api import relu_mask
 from jact.kernels.relu_mask.reference import relu_mask_reference
 from jact.compressors import Compressor
-from jact.engine.op import Save, Store, compressed_op
-from jact.engine.rounding import Rounding, check_float, residual_method
+from jact.engine.op import Save, Store, compressed_op, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 from jact.engine.sharding import pin_rows
 
 __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
@@ -78,10 +78,10 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
 # ----------------------------------------------------------------------------- stored derivative
 
 
-def _stored_derivative(f: Callable, x, *, key, bits, compressor, group_size, stochastic,
-                       name: str, op: str) -> jax.Array:
+def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str,
+                       op: str) -> jax.Array:
   x = check_float(x, op)
-  rounding = Rounding(residual_method(bits, compressor, f"jact.ops.{op}"), group_size, stochastic)
+  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
 
   def forward(x):
     x32 = x.astype(jnp.float32)
@@ -95,50 +95,50 @@ def _stored_derivative(f: Callable, x, *, key, bits, compressor, group_size, sto
                        primal=f, elementwise=True)(x)
 
 
+@takes_compressor
 def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256, stochastic: bool = True,
-         name: str = "gelu") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "gelu") -> jax.Array:
   """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient.
 
-  `bits` (or a `jact.compressors` object as `compressor`), `group_size` and
-  `stochastic` say how the derivative is stored, as in every jact op.
+  `bits` (a width, or None: exact) or `compressor` (a `jact.compressors`
+  object, e.g. `PerGroup(4, group_size=128, stochastic=False)`) says how the
+  derivative is stored, as in every jact op.
   """
   approximate = bool(approximate)
   return _stored_derivative(lambda x: jax.nn.gelu(x, approximate=approximate), x, key=key,
-                            bits=bits, compressor=compressor, group_size=group_size,
-                            stochastic=stochastic, name=name, op="gelu")
+                            bits=bits, compressor=compressor, name=name, op="gelu")
 
 
+@takes_compressor
 def silu(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256,
-         stochastic: bool = True, name: str = "silu") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "silu") -> jax.Array:
   """`jax.nn.silu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="silu")
+  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="silu")
 
 
+@takes_compressor
 def tanh(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256,
-         stochastic: bool = True, name: str = "tanh") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "tanh") -> jax.Array:
   """`jnp.tanh` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="tanh")
+  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="tanh")
 
 
+@takes_compressor
 def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, group_size: int = 256,
-            stochastic: bool = True, name: str = "sigmoid") -> jax.Array:
+            compressor: Compressor | None = None, name: str = "sigmoid") -> jax.Array:
   """`jax.nn.sigmoid` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="sigmoid")
+  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="sigmoid")
 
 
 # ----------------------------------------------------------------------------- softmax
 
 
+@takes_compressor
 def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, group_size: int = 256,
-            stochastic: bool = True, name: str = "softmax") -> jax.Array:
+            compressor: Compressor | None = None, name: str = "softmax") -> jax.Array:
   """`jax.nn.softmax` storing its quantized output (residual `name.y`).
 
   The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
@@ -152,8 +152,7 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
   True
   """
   x = check_float(x, "softmax")
-  rounding = Rounding(residual_method(bits, compressor, "jact.ops.softmax"), group_size,
-                      stochastic)
+  rounding = op_rounding("jact.ops.softmax", bits, compressor)
   axis = axis if isinstance(axis, int) else tuple(axis)
 
   def forward(x):

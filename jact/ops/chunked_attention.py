@@ -58,8 +58,8 @@ import numpy as np
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.engine.op import Keep, Save, Store, compressed_op
-from jact.engine.rounding import Rounding, check_float, residual_method
+from jact.engine.op import Keep, Save, Store, compressed_op, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 
 __all__ = ["chunked_attention"]
 
@@ -103,11 +103,11 @@ def _block(x: jax.Array | None, axis: int, start, size: int):
   return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+@takes_compressor
 def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                       bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                       causal: bool = False, query_chunk: int = 128, key_chunk: int = 128,
-                      bits: int | None = None, compressor: Compressor | None = None,
-                      group_size: int = 256, stochastic: bool = True, key=None,
+                      bits: int | None = None, compressor: Compressor | None = None, key=None,
                       recompute: bool | None = None, precision=None,
                       name: str = "chunked_attention") -> jax.Array:
   """Attention in O(length) memory (forward and saved residuals), flash-attention style.
@@ -134,10 +134,10 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       8: q, k and v (and the output unless recomputed) are stored quantized
       (see the module note on the bias this puts in the gradient; prefer >= 4).
     compressor: a `jact.compressors` object storing q, k and v (and the
-      output) instead of `bits` (leave `bits` at None).
-    group_size, stochastic: quantization groups and rounding mode.
-    key: PRNG key for the rounding noise (required when bits is set and
-      stochastic is True).
+      output) instead of `bits` (leave `bits` at None), e.g.
+      `PerGroup(8, group_size=128, stochastic=False)`.
+    key: PRNG key for the rounding noise (required when the residuals are
+      rounded stochastically: `bits` set, or a stochastic compressor).
     recompute: if True, keep only q, k, v and re-run the forward in the
       backward pass to get the output and log-sum-exp (one extra forward's
       compute, less memory); if False, also keep the output and the float32
@@ -151,8 +151,8 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     [batch..., q_length, num_heads, v_depth] in the promoted input dtype.
     Logits, softmax statistics and accumulators are float32 for every input dtype.
   """
-  bits = residual_method(bits, compressor, "jact.ops.chunked_attention", default_bits=None)
-  rounding = Rounding(bits, group_size, stochastic)
+  rounding = op_rounding("jact.ops.chunked_attention", bits, compressor, default_bits=None)
+  bits = rounding.bits
   query_chunk = _check_chunk(query_chunk, "query_chunk")
   key_chunk = _check_chunk(key_chunk, "key_chunk")
   query, keys, value = (check_float(a, _OP) for a in (query, keys, value))

@@ -34,8 +34,8 @@ from jax import lax
 from jact import _compat
 from jact.engine import probe as _probe
 from jact.compressors import Compressor
-from jact.engine.op import Keep, Save, Store, compressed_op, same_varying_axes
-from jact.engine.rounding import Rounding, check_float, residual_method
+from jact.engine.op import Keep, Save, Store, compressed_op, same_varying_axes, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 from jact.engine.rows import axes_from_end
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
@@ -66,15 +66,15 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
 
 
 def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
-               use_fast_variance, key, bits, compressor, group_size, stochastic, name, op,
+               use_fast_variance, key, bits, compressor, name, op,
                axis_name=None, axis_index_groups=None):
   """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient.
 
   With `axis_name`, the statistics (and the backward's means over the reduced
   axes) are averaged over that named axis too, as Flax's `_compute_stats` does."""
   x = check_float(x, op)
-  bits = residual_method(bits, compressor, f"jact.ops.{op}")
-  rounding = Rounding(bits, group_size, stochastic)
+  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
+  bits = rounding.bits
   red = reduction_axes
   # scale and bias broadcast over every axis but the feature axes
   bshape = tuple(s if a in feature_axes else 1 for a, s in enumerate(x.shape))
@@ -181,15 +181,15 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     _, _, _, xc, inv, _ = forward(x, scale, bias)
     y = _probe.observe_norm(collector, f"{name}.xhat", op, xc * inv, inv,
                             None if scale is None else scale.reshape(bshape), y,
-                            reduction_axes=red, group_size=group_size)
+                            reduction_axes=red, group_size=rounding.group_size)
   return y, mu, var
 
 
+@takes_compressor
 def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
                use_fast_variance: bool = True, key=None, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str = "batch_norm",
+               compressor: Compressor | None = None, name: str = "batch_norm",
                axis_name: str | None = None, axis_index_groups=None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm over all axes except the feature `axis`.
@@ -197,8 +197,9 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   Matches `flax.linen.BatchNorm(use_running_average=False)` with output dtype
   x.dtype. Returns (y, batch_mean, batch_var); the statistics are float32,
   shaped like the feature axes and carry no gradient (feed them to
-  `update_running_stats`). `bits` (or a `jact.compressors` object as
-  `compressor`), `group_size` and `stochastic` say how x_hat is stored.
+  `update_running_stats`). `bits` (a width, or None: exact) or `compressor`
+  (a `jact.compressors` object, e.g. `PerGroup(8, group_size=128)`) says how
+  x_hat is stored.
   `axis_name` / `axis_index_groups`: cross-device statistics, as in Flax (one
   `lax.pmean` of the local means under `pmap`, `shard_map` or a named `vmap`);
   the backward averages over the same devices, so the input gradient is that
@@ -209,8 +210,7 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   red = tuple(a for a in range(x.ndim) if a not in feature)
   return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="batch_norm", axis_name=axis_name,
+                    compressor=compressor, name=name, op="batch_norm", axis_name=axis_name,
                     axis_index_groups=axis_index_groups)
 
 
@@ -228,23 +228,22 @@ def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.
   return new_mean, new_var
 
 
+@takes_compressor
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                epsilon: float = 1e-6, use_fast_variance: bool = True, key=None,
                bits: int | None = 4, compressor: Compressor | None = None,
-               group_size: int = 256, stochastic: bool = True,
                name: str = "layer_norm") -> jax.Array:
   """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
   x = check_float(x, "layer_norm")
   return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="layer_norm")[0]
+                    compressor=compressor, name=name, op="layer_norm")[0]
 
 
+@takes_compressor
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1e-6, key=None,
              bits: int | None = 4, compressor: Compressor | None = None,
-             group_size: int = 256, stochastic: bool = True,
              name: str = "rms_norm") -> jax.Array:
   """RMS norm over the last axis, matching `flax.linen.RMSNorm` (output dtype x.dtype).
 
@@ -254,5 +253,4 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1
   return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=False, use_fast_variance=True, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="rms_norm")[0]
+                    compressor=compressor, name=name, op="rms_norm")[0]
