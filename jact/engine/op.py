@@ -277,10 +277,11 @@ def _is_float(a) -> bool:
 REMOVED_KEYWORDS = ("group_size", "stochastic")
 
 
-def takes_compressor(fn: Callable) -> Callable:
-  """`fn` (a public op taking `bits=` and `compressor=`) with a clear TypeError
-  for the keywords it no longer takes (`REMOVED_KEYWORDS`), naming the
-  compressor to pass instead. The signature and docstring stay `fn`'s.
+def takes_compressor(fn: Callable | None = None, *, api: str | None = None) -> Callable:
+  """`fn` (a public op or transform taking `bits=` and `compressor=`) with a
+  clear TypeError for the keywords it no longer takes (`REMOVED_KEYWORDS`),
+  naming the compressor to pass instead. The signature and docstring stay
+  `fn`'s; `api` names it in the message (default `jact.ops.<name>`).
 
   >>> import jax.numpy as jnp
   >>> @takes_compressor
@@ -291,7 +292,9 @@ def takes_compressor(fn: Callable) -> Callable:
   ...
   TypeError: jact.ops.op no longer takes stochastic=: the quantizer's settings are one argument. Pass compressor=jact.compressors.PerGroup(2, group_size=256, stochastic=False) instead of bits=2, stochastic=False.
   """
-  api = f"jact.ops.{fn.__name__}"
+  if fn is None:
+    return functools.partial(takes_compressor, api=api)
+  api = api or f"jact.ops.{fn.__name__}"
   bits_default = inspect.signature(fn).parameters["bits"].default
 
   @functools.wraps(fn)
