@@ -148,7 +148,8 @@ def compressed_op(forward: Callable, backward: Callable, *, op: str, name: str,
     kinds = tuple(residuals.values())
     values = tuple(_stored(kind, seed, site, rounding, f"{name}.{role}")
                    for site, (role, kind) in enumerate(residuals.items()))
-    layout.update(roles=roles, kinds=kinds,
+    # the static part only: the backward rule must not hold the forward's tracers
+    layout.update(roles=roles, kinds=tuple(dataclasses.replace(k, value=None) for k in kinds),
                   shapes=tuple(jnp.shape(k.value) if isinstance(k, Store) else None
                                for k in kinds))
     if _waits(kinds, values):
