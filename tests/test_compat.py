@@ -84,7 +84,8 @@ def test_report_source_is_file_and_line():
 def test_save_compressed_policy_sees_jact_names():
   """An empty report here would mean the policy saved nothing."""
   w, x = jnp.eye(256) / 16, jnp.ones((64, 256))
-  block = jact.compressed(lambda w, x: jnp.tanh(x @ w) @ w, bits=4, name="b", stochastic=False)
+  block = jact.compressed(lambda w, x: jnp.tanh(x @ w) @ w, name="b",
+                          compressor=jact.compressors.PerGroup(4, stochastic=False))
   step = jax.checkpoint(lambda w, x: block(w, x).sum(), policy=jact.save_compressed("b"))
   names = jact.residual_report(step, w, x).by_name()
   assert any(str(n).startswith("b.") for n in names), sorted(map(str, names))
@@ -100,7 +101,7 @@ def test_compressed_residual_names_follow_vjp_leaf_positions():
   _, vjp = jax.vjp(fn, x, w)
   leaves, _ = _compat.vjp_residuals(vjp)
   expected = {f"t.{i}" for i, leaf in enumerate(leaves) if leaf is not x and leaf is not w}
-  f = jact.compressed(fn, bits=8, name="t", stochastic=False)
+  f = jact.compressed(fn, name="t", compressor=jact.compressors.PerGroup(8, stochastic=False))
   names = set(jact.residual_report(lambda x, w: f(x, w).sum(), x, w).by_name())
   assert len(expected) == len(leaves) - 2 and names == expected, (names, expected)
 

@@ -206,7 +206,7 @@ KEYWORDS = sorted({name for fn in FLAX_ATTENTION.values()
                    for name in list(inspect.signature(fn).parameters)[3:]})
 DEFAULTS = [(name, p.default) for fn in FLAX_ATTENTION.values()
             for name, p in list(inspect.signature(fn).parameters.items())[3:]]
-ROUNDING = dict(bits=4, group_size=256, stochastic=True)
+ROUNDING = dict(bits=4, compressor=None)
 
 
 def _qkv():

@@ -308,7 +308,7 @@ def test_clear_errors():
     jax.grad(jact.compressed(f, bits=2))(x)
   with pytest.raises(ValueError, match="bits"):
     jact.compressed(f, bits=3)
-  with pytest.raises(ValueError, match="group_size"):
+  with pytest.raises(TypeError, match=r"compressor=jact\.compressors\.PerGroup\(4, group_size=100"):
     jact.compressed(f, group_size=100)
   with pytest.raises(ValueError, match="min_size"):
     jact.compressed(f, min_size=0)
@@ -317,7 +317,7 @@ def test_clear_errors():
   with pytest.raises(TypeError, match="overrides"):
     jact.compressed(f, overrides=[2, 4])
   # Round-to-nearest and bits=None need no key.
-  jax.grad(jact.compressed(f, bits=2, stochastic=False))(x)
+  jax.grad(jact.compressed(f, compressor=jact.compressors.PerGroup(2, stochastic=False)))(x)
   jax.grad(jact.compressed(f, bits=None))(x)
 
 

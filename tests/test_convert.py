@@ -18,6 +18,7 @@ import jact
 from experiments.data import batches, load_image_dataset
 from stats import assert_same_tree, tree_rel_err
 from jact.flax import nnx as jnnx
+from jact.compressors import PerGroup
 from jact.flax.convert import ConversionWarning, convert
 from jact.report import residual_report
 
@@ -190,7 +191,8 @@ def test_linen_without_jact_stream_runs_plain_and_grad_is_a_clear_error():
   with pytest.raises(ValueError, match=r"'Conv_0' was differentiated without an RNG stream "
                                        r"named 'jact'.*rngs=\{'jact'"):
     jax.eval_shape(jax.grad(loss(converted)), variables)
-  jax.eval_shape(jax.grad(loss(convert(model, stochastic=False))), variables)  # no key needed
+  nearest = convert(model, compressor=PerGroup(4, stochastic=False))
+  jax.eval_shape(jax.grad(loss(nearest)), variables)  # no key needed
   jax.eval_shape(jax.grad(loss(convert(model, bits=None))), variables)
 
 
@@ -205,13 +207,14 @@ def test_linen_inference_and_jit():
 
 def test_linen_converted_module_is_the_model():
   model = CNN()
-  converted = convert(model, bits=2, group_size=64)
+  converted = convert(model, compressor=PerGroup(2, group_size=64))
   assert isinstance(converted, CNN) and type(converted).__name__ == "CNN"
   assert type(model) is CNN  # the argument is left alone
-  assert (converted.jact_bits, converted.jact_group_size) == (2, 64)
+  # a plain PerGroup is held as the twins' own fields
+  assert (converted.jact_bits, converted.jact_group_size, converted.jact_compressor) == (2, 64, None)
   # one class per model class: equal settings give equal (hashable) modules
-  assert convert(model, bits=2, group_size=64) == converted
-  assert hash(convert(model, bits=2, group_size=64)) == hash(converted)
+  assert convert(model, compressor=PerGroup(2, group_size=64)) == converted
+  assert hash(convert(model, compressor=PerGroup(2, group_size=64))) == hash(converted)
   again = convert(converted, bits=8)  # re-converting changes the settings
   assert type(again) is type(converted) and again.jact_bits == 8
   with pytest.raises(ValueError, match="unbound"):
@@ -378,6 +381,8 @@ def test_convert_rejects_bad_arguments():
   with pytest.raises(ValueError, match="bits"):
     convert(CNN(), bits=3)
   with pytest.raises(ValueError, match="group_size"):
+    convert(CNN(), compressor=PerGroup(4, group_size=12))
+  with pytest.raises(TypeError, match=r"jact\.convert .*compressor=jact\.compressors\.PerGroup\(4, group_size=12"):
     convert(CNN(), group_size=12)
   with pytest.raises(TypeError, match="'jact' stream of apply"):
     convert(CNN(), rngs=nnx.Rngs(jact=0))
@@ -532,7 +537,7 @@ def test_nnx_rngs_shared_layers_and_bare_layers():
   with pytest.raises(ValueError, match=r"stream named 'jact'.*rngs=nnx.Rngs\(jact=0\)"):
     convert(make(_rngs(0)), rngs=_rngs(0))  # rngs without a 'jact' or 'default' stream
   # round-to-nearest needs no stream; Embed and Dropout never do
-  convert(make(_rngs(0)), stochastic=False)
+  convert(make(_rngs(0)), compressor=PerGroup(4, stochastic=False))
   seq = convert(nnx.Sequential(nnx.Embed(5, 4, rngs=_rngs(0)),
                                nnx.Dropout(0.5, rngs=_rngs(dropout=1))))
   assert [type(m) for m in seq.layers] == [jnnx.Embed, jnnx.Dropout]

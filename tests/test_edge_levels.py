@@ -58,7 +58,8 @@ def test_convert_nnx_again_applies_new_settings():
   assert [net.layers[i].bits for i in (0, 2)] == [2, 2]
   assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs",
                                                                        "layers/2.lhs")}
-  convert(net, bits=8, stochastic=False, functions=False)  # round-to-nearest: no stream
+  convert(net, compressor=jact.compressors.PerGroup(8, stochastic=False),
+          functions=False)  # round-to-nearest: no stream
   assert net.layers[0].jact_rngs is None
   assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 8)
   # back to stochastic rounding: the twins have no stream left, and without rngs

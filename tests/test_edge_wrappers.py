@@ -19,6 +19,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import jact
+from jact.compressors import PerGroup
 
 # ----------------------------------------------------------------------------- residual names
 
@@ -48,7 +49,7 @@ def _trace_other_block_named_blk():
 
 
 def _user_block_report():
-  block = jact.compressed(_user_block, bits=BITS, group_size=GROUP, name="mine")
+  block = jact.compressed(_user_block, compressor=PerGroup(BITS, GROUP), name="mine")
   return jact.residual_report(lambda x: block(x, key=jax.random.key(0)).sum(), X)
 
 
@@ -75,8 +76,8 @@ def test_jact_policies_never_select_a_user_name():
 
 
 def test_jact_policies_select_jact_residuals_under_their_user_visible_names():
-  block = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(a))), bits=BITS, group_size=GROUP,
-                         name="blk")  # two residuals: the flip keeps them from folding into one
+  block = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(a))),
+                          compressor=PerGroup(BITS, GROUP), name="blk")  # two residuals: the flip keeps them from folding into one
   alone = jact.residual_report(lambda a: block(a, key=jax.random.key(2)).sum(), X)
   for policy in (jact.save_compressed("blk"), jact.save_compressed(), jact.offload_compressed("blk"),
                  jax.checkpoint_policies.save_only_these_names("blk.0", "blk.1")):

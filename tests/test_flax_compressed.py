@@ -181,7 +181,8 @@ def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
                                        r"differentiated.*rngs=\{'jact': key\}.*key="):
     jax.grad(lambda v: jnp.sum(block.apply(v, X)))(variables)
   # no key needed with round-to-nearest
-  nearest = jact.compressed(LinenBlock, bits=2, stochastic=False)(width=128)
+  nearest = jact.compressed(LinenBlock, compressor=jact.compressors.PerGroup(2, stochastic=False))(
+      width=128)
   np.testing.assert_array_equal(nearest.apply(variables, X), y_ref)
   # an explicit key= instead of the stream
   np.testing.assert_array_equal(block.apply(variables, X, key=_key(2)), y_ref)
@@ -318,7 +319,7 @@ def test_nnx_instance_wrapper_and_missing_stream():
   kept(X)
   assert int(kept.jact_rngs.count[...]) == 1
   # round-to-nearest needs no key
-  jact.compressed(block, bits=2, stochastic=False)(X)
+  jact.compressed(block, compressor=jact.compressors.PerGroup(2, stochastic=False))(X)
 
 
 def test_nnx_jit_grad_step_changes_params():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jact.compressors import PerGroup
 from jact.ops.chunked_attention import chunked_attention as attn
 from jact.kernels.quantize.api import dequantize, quantize
 from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, saved_under_names
@@ -286,5 +287,5 @@ def test_errors():
   with pytest.raises(ValueError, match="non-empty string"):
     attn(Q, KT, V, name="")
   # No key needed when nothing is random (traced only, nothing compiles).
-  grad = jax.grad(lambda q: attn(q, KT, V, bits=4, stochastic=False).sum())
+  grad = jax.grad(lambda q: attn(q, KT, V, compressor=PerGroup(4, stochastic=False)).sum())
   assert jax.eval_shape(grad, Q).shape == Q.shape

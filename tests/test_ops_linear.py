@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from jact.compressors import PerGroup
 from jact.ops import linear as L
 from stats import DRAWS, assert_unbiased
 
@@ -106,7 +107,7 @@ def test_einsum_attention_forms_unbiased(subscripts, shapes):
 def test_stochastic_false_is_detected_as_biased():
   """The statistical check can fail: round-to-nearest at 2 bits is biased."""
   x, w = _normal(4, (16, 32)), _normal(5, (32, 8))
-  op = lambda x, w, k: L.dense(x, w, key=k, bits=BITS, stochastic=False)
+  op = lambda x, w, k: L.dense(x, w, key=k, compressor=PerGroup(BITS, stochastic=False))
   out_shape = (16, 8)
   exact = jax.grad(_linear_loss(lambda x, w: x @ w, out_shape), argnums=1)(x, w)
   draws = _grad_draws(_linear_loss(op, out_shape), x, w, n=16)
@@ -356,7 +357,7 @@ def test_bad_bits_and_group_size():
   with pytest.raises(ValueError, match="bits must be one of"):
     L.dense(x, w, key=k, bits=True)
   with pytest.raises(ValueError, match="group_size must be a positive multiple of 8"):
-    L.conv(x[None], w[None], key=k, group_size=12)
+    L.conv(x[None], w[None], key=k, compressor=PerGroup(4, group_size=12))
 
 
 def test_integer_input_error_names_the_fix():
@@ -372,8 +373,9 @@ def test_missing_key():
   with pytest.raises(ValueError, match="jact.ops.einsum"):
     L.einsum("ij,jk->ik", x, w)
   # Round-to-nearest needs no key and ignores one: the same gradient with or without.
-  g1 = jax.jit(jax.grad(lambda w: L.dense(x, w, stochastic=False).sum()))(w)
-  g2 = jax.jit(jax.grad(lambda w: L.dense(x, w, key=jax.random.key(5), stochastic=False).sum()))(w)
+  nearest = PerGroup(4, stochastic=False)
+  g1 = jax.jit(jax.grad(lambda w: L.dense(x, w, compressor=nearest).sum()))(w)
+  g2 = jax.jit(jax.grad(lambda w: L.dense(x, w, key=jax.random.key(5), compressor=nearest).sum()))(w)
   np.testing.assert_array_equal(g1, g2)
   # d/dw sum(x @ w) = column sums of the 4-bit x_hat: each of the 4 rows is off
   # by at most half a step, step <= 1.01 * range(x) / 15 (bf16 step rounded up).

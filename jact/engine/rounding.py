@@ -16,7 +16,9 @@ from jact.core.quantize import FLOAT_DTYPES, check_bits, check_group_size
 from jact.compressors import Compressor, PerGroup
 from jact.engine import context as _context
 
-__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "residual_method", "as_compressor",
+__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "residual_method", "op_rounding",
+           "op_keywords",
+           "as_compressor",
            "apply_plan_entry", "make_seed", "salt_seed", "site_seed", "check_float"]
 
 
@@ -87,6 +89,41 @@ def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
   return compressor
 
 
+def op_rounding(api: str, bits, compressor, default_bits: int | None = 4) -> Rounding:
+  """The `Rounding` of an op call's `bits=` and `compressor=` (see
+  `residual_method`). A plain `PerGroup` compressor is held as its width,
+  group size and rounding mode (exactly what `bits=` alone gives for the
+  defaults), so plans, reports and seeds treat both spellings alike.
+
+  >>> op_rounding("jact.ops.gelu", 4, PerGroup(2, group_size=64, stochastic=False))
+  Rounding(bits=2, group_size=64, stochastic=False)
+  >>> op_rounding("jact.ops.gelu", 4, None) == op_rounding("jact.ops.gelu", 4, PerGroup(4))
+  True
+  """
+  method = residual_method(bits, compressor, api, default_bits)
+  if isinstance(method, PerGroup) and method.implementation is None:
+    return Rounding(method.bits, method.group_size, method.stochastic)
+  return Rounding(method)
+
+
+def op_keywords(bits, group_size: int = 256, stochastic: bool = True,
+                compressor: Compressor | None = None) -> dict:
+  """The ops' `bits=` / `compressor=` keywords for settings spelled out (a
+  Flax layer's or a conversion's `bits`, `group_size`, `stochastic`,
+  `compressor` fields): a non-default group size or rounding mode becomes
+  the per-group compressor.
+
+  >>> op_keywords(4, 64, False)
+  {'compressor': PerGroup(bits=4, group_size=64, stochastic=False, implementation=None)}
+  >>> op_keywords(2)
+  {'bits': 2, 'compressor': None}
+  """
+  if (compressor is None and bits is not None and not isinstance(bits, Compressor)
+      and (group_size, stochastic) != (256, True)):
+    return dict(compressor=PerGroup(bits, group_size, stochastic))
+  return dict(bits=bits, compressor=compressor)
+
+
 def as_compressor(bits, group_size: int = 256, stochastic: bool = True) -> Compressor | None:
   """`bits` (an int, a compressor or None) as a compressor."""
   if bits is None or isinstance(bits, Compressor):
@@ -137,8 +174,8 @@ def make_seed(key, rounding: Rounding, op: str):
     raise ValueError(
         f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "
         f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
-        f"or pass stochastic=False for round-to-nearest, or bits=None to store "
-        f"the residual uncompressed.")
+        f"or round to nearest (compressor=jact.compressors.PerGroup(bits, "
+        f"stochastic=False)), or pass bits=None to store the residual uncompressed.")
   return salt_seed(rng.seed_from_key(key))
 
 

@@ -1,24 +1,14 @@
-"""The engine shared by the compressed ops.
-
-`vjp_with_compressed_inputs(fn, *args, compress=...)` evaluates `fn(*args)` exactly and
-keeps, for the backward pass, a quantized copy of each argument marked in
-`compress` (the others are kept as they are: weights are alive anyway). The
-backward starts with an optimization barrier that ties the residuals to the
-incoming cotangent -- without it XLA hoists every dequantization into the
-forward pass and the compiled step uses more memory than plain training --
-and then runs the exact VJP of `fn` at the reconstructed arguments. For a
-function that is linear in each compressed argument (matmul, convolution)
-the resulting gradients are unbiased.
-
-Every residual piece is tagged with `jax.ad_checkpoint.checkpoint_name`, so
-`jax.checkpoint` policies such as `save_only_these_names` can select it.
+"""Storing one residual: `compress_residual` (the op's rounding, the active
+plan's width or compressor, per-sample budgets) and its inverse
+`restore_residual`. The ops reach them through `jact.engine.op.compressed_op`,
+which also names the pieces, orders them and ties them to the cotangent;
+the generic transform (`jact.compressed`) calls them per captured residual.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +19,14 @@ from jact.core.persample import PackedPerSample, per_sample_capacity
 from jact.core.quantize import Packed, as_rows
 from jact.compressors import Compressed, PerGroup
 from jact.engine import context as _context
-from jact.engine.derivatives import first_order_only, reverse_only
-from jact.engine.names import tag
+from jact.engine.derivatives import first_order_only
 from jact.engine.probe import group_ranges_sq
 from jact.engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
-from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
 from jact.engine.sharding import pin_rows
 from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
 from jact.kernels.quantize.api import dequantize
 
-__all__ = ["compress_residual", "restore_residual", "vjp_with_compressed_inputs", "same_varying_axes"]
+__all__ = ["compress_residual", "restore_residual", "kept_symbolic"]
 
 
 class SymbolicShapeWarning(UserWarning):
@@ -135,65 +123,3 @@ def restore_residual(r, shape=None, dtype=None):
     r = r.astype(dtype)
   r = r if shape is None else r.reshape(shape)
   return pin_rows(r) if stored else r  # a kept value (a kernel) keeps its own layout
-
-
-def vjp_with_compressed_inputs(fn: Callable[..., Any], *args: jax.Array, compress: Sequence[bool],
-                    seed: jax.Array, rounding: Rounding, names: Sequence[str],
-                    op: str = "vjp_with_compressed_inputs") -> Any:
-  """Evaluates `fn(*args)` exactly, saving compressed copies of marked arguments.
-
-  Args:
-    fn: the primal function, differentiable in all of `args`.
-    *args: floating-point arrays.
-    compress: one flag per argument: quantize it (True) or keep it (False).
-    seed: uint32 scalar seed (from `make_seed`).
-    rounding: the compression settings.
-    names: one residual name per argument (used for the compressed ones).
-    op: the op's name, for error messages (`jact.ops.<op>`).
-
-  Returns:
-    `fn(*args)`, whose VJP uses the reconstructed arguments.
-  """
-  compress = tuple(bool(c) for c in compress)
-  if len(compress) != len(args) or len(names) != len(args):
-    raise ValueError("compress and names need one entry per argument")
-
-  shapes = tuple(jnp.shape(a) for a in args)
-
-  @jax.custom_vjp
-  def call(seed, *args):
-    return fn(*args)
-
-  def fwd(seed, *args):
-    out = fn(*args)
-    residuals = tuple(
-        tag(compress_residual(a, seed, i, rounding, names[i]), names[i]) if c else a
-        for i, (a, c) in enumerate(zip(args, compress)))
-    return finish_forward(out, residuals)
-
-  def bwd(residuals, g):
-    residuals, g = barrier(residuals, g)
-    residuals = kept_until_cotangent(residuals, g)
-    restored = tuple(restore_residual(r, shape) for r, shape in zip(residuals, shapes))
-    _, vjp = jax.vjp(fn, *restored)
-    return (None, *vjp(g))
-
-  call.defvjp(fwd, bwd)
-  return reverse_only(call, f"jact.ops.{op}")(seed, *same_varying_axes(args))
-
-
-def same_varying_axes(args: Sequence[jax.Array]) -> tuple:
-  """`args` cast to vary over every manual mesh axis any of them varies over.
-
-  Inside `jax.shard_map` (with `check_vma`), a custom VJP's backward must
-  return cotangents of its inputs' types: a replicated weight meeting a
-  sharded activation would get a per-device (varying) gradient. Casting the
-  invariant inputs first, as JAX does for its own operations, makes the
-  whole call varying; the cast's transpose then sums the weight's gradient
-  over the devices, exactly as for the plain operation. None entries (an
-  absent bias) pass through. Outside shard_map nothing changes.
-  """
-  axes = _compat.union_of_varying_axes(args)
-  if not axes:
-    return tuple(args)
-  return tuple(a if a is None else _compat.cast_varying(a, axes) for a in args)

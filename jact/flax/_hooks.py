@@ -26,7 +26,7 @@ from jax import lax
 
 from jact import _compat as _jax_compat
 from jact.engine.derivatives import inference_only
-from jact.engine.rounding import Rounding, residual_method
+from jact.engine.rounding import Rounding, op_keywords, residual_method
 from jact.flax import _compat
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
@@ -108,7 +108,7 @@ def rounding_kwargs(bits, group_size, stochastic, compressor=None, api: str = "j
   """Validates a layer's compression settings (clear errors naming `api`, e.g.
   "jact.nn.Dense") and returns them as the ops' keywords."""
   Rounding(residual_method(bits, compressor, api), group_size, stochastic)
-  return dict(bits=bits, compressor=compressor, group_size=group_size, stochastic=stochastic)
+  return op_keywords(bits, group_size, stochastic, compressor)
 
 
 def needs_key(bits, group_size, stochastic, compressor=None, api: str = "jact") -> bool:

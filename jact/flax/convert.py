@@ -145,7 +145,8 @@ import flax.linen as nn
 from flax import nnx
 
 from jact.compressors import Compressor
-from jact.flax import _hooks
+from jact.engine.op import takes_compressor
+from jact.engine.rounding import op_rounding
 from jact.flax._conversion import ConversionWarning, Settings
 from jact.flax._convert_linen import convert_linen
 from jact.flax._convert_nnx import convert_nnx
@@ -153,8 +154,9 @@ from jact.flax._convert_nnx import convert_nnx
 __all__ = ["convert", "ConversionWarning"]
 
 
+@takes_compressor(api="jact.convert")
 def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None,
-            group_size: int = 256, stochastic: bool = True, strict: bool = False,
+            strict: bool = False,
             functions: bool = True, rngs: nnx.Rngs | nnx.RngStream | None = None):
   """Makes a plain Flax model store compressed activations; keeps its variables.
 
@@ -165,11 +167,13 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
       layer).
     bits: 1, 2, 4 or 8 bits per saved value, or None (no compression).
     compressor: a `jact.compressors` object storing the saved values instead
-      of `bits` (leave `bits` at its default).
-    group_size: values per quantization group (a multiple of 8).
-    stochastic: stochastic (unbiased) rounding, which needs a key wherever
-      the model is differentiated (linen: the 'jact' stream of `apply`; nnx:
-      `rngs=` or `jact.nnx.use_key`); False rounds to nearest and needs none.
+      of `bits` (leave `bits` at its default). `bits` alone rounds
+      stochastically (unbiased), which needs a key wherever the model is
+      differentiated (linen: the 'jact' stream of `apply`; nnx: `rngs=` or
+      `jact.nnx.use_key`); `PerGroup(bits, stochastic=False)` rounds to
+      nearest and needs none; `PerGroup(bits, group_size=...)` sets the
+      quantization groups (a multiple of 8). The twins get a plain
+      `PerGroup`'s settings as their `bits`, `group_size`, `stochastic`.
     strict: raise a ValueError, instead of warning and running the plain
       layer, when a supported layer uses an option its twin lacks.
     functions: also run the model's outermost call through the generic
@@ -188,16 +192,18 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
   Raises:
     TypeError: `model` is not a linen or nnx module, or `rngs` is given for a
       linen model, or a compressor is passed as `bits` (pass it as `compressor=`).
-    ValueError: bad `bits` / `group_size`, or `bits` and `compressor` both
+    ValueError: bad `bits` / group size, or `bits` and `compressor` both
       given; a bound linen module; an `nnx.Rngs` with neither a 'jact' nor a
       'default' stream; with `strict=True`, an unsupported option.
   """
-  # the twins' checks and messages
-  _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, "jact.convert")
+  rounding = op_rounding("jact.convert", bits, compressor)  # the twins' checks and messages
+  if compressor is not None and not isinstance(rounding.bits, Compressor):
+    bits, compressor = rounding.bits, None  # a plain PerGroup: the twins' own fields
   for flag, value in (("strict", strict), ("functions", functions)):
     if not isinstance(value, bool):
       raise TypeError(f"{flag} must be True or False, got {value!r}")
-  settings = Settings(bits, group_size, bool(stochastic), strict, compressor, functions)
+  settings = Settings(bits, rounding.group_size, bool(rounding.stochastic), strict, compressor,
+                      functions)
   if isinstance(model, nn.Module):
     if rngs is not None:
       raise TypeError(

@@ -29,12 +29,9 @@ from jact.core.packing import unpack_codes
 from jact.kernels.relu_mask.api import relu_mask
 from jact.kernels.relu_mask.reference import relu_mask_reference
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
-from jact.engine.scheduling import barrier, finish_forward
-from jact.engine.names import check_name, tag
+from jact.engine.op import Save, Store, compressed_op, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 from jact.engine.sharding import pin_rows
-from jact.engine.store import compress_residual, restore_residual
-from jact.engine.derivatives import reverse_only
 
 __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
 
@@ -42,28 +39,18 @@ __all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "
 # ----------------------------------------------------------------------------- mask activations
 
 
-
-
 def _mask_op(x, negative_slope, name: str, op: str, fn: Callable):
   x = check_float(x, op)
-  name = check_name(name)
 
-  @jax.custom_vjp
-  def apply(x):
-    return fn(x)
-
-  def fwd(x):
+  def forward(x):
     y, mask = relu_mask(x, negative_slope=negative_slope)
-    return finish_forward(y, tag(mask, f"{name}.mask"), elementwise=True)
+    return y, {"mask": Save(mask, unpack=lambda m: pin_rows(unpack_codes(m)))}
 
-  def bwd(res, g):
-    res, g = barrier(res, g)
-    m = pin_rows(unpack_codes(res))
+  def backward(res, g):
     other = jnp.zeros_like(g) if negative_slope is None else g * negative_slope
-    return (jnp.where(m, g, other),)
+    return (jnp.where(res["mask"], g, other),)
 
-  apply.defvjp(fwd, bwd)
-  return reverse_only(apply, f"jact.ops.{op}")(x)
+  return compressed_op(forward, backward, op=op, name=name, primal=fn, elementwise=True)(x)
 
 
 def relu(x: jax.Array, *, name: str = "relu") -> jax.Array:
@@ -91,78 +78,67 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
 # ----------------------------------------------------------------------------- stored derivative
 
 
-def _stored_derivative(f: Callable, x, *, key, bits, compressor, group_size, stochastic,
-                       name: str, op: str) -> jax.Array:
+def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str,
+                       op: str) -> jax.Array:
   x = check_float(x, op)
-  rounding = Rounding(residual_method(bits, compressor, f"jact.ops.{op}"), group_size, stochastic)
-  name = check_name(name)
-  seed = make_seed(key, rounding, op)
+  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
 
-  @jax.custom_vjp
-  def apply(seed, x):
-    return f(x)
-
-  def fwd(seed, x):
+  def forward(x):
     x32 = x.astype(jnp.float32)
     _, dydx = jax.jvp(f, (x32,), (jnp.ones_like(x32),))
-    if rounding.bits is None:
-      dydx = dydx.astype(x.dtype)
-    packed = tag(compress_residual(dydx, seed, 0, rounding, f"{name}.dydx"), f"{name}.dydx")
-    return finish_forward(f(x), packed, elementwise=True)
+    return f(x), {"dydx": Store(dydx, dtype=jnp.float32, exact_dtype=x.dtype)}
 
-  def bwd(res, g):
-    res, g = barrier(res, g)
-    dydx = restore_residual(res, g.shape, jnp.float32)
-    return None, (g.astype(jnp.float32) * dydx).astype(g.dtype)
+  def backward(res, g):
+    return ((g.astype(jnp.float32) * res["dydx"]).astype(g.dtype),)
 
-  apply.defvjp(fwd, bwd)
-  return reverse_only(apply, f"jact.ops.{op}")(seed, x)
+  return compressed_op(forward, backward, op=op, name=name, rounding=rounding, key=key,
+                       primal=f, elementwise=True)(x)
 
 
+@takes_compressor
 def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256, stochastic: bool = True,
-         name: str = "gelu") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "gelu") -> jax.Array:
   """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient.
 
-  `bits` (or a `jact.compressors` object as `compressor`), `group_size` and
-  `stochastic` say how the derivative is stored, as in every jact op.
+  `bits` (a width, or None: exact) or `compressor` (a `jact.compressors`
+  object, e.g. `PerGroup(4, group_size=128, stochastic=False)`) says how the
+  derivative is stored, as in every jact op.
   """
   approximate = bool(approximate)
   return _stored_derivative(lambda x: jax.nn.gelu(x, approximate=approximate), x, key=key,
-                            bits=bits, compressor=compressor, group_size=group_size,
-                            stochastic=stochastic, name=name, op="gelu")
+                            bits=bits, compressor=compressor, name=name, op="gelu")
 
 
+@takes_compressor
 def silu(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256,
-         stochastic: bool = True, name: str = "silu") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "silu") -> jax.Array:
   """`jax.nn.silu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="silu")
+  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="silu")
 
 
+@takes_compressor
 def tanh(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, group_size: int = 256,
-         stochastic: bool = True, name: str = "tanh") -> jax.Array:
+         compressor: Compressor | None = None, name: str = "tanh") -> jax.Array:
   """`jnp.tanh` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="tanh")
+  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="tanh")
 
 
+@takes_compressor
 def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, group_size: int = 256,
-            stochastic: bool = True, name: str = "sigmoid") -> jax.Array:
+            compressor: Compressor | None = None, name: str = "sigmoid") -> jax.Array:
   """`jax.nn.sigmoid` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor,
-                            group_size=group_size, stochastic=stochastic, name=name, op="sigmoid")
+  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor, name=name,
+                            op="sigmoid")
 
 
 # ----------------------------------------------------------------------------- softmax
 
 
+@takes_compressor
 def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, group_size: int = 256,
-            stochastic: bool = True, name: str = "softmax") -> jax.Array:
+            compressor: Compressor | None = None, name: str = "softmax") -> jax.Array:
   """`jax.nn.softmax` storing its quantized output (residual `name.y`).
 
   The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
@@ -176,27 +152,16 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
   True
   """
   x = check_float(x, "softmax")
-  rounding = Rounding(residual_method(bits, compressor, "jact.ops.softmax"), group_size,
-                      stochastic)
-  name = check_name(name)
-  seed = make_seed(key, rounding, "softmax")
+  rounding = op_rounding("jact.ops.softmax", bits, compressor)
   axis = axis if isinstance(axis, int) else tuple(axis)
 
-  @jax.custom_vjp
-  def apply(seed, x):
-    return jax.nn.softmax(x, axis=axis)
-
-  def fwd(seed, x):
+  def forward(x):
     y = jax.nn.softmax(x, axis=axis)
-    packed = tag(compress_residual(y, seed, 0, rounding, f"{name}.y"), f"{name}.y")
-    return finish_forward(y, packed, elementwise=True)
+    return y, {"y": Store(y, dtype=jnp.float32)}
 
-  def bwd(res, g):
-    res, g = barrier(res, g)
-    y = restore_residual(res, g.shape, jnp.float32)
-    g32 = g.astype(jnp.float32)
-    dx = y * (g32 - jnp.sum(g32 * y, axis=axis, keepdims=True))
-    return None, dx.astype(g.dtype)
+  def backward(res, g):
+    y, g32 = res["y"], g.astype(jnp.float32)
+    return ((y * (g32 - jnp.sum(g32 * y, axis=axis, keepdims=True))).astype(g.dtype),)
 
-  apply.defvjp(fwd, bwd)
-  return reverse_only(apply, "jact.ops.softmax")(seed, x)
+  return compressed_op(forward, backward, op="softmax", name=name, rounding=rounding, key=key,
+                       primal=lambda x: jax.nn.softmax(x, axis=axis), elementwise=True)(x)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, residual_method
+from jact.engine.op import takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 from jact.engine.names import check_name
 from jact.ops.activation import softmax
 from jact.ops.dropout import check_rate, dropout
@@ -32,12 +33,13 @@ from jact.ops.linear import einsum
 __all__ = ["dot_product_attention"]
 
 
+@takes_compressor
 def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                           bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                           dropout_rate: float = 0.0, deterministic: bool = True, key=None,
                           dropout_key=None, broadcast_dropout: bool = False,
                           bits: int | None = 4, compressor: Compressor | None = None,
-                          group_size: int = 256, stochastic: bool = True, precision=None,
+                          precision=None,
                           name: str = "attention") -> jax.Array:
   """softmax(q·k / sqrt(depth) + bias, masked) · v with compressed residuals.
 
@@ -58,16 +60,16 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       same key); the key's data is the dropout's residual.
     broadcast_dropout: with `dropout_key`, one mask shared over the batch
       and head axes (Flax's default).
-    bits, group_size, stochastic: compression of every residual.
-    compressor: a `jact.compressors` object for every residual instead of `bits`.
+    bits: width of every residual (1, 2, 4, 8, or None: exact).
+    compressor: a `jact.compressors` object for every residual instead of
+      `bits` (e.g. `PerGroup(4, group_size=128, stochastic=False)`).
     precision: einsum precision.
     name: prefix of the residual names.
 
   Returns:
     [batch..., q_length, num_heads, v_depth], the dtype of the promoted inputs.
   """
-  rounding = Rounding(residual_method(bits, compressor, "jact.ops.dot_product_attention"),
-                      group_size, stochastic)
+  rounding = op_rounding("jact.ops.dot_product_attention", bits, compressor)
   name = check_name(name)
   rate = check_rate(dropout_rate)
   use_dropout = not deterministic and rate > 0.0
@@ -83,9 +85,10 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     raise ValueError(
         "jact.ops.dot_product_attention needs a PRNG key (rounding noise"
         f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
-        "key per step), or stochastic=False / bits=None with deterministic=True.")
+        "key per step), or round to nearest (compressor=jact.compressors.PerGroup(bits, "
+        "stochastic=False)) or bits=None, with deterministic=True.")
   k_qk, k_sm, k_drop, k_pv = (None,) * 4 if key is None else jax.random.split(key, 4)
-  opts = dict(bits=bits, compressor=compressor, group_size=group_size, stochastic=stochastic)
+  opts = dict(bits=bits, compressor=compressor)
 
   depth = query.shape[-1]
   query = query / jnp.sqrt(depth).astype(dtype)

@@ -41,10 +41,9 @@ from jax import lax
 
 from jact.compressors.blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
                                    check_blpa_bits)
-from jact.engine.scheduling import barrier, finish_forward, kept_until_cotangent
+from jact.engine.derivatives import first_order_only
+from jact.engine.op import Keep, Save, compressed_op
 from jact.engine.rounding import check_float, residual_method
-from jact.engine.names import check_name, tag
-from jact.engine.derivatives import first_order_only, reverse_only
 from jact.ops.linear import _channels_last
 from jact.core.packing import pack_codes, unpack_codes
 
@@ -127,7 +126,6 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
                     f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
                     f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv.")
   bits = check_blpa_bits(method.bits if isinstance(method, BLPA) else method)
-  name = check_name(name)
   x, scale, bias, kernel, conv_bias = _check(x, scale, bias, kernel, conv_bias)
   epsilon = float(epsilon)
   red = tuple(range(x.ndim - 1))
@@ -149,22 +147,16 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
       y = y + conv_bias.astype(y.dtype)
     return (y, mu, var), a2, inv
 
-  @jax.custom_vjp
-  def apply(x, scale, bias, kernel, conv_bias):
-    return forward(x, scale, bias, kernel, conv_bias)[0]
-
-  def fwd(x, scale, bias, kernel, conv_bias):
+  def storing_codes(x, scale, bias, kernel, conv_bias):
     out, a2, inv = forward(x, scale, bias, kernel, conv_bias)
     step, start = blpa_grid(bias, scale, bits)
     a2 = first_order_only(a2, f"{name}.a2", f"BLPA {bits}-bit")
     codes = pack_codes(blpa_encode(a2, step, start, bits), bits)
-    packed = (tag(codes, f"{name}.a2"), tag(inv, f"{name}.inv"))
-    out, packed = finish_forward(out, packed)
-    return out, (*packed, scale, bias, kernel)
+    return out, {"a2": Save(codes), "inv": Save(inv), "scale": Keep(scale),
+                 "bias": Keep(bias), "kernel": Keep(kernel, tie=True)}
 
-  def bwd(res, cts):
-    (codes, inv, scale, bias, kernel), g = barrier(res, cts[0])  # mean/var: no gradient
-    kernel = kept_until_cotangent(kernel, g)
+  def backward(res, g):
+    codes, inv, scale, bias, kernel = (res[r] for r in ("a2", "inv", "scale", "bias", "kernel"))
     step, start = blpa_grid(bias, scale, bits)
     a2 = blpa_decode(unpack_codes(codes, jnp.uint8), step, start, bits)
     mask = a2 > 0  # == (A2 > 0), exactly
@@ -188,9 +180,9 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
   has_conv_bias = conv_bias is not None
   conv_bias_dtype = None if conv_bias is None else conv_bias.dtype
   x_dtype = x.dtype
-  apply.defvjp(fwd, bwd)
-  y, mu, var = reverse_only(apply, "jact.ops.blpa_block")(x, scale, bias, kernel, conv_bias)
-  return y, lax.stop_gradient(mu), lax.stop_gradient(var)
+  return compressed_op(storing_codes, backward, op="blpa_block", name=name,
+                       primal=lambda *args: forward(*args)[0], statistics=2)(
+                           x, scale, bias, kernel, conv_bias)
 
 
 def blpa_block_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Array,

@@ -58,11 +58,8 @@ import numpy as np
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
-from jact.engine.scheduling import barrier, finish_forward
-from jact.engine.names import check_name, tag
-from jact.engine.store import compress_residual, restore_residual
-from jact.engine.derivatives import reverse_only
+from jact.engine.op import Keep, Save, Store, compressed_op, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
 
 __all__ = ["chunked_attention"]
 
@@ -106,11 +103,11 @@ def _block(x: jax.Array | None, axis: int, start, size: int):
   return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+@takes_compressor
 def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
                       bias: jax.Array | None = None, mask: jax.Array | None = None, *,
                       causal: bool = False, query_chunk: int = 128, key_chunk: int = 128,
-                      bits: int | None = None, compressor: Compressor | None = None,
-                      group_size: int = 256, stochastic: bool = True, key=None,
+                      bits: int | None = None, compressor: Compressor | None = None, key=None,
                       recompute: bool | None = None, precision=None,
                       name: str = "chunked_attention") -> jax.Array:
   """Attention in O(length) memory (forward and saved residuals), flash-attention style.
@@ -137,10 +134,10 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       8: q, k and v (and the output unless recomputed) are stored quantized
       (see the module note on the bias this puts in the gradient; prefer >= 4).
     compressor: a `jact.compressors` object storing q, k and v (and the
-      output) instead of `bits` (leave `bits` at None).
-    group_size, stochastic: quantization groups and rounding mode.
-    key: PRNG key for the rounding noise (required when bits is set and
-      stochastic is True).
+      output) instead of `bits` (leave `bits` at None), e.g.
+      `PerGroup(8, group_size=128, stochastic=False)`.
+    key: PRNG key for the rounding noise (required when the residuals are
+      rounded stochastically: `bits` set, or a stochastic compressor).
     recompute: if True, keep only q, k, v and re-run the forward in the
       backward pass to get the output and log-sum-exp (one extra forward's
       compute, less memory); if False, also keep the output and the float32
@@ -154,9 +151,8 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     [batch..., q_length, num_heads, v_depth] in the promoted input dtype.
     Logits, softmax statistics and accumulators are float32 for every input dtype.
   """
-  bits = residual_method(bits, compressor, "jact.ops.chunked_attention", default_bits=None)
-  rounding = Rounding(bits, group_size, stochastic)
-  name = check_name(name)
+  rounding = op_rounding("jact.ops.chunked_attention", bits, compressor, default_bits=None)
+  bits = rounding.bits
   query_chunk = _check_chunk(query_chunk, "query_chunk")
   key_chunk = _check_chunk(key_chunk, "key_chunk")
   query, keys, value = (check_float(a, _OP) for a in (query, keys, value))
@@ -189,7 +185,6 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       raise TypeError(f"jact.ops.chunked_attention: mask must be boolean (True = attend), got "
                       f"{mask_in.dtype}; pass mask.astype(bool) or use an additive bias.")
     mask = _canonical(mask_in, full, "mask")
-  seed = make_seed(key, rounding, _OP)
   if recompute is None:
     recompute = bits is not None
   elif not isinstance(recompute, (bool, np.bool_)):
@@ -354,36 +349,22 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
       db = db[..., :bias.shape[-2], :bias.shape[-1]]
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype), db
 
-  @jax.custom_vjp
-  def apply(seed, q, k, v, bias, mask):
-    return forward(q, k, v, bias, mask)[0]
-
-  def fwd(seed, q, k, v, bias, mask):
+  def storing(q, k, v, bias, mask):
     out, lse = forward(q, k, v, bias, mask)
-    saved = (q, k, v) if recompute else (q, k, v, out)
-    residuals = tuple(tag(compress_residual(a, seed, site, rounding, f"{name}.{role}"),
-                          f"{name}.{role}")
-                      for site, (a, role) in enumerate(zip(saved, "q k v out".split())))
+    residuals = {"q": Store(q), "k": Store(k), "v": Store(v)}
     if not recompute:
-      residuals = (*residuals, tag(lse, f"{name}.lse"))
-    out, residuals = finish_forward(out, residuals)
-    return out, (residuals, bias, mask)
+      residuals.update(out=Store(out), lse=Save(lse))
+    return out, {**residuals, "bias": Keep(bias), "mask": Keep(mask)}
 
-  def bwd(res, g):
-    (residuals, bias, mask), g = barrier(res, g)
-    q = restore_residual(residuals[0], query.shape)
-    k = restore_residual(residuals[1], keys.shape)
-    v = restore_residual(residuals[2], value.shape)
-    if recompute:
-      out, lse = forward(q, k, v, bias, mask)
-    else:
-      out, lse = restore_residual(residuals[3], g.shape), residuals[4]
+  def stored_backward(res, g):
+    q, k, v, bias, mask = (res[r] for r in ("q", "k", "v", "bias", "mask"))
+    out, lse = forward(q, k, v, bias, mask) if recompute else (res["out"], res["lse"])
     dq, dk, dv, db = backward(q, k, v, out, lse, bias, mask, g)
     if bias is not None:
       db = db.astype(bias.dtype)
-    return None, dq, dk, dv, db, None
+    return dq, dk, dv, db, None
 
-  apply.defvjp(fwd, bwd)
   # bias and mask enter in the canonical rank (a differentiable reshape of the
   # caller's bias, so its gradient comes back in the caller's shape).
-  return reverse_only(apply, "jact.ops.chunked_attention")(seed, query, keys, value, bias, mask)
+  return compressed_op(storing, stored_backward, op=_OP, name=name, rounding=rounding, key=key,
+                       primal=lambda *args: forward(*args)[0])(query, keys, value, bias, mask)

@@ -40,10 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact.core import rng
-from jact.engine.scheduling import barrier
+from jact.engine.names import check_name
+from jact.engine.op import Save, compressed_op
 from jact.engine.rounding import check_float
-from jact.engine.names import check_name, tag
-from jact.engine.derivatives import reverse_only
 
 __all__ = ["dropout", "keep_mask", "check_rate", "DRAWS"]
 
@@ -154,16 +153,10 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
     m = jnp.broadcast_to(mask_of(seed), v.shape)
     return jax.lax.select(m, v / jnp.asarray(keep_prob, v.dtype), jnp.zeros_like(v))
 
-  @jax.custom_vjp
-  def apply(seed, x):
-    return apply_mask(seed, x)
+  def forward(seed, x):
+    return apply_mask(seed, x), {"seed": Save(seed)}
 
-  def fwd(seed, x):
-    return apply_mask(seed, x), tag(seed, f"{name}.seed")
+  def backward(res, g):
+    return None, apply_mask(res["seed"], g)
 
-  def bwd(seed, g):
-    seed, g = barrier(seed, g)
-    return None, apply_mask(seed, g)
-
-  apply.defvjp(fwd, bwd)
-  return reverse_only(apply, "jact.ops.dropout")(seed, x)
+  return compressed_op(forward, backward, op="dropout", name=name, primal=apply_mask)(seed, x)

@@ -22,9 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jact.engine.scheduling import barrier
-from jact.engine.names import check_name, tag
-from jact.engine.derivatives import reverse_only
+from jact.engine.names import check_name
+from jact.engine.op import Save, compressed_op
 
 __all__ = ["embed"]
 
@@ -56,18 +55,12 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str = "embed") -> jax.Array
     raise ValueError("jact.ops.embed needs a table with at least one axis (rows)")
   shape, dtype = table.shape, table.dtype
 
-  @jax.custom_vjp
-  def op(ids, table):
+  def lookup(ids, table):
     return jnp.take(table, ids, axis=0)
 
-  def fwd(ids, table):
-    return jnp.take(table, ids, axis=0), tag(ids, f"{name}.ids")
-
-  def bwd(ids, g):
-    ids, g = barrier(ids, g)
+  def backward(res, g):
     # Same scatter-add as the transpose of jnp.take (out-of-range ids dropped).
-    d_table = jnp.zeros(shape, dtype).at[ids].add(g, mode="drop")
-    return None, d_table
+    return None, jnp.zeros(shape, dtype).at[res["ids"]].add(g, mode="drop")
 
-  op.defvjp(fwd, bwd)
-  return reverse_only(op, "jact.ops.embed")(ids, table)
+  return compressed_op(lambda ids, table: (lookup(ids, table), {"ids": Save(ids)}), backward,
+                       op="embed", name=name, primal=lookup)(ids, table)

@@ -34,12 +34,9 @@ from jax import lax
 from jact import _compat
 from jact.engine import probe as _probe
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, check_float, make_seed, residual_method
-from jact.engine.scheduling import barrier, finish_forward
-from jact.engine.names import check_name, tag
-from jact.engine.rows import axes_from_end, store_rows
-from jact.engine.store import compress_residual, restore_residual, same_varying_axes
-from jact.engine.derivatives import reverse_only
+from jact.engine.op import Keep, Save, Store, compressed_op, same_varying_axes, takes_compressor
+from jact.engine.rounding import check_float, op_rounding
+from jact.engine.rows import axes_from_end
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
 
@@ -69,17 +66,15 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
 
 
 def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
-               use_fast_variance, key, bits, compressor, group_size, stochastic, name, op,
+               use_fast_variance, key, bits, compressor, name, op,
                axis_name=None, axis_index_groups=None):
   """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient.
 
   With `axis_name`, the statistics (and the backward's means over the reduced
   axes) are averaged over that named axis too, as Flax's `_compute_stats` does."""
   x = check_float(x, op)
-  bits = residual_method(bits, compressor, f"jact.ops.{op}")
-  rounding = Rounding(bits, group_size, stochastic)
-  name = check_name(name)
-  seed = make_seed(key, rounding, op)
+  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
+  bits = rounding.bits
   red = reduction_axes
   # scale and bias broadcast over every axis but the feature axes
   bshape = tuple(s if a in feature_axes else 1 for a, s in enumerate(x.shape))
@@ -126,43 +121,29 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       y = y + bias.astype(_F32).reshape(bshape)
     return y.astype(x.dtype), mu, var, xc, inv, slope
 
-  @jax.custom_vjp
-  def apply(seed, x, scale, bias):
-    y, mu, var = forward(x, scale, bias)[:3]
-    return y, mu, var
-
   bound = {}  # the sizes of the named axes where the forward rule ran
 
-  def fwd(seed, x, scale, bias):
+  def forward_storing(x, scale, bias):
     if axis_name is not None:
       bound["sizes"] = _compat.bound_axis_sizes(axis_name)
     y, mu, var, xc, inv, slope = forward(x, scale, bias)
-    xhat = xc * inv
-    if rounding.bits is None:
-      xhat = xhat.astype(x.dtype)
-    compress = lambda v: compress_residual(v, seed, 0, rounding, f"{name}.xhat")
-    if not use_mean and rounding.bits is not None and xhat.size:
-      # RMS norm: x_hat keeps x's offset (1 + small deviations for x = 100 + noise),
-      # which the backward needs: centered and scaled per row before rounding
-      stored = store_rows(xhat, axes_from_end(red, x.ndim), compress)
-    else:
-      stored = compress(xhat)
-    packed = (tag(stored, f"{name}.xhat"), tag(inv, f"{name}.inv_std"))
+    # RMS norm: x_hat keeps x's offset (1 + small deviations for x = 100 + noise), which
+    # the backward needs: centered and scaled per row before rounding
+    rows = None if use_mean else axes_from_end(red, x.ndim)
+    residuals = {"xhat": Store(xc * inv, dtype=_F32, exact_dtype=x.dtype, rows=rows),
+                 "inv_std": Save(inv)}
     if clipped_variance:  # twice the slope per row: 2 where the fast variance was not clipped
-      packed += (tag(jnp.expand_dims(2 * slope, red).astype(jnp.uint8), f"{name}.var_slope"),)
-    # only y waits for the residuals: under shard_map the statistics of an axis_name
-    # are invariant over it, and a flag from the (varying) residuals would make them vary
-    y, packed = finish_forward(y, packed, elementwise=True)
-    return (y, mu, var), (*packed, scale)
+      residuals["var_slope"] = Save(jnp.expand_dims(2 * slope, red).astype(jnp.uint8))
+    residuals["scale"] = Keep(scale)
+    return (y, mu, var), residuals
 
-  def bwd(res, cts):
+  def backward(res, g):
     # under jax.grad of jax.vmap(axis_name=...), JAX runs this rule without the axis bound
     with _compat.axes_bound(bound.get("sizes", ())):
-      return _bwd(res, cts)
+      return _backward(res, g)
 
-  def _bwd(res, cts):
-    (xhat, inv, *slope, scale), g = barrier(res, cts[0])  # mean/var cotangents: stop_gradient
-    xhat = restore_residual(xhat, g.shape, jnp.float32)
+  def _backward(res, g):
+    xhat, inv, scale = res["xhat"], res["inv_std"], res["scale"]
     g32 = g.astype(_F32)
     d_bias = None
     if bias_shape is not None:
@@ -179,32 +160,36 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
       h = g32 * scale.astype(_F32).reshape(bshape)
     if use_mean:
       mean_hx, mean_h = mean(h * xhat, h, keepdims=True)
-      if slope:
-        mean_hx = mean_hx * (0.5 * slope[0].astype(_F32))
+      if clipped_variance:
+        mean_hx = mean_hx * (0.5 * res["var_slope"].astype(_F32))
       dx = h - xhat * mean_hx - mean_h
     else:
       dx = h - xhat * mean(h * xhat, keepdims=True)
-    return None, (inv * dx).astype(g.dtype), d_scale, d_bias
+    return (inv * dx).astype(g.dtype), d_scale, d_bias
 
   bias_shape = None if bias is None else bias.shape
   bias_dtype = None if bias is None else bias.dtype
-  apply.defvjp(fwd, bwd)
   x, scale, bias = same_varying_axes((x, scale, bias))  # invariant parameters meet varying x
-  y, mu, var = reverse_only(apply, f"jact.ops.{op}")(seed, x, scale, bias)
+  # only y waits for the residuals: under shard_map the statistics of an axis_name are
+  # invariant over it, and a flag from the (varying) residuals would make them vary
+  y, mu, var = compressed_op(
+      forward_storing, backward, op=op, name=name, rounding=rounding, key=key,
+      primal=lambda x, scale, bias: forward(x, scale, bias)[:3], elementwise=True,
+      statistics=2)(x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:
     _, _, _, xc, inv, _ = forward(x, scale, bias)
     y = _probe.observe_norm(collector, f"{name}.xhat", op, xc * inv, inv,
                             None if scale is None else scale.reshape(bshape), y,
-                            reduction_axes=red, group_size=group_size)
-  return y, lax.stop_gradient(mu), lax.stop_gradient(var)
+                            reduction_axes=red, group_size=rounding.group_size)
+  return y, mu, var
 
 
+@takes_compressor
 def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
                use_fast_variance: bool = True, key=None, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str = "batch_norm",
+               compressor: Compressor | None = None, name: str = "batch_norm",
                axis_name: str | None = None, axis_index_groups=None
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm over all axes except the feature `axis`.
@@ -212,8 +197,9 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   Matches `flax.linen.BatchNorm(use_running_average=False)` with output dtype
   x.dtype. Returns (y, batch_mean, batch_var); the statistics are float32,
   shaped like the feature axes and carry no gradient (feed them to
-  `update_running_stats`). `bits` (or a `jact.compressors` object as
-  `compressor`), `group_size` and `stochastic` say how x_hat is stored.
+  `update_running_stats`). `bits` (a width, or None: exact) or `compressor`
+  (a `jact.compressors` object, e.g. `PerGroup(8, group_size=128)`) says how
+  x_hat is stored.
   `axis_name` / `axis_index_groups`: cross-device statistics, as in Flax (one
   `lax.pmean` of the local means under `pmap`, `shard_map` or a named `vmap`);
   the backward averages over the same devices, so the input gradient is that
@@ -224,8 +210,7 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   red = tuple(a for a in range(x.ndim) if a not in feature)
   return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="batch_norm", axis_name=axis_name,
+                    compressor=compressor, name=name, op="batch_norm", axis_name=axis_name,
                     axis_index_groups=axis_index_groups)
 
 
@@ -243,23 +228,22 @@ def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.
   return new_mean, new_var
 
 
+@takes_compressor
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                epsilon: float = 1e-6, use_fast_variance: bool = True, key=None,
                bits: int | None = 4, compressor: Compressor | None = None,
-               group_size: int = 256, stochastic: bool = True,
                name: str = "layer_norm") -> jax.Array:
   """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
   x = check_float(x, "layer_norm")
   return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="layer_norm")[0]
+                    compressor=compressor, name=name, op="layer_norm")[0]
 
 
+@takes_compressor
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1e-6, key=None,
              bits: int | None = 4, compressor: Compressor | None = None,
-             group_size: int = 256, stochastic: bool = True,
              name: str = "rms_norm") -> jax.Array:
   """RMS norm over the last axis, matching `flax.linen.RMSNorm` (output dtype x.dtype).
 
@@ -269,5 +253,4 @@ def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1
   return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
                     feature_axes=(x.ndim - 1,), epsilon=epsilon,
                     use_mean=False, use_fast_variance=True, key=key, bits=bits,
-                    compressor=compressor, group_size=group_size, stochastic=stochastic,
-                    name=name, op="rms_norm")[0]
+                    compressor=compressor, name=name, op="rms_norm")[0]

@@ -35,10 +35,9 @@ import numpy as np
 from jax import lax
 
 from jact.core.packing import SUPPORTED_BITS, pack_codes, unpack_codes
-from jact.engine.scheduling import barrier, finish_forward
+from jact.engine.names import check_name
+from jact.engine.op import Save, compressed_op
 from jact.engine.rounding import check_float
-from jact.engine.names import check_name, tag
-from jact.engine.derivatives import reverse_only
 
 __all__ = ["max_pool", "avg_pool", "argmax_bits"]
 
@@ -230,23 +229,18 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
   def forward(x):
     return lax.reduce_window(x, np.array(-np.inf, dtype), lax.max, dims, full_strides, pads)
 
-  @jax.custom_vjp
-  def op(x):
-    return forward(x)
-
-  def fwd(x):
+  def storing_argmax(x):
     y = forward(x)
     code = _argmax_codes(x, y, offsets, full_strides, pads, out_shape)
-    # The output waits for the packed codes, so x can die as soon as they exist.
-    return finish_forward(y, tag(pack_codes(code, bits), f"{name}.argmax"))
+    unpack = lambda packed: unpack_codes(packed, jnp.uint8)
+    return y, {"argmax": Save(pack_codes(code, bits), unpack=unpack)}
 
-  def bwd(packed, g):
-    packed, g = barrier(packed, g)
-    code = unpack_codes(packed, jnp.uint8)
-    return (_scatter_to_argmax(g, code, shape, dims, full_strides, pads, out_shape, offsets),)
+  def backward(res, g):
+    return (_scatter_to_argmax(g, res["argmax"], shape, dims, full_strides, pads, out_shape,
+                               offsets),)
 
-  op.defvjp(fwd, bwd)
-  return reverse_only(op, "jact.ops.max_pool")(x)
+  # the output waits for the packed codes, so x can die as soon as they exist
+  return compressed_op(storing_argmax, backward, op="max_pool", name=name, primal=forward)(x)
 
 
 def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
@@ -272,7 +266,6 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
          [1., 1., 1.]], dtype=float32)
   """
   check_float(x, "avg_pool")
-  check_name(name)
   dims, full_strides, pads = _geometry(x, window_shape, strides, padding, "avg_pool")
   shape, dtype = x.shape, x.dtype
   n = len(tuple(window_shape))
@@ -291,18 +284,10 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
       return y / jnp.asarray(np.prod(window_shape), dtype)
     return (y.astype(jnp.float32) / divisor()).astype(dtype)
 
-  @jax.custom_vjp
-  def op(x):
-    return forward(x)
-
-  def fwd(x):
-    return forward(x), ()
-
-  def bwd(_, g):
+  def backward(_, g):
     # No residual to tie to g, so no optimization barrier: one would only keep
     # XLA from simplifying the division exactly as it does for Flax's gradient.
-    (dx,) = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, dtype))(g)
-    return (dx,)
+    return jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, dtype))(g)
 
-  op.defvjp(fwd, bwd)
-  return reverse_only(op, "jact.ops.avg_pool")(x)
+  return compressed_op(lambda x: (forward(x), {}), backward, op="avg_pool", name=name,
+                       primal=forward)(x)

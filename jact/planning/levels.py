@@ -34,7 +34,7 @@ from jax import lax
 from jact import _compat
 from jact.compressors import Compressor
 from jact.engine.names import check_name
-from jact.engine.rounding import Rounding, residual_method
+from jact.engine.rounding import Rounding, op_keywords, residual_method
 from jact.ops.linear import conv_general_dilated
 from jact.planning.controller import Controller
 from jact.transforms import _interpreter as interpreter
@@ -212,9 +212,9 @@ class _CompressedConv:
     if all(d == 1 for d in params["lhs_dilation"]):
       params["lhs_dilation"] = None
     key = None if self.key is None else jax.random.fold_in(self.key, i)
-    return conv_general_dilated(lhs, rhs, key=key, bits=self.bits, compressor=self.compressor,
-                                group_size=self.group_size, stochastic=self.stochastic,
-                                name=f"{self.name}.conv{i}", **params)
+    method = op_keywords(self.bits, self.group_size, self.stochastic, self.compressor)
+    return conv_general_dilated(lhs, rhs, key=key, name=f"{self.name}.conv{i}", **method,
+                                **params)
 
 
 def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:

@@ -39,7 +39,8 @@ from jact.compressors import Compressor
 from jact import _compat
 from jact.core import rng
 from jact.engine.names import JACT_NAME_PREFIX, is_jact_name
-from jact.engine.rounding import residual_method
+from jact.engine.op import takes_compressor
+from jact.engine.rounding import op_rounding
 from jact.transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
                                         CompressedModule, check_argnums, check_policy, compressed,
                                         input_flags, is_callable_pytree, module_argnums,
@@ -158,9 +159,9 @@ def save_inputs_only():
   return jax.checkpoint_policies.nothing_saveable
 
 
+@takes_compressor(api="jact.checkpoint")
 def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., Any] | None = None,
                bits: int | None = 4, compressor: Compressor | None = None,
-               group_size: int = 256, stochastic: bool = True,
                min_size: int = DEFAULT_MIN_SIZE, name: str = "checkpoint",
                compress_argnums: Sequence[int] = (), prevent_cse: bool = True):
   """`jax.checkpoint` whose saved values are compressed (GACT CB1).
@@ -182,8 +183,7 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
       nothing, i.e. `save_inputs_only()`); values it saves are compressed.
       `save_compressed()` keeps the body's compressed residuals instead of
       recomputing them.
-    bits, compressor, group_size, stochastic, min_size: compression settings
-      (see `jact.compressed`).
+    bits, compressor, min_size: compression settings (see `jact.compressed`).
     name: residual-name prefix: inputs are `f"{name}.{i}"`, the body's
       residuals `f"{name}.body.{i}"`.
     compress_argnums: positions of the arguments that are the segment's
@@ -202,15 +202,14 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   check_policy(policy, "jact.checkpoint")
   if fn is None:
     return functools.partial(checkpoint, policy=policy, bits=bits, compressor=compressor,
-                             group_size=group_size, stochastic=stochastic, min_size=min_size,
-                             name=name, compress_argnums=compress_argnums,
+                             min_size=min_size, name=name, compress_argnums=compress_argnums,
                              prevent_cse=prevent_cse)
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
   if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
     return CompressedModule(fn, checkpoint(
-        module_call(fn), policy=policy, bits=bits, compressor=compressor, group_size=group_size,
-        stochastic=stochastic, min_size=min_size, name=name,
+        module_call(fn), policy=policy, bits=bits, compressor=compressor, min_size=min_size,
+        name=name,
         compress_argnums=module_argnums(check_argnums(compress_argnums)), prevent_cse=prevent_cse))
   check_key = reserved_key_check(fn, "jact.checkpoint")
   compress_argnums = check_argnums(compress_argnums)
@@ -223,11 +222,10 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
         f"as jax.checkpoint keeps them. List the segment's activation arguments, e.g. "
         f"compress_argnums=(1,) for block(params, x), to keep a compressed copy of them "
         f"instead (GACT CB1); parameters stay exact either way.", UserWarning, stacklevel=2)
-  method = residual_method(bits, compressor, "jact.checkpoint")
-  config = ResidualConfig(method, group_size, stochastic, min_size, name)
+  rounding = op_rounding("jact.checkpoint", bits, compressor)
+  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size, name)
   body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, compressor=compressor,
-                    group_size=group_size, stochastic=stochastic, min_size=min_size,
-                    name=f"{name}.body")
+                    min_size=min_size, name=f"{name}.body")
 
   def rematted(key, args, kwargs):
     # Non-array leaves (flags, functions, strings) are held fixed, as in

@@ -54,7 +54,8 @@ from jact import _compat
 from jact.core import rng
 from jact.engine import context as _context
 from jact.compressors import Compressor
-from jact.engine.rounding import Rounding, SaltedSeed, make_seed, residual_method, salt_seed, NoKey
+from jact.engine.op import takes_compressor
+from jact.engine.rounding import Rounding, SaltedSeed, make_seed, op_rounding, salt_seed, NoKey
 from jact.engine.names import tag
 from jact.engine.scheduling import Stacked, barrier, materialize
 from jact.engine.derivatives import reverse_only
@@ -121,9 +122,9 @@ def over_array_leaves(fn, args, kwargs, is_dynamic: Callable[[Any], bool] = is_a
 # ---------------------------------------------------------------------------
 # The transform.
 
+@takes_compressor(api="jact.compressed")
 def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, min_size: int = DEFAULT_MIN_SIZE,
+               compressor: Compressor | None = None, min_size: int = DEFAULT_MIN_SIZE,
                name: str = "compressed", overrides: Any = None,
                policy: Callable[..., Any] | None = None, compress_argnums: Sequence[int] = ()):
   """Returns `fn` with compressed residuals: same signature plus keyword `key`.
@@ -141,9 +142,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
       gradients, and passing `key=` on to it when its call takes `key`.
     bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
     compressor: a `jact.compressors` object for the floating residuals
-      instead of `bits` (leave `bits` at its default).
-    group_size: values per quantization group.
-    stochastic: stochastic rounding (unbiased; needs `key`) or round-to-nearest.
+      instead of `bits` (leave `bits` at its default), e.g.
+      `PerGroup(4, group_size=128, stochastic=False)` for round-to-nearest
+      (no key needed) in groups of 128.
     min_size: floating residuals with fewer values are kept as they are.
     name: prefix of residual names: a residual is named `f"{name}.{i}"`,
       `i` its position among the VJP's leaves (stable for a given `fn`
@@ -168,8 +169,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
     `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
     residuals are stochastically rounded; use a fresh key every step.
   """
-  config = ResidualConfig(residual_method(bits, compressor, "jact.compressed"), group_size,
-                          stochastic, min_size, name, overrides)
+  rounding = op_rounding("jact.compressed", bits, compressor)
+  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size,
+                          name, overrides)
   argnums = check_argnums(compress_argnums)
   check_policy(policy, "jact.compressed")
   if fn is None:
@@ -468,7 +470,8 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     raise ValueError(
         f"jact.compressed({config.name!r}) quantizes residuals with stochastic rounding and "
         f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
-        f"build it with stochastic=False (round-to-nearest) or bits=None (keep residuals).")
+        f"build it with compressor=jact.compressors.PerGroup(bits, stochastic=False) "
+        f"(round-to-nearest) or bits=None (keep residuals).")
   seed = make_seed(key, Rounding(config.bits, config.group_size, config.stochastic),
                    "compressed")
   if isinstance(seed, NoKey) and _context.current("salt") is not None:
