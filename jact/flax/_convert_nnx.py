@@ -80,8 +80,7 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
   if settings is None:  # Embed, Dropout: no rounding
     twin._init_jact(None, None, name)
   else:  # without rngs: no stream (keys from jact.nnx.use_key only)
-    rounding = settings.rounding
-    twin._init_jact(rngs, rounding["bits"], name, rounding["compressor"])
+    twin._init_jact(rngs, name=name, **settings.rounding)
   return twin
 
 
@@ -181,8 +180,7 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   converted = _converted_twins(model)
   for _, twin in converted:  # converted before (or built as twins): the new settings apply
     source = rngs if rngs is not None else twin.jact_rngs
-    rounding = settings.rounding
-    twin._init_jact(source, rounding["bits"], twin.residual_name, rounding["compressor"])
+    twin._init_jact(source, name=twin.residual_name, **settings.rounding)
 
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)

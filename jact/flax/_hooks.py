@@ -104,14 +104,14 @@ class Calls:
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
 
-def rounding_kwargs(bits, compressor=None, api: str = "jact") -> dict:
+def rounding_kwargs(bits=4, compressor=None, api: str = "jact") -> dict:
   """Validates a layer's `bits=` / `compressor=` (clear errors naming `api`,
   e.g. "jact.nn.Dense") and returns them as the ops' keywords."""
   op_rounding(api, bits, compressor)
   return dict(bits=bits, compressor=compressor)
 
 
-def needs_key(bits, compressor=None, api: str = "jact") -> bool:
+def needs_key(bits=4, compressor=None, api: str = "jact") -> bool:
   """Whether a layer with these settings rounds stochastically (needs a key)."""
   return op_rounding(api, bits, compressor).needs_key
 

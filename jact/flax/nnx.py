@@ -65,7 +65,7 @@ class _Twin:
     """Fails fast (before any parameter is initialized) on bad settings."""
     _hooks.rounding_kwargs(bits, compressor, f"jact.nnx.{cls.__name__}")
 
-  def _init_jact(self, rngs, bits, name, compressor=None):
+  def _init_jact(self, rngs, bits=4, name=None, compressor=None):
     """Settings, residual name and the layer's own 'jact' stream, forked from
     `rngs` ('jact', else 'default') when rounding needs a key; without such a
     stream in `rngs` none (keys from `use_key` only)."""
