@@ -103,3 +103,15 @@ def test_suggested_compressor_trains_like_the_spelled_out_twin():
       for layer in (jnn.Dense(4, compressor=PerGroup(4)), jnn.Dense(4, bits=4))])(variables)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), g_default, g_bits))
   assert jax.tree.all(jax.tree.map(lambda a: bool(jnp.all(jnp.isfinite(a))), g_near))
+
+
+@pytest.mark.parametrize("compressor, want", [
+    (PerGroup(2), dict(bits=2, compressor=None)),  # the default PerGroup: bits= alone
+    (PerGroup(4, group_size=64, stochastic=False),
+     dict(bits=4, compressor=PerGroup(4, group_size=64, stochastic=False))),
+])
+def test_convert_gives_nnx_twins_bits_or_compressor(compressor, want):
+  model = jact.convert(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), compressor=compressor,
+                       rngs=nnx.Rngs(jact=1))
+  assert isinstance(model, jnnx.Linear)
+  assert dict(bits=model.bits, compressor=model.compressor) == want
