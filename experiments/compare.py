@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jact.compressors import PerGroup
+
 from experiments import data as data_lib
 from experiments import resumable
 from experiments.models import SmallCNN, jact_layers, plain_layers
@@ -126,7 +128,8 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
   predict = jax.jit(lambda v, xb: jnp.argmax(plain.apply(v, xb, train=False), -1))
 
   variants = [("plain", None, plain_layers())]
-  variants += [(f"jact{b}", int(b), jact_layers(int(b), group_size)) for b in bits]
+  variants += [(f"jact{b}", int(b), jact_layers(int(b), PerGroup(int(b), group_size=group_size)))
+               for b in bits]
   rows = []
   for variant, b, layers in variants:
     model = SmallCNN(num_classes, widths, layers)

@@ -144,12 +144,10 @@ def plain_layers() -> LayerSet:
                                    for n in LAYER_NAMES})
 
 
-_ROUNDING_FIELDS = ("bits", "group_size", "stochastic")
-
-
 @functools.lru_cache(maxsize=None)
-def jact_layers(bits: int | None, group_size: int = 256, stochastic: bool = True) -> LayerSet:
-  """The compressed twins from `jact.flax.linen`, with the rounding settings bound.
+def jact_layers(bits: int | None, compressor=None) -> LayerSet:
+  """The compressed twins from `jact.flax.linen`, with `bits` (or a
+  `jact.compressors` object, e.g. `PerGroup(4, group_size=64)`) bound.
 
   Layers without rounding settings (exact ReLU masks, pooling, embeddings) are
   used as they are. Twins draw rounding noise from the RNG stream 'jact'.
@@ -162,7 +160,7 @@ def jact_layers(bits: int | None, group_size: int = 256, stochastic: bool = True
   for n in LAYER_NAMES:
     cls = getattr(jl, n)
     fields = getattr(cls, "__dataclass_fields__", {})
-    given = dict(bits=bits, group_size=group_size, stochastic=stochastic)
+    given = dict(bits=bits) if compressor is None else dict(compressor=compressor)
     bound = {k: v for k, v in given.items() if k in fields}
     layers[n] = functools.partial(cls, **bound) if bound else cls
   return LayerSet(kind=f"jact{bits}", **layers)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
 from jact.flax import linen as jnn
@@ -264,7 +265,7 @@ def test_no_stream_needed_without_stochastic_rounding():
   x = _normal((6, 7))
   variables = nn.Dense(5).init(KEY, x)
   plain = nn.Dense(5).apply(variables, x)
-  for twin in (jnn.Dense(5, stochastic=False), jnn.Dense(5, bits=None)):
+  for twin in (jnn.Dense(5, compressor=PerGroup(4, stochastic=False)), jnn.Dense(5, bits=None)):
     np.testing.assert_array_equal(twin.apply(variables, x), plain)  # no rngs; exact forward
   np.testing.assert_allclose(jnn.GELU(bits=None).apply({}, x), jax.nn.gelu(x, approximate=True),
                              rtol=1e-6, atol=1e-7)
@@ -274,7 +275,7 @@ def test_bad_settings_are_clear_errors():
   x = _normal((6, 7))
   with pytest.raises(ValueError, match="bits"):
     jnn.Dense(5, bits=3).init({"params": KEY, **JACT}, x)
-  with pytest.raises(ValueError, match="group"):
+  with pytest.raises(TypeError, match=r"compressor=jact\.compressors\.PerGroup\(4, group_size=7"):
     jnn.GELU(group_size=7).init(JACT, x)
   with pytest.raises(TypeError, match="dot_general"):
     jnn.Dense(5, dot_general=jax.lax.dot_general).init(KEY, x)

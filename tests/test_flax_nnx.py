@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
 from jact.flax import nnx as jnnx
@@ -255,7 +256,8 @@ def test_use_key_replaces_the_layers_stream():
 def test_no_stream_needed_without_stochastic_rounding():
   x = _normal((6, 7))
   plain = nnx.Linear(7, 5, rngs=nnx.Rngs(params=0))(x)  # same init: same weights
-  for layer in (jnnx.Linear(7, 5, stochastic=False, rngs=nnx.Rngs(params=0)),
+  for layer in (jnnx.Linear(7, 5, compressor=PerGroup(4, stochastic=False),
+                             rngs=nnx.Rngs(params=0)),
                 jnnx.Linear(7, 5, bits=None, rngs=nnx.Rngs(params=0))):
     np.testing.assert_array_equal(layer(x), plain)  # the forward is exact
   np.testing.assert_allclose(jnnx.GELU(bits=None)(x), jax.nn.gelu(x, approximate=True),
@@ -265,7 +267,7 @@ def test_no_stream_needed_without_stochastic_rounding():
 def test_bad_settings_are_clear_errors():
   with pytest.raises(ValueError, match="bits"):
     jnnx.Linear(3, 2, bits=3, rngs=_rngs())
-  with pytest.raises(ValueError, match="group"):
+  with pytest.raises(TypeError, match=r"compressor=jact\.compressors\.PerGroup\(4, group_size=7"):
     jnnx.GELU(group_size=7, rngs=_rngs())
   with pytest.raises(TypeError, match="dot_general"):
     jnnx.Linear(3, 2, dot_general=jax.lax.dot_general, rngs=_rngs())

@@ -66,7 +66,7 @@ from jact.engine.scheduling import barrier, finish_forward, is_stored, kept_unti
 from jact.engine.store import compress_residual, restore_residual
 
 __all__ = ["Store", "Save", "Keep", "compressed_op", "same_varying_axes", "takes_compressor",
-           "REMOVED_KEYWORDS"]
+           "REMOVED_KEYWORDS", "reject_removed_keywords"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,12 +300,19 @@ def takes_compressor(fn: Callable | None = None, *, api: str | None = None) -> C
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
-    removed = {k: kwargs[k] for k in REMOVED_KEYWORDS if k in kwargs}
-    if removed:
-      raise TypeError(_removed_message(api, kwargs.get("bits", bits_default), removed))
+    reject_removed_keywords(api, kwargs, bits_default)
     return fn(*args, **kwargs)
 
   return call
+
+
+def reject_removed_keywords(api: str, kwargs: dict, bits_default=4) -> None:
+  """The TypeError of `takes_compressor` when `kwargs` (a call's keywords)
+  hold a removed keyword (`REMOVED_KEYWORDS`); `api` names the call, e.g.
+  "jact.nn.Dense" (the Flax twins' constructors check through here)."""
+  removed = {k: kwargs[k] for k in REMOVED_KEYWORDS if k in kwargs}
+  if removed:
+    raise TypeError(_removed_message(api, kwargs.get("bits", bits_default), removed))
 
 
 def _removed_message(api: str, bits, removed: dict) -> str:

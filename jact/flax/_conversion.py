@@ -7,6 +7,7 @@ import dataclasses
 import warnings
 
 from jact.compressors import Compressor
+from jact.engine.rounding import op_keywords
 from jact.flax import _hooks
 
 
@@ -28,14 +29,13 @@ class Settings:
 
   @property
   def needs_key(self) -> bool:
-    return _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
-                            "jact.convert")
+    return _hooks.needs_key(api="jact.convert", **self.rounding)
 
   @property
   def rounding(self) -> dict:
-    """The rounding twins' keywords."""
-    return dict(bits=self.bits, compressor=self.compressor, group_size=self.group_size,
-                stochastic=self.stochastic)
+    """The rounding twins' keywords: `bits=` alone for the default per-group
+    quantizer, else `compressor=` (a plain `PerGroup` with other settings)."""
+    return op_keywords(self.bits, self.group_size, self.stochastic, self.compressor)
 
 
 def unsupported(settings: Settings, where: str, reason: str) -> None:

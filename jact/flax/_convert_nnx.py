@@ -78,10 +78,9 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
   twin = _compat.nnx_twin_of(plain, twin_cls)
   patch(twin)
   if settings is None:  # Embed, Dropout: no rounding
-    twin._init_jact(None, None, 256, True, name)
+    twin._init_jact(None, None, name)
   else:  # without rngs: no stream (keys from jact.nnx.use_key only)
-    twin._init_jact(rngs, settings.bits, settings.group_size, settings.stochastic, name,
-                    settings.compressor)
+    twin._init_jact(rngs, name=name, **settings.rounding)
   return twin
 
 
@@ -181,8 +180,7 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   converted = _converted_twins(model)
   for _, twin in converted:  # converted before (or built as twins): the new settings apply
     source = rngs if rngs is not None else twin.jact_rngs
-    twin._init_jact(source, settings.bits, settings.group_size, settings.stochastic,
-                    twin.residual_name, settings.compressor)
+    twin._init_jact(source, name=twin.residual_name, **settings.rounding)
 
   twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
                                  name)

@@ -26,7 +26,7 @@ from jax import lax
 
 from jact import _compat as _jax_compat
 from jact.engine.derivatives import inference_only
-from jact.engine.rounding import Rounding, op_keywords, residual_method
+from jact.engine.rounding import op_rounding
 from jact.flax import _compat
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
@@ -104,16 +104,16 @@ class Calls:
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
 
-def rounding_kwargs(bits, group_size, stochastic, compressor=None, api: str = "jact") -> dict:
-  """Validates a layer's compression settings (clear errors naming `api`, e.g.
-  "jact.nn.Dense") and returns them as the ops' keywords."""
-  Rounding(residual_method(bits, compressor, api), group_size, stochastic)
-  return op_keywords(bits, group_size, stochastic, compressor)
+def rounding_kwargs(bits=4, compressor=None, api: str = "jact") -> dict:
+  """Validates a layer's `bits=` / `compressor=` (clear errors naming `api`,
+  e.g. "jact.nn.Dense") and returns them as the ops' keywords."""
+  op_rounding(api, bits, compressor)
+  return dict(bits=bits, compressor=compressor)
 
 
-def needs_key(bits, group_size, stochastic, compressor=None, api: str = "jact") -> bool:
+def needs_key(bits=4, compressor=None, api: str = "jact") -> bool:
   """Whether a layer with these settings rounds stochastically (needs a key)."""
-  return Rounding(residual_method(bits, compressor, api), group_size, stochastic).needs_key
+  return op_rounding(api, bits, compressor).needs_key
 
 
 def last_axis_only(axes, ndim: int) -> bool:
@@ -132,7 +132,8 @@ def linen_keyless_message(what: str, extra_fix: str = "") -> str:
           f"activations it saves for the backward pass stochastically; without a key it runs "
           f"the plain computation, for inference only (nothing saved). Fixes: pass a fresh key "
           f"per step, e.g. model.apply(variables, x, rngs={{'jact': key}}){extra_fix}; or use "
-          f"stochastic=False (round-to-nearest) or bits=None (no compression).")
+          f"compressor=jact.compressors.PerGroup(bits, stochastic=False) (round-to-nearest) or "
+          f"bits=None (no compression).")
 
 
 def nnx_keyless_message(what: str, own_stream: str) -> str:
@@ -143,8 +144,8 @@ def nnx_keyless_message(what: str, own_stream: str) -> str:
           f"computation, for inference only (nothing saved). Fixes: differentiate under "
           f"jact.nnx.use_key, e.g. `with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)"
           f"(model)` (a fresh PRNG key, or an nnx.Rngs with a 'jact' stream, per step); or "
-          f"{own_stream}; or use stochastic=False (round-to-nearest) or bits=None (no "
-          f"compression).")
+          f"{own_stream}; or use compressor=jact.compressors.PerGroup(bits, stochastic=False) "
+          f"(round-to-nearest) or bits=None (no compression).")
 
 
 def keyless(fn: Callable[..., Any], message: str) -> Callable[..., Any]:

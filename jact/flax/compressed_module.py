@@ -102,6 +102,8 @@ from flax import linen as nn
 from flax import nnx
 
 from jact.engine.derivatives import inference_only
+from jact.engine.op import reject_removed_keywords
+from jact.engine.rounding import op_rounding
 from jact.flax import _compat, _hooks
 from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
@@ -398,11 +400,21 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
   })
 
 
+def _config_of(bits=4, compressor=None, **settings) -> ResidualConfig:
+  """The `ResidualConfig` of `CompressedModule`'s settings, spelled as for
+  `jact.compressed` (`group_size=` / `stochastic=` raise its TypeError)."""
+  api = "jact.flax.CompressedModule"
+  reject_removed_keywords(api, dict(settings, bits=bits))
+  rounding = op_rounding(api, bits, compressor)
+  return ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, **settings)
+
+
 class CompressedModule(nnx.Module):
   """An nnx module whose calls store their residuals compressed.
 
   `CompressedModule(module, rngs=nnx.Rngs(jact=0), bits=2)` (settings as for
-  `jact.compressed`, or `config=ResidualConfig(...)`); `jact.compressed(module)`
+  `jact.compressed`: `bits=` or `compressor=`, `min_size=`, `name=`,
+  `overrides=`; or `config=ResidualConfig(...)`); `jact.compressed(module)`
   builds one without a stream. Calling it calls `module` (state updates written
   back into `module`, which is kept as `.module`, shared, not copied); pass
   `key=` (a PRNG key, nnx.Rngs or nnx.RngStream) to override the stored stream.
@@ -414,7 +426,7 @@ class CompressedModule(nnx.Module):
       raise TypeError(f"CompressedModule wraps an nnx.Module, got {type(module).__name__}")
     _check_call(type(module))
     if config is None:
-      config = ResidualConfig(**settings)
+      config = _config_of(**settings)
     elif settings:
       raise TypeError("pass either config= or settings, not both")
     self.module = module

@@ -172,8 +172,8 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
       differentiated (linen: the 'jact' stream of `apply`; nnx: `rngs=` or
       `jact.nnx.use_key`); `PerGroup(bits, stochastic=False)` rounds to
       nearest and needs none; `PerGroup(bits, group_size=...)` sets the
-      quantization groups (a multiple of 8). The twins get a plain
-      `PerGroup`'s settings as their `bits`, `group_size`, `stochastic`.
+      quantization groups (a multiple of 8). The twins get `bits=` for
+      `PerGroup(bits)` (default group size, stochastic), else `compressor=`.
     strict: raise a ValueError, instead of warning and running the plain
       layer, when a supported layer uses an option its twin lacks.
     functions: also run the model's outermost call through the generic

@@ -31,6 +31,8 @@ True
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -39,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact.compressors import Compressor
+from jact.engine.op import REMOVED_KEYWORDS, reject_removed_keywords
 from jact.flax import _compat, _hooks
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
@@ -52,14 +55,21 @@ __all__ = [
 
 
 class _Twin:
-  """Mixin: RNG stream, settings and residual name of a linen twin."""
+  """Mixin: RNG stream, settings and residual name of a linen twin. A
+  rounding twin (one with `bits` / `compressor` fields) built with the
+  removed `group_size=` / `stochastic=` raises the ops' TypeError naming
+  `compressor=jact.compressors.PerGroup(...)`."""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)  # Flax makes the dataclass (its __init__) here
+    if "compressor" in getattr(cls, "__dataclass_fields__", {}):
+      cls.__init__ = _rejecting_removed(cls.__init__)
 
   def _api(self) -> str:
     return f"jact.nn.{type(self).__name__}"
 
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic, self.compressor,
-                                  self._api())
+    return _hooks.rounding_kwargs(self.bits, self.compressor, self._api())
 
   def _residual_name(self) -> str:
     path = self.path
@@ -68,8 +78,7 @@ class _Twin:
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): the 'jact' key when rounding needs one; without the
     stream, (False, None): run the plain computation through `_keyless`."""
-    if not _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
-                            self._api()):
+    if not _hooks.needs_key(self.bits, self.compressor, self._api()):
       return True, None
     if self.has_rng("jact"):
       return True, self.make_rng("jact")
@@ -95,6 +104,27 @@ class _Twin:
     return _hooks.provide(**{slot: calls})
 
 
+def _rejecting_removed(init: Callable) -> Callable:
+  """A twin's dataclass `__init__` raising the TypeError of `takes_compressor`
+  for `group_size=` / `stochastic=`."""
+  if getattr(init, "_jact_rejects_removed", False):
+    return init
+
+  signature = inspect.signature(init)
+
+  @functools.wraps(init)
+  def checked(self, *args, **kwargs):
+    api = f"jact.nn.{type(self).__name__}"
+    if args and any(k in kwargs for k in REMOVED_KEYWORDS):  # bits= may be positional
+      kwargs_given = {**signature.bind_partial(self, *args).arguments, **kwargs}
+      reject_removed_keywords(api, kwargs_given)
+    reject_removed_keywords(api, kwargs)
+    init(self, *args, **kwargs)
+
+  checked._jact_rejects_removed = True
+  return checked
+
+
 def _norm_options_supported(module, mask, layer: str, cross_device: bool = False) -> None:
   if mask is not None:
     raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
@@ -116,13 +146,11 @@ def _output_dtype(x, params, dtype):
 class Dense(_Twin, nn.Dense):
   """`flax.linen.Dense` storing its input compressed (residual "<path>.lhs").
 
-  Attributes (besides Flax's): bits (1, 2, 4, 8 or None), group_size,
-  stochastic, compressor (a `jact.compressors` object instead of `bits`; the
-  other rounding twins take the same four).
+  Attributes (besides Flax's): bits (1, 2, 4, 8 or None) or compressor (a
+  `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
+  stochastic=False)`); the other rounding twins take the same two.
   """
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   dot_general: Any = Hook("dot_general")
 
@@ -136,8 +164,6 @@ class Dense(_Twin, nn.Dense):
 class Conv(_Twin, nn.Conv):
   """`flax.linen.Conv` storing its input compressed (residual "<path>.lhs")."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   conv_general_dilated: Any = Hook("conv_general_dilated")
 
@@ -173,8 +199,6 @@ class BatchNorm(_Twin, nn.BatchNorm):
   Single feature axis only; no mask.
   """
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
 
   @nn.compact
@@ -216,8 +240,6 @@ class BatchNorm(_Twin, nn.BatchNorm):
 class LayerNorm(_Twin, nn.LayerNorm):
   """`flax.linen.LayerNorm` (last-axis normalization) storing the normalized input compressed."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
 
   @nn.compact
@@ -246,8 +268,6 @@ class LayerNorm(_Twin, nn.LayerNorm):
 class RMSNorm(_Twin, nn.RMSNorm):
   """`flax.linen.RMSNorm` (last-axis normalization) storing the normalized input compressed."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
 
   @nn.compact
@@ -306,8 +326,6 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   supported: sow_weights=True.
   """
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   attention_fn: Callable[..., Any] = _hooks.attention_slot
   qkv_dot_general: Any = Hook("qkv")
@@ -359,7 +377,7 @@ class LeakyReLU(_Twin, nn.Module):
 
 class _StoredDerivative(_Twin, nn.Module):
   # subclasses declare their own fields (op options first, then bits,
-  # group_size, stochastic, compressor) so that e.g. GELU(False) sets `approximate`.
+  # compressor) so that e.g. GELU(False) sets `approximate`.
   _op_name = ""
   _plain = staticmethod(lambda x: x)
 
@@ -375,8 +393,6 @@ class GELU(_StoredDerivative):
   """GELU storing its quantized derivative (unbiased input gradient)."""
   approximate: bool = True
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   _op_name = "gelu"
   _plain = staticmethod(lambda x, approximate: jax.nn.gelu(x, approximate=approximate))
@@ -388,8 +404,6 @@ class GELU(_StoredDerivative):
 class SiLU(_StoredDerivative):
   """SiLU (swish) storing its quantized derivative (unbiased input gradient)."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   _op_name = "silu"
   _plain = staticmethod(jax.nn.silu)
@@ -401,8 +415,6 @@ class SiLU(_StoredDerivative):
 class Tanh(_StoredDerivative):
   """tanh storing its quantized derivative (unbiased input gradient)."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   _op_name = "tanh"
   _plain = staticmethod(jnp.tanh)
@@ -414,8 +426,6 @@ class Tanh(_StoredDerivative):
 class Sigmoid(_StoredDerivative):
   """Sigmoid storing its quantized derivative (unbiased input gradient)."""
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   _op_name = "sigmoid"
   _plain = staticmethod(jax.nn.sigmoid)
@@ -428,8 +438,6 @@ class Softmax(_StoredDerivative):
   """Softmax over `axis` storing its quantized output (nearly unbiased gradient)."""
   axis: int = -1
   bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
   compressor: Compressor | None = None
   _op_name = "softmax"
   _plain = staticmethod(lambda x, axis: jax.nn.softmax(x, axis=axis))

@@ -24,6 +24,7 @@ fix if differentiated. Residual names default to the class name;
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Sequence
 
 import jax
@@ -32,6 +33,7 @@ from flax import nnx
 from jax import lax
 
 from jact.compressors import Compressor
+from jact.engine.op import reject_removed_keywords
 from jact.flax import _hooks
 from jact.flax._convert_generic import record
 from jact.flax._hooks import Hook, use_key
@@ -54,19 +56,21 @@ class _Twin:
     call = cls.__dict__.get("__call__")
     if call is not None:
       cls.__call__ = _recorded(call)
+    init = cls.__dict__.get("__init__")
+    if init is not None and "compressor" in inspect.signature(init).parameters:
+      cls.__init__ = _rejecting_removed(init)
 
   @classmethod
-  def _check_settings(cls, rngs, bits, group_size, stochastic, compressor=None) -> None:
+  def _check_settings(cls, rngs, bits, compressor=None) -> None:
     """Fails fast (before any parameter is initialized) on bad settings."""
-    _hooks.rounding_kwargs(bits, group_size, stochastic, compressor, f"jact.nnx.{cls.__name__}")
+    _hooks.rounding_kwargs(bits, compressor, f"jact.nnx.{cls.__name__}")
 
-  def _init_jact(self, rngs, bits, group_size, stochastic, name, compressor=None):
+  def _init_jact(self, rngs, bits=4, name=None, compressor=None):
     """Settings, residual name and the layer's own 'jact' stream, forked from
     `rngs` ('jact', else 'default') when rounding needs a key; without such a
     stream in `rngs` none (keys from `use_key` only)."""
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
-    self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
-    self.compressor = compressor
+    self._check_settings(rngs, bits, compressor)
+    self.bits, self.compressor = bits, compressor
     self.residual_name = name or type(self).__name__
     stream = None
     if self._needs_key() and isinstance(rngs, nnx.RngStream):
@@ -77,12 +81,10 @@ class _Twin:
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.group_size, self.stochastic, self.compressor,
-                                  f"jact.nnx.{type(self).__name__}")
+    return _hooks.rounding_kwargs(self.bits, self.compressor, f"jact.nnx.{type(self).__name__}")
 
   def _needs_key(self) -> bool:
-    return _hooks.needs_key(self.bits, self.group_size, self.stochastic, self.compressor,
-                            f"jact.nnx.{type(self).__name__}")
+    return _hooks.needs_key(self.bits, self.compressor, f"jact.nnx.{type(self).__name__}")
 
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): a `use_key` block's key, else the layer's stream; (False,
@@ -123,6 +125,17 @@ def _recorded(call):
   return recorded
 
 
+def _rejecting_removed(init):
+  """A rounding twin's `__init__` raising the TypeError of `takes_compressor`
+  for `group_size=` / `stochastic=` (before Flax's constructor sees them)."""
+  @functools.wraps(init)
+  def checked(self, *args, **kwargs):
+    reject_removed_keywords(f"jact.nnx.{type(self).__name__}", kwargs)
+    init(self, *args, **kwargs)
+
+  return checked
+
+
 def _first_not_none(*values, error_msg: str):
   """The first value that is not None (a call-time option, then the constructor's)."""
   for value in values:
@@ -160,19 +173,18 @@ def name_residuals(model: nnx.Module) -> nnx.Module:
 class Linear(_Twin, nnx.Linear):
   """`nnx.Linear` storing its input compressed (residual "<name>.lhs").
 
-  Extra keywords: bits (1, 2, 4, 8 or None), compressor (a `jact.compressors`
-  object instead of `bits`), group_size, stochastic, name; the other rounding
-  twins take the same.
+  Extra keywords: bits (1, 2, 4, 8 or None) or compressor (a
+  `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
+  stochastic=False)`), and name; the other rounding twins take the same.
   """
 
   def __init__(self, in_features: int, out_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "dot_general")
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs,
                      **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
     with self._provide("dot_general", linear.dot_general, lax.dot_general,
@@ -185,13 +197,12 @@ class Conv(_Twin, nnx.Conv):
 
   def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
                strides: int | Sequence[int] | None = 1, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "conv_general_dilated")
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(in_features, out_features, kernel_size, strides,
                      conv_general_dilated=Hook("conv_general_dilated"), rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
     with self._provide("conv_general_dilated", linear.conv_general_dilated,
@@ -205,7 +216,7 @@ class Embed(_Twin, nnx.Embed):
   def __init__(self, num_embeddings: int, features: int, *, name: str | None = None,
                rngs: nnx.Rngs, **kwargs):
     super().__init__(num_embeddings, features, rngs=rngs, **kwargs)
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, inputs, out_sharding=None):
     if out_sharding is not None:
@@ -246,12 +257,11 @@ class BatchNorm(_Twin, nnx.BatchNorm):
   """
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_running_average = _first_not_none(
@@ -282,12 +292,11 @@ class LayerNorm(_Twin, nnx.LayerNorm):
   """`nnx.LayerNorm` (last axis) storing the normalized input compressed."""
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, x, *, mask=None):
     _check_norm_options(self, mask, "LayerNorm")
@@ -307,12 +316,11 @@ class RMSNorm(_Twin, nnx.RMSNorm):
   """`nnx.RMSNorm` (last axis) storing the normalized input compressed."""
 
   def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs,
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
                **kwargs):
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, x, mask=None):
     _check_norm_options(self, mask, "RMSNorm")
@@ -340,7 +348,7 @@ class Dropout(_Twin, nnx.Dropout):
 
   def __init__(self, rate: float, *, name: str | None = None, **kwargs):
     super().__init__(rate, **kwargs)
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
     deterministic = _first_not_none(
@@ -384,16 +392,15 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, bits: int | None = 4,
-               compressor: Compressor | None = None, group_size: int = 256,
-               stochastic: bool = True, name: str | None = None, rngs: nnx.Rngs, **kwargs):
+               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
     _no_hook(kwargs, "attention_fn", "qkv_dot_general", "out_dot_general",
              "qkv_dot_general_cls", "out_dot_general_cls")
-    self._check_settings(rngs, bits, group_size, stochastic, compressor)
+    self._check_settings(rngs, bits, compressor)
     super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                      in_kv_features, attention_fn=_hooks.attention_slot,
                      qkv_dot_general=Hook("qkv"), out_dot_general=Hook("out"), rngs=rngs,
                      **kwargs)
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
     compress, key = self._key()
@@ -412,7 +419,7 @@ class ReLU(_Twin, nnx.Module):
   """ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
 
   def __init__(self, *, name: str | None = None):
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, x):
     return activation.relu(x, name=self.residual_name)
@@ -423,7 +430,7 @@ class LeakyReLU(_Twin, nnx.Module):
 
   def __init__(self, negative_slope: float = 0.01, *, name: str | None = None):
     self.negative_slope = negative_slope
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, x):
     return activation.leaky_relu(x, self.negative_slope, name=self.residual_name)
@@ -431,10 +438,9 @@ class LeakyReLU(_Twin, nnx.Module):
 
 class _StoredDerivative(_Twin, nnx.Module):
 
-  def __init__(self, *, bits: int | None = 4, compressor: Compressor | None = None,
-               group_size: int = 256, stochastic: bool = True, name: str | None = None,
+  def __init__(self, *, bits: int | None = 4, compressor: Compressor | None = None, name: str | None = None,
                rngs: nnx.Rngs | nnx.RngStream | None = None):
-    self._init_jact(rngs, bits, group_size, stochastic, name, compressor)
+    self._init_jact(rngs, bits, name, compressor)
 
   def _apply(self, op, plain, x, **extra):
     compress, key = self._key()
@@ -497,7 +503,7 @@ class MaxPool(_Twin, nnx.Module):
     self.window_shape = tuple(window_shape)
     self.strides = None if strides is None else tuple(strides)
     self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, x):
     return pooling.max_pool(x, self.window_shape, self.strides, self.padding,
@@ -514,7 +520,7 @@ class AvgPool(_Twin, nnx.Module):
     self.strides = None if strides is None else tuple(strides)
     self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
     self.count_include_pad = count_include_pad
-    self._init_jact(None, None, 256, True, name)
+    self._init_jact(None, None, name)
 
   def __call__(self, x):
     return pooling.avg_pool(x, self.window_shape, self.strides, self.padding,
