@@ -115,3 +115,8 @@ def test_convert_gives_nnx_twins_bits_or_compressor(compressor, want):
                        rngs=nnx.Rngs(jact=1))
   assert isinstance(model, jnnx.Linear)
   assert dict(bits=model.bits, compressor=model.compressor) == want
+
+
+def test_compress_convolutions_names_per_group_for_removed_keywords():
+  with pytest.raises(TypeError, match=r"jact\.levels\.compress_convolutions.*PerGroup\(2, group_size=64"):
+    jact.levels.compress_convolutions(lambda x: x, bits=2, group_size=64)

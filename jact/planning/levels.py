@@ -34,7 +34,8 @@ from jax import lax
 from jact import _compat
 from jact.compressors import Compressor
 from jact.engine.names import check_name
-from jact.engine.rounding import Rounding, op_keywords, residual_method
+from jact.engine.op import takes_compressor
+from jact.engine.rounding import op_keywords, op_rounding
 from jact.ops.linear import conv_general_dilated
 from jact.planning.controller import Controller
 from jact.transforms import _interpreter as interpreter
@@ -143,10 +144,10 @@ def get(name: str) -> Level:
 
 # ----------------------------------------------------------------------------- ActNN L1
 
+@takes_compressor(api="jact.levels.compress_convolutions")
 def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
-                          compressor: Compressor | None = None, group_size: int = 256,
-                          stochastic: bool = True, min_size: int | None = None, name: str = "block",
-                          compress_argnums: Sequence[int] = ()):
+                          compressor: Compressor | None = None, min_size: int | None = None,
+                          name: str = "block", compress_argnums: Sequence[int] = ()):
   """`block` with the inputs of its convolutions stored compressed and every
   other residual kept as plain JAX saves it (ActNN L1).
 
@@ -159,15 +160,16 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
   values (default `jact.transforms.compressed.DEFAULT_MIN_SIZE`) are kept. Convolutions
   inside other higher-order primitives (`lax.scan`, `lax.cond`,
   `jax.checkpoint`, custom derivative rules) run plain. `bits` (or a
-  `jact.compressors` object as `compressor`), `group_size` and `stochastic`
-  say how the conv inputs are stored.
+  `jact.compressors` object as `compressor`, e.g. `PerGroup(4, group_size=128,
+  stochastic=False)`) says how the conv inputs are stored.
 
   Returns:
     `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
     stochastic (a fresh key per step).
   """
-  rounding = Rounding(residual_method(bits, compressor, "jact.levels.compress_convolutions"),
-                      group_size, stochastic)  # validates the settings
+  rounding = op_rounding("jact.levels.compress_convolutions", bits, compressor)  # validates them
+  method = ({"compressor": rounding.bits} if isinstance(rounding.bits, Compressor) else
+            op_keywords(rounding.bits, rounding.group_size, rounding.stochastic))
   check_name(name)
   argnums = check_argnums(compress_argnums)
   min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
@@ -183,7 +185,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
     call, values, dynamic = over_array_leaves(block, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*values)
     flags = input_flags(block, args, kwargs, argnums)
-    conv = _CompressedConv(key, bits, compressor, group_size, stochastic, min_size, name)
+    conv = _CompressedConv(key, method, min_size, name)
     outs = _evaluate(closed.jaxpr, closed.consts, values, [not flags[i] for i in dynamic], conv)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -194,10 +196,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
 class _CompressedConv:
   """Runs one traced convolution, storing its input compressed unless `keep`."""
   key: Any
-  bits: int | None
-  compressor: Compressor | None
-  group_size: int
-  stochastic: bool
+  method: dict  # the ops' bits= / compressor= keywords
   min_size: int
   name: str
   count: int = 0
@@ -212,8 +211,7 @@ class _CompressedConv:
     if all(d == 1 for d in params["lhs_dilation"]):
       params["lhs_dilation"] = None
     key = None if self.key is None else jax.random.fold_in(self.key, i)
-    method = op_keywords(self.bits, self.group_size, self.stochastic, self.compressor)
-    return conv_general_dilated(lhs, rhs, key=key, name=f"{self.name}.conv{i}", **method,
+    return conv_general_dilated(lhs, rhs, key=key, name=f"{self.name}.conv{i}", **self.method,
                                 **params)
 
 
