@@ -17,6 +17,11 @@ bits), compiles, as in `experiments.compile_time`:
   seeds once derived from a constant per call (as each residual's site seed
   is) and once passed as parameters (then the quantize kernels of equal
   shapes are identical and XLA:CPU compiles one of them);
+* opaque quantizers -- jact with its quantize and dequantize kernels replaced
+  by opaque calls of the same shapes (`jax.pure_callback`, zeros: compile
+  attribution only, the numbers are wrong): the best any separately compiled
+  CPU kernel (an FFI custom call) could do for the compile time, with and
+  without the CPU ordering;
 * minimal quantizers -- the same calls through a bare per-group stochastic
   quantizer (min/max, hashed noise, floor, 4-bit packing; none of jact's
   non-finite, wide-range or low-precision handling), a lower bound for any
@@ -44,10 +49,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jact.kernels
 from jact.core import rng, xla_cpu
-from jact.core.quantize import grouped
+from jact.core.quantize import Packed, grouped
 from jact.core.packing import pack_bits
 from jact.engine import store
 from experiments.compile_time import RESULTS, meta
@@ -126,6 +132,34 @@ def recording_quantize_calls(calls: list):
     yield
 
 
+def opaque_quantize(x, seed, *, bits, group_size, stochastic):
+  """A `Packed` of the right shapes from an opaque host call (zeros)."""
+  n = x.shape[0] if x.ndim else 1
+  groups = -(-(x.size // max(n, 1)) // group_size)
+  shapes = (jax.ShapeDtypeStruct((n, groups, group_size * bits // 8), jnp.uint8),
+            jax.ShapeDtypeStruct((n, groups), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n, groups), jnp.bfloat16))
+  zeros = lambda *_: tuple(np.zeros(s.shape, s.dtype) for s in shapes)
+  seed = jnp.uint32(0) if seed is None else seed
+  data, minimum, scale = jax.pure_callback(zeros, shapes, x, seed)
+  return Packed(data, minimum, scale, tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
+
+
+def opaque_dequantize(packed, dtype=None):
+  """The reconstruction's shape from an opaque host call (zeros)."""
+  out = jax.ShapeDtypeStruct(packed.view_shape or packed.shape, jnp.dtype(dtype or packed.dtype))
+  zeros = lambda *_: np.zeros(out.shape, out.dtype)
+  return jax.pure_callback(zeros, out, packed.data, packed.minimum, packed.scale)
+
+
+def opaque_quantizers():
+  """jact's quantize / dequantize kernels replaced by opaque host calls."""
+  dispatch = jact.kernels.dispatch
+  opaque = {"quantize": opaque_quantize, "dequantize": opaque_dequantize}
+  return patched(jact.kernels, "dispatch",
+                 lambda op, implementation=None, **kw: opaque.get(op) or dispatch(op, implementation, **kw))
+
+
 def gradient_program(case, bits: int):
   fns = variant_fns(case, "convert" if bits else "plain", bits)
   return jax.grad(fns.loss, has_aux=True), (fns.params, fns.state, case.batch(0), jax.random.key(1))
@@ -190,6 +224,9 @@ def main(argv=None):
   add("jact, no CPU ordering", lambda: gradient_program(case, args.bits), no_cpu_ordering())
   add("jact, exact residuals, no CPU ordering", lambda: gradient_program(case, args.bits),
       exact_residuals(), no_cpu_ordering())
+  add("jact, opaque quantizers", lambda: gradient_program(case, args.bits), opaque_quantizers())
+  add("jact, opaque quantizers, no CPU ordering", lambda: gradient_program(case, args.bits),
+      opaque_quantizers(), no_cpu_ordering())
   for name, fn, fn_args in quantizer_programs(calls):
     add(name, lambda fn=fn, fn_args=fn_args: (fn, fn_args))
   info.update(model=args.model, bits=args.bits, quantize_calls=len(calls),
