@@ -95,4 +95,4 @@ def test_model_gradients_keep_their_buffers_and_agree_to_rounding_unoptimized():
   assert temp_default == temp_quick
   for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(quick), strict=True):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
-  # measured at 4 bits: up to 4.8e-7 absolute (the codes come out the same here)
+  # measured at 4 bits: up to 4.8e-7 absolute
