@@ -56,6 +56,12 @@ def _conv(x, k):
   return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
+def _reconstruction(c, x, seed):
+  """`c.decompress(c.compress(x, seed))` compiled as one program (op by op, the
+  compressors dispatch for seconds)."""
+  return jax.jit(lambda x, seed: c.decompress(c.compress(x, seed)))(x, seed)
+
+
 def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
   """Gradient of `f` from its own VJP with every residual named `prefix.i` in
   `names` replaced by `c`'s reconstruction (the seed jact gives site i)."""
@@ -64,8 +70,8 @@ def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
   for i, leaf in enumerate(leaves):
     name = f"{prefix}.{i}"
     if name in names:
-      leaves[i] = c.decompress(c.compress(
-          leaf, jact.engine.rounding.site_seed(seed, i, name) if c.needs_key else None))
+      leaves[i] = _reconstruction(c, leaf, jact.engine.rounding.site_seed(seed, i, name)
+                                  if c.needs_key else None)
   return _compat.rebuild_vjp(layout, leaves)(jnp.float32(1))
 
 
@@ -120,7 +126,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   np.testing.assert_array_equal(grads["bias"], np.full(8, 4 * 8 * 8, np.float32))
   layer_key = jax.random.fold_in(_Probe().apply({}, rngs={"jact": jax.random.key(3)}), 0)
   site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(layer_key), 0, "Conv_0.lhs")
-  x_hat = c.decompress(c.compress(x, site if c.needs_key else None))
+  x_hat = _reconstruction(c, x, site if c.needs_key else None)
   _, vjp = jax.vjp(lambda w: _conv(x_hat, w), variables["params"]["Conv_0"]["kernel"])
   (want,) = vjp(jnp.ones((4, 8, 8, 8), jnp.float32))
   np.testing.assert_allclose(grads["kernel"], want, rtol=1e-5,
