@@ -253,6 +253,10 @@ PER_SAMPLE = [
 ]
 
 
+PER_SAMPLE_OUTS = [None, F32, F16, None, F16]
+"""The dequantizers' output dtype per PER_SAMPLE case (None: the input's)."""
+
+
 def quantize_per_sample_cases():
   def case(name, shape, dtype, widths, per_value, group_size, stochastic, rows):
     def make():
@@ -274,8 +278,7 @@ def dequantize_per_sample_cases():
       return (packed,), dict(dtype=out)
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
 
-  outs = [None, F32, F16, None, F16]
-  return [case(*c, out=o) for c, o in zip(PER_SAMPLE, outs)]
+  return [case(*c, out=o) for c, o in zip(PER_SAMPLE, PER_SAMPLE_OUTS)]
 
 
 def division_compress_cases():
