@@ -125,9 +125,10 @@ def at_code_boundaries(n, groups, group, bits, seed):
   levels = (1 << bits) - 1
   ends = np.zeros((n, groups, group), np.float32)
   ends[..., 1] = 3.9375
-  step = np.asarray(quantize_reference(jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
-                                       group_size=group).scale, np.float32)[..., None]
-  u = np.asarray(rng.uniform_from_bits(rng.element_bits(seed, (n, groups, group))), np.float64)
+  step = np.asarray(jitted(quantize_reference, jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
+                           group_size=group).scale, np.float32)[..., None]
+  u = np.asarray(jax.jit(lambda seed: rng.uniform_from_bits(rng.element_bits(
+      seed, (n, groups, group))))(seed), np.float64)
   k = np.random.default_rng(0).integers(1, levels, (n, groups, group))
   x = ((k - u - 2e-6) * step).astype(np.float32)
   x[..., :2] = ends[..., :2]
@@ -357,7 +358,8 @@ def _reference(op: str, case: Case):
   if key not in _REFERENCES:
     args, kwargs = case.make()
     fn = REGISTRY.available(op)[REFERENCE].fn
-    _REFERENCES[key] = args, kwargs, jax.jit(functools.partial(fn, **kwargs))(*args)
+    _REFERENCES[key] = args, kwargs, jax.jit(functools.partial(fn, **kwargs),
+                                             compiler_options=FAST_COMPILE)(*args)
   return _REFERENCES[key]
 
 
@@ -393,6 +395,12 @@ def test_bit_exact_with_the_reference(op, name, case):
   assert_same_tree(jax.jit(_kernel(op, name, case))(*args), want, f"{op}/{name}/{case.name}")
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for the pre-filled runs: interpret mode emulates the kernel in
+XLA operations, whose IEEE semantics LLVM's optimization level does not change
+(no fast math either way), and compiles a third to a half faster unoptimized.
+`test_bit_exact_with_the_reference` runs the kernels as users do."""
+
 FILLS = [(0xA5, 1.5), (0x5A, -3.25)]
 """Two garbage fills (integer outputs, float outputs) with different bits in
 every dtype: an element a kernel leaves unwritten keeps a fill, which cannot
@@ -410,7 +418,7 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
   monkeypatch.setattr(_jax_triton, "call", poisoned_triton)
   fn = _kernel(op, name, case)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
   def run(args, int_fill, float_fill):
     fills.update(int=int_fill, float=float_fill)
     return fn(*args)
