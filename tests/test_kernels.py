@@ -35,11 +35,17 @@ def _activation(shape, dtype, seed=0, specials=True):
   return x.astype(dtype)
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for `jitted`: the interpret-mode kernels emulate the kernel in
+XLA operations, whose IEEE semantics LLVM's optimization level does not change
+(no fast math either way); unoptimized, they compile a third faster."""
+
+
 def jitted(fn, *args, **kwargs):
   """`fn(*args, **kwargs)` compiled as one program (static keyword arguments):
   run op by op, the references dispatch many small computations, and the
   interpreted kernels compile faster as one module."""
-  return jax.jit(functools.partial(fn, **kwargs))(*args)
+  return jax.jit(functools.partial(fn, **kwargs), compiler_options=FAST_COMPILE)(*args)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -237,8 +243,8 @@ def test_compressor_implementation_field_selects_the_kernel():
     report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), compressor=c).sum(), x)
     assert set(report.kernels().values()) == {"jact_quantize" if name != "xla" else "xla"}
     assert jact.compressors.from_dict(c.to_dict()) == c
-  a = jax.jit(PerGroup(4, implementation="xla").compress)(x, seed)  # one compile each
-  b = jax.jit(PerGroup(4, implementation="pallas_triton").compress)(x, seed)
+  a = jitted(PerGroup(4, implementation="xla").compress, x, seed)  # one compile each
+  b = jitted(PerGroup(4, implementation="pallas_triton").compress, x, seed)
   assert_same_packed(a, b)
 
 
