@@ -30,9 +30,10 @@ KEY = jax.random.key(0)
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA:CPU options for `_jitted` (the interpret-mode kernels and their references):
-IEEE semantics do not depend on LLVM's optimization level (no fast math either
-way); unoptimized, they compile a third faster."""
+"""XLA:CPU options for `_jitted` (the interpret-mode kernels and their references,
+compiled alike): unoptimized, they compile a third faster. (The kernels compute in
+float32 and integers; tests/test_kernel_contract.py checks their unoptimized bits
+against the reference compiled as users compile it.)"""
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "stochastic", "dtype"))

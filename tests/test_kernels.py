@@ -36,9 +36,10 @@ def _activation(shape, dtype, seed=0, specials=True):
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA:CPU options for `jitted`: the interpret-mode kernels emulate the kernel in
-XLA operations, whose IEEE semantics LLVM's optimization level does not change
-(no fast math either way); unoptimized, they compile a third faster."""
+"""XLA:CPU options for `jitted` (kernels and references compiled alike):
+unoptimized, the interpret-mode kernels compile a third faster. (They compute in
+float32 and integers; tests/test_kernel_contract.py checks their unoptimized bits
+against the reference compiled as users compile it.)"""
 
 
 def jitted(fn, *args, **kwargs):

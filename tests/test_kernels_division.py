@@ -18,9 +18,10 @@ from jact import _compat
 from kernel_checks import assert_same_bits, assert_same_packed
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA:CPU options for the interpret-mode kernels and their references: the
-emulated kernel is XLA operations, whose IEEE semantics LLVM's optimization
-level does not change (no fast math either way), compiled a third faster."""
+"""XLA:CPU options for the interpret-mode kernels and their references, compiled
+alike: unoptimized, they compile a third faster. (The kernels compute in float32
+and integers; tests/test_kernel_contract.py checks their unoptimized bits against
+the reference compiled as users compile it.)"""
 
 
 def activation(shape, dtype=jnp.float32, seed=0, specials=False):

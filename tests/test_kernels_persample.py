@@ -50,10 +50,10 @@ def _geometry(shape):
 
 
 # Each kernel and reference is jitted on its own: XLA:CPU compiles the
-# interpreted kernels much faster as separate modules than as one. Unoptimized
-# (FAST_COMPILE): the emulated kernel is XLA operations, whose IEEE semantics
-# LLVM's optimization level does not change (no fast math either way), compiled
-# a third faster.
+# interpreted kernels much faster as separate modules than as one. Kernels and
+# references are compiled alike, unoptimized (FAST_COMPILE): a third faster.
+# (The kernels compute in float32 and integers; tests/test_kernel_contract.py
+# checks their unoptimized bits against the reference compiled as users do.)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
 _quantize_reference = _jit(quantize_per_sample_reference,
