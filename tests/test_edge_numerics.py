@@ -30,10 +30,10 @@ KEY = jax.random.key(0)
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA:CPU options for `_jitted` (the interpret-mode kernels and their references,
-compiled alike): unoptimized, they compile a third faster. (The kernels compute in
-float32 and integers; tests/test_kernel_contract.py checks their unoptimized bits
-against the reference compiled as users compile it.)"""
+"""XLA:CPU options for the interpret-mode kernels (`_jitted(..., fast=True)`):
+unoptimized, they compile a third faster. The references compile as users compile
+them, so the comparisons also check that the kernels' bits do not depend on the
+optimization level (as tests/test_kernel_contract.py does)."""
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "stochastic", "dtype"))
@@ -43,10 +43,12 @@ def _roundtrip(x, key, *, bits, stochastic=True, dtype=None):
   return p, jact.dequantize(p, dtype)
 
 
-def _jitted(fn, *args, **static):
-  """`fn(*args, **static)` compiled as one program: op by op, the references and the
-  interpret-mode kernels dispatch many small operations, each compiled on first use."""
-  return jax.jit(functools.partial(fn, **static), compiler_options=FAST_COMPILE)(*args)
+def _jitted(fn, *args, fast=False, **static):
+  """`fn(*args, **static)` compiled as one program (unoptimized with `fast`): op by
+  op, the references and the interpret-mode kernels dispatch many small
+  operations, each compiled on first use."""
+  return jax.jit(functools.partial(fn, **static),
+                 compiler_options=FAST_COMPILE if fast else None)(*args)
 
 
 def _per_element(stat, packed):
@@ -193,10 +195,11 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
   for x in (_f32_wide(), _f16_extremes()):
     seed = jnp.uint32(11)
     ref = _jitted(quantize_reference, x, seed, bits=bits, group_size=256)
-    got = _jitted(pergroup_kernels.quantize, x, seed, bits=bits, group_size=256, interpret=True)
+    got = _jitted(pergroup_kernels.quantize, x, seed, bits=bits, group_size=256, interpret=True,
+                  fast=True)
     assert_same_packed(got, ref)
     y = _jitted(dequantize_reference, ref)
-    assert_same_bits(_jitted(pergroup_kernels.dequantize, ref, interpret=True), y)
+    assert_same_bits(_jitted(pergroup_kernels.dequantize, ref, interpret=True, fast=True), y)
     assert bool(jnp.isfinite(y).all())
 
 
@@ -216,10 +219,11 @@ def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
     y = _jitted(reference.dequantize_per_sample_reference, ref)
     assert y.dtype == x.dtype and bool(jnp.isfinite(y).all())
     got = _jitted(lambda x, w, seed: persample_kernels.quantize_per_sample(
-        x, w, seed=seed, interpret=True, **args), x, widths, seed)
+        x, w, seed=seed, interpret=True, **args), x, widths, seed, fast=True)
     for field in ("data", "bits", "minimum", "scale"):
       assert_same_bits(getattr(got, field), getattr(ref, field))
-    assert_same_bits(_jitted(persample_kernels.dequantize_per_sample, ref, interpret=True), y)
+    assert_same_bits(_jitted(persample_kernels.dequantize_per_sample, ref, interpret=True,
+                             fast=True), y)
 
 
 # ----------------------------------------------------------------------------- 5: dequantize a plain array
@@ -300,7 +304,8 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   flat[100:116] = 3e38  # a block whose float32 sum overflows: its LFC is stored as 0
   args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.float16)
   x = jnp.asarray(x)
-  lfc, hfc = _jitted(division_kernels.division_compress, x, jnp.uint32(3), interpret=True, **args)
+  lfc, hfc = _jitted(division_kernels.division_compress, x, jnp.uint32(3), interpret=True,
+                     fast=True, **args)
   ref_lfc, ref_hfc = _jitted(division_compress_reference, x, jnp.uint32(3), **args)
   assert_same_bits(lfc, ref_lfc)
   assert_same_packed(hfc, ref_hfc)
