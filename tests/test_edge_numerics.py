@@ -29,11 +29,26 @@ BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # 3.39e38
 KEY = jax.random.key(0)
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for the interpret-mode kernels (`_jitted(..., fast=True)`):
+unoptimized, they compile a third faster. The references compile as users compile
+them, so the comparisons also check that the kernels' bits do not depend on the
+optimization level (as tests/test_kernel_contract.py does)."""
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "stochastic", "dtype"))
 def _roundtrip(x, key, *, bits, stochastic=True, dtype=None):
   """(Packed, reconstruction) in one compile."""
   p = jact.quantize(x, key, bits=bits, stochastic=stochastic)
   return p, jact.dequantize(p, dtype)
+
+
+def _jitted(fn, *args, fast=False, **static):
+  """`fn(*args, **static)` compiled as one program (unoptimized with `fast`): op by
+  op, the references and the interpret-mode kernels dispatch many small
+  operations, each compiled on first use."""
+  return jax.jit(functools.partial(fn, **static),
+                 compiler_options=FAST_COMPILE if fast else None)(*args)
 
 
 def _per_element(stat, packed):
@@ -100,7 +115,7 @@ def test_float16_dense_two_bit_weight_gradient_is_finite():
   def grad(key):
     return jax.grad(lambda w: jnp.sum(ops.dense(x, w, key=key, bits=2).astype(jnp.float32)))(w)
 
-  packed = jact.quantize(x, KEY, bits=2)  # the residual's steps (same grid for every key)
+  packed = _roundtrip(x, KEY, bits=2)[0]  # the residual's steps (same grid for every key)
   step = _per_element(packed.scale, packed)
   for key in jax.random.split(jax.random.key(1), 4):
     g = grad(key)
@@ -122,10 +137,10 @@ def test_float16_rounding_stays_unbiased():
   wide = over_keys(lambda k: _roundtrip(extreme, k, bits=2, dtype=jnp.float32)[1], keys)
   # A value a hair off a grid point may draw the same level 256 times: such
   # elements only have to be within a step (here and below); the z-tests take the rest.
-  step = float(jnp.max(jact.quantize(extreme, KEY, bits=2).scale.astype(jnp.float32)))
+  step = float(jnp.max(_roundtrip(extreme, KEY, bits=2)[0].scale.astype(jnp.float32)))
   assert_unbiased(wide, np.asarray(extreme, np.float64), atol=step)
   near = over_keys(lambda k: _roundtrip(normal, k, bits=2)[1], keys)
-  step = float(jnp.max(jact.quantize(normal, KEY, bits=2).scale.astype(jnp.float32)))
+  step = float(jnp.max(_roundtrip(normal, KEY, bits=2)[0].scale.astype(jnp.float32)))
   assert_unbiased(near, np.asarray(normal, np.float64), atol=step)
 
 
@@ -169,7 +184,7 @@ def test_extreme_float32_rounding_is_unbiased():
   for bits in (1, 2):
     rows = x if bits == 2 else x[1:]  # at 1 bit row 0's range (6e38) is clipped (see above)
     samples = over_keys(lambda k: _roundtrip(rows, k, bits=bits)[1], keys)
-    step = float(jnp.max(jact.quantize(rows, KEY, bits=bits).scale.astype(jnp.float32)))
+    step = float(jnp.max(_roundtrip(rows, KEY, bits=bits)[0].scale.astype(jnp.float32)))
     assert_unbiased(samples, np.asarray(rows, np.float64), atol=step)
 
 
@@ -179,11 +194,12 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
   """The Pallas kernels (interpret mode) store and reconstruct the reference's bits."""
   for x in (_f32_wide(), _f16_extremes()):
     seed = jnp.uint32(11)
-    ref = quantize_reference(x, seed, bits=bits, group_size=256)
-    got = pergroup_kernels.quantize(x, seed, bits=bits, group_size=256, interpret=True)
+    ref = _jitted(quantize_reference, x, seed, bits=bits, group_size=256)
+    got = _jitted(pergroup_kernels.quantize, x, seed, bits=bits, group_size=256, interpret=True,
+                  fast=True)
     assert_same_packed(got, ref)
-    y = dequantize_reference(ref)
-    assert_same_bits(pergroup_kernels.dequantize(ref, interpret=True), y)
+    y = _jitted(dequantize_reference, ref)
+    assert_same_bits(_jitted(pergroup_kernels.dequantize, ref, interpret=True, fast=True), y)
     assert bool(jnp.isfinite(y).all())
 
 
@@ -196,15 +212,18 @@ def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   from jact.kernels.per_sample import reference
   for x in (_f16_extremes(), _f32_wide()):
     widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)
-    args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256,
-                seed=jnp.uint32(5))
-    ref = reference.quantize_per_sample_reference(x, widths, **args)
-    y = reference.dequantize_per_sample_reference(ref)
+    args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256)
+    seed = jnp.uint32(5)
+    ref = _jitted(lambda x, w, seed: reference.quantize_per_sample_reference(x, w, seed=seed, **args),
+                  x, widths, seed)
+    y = _jitted(reference.dequantize_per_sample_reference, ref)
     assert y.dtype == x.dtype and bool(jnp.isfinite(y).all())
-    got = persample_kernels.quantize_per_sample(x, widths, interpret=True, **args)
+    got = _jitted(lambda x, w, seed: persample_kernels.quantize_per_sample(
+        x, w, seed=seed, interpret=True, **args), x, widths, seed, fast=True)
     for field in ("data", "bits", "minimum", "scale"):
       assert_same_bits(getattr(got, field), getattr(ref, field))
-    assert_same_bits(persample_kernels.dequantize_per_sample(ref, interpret=True), y)
+    assert_same_bits(_jitted(persample_kernels.dequantize_per_sample, ref, interpret=True,
+                             fast=True), y)
 
 
 # ----------------------------------------------------------------------------- 5: dequantize a plain array
@@ -272,7 +291,7 @@ def test_division_unbiased_around_a_nan():
   finite = np.isfinite(x)
   np.testing.assert_array_equal(np.isfinite(np.asarray(samples)),
                                 np.broadcast_to(finite, np.shape(samples)))
-  step = float(_hfc_steps(c.compress(xj, jnp.uint32(0))).max())
+  step = float(_hfc_steps(jax.jit(c.compress)(xj, jnp.uint32(0))).max())
   assert_unbiased(np.asarray(samples)[:, finite], x[finite].astype(np.float64), atol=step)
 
 
@@ -285,8 +304,9 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   flat[100:116] = 3e38  # a block whose float32 sum overflows: its LFC is stored as 0
   args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.float16)
   x = jnp.asarray(x)
-  lfc, hfc = division_kernels.division_compress(x, jnp.uint32(3), interpret=True, **args)
-  ref_lfc, ref_hfc = division_compress_reference(x, jnp.uint32(3), **args)
+  lfc, hfc = _jitted(division_kernels.division_compress, x, jnp.uint32(3), interpret=True,
+                     fast=True, **args)
+  ref_lfc, ref_hfc = _jitted(division_compress_reference, x, jnp.uint32(3), **args)
   assert_same_bits(lfc, ref_lfc)
   assert_same_packed(hfc, ref_hfc)
   assert bool(jnp.isfinite(ref_lfc).all())

@@ -125,9 +125,10 @@ def at_code_boundaries(n, groups, group, bits, seed):
   levels = (1 << bits) - 1
   ends = np.zeros((n, groups, group), np.float32)
   ends[..., 1] = 3.9375
-  step = np.asarray(quantize_reference(jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
-                                       group_size=group).scale, np.float32)[..., None]
-  u = np.asarray(rng.uniform_from_bits(rng.element_bits(seed, (n, groups, group))), np.float64)
+  step = np.asarray(jitted(quantize_reference, jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
+                           group_size=group).scale, np.float32)[..., None]
+  u = np.asarray(jax.jit(lambda seed: rng.uniform_from_bits(rng.element_bits(
+      seed, (n, groups, group))))(seed), np.float64)
   k = np.random.default_rng(0).integers(1, levels, (n, groups, group))
   x = ((k - u - 2e-6) * step).astype(np.float32)
   x[..., :2] = ends[..., :2]
@@ -253,6 +254,10 @@ PER_SAMPLE = [
 ]
 
 
+PER_SAMPLE_OUTS = [None, F32, F16, None, F16]
+"""The dequantizers' output dtype per PER_SAMPLE case (None: the input's)."""
+
+
 def quantize_per_sample_cases():
   def case(name, shape, dtype, widths, per_value, group_size, stochastic, rows):
     def make():
@@ -274,8 +279,7 @@ def dequantize_per_sample_cases():
       return (packed,), dict(dtype=out)
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
 
-  outs = [None, F32, F16, None, F16]
-  return [case(*c, out=o) for c, o in zip(PER_SAMPLE, outs)]
+  return [case(*c, out=o) for c, o in zip(PER_SAMPLE, PER_SAMPLE_OUTS)]
 
 
 def division_compress_cases():
@@ -390,6 +394,15 @@ def test_bit_exact_with_the_reference(op, name, case):
   assert_same_tree(jax.jit(_kernel(op, name, case))(*args), want, f"{op}/{name}/{case.name}")
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for the pre-filled kernel runs: unoptimized, an interpret-mode
+kernel compiles a third to a half faster. The reference stays compiled as users
+compile it, so these runs also check that the kernel's bits do not depend on the
+optimization level (the kernels compute in float32 and integers, converting
+low-precision values once; a level that changed that arithmetic, as XLA:CPU's
+level 0 does for chains of float16 operations, would show here as a mismatch).
+`test_bit_exact_with_the_reference` runs the kernels as users do."""
+
 FILLS = [(0xA5, 1.5), (0x5A, -3.25)]
 """Two garbage fills (integer outputs, float outputs) with different bits in
 every dtype: an element a kernel leaves unwritten keeps a fill, which cannot
@@ -407,7 +420,7 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
   monkeypatch.setattr(_jax_triton, "call", poisoned_triton)
   fn = _kernel(op, name, case)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
   def run(args, int_fill, float_fill):
     fills.update(int=int_fill, float=float_fill)
     return fn(*args)

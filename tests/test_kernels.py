@@ -35,11 +35,18 @@ def _activation(shape, dtype, seed=0, specials=True):
   return x.astype(dtype)
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for `jitted` (kernels and references compiled alike):
+unoptimized, the interpret-mode kernels compile a third faster. (They compute in
+float32 and integers; tests/test_kernel_contract.py checks their unoptimized bits
+against the reference compiled as users compile it.)"""
+
+
 def jitted(fn, *args, **kwargs):
   """`fn(*args, **kwargs)` compiled as one program (static keyword arguments):
   run op by op, the references dispatch many small computations, and the
   interpreted kernels compile faster as one module."""
-  return jax.jit(functools.partial(fn, **kwargs))(*args)
+  return jax.jit(functools.partial(fn, **kwargs), compiler_options=FAST_COMPILE)(*args)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -193,13 +200,16 @@ def test_staged_arguments_keep_static_values_static(monkeypatch):
   quantize = kernels.dispatch("quantize", size=x.size)
   assert quantize is not kernels.available("quantize")["pallas_triton"].fn
   for seed, stochastic in [(jnp.uint32(7), True), (None, False)]:
-    p = quantize(x, seed, bits=4, group_size=effective_group_size(300, 256), stochastic=stochastic)
-    r = quantize_reference(x, seed, bits=4, group_size=effective_group_size(300, 256),
-                           stochastic=stochastic)
+    # Under jit (one compile each, not op by op): a static value the staging
+    # turned into a traced one would fail there.
+    p = jitted(quantize, x, seed, bits=4, group_size=effective_group_size(300, 256),
+               stochastic=stochastic)
+    r = jitted(quantize_reference, x, seed, bits=4, group_size=effective_group_size(300, 256),
+               stochastic=stochastic)
     assert_same_packed(p, r)
-    out = kernels.dispatch("dequantize", size=p.data.size)(p, jnp.float32)
+    out = jitted(kernels.dispatch("dequantize", size=p.data.size), p, dtype=jnp.float32)
     assert out.dtype == jnp.float32
-    assert_same_bits(out, dequantize_reference(r, jnp.float32))
+    assert_same_bits(out, jitted(dequantize_reference, r, dtype=jnp.float32))
   # a forced choice is never staged
   assert kernels.dispatch("quantize", "pallas_triton") is kernels.available("quantize")[
       "pallas_triton"].fn
@@ -234,8 +244,8 @@ def test_compressor_implementation_field_selects_the_kernel():
     report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), compressor=c).sum(), x)
     assert set(report.kernels().values()) == {"jact_quantize" if name != "xla" else "xla"}
     assert jact.compressors.from_dict(c.to_dict()) == c
-  a = PerGroup(4, implementation="xla").compress(x, seed)
-  b = PerGroup(4, implementation="pallas_triton").compress(x, seed)
+  a = jitted(PerGroup(4, implementation="xla").compress, x, seed)  # one compile each
+  b = jitted(PerGroup(4, implementation="pallas_triton").compress, x, seed)
   assert_same_packed(a, b)
 
 
@@ -321,5 +331,6 @@ def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
     chosen = jact.quantize(x, key, bits=2, group_size=64)
     grads = jax.jit(jax.grad(loss, argnums=1))(x, w)
   assert launches == ["jact_quantize_jax_triton"] * 2, launches  # the quantizer, then the layer
-  assert_same_packed(chosen, jact.quantize(x, key, bits=2, group_size=64, implementation="xla"))
+  assert_same_packed(chosen, jitted(jact.quantize, x, key, bits=2, group_size=64,
+                                    implementation="xla"))
   assert_same_bits(grads, jax.jit(jax.grad(loss, argnums=1))(x, w))

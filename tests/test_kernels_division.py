@@ -17,6 +17,13 @@ from jact.kernels.division.reference import division_compress_reference
 from jact import _compat
 from kernel_checks import assert_same_bits, assert_same_packed
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU options for the interpret-mode kernels and their references, compiled
+alike: unoptimized, they compile a third faster. (The kernels compute in float32
+and integers; tests/test_kernel_contract.py checks their unoptimized bits against
+the reference compiled as users compile it.)"""
+
+
 def activation(shape, dtype=jnp.float32, seed=0, specials=False):
   """Host-made normals; with `specials`, inf/NaN/+-0 and a whole block of -0.0."""
   x = 3 * np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -86,8 +93,9 @@ def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, r
   seed = jnp.uint32(0xD1 + bits)
   args = dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype)
   kernel = jax.jit(functools.partial(division.division_compress, interpret=True, rows=rows,
-                                     **args))(x, seed)
-  reference = jax.jit(functools.partial(division_compress_reference, **args))(x, seed)
+                                     **args), compiler_options=FAST_COMPILE)(x, seed)
+  reference = jax.jit(functools.partial(division_compress_reference, **args),
+                      compiler_options=FAST_COMPILE)(x, seed)
   assert_same_bits(kernel[0], reference[0])
   assert_same_packed(kernel[1], reference[1])
 
@@ -101,7 +109,7 @@ def test_division_dispatches_to_the_kernel_with_the_same_bits():
   compressors.append(Division(block=4, bits=2, group_size=64, keep="hfc",
                               implementation="pallas_triton"))
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
   def run(x, seed):
     stored = [c.compress(x, seed) for c in compressors]
     return stored, [c.decompress(s) for c, s in zip(compressors, stored)]

@@ -50,43 +50,69 @@ def _geometry(shape):
 
 
 # Each kernel and reference is jitted on its own: XLA:CPU compiles the
-# interpreted kernels much faster as separate modules than as one.
-_quantize_kernel = jax.jit(persample.quantize_per_sample,
-                           static_argnames=("capacity_bytes", "group_size", "interpret", "rows"))
-_quantize_reference = jax.jit(quantize_per_sample_reference,
+# interpreted kernels much faster as separate modules than as one. Kernels and
+# references are compiled alike, unoptimized (FAST_COMPILE): a third faster.
+# (The kernels compute in float32 and integers; tests/test_kernel_contract.py
+# checks their unoptimized bits against the reference compiled as users do.)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+_jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+_quantize_reference = _jit(quantize_per_sample_reference,
                               static_argnames=("capacity_bytes", "group_size"))
-_dequantize_kernel = jax.jit(persample.dequantize_per_sample,
+_dequantize_kernel = _jit(persample.dequantize_per_sample,
                              static_argnames=("dtype", "interpret", "rows"))
-_dequantize_reference = jax.jit(dequantize_per_sample_reference, static_argnames=("dtype",))
+_dequantize_reference = _jit(dequantize_per_sample_reference, static_argnames=("dtype",))
 
 
-# (shape, dtype, widths, stochastic, capacity in bytes per value, rows):
+# (shape, dtype, widths, stochastic, capacity in bytes per value, rows, output dtype):
 # all four widths in one batch; 300 values per sample (no multiple of the
 # group size: padded to 2 x 256); 7 x 13 values (one group of 96) with a
 # buffer so large that extra programs only write zeros; 784 values (7 groups
-# of 112, not a power of two) with round-to-nearest.
+# of 112, not a power of two) with round-to-nearest. On these three cases
+# (same shape, dtype, widths, capacity, group size, rounding and rows)
+# tests/test_kernel_contract.py's per-sample cases "widths-1248-f32-partial-group",
+# "bf16-zero-only-programs" and "f16-nearest-group112" compare the quantize
+# kernel and the dequantize kernel (to float32, float32 and float16) bit for bit,
+# with outputs pre-filled; interpret mode compiles each kernel for seconds, so
+# here the quantizer is the reference and only the dequantizations to the other
+# output dtype (the input's, or float32) run.
+CONTRACT_CASES = [
+    ((4, 300), jnp.float32, [1, 2, 4, 8], True, 1.0, 2, jnp.float32),
+    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.float32),
+    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float16),
+]
 CASES = [
-    ((4, 300), jnp.float32, [1, 2, 4, 8], True, 1.0, 2),
-    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1),
-    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4),
+    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.bfloat16),
+    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float32),
 ]
 
 
+def test_the_kernel_contract_runs_the_other_cases():
+  """The cases above not run here are tests/test_kernel_contract.py's (kept in step)."""
+  import test_kernel_contract as contract
+  assert [case.name for case in contract.quantize_per_sample_cases()] == [
+      case.name for case in contract.dequantize_per_sample_cases()] == [
+      c[0] for c in contract.PER_SAMPLE]
+  ran = {(shape, jnp.dtype(dtype), tuple(widths), stochastic, per_value, rows,
+          jnp.dtype(out or dtype))
+         for (_, shape, dtype, widths, per_value, group_size, stochastic, rows), out
+         in zip(contract.PER_SAMPLE, contract.PER_SAMPLE_OUTS) if group_size == 256}
+  for shape, dtype, widths, stochastic, per_value, rows, out in CONTRACT_CASES:
+    assert (shape, jnp.dtype(dtype), tuple(widths), stochastic, per_value, rows,
+            jnp.dtype(out)) in ran
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,dtype,widths,stochastic,per_value,rows", CASES)
-def test_quantize_and_dequantize_are_bit_exact(shape, dtype, widths, stochastic, per_value, rows):
+@pytest.mark.parametrize("shape,dtype,widths,stochastic,per_value,rows,out", CASES)
+def test_dequantize_is_bit_exact(shape, dtype, widths, stochastic, per_value, rows, out):
   x = _activation(shape, dtype)
   g, dp = _geometry(shape)
   capacity = int(per_value * shape[0] * dp)
   bits = jnp.asarray(widths, jnp.int32)
   assert int(bits.sum()) * dp // 8 <= capacity
   seed = jnp.uint32(1234) if stochastic else None
-  args = dict(capacity_bytes=capacity, group_size=g, seed=seed)
-  r = _quantize_reference(x, bits, **args)
-  assert_same_packed(_quantize_kernel(x, bits, interpret=True, rows=rows, **args), r)
-  for out in dict.fromkeys((jnp.dtype(jnp.float32), jnp.dtype(dtype))):
-    assert_same_bits(_dequantize_kernel(r, out, interpret=True, rows=rows),
-                     _dequantize_reference(r, out))
+  r = _quantize_reference(x, bits, capacity_bytes=capacity, group_size=g, seed=seed)
+  assert_same_bits(_dequantize_kernel(r, out, interpret=True, rows=rows),
+                   _dequantize_reference(r, out))
 
 
 @pytest.mark.slow
@@ -96,23 +122,23 @@ def test_every_byte_and_value_is_written(monkeypatch):
   x = _activation((3, 40), jnp.float32, seed=2)
   bits, seed = jnp.array([1, 8, 2], jnp.int32), jnp.uint32(7)
   args = dict(capacity_bytes=13000, group_size=40, seed=seed)
-  p = jax.jit(functools.partial(persample.quantize_per_sample, interpret=True, rows=1, **args))(x, bits)
+  p = _jit(functools.partial(persample.quantize_per_sample, interpret=True, rows=1, **args))(x, bits)
   assert_same_packed(p, _quantize_reference(x, bits, **args))
-  y = jax.jit(functools.partial(persample.dequantize_per_sample, interpret=True, rows=1))(p)
+  y = _jit(functools.partial(persample.dequantize_per_sample, interpret=True, rows=1))(p)
   assert_same_bits(y, _dequantize_reference(p, jnp.float32))
 
 
 _TRACES = []
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "implementation"))
+@functools.partial(_jit, static_argnames=("capacity", "implementation"))
 def _dispatch_quantize(x, bits, seed, *, capacity, implementation):
   _TRACES.append(implementation)
   return quantize_per_sample(x, bits, capacity_bytes=capacity, seed=seed,
                              implementation=implementation)
 
 
-_dispatch_dequantize = jax.jit(dequantize_per_sample, static_argnames=("dtype", "implementation"))
+_dispatch_dequantize = _jit(dequantize_per_sample, static_argnames=("dtype", "implementation"))
 
 
 def _dispatch(x, bits, seed, *, capacity, implementation):
@@ -172,7 +198,7 @@ def test_kernels_lower_for_cuda(shape, dtype):
       kernels=two_passes)
   packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw),
                           x, bits)
-  for out in (jnp.float32, dtype):
+  for out in dict.fromkeys((jnp.float32, dtype)):  # float32 once
     assert_lowers_for_cuda(lambda p: persample.dequantize_per_sample(p, out, interpret=False),
                            lambda p: dequantize_per_sample_reference(p, out), packed,
                            kernels=["jact_per_sample_unpack"])

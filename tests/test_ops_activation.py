@@ -50,7 +50,7 @@ def min_rounding_atol(stored, cot):
 
 
 def exact_grad(f, x, cot):
-  return jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), cot))(x)
+  return jax.jit(jax.grad(lambda x: jnp.vdot(f(x).astype(jnp.float32), cot)))(x)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -62,9 +62,9 @@ def exact_grad(f, x, cot):
 def test_smooth_forward_is_exact(which, dtype):
   op, ref = SMOOTH[which]
   x = X.astype(dtype)
-  y = op(x, key=jax.random.key(3), bits=2)
+  y, y_ref = jax.jit(lambda x: (op(x, key=jax.random.key(3), bits=2), ref(x)))(x)  # one compile
   assert y.dtype == dtype
-  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ref(x), np.float32))
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
 
 
 @pytest.mark.slow
@@ -85,8 +85,9 @@ def test_mask_activations_forward_and_gradient_are_exact(dtype):
 
 def test_softmax_forward_is_exact():
   for axis in (-1, 0):
-    y = A.softmax(X, axis, key=jax.random.key(0))
-    np.testing.assert_array_equal(y, jax.nn.softmax(X, axis=axis))
+    y, y_ref = jax.jit(lambda x: (A.softmax(x, axis, key=jax.random.key(0)),
+                                  jax.nn.softmax(x, axis=axis)))(X)  # one compile
+    np.testing.assert_array_equal(y, y_ref)
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -132,7 +133,7 @@ def test_smooth_gradient_at_8_bits_is_close(which):
 @pytest.mark.parametrize("which", sorted(SMOOTH))
 def test_uncompressed_needs_no_key_and_is_exact(which):
   op, ref = SMOOTH[which]
-  g = jax.grad(lambda x: jnp.vdot(op(x, bits=None), COT))(X)
+  g = jax.jit(jax.grad(lambda x: jnp.vdot(op(x, bits=None), COT)))(X)
   exact = exact_grad(ref, X, COT)  # same math, other op order: float32 rounding only
   np.testing.assert_allclose(g, exact, rtol=1e-5, atol=1e-6 * float(jnp.abs(exact).max()))
 

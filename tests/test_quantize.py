@@ -22,15 +22,19 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 HYP = settings(max_examples=12, deadline=None, derandomize=True)
 
 # Jitted entry points: eager dispatch compiles every small op separately, which dominates runtime.
-_quantize = jax.jit(quantize, static_argnames=("bits", "group_size", "stochastic"))
-_dequantize = jax.jit(dequantize, static_argnums=1)
-_pack_bits = jax.jit(pack_bits, static_argnums=1)
-_unpack_bits = jax.jit(unpack_bits, static_argnums=1)
-_pack_codes = jax.jit(pack_codes, static_argnums=1)
-_unpack_codes = jax.jit(unpack_codes, static_argnums=1)
+# Unoptimized (level 0), they compile faster; the assertions are on codes, grids and statistics
+# with float32 slack. (The code-boundary test below, whose point is the exact float32 rounding
+# sequence, compiles as users do.)
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+_quantize = _jit(quantize, static_argnames=("bits", "group_size", "stochastic"))
+_dequantize = _jit(dequantize, static_argnums=1)
+_pack_bits = _jit(pack_bits, static_argnums=1)
+_unpack_bits = _jit(unpack_bits, static_argnums=1)
+_pack_codes = _jit(pack_codes, static_argnums=1)
+_unpack_codes = _jit(unpack_codes, static_argnums=1)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "stochastic"))
+@functools.partial(_jit, static_argnames=("bits", "group_size", "stochastic"))
 def _roundtrip(x, key=None, *, bits, group_size=256, stochastic=True):
   """(Packed, dequantized) in one compile."""
   p = quantize(x, key, bits=bits, group_size=group_size, stochastic=stochastic)
@@ -243,7 +247,7 @@ def _draws(dtype):
                    p.scale.astype(jnp.float32))
     return out
 
-  out = jax.jit(jax.vmap(one_key))(keys)
+  out = _jit(jax.vmap(one_key))(keys)
   return x, {b: tuple(np.asarray(a, np.float64) for a in v) for b, v in out.items()}
 
 
