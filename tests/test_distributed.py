@@ -420,8 +420,11 @@ def sharded_weights(tmp_path_factory):
   return _run_on_eight_devices(_SHARDED_WEIGHTS_SCRIPT, tmp_path_factory.mktemp("sharded"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # function scope: the tests that read it group with `eight_devices` (one run)
 def eight_devices_jit(eight_devices):
+  # tests/conftest.py sends the tests sharing a module-scoped fixture to one xdist worker, keyed
+  # by the first such fixture a test uses: a module-scoped alias here was a group of its own, so
+  # under -n 2 the 8-device script ran once per group (twice, ~35 s each)
   return eight_devices["variants"]
 
 

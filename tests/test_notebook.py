@@ -1,6 +1,12 @@
 """Executes every notebook (the experiment notebooks re-run their small versions); any cell
-error fails. Also checks that the committed notebooks carry their outputs."""
+error fails. Also checks that the committed notebooks carry their outputs.
 
+The kernels run with XLA:CPU's quick-compile flags (`memory_batch.FAST_COMPILE_FLAGS`, which
+`memory_batch --small` uses for its own steps): they change LLVM's code generation only, not the
+programs jact builds, and most of a small live run is compilation (bit_plans --small: 26 -> 17 CPU-s).
+"""
+
+import os
 from pathlib import Path
 
 import nbformat
@@ -10,6 +16,13 @@ from nbclient.exceptions import CellExecutionError
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 EXPERIMENT_NOTEBOOKS = sorted(p.name for p in NOTEBOOKS.glob("0[2-9]_*.ipynb"))
+
+
+@pytest.fixture
+def quick_compiles(monkeypatch):
+  """Kernels started in the test inherit the quick-compile XLA flags."""
+  from experiments.memory_batch import FAST_COMPILE_FLAGS
+  monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
 
 
 def _execute(path: Path) -> nbformat.NotebookNode:
@@ -30,7 +43,7 @@ def _outputs(nb) -> list:
 
 
 @pytest.mark.slow
-def test_quickstart_runs(tmp_path, monkeypatch):
+def test_quickstart_runs(tmp_path, monkeypatch, quick_compiles):
   monkeypatch.setenv("JACT_QUICKSTART_SMALL", "1")
   monkeypatch.setenv("JACT_FIGURE_DIR", str(tmp_path / "figures"))
   monkeypatch.setenv("JACT_DATA", str(tmp_path))  # the comparison uses the bundled digits
@@ -49,7 +62,7 @@ def test_there_are_experiment_notebooks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENT_NOTEBOOKS)
-def test_experiment_notebook_runs(name):
+def test_experiment_notebook_runs(name, quick_compiles):
   nb = _execute(NOTEBOOKS / name)
   assert not any(o.get("output_type") == "error" for o in _outputs(nb))
   assert any("image/png" in o.get("data", {}) for o in _outputs(nb)), "no figure was drawn"

@@ -96,17 +96,24 @@ def test_ties_under_vmap_keep_per_example_gradients():
   w = jax.random.normal(jax.random.key(6), (16, 16)) / 4
   xs = jax.random.normal(jax.random.key(7), (3, 8, 16))
   key = jax.random.key(8)
-  per_example = jax.vmap(lambda x: jax.grad(_ops_loss)(w, x, key))(xs)
-  looped = jnp.stack([jax.grad(_ops_loss)(w, x, key) for x in xs])
+  # jitted (one compile each, not op-by-op): the ties are in the traced program either way
+  vmapped = jax.jit(jax.vmap(lambda x: jax.grad(_ops_loss)(w, x, key)))
+  assert MARK in vmapped.trace(xs).lower().as_text(debug_info=True)  # the ties are under vmap
+  per_example = vmapped(xs)
+  one = jax.jit(lambda x: jax.grad(_ops_loss)(w, x, key))
+  looped = jnp.stack([one(x) for x in xs])
   np.testing.assert_allclose(per_example, looped, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("platform, expected", [("cpu", 112), ("cuda", 256), ("tpu", 256)])
 def test_group_size_is_the_programs_platforms(platform, expected):
   x = jax.random.normal(jax.random.key(9), (4, 784))
-  with xla_cpu.traced_for(platform):
+  def round_trip(x):  # traced under the platform (a fresh function: no cached trace), one compile
     stored = PerGroup(bits=4, group_size=256).compress(x, rng.seed_from_key(jax.random.key(10)))
-    back = PerGroup(bits=4, group_size=256).decompress(stored)
+    return stored, PerGroup(bits=4, group_size=256).decompress(stored)
+
+  with xla_cpu.traced_for(platform):
+    stored, back = jax.jit(round_trip)(x)
   packed = jax.tree.leaves(stored, is_leaf=lambda v: hasattr(v, "group_size"))[0]
   assert packed.group_size == expected
   assert packed.minimum.shape == (4, math.ceil(784 / expected))
