@@ -68,10 +68,18 @@ def _variables(name, seed):
 
 
 @functools.cache
+def _built(name):
+  return TEST_BUILDS.get(name, CASES[name].build)()
+
+
+@functools.cache
 def _case(name):
   case = CASES[name]
   fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
-  return _TestCase(**{**fields, "build": TEST_BUILDS.get(name, case.build)})
+  build = TEST_BUILDS.get(name, case.build)
+  if case.framework == "nnx":  # built (initialized op by op) once, then copied per variant
+    build = lambda: nnx.clone(_built(name))  # noqa: E731
+  return _TestCase(**{**fields, "build": build})
 
 
 # A model's parameters and batch are made once for the three tests (initializing
