@@ -7,6 +7,8 @@ backward needs. These tests check that the norm twins and the generic engine
 keep it, against plain JAX's gradients.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,10 @@ from jact.engine.rows import store_rows
 from jact.transforms._rows import normalization_rows
 from jact.transforms._vjp_residuals import reduced_values
 import stats
+
+
+# Gradients are compared as values, so their programs compile without LLVM's optimizations.
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def relative_error(got, want) -> float:
@@ -108,8 +114,9 @@ def test_store_rows_keeps_non_finite_values_as_its_compressor_does():
   pattern is the compressor's own (jact.core.quantize's non-finite rule)."""
   x = offset_inputs((4, 64)).at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf).at[3, 0].set(-jnp.inf)
   compressor = PerGroup(8, stochastic=False)
-  got = store_rows(x, (-1,), lambda z: compressor.compress(z, None)).decompress()
-  direct = compressor.decompress(compressor.compress(x, None))
+  got = jax.jit(lambda x: store_rows(x, (-1,), lambda z: compressor.compress(z, None))
+                .decompress())(x)
+  direct = jax.jit(lambda x: compressor.decompress(compressor.compress(x, None)))(x)
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(direct))
   finite = jnp.isfinite(x) & jnp.isfinite(got)
   assert float(jnp.max(jnp.abs(jnp.where(finite, got - x, 0.0)))) < 1e-3
@@ -160,13 +167,13 @@ def test_whole_model_wrap_keeps_a_small_scale_row_beside_large_ones():
   rows stored centered and scaled keep it within 1.5x of convert."""
   x = jax.random.normal(jax.random.key(0), (16, 16, 24))
   model = ClassTokenHead()
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss = lambda apply: lambda p: jnp.mean(apply(p) ** 2)
-  plain = flat(jax.jit(jax.grad(loss(lambda p: model.apply(p, x))))(variables))
+  plain = flat(_jit(jax.grad(loss(lambda p: model.apply(p, x))))(variables))
   whole = jact.compressed(lambda p, x: model.apply(p, x), bits=4)
   converted = jact.convert(model, bits=4)
-  whole_grad = lambda: jax.jit(lambda p, k: jax.grad(loss(lambda p: whole(p, x, key=k)))(p))
-  convert_grad = jax.jit(lambda p, k: jax.grad(
+  whole_grad = lambda: _jit(lambda p, k: jax.grad(loss(lambda p: whole(p, x, key=k)))(p))
+  convert_grad = _jit(lambda p, k: jax.grad(
       loss(lambda p: converted.apply(p, x, rngs={"jact": k})))(p))
   by_whole = np.mean(_errors(whole_grad(), variables, plain))
   by_convert = np.mean(_errors(convert_grad, variables, plain))
@@ -184,12 +191,12 @@ def vit_setup():
   model = ViT(depth=1)
   images = jax.random.normal(jax.random.key(0), (8, 16, 16, 3))
   labels = jnp.arange(8) % 10
-  variables = model.init(jax.random.key(1), images)
+  variables = jax.jit(model.init)(jax.random.key(1), images)
 
   def loss(logits):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  plain = flat(jax.jit(jax.grad(lambda p: loss(model.apply(p, images))))(variables))
+  plain = flat(_jit(jax.grad(lambda p: loss(model.apply(p, images))))(variables))
   return model, images, variables, loss, plain
 
 
@@ -206,8 +213,8 @@ def test_whole_model_vit_within_1_5x_of_convert(vit_setup, bits):
   model, images, variables, loss, plain = vit_setup
   converted = jact.convert(model, bits=bits)
   whole = jact.compressed(lambda p, x: model.apply(p, x), bits=bits)
-  convert_grad = jax.jit(jax.grad(lambda p, k: loss(converted.apply(p, images, rngs={"jact": k}))))
-  whole_grad = jax.jit(jax.grad(lambda p, k: loss(whole(p, images, key=k))))
+  convert_grad = _jit(jax.grad(lambda p, k: loss(converted.apply(p, images, rngs={"jact": k}))))
+  whole_grad = _jit(jax.grad(lambda p, k: loss(whole(p, images, key=k))))
   by_convert = np.mean(_errors(convert_grad, variables, plain))
   by_whole = np.mean(_errors(whole_grad, variables, plain))
   assert by_whole <= 1.5 * by_convert, (by_whole, by_convert)

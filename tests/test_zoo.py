@@ -8,15 +8,24 @@ library of the commit that set it; `python -m experiments.bench_models`
 gives the full-batch figures), and one 8-bit draw of the gradient is within
 `GRAD_TOL` of the exact one. Batches are cut to 4 examples to keep compiles
 small.
+
+To keep compiles small, too, the models whose depth is a constructor argument
+are built shallower than the experiments build them (`TEST_BUILDS`: the same
+classes and code, one block per stage or layer -- ResNet keeps an identity
+block and projection blocks), and each model's plain and 8-bit gradients are
+compiled once, with its training forward pass's output, for all three tests.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import jact
+from experiments import zoo
 from experiments.zoo import CASES
 from experiments.zoo_harness import flat, variant_fns
 
@@ -26,10 +35,51 @@ KEY = jax.random.key(1)
 GRAD_TOL = 0.02
 MIN_CUT = {"resnet18": 2, "bilstm_sst2": 8, "transformer_lm": 8, "gemma_nnx": 7, "seq2seq": 5,
            "scan_mlp_nnx": 7, "mnist_cnn": 1.8}
+# Shallower instances of the zoo's deep models (same classes; depth is structural here).
+TEST_BUILDS = {
+    "resnet18": lambda: zoo.ResNet(stage_sizes=(1, 1, 1, 1), num_filters=16),
+    "transformer_lm": lambda: zoo.TransformerLM(dataclasses.replace(zoo.LM_CONFIG, num_layers=1)),
+    "gemma_nnx": lambda: zoo.GemmaLike(num_layers=1, rngs=nnx.Rngs(0)),
+}
+# Programs compiled without LLVM's optimizations (XLA's HLO passes still run):
+# what is checked is values, not speed.
+_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def small(batch, n=4):
   return jax.tree.map(lambda a: a[:n], batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TestCase(zoo.Case):
+  """A zoo case whose linen variables are initialized once, compiled, on the test batch
+  with an "rbg" key (op by op with threefry keys, initializing a zoo model takes several
+  seconds of small compiles); the initializers, hence the distributions, are the model's."""
+
+  def init(self, seed: int = 0):
+    return _variables(self.name, seed)
+
+
+@functools.cache
+def _variables(name, seed):
+  case = _case(name)
+  init = lambda key, *inputs: case.build().init(key, *inputs, **case.train_kwargs)
+  return jax.jit(init)(jax.random.key(seed, impl="rbg"), *_batch(name)["inputs"])
+
+
+@functools.cache
+def _built(name):
+  return TEST_BUILDS.get(name, CASES[name].build)()
+
+
+@functools.cache
+def _case(name):
+  case = CASES[name]
+  fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
+  build = TEST_BUILDS.get(name, case.build)
+  if case.framework == "nnx":  # built (initialized op by op) once, then copied per variant
+    build = lambda: nnx.clone(_built(name))  # noqa: E731
+  return _TestCase(**{**fields, "build": build})
 
 
 # A model's parameters and batch are made once for the three tests (initializing
@@ -41,7 +91,20 @@ def _batch(name):
 
 @functools.cache
 def _fns(name, variant, bits=None):
-  return variant_fns(CASES[name], variant, bits)
+  return variant_fns(_case(name), variant, bits)
+
+
+@functools.cache
+def _trained(name, variant, bits=None):
+  """(logits of the training forward pass, flat gradient of the loss), one program."""
+  fns, case = _fns(name, variant, bits), _case(name)
+
+  def loss(params, state, batch, key):
+    logits, _ = fns.forward(params, state, batch, key)
+    return case.loss(logits, batch["labels"]), logits
+
+  grads, logits = _jit(jax.grad(loss, has_aux=True))(fns.params, fns.state, _batch(name), KEY)
+  return logits, flat(grads)
 
 
 def saved_bytes(fns, batch):
@@ -51,11 +114,13 @@ def saved_bytes(fns, batch):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_identical_after_convert(name):
-  batch = _batch(name)
-  plain, converted = _fns(name, "plain"), _fns(name, "convert", 2)
-  want = jax.jit(plain.forward)(plain.params, plain.state, batch, KEY)
-  got = jax.jit(converted.forward)(converted.params, converted.state, batch, KEY)
-  assert jnp.allclose(got[0], want[0], rtol=1e-5, atol=1e-5), float(jnp.abs(got[0] - want[0]).max())
+  """The 8-bit model's forward pass under `jax.grad` and the 2-bit model's forward
+  pass alone both give the plain model's output."""
+  want = _trained(name, "plain")[0]
+  converted = _fns(name, "convert", 2)
+  alone = _jit(converted.forward)(converted.params, converted.state, _batch(name), KEY)[0]
+  for got in (_trained(name, "convert", 8)[0], alone):
+    assert jnp.allclose(got, want, rtol=1e-5, atol=1e-5), float(jnp.abs(got - want).max())
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -71,9 +136,6 @@ GRAD_CASES = list(CASES)  # nnx: converted without rngs=, keys from jact.nnx.use
 
 @pytest.mark.parametrize("name", GRAD_CASES)
 def test_8bit_gradient_close(name):
-  batch = _batch(name)
-  plain, converted = _fns(name, "plain"), _fns(name, "convert", 8)
-  grad = lambda f: flat(jax.jit(jax.grad(f.loss, has_aux=True))(f.params, f.state, batch, KEY)[0])
-  exact, approx = grad(plain), grad(converted)
+  exact, approx = _trained(name, "plain")[1], _trained(name, "convert", 8)[1]
   err = float(jnp.linalg.norm(approx - exact) / jnp.linalg.norm(exact))
   assert err < GRAD_TOL, err
