@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import time
 import warnings
 from pathlib import Path
@@ -38,8 +39,8 @@ import jact
 from experiments import actnn_cifar, bench_plans, preact, resumable
 from experiments import data as data_lib
 
-__all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "heat_map",
-           "main"]
+__all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "check_plans",
+           "heat_map", "main"]
 
 ESTIMATORS = ("analytic", "numeric")
 
@@ -87,6 +88,19 @@ def _controllers(loss_fn, avg_bits: float) -> dict:
 
 def _widths(plan, names) -> list:
   return [plan.bits_for(n, None) for n in names]
+
+
+def check_plans(model: dict, label: str) -> None:
+  """Raises if `model`'s recorded plans are unusable: residual names that are not
+  strings, or not one residual given a width by any plan (every one "uncompressed"
+  means the names did not match the plans', not a choice of the estimators)."""
+  bad = [n for n in model["names"] if not isinstance(n, str)]
+  if bad:
+    raise ValueError(f"bit_plans {label}: residual names must be strings, got {bad[:3]}")
+  widths = [b for kind in ESTIMATORS for plan in model[kind] for b in plan]
+  if widths and all(b is None for b in widths):
+    raise ValueError(f"bit_plans {label}: every plan leaves every residual uncompressed; "
+                     "the names do not match the plans' residuals")
 
 
 def resnet_plans(*, runs: Path, epochs, batch_size: int, avg_bits: float, updates: int,
@@ -153,7 +167,7 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
   analytic = jact.Controller(loss_fn, estimator="analytic", avg_bits=avg_bits, adapt_interval=1)
   astate = analytic.init(params, batch, jax.random.key(1))
   seconds = {k: [] for k in ESTIMATORS}
-  names = list(cstate.plan.sizes)
+  names = [name for name, _ in cstate.plan.sizes]  # sizes: (name, values) pairs
   out = dict(names=names, times=[], losses=[], **{k: [] for k in ESTIMATORS})
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
@@ -224,13 +238,23 @@ def main(argv=None) -> dict:
     sizes = dict(widths=(8, 16, 32), blocks=1, batch_size=32, epochs=[0], updates=1) \
         if a.small else dict(batch_size=a.batch, epochs=a.epochs, updates=a.updates)
     result["resnet"] = resnet_plans(runs=a.runs, avg_bits=a.avg_bits, **sizes)
+    check_plans(result["resnet"], "resnet")
   if "transformer" in a.models:
     sizes = dict(steps=5, adapt_interval=4, batch_size=8, length=32, d=32, blocks=1) \
         if a.small else dict(steps=a.lm_steps, adapt_interval=a.adapt_interval, batch_size=32,
                              length=64)
     result["transformer"] = transformer_plans(avg_bits=a.avg_bits, **sizes)
+    check_plans(result["transformer"], "transformer")
   name = "bit_plans_small" if a.small else "bit_plans"
-  resumable.write_json(a.results / f"{name}.json", result)
+  for model in a.models:
+    result[model]["meta"] = result["meta"]
+  path = a.results / f"{name}.json"
+  if path.exists():  # a run of some models keeps the others' earlier results (each with its meta)
+    earlier = json.loads(path.read_text())
+    for model in ("resnet", "transformer"):
+      if model not in result and model in earlier:
+        result[model] = {"meta": earlier["meta"], **earlier[model]}
+  resumable.write_json(path, result)
   for model in ("resnet", "transformer"):
     if model in result and result[model]["times"]:
       heat_map(result[model], f"{model}: bits per residual at {a.avg_bits:g} bits average",
