@@ -226,8 +226,8 @@ display(Markdown(ns.plan_cost_table(RESULTS / "bit_plans.json")))"""),
 **What the runs say.** Adaptive plans pay off where residuals differ a lot in sensitivity: on the
 small CNN at 2 bits the numeric and analytic plans give 0.098 and 0.136 against 9.9 for uniform
 (the dense head's input dominates). On the ResNet-20 the numeric plan is nearly uniform and the
-analytic one underweights batch norms. The analytic estimator costs 1.4-3.3 train steps an update,
-the numeric one 21-99 (one gradient per residual; measured with other jobs on the cores), so the
+analytic one underweights batch norms. The analytic estimator costs 1.5-3.3 train steps an update,
+the numeric one 26-99 (one gradient per residual; measured with other jobs on the cores), so the
 numeric one wants infrequent re-plans on CPU."""),
         ("markdown", "## Re-run a small version live"),
         ("code", """\
