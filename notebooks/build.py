@@ -145,8 +145,8 @@ Aamodt 2021) derives each layer's width from an allowed loss increase e^2.
 
 **What ran here.** The same `experiments.actnn_cifar` runs as notebook 02 (ResNet-20, full
 CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc`. For
-AC-GC the bound is loose on this network: e^2 = 0.5 asks for about 18 bits on average at
-initialization, so the run uses e^2 = 1024 (about 4 bits at initialization)."""),
+AC-GC the bound is loose on this network, so the run uses e^2 = 1024 (it chose 3.4 bits on
+average at the start)."""),
         ("code", SETUP),
         ("markdown", "## Test accuracy and memory (full runs)"),
         ("code", """\
@@ -155,7 +155,7 @@ display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
 ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
         ("markdown", """\
 **What the runs say** (one seed each; FP reaches 0.698). BLPA at 4 bits reaches 0.706 keeping 24x
-fewer bytes; at 2 bits it keeps the fewest (34x fewer) and loses 3.3 points (0.665): the paper's
+fewer bytes; at 2 bits it keeps the fewest (34x fewer) and loses 3.2 points (0.6655): the paper's
 "4 bits lossless, below that BLPA degrades" holds. DIVISION matches FP (0.699, 20.5x fewer bytes).
 AC-GC's bound with e^2 = 1024 chose 2.9-3.4 bits on average over training and reached 0.691
 (15.4x fewer bytes): within a point of FP, but e^2 is a knob here, not a loss increase one would
