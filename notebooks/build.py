@@ -193,7 +193,12 @@ and its gradients at a time) is not compressed. At equal batch the jact step cos
 and 1.05x (LM) of plain at 4 bits on this CPU, measured with other runs in the background."""),
         ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
         ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
-        ("markdown", "## Re-run a small version live"),
+        ("markdown", """\
+## Re-run a small version live
+
+A tiny ResNet under a 40 MiB cap, compiled with LLVM's optimizations off (`--small`: quick
+compiles, slower code), so its step-time ratio says nothing about the full run's above; it checks
+that the search and the measurements run."""),
         ("code", """\
 from experiments import memory_batch
 memory_batch.main(["--small", "--results", str(SMALL)])
