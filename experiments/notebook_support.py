@@ -172,14 +172,15 @@ def gact_table(tasks: dict) -> str:
   rows = []
   for task, result in tasks.items():
     for name, v in result["variants"].items():
-      metric = v["best_by"]
+      metric, final = v["best_by"], v["final"]
       rows.append([task, name, f"{metric} {v['best'][metric]:.4f}",
-                   f"{v['final'][metric]:.4f}" if metric in v["final"] else "",
+                   f"{final[metric]:.4f}" if metric in final else "",
+                   f"{final['test_accuracy']:.4f}" if "test_accuracy" in final else "",
                    mib(v["saved_bytes"]), mib(v["temp_bytes"]),
                    "" if v["average_bits"] is None else f"{v['average_bits']:.2f}",
                    f"{v['steps']}", "yes" if v["finite"] else "**no**"])
-  return markdown_table(["task", "variant", "best held-out", "final", "saved for backward",
-                         "compiled temp", "avg bits", "steps", "finite"], rows)
+  return markdown_table(["task", "variant", "best held-out", "final held-out", "final test accuracy",
+                         "saved for backward", "compiled temp", "avg bits", "steps", "finite"], rows)
 
 
 def loss_curves(tasks: dict, title: str):
