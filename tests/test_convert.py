@@ -34,7 +34,8 @@ def _rngs(params=0, **streams):
   return nnx.Rngs(params=jax.random.key(params, impl="rbg"),
                   **{k: jax.random.key(v, impl="rbg") for k, v in streams.items()})
 # Every jitted function here runs once or a few times on tiny arrays: compile
-# with LLVM's optimizations off (halves XLA:CPU's compile time, same numerics).
+# with LLVM's optimizations off (halves XLA:CPU's compile time; same buffers, sums may round
+# differently: gradients here are compared with tolerances or with programs compiled alike).
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 # 8-bit gradients: relative L2 error of every gradient leaf against the plain
 # model's (leaves whose exact gradient is ~0, e.g. a conv bias before batch
