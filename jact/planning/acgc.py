@@ -14,8 +14,10 @@ stored activation value:
 gamma, M values per statistic, C statistics). jact's norms store
 xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. Table 1 bounds only
 the norm's input gradient (AC-GC notes the scale's own gradient is not
-bounded and the bound may be violated); jact also bounds the scale gradient
-d gamma = sum over T values of dY * xhat, like a dense layer's. A tolerance becomes a
+bounded and the bound may be violated). `scale_bound=True` (off by default:
+not the paper's) also bounds the scale gradient d gamma = sum over T values
+of dY * xhat: by Cauchy-Schwarz its error is at most T dxhat^2 ||dY||^2, kept
+below e^2 V^2 / 2 as for a dense layer. A tolerance becomes a
 width of jact's per-group stochastic quantizer, whose per-value error
 variance is at most (R / (2 B))^2 for a group range R and B = 2^b - 1 steps:
 B >= R_max / (2 dx*), rounded up to 1, 2, 4 or 8 bits (wider: kept
@@ -76,8 +78,11 @@ class ACGCState:
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
 
 
-def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, error: float):
-  """Table 1's tolerance dx*^2 for one residual (in the stored residual's units)."""
+def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, error: float,
+              scale_bound: bool = False):
+  """Table 1's tolerance dx*^2 for one residual (in the stored residual's units);
+  `scale_bound`: a normalization's also keeps its scale's gradient error below
+  e^2 V^2 / 2 (not in Table 1)."""
   grad_y = grad_y.astype(jnp.float32)
   if info["kind"] == "dense":
     rows = info["batch"] * info["positions"]
@@ -94,7 +99,7 @@ def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, erro
   gamma_sq = jnp.broadcast_to(jnp.square(scale), xhat.shape)
   g_sq = jnp.broadcast_to(jnp.square(grad_scale), xhat.shape)
   per_value = error * v_sq * m / (c * jnp.maximum(gamma_sq * g_sq, 1e-30) * jnp.square(inv))
-  if grad_scale is None or not info.get("has_scale", True):
+  if not scale_bound or grad_scale is None or not info.get("has_scale", True):
     return jnp.min(per_value)
   # Beyond Table 1 (which bounds only the input gradient, and warns that BN's own
   # parameter gradients are unbounded): d gamma = sum over `terms` values of
@@ -135,7 +140,8 @@ class ErrorBounded(NamedTuple):
 
 
 def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: int = 10,
-                  summary: str = "mean", compressor=None) -> ErrorBounded:
+                  summary: str = "mean", compressor=None,
+                  scale_bound: bool = False) -> ErrorBounded:
   """AC-GC bounds as an estimator producing a `BitPlan`.
 
   Args:
@@ -148,6 +154,8 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
       quantizer), or a compressor whose `with_bits` the widths are applied to:
       for `Fixpoint` / `ZeroValue(Fixpoint(...))` the widths follow the
       fixed-point error bound (see the module docstring).
+    scale_bound: also bound each normalization's scale gradient (jact's
+      addition to Table 1; off: the paper's bounds).
   """
   if compressor is not None and not hasattr(compressor, "with_bits"):
     raise TypeError(f"compressor must be a jact.compressors compressor, got {compressor!r}")
@@ -182,7 +190,8 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
         # d gamma = sum of dy * xhat over the non-feature axes (the parameter's gradient)
         grad_scale = jnp.sum(gy * xhat, axis=_param_axes(xhat.ndim, red, info[name]["kind"]),
                              keepdims=True)
-      tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error)
+      tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error,
+                      scale_bound)
       spread = stats[name]["abs_max"] if signed else stats[name]["range_max"]
       row.append(jnp.square(spread) / (4.0 * tol))
     slot = state.count % window

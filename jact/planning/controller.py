@@ -193,14 +193,22 @@ class Controller:
     if self.estimator == "acgc":
       return self._impl.plan(estimates).replace(sizes=sizes)
     c = np.asarray(estimates.sensitivity, np.float64)
+    follows = dict(zip(estimates.names, estimates.follows or (None,) * len(c)))
     known = [i for i, v in enumerate(c) if np.isfinite(v)]
     if not known:
       return previous
-    names = [estimates.names[i] for i in known]
-    d = [sizes[n] for n in names]
+    # A residual that follows another (ActNN: a normalization takes its producer's width) is
+    # not allocated on its own; its values count in its leader's size and in the budget.
+    estimated = {estimates.names[i] for i in known}
+    names = [estimates.names[i] for i in known if follows[estimates.names[i]] not in estimated]
+    followers = {n: sorted(m for m in estimated if follows[m] == n) for n in names}
+    d = [sizes[n] + sum(sizes[m] for m in followers[n]) for n in names]
     budget = int(self.avg_bits * sum(d))
-    bits = allocate.greedy_allocate(np.maximum(c[known], 0.0), d, budget, self.allowed)
+    index = {n: i for i, n in enumerate(estimates.names)}
+    bits = allocate.greedy_allocate(np.maximum([c[index[n]] for n in names], 0.0), d, budget,
+                                    self.allowed)
     chosen = dict(zip(names, bits))
+    chosen.update({m: chosen[n] for n in names for m in followers[n]})
     if self.per_sample:
       layer_avg = {n: float(b) for n, b in chosen.items() if b != allocate.UNCOMPRESSED}
       return previous.replace({n: b for n, b in chosen.items()}, budgets=layer_avg)

@@ -23,6 +23,9 @@ ops or `jact.compressed` (key: the PRNG key for the rounding noise).
   channels-last convolutions and batch/layer norms from one gradient pass
   with probes, with the per-layer output-gradient magnitude kept as a moving
   average (ActNN Sec. 4.3). Other residuals are not estimated (c = NaN).
+  As in ActNN's released code, a normalization's stored value does not
+  compete for bits: it takes the width of the dense/conv layer that produced
+  its input (`SensitivityState.follows`, which `jact.Controller` honours).
 
 >>> import jax, jax.numpy as jnp, jact
 >>> def loss(w, x, key):
@@ -43,7 +46,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +58,7 @@ from jact.compressors import PerGroup
 from jact.planning.plan import BitPlan, use_plan
 
 __all__ = ["SensitivityState", "Estimator", "find_residuals", "numeric", "analytic",
+           "normalization_producers",
            "predicted_variance", "sampling_variance", "variance_factors"]
 
 
@@ -76,6 +80,9 @@ class SensitivityState:
     names, sizes, bits: static residual names, their numbers of values and
       their call sites' widths or compressors (what `numeric` probes them with
       follows from these, so `update` needs nothing but the state).
+    follows: per name, the residual whose width it takes instead of being
+      allocated one (the analytic estimator's normalizations), or None;
+      empty: every residual is allocated on its own.
   """
   sensitivity: jax.Array
   grad_sq: jax.Array
@@ -83,6 +90,7 @@ class SensitivityState:
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
   sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   bits: tuple[Any, ...] = dataclasses.field(metadata=dict(static=True))
+  follows: tuple[str | None, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   def as_dict(self) -> dict[str, float]:
     return dict(zip(self.names, np.asarray(self.sensitivity).tolist()))
@@ -123,12 +131,13 @@ def _ema(state: SensitivityState, c, grad_sq, decay: float) -> SensitivityState:
                              grad_sq=mix(state.grad_sq, grad_sq), count=state.count + 1)
 
 
-def _empty_state(sites) -> SensitivityState:
+def _empty_state(sites, follows: dict[str, str] | None = None) -> SensitivityState:
   names = tuple(sorted(sites))
   n = len(names)
   return SensitivityState(jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32),
                           jnp.zeros((), jnp.int32), names, tuple(sites[k].size for k in names),
-                          tuple(sites[k].bits for k in names))
+                          tuple(sites[k].bits for k in names),
+                          tuple(follows.get(k) for k in names) if follows else ())
 
 
 def _sq_norm(tree) -> jax.Array:
@@ -278,17 +287,52 @@ def collect_layer_stats(loss_fn, params, batch, key, probes=None):
   return g_params, g_probes, info, stats
 
 
+def normalization_producers(kinds: Sequence[tuple[str, str]]) -> dict[str, str]:
+  """ActNN's width rule for normalizations: name -> the residual whose width it takes.
+
+  `kinds` lists (residual name, op kind) in forward order. ActNN's code
+  (`QBNScheme`) gives a batch norm the bits of the last quantized conv/linear
+  layer that ran before it -- the layer that produced its input -- and leaves
+  it out of the per-layer allocation. A normalization with no dense/conv
+  layer before it (jact's models may keep the stem exact, where ActNN's
+  compress it) takes the width of the first one after it instead, so it stays
+  inside the budget (ActNN's fallback, 8 bits, would spend a fifth of a
+  ResNet-20's 2-bit budget on one tensor).
+
+  >>> normalization_producers([("bn0", "batch_norm"), ("conv0", "conv"),
+  ...                          ("bn1", "batch_norm"), ("fc", "dense")])
+  {'bn0': 'conv0', 'bn1': 'conv0'}
+  """
+  linear = [i for i, (_, kind) in enumerate(kinds) if kind in _LINEAR_KINDS]
+  follows = {}
+  for i, (name, kind) in enumerate(kinds):
+    if kind in _LINEAR_KINDS or not linear:
+      continue
+    before = [j for j in linear if j < i]
+    follows[name] = kinds[before[-1] if before else linear[0]][0]
+  return follows
+
+
+_LINEAR_KINDS = ("dense", "conv")
+
+
 def analytic(loss_fn: Callable[..., Any], *, decay: float = 0.9) -> Estimator:
   """ActNN's analytic sensitivity for dense, conv and normalization residuals.
 
   One gradient pass per update. The squared output-gradient norm per sample
   is kept as a moving average (ActNN Sec. 4.3); residuals of other ops get
-  NaN (not estimated).
+  NaN (not estimated). Normalizations are estimated too (their closed form
+  is reported) but take their producer's width (`normalization_producers`).
   """
   _check_decay(decay)
 
   def init(params, batch, key) -> SensitivityState:
-    return _empty_state(find_residuals(loss_fn, params, batch, key))
+    sites = find_residuals(loss_fn, params, batch, key)
+    collector = _probe.Collector(None)
+    with _context.collecting(collector):
+      jax.eval_shape(lambda *a: loss_fn(*a), params, batch, key)  # fresh: no trace-cache hit
+    kinds = [(name, info["kind"]) for name, info in collector.info.items() if name in sites]
+    return _empty_state(sites, normalization_producers(kinds))
 
   @jax.jit
   def update(state: SensitivityState, params, batch, key) -> SensitivityState:
