@@ -8,8 +8,8 @@ plan a static argument of `jax.jit(jact.planned(step), static_argnames="plan")`.
 
 | task | model, data | variants |
 |---|---|---|
-| sst2 | embedding + 2 pre-LN encoder blocks (`nn.MultiHeadDotProductAttention`, gelu MLP), masked mean pool, Dense head; SST-2 sentences | fp, gact_l1, fixed2, gact_cb1 |
-| shakespeare | `experiments.zoo.TransformerLM` (`LMConfig()`: 2 causal blocks, width 128); tiny Shakespeare characters | fp, gact_l1, fixed2, gact_cb1 |
+| sst2 | embedding + 2 pre-LN encoder blocks (`nn.MultiHeadDotProductAttention`, gelu MLP), masked mean pool, Dense head; SST-2 sentences | fp, gact_l1, fixed2, gact_cb1, fixed4, adaptive2 |
+| shakespeare | `experiments.zoo.TransformerLM` (`LMConfig()`: 2 causal blocks, width 128); tiny Shakespeare characters | fp, gact_l1, fixed2, gact_cb1, fixed4, adaptive2 |
 | cora_gcn, cora_gat | 2-layer GCN (16 hidden) and GAT (8 heads x 8, then 1 head) on Cora, standard Planetoid split, full batch | fp, fixed4, adaptive2 |
 
 Variants:
@@ -30,7 +30,9 @@ Variants:
   zoo's `TransformerLM` builds `DecoderBlock` itself, so CB1 runs `BlockFieldLM`,
   a subclass that only makes the block class a field (same parameters).
 * adaptive2 -- `jact.Controller(loss, estimator="numeric", avg_bits=2)` on the
-  compressed model (GACT's "adaptive 2 bits").
+  compressed model (GACT's "adaptive 2 bits"; on the transformers the 4-bit
+  converted model of gact_l1, so fixed4 / gact_l1 and fixed2 / adaptive2 are the
+  fixed-vs-adaptive pairs at equal average bits).
 
 All variants of a task start from the same parameters and see the same batches
 (and dropout masks) in the same order; only the stored residuals differ, so
@@ -76,6 +78,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import json
 import time
 import warnings
 from pathlib import Path
@@ -98,7 +101,7 @@ __all__ = ["TASKS", "SMALL", "VARIANTS", "EncoderBlock", "SST2Transformer", "Blo
            "train_variant", "run_task", "main"]
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gact"
-LM_VARIANTS = ("fp", "gact_l1", "fixed2", "gact_cb1")
+LM_VARIANTS = ("fp", "gact_l1", "fixed2", "gact_cb1", "fixed4", "adaptive2")
 GRAPH_VARIANTS = ("fp", "fixed4", "adaptive2")
 VARIANTS = {"sst2": LM_VARIANTS, "shakespeare": LM_VARIANTS, "cora_gcn": GRAPH_VARIANTS,
             "cora_gat": GRAPH_VARIANTS}
@@ -311,6 +314,13 @@ def _gact_l1(adapt_interval: int) -> dict:
   return dict(estimator=level.estimator, avg_bits=level.avg_bits, adapt_interval=adapt_interval)
 
 
+def _transformer_controllers(adapt_interval: int) -> dict:
+  """The adaptive transformer variants: GACT L1 (4 bits) for gact_l1 / gact_cb1, 2 bits
+  for adaptive2."""
+  l1 = _gact_l1(adapt_interval)
+  return {"gact_l1": l1, "gact_cb1": l1, "adaptive2": dict(l1, avg_bits=2.0)}
+
+
 def _adam_warmup_cosine(lr: float, steps: int):
   """Adam with a linear warm-up over the first 10% of the steps, then cosine decay."""
   return optax.adam(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps))
@@ -324,10 +334,11 @@ def _transformer_losses(plain, checkpointed, params, example, seed: int) -> dict
   if jax.tree.map(jnp.shape, cb1_params) != jax.tree.map(jnp.shape, params):
     raise AssertionError("the checkpointed model's parameters differ from the plain model's")
   bits = int(jact.levels.get("gact:L1").bits)
-  return {"fp": _linen_loss(plain, False),
-          "gact_l1": _linen_loss(jact.convert(plain, bits=bits), True),
+  converted = _linen_loss(jact.convert(plain, bits=bits), True)
+  return {"fp": _linen_loss(plain, False), "gact_l1": converted,
           "fixed2": _linen_loss(jact.convert(plain, bits=2), True),
-          "gact_cb1": _linen_loss(jact.convert(checkpointed, bits=bits), True)}
+          "gact_cb1": _linen_loss(jact.convert(checkpointed, bits=bits), True),
+          "fixed4": _linen_loss(jact.convert(plain, bits=4), True), "adaptive2": converted}
 
 
 def _linen_loss(model, with_key: bool):
@@ -393,8 +404,7 @@ def _sst2(cfg: dict, seed: int, steps: int) -> TaskSetup:
     return {f"{name}_accuracy": float(np.mean(_predict_in_chunks(logits, p, x) == y))
             for name, (x, y) in held.items()}
 
-  adaptive = _gact_l1(cfg["adapt_interval"])
-  return TaskSetup(params, losses, {"gact_l1": adaptive, "gact_cb1": adaptive}, batch, evaluate,
+  return TaskSetup(params, losses, _transformer_controllers(cfg["adapt_interval"]), batch, evaluate,
                    _adam_warmup_cosine(cfg["lr"], steps), "dev_accuracy", True,
                    dict(train_size=len(x_train), steps_per_epoch=per_epoch,
                         eval_sizes={k: len(v[1]) for k, v in held.items()}))
@@ -435,8 +445,7 @@ def _shakespeare(cfg: dict, seed: int, steps: int) -> TaskSetup:
   def evaluate(p):
     return {"held_out_loss": float(np.mean([held_loss(p, x, y) for x, y in held]))}
 
-  adaptive = _gact_l1(cfg["adapt_interval"])
-  return TaskSetup(params, losses, {"gact_l1": adaptive, "gact_cb1": adaptive}, batch, evaluate,
+  return TaskSetup(params, losses, _transformer_controllers(cfg["adapt_interval"]), batch, evaluate,
                    _adam_warmup_cosine(cfg["lr"], steps), "held_out_loss", False,
                    dict(train_chars=split, held_out_windows=cfg["eval_batches"] * cfg["batch"],
                         config=dataclasses.asdict(config)))
@@ -593,6 +602,18 @@ def train_variant(setup: TaskSetup, variant: str, *, steps: int, log_every: int,
       median_step_s=float(np.median(timed if timed else seconds)), compiled_at=compiled_steps)
 
 
+def _earlier_variants(path: Path, config: dict, seed: int, rerun) -> dict:
+  """The variants an earlier run of the same task, settings and seed wrote to `path` (those
+  not run again), each with the run's metadata: a run of some variants keeps the others."""
+  if not path.exists():
+    return {}
+  earlier = json.loads(path.read_text())
+  if json.loads(json.dumps(config)) != earlier.get("config") or earlier.get("seed") != seed:
+    return {}
+  return {name: dict(record, meta=record.get("meta", earlier.get("meta", {})))
+          for name, record in earlier["variants"].items() if name not in rerun}
+
+
 def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
              results: Path = RESULTS, meta: dict | None = None, seed: int = 0,
              verbose: bool = True) -> dict:
@@ -604,7 +625,8 @@ def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
   config = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
             for k, v in cfg.items()}
   out = dict(meta=meta or {}, task=task, config=dict(config, steps=steps), seed=seed,
-             data=setup.description, variants={})
+             data=setup.description, variants=_earlier_variants(
+                 Path(results) / f"{task}.json", dict(config, steps=steps), seed, variants))
   for variant in variants:
     if verbose:
       print(f"[{task}] {variant}", flush=True)
@@ -613,6 +635,7 @@ def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
                            eval_every=cfg["eval_every"], seed=seed, verbose=verbose)
     record["seconds"] = time.perf_counter() - t0
     record["cpu_seconds"] = time.process_time() - cpu0
+    record["meta"] = meta or {}
     out["variants"][variant] = record
     out["seconds"] = time.perf_counter() - started
     resumable.write_json(Path(results) / f"{task}.json", out)

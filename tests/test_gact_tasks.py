@@ -1,5 +1,5 @@
 """`experiments.gact_tasks --small` end to end on the real data kit: the LM (jact.convert,
-fp and GACT CB1) and the GAT (jact.compressed, fp and adaptive 2 bits). The other variants
+fp, GACT CB1 and adaptive 2 bits) and the GAT (jact.compressed, fp and adaptive 2 bits). The other variants
 (L1, fixed bits) and tasks (the SST-2 transformer, the GCN, also run in notebook 03) take the
 same code paths; every task and variant: `python -m experiments.gact_tasks --small` (a few
 minutes: each adaptive variant compiles the numeric estimator, so CI runs one per task).
@@ -55,7 +55,7 @@ def test_one_json_per_task_with_metadata(run):
     assert written["meta"]["command"].startswith("python -m experiments.gact_tasks")
     assert "--small" in written["meta"]["command"]
     expected = [v for v in gact_tasks.VARIANTS[task] if v in TESTED_VARIANTS]
-    assert list(written["variants"]) == expected and len(expected) == 2
+    assert list(written["variants"]) == expected and len(expected) >= 2
 
 
 def test_losses_finite_and_same_start(run):
