@@ -43,6 +43,7 @@ from experiments import actnn_cifar, preact, resumable
 from experiments import data as data_lib
 
 __all__ = ["flat_gradient", "sampling_variance", "compression_variance", "adaptive_plan",
+           "estimator_rows",
            "measure_checkpoint", "plot", "main"]
 
 UNIFORM_BITS = (1, 2, 4, 8)
@@ -91,6 +92,18 @@ def _gradients():
   return loss_fn, grad, exact
 
 
+def estimator_rows(params, batch, *, keys: int, avg_bits: float, methods=ESTIMATORS) -> list:
+  """Rows of the adaptive plans (`methods`: names of ESTIMATORS) at these parameters."""
+  loss_fn, grad, _ = _gradients()
+  rows = []
+  for name in methods:
+    plan = adaptive_plan(loss_fn, params, batch, avg_bits, **ESTIMATORS[name])
+    rows.append(dict(method=name, avg_bits=float(plan.average_bits()),
+                     variance=compression_variance(grad, params, batch, plan, keys),
+                     plan=plan.to_dict()))
+  return rows
+
+
 def measure_checkpoint(params, batches, *, keys: int, avg_bits: float = 2.0) -> list[dict]:
   """Rows (method, average bits, variance) at one set of parameters.
 
@@ -106,11 +119,7 @@ def measure_checkpoint(params, batches, *, keys: int, avg_bits: float = 2.0) -> 
   for bits in UNIFORM_BITS:
     rows.append(dict(method="uniform", avg_bits=float(bits), variance=compression_variance(
         grad, params, batch, jact.BitPlan.uniform(sizes, bits), keys)))
-  for name, settings in ESTIMATORS.items():
-    plan = adaptive_plan(loss_fn, params, batch, avg_bits, **settings)
-    rows.append(dict(method=name, avg_bits=float(plan.average_bits()),
-                     variance=compression_variance(grad, params, batch, plan, keys),
-                     plan=plan.to_dict()))
+  rows += estimator_rows(params, batch, keys=keys, avg_bits=avg_bits)
   sampled = rows[0]["variance"]
   for r in rows:
     r["over_sampling"] = r["variance"] / sampled
@@ -162,6 +171,9 @@ def main(argv=None) -> dict:
                  help="small ResNet (widths 8/16/32, 1 block), batch 32, initialization only")
   p.add_argument("--widths", type=int, nargs="+", default=None,
                  help="the ResNet's stage widths (default 16 32 64; --small: 8 16 32)")
+  p.add_argument("--remeasure", nargs="+", default=(), choices=list(ESTIMATORS),
+                 help="in the checkpoints kept from an earlier run, measure these adaptive "
+                      "plans again (after an estimator changed; same batch and keys)")
   p.add_argument("--fresh", action="store_true",
                  help="measure every checkpoint again (default: keep those already written)")
   a = p.parse_args(argv)
@@ -190,10 +202,25 @@ def main(argv=None) -> dict:
   if kept:
     result["meta"]["kept_from"] = earlier["meta"]
     print(f"keeping epochs {sorted(map(int, kept))} from {path} ({earlier['meta']['date']})")
+  if kept and a.remeasure:
+    result["meta"]["remeasured"] = list(a.remeasure)
   for epoch in a.epochs:
-    if str(epoch) in kept:
+    if str(epoch) in kept and not a.remeasure:
       continue
     params = init if epoch == 0 else _snapshot(a.runs, epoch, init)
+    if str(epoch) in kept and params is None:
+      raise SystemExit(f"epoch {epoch}: no snapshot under {a.runs / 'fp'} to remeasure at")
+    if str(epoch) in kept:
+      fresh_rows = {r["method"]: r for r in estimator_rows(
+          params, batches[0], keys=a.keys, avg_bits=a.avg_bits, methods=a.remeasure)}
+      sampled = next(r["variance"] for r in kept[str(epoch)] if r["method"] == "sampling")
+      for r in fresh_rows.values():
+        r["over_sampling"] = r["variance"] / sampled
+        print(f"epoch {epoch} {r['method']:<13} remeasured: variance {r['variance']:.4g} "
+              f"(x{r['over_sampling']:.3g} sampling)", flush=True)
+      kept[str(epoch)] = [fresh_rows.get(r["method"], r) for r in kept[str(epoch)]]
+      resumable.write_json(path, result)
+      continue
     if params is None:
       result["missing"].append(epoch)
       print(f"epoch {epoch}: no snapshot under {a.runs / 'fp'}; run experiments.actnn_cifar first")

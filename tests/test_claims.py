@@ -1,0 +1,77 @@
+"""Every figure the README's Results and the notebooks' prose quote comes from the committed JSON.
+
+`experiments.claims` computes each named figure from `experiments/results/`;
+these tests render the templates again and compare with what is committed, so
+a result rerun without regenerating the prose (or prose edited by hand) fails.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from experiments import claims
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _notebook_templates():
+  spec = importlib.util.spec_from_file_location("notebook_build", ROOT / "notebooks" / "build.py")
+  build = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(build)
+  return build.NOTEBOOKS
+
+
+NOTEBOOKS = _notebook_templates()
+
+
+def test_templates_quote_figures_instead_of_typing_them():
+  typed = {"README": claims.typed_figures(claims.TEMPLATE.read_text())}
+  for name, cells in NOTEBOOKS.items():
+    typed[name] = [f for kind, text in cells if kind == "markdown"
+                   for f in claims.typed_figures(text)]
+  assert not any(typed.values()), {k: v for k, v in typed.items() if v}
+
+
+def test_typed_figures_finds_decimals_ratios_and_percents():
+  assert claims.typed_figures("0.698, 20.6x, 3x, 5 %, 12%") == ["0.698", "20.6x", "3x", "5 %", "12%"]
+  assert claims.typed_figures("ResNet-20, 8x8 blocks, 3 epochs, e^2, {{a.b}}") == []
+
+
+def test_readme_results_are_rendered_from_the_committed_data():
+  readme = claims.README.read_text()
+  start, end = claims.readme_section(readme)
+  expected = "\n" + claims.render(claims.TEMPLATE.read_text()) + "\n"
+  assert readme[start:end] == expected, (
+      "README's Results differ from the data: run python -m experiments.claims")
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_notebook_prose_is_rendered_from_the_committed_data(name):
+  notebook = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+  committed = [c.source for c in notebook.cells if c.cell_type == "markdown"]
+  expected = [claims.render(text) for kind, text in NOTEBOOKS[name] if kind == "markdown"]
+  assert committed == expected, (
+      f"{name}'s prose differs from the data: run python notebooks/build.py --only {name[:2]}")
+
+
+def test_render_names_a_missing_figure():
+  with pytest.raises(KeyError, match="no figure for"):
+    claims.render("{{no.such.figure}}", {})
+
+
+def test_figures_follow_the_json(tmp_path):
+  """A figure is computed, not stored: change the JSON and the figure changes."""
+  (tmp_path / "actnn_cifar").mkdir()
+  run = dict(complete=True, final_test_accuracy=0.5, epochs=1, total_steps=10,
+             memory=dict(saved_bytes=2**20, temp_bytes=2**21), history=[], losses=[],
+             plans=[])
+  import json
+  (tmp_path / "actnn_cifar" / "fp.json").write_text(json.dumps(run))
+  (tmp_path / "actnn_cifar" / "pergroup2.json").write_text(
+      json.dumps(dict(run, final_test_accuracy=0.25, memory=dict(saved_bytes=2**18,
+                                                                 temp_bytes=2**20))))
+  f = claims.figures(tmp_path)
+  assert f["actnn.fp.accuracy"] == "0.500" and f["actnn.pergroup2.accuracy"] == "0.250"
+  assert f["actnn.pergroup2.fewer"] == "4.0x" and f["actnn.pergroup2.saved_mib"] == "0.2"
