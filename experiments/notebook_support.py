@@ -17,7 +17,8 @@ from pathlib import Path
 
 __all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "markdown_table",
            "actnn_table", "accuracy_curves", "variance_table", "show_figure", "bench_memory_table",
-           "plan_cost_table", "bench_plans_table", "memory_batch_table", "gact_table",
+           "plan_cost_table", "bench_plans_table", "memory_batch_table", "both_caps_table", "acgc_sweep_table",
+           "gact_table",
            "loss_curves"]
 
 ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
@@ -163,6 +164,42 @@ def memory_batch_table(path) -> str:
   return (f"cap: {cap:g} MiB of `{result['settings']['measure']}`\n\n" + markdown_table(
       ["model", "method", "largest batch", "x plain", "step MiB there", "XLA temp+out MiB",
        "step time x plain"], rows))
+
+
+def both_caps_table(step_path, program_path) -> str:
+  """`experiments.memory_batch` run twice, capping the step's RSS and the step plus its
+  compiled program (`--cap-on with_program_mib`): the largest batch under each cap."""
+  step, program = load_json(step_path), load_json(program_path)
+  if step is None or program is None:
+    return f"*{Path(program_path).name}: not run yet*"
+  rows = []
+  for model, r in program["models"].items():
+    for method, row in r["methods"].items():
+      if row["status"] != "measured":
+        continue
+      other = step["models"].get(model, {}).get("methods", {}).get(method, {})
+      rows.append([model, method, other.get("largest_batch", ""), row["largest_batch"],
+                   f"{row['at_largest']['program_mib']:.0f}"])
+  cap = program["settings"]["cap_mib"]
+  return (f"cap: {cap:g} MiB\n\n" + markdown_table(
+      ["model", "method", "largest batch, step RSS", "largest batch, step + program",
+       "program MiB there"], rows))
+
+
+def acgc_sweep_table(path) -> str:
+  """`experiments.acgc_sweep`: per e^2 and parameters, jact's widths and three compressions."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  rows = []
+  for name, c in result["checkpoints"].items():
+    for r in c["rows"]:
+      rows.append([name, f"{r['error']:g}", f"{r['jact_average_bits']:.2f}", r["kept_exact_jact"],
+                   f"{r['compression_jact']:.2f}x", f"{r['any_average_bits']:.2f}",
+                   f"{r['compression_any_width']:.2f}x", f"{r['compression_autoquantz']:.2f}x"])
+  return markdown_table(["parameters", "e^2", "jact bits (2/4/8, else exact)", "kept exact",
+                         "jact compression", "bits, any width <= 16", "compression",
+                         "AutoQuantZ accounting"], rows)
 
 
 def gact_table(tasks: dict) -> str:

@@ -15,17 +15,18 @@ under `experiments/results/`, each plot titled with its scale and hardware.
     python -m experiments.summary
 
 >>> print(key_table({}, {}).splitlines()[2])
-| CIFAR-10, pre-act ResNet-20 | fp | not run yet |  |  |  |  |
+| CIFAR-10, pre-act ResNet-20 | fp | not run yet |  |  |  |  |  |
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from experiments import notebook_support as support
 
-__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "accuracy_plot", "tradeoff_plot", "main"]
+__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "layer_input_bytes", "accuracy_plot", "tradeoff_plot", "main"]
 
 RESULTS = Path(__file__).parent / "results"
 ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc"]
@@ -39,13 +40,13 @@ def _ratio(saved, fp_saved) -> str:
   return "" if saved is None or not fp_saved else f"{fp_saved / saved:.1f}x"
 
 
-def _actnn_rows(runs: dict) -> list:
+def _actnn_rows(runs: dict, layer_bytes: int | None = None) -> list:
   fp_saved = (runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
   rows = []
   for name in ACTNN_VARIANTS:
     r = runs.get(name)
     if r is None:
-      rows.append([ACTNN_TASK, name, "not run yet", "", "", "", ""])
+      rows.append([ACTNN_TASK, name, "not run yet", "", "", "", "", ""])
       continue
     memory = r.get("memory", {})
     if r["complete"]:
@@ -57,8 +58,9 @@ def _actnn_rows(runs: dict) -> list:
       metric = "running"
     bits = r.get("final_average_bits")
     rows.append([ACTNN_TASK, name, metric, support.mib(memory.get("saved_bytes")),
-                 _ratio(memory.get("saved_bytes"), fp_saved), support.mib(memory.get("temp_bytes")),
-                 "" if bits is None else f"{bits:.2f}"])
+                 _ratio(memory.get("saved_bytes"), fp_saved),
+                 _ratio(memory.get("saved_bytes"), layer_bytes),
+                 support.mib(memory.get("temp_bytes")), "" if bits is None else f"{bits:.2f}"])
   return rows
 
 
@@ -73,7 +75,7 @@ def _gact_rows(tasks: dict) -> list:
   for task, title in GACT_TASKS.items():
     result = tasks.get(task)
     if result is None:
-      rows.append([title, "all", "not run yet", "", "", "", ""])
+      rows.append([title, "all", "not run yet", "", "", "", "", ""])
       continue
     variants = result["variants"]
     fp_saved = variants.get("fp", {}).get("saved_bytes")
@@ -85,17 +87,20 @@ def _gact_rows(tasks: dict) -> list:
                else f"best {label} {v['best'][metric]:.3f}")
       bits = v["average_bits"]
       rows.append([title, name, shown, support.mib(v["saved_bytes"]),
-                   _ratio(v["saved_bytes"], fp_saved), support.mib(v["temp_bytes"]),
+                   _ratio(v["saved_bytes"], fp_saved), "", support.mib(v["temp_bytes"]),
                    "" if bits is None else f"{bits:.2f}"])
   return rows
 
 
-def key_table(actnn_runs: dict, gact_tasks: dict) -> str:
+def key_table(actnn_runs: dict, gact_tasks: dict, layer_bytes: int | None = None) -> str:
   """One row per task and method: final held-out metric, bytes saved for backward
-  (and fp's over them), the train step's compiled temp, average bits of adaptive plans."""
+  (plain JAX's over them, and -- the papers' baseline, ResNet-20 -- one float32 copy
+  per layer input, `layer_bytes`, over them), the train step's compiled temp, average
+  bits of adaptive plans."""
   return support.markdown_table(
       ["task", "method", "final held-out metric", "saved for backward", "fp / saved",
-       "compiled temp", "avg bits"], _actnn_rows(actnn_runs) + _gact_rows(gact_tasks))
+       "f32 layer inputs / saved", "compiled temp", "avg bits"],
+      _actnn_rows(actnn_runs, layer_bytes) + _gact_rows(gact_tasks))
 
 
 def accuracy_plot(actnn_runs: dict, path: Path):
@@ -175,6 +180,12 @@ def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
   return path
 
 
+def layer_input_bytes(results: Path = RESULTS) -> int | None:
+  """The papers' ResNet-20 baseline (`experiments.memory_accounting`), if measured."""
+  path = Path(results) / "memory_accounting.json"
+  return json.loads(path.read_text())["float32_layer_input_bytes"] if path.exists() else None
+
+
 def main(argv=None) -> str:
   p = argparse.ArgumentParser(prog="python -m experiments.summary",
                               description=__doc__.split("\n")[0])
@@ -184,7 +195,7 @@ def main(argv=None) -> str:
   matplotlib.use("Agg")  # files only (the plot functions themselves leave a notebook's backend)
   actnn_runs = support.load_variants(a.results / "actnn_cifar")
   gact_tasks = support.load_variants(a.results / "gact")
-  table = key_table(actnn_runs, gact_tasks)
+  table = key_table(actnn_runs, gact_tasks, layer_input_bytes(a.results))
   (a.results / "summary.md").write_text(table + "\n")
   accuracy_plot(actnn_runs, a.results / "summary_accuracy.png")
   tradeoff_plot(actnn_runs, gact_tasks, a.results / "summary_tradeoff.png")

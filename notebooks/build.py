@@ -2,7 +2,8 @@
 
 Each notebook states a paper's claim, shows the committed full-run results
 from `experiments/results/` (tables and plots), and re-runs a small version
-live. Execution stores the outputs in the .ipynb, so a reader sees the figures
+live. Markdown cells are templates: every figure is `{{name}}`, filled from
+the results JSON by `experiments.claims` when the notebook is written. Execution stores the outputs in the .ipynb, so a reader sees the figures
 without running anything:
 
     python notebooks/build.py                 # write 02-06, execute all six
@@ -15,12 +16,15 @@ The test suite executes every notebook (tests/test_notebook.py).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from experiments import claims  # noqa: E402  (prose figures come from the results JSON)
 
 SETUP = '''\
 import json, sys, tempfile
@@ -81,12 +85,21 @@ the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sa
 the variance the compression adds for one fixed minibatch over 8 rounding seeds."""),
         ("code", 'ns.show_figure(RESULTS / "grad_variance.png")\ndisplay(Markdown(ns.variance_table(RESULTS / "grad_variance.json")))'),
         ("markdown", """\
-**What the runs say** (one seed each). Uniform 2 bits reaches 0.695 test accuracy against 0.698
-for full precision, keeping 20.6x fewer bytes for the backward pass; 4 bits (ActNN L2) 0.699. The
-compression variance falls by the predicted (2^b - 1)^-2 factor (1 -> 2 bits 10.2x, 2 -> 4 bits
-25x, 4 -> 8 bits 285x) and at 2 bits is 0.10-0.21x the sampling variance, so "2 bits add little
-next to sampling noise" holds. The adaptive L3 does not beat uniform 2 bits here (0.686; 1.2-3.6x
-uniform's compression variance): its closed form underweights the batch-norm residuals."""),
+**What the runs say.** Over {{seeds.fp.n}} seeds full precision reaches {{seeds.fp.mean}} ±
+{{seeds.fp.std}} test accuracy and uniform 2 bits {{seeds.pergroup2.mean}} ±
+{{seeds.pergroup2.std}} (a {{seeds.gap_points}}-point gap; the largest seed-to-seed standard
+deviation is {{seeds.largest_std_points}} points), keeping {{actnn.pergroup2.fewer_than_layers}}
+fewer bytes than one float32 copy per layer input ({{actnn.pergroup2.fewer}} fewer than plain
+JAX); 4 bits (ActNN L2) reaches {{actnn.actnn_l2.accuracy}}. The compression variance falls by the
+predicted (2^b - 1)^-2 factor (1 -> 2 bits {{gv.0.fall_1_2}}, 2 -> 4 bits {{gv.0.fall_2_4}},
+4 -> 8 bits {{gv.0.fall_4_8}}) and at 2 bits is {{gv.0.uniform2.over_sampling}},
+{{gv.1.uniform2.over_sampling}} and {{gv.3.uniform2.over_sampling}} times the sampling variance,
+so "2 bits add little next to sampling noise" holds. ActNN L3, with ActNN's rule that a batch
+norm takes the width of the conv before it, gives {{gv.0.actnn_l3.over_uniform2}},
+{{gv.1.actnn_l3.over_uniform2}} and {{gv.3.actnn_l3.over_uniform2}} of uniform 2 bits'
+compression variance and reaches {{actnn.actnn_l3.accuracy}} (last-epoch training loss
+{{actnn.actnn_l3.last_epoch_loss}} vs {{actnn.pergroup2.last_epoch_loss}} for uniform 2 bits on
+the same batches)."""),
         ("markdown", """\
 ## Re-run a small version live
 
@@ -115,12 +128,17 @@ display(Markdown(ns.gact_table(tasks)))
 ns.loss_curves(tasks, "GACT tasks (full runs, CPU)");"""),
         ("markdown", """\
 **What the runs say.** GACT's "4 bits adaptive ≈ full precision" holds on every task: SST-2 final
-test accuracy (the table's "final test accuracy"; "best held-out" is the dev set's) 0.760 (L1, 3.96
-bits on average) and 0.757 (CB1) vs 0.759, with 13x and 121x fewer bytes
-kept for the backward pass; the char LM's held-out loss 2.435 vs 2.434. Fixed 2 bits costs a little
-on the transformers (0.750; 2.443). On Cora every variant is within 0.3 points of full precision,
-so "fixed low bits degrade GAT" is not reproduced at 4 fixed bits (2 fixed bits on GAT was not
-run). One seed each."""),
+test accuracy (the table's "final test accuracy"; "best held-out" is the dev set's)
+{{gact.sst2.gact_l1.metric}} (L1, {{gact.sst2.gact_l1.bits}} bits on average) and
+{{gact.sst2.gact_cb1.metric}} (CB1) vs {{gact.sst2.fp.metric}}, with {{gact.sst2.gact_l1.fewer}}
+and {{gact.sst2.gact_cb1.fewer}} fewer bytes kept for the backward pass; the char LM's held-out
+loss {{gact.shakespeare.gact_l1.metric}} vs {{gact.shakespeare.fp.metric}}. Fixed against adaptive
+at the same average: fixed 4 bits {{gact.sst2.fixed4.metric}} (SST-2) and
+{{gact.shakespeare.fixed4.metric}} (LM); fixed 2 bits {{gact.sst2.fixed2.metric}} and
+{{gact.shakespeare.fixed2.metric}} against adaptive 2 bits {{gact.sst2.adaptive2.metric}} and
+{{gact.shakespeare.adaptive2.metric}}. On Cora every variant is close to full precision (GAT
+{{gact.cora_gat.fp.metric}} / {{gact.cora_gat.fixed4.metric}} fixed 4 bits), so "fixed low bits
+degrade GAT" is not reproduced at 4 fixed bits. One seed each."""),
         ("markdown", """\
 ## Re-run a small version live
 
@@ -145,9 +163,10 @@ reports no accuracy loss at 4 bits but a drop below. DIVISION (Wang et al. 2022)
 Aamodt 2021) derives each layer's width from an allowed loss increase e^2.
 
 **What ran here.** The same `experiments.actnn_cifar` runs as notebook 02 (ResNet-20, full
-CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc`. For
-AC-GC the bound is loose on this network, so the run uses e^2 = 1024 (it chose 3.4 bits on
-average at the start)."""),
+CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc` (AC-GC's
+AutoQuant: round-to-nearest fixed point at the widths of its Table 1 bounds, e^2 =
+{{acgc.paper_error}}), and `python -m experiments.acgc_sweep`: the widths and compression the
+bounds give for every e^2, at initialization and after 3 epochs."""),
         ("code", SETUP),
         ("markdown", "## Test accuracy and memory (full runs)"),
         ("code", """\
@@ -155,12 +174,27 @@ runs = ns.load_variants(RESULTS / "actnn_cifar")
 display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
 ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
         ("markdown", """\
-**What the runs say** (one seed each; FP reaches 0.698). BLPA at 4 bits reaches 0.706 keeping 24x
-fewer bytes; at 2 bits it keeps the fewest (34x fewer) and loses 3.2 points (0.6655): the paper's
-"4 bits lossless, below that BLPA degrades" holds. DIVISION matches FP (0.699, 20.5x fewer bytes).
-AC-GC's bound with e^2 = 1024 chose 2.9-3.4 bits on average over training and reached 0.691
-(15.4x fewer bytes): within a point of FP, but e^2 is a knob here, not a loss increase one would
-set by hand."""),
+## AC-GC: what each e^2 asks for (`python -m experiments.acgc_sweep`)
+
+Widths from Table 1's bounds (statistics averaged over ten minibatches of 128), at the
+initialization and at a full-precision run's parameters after 3 epochs; compression against
+float32 with jact's fixed-point widths (2, 4, 8; wider needs kept exact), with any width up to 16
+bits, and with the paper's AutoQuantZ accounting (a 1-bit zero mask plus the non-zeros)."""),
+        ("code", 'display(Markdown(ns.acgc_sweep_table(RESULTS / "acgc_sweep.json")))'),
+        ("markdown", """\
+**What the runs say** (one seed each; FP reaches {{actnn.fp.accuracy}}, and {{seeds.fp.mean}} ±
+{{seeds.fp.std}} over {{seeds.fp.n}} seeds). BLPA at 4 bits reaches {{actnn.blpa4.accuracy}}
+keeping {{actnn.blpa4.fewer_than_layers}} fewer bytes than float32 layer inputs; at 2 bits it
+keeps the fewest ({{actnn.blpa2.fewer_than_layers}} fewer) and reaches {{actnn.blpa2.accuracy}}:
+the paper's "4 bits lossless, below that BLPA degrades" holds. DIVISION reaches
+{{actnn.division.accuracy}} ({{actnn.division.fewer_than_layers}} fewer). AC-GC at e^2 =
+{{acgc.paper_error}} asks for {{acgc.init.conv_bits}} bits on the convolution inputs and
+{{acgc.init.norm_bits}} on the batch norms; jact's fixed point has widths 2, 4 and 8, so
+{{acgc.init.e0.5.exact}} residuals stay exact and the compression is {{acgc.init.e0.5.jact}}
+({{acgc.trained.e0.5.jact}} trained), where any width up to 16 bits would give
+{{acgc.init.e0.5.any}} and, with zero-value compression of the ReLU outputs (the paper's
+AutoQuantZ), {{acgc.init.e0.5.zvc}}: next to the paper's {{paper.acgc.autoquantz_average}}. The
+run reaches {{actnn.acgc.accuracy}} keeping {{actnn.acgc.fewer_than_layers}} fewer bytes."""),
         ("markdown", "## Re-run a small version live"),
         ("code", _small_actnn_run("blpa2", "division")),
     ],
@@ -186,12 +220,25 @@ for png in sorted(RESULTS.glob("memory_batch_*.png")):
     if "small" not in png.name:
         ns.show_figure(png)"""),
         ("markdown", """\
-**What the run says.** Under the same 512 MiB cap the ResNet-20 trains at batch 880 with 4-bit
-residuals and 960 with 2-bit ones, against 144 plain (6.1x, 6.7x); the char LM at 304 and 352
-against 80 (3.8x, 4.4x). `jax.checkpoint` of every block buys nothing on XLA:CPU. Two bits buy
-little over four because the backward pass's working memory (one layer's decompressed activation
-and its gradients at a time) is not compressed. At equal batch the jact step costs 1.01x (ResNet)
-and 1.05x (LM) of plain at 4 bits on this CPU, measured with other runs in the background."""),
+## Both caps: the step alone, and the step plus its compiled program
+
+The cap above counts the memory the running step adds; the compiled program (code and constants)
+comes on top, and jact's programs are larger. The same search capping the step plus the program
+(`python -m experiments.memory_batch --cap-on with_program_mib`):"""),
+        ("code", '''display(Markdown(ns.both_caps_table(
+    RESULTS / "memory_batch.json", RESULTS / "memory_batch_program" / "memory_batch.json")))'''),
+        ("markdown", """\
+**What the run says.** Under the same {{mb.cap_mib}} MiB cap the ResNet-20 trains at batch
+{{mb.resnet20.jact4.batch}} with 4-bit residuals and {{mb.resnet20.jact2.batch}} with 2-bit ones,
+against {{mb.resnet20.plain.batch}} plain ({{mb.resnet20.jact4.times}},
+{{mb.resnet20.jact2.times}}); the char LM at {{mb.transformer_lm.jact4.batch}} and
+{{mb.transformer_lm.jact2.batch}} against {{mb.transformer_lm.plain.batch}}
+({{mb.transformer_lm.jact4.times}}, {{mb.transformer_lm.jact2.times}}). `jax.checkpoint` of every
+block buys nothing on XLA:CPU. Two bits buy little over four because the backward pass's working
+memory (one layer's decompressed activation and its gradients at a time) is not compressed. At
+equal batch the jact step costs {{mb.resnet20.jact4.step_ratio}} (ResNet) and
+{{mb.transformer_lm.jact4.step_ratio}} (LM) of plain at 4 bits on this CPU, measured with other
+runs in the background."""),
         ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
         ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
         ("markdown", """\
@@ -230,11 +277,13 @@ display(Markdown(ns.plan_cost_table(RESULTS / "bit_plans.json")))"""),
         ("code", 'display(Markdown(ns.bench_plans_table(RESULTS / "bench_plans.json")))'),
         ("markdown", """\
 **What the runs say.** Adaptive plans pay off where residuals differ a lot in sensitivity: on the
-small CNN at 2 bits the numeric and analytic plans give 0.098 and 0.136 against 9.9 for uniform
-(the dense head's input dominates). On the ResNet-20 the numeric plan is nearly uniform and the
-analytic one underweights batch norms. The analytic estimator costs 1.5-3.3 train steps an update,
-the numeric one 26-99 (one gradient per residual; measured with other jobs on the cores), so the
-numeric one wants infrequent re-plans on CPU."""),
+small CNN at 2 bits the numeric and analytic plans give {{bp.cifar_cnn.gact_numeric2.variance}}
+and {{bp.cifar_cnn.actnn_analytic2.variance}} against {{bp.cifar_cnn.uniform2.variance}} for
+uniform (the dense head's input dominates). On the ResNet-20 both plans are close to uniform. An
+update costs {{bp.cifar_cnn.analytic_cost}} (CNN) and {{bp.shakespeare_transformer.analytic_cost}}
+(transformer) train steps for the analytic estimator and {{bp.cifar_cnn.numeric_cost}} and
+{{bp.shakespeare_transformer.numeric_cost}} for the numeric one (one gradient per residual;
+measured with other jobs on the cores), so the numeric one wants infrequent re-plans on CPU."""),
         ("markdown", "## Re-run a small version live"),
         ("code", """\
 from experiments import bit_plans
@@ -248,7 +297,8 @@ def write(name: str, cells) -> Path:
   nb = nbformat.v4.new_notebook()
   nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
   nb.metadata["language_info"] = {"name": "python"}
-  make = {"markdown": nbformat.v4.new_markdown_cell, "code": nbformat.v4.new_code_cell}
+  make = {"markdown": lambda text: nbformat.v4.new_markdown_cell(claims.render(text)),
+          "code": nbformat.v4.new_code_cell}
   nb.cells = [make[kind](source) for kind, source in cells]
   path = HERE / f"{name}.ipynb"
   nbformat.write(nb, path)

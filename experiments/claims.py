@@ -1,0 +1,318 @@
+"""Every figure the README's Results and the notebooks' prose quote, from the committed JSON.
+
+Prose is written as a template: a figure is `{{name}}`, never a typed number.
+`figures()` computes every name from `experiments/results/` (formatted as the
+prose shows it), `render(text)` fills a template, and `python -m
+experiments.claims` rewrites the README's Results section (between its
+`results:begin` / `results:end` markers) from `experiments/results_template.md`.
+`tests/test_claims.py` renders the README and the notebooks' prose again and
+fails when a quoted figure differs from the data or a template types a figure.
+
+Names: `actnn.<variant>.<field>` (accuracy, saved_mib, temp_mib, fewer: plain JAX's
+saved bytes over the variant's, fewer_than_layers: one float32 copy per layer input
+over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
+values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
+`gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
+`acgc.<checkpoint>.<field>`.
+
+>>> render("fp reaches {{x}}", {"x": "0.698"})
+'fp reaches 0.698'
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["RESULTS", "TEMPLATE", "README", "PAPER", "figures", "render", "placeholders",
+           "typed_figures", "readme_section", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+TEMPLATE = ROOT / "experiments" / "results_template.md"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+_PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
+# A typed figure: a decimal, a ratio ("3.4x", "20x") or a percentage.
+_TYPED = re.compile(r"(?<![\w.])(\d+\.\d+|\d+(?:\.\d+)?x|\d+(?:\.\d+)?\s?%)(?![\w])")
+
+
+def _load(path: Path):
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def _f(value, digits: int) -> str:
+  return f"{value:.{digits}f}"
+
+
+def _ratio(value, digits: int = 1) -> str:
+  return f"{value:.{digits}f}x"
+
+
+def _span(values) -> str:
+  """"lo-hi" (or the one value) of integers."""
+  lo, hi = min(values), max(values)
+  return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _actnn(results: Path, out: dict) -> None:
+  runs = {p.stem: _load(p) for p in sorted((results / "actnn_cifar").glob("*.json"))}
+  accounting = _load(results / "memory_accounting.json")
+  fp_saved = (runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
+  for name, r in runs.items():
+    if not r.get("complete"):
+      continue
+    key = f"actnn.{name}"
+    out[f"{key}.accuracy"] = _f(r["final_test_accuracy"], 3)
+    out[f"{key}.accuracy4"] = _f(r["final_test_accuracy"], 4)
+    saved, temp = r["memory"]["saved_bytes"], r["memory"]["temp_bytes"]
+    out[f"{key}.saved_mib"] = _f(saved / 2**20, 1)
+    out[f"{key}.temp_mib"] = _f(temp / 2**20, 1)
+    if fp_saved:
+      out[f"{key}.fewer"] = _ratio(fp_saved / saved)
+    if accounting:
+      out[f"{key}.fewer_than_layers"] = _ratio(accounting["float32_layer_input_bytes"] / saved)
+    if r.get("final_average_bits") is not None:
+      out[f"{key}.bits"] = _f(r["final_average_bits"], 2)
+    if r["history"]:
+      out[f"{key}.epoch1"] = _f(r["history"][0]["test_accuracy"], 3)
+    if r.get("plans"):
+      widths = [b if b is None or isinstance(b, int) else b.get("bits")
+                for b in r["plans"][-1]["plan"]["bits"].values()]
+      out[f"{key}.plan_exact"] = str(sum(w is None for w in widths))
+      out[f"{key}.plan_residuals"] = str(len(widths))
+      every = {w for p in r["plans"] for w in (
+          b if b is None or isinstance(b, int) else b.get("bits") for b in p["plan"]["bits"].values())}
+      out[f"{key}.plan_widths"] = ", ".join(str(w) for w in sorted(every - {None}))
+    if r.get("losses"):
+      # paired: every variant sees the same batches, so the last epoch's mean training loss
+      # compares variants on identical data
+      last = [x["loss"] for x in r["losses"] if x["step"] > r["total_steps"] * (1 - 1 / r["epochs"])]
+      out[f"{key}.last_epoch_loss"] = _f(np.mean(last), 3)
+  if "actnn.fp.last_epoch_loss" in out:
+    fp_loss = float(out["actnn.fp.last_epoch_loss"])
+    for name in runs:
+      if f"actnn.{name}.last_epoch_loss" in out:
+        out[f"actnn.{name}.loss_over_fp"] = _f(float(out[f"actnn.{name}.last_epoch_loss"]) / fp_loss, 2)
+  if accounting:
+    out["actnn.layer_inputs_mib"] = _f(accounting["float32_layer_input_bytes"] / 2**20, 1)
+    if fp_saved:
+      out["actnn.plain_over_layers"] = _ratio(fp_saved / accounting["float32_layer_input_bytes"])
+  _seeds(runs, out)
+
+
+def _seeds(runs: dict, out: dict) -> None:
+  """Mean, sample standard deviation and range of the final accuracy over seeds."""
+  by_variant: dict[str, list[float]] = {}
+  for name, r in runs.items():
+    if not r.get("complete"):
+      continue
+    variant = name.split("_seed")[0]
+    by_variant.setdefault(variant, []).append(r["final_test_accuracy"])
+  for variant, values in by_variant.items():
+    if len(values) < 2:
+      continue
+    v = np.asarray(values)
+    key = f"seeds.{variant}"
+    out[f"{key}.n"] = str(len(v))
+    out[f"{key}.mean"] = _f(v.mean(), 3)
+    out[f"{key}.std"] = _f(v.std(ddof=1), 3)
+    out[f"{key}.min"] = _f(v.min(), 3)
+    out[f"{key}.max"] = _f(v.max(), 3)
+    out[f"{key}.values"] = ", ".join(_f(x, 3) for x in values)
+  if len(by_variant.get("fp", ())) >= 2:
+    fp_mean = float(np.mean(by_variant["fp"]))
+    out["seeds.fp.std_points"] = _f(100 * np.std(by_variant["fp"], ddof=1), 1)
+    for name, r in runs.items():
+      if r.get("complete") and "_seed" not in name:
+        out[f"actnn.{name}.below_fp_points"] = _f(100 * (fp_mean - r["final_test_accuracy"]), 1)
+  if "fp" in by_variant and "pergroup2" in by_variant and min(
+      len(by_variant["fp"]), len(by_variant["pergroup2"])) >= 2:
+    gap = 100 * (np.mean(by_variant["fp"]) - np.mean(by_variant["pergroup2"]))
+    out["seeds.gap_points"] = _f(gap, 1)
+    spread = 100 * max(np.std(by_variant["fp"], ddof=1), np.std(by_variant["pergroup2"], ddof=1))
+    out["seeds.largest_std_points"] = _f(spread, 1)
+
+
+def _gact(results: Path, out: dict) -> None:
+  for path in sorted((results / "gact").glob("*.json")):
+    task = _load(path)
+    variants = task["variants"]
+    fp_saved = variants.get("fp", {}).get("saved_bytes")
+    for name, v in variants.items():
+      key = f"gact.{path.stem}.{name}"
+      metric = "test_accuracy" if "test_accuracy" in v["final"] else v["best_by"]
+      out[f"{key}.metric"] = _f(v["final"][metric], 3)
+      if fp_saved:
+        out[f"{key}.fewer"] = _ratio(fp_saved / v["saved_bytes"], 0)
+      if v.get("average_bits") is not None:
+        out[f"{key}.bits"] = _f(v["average_bits"], 2)
+      out[f"{key}.temp_mib"] = _f(v["temp_bytes"] / 2**20, 1)
+
+
+def _grad_variance(results: Path, out: dict) -> None:
+  gv = _load(results / "grad_variance.json")
+  if gv is None:
+    return
+  for epoch, rows in gv["checkpoints"].items():
+    by = {(r["method"], r["avg_bits"]): r for r in rows}
+    key = f"gv.{epoch}"
+    uniform = {int(b): by[("uniform", b)]["variance"] for (m, b) in by if m == "uniform"}
+    for b in uniform:
+      out[f"{key}.uniform{b}.over_sampling"] = _f(by[("uniform", float(b))]["over_sampling"], 2)
+    for lo, hi in ((1, 2), (2, 4), (4, 8)):
+      if lo in uniform and hi in uniform and uniform[hi] > 0:
+        out[f"{key}.fall_{lo}_{hi}"] = _ratio(uniform[lo] / uniform[hi], 1 if lo == 1 else 0)
+    for r in rows:
+      if r["method"] in ("actnn_l3", "gact_numeric") and 2 in uniform:
+        out[f"{key}.{r['method']}.over_uniform2"] = _ratio(r["variance"] / uniform[2], 2)
+        out[f"{key}.{r['method']}.variance"] = _f(r["variance"], 3)
+    if 2 in uniform:
+      out[f"{key}.uniform2.variance"] = _f(uniform[2], 3)
+
+
+def _memory_batch(results: Path, out: dict) -> None:
+  mb = _load(results / "memory_batch.json")
+  if mb is None:
+    return
+  out["mb.cap_mib"] = str(mb["settings"]["cap_mib"])
+  for model, m in mb["models"].items():
+    plain = m["methods"]["plain"].get("largest_batch")
+    for method, r in m["methods"].items():
+      if r.get("largest_batch") is None:
+        continue
+      key = f"mb.{model}.{method}"
+      out[f"{key}.batch"] = str(r["largest_batch"])
+      if plain:
+        out[f"{key}.times"] = _ratio(r["largest_batch"] / plain)
+      if "at_largest" in r:
+        out[f"{key}.program_mib"] = _f(r["at_largest"]["program_mib"], 0)
+    for method, t in m.get("timing", {}).get("methods", {}).items():
+      out[f"mb.{model}.{method}.step_ratio"] = _ratio(t["ratio_vs_plain"], 2)
+
+
+def _bench_plans(results: Path, out: dict) -> None:
+  bp = _load(results / "bench_plans.json")
+  if bp is None:
+    return
+  budget = None  # rows run uniform, then the adaptive plans at that uniform width
+  for r in bp["rows"]:
+    method = r["method"]
+    if method == "uniform":
+      budget = int(round(r["avg_bits"]))
+    name = method.replace("acgc_e2=", "acgc") if "acgc" in method else f"{method}{budget}"
+    out[f"bp.{r['model']}.{name}.variance"] = f"{r['variance']:.3g}"
+  for c in bp["costs"]:
+    out[f"bp.{c['model']}.numeric_cost"] = _f(c["numeric_cost_in_steps"], 1)
+    out[f"bp.{c['model']}.analytic_cost"] = _f(c["analytic_cost_in_steps"], 1)
+
+
+def _acgc(results: Path, out: dict) -> None:
+  sweep = _load(results / "acgc_sweep.json")
+  if sweep is None:
+    return
+  out["acgc.paper_error"] = f"{sweep['paper_error']:g}"
+  for name, c in sweep["checkpoints"].items():
+    for r in c["rows"]:
+      key = f"acgc.{name}.e{r['error']:g}"
+      out[f"{key}.jact"] = _ratio(r["compression_jact"])
+      out[f"{key}.any"] = _ratio(r["compression_any_width"])
+      out[f"{key}.zvc"] = _ratio(r["compression_autoquantz"])
+      out[f"{key}.bits"] = _f(r["jact_average_bits"], 1)
+      out[f"{key}.any_bits"] = _f(r["any_average_bits"], 1)
+      out[f"{key}.exact"] = str(r["kept_exact_jact"])
+    layers = c["layers"]
+    conv = [v["bits_at_paper_error"] for n, v in layers.items() if n.endswith("conv.lhs")]
+    norm = [v["bits_at_paper_error"] for n, v in layers.items() if n.endswith("xhat")]
+    scale = [v["bits_with_scale_bound"] for n, v in layers.items() if n.endswith("xhat")]
+    out[f"acgc.{name}.conv_bits"] = _span(conv)
+    out[f"acgc.{name}.norm_bits"] = _span(norm)
+    out[f"acgc.{name}.norm_bits_scale_bound"] = _span(scale)
+    density = [v["density"] for n, v in layers.items() if n.endswith("conv.lhs")]
+    out[f"acgc.{name}.conv_density"] = f"{min(density):.2f}-{max(density):.2f}"
+
+
+# Figures the papers report (quoted, with where): not computed here, but named so that a
+# template never types a number.
+PAPER = {
+    "paper.acgc.autoquantz_average": ("7.5x", "AC-GC Table 2, AutoQuantZ, average over tasks"),
+    "paper.acgc.autoquantz_cifar_resnet50": ("4.2x", "AC-GC Table 2, CIFAR-10 ResNet-50"),
+}
+
+
+def _theory(out: dict) -> None:
+  """ActNN's variance factor S(b) = (2^b - 1)^-2: the predicted fall between widths."""
+  for lo, hi in ((1, 2), (2, 4), (4, 8)):
+    out[f"theory.fall_{lo}_{hi}"] = _ratio(((2**hi - 1) / (2**lo - 1)) ** 2, 0)
+
+
+@functools.cache
+def _figures(results: str) -> dict:
+  out: dict[str, str] = {name: value for name, (value, _) in PAPER.items()}
+  _theory(out)
+  path = Path(results)
+  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc):
+    part(path, out)
+  from experiments import notebook_support, summary  # the key table, as summary prints it
+  out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
+                                       notebook_support.load_variants(path / "gact"),
+                                       summary.layer_input_bytes(path))
+  return out
+
+
+def figures(results: Path = RESULTS) -> dict[str, str]:
+  """name -> the figure as the prose shows it, computed from the results under `results`."""
+  return dict(_figures(str(Path(results).resolve())))
+
+
+def placeholders(text: str) -> list[str]:
+  """The figure names a template quotes."""
+  return _PLACEHOLDER.findall(text)
+
+
+def render(text: str, values: dict[str, str] | None = None) -> str:
+  """`text` with every `{{name}}` replaced by its figure (KeyError names a missing one)."""
+  values = figures() if values is None else values
+  missing = [n for n in placeholders(text) if n not in values]
+  if missing:
+    raise KeyError(f"no figure for {missing}: add it to experiments/claims.py or run the "
+                   "experiment that writes it")
+  return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def typed_figures(text: str) -> list[str]:
+  """Figures typed into a template instead of quoted (`{{name}}`): decimals, ratios, percents.
+
+  >>> typed_figures("fp {{a.b}} vs 0.698, 20.6x less, 3 epochs, 8x8 blocks")
+  ['0.698', '20.6x']
+  """
+  return _TYPED.findall(_PLACEHOLDER.sub("", text))
+
+
+def readme_section(readme: str) -> tuple[int, int]:
+  """(start, end) offsets of the generated part of the README's Results."""
+  start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+  return start, end
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m experiments.claims",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--check", action="store_true", help="only say whether README is up to date")
+  a = p.parse_args(argv)
+  readme = README.read_text()
+  start, end = readme_section(readme)
+  section = "\n" + render(TEMPLATE.read_text()) + "\n"
+  if a.check:
+    raise SystemExit(0 if readme[start:end] == section else "README's Results are stale: run "
+                     "python -m experiments.claims")
+  README.write_text(readme[:start] + section + readme[end:])
+
+
+if __name__ == "__main__":
+  main()
