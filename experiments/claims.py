@@ -156,12 +156,16 @@ def _gact(results: Path, out: dict) -> None:
 
 
 def _grad_variance(results: Path, out: dict) -> None:
-  gv = _load(results / "grad_variance.json")
-  if gv is None:
-    return
+  for name, prefix in (("grad_variance", "gv"), ("grad_variance_before_bn_rule", "gv_before")):
+    gv = _load(results / f"{name}.json")
+    if gv is not None:
+      _variance_rows(gv, prefix, out)
+
+
+def _variance_rows(gv: dict, prefix: str, out: dict) -> None:
   for epoch, rows in gv["checkpoints"].items():
     by = {(r["method"], r["avg_bits"]): r for r in rows}
-    key = f"gv.{epoch}"
+    key = f"{prefix}.{epoch}"
     uniform = {int(b): by[("uniform", b)]["variance"] for (m, b) in by if m == "uniform"}
     for b in uniform:
       out[f"{key}.uniform{b}.over_sampling"] = _f(by[("uniform", float(b))]["over_sampling"], 2)
@@ -169,6 +173,11 @@ def _grad_variance(results: Path, out: dict) -> None:
       if lo in uniform and hi in uniform and uniform[hi] > 0:
         out[f"{key}.fall_{lo}_{hi}"] = _ratio(uniform[lo] / uniform[hi], 1 if lo == 1 else 0)
     for r in rows:
+      if r.get("plan"):
+        widths = [b if b is None or isinstance(b, int) else b.get("bits")
+                  for b in r["plan"]["bits"].values()]
+        out[f"{key}.{r['method']}.at_budget"] = (
+            f"{sum(w == round(r['avg_bits']) for w in widths)} of {len(widths)}")
       if r["method"] in ("actnn_l3", "gact_numeric") and 2 in uniform:
         out[f"{key}.{r['method']}.over_uniform2"] = _ratio(r["variance"] / uniform[2], 2)
         out[f"{key}.{r['method']}.variance"] = _f(r["variance"], 3)
@@ -177,23 +186,30 @@ def _grad_variance(results: Path, out: dict) -> None:
 
 
 def _memory_batch(results: Path, out: dict) -> None:
-  mb = _load(results / "memory_batch.json")
-  if mb is None:
-    return
-  out["mb.cap_mib"] = str(mb["settings"]["cap_mib"])
+  for path, prefix in ((results / "memory_batch.json", "mb"),
+                       (results / "memory_batch_program" / "memory_batch.json", "mbp")):
+    mb = _load(path)
+    if mb is not None:
+      _batch_rows(mb, prefix, out)
+
+
+def _batch_rows(mb: dict, prefix: str, out: dict) -> None:
+  out[f"{prefix}.cap_mib"] = str(mb["settings"]["cap_mib"])
   for model, m in mb["models"].items():
     plain = m["methods"]["plain"].get("largest_batch")
     for method, r in m["methods"].items():
       if r.get("largest_batch") is None:
         continue
-      key = f"mb.{model}.{method}"
+      key = f"{prefix}.{model}.{method}"
       out[f"{key}.batch"] = str(r["largest_batch"])
       if plain:
         out[f"{key}.times"] = _ratio(r["largest_batch"] / plain)
-      if "at_largest" in r:
-        out[f"{key}.program_mib"] = _f(r["at_largest"]["program_mib"], 0)
+      probes = [p for p in r.get("probes", []) if p.get("program_mib") is not None]
+      at = r.get("at_largest") or (probes[0] if probes else None)
+      if at:
+        out[f"{key}.program_mib"] = _f(at["program_mib"], 0)
     for method, t in m.get("timing", {}).get("methods", {}).items():
-      out[f"mb.{model}.{method}.step_ratio"] = _ratio(t["ratio_vs_plain"], 2)
+      out[f"{prefix}.{model}.{method}.step_ratio"] = _ratio(t["ratio_vs_plain"], 2)
 
 
 def _bench_plans(results: Path, out: dict) -> None:

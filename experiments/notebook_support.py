@@ -178,8 +178,12 @@ def both_caps_table(step_path, program_path) -> str:
       if row["status"] != "measured":
         continue
       other = step["models"].get(model, {}).get("methods", {}).get(method, {})
-      rows.append([model, method, other.get("largest_batch", ""), row["largest_batch"],
-                   f"{row['at_largest']['program_mib']:.0f}"])
+      probes = [p for p in row.get("probes", []) if p.get("program_mib") is not None]
+      at = row.get("at_largest") or (probes[0] if probes else {})
+      largest = row["largest_batch"] or f"none (batch {probes[0]['batch']}: " \
+          f"{probes[0]['with_program_mib']:.0f} MiB)" if probes else row["largest_batch"]
+      rows.append([model, method, other.get("largest_batch", ""), largest,
+                   f"{at['program_mib']:.0f}" if at else ""])
   cap = program["settings"]["cap_mib"]
   return (f"cap: {cap:g} MiB\n\n" + markdown_table(
       ["model", "method", "largest batch, step RSS", "largest batch, step + program",
