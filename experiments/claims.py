@@ -60,10 +60,16 @@ def _span(values) -> str:
   return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
+def _plan_widths(plan: dict) -> list:
+  """A plan's widths (None: kept exact), whether entries are widths or compressors."""
+  return [b if b is None or isinstance(b, int) else b.get("bits") for b in plan["bits"].values()]
+
+
 def _actnn(results: Path, out: dict) -> None:
   runs = {p.stem: _load(p) for p in sorted((results / "actnn_cifar").glob("*.json"))}
   accounting = _load(results / "memory_accounting.json")
   fp_saved = (runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
+  last_loss = {}
   for name, r in runs.items():
     if not r.get("complete"):
       continue
@@ -82,23 +88,21 @@ def _actnn(results: Path, out: dict) -> None:
     if r["history"]:
       out[f"{key}.epoch1"] = _f(r["history"][0]["test_accuracy"], 3)
     if r.get("plans"):
-      widths = [b if b is None or isinstance(b, int) else b.get("bits")
-                for b in r["plans"][-1]["plan"]["bits"].values()]
+      widths = _plan_widths(r["plans"][-1]["plan"])
       out[f"{key}.plan_exact"] = str(sum(w is None for w in widths))
       out[f"{key}.plan_residuals"] = str(len(widths))
-      every = {w for p in r["plans"] for w in (
-          b if b is None or isinstance(b, int) else b.get("bits") for b in p["plan"]["bits"].values())}
-      out[f"{key}.plan_widths"] = ", ".join(str(w) for w in sorted(every - {None}))
+      every = {w for p in r["plans"] for w in _plan_widths(p["plan"])} - {None}
+      out[f"{key}.plan_widths"] = ", ".join(str(w) for w in sorted(every))
     if r.get("losses"):
       # paired: every variant sees the same batches, so the last epoch's mean training loss
       # compares variants on identical data
-      last = [x["loss"] for x in r["losses"] if x["step"] > r["total_steps"] * (1 - 1 / r["epochs"])]
-      out[f"{key}.last_epoch_loss"] = _f(np.mean(last), 3)
-  if "actnn.fp.last_epoch_loss" in out:
-    fp_loss = float(out["actnn.fp.last_epoch_loss"])
-    for name in runs:
-      if f"actnn.{name}.last_epoch_loss" in out:
-        out[f"actnn.{name}.loss_over_fp"] = _f(float(out[f"actnn.{name}.last_epoch_loss"]) / fp_loss, 2)
+      last = [x["loss"] for x in r["losses"]
+              if x["step"] > r["total_steps"] * (1 - 1 / r["epochs"])]
+      last_loss[name] = float(np.mean(last))
+      out[f"{key}.last_epoch_loss"] = _f(last_loss[name], 3)
+  for name, loss in last_loss.items():
+    if "fp" in last_loss:
+      out[f"actnn.{name}.loss_over_fp"] = _f(loss / last_loss["fp"], 2)
   if accounting:
     out["actnn.layer_inputs_mib"] = _f(accounting["float32_layer_input_bytes"] / 2**20, 1)
     if fp_saved:
@@ -174,8 +178,7 @@ def _variance_rows(gv: dict, prefix: str, out: dict) -> None:
         out[f"{key}.fall_{lo}_{hi}"] = _ratio(uniform[lo] / uniform[hi], 1 if lo == 1 else 0)
     for r in rows:
       if r.get("plan"):
-        widths = [b if b is None or isinstance(b, int) else b.get("bits")
-                  for b in r["plan"]["bits"].values()]
+        widths = _plan_widths(r["plan"])
         out[f"{key}.{r['method']}.at_budget"] = (
             f"{sum(w == round(r['avg_bits']) for w in widths)} of {len(widths)}")
       if r["method"] in ("actnn_l3", "gact_numeric") and 2 in uniform:
