@@ -14,6 +14,7 @@ warm-up then cosine learning rate), random crops and flips, once per variant:
 | blpa4, blpa2 | BLPA: each BN -> ReLU -> conv unit keeps a 4- / 2-bit pre-ReLU copy |
 | division | DIVISION: 8x8-block low-pass in bf16 + 2-bit high-frequency part |
 | acgc | AC-GC AutoQuant: round-to-nearest fixed point, widths from Table 1's bounds at e^2 = 0.5 |
+| acgc_scale | acgc with the batch norms' scale gradients bounded too (`scale_bound=True`, not in Table 1) |
 
 Every variant starts from the same parameters and sees the same batches in
 the same order with the same augmentation; only the stored residuals differ
@@ -49,7 +50,8 @@ from experiments import preact, resumable
 
 __all__ = ["VARIANTS", "variant_settings", "augment", "train_variant", "main"]
 
-VARIANTS = ("fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc")
+VARIANTS = ("fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
+            "acgc_scale")
 RESULTS = Path(__file__).parent / "results" / "actnn_cifar"
 RUNS = Path(__file__).parents[1] / "runs" / "actnn_cifar"
 ACGC_ERROR = 0.5  # AC-GC's e^2 (the paper: "e^2 > 0.5 decreases accuracy"); `--acgc-error`
@@ -70,6 +72,9 @@ def variant_settings(name: str, acgc_error: float = ACGC_ERROR) -> dict:
       # than 8 bits: kept exact); the call sites' Fixpoint(8) stores the rest.
       "acgc": dict(form="layers", compressor=jact.compressors.Fixpoint(8), controller=dict(
           estimator="acgc", error=acgc_error, compressor=jact.compressors.Fixpoint(8))),
+      "acgc_scale": dict(form="layers", compressor=jact.compressors.Fixpoint(8), controller=dict(
+          estimator="acgc", error=acgc_error, compressor=jact.compressors.Fixpoint(8),
+          scale_bound=True)),
   }
   if name not in table:
     raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")

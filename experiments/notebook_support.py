@@ -22,7 +22,7 @@ __all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "
            "loss_curves"]
 
 ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
-OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc"]
+OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc", "acgc_scale"]
 
 
 def load_json(path) -> dict | None:

@@ -26,10 +26,12 @@ from pathlib import Path
 
 from experiments import notebook_support as support
 
-__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "layer_input_bytes", "accuracy_plot", "tradeoff_plot", "main"]
+__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "layer_input_bytes", "accuracy_plot",
+           "tradeoff_plot", "main"]
 
 RESULTS = Path(__file__).parent / "results"
-ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc"]
+ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
+                  "acgc_scale"]
 GACT_TASKS = {"sst2": "SST-2, transformer classifier", "shakespeare": "tiny Shakespeare, char LM",
               "cora_gcn": "Cora, GCN", "cora_gat": "Cora, GAT"}
 ACTNN_TASK = "CIFAR-10, pre-act ResNet-20"

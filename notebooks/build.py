@@ -165,7 +165,8 @@ Aamodt 2021) derives each layer's width from an allowed loss increase e^2.
 **What ran here.** The same `experiments.actnn_cifar` runs as notebook 02 (ResNet-20, full
 CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc` (AC-GC's
 AutoQuant: round-to-nearest fixed point at the widths of its Table 1 bounds, e^2 =
-{{acgc.paper_error}}), and `python -m experiments.acgc_sweep`: the widths and compression the
+{{acgc.paper_error}}), `acgc_scale` (the same with the batch norms' scale gradients bounded too),
+and `python -m experiments.acgc_sweep`: the widths and compression the
 bounds give for every e^2, at initialization and after 3 epochs."""),
         ("code", SETUP),
         ("markdown", "## Test accuracy and memory (full runs)"),
@@ -194,7 +195,10 @@ the paper's "4 bits lossless, below that BLPA degrades" holds. DIVISION reaches
 ({{acgc.trained.e0.5.jact}} trained), where any width up to 16 bits would give
 {{acgc.init.e0.5.any}} and, with zero-value compression of the ReLU outputs (the paper's
 AutoQuantZ), {{acgc.init.e0.5.zvc}}: next to the paper's {{paper.acgc.autoquantz_average}}. The
-run reaches {{actnn.acgc.accuracy}} keeping {{actnn.acgc.fewer_than_layers}} fewer bytes."""),
+run reaches {{actnn.acgc.accuracy}} keeping {{actnn.acgc.fewer_than_layers}} fewer bytes. Table 1
+leaves the batch norms' scale gradients unbounded; `acgc_scale` bounds them too
+(`scale_bound=True`) and reaches {{actnn.acgc_scale.accuracy}} keeping
+{{actnn.acgc_scale.fewer_than_layers}} fewer bytes."""),
         ("markdown", "## Re-run a small version live"),
         ("code", _small_actnn_run("blpa2", "division")),
     ],

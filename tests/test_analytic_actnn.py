@@ -111,3 +111,22 @@ def test_normalization_producers_rule():
                ("fc", "dense")]) == {"bn1": "c1", "bn2": "c2"}
   assert rule([("bn0", "batch_norm"), ("c1", "conv"), ("bn1", "batch_norm")]) == {
       "bn0": "c1", "bn1": "c1"}
+
+
+def test_acgc_controller_scale_bound_only_widens_normalizations():
+  """`Controller(estimator="acgc", scale_bound=True)` also bounds the batch norm's scale
+  gradient (not in AC-GC's Table 1): its width can only grow, the convs' stay."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((4, 8, 8, 4)), jnp.float32)
+  p = dict(k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+           s=jnp.ones(8), b=jnp.zeros(8),
+           k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32))
+  plans = {}
+  for bound in (False, True):
+    c = jact.Controller(jact_loss, estimator="acgc", error=0.05, scale_bound=bound)
+    plans[bound] = c.update(c.init(p, x, jax.random.key(0)), p, x, jax.random.key(1)).plan
+  width = lambda b: 32 if b is None else b
+  assert width(plans[True]["bn1.xhat"]) >= width(plans[False]["bn1.xhat"])
+  assert plans[True]["conv1.lhs"] == plans[False]["conv1.lhs"]
+  assert plans[True]["conv2.lhs"] == plans[False]["conv2.lhs"]
+  assert plans[True] != plans[False], plans  # here the scale bound binds

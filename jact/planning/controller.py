@@ -98,6 +98,8 @@ class Controller:
     error: e^2 of AC-GC.
     compressor: for "acgc", the fixed-point compressor the widths are for
       (see `jact.acgc.error_bounded`); None: jact's per-group quantizer.
+    scale_bound: for "acgc", also bound normalization scale gradients (not in
+      AC-GC's Table 1; see `jact.acgc.error_bounded`).
     decay, chunk_size: estimator settings (see `jact.sensitivity`).
   """
   loss_fn: Callable[..., Any]
@@ -110,6 +112,7 @@ class Controller:
   per_sample: bool = False
   error: float = 0.5
   compressor: Any = None
+  scale_bound: bool = False
   decay: float = 0.9
   chunk_size: int | None = None
 
@@ -147,7 +150,8 @@ class Controller:
       return sensitivity.numeric(self.loss_fn, decay=self.decay, chunk_size=self.chunk_size)
     if self.estimator == "analytic":
       return sensitivity.analytic(self.loss_fn, decay=self.decay)
-    return _acgc.error_bounded(self.loss_fn, error=self.error, compressor=self.compressor)
+    return _acgc.error_bounded(self.loss_fn, error=self.error, compressor=self.compressor,
+                               scale_bound=self.scale_bound)
 
   # ------------------------------------------------------------------ loop
 
