@@ -265,6 +265,15 @@ def _layer_sensitivity(info, stats, grad) -> tuple[jax.Array, jax.Array]:
   return g / 6.0 * jnp.sum(stats["ranges_sq"]) * mean_weight, jnp.mean(per_sample_grad)
 
 
+def _discover_layers(loss_fn, params, batch, key) -> _probe.Collector:
+  """A shape-only trace of the loss with a probe-less collector: the observed ops, in
+  forward order (`info`), and their output shapes."""
+  collector = _probe.Collector(None)
+  with _context.collecting(collector):
+    jax.eval_shape(lambda *a: loss_fn(*a), params, batch, key)  # fresh: no trace-cache hit
+  return collector
+
+
 def collect_layer_stats(loss_fn, params, batch, key, probes=None):
   """One gradient pass with probes: (param grads, probe grads, info, stats)."""
   def with_probes(params, probes):
@@ -273,10 +282,8 @@ def collect_layer_stats(loss_fn, params, batch, key, probes=None):
       loss = loss_fn(params, batch, key)
     return loss, (collector.info, collector.stats)
   if probes is None:
-    collector = _probe.Collector(None)
-    with _context.collecting(collector):
-      jax.eval_shape(lambda *a: loss_fn(*a), params, batch, key)  # fresh: no trace-cache hit
-    return {n: jnp.zeros(s, d) for n, (s, d) in collector.shapes.items()}
+    shapes = _discover_layers(loss_fn, params, batch, key).shapes
+    return {n: jnp.zeros(s, d) for n, (s, d) in shapes.items()}
   try:
     (g_params, g_probes), (info, stats) = jax.grad(with_probes, argnums=(0, 1), has_aux=True)(
         params, probes)
@@ -328,10 +335,8 @@ def analytic(loss_fn: Callable[..., Any], *, decay: float = 0.9) -> Estimator:
 
   def init(params, batch, key) -> SensitivityState:
     sites = find_residuals(loss_fn, params, batch, key)
-    collector = _probe.Collector(None)
-    with _context.collecting(collector):
-      jax.eval_shape(lambda *a: loss_fn(*a), params, batch, key)  # fresh: no trace-cache hit
-    kinds = [(name, info["kind"]) for name, info in collector.info.items() if name in sites]
+    layers = _discover_layers(loss_fn, params, batch, key).info
+    kinds = [(name, info["kind"]) for name, info in layers.items() if name in sites]
     return _empty_state(sites, normalization_producers(kinds))
 
   @jax.jit
