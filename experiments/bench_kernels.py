@@ -37,9 +37,9 @@ import jaxlib
 import numpy as np
 
 from jact import kernels
-from jact.core.persample import per_sample_capacity
-from jact.core.quantize import effective_group_size
-from jact.kernels.quantize.reference import quantize_reference
+from jact._core.persample import per_sample_capacity
+from jact._core.quantize import effective_group_size
+from jact.kernels._quantize.reference import quantize_reference
 
 __all__ = ["CASES", "Case", "time_call", "main"]
 

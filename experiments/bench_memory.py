@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments import memory_scaling, models
-from jact.report import compiled_memory, residual_report
+from jact._report import compiled_memory, residual_report
 
 __all__ = ["MODELS", "measure", "main"]
 

@@ -60,7 +60,7 @@ import optax
 import jact.kernels
 from experiments import data as data_lib
 from experiments import models
-from jact.report import CompiledMemory
+from jact._report import CompiledMemory
 
 __all__ = ["Bench", "largest_batch", "main"]
 

@@ -12,7 +12,7 @@ Each stack is measured twice: unrolled (a Python loop over the blocks) and
 scanned (`lax.scan` over the stacked block parameters, as `nn.scan` and
 `nnx.scan` run a layer stack; the per-block wrap then sits in the scan's
 body). A whole-model wrap stores the residuals the scan produces per layer
-inside the loop (`jact/transforms/_scan.py`).
+inside the loop (`jact/_transforms/_scan.py`).
 
 Targets (issue 16): whole within 1.3x of per_block, and at least 3x below
 plain at 2 bits.
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.memory_scaling import BLOCKS, wrap_block
-from jact.transforms.compressed import compressed
+from jact._transforms.compressed import compressed
 
 __all__ = ["measure", "main"]
 

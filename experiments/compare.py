@@ -47,7 +47,7 @@ _LAST = 10  # final_loss averages this many last steps
 def residual_bytes(fn, *args) -> int:
   """Bytes saved for `fn`'s backward pass, not counting `fn`'s own arguments
   (`jact.residual_report`)."""
-  from jact.report import residual_report
+  from jact._report import residual_report
   return int(residual_report(fn, *args).total_bytes)
 
 

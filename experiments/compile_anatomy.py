@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact.kernels
-from jact.core import rng, xla_cpu
-from jact.core.quantize import Packed, grouped
-from jact.core.packing import pack_bits
-from jact.engine import store
+from jact._core import rng, xla_cpu
+from jact._core.quantize import Packed, grouped
+from jact._core.packing import pack_bits
+from jact._engine import store
 from experiments.compile_time import RESULTS, meta
 from experiments.zoo import CASES
 from experiments.zoo_harness import variant_fns

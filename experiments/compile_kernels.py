@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import jaxlib
 
 from jact import _compat
-from jact.kernels.division import pallas_triton as division
-from jact.kernels.per_sample import pallas_triton as persample
-from jact.kernels.per_sample.reference import quantize_per_sample_reference
-from jact.kernels.quantize import pallas_triton as pergroup
-from jact.kernels.quantize.reference import quantize_reference
-from jact.kernels.relu_mask import pallas_triton as relu
+from jact.kernels._division import pallas_triton as division
+from jact.kernels._per_sample import pallas_triton as persample
+from jact.kernels._per_sample.reference import quantize_per_sample_reference
+from jact.kernels._quantize import pallas_triton as pergroup
+from jact.kernels._quantize.reference import quantize_reference
+from jact.kernels._relu_mask import pallas_triton as relu
 
 __all__ = ["TritonModule", "CompiledKernel", "KERNELS", "triton_modules", "compile_module",
            "ptx_facts", "compile_kernel", "main"]

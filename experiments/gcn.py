@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact.core import rng as jact_rng
-from jact.ops.dropout import keep_mask
+from jact._core import rng as jact_rng
+from jact.ops._dropout import keep_mask
 
 __all__ = [
     "Graph", "graph_arrays", "propagate", "relu", "dropout", "gcn_layer", "init_gcn", "gcn_apply",
@@ -131,7 +131,7 @@ def dropout(x: jax.Array, key, rate: float) -> jax.Array:
   """Inverted dropout through a bool keep-mask; the backward pass keeps only
   that mask (1 bit per value under `jact.compressed`).
 
-  The mask is `jact.ops.dropout.keep_mask` (a counter hash of the element
+  The mask is `jact.ops._dropout.keep_mask` (a counter hash of the element
   index, P(keep) = 1 - rate): `jax.random.bernoulli` over Cora's 2708 x 1433
   features costs ~50x the rest of a training step on CPU. (`jact.ops.dropout`
   itself would keep only a 4-byte seed and regenerate the mask; this model

@@ -25,7 +25,7 @@ sizes, for a smoke run on CPU (the figures then mean nothing).
   `jact.ops.chunked_attention` uncompressed and at 8/4 bits, over sequence
   lengths: time and compiled temp memory (out of memory is recorded).
 * `ordering`: the data-dependency ties jact adds because XLA:CPU expands
-  optimization barriers before scheduling (`jact.core.xla_cpu`: the
+  optimization barriers before scheduling (`jact._core.xla_cpu`: the
   always-true flags that make decompression wait for the cotangent and
   outputs wait for the compressed bytes), lowered only in programs for the
   CPU: "shipped" (as released), "ties" (traced into every program, as before
@@ -373,7 +373,7 @@ def _no_ties(rule, values, anchors):
 
 @contextlib.contextmanager
 def ordering_ties(mode: str):
-  """Within the block, jact's XLA:CPU ordering ties (`jact.core.xla_cpu.on_cpu`)
+  """Within the block, jact's XLA:CPU ordering ties (`jact._core.xla_cpu.on_cpu`)
   are as shipped (in programs for the CPU only: "shipped"), traced into every
   program whatever its platform, as before they were CPU-only ("ties"),
   left out everywhere ("no_ties"), also without optimization barriers
@@ -381,8 +381,8 @@ def ordering_ties(mode: str):
   trace made in another mode is reused."""
   if mode not in ORDERING_MODES:
     raise ValueError(f"mode must be one of {ORDERING_MODES}, got {mode!r}")
-  from jact.core import xla_cpu
-  from jact.engine import scheduling
+  from jact._core import xla_cpu
+  from jact._engine import scheduling
   patches = []
   if mode == "ties":
     patches.append((xla_cpu, "on_cpu", _ties_everywhere))

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from jact import ops
-from jact.transforms.checkpoint import checkpoint
-from jact.report import compiled_memory, residual_report
-from jact.transforms.compressed import compressed
+from jact._transforms.checkpoint import checkpoint
+from jact._report import compiled_memory, residual_report
+from jact._transforms.compressed import compressed
 
 __all__ = ["BLOCKS", "scaling", "main"]
 

@@ -44,7 +44,7 @@ import jact
 from experiments.bench_models import meta
 from experiments.zoo_harness import flat, variant_fns
 from experiments.zoo_thirdparty import CASES
-from jact.transforms import _vjp_residuals
+from jact._transforms import _vjp_residuals
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BITS = (8, 4, 2)

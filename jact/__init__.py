@@ -15,41 +15,41 @@ backward pass needs instead of the full-precision activation.
 # The public API: one `from module import name as name` per name (the
 # redundant alias marks an explicit re-export for type checkers; `nn` is
 # jact.flax.linen under its public name), and `__all__` lists the same names.
-from jact.planning import acgc as acgc
-from jact.planning import levels as levels
-from jact.planning import sensitivity as sensitivity
-from jact.core import allocate as allocate
-from jact.core import rng as rng
+from jact import acgc as acgc
+from jact import allocate as allocate
+from jact import levels as levels
+from jact import rng as rng
+from jact import sensitivity as sensitivity
 from jact import compressors as compressors
 from jact import kernels as kernels
 from jact import ops as ops
-from jact.planning.controller import CompressionVarianceWarning as CompressionVarianceWarning
-from jact.planning.controller import Controller as Controller
-from jact.planning.controller import ControllerState as ControllerState
+from jact._planning.controller import CompressionVarianceWarning as CompressionVarianceWarning
+from jact._planning.controller import Controller as Controller
+from jact._planning.controller import ControllerState as ControllerState
 from jact.flax import linen as nn
 from jact.flax import nnx as nnx
 from jact.flax.convert import convert as convert
 from jact.flax.conversion_report import conversion_report as conversion_report
-from jact.planning.plan import BitPlan as BitPlan
-from jact.planning.plan import UnknownResidualWarning as UnknownResidualWarning
-from jact.planning.plan import planned as planned
-from jact.planning.plan import use_plan as use_plan
-from jact.core.quantize import Packed as Packed
-from jact.core.packing import PackedBits as PackedBits
-from jact.core.packing import pack_codes as pack_codes
-from jact.core.packing import unpack_codes as unpack_codes
-from jact.kernels.quantize.api import dequantize as dequantize
-from jact.kernels.quantize.api import quantize as quantize
-from jact.transforms.checkpoint import checkpoint as checkpoint
-from jact.transforms.checkpoint import offload_compressed as offload_compressed
-from jact.transforms.checkpoint import save_compressed as save_compressed
-from jact.transforms.checkpoint import save_inputs_only as save_inputs_only
-from jact.report import CompiledMemory as CompiledMemory
-from jact.report import ResidualReport as ResidualReport
-from jact.report import compiled_memory as compiled_memory
-from jact.report import residual_report as residual_report
-from jact.transforms.compressed import compressed as compressed
-from jact.engine.sharding import sharded_batch as sharded_batch
+from jact._planning.plan import BitPlan as BitPlan
+from jact._planning.plan import UnknownResidualWarning as UnknownResidualWarning
+from jact._planning.plan import planned as planned
+from jact._planning.plan import use_plan as use_plan
+from jact._core.quantize import Packed as Packed
+from jact._core.packing import PackedBits as PackedBits
+from jact._core.packing import pack_codes as pack_codes
+from jact._core.packing import unpack_codes as unpack_codes
+from jact.kernels._quantize.api import dequantize as dequantize
+from jact.kernels._quantize.api import quantize as quantize
+from jact._transforms.checkpoint import checkpoint as checkpoint
+from jact._transforms.checkpoint import offload_compressed as offload_compressed
+from jact._transforms.checkpoint import save_compressed as save_compressed
+from jact._transforms.checkpoint import save_inputs_only as save_inputs_only
+from jact._report import CompiledMemory as CompiledMemory
+from jact._report import ResidualReport as ResidualReport
+from jact._report import compiled_memory as compiled_memory
+from jact._report import residual_report as residual_report
+from jact._transforms.compressed import compressed as compressed
+from jact._engine.sharding import sharded_batch as sharded_batch
 
 __version__ = "0.1.0"
 

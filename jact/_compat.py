@@ -12,7 +12,7 @@ parameters; tests/test_compat.py enforces that with a grep gate.
 naming the access and the function to fix when the installed JAX changed it
 (tests/test_compat.py runs it, one test per function).
 
-This module imports only JAX: it sits below jact/core in the import graph.
+This module imports only JAX: it sits below jact/_core in the import graph.
 """
 
 from __future__ import annotations

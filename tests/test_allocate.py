@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.core.allocate import (UNCOMPRESSED, allocate_per_sample, greedy_allocate,
+from jact._core.allocate import (UNCOMPRESSED, allocate_per_sample, greedy_allocate,
                                 optimal_allocate, total_bits, total_variance, variance_factor)
 
 ALLOWED = ((1, 2, 4, 8), (1, 2, 4, 8, 32), (2, 4, 8), (1, 8), (1, 2), (4,))

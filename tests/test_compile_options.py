@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact.core import rng
+from jact._core import rng
 
 QUICK = {"xla_backend_optimization_level": 0}
 

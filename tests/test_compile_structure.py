@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from experiments.compile_time import count_eqns
-from jact.core import rng
-from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
+from jact._core import rng
+from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 
 # 204 equations today: 129 before non-finite values got their flagged groups
 # (issue 31: the flag, the reserved code, the kind bits), 161 before the

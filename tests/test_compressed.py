@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact.transforms.compressed import call_compressed
+from jact._transforms.compressed import call_compressed
 from stats import assert_unbiased, over_keys
 
 
@@ -153,7 +153,7 @@ def test_parameters_and_inputs_are_kept_by_reference_not_compressed(name):
   # ... and no other residual of at least min_size values is kept at full
   # precision: each is a named group of packed codes and bf16 group
   # statistics (an elementwise chain such as gelu's stores one derivative
-  # for its several steps, `jact.transforms._folding`, so there may be fewer
+  # for its several steps, `jact._transforms._folding`, so there may be fewer
   # groups than plain residuals, but never none).
   big = [r for r in plain.residuals if not r.is_argument and np.prod(r.shape) >= 1024
          and jnp.issubdtype(r.dtype, jnp.floating) and "broadcast_in_dim" not in r.source]
@@ -175,7 +175,7 @@ def test_a_residual_shared_by_several_ops_is_stored_once():
   groups = {n: g for n, g in report.by_name().items() if n}
   assert len(groups) == 2, report
   # 4-bit codes + bf16 min and scale per group; a row of 128 values is a group of
-  # its own (groups never span samples: jact.core.quantize.as_rows)
+  # its own (groups never span samples: jact._core.quantize.as_rows)
   one = 64 * 128 * 4 // 8 + 64 * 2 * 2
   assert report.total_bytes == 2 * one
   assert report.argument_bytes == 3 * w.nbytes  # weights kept once each, by reference

@@ -1,5 +1,5 @@
 """Elementwise chains of one tensor inside `jact.compressed` store one
-derivative (`jact.transforms._folding`): same forward values and exact
+derivative (`jact._transforms._folding`): same forward values and exact
 gradients without compression, fewer stored tensors, less gradient noise.
 """
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact.transforms import _folding
+from jact._transforms import _folding
 
 
 def _mlp(w1, w2, x):

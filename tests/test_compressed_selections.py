@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jact
-from jact.transforms._vjp_residuals import reduced_values
+from jact._transforms._vjp_residuals import reduced_values
 
 
 def _grads(fn, x, bits, key=1):

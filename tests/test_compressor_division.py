@@ -11,7 +11,7 @@ import pytest
 import jact
 from jact.compressors import PerGroup
 from jact.compressors._base import from_dict
-from jact.compressors.division import Division
+from jact.compressors._division import Division
 from stats import DRAWS, assert_unbiased, over_keys
 
 
@@ -225,7 +225,7 @@ def test_conv_grad_and_residual_report():
   # seed as the op), with the exact output's cotangent 2 y.
   exact_gx = jax.grad(lambda x: jnp.sum(conv(x, kernel) ** 2))(x)
   np.testing.assert_allclose(gx, exact_gx, rtol=1e-5, atol=1e-5 * float(jnp.abs(exact_gx).max()))
-  site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "c.lhs")
+  site = jact._engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "c.lhs")
   x_hat = c.decompress(c.compress(x, site))
   _, vjp = jax.vjp(lambda k: conv(x_hat, k), kernel)
   (want,) = vjp(2 * conv(x, kernel))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jact.compressors import Fixpoint, ZeroValue
-from jact.compressors.zero_value import nonzeros
+from jact.compressors._zero_value import nonzeros
 
 
 def _normal(shape, seed=0):

@@ -46,7 +46,7 @@ def test_interface_bytes_json_and_dense_op(c):
   g = jax.jit(jax.grad(loss))(w)  # jitted: op by op, the compressors dispatch for seconds
   y = x @ w
   if c.needs_key:
-    site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
+    site = jact._engine.rounding.site_seed(jact.rng.seed_from_key(key), 0, "fc.lhs")
     x_hat = jax.jit(lambda s: c.decompress(c.compress(x, s)))(site)
   expected = jnp.einsum("nhwc,nhwk->ck", x_hat, 2 * y)
   np.testing.assert_allclose(g, expected, rtol=2e-4, atol=2e-4 * float(jnp.abs(expected).max()))
@@ -70,7 +70,7 @@ def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
   for i, leaf in enumerate(leaves):
     name = f"{prefix}.{i}"
     if name in names:
-      leaves[i] = _reconstruction(c, leaf, jact.engine.rounding.site_seed(seed, i, name)
+      leaves[i] = _reconstruction(c, leaf, jact._engine.rounding.site_seed(seed, i, name)
                                   if c.needs_key else None)
   return _compat.rebuild_vjp(layout, leaves)(jnp.float32(1))
 
@@ -125,7 +125,7 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   # as "Conv_0.lhs" (the layer's first hook call folds 0 into its key).
   np.testing.assert_array_equal(grads["bias"], np.full(8, 4 * 8 * 8, np.float32))
   layer_key = jax.random.fold_in(_Probe().apply({}, rngs={"jact": jax.random.key(3)}), 0)
-  site = jact.engine.rounding.site_seed(jact.rng.seed_from_key(layer_key), 0, "Conv_0.lhs")
+  site = jact._engine.rounding.site_seed(jact.rng.seed_from_key(layer_key), 0, "Conv_0.lhs")
   x_hat = _reconstruction(c, x, site if c.needs_key else None)
   _, vjp = jax.vjp(lambda w: _conv(x_hat, w), variables["params"]["Conv_0"]["kernel"])
   (want,) = vjp(jnp.ones((4, 8, 8, 8), jnp.float32))

@@ -20,7 +20,7 @@ from stats import assert_same_tree, tree_rel_err
 from jact.flax import nnx as jnnx
 from jact.compressors import PerGroup
 from jact.flax.convert import ConversionWarning, convert
-from jact.report import residual_report
+from jact._report import residual_report
 
 pytestmark = pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
 

@@ -224,7 +224,7 @@ SECOND_ORDER_MODES = {
 
 # Eager cases run the forward op by op (each operation compiled on first use)
 # before the rule raises; the rule is the same for every op (`first_order_only`
-# in jact/engine/store.py) and for the transforms (jact/transforms), and every
+# in jact/_engine/store.py) and for the transforms (jact/_transforms), and every
 # name raises under jit too. So one op and the two transforms run eagerly.
 LOSSY_EAGER = ("tanh", "compressed", "checkpoint")
 
@@ -319,7 +319,7 @@ FORWARD_MODES = {
 
 # `jax.linearize` evaluates the whole forward op by op (each operation compiled on
 # first use) before its linear function raises, in the same guard for every op
-# (`reverse_only` in jact/engine/op.py); the four other modes check every name
+# (`reverse_only` in jact/_engine/op.py); the four other modes check every name
 # is guarded. So these ops, whose forwards cost seconds op by op, skip linearize.
 LINEARIZE_SKIPS = ("dense", "conv", "blpa_block", "max_pool", "rms_norm", "batch_norm",
                    "dropout", "dot_product_attention")

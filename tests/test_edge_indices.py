@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import jact
-from jact.core import rng
+from jact._core import rng
 
-D = importlib.import_module("jact.ops.dropout")  # `jact.ops.dropout` is the function
+D = importlib.import_module("jact.ops._dropout")  # `jact.ops.dropout` is the function
 X = jnp.asarray(np.random.default_rng(0).normal(size=(4, 33)), jnp.float32)
 SEED = jnp.uint32(0x2545F491)
 

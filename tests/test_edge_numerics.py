@@ -15,10 +15,10 @@ from jax import lax
 import jact
 from jact import compressors as C
 from jact import ops
-from jact.kernels.division import pallas_triton as division_kernels
-from jact.kernels.division.reference import division_compress_reference
-from jact.kernels.quantize import pallas_triton as pergroup_kernels
-from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
+from jact.kernels._division import pallas_triton as division_kernels
+from jact.kernels._division.reference import division_compress_reference
+from jact.kernels._quantize import pallas_triton as pergroup_kernels
+from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 from kernel_checks import assert_same_bits, assert_same_packed
 from stats import assert_unbiased, over_keys
 
@@ -207,9 +207,9 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
 def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   """The per-sample quantizer (one width per sample) shares the group math: finite
   too, and its Pallas kernels (interpret mode) store and reconstruct the same bits."""
-  from jact.core import persample
-  from jact.kernels.per_sample import pallas_triton as persample_kernels
-  from jact.kernels.per_sample import reference
+  from jact._core import persample
+  from jact.kernels._per_sample import pallas_triton as persample_kernels
+  from jact.kernels._per_sample import reference
   for x in (_f16_extremes(), _f32_wide()):
     widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)
     args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.ops import pooling as P
+from jact.ops import _pooling as P
 
 
 def _data(seed, shape):

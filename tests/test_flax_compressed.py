@@ -19,7 +19,7 @@ from flax import nnx
 import jact
 from experiments.data import batches, load_image_dataset
 from jact.flax import compressed_module
-from jact.transforms.compressed import ResidualConfig
+from jact._transforms.compressed import ResidualConfig
 from stats import assert_same_tree, tree_rel_err
 
 # Relative L2 error of each 8-bit gradient leaf against the plain module's

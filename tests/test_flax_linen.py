@@ -14,7 +14,7 @@ from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
 from jact.flax import linen as jnn
-from jact.report import residual_report
+from jact._report import residual_report
 from stats import DRAWS, assert_same_tree, assert_unbiased, over_keys, tree_rel_err
 
 KEY = jax.random.key(0)

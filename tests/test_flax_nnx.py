@@ -14,7 +14,7 @@ from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
 from jact.flax import nnx as jnnx
-from jact.report import residual_report
+from jact._report import residual_report
 from stats import assert_same_tree, tree_rel_err
 
 # Relative L2 error of each 8-bit gradient leaf against the plain layer's

@@ -1,4 +1,4 @@
-"""The jaxpr interpreter jact's rewrites share (jact/transforms/_interpreter.py).
+"""The jaxpr interpreter jact's rewrites share (jact/_transforms/_interpreter.py).
 
 Rules override one primitive or decline; jitted calls are entered in place
 (or bound whole); literals are read; hooks see every equation in order; with
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jact.transforms import _interpreter as interpreter
+from jact._transforms import _interpreter as interpreter
 
 
 def _closed(fn, *args):
@@ -116,7 +116,7 @@ def test_levels_keeps_an_argument_read_inside_nested_jits_by_reference(compress_
   """`compress_convolutions` enters jitted bodies in place (`calls="jit"`) and
   finds, through two levels of calls, which conv input is the block's argument."""
   from jact import _compat
-  from jact.planning.levels import compress_convolutions
+  from jact._planning.levels import compress_convolutions
   dn = ("NHWC", "HWIO", "NHWC")
   conv = lambda a, w: lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=dn)
   block = lambda x, w: jnp.sum(jax.jit(lambda a, w: jax.jit(conv)(a, w) + conv(a * 2.0, w))(x, w))

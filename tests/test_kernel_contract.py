@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.core import rng
-from jact.core.quantize import effective_group_size
-from jact.kernels.per_sample.reference import quantize_per_sample_reference
-from jact.kernels.quantize.reference import quantize_reference, quantize_rows_reference
+from jact._core import rng
+from jact._core.quantize import effective_group_size
+from jact.kernels._per_sample.reference import quantize_per_sample_reference
+from jact.kernels._quantize.reference import quantize_reference, quantize_rows_reference
 from jact.kernels import REGISTRY
 from jact.kernels import _jax_triton
 from jact.kernels import _triton as T
@@ -444,7 +444,7 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
 
 
 def _jax_triton_ptx():
-  from jact.kernels.quantize import jax_triton
+  from jact.kernels._quantize import jax_triton
   return {"quantize": jax_triton.compile_for_cuda}
 
 

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 from jact import kernels
-from jact.kernels.division.api import division_compress
-from jact.kernels.division.reference import division_compress_reference
-from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
-from jact.kernels.quantize.api import dequantize, quantize
-from jact.kernels.relu_mask.api import relu_mask
-from jact.kernels.relu_mask.reference import relu_mask_reference
+from jact.kernels._division.api import division_compress
+from jact.kernels._division.reference import division_compress_reference
+from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
+from jact.kernels._quantize.api import dequantize, quantize
+from jact.kernels._relu_mask.api import relu_mask
+from jact.kernels._relu_mask.reference import relu_mask_reference
 from kernel_checks import assert_same_bits, assert_same_packed
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jact"

@@ -16,12 +16,12 @@ import jact
 from jact import kernels
 from jact import _compat
 from jact.compressors import PerGroup
-from jact.kernels.quantize import pallas_triton as pergroup
-from jact.kernels.relu_mask import pallas_triton as relu
-from jact.kernels.relu_mask.reference import relu_mask_reference
-from jact.ops.linear import dense
-from jact.core.quantize import effective_group_size
-from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
+from jact.kernels._quantize import pallas_triton as pergroup
+from jact.kernels._relu_mask import pallas_triton as relu
+from jact.kernels._relu_mask.reference import relu_mask_reference
+from jact.ops._linear import dense
+from jact._core.quantize import effective_group_size
+from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 from kernel_checks import (assert_lowers_for_cuda, assert_same_bits, assert_same_packed,
                            poisoned_call)
 
@@ -227,7 +227,7 @@ def test_report_names_the_kernel_of_the_platform_it_runs_on(monkeypatch):
 
   on_cpu = jact.residual_report(loss, x, w)
   assert set(on_cpu.kernels().values()) == {"xla"}
-  monkeypatch.setattr(jact.report, "_lowering_platform", lambda: "cuda")
+  monkeypatch.setattr(jact._report, "_lowering_platform", lambda: "cuda")
   on_cuda = jact.residual_report(loss, x, w)
   assert on_cuda.kernels()["dense.lhs"] == "jact_quantize"
   assert on_cuda.kernels()["relu.mask"] == "jact_relu_mask"

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jact.compressors._base import from_dict
-from jact.compressors.division import Division
-from jact.core.division import pool_blocks, pool
-from jact.kernels.division import pallas_triton as division
-from jact.kernels.division.reference import division_compress_reference
+from jact.compressors._division import Division
+from jact._core.division import pool_blocks, pool
+from jact.kernels._division import pallas_triton as division
+from jact.kernels._division.reference import division_compress_reference
 from jact import _compat
 from kernel_checks import assert_same_bits, assert_same_packed
 

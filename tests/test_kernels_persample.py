@@ -1,4 +1,4 @@
-"""The Pallas per-sample mixed-precision kernels (`jact.kernels.per_sample.pallas_triton`).
+"""The Pallas per-sample mixed-precision kernels (`jact.kernels._per_sample.pallas_triton`).
 
 They run in interpret mode on CPU (slow: small inputs, few grid steps, every
 call jitted) and must be bit-exact with the XLA reference for the same seed:
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from jact import kernels
-from jact.kernels.per_sample import pallas_triton as persample
-from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
-from jact.kernels.per_sample.reference import (dequantize_per_sample_reference,
+from jact.kernels._per_sample import pallas_triton as persample
+from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
+from jact.kernels._per_sample.reference import (dequantize_per_sample_reference,
                                                quantize_per_sample_reference)
-from jact.core.persample import per_sample_capacity
-from jact.core.quantize import effective_group_size
+from jact._core.persample import per_sample_capacity
+from jact._core.quantize import effective_group_size
 from kernel_checks import assert_lowers_for_cuda, assert_same_bits, poisoned_call
 
 def assert_same_packed(p, r):

@@ -21,7 +21,7 @@ import pytest
 
 import jact
 from jact import ops
-from jact.kernels.quantize.reference import quantize_reference, dequantize_reference
+from jact.kernels._quantize.reference import quantize_reference, dequantize_reference
 
 KEY = jax.random.key(3, impl="rbg")
 N = 4

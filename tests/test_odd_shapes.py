@@ -22,7 +22,7 @@ import pytest
 
 import jact
 from jact.compressors import PerGroup
-from jact.core import rng
+from jact._core import rng
 
 DRAWS = 3000
 Z_MAX = 4.5  # two-sided; 4.5 sigma over the ~100 (shape, dtype, bits) cells here: false alarms ~1e-3

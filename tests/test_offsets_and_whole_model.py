@@ -22,9 +22,9 @@ from experiments.whole_model_error import rows_off
 from experiments.zoo_harness import flat
 from experiments.zoo_thirdparty import ViT
 from jact.compressors import PerGroup
-from jact.engine.rows import store_rows
-from jact.transforms._rows import normalization_rows
-from jact.transforms._vjp_residuals import reduced_values
+from jact._engine.rows import store_rows
+from jact._transforms._rows import normalization_rows
+from jact._transforms._vjp_residuals import reduced_values
 import stats
 
 
@@ -111,7 +111,7 @@ def test_store_rows_is_unbiased_and_relative_to_each_rows_spread():
 def test_store_rows_keeps_non_finite_values_as_its_compressor_does():
   """Non-finite values reach the compressor as they are (not mixed into a
   row's statistics), so a row's finite values stay accurate and the finite
-  pattern is the compressor's own (jact.core.quantize's non-finite rule)."""
+  pattern is the compressor's own (jact._core.quantize's non-finite rule)."""
   x = offset_inputs((4, 64)).at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf).at[3, 0].set(-jnp.inf)
   compressor = PerGroup(8, stochastic=False)
   got = jax.jit(lambda x: store_rows(x, (-1,), lambda z: compressor.compress(z, None))

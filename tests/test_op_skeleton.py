@@ -1,4 +1,4 @@
-"""The op skeleton (jact/engine/op.py) and the ops' one compressor argument.
+"""The op skeleton (jact/_engine/op.py) and the ops' one compressor argument.
 
 Every op in jact.ops is a `compressed_op`; these tests check what the
 skeleton owns (names, seeds, the forward-mode guard, statistics without
@@ -18,8 +18,8 @@ import pytest
 import jact
 from jact import ops
 from jact.compressors import PerGroup
-from jact.engine.op import Keep, Save, Store, compressed_op
-from jact.engine.rounding import op_rounding
+from jact._engine.op import Keep, Save, Store, compressed_op
+from jact._engine.rounding import op_rounding
 from stats import saved_under_names
 
 X = jnp.linspace(-2.0, 2.0, 512).reshape(2, 256)

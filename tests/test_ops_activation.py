@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jact.compressors import PerGroup
-from jact.ops import activation as A
+from jact.ops import _activation as A
 from stats import assert_unbiased, over_keys, residual_bytes, saved_under_names
 
 K = 2048  # draws for the statistical tests (a multiple of 128)

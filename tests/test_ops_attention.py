@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jact._compat import saved_residuals
 
-from jact.ops.attention import dot_product_attention as attn
+from jact.ops._attention import dot_product_attention as attn
 from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, tree_rel_err
 
 K = DRAWS  # draws per statistical test: enough to see a bias of 1% of a rounding step (stats.py)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jact.compressors import PerGroup
-from jact.ops.chunked_attention import chunked_attention as attn
-from jact.kernels.quantize.api import dequantize, quantize
+from jact.ops._chunked_attention import chunked_attention as attn
+from jact.kernels._quantize.api import dequantize, quantize
 from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, saved_under_names
 
 K = DRAWS  # draws per statistical test: enough to see a bias of 1% of a rounding step (stats.py)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jact._compat import saved_residuals
 
-from jact.ops.dropout import dropout
+from jact.ops._dropout import dropout
 from stats import DRAWS, assert_unbiased, over_keys
 
-D = importlib.import_module("jact.ops.dropout")  # the module (jact.ops.dropout is the function)
+D = importlib.import_module("jact.ops._dropout")  # the module (jact.ops.dropout is the function)
 
 X = jax.random.uniform(jax.random.key(0), (16, 256), minval=0.5, maxval=2.0)  # no zeros
 

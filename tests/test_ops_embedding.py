@@ -1,4 +1,4 @@
-"""Tests of the embedding lookup (jact/ops/embedding.py).
+"""Tests of the embedding lookup (jact/ops/_embedding.py).
 
 Lossless: forward equals `flax.linen.Embed` / `jnp.take` and the table
 gradient equals jax's own gradient bit for bit; the only residual is the ids.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.ops.embedding import embed
+from jact.ops._embedding import embed
 
 from jact._compat import saved_residuals
 

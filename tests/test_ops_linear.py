@@ -1,4 +1,4 @@
-"""Tests of the compressed matmuls and convolutions (jact/ops/linear.py).
+"""Tests of the compressed matmuls and convolutions (jact/ops/_linear.py).
 
 Properties checked, with stated tolerances:
   * forward equals the lax/jnp op bit for bit (the forward is exact);
@@ -22,7 +22,7 @@ import pytest
 from jax import lax
 
 from jact.compressors import PerGroup
-from jact.ops import linear as L
+from jact.ops import _linear as L
 from stats import DRAWS, assert_unbiased
 
 from jact._compat import saved_residuals

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.ops import norm as N
+from jact.ops import _norm as N
 from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, saved_under_names
 
 K = DRAWS  # draws per statistical test: enough to see a bias of 1% of a rounding step (stats.py)

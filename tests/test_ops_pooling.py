@@ -1,4 +1,4 @@
-"""Tests of max_pool / avg_pool (jact/ops/pooling.py).
+"""Tests of max_pool / avg_pool (jact/ops/_pooling.py).
 
 These ops are lossless, so every comparison with Flax is exact (bit for bit):
 forward values and gradients equal `flax.linen.max_pool` / `avg_pool` and
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact.ops import pooling as P
+from jact.ops import _pooling as P
 
 from jact._compat import saved_residuals
 

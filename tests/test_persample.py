@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import jact
-from jact.core.allocate import allocate_per_sample
-from jact.core.persample import PackedPerSample, per_sample_capacity
-from jact.kernels.per_sample.api import dequantize_per_sample, quantize_per_sample
-from jact.core.quantize import effective_group_size
-from jact.core.packing import pack_bits, unpack_bits
+from jact._core.allocate import allocate_per_sample
+from jact._core.persample import PackedPerSample, per_sample_capacity
+from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
+from jact._core.quantize import effective_group_size
+from jact._core.packing import pack_bits, unpack_bits
 from stats import assert_unbiased
 
 

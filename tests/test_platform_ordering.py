@@ -1,4 +1,4 @@
-"""The XLA:CPU workarounds (`jact.core.xla_cpu`) exist only in programs for the CPU.
+"""The XLA:CPU workarounds (`jact._core.xla_cpu`) exist only in programs for the CPU.
 
 Lowered for cuda from this CPU-only machine, a compressed gradient holds none
 of the ordering ties (their operations carry the name `jact_cpu_ordering` in
@@ -17,7 +17,7 @@ import pytest
 import jact
 from jact import _compat
 from jact.compressors import PerGroup
-from jact.core import rng, xla_cpu
+from jact._core import rng, xla_cpu
 
 MARK = "jact_cpu_ordering"
 

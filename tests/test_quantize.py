@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jact
-from jact.core.quantize import Packed, effective_group_size, split_step
-from jact.core.packing import PackedBits, pack_bits, pack_codes, unpack_bits, unpack_codes
-from jact.kernels.quantize.api import dequantize, quantize
+from jact._core.quantize import Packed, effective_group_size, split_step
+from jact._core.packing import PackedBits, pack_bits, pack_codes, unpack_bits, unpack_codes
+from jact.kernels._quantize.api import dequantize, quantize
 from stats import assert_unbiased
 
 BITS = (1, 2, 4, 8)
@@ -184,7 +184,7 @@ def test_round_to_equals_the_dtype_conversion(dtype):
   """`round_to` (bit arithmetic / reduce_precision, which XLA:GPU cannot drop as excess
   precision) rounds as the conversion does: every finite value of the dtype, its float32
   neighbours, the midpoints between consecutive values (ties to even) and subnormals."""
-  from jact.core.quantize import round_to
+  from jact._core.quantize import round_to
   v = np.asarray(jnp.asarray(np.arange(2**16, dtype=np.uint16).view(dtype)).astype(jnp.float32))
   v = np.sort(v[np.isfinite(v)])
   mid = ((v[:-1].astype(np.float64) + v[1:]) / 2).astype(np.float32)
@@ -203,8 +203,8 @@ def test_stochastic_codes_round_once_per_operation():
   never fused with it into one multiply-add (XLA:CPU contracts freely, the GPU kernels
   round every operation). Values are placed just under a code boundary, where the two
   differ: the test asserts that many of them do."""
-  from jact.core import rng
-  from jact.kernels.quantize.reference import quantize_reference
+  from jact._core import rng
+  from jact.kernels._quantize.reference import quantize_reference
   n, groups, g, bits = 8, 16, 256, 8
   seed = jnp.uint32(77)
   quantize8 = jax.jit(lambda x: quantize_reference(x, seed, bits=bits, group_size=g))

@@ -1,4 +1,4 @@
-"""Tests for jact.report against hand-computable residual and buffer sizes."""
+"""Tests for jact._report against hand-computable residual and buffer sizes."""
 
 import dataclasses
 import doctest
@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-import jact.report
-from jact.ops.linear import dense
-from jact.report import (CompiledMemory, Residual, ResidualReport, compiled_memory, format_bytes,
+import jact._report
+from jact.ops._linear import dense
+from jact._report import (CompiledMemory, Residual, ResidualReport, compiled_memory, format_bytes,
                          residual_report)
 
 
 def test_doctests():
-  result = doctest.testmod(jact.report, optionflags=doctest.ELLIPSIS)
+  result = doctest.testmod(jact._report, optionflags=doctest.ELLIPSIS)
   assert result.attempted >= 8 and result.failed == 0
 
 

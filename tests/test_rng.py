@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as sps
 
 import jact
-from jact.core.rng import hash_uint32, seed_from_key, split_seed, uniform_from_bits
+from jact._core.rng import hash_uint32, seed_from_key, split_seed, uniform_from_bits
 
 N = 1_000_000
 P_MIN = 1e-4  # chi-square p-value threshold (fixed seeds: a pass is reproducible)

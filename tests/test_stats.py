@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 import jact
-from jact.ops import norm
+from jact.ops import _norm as norm
 from stats import DRAWS, assert_unbiased
 
 N = 4096  # values: 16 samples x one group of 256

@@ -22,7 +22,7 @@ from flax import nnx
 from jax import export
 
 import jact
-from jact.engine.store import SymbolicShapeWarning
+from jact._engine.store import SymbolicShapeWarning
 from test_distributed import _run_on_eight_devices as run_on_eight_devices
 
 KEY = jax.random.key(7)

@@ -29,7 +29,7 @@ def test_whole_model_wrap_within_1_3x_of_per_block_wrap_on_a_cnn_stack(cnn_temp)
 
 # ----------------------------------------------------------------------------- scanned models
 # Residuals a lax.scan produces per iteration are stored inside the loop and
-# rebuilt inside the backward loop (jact/transforms/_scan.py): without that,
+# rebuilt inside the backward loop (jact/_transforms/_scan.py): without that,
 # whole-model compressed left the stacks at full precision (temp ~1.0x plain).
 
 import functools  # noqa: E402

@@ -15,11 +15,11 @@ width is shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
 """
 
 from jact.compressors._base import Compressed, Compressor, from_dict, registered
-from jact.compressors.blpa import BLPA
-from jact.compressors.division import Division
-from jact.compressors.fixed_point import Fixpoint
-from jact.compressors.pergroup import PerGroup
-from jact.compressors.zero_value import ZeroValue
+from jact.compressors._blpa import BLPA
+from jact.compressors._division import Division
+from jact.compressors._fixed_point import Fixpoint
+from jact.compressors._pergroup import PerGroup
+from jact.compressors._zero_value import ZeroValue
 
 __all__ = ["Compressor", "Compressed", "from_dict", "registered", "PerGroup", "Division", "BLPA", "Fixpoint",
            "ZeroValue"]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jact import kernels
-from jact.core.quantize import FLOAT_DTYPES
+from jact._core.quantize import FLOAT_DTYPES
 
 __all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "as_channel_rows",
            "check_implementation"]

@@ -7,7 +7,7 @@ import dataclasses
 import warnings
 
 from jact.compressors import Compressor
-from jact.engine.rounding import op_keywords
+from jact._engine.rounding import op_keywords
 from jact.flax import _hooks
 
 

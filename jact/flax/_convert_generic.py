@@ -24,7 +24,7 @@ from jax import lax
 
 from jact import _compat as _jax_compat
 from jact.flax._conversion import Settings
-from jact.transforms.compressed import ResidualConfig
+from jact._transforms.compressed import ResidualConfig
 
 
 def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> ResidualConfig:

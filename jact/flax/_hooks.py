@@ -25,11 +25,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
-from jact.engine.derivatives import inference_only
-from jact.engine.rounding import op_rounding
+from jact._engine.derivatives import inference_only
+from jact._engine.rounding import op_rounding
 from jact.flax import _compat
-from jact.ops import linear
-from jact.ops.attention import dot_product_attention
+from jact.ops import _linear as linear
+from jact.ops._attention import dot_product_attention
 
 _ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jact_flax_ops", default=None)
 

@@ -3,7 +3,7 @@
 `LinenBLPABlock` (flax.linen) and `NnxBLPABlock` (flax.nnx) compute
 relu(batch_norm(x)) followed by a channels-last convolution (a dense layer
 for a rank-2 input, kernel_size=()). In training mode they call
-`jact.ops.blpa.blpa_block` (exact forward; the backward keeps K-bit BLPA codes
+`jact.ops._blpa.blpa_block` (exact forward; the backward keeps K-bit BLPA codes
 of the pre-ReLU value and the per-channel 1/std, residuals "<name>.a2" and
 "<name>.inv") and update the running statistics as Flax's BatchNorm does
 (running = momentum * running + (1 - momentum) * batch; the batch variance
@@ -43,9 +43,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax import nnx
 
-from jact.compressors.blpa import check_blpa_bits
-from jact.ops.blpa import blpa_block, blpa_block_reference
-from jact.ops.norm import update_running_stats
+from jact.compressors._blpa import check_blpa_bits
+from jact.ops._blpa import blpa_block, blpa_block_reference
+from jact.ops._norm import update_running_stats
 
 __all__ = ["LinenBLPABlock", "NnxBLPABlock"]
 

@@ -1,7 +1,7 @@
 """`jact.compressed` for whole Flax modules (linen and nnx).
 
 `jact.compressed(fn)` stores the VJP residuals of a JAX function compressed
-(see `jact.transforms.compressed`). Applied to a Flax module it does the same for the
+(see `jact._transforms.compressed`). Applied to a Flax module it does the same for the
 module's forward pass, keeping the module's variables exactly as they are:
 
 * **linen** -- `jact.compressed(SomeModule, bits=2)` returns a module class, a
@@ -77,7 +77,7 @@ True
 >>> loss = lambda p, x: CMLP().apply(p, x, rngs={'jact': jax.random.key(1)}).sum()
 >>> plain = lambda p, x: MLP().apply(p, x).sum()
 >>> saved = lambda f: jact.residual_report(f, params, x).total_bytes
->>> saved(plain) > 30 * saved(loss)  # gelu's chain stores one derivative (jact.transforms._folding)
+>>> saved(plain) > 30 * saved(loss)  # gelu's chain stores one derivative (jact._transforms._folding)
 True
 >>> from flax import nnx
 >>> class Block(nnx.Module):
@@ -101,11 +101,11 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from jact.engine.derivatives import inference_only
-from jact.engine.op import reject_removed_keywords
-from jact.engine.rounding import op_rounding
+from jact._engine.derivatives import inference_only
+from jact._engine.op import reject_removed_keywords
+from jact._engine.rounding import op_rounding
 from jact.flax import _compat, _hooks
-from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
+from jact._transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 
 __all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function",

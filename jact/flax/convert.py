@@ -145,8 +145,8 @@ import flax.linen as nn
 from flax import nnx
 
 from jact.compressors import Compressor
-from jact.engine.op import takes_compressor
-from jact.engine.rounding import op_rounding
+from jact._engine.op import takes_compressor
+from jact._engine.rounding import op_rounding
 from jact.flax._conversion import ConversionWarning, Settings
 from jact.flax._convert_linen import convert_linen
 from jact.flax._convert_nnx import convert_nnx

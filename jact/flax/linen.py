@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.engine.op import REMOVED_KEYWORDS, reject_removed_keywords
+from jact._engine.op import REMOVED_KEYWORDS, reject_removed_keywords
 from jact.flax import _compat, _hooks
-from jact.ops import activation, embedding, linear, norm, pooling
-from jact.ops.dropout import dropout as dropout_op
+from jact.ops import _activation as activation, _embedding as embedding, _linear as linear, _norm as norm, _pooling as pooling
+from jact.ops._dropout import dropout as dropout_op
 from jact.flax._hooks import Hook
 
 __all__ = [

@@ -33,12 +33,12 @@ from flax import nnx
 from jax import lax
 
 from jact.compressors import Compressor
-from jact.engine.op import reject_removed_keywords
+from jact._engine.op import reject_removed_keywords
 from jact.flax import _hooks
 from jact.flax._convert_generic import record
 from jact.flax._hooks import Hook, use_key
-from jact.ops import activation, embedding, linear, norm, pooling
-from jact.ops.dropout import dropout as dropout_op
+from jact.ops import _activation as activation, _embedding as embedding, _linear as linear, _norm as norm, _pooling as pooling
+from jact.ops._dropout import dropout as dropout_op
 
 __all__ = [
     "Linear", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",

@@ -19,10 +19,10 @@ tokamax's `ops/normalization/`), each with one module per implementation and
 an `api` module holding the op's validated entry point:
 
 * `quantize/`: ops "quantize" / "dequantize", per-group quantization;
-  entry points `jact.kernels.quantize.api.quantize` / `dequantize`
+  entry points `jact.kernels._quantize.api.quantize` / `dequantize`
   (`jact.quantize`, `jact.dequantize`);
 * `per_sample/`: ops "quantize_per_sample" / "dequantize_per_sample", one
-  width per sample in one static buffer (`jact.core.persample`);
+  width per sample in one static buffer (`jact._core.persample`);
 * `relu_mask/`: op "relu_mask", ReLU / leaky ReLU output and its packed 1-bit
   mask (`jact.ops.relu`);
 * `division/`: op "division_compress", DIVISION's pooled LFC and quantized
@@ -33,7 +33,7 @@ In each: `reference.py` (the "xla" implementation, every kernel's oracle),
 exists ("jax_triton", quantize only) and `api.py` (the entry point: it
 validates its arguments, then runs the implementation this table picks for
 it; callers call that function, never the table by op name). The numerics
-the implementations share stay in `jact.core` (`Packed`, `group_codes`,
+the implementations share stay in `jact._core` (`Packed`, `group_codes`,
 `decode_groups`, pooling). Shared Triton pieces: `_triton.py` (Pallas) and
 `_jax_triton.py` (the jax-triton launcher); `registry.py` is the generic
 table (it imports nothing from jact); `api.py` re-exports the entry points.
@@ -57,12 +57,12 @@ from __future__ import annotations
 
 import importlib.util
 
-from jact.kernels.division.reference import division_compress_reference
-from jact.kernels.per_sample.reference import (dequantize_per_sample_reference,
+from jact.kernels._division.reference import division_compress_reference
+from jact.kernels._per_sample.reference import (dequantize_per_sample_reference,
                                                quantize_per_sample_reference)
-from jact.kernels.quantize.reference import dequantize_reference, quantize_reference
-from jact.kernels.registry import Implementation, Registry
-from jact.kernels.relu_mask.reference import relu_mask_reference
+from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
+from jact.kernels._registry import Implementation, Registry
+from jact.kernels._relu_mask.reference import relu_mask_reference
 
 __all__ = ["Implementation", "Registry", "REGISTRY", "available", "select", "dispatch", "use"]
 
@@ -82,10 +82,10 @@ def _pallas_triton() -> list[Implementation]:
     from jax.experimental.pallas import triton as _  # noqa: F401
   except ImportError:  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
     return []
-  from jact.kernels.division import pallas_triton as division
-  from jact.kernels.per_sample import pallas_triton as per_sample
-  from jact.kernels.quantize import pallas_triton as quantize
-  from jact.kernels.relu_mask import pallas_triton as relu_mask
+  from jact.kernels._division import pallas_triton as division
+  from jact.kernels._per_sample import pallas_triton as per_sample
+  from jact.kernels._quantize import pallas_triton as quantize
+  from jact.kernels._relu_mask import pallas_triton as relu_mask
 
   # inline PTX (`_triton.mul`, ...) makes them NVIDIA-only
   gpu = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1, lowering_platforms=("cuda",))
@@ -99,8 +99,8 @@ def _pallas_triton() -> list[Implementation]:
 
 
 def _quantize_jax_triton(*args, **kwargs):
-  """`jact.kernels.quantize.jax_triton.quantize`, imported (with `triton`) when first called."""
-  from jact.kernels.quantize import jax_triton
+  """`jact.kernels._quantize.jax_triton.quantize`, imported (with `triton`) when first called."""
+  from jact.kernels._quantize import jax_triton
   return jax_triton.quantize(*args, **kwargs)
 
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jact.core import rng
-from jact.core.quantize import bf16_round_directed
+from jact._core import rng
+from jact._core.quantize import bf16_round_directed
 
 __all__ = ["mul", "add", "div", "bf16_down", "bf16_up", "noise", "load", "store", "next_pow2",
            "call", "compiler_params", "on_gpu", "check_int32"]

@@ -15,16 +15,16 @@ derivative through a compressed residual (exact ones, bits=None, allow it).
 (4, 3)
 """
 
-from jact.engine.rounding import Rounding
-from jact.ops.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
-from jact.ops.attention import dot_product_attention
-from jact.ops.blpa import blpa_block
-from jact.ops.chunked_attention import chunked_attention
-from jact.ops.dropout import dropout
-from jact.ops.embedding import embed
-from jact.ops.linear import conv, conv_general_dilated, conv_transpose, dense, dot_general, einsum
-from jact.ops.norm import batch_norm, layer_norm, rms_norm, update_running_stats
-from jact.ops.pooling import avg_pool, max_pool
+from jact._engine.rounding import Rounding
+from jact.ops._activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
+from jact.ops._attention import dot_product_attention
+from jact.ops._blpa import blpa_block
+from jact.ops._chunked_attention import chunked_attention
+from jact.ops._dropout import dropout
+from jact.ops._embedding import embed
+from jact.ops._linear import conv, conv_general_dilated, conv_transpose, dense, dot_general, einsum
+from jact.ops._norm import batch_norm, layer_norm, rms_norm, update_running_stats
+from jact.ops._pooling import avg_pool, max_pool
 
 __all__ = [
     "Rounding",

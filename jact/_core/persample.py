@@ -1,0 +1,102 @@
+"""Per-sample mixed precision (ActNN L3): one width per sample, one static buffer.
+
+Sample n of x (axis 0) is quantized per group exactly like `jact.quantize`
+(same groups, bf16 statistics, non-finite flags and kinds, hash noise) but with
+its own width b_n in (1, 2, 4, 8), decided at run time (e.g. by
+`jact.allocate.allocate_per_sample` inside the same jit). Its codes are
+packed at b_n bits per value -- planar within the sample: with k = 8 // b_n
+codes per byte and Q = Dp // k bytes, byte j holds the sample's values j,
+j+Q, j+2Q, ... (Dp = values per sample padded to whole groups) -- and the
+samples lie back to back in ONE uint8 buffer of static length
+`capacity_bytes`, sample n at byte sum_{m<n} b_m Dp / 8. Shapes never depend
+on the widths, so the buffer is an ordinary jit value and residual.
+
+Widths that do not fit the capacity are the caller's bug, but cannot be
+reported from inside jit: every sample then falls back to 1 bit (which
+always fits, checked at trace time), so memory is never overrun and no NaN
+appears. Values outside (1, 2, 4, 8) are rounded down to one (at least 1).
+
+This module holds the layout (`PackedPerSample`, `per_sample_capacity`); the
+XLA reference is `jact.kernels._per_sample.reference`, the entry points that
+pick a kernel `jact.kernels._per_sample.api`.
+
+>>> import jax, jax.numpy as jnp
+>>> from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
+>>> x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
+>>> cap = per_sample_capacity(x.shape, avg_bits=3.0)  # 12 bits per value in all
+>>> @jax.jit
+... def roundtrip(x, bits, key):
+...   p = quantize_per_sample(x, bits, capacity_bytes=cap, key=key)
+...   return p, dequantize_per_sample(p)
+>>> p, y = roundtrip(x, jnp.array([1, 2, 4, 4]), jax.random.key(0))
+>>> p.data.shape, p.nbytes, p.bits.tolist()
+((96,), 116, [1, 2, 4, 4])
+>>> bool(jnp.all(jnp.abs(y - x) <= p.scale.astype(jnp.float32)))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from jact._core.quantize import check_group_size, effective_group_size
+
+__all__ = ["PackedPerSample", "per_sample_capacity"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedPerSample:
+  """A tensor quantized with one width per sample, packed into one buffer.
+
+  Attributes:
+    data: uint8[capacity] packed codes, samples back to back.
+    bits: uint8[N] width used for each sample (after any fallback).
+    minimum: bfloat16[N, groups] group minimum (rounded down).
+    scale: bfloat16[N, groups] quantization step (rounded up).
+    shape, dtype, group_size: static description of the original tensor.
+  """
+  data: jax.Array
+  bits: jax.Array
+  minimum: jax.Array
+  scale: jax.Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+  group_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes stored (buffer + widths + bf16 group statistics); static."""
+    return int(self.data.size + self.bits.size + 2 * self.minimum.size + 2 * self.scale.size)
+
+
+def _layout(shape: tuple[int, ...], group_size: int) -> tuple[int, int, int]:
+  """(N, effective group size, padded values per sample Dp) for a tensor shape."""
+  if len(shape) < 1:
+    raise ValueError("per-sample quantization needs a leading sample axis; got a scalar.")
+  d = math.prod(shape[1:])
+  g = effective_group_size(d, check_group_size(group_size))
+  return shape[0], g, -(-d // g) * g
+
+
+def per_sample_capacity(shape: tuple[int, ...], avg_bits: float, group_size: int = 256) -> int:
+  """Static buffer bytes for `shape` at `avg_bits` bits per value on average.
+
+  ceil(floor(avg_bits * N) * Dp / 8), with Dp the per-sample size padded to
+  whole groups (as in `jact.quantize`); averages above 8 count as 8. Widths
+  from `allocate_per_sample(w, avg_bits)` always fit it.
+
+  >>> per_sample_capacity((16, 28, 28), 2.5), per_sample_capacity((16, 28, 28), 9.0)
+  (3920, 12544)
+  """
+  n, _, dp = _layout(tuple(shape), group_size)
+  if (isinstance(avg_bits, bool) or not isinstance(avg_bits, (int, float, np.integer, np.floating))
+      or not math.isfinite(avg_bits) or avg_bits < 1):
+    raise ValueError(f"avg_bits must be a finite number >= 1 (every value needs at least 1 bit), "
+                     f"got {avg_bits!r}.")
+  return -(-min(math.floor(avg_bits * n), 8 * n) * dp // 8)

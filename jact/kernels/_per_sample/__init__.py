@@ -1,0 +1,10 @@
+"""Per-sample mixed precision (ops "quantize_per_sample" and "dequantize_per_sample"):
+
+* `reference`: the XLA reference, every kernel's oracle;
+* `pallas_triton`: the Pallas (Triton backend) kernels;
+* `api`: the validated entry points `quantize_per_sample` /
+  `dequantize_per_sample`.
+
+The layout (`PackedPerSample`, `per_sample_capacity`) is `jact._core.persample`.
+This package imports nothing itself (see `jact.kernels._quantize`).
+"""

@@ -1,0 +1,229 @@
+"""Per-group quantize-and-pack written in Triton's language, launched with jax-triton.
+
+The same contract, bits and layout as the Pallas kernel `pallas_triton.quantize`
+(registered beside it as the "jax_triton" implementation of "quantize"): one
+program handles `ROWS` groups; group r covers flat elements [sample * D + g * G,
+... + G) of the (N, D) input; its k = 8 // bits planes of Q = G / k values are
+one [ROWS, k, Q_PAD] tile, read once. Per group: the finite-only minimum and
+maximum, the minimum rounded down and the step rounded up to bfloat16 (by their
+bits), the grid scaled by 1/4 for ranges >= 2**100, then each value clipped,
+scaled, stochastically rounded with `jact._core.rng`'s hash of (seed, flat
+index) and packed (plane p at bits p * bits of each byte). Every float
+operation is one IEEE operation rounded to nearest: the kernel is compiled
+without contraction and divides with `tl.div_rn`. (One function, no `@triton.jit`
+helpers: Triton's interpreter, the CPU path, cannot call those.) Groups holding
+non-finite values are flagged and coded as in the reference (`jact._core.quantize`,
+"Non-finite values").
+
+>>> import jax, jax.numpy as jnp
+>>> from jact.kernels._quantize.reference import quantize_reference
+>>> x = jax.random.normal(jax.random.key(0), (4, 300))
+>>> p = quantize(x, jnp.uint32(5), bits=2, group_size=152, interpret=True)
+>>> r = quantize_reference(x, jnp.uint32(5), bits=2, group_size=152)
+>>> bool((p.data == r.data).all() & (p.scale == r.scale).all() & (p.minimum == r.minimum).all())
+True
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+import triton.language as tl
+
+from jact._core.quantize import Packed
+from jact.kernels import _jax_triton
+from jact.kernels._quantize import pallas_triton as pergroup
+from jact.kernels._triton import check_int32
+
+__all__ = ["quantize", "quantize_kernel", "kernel_constants", "compile_for_cuda"]
+
+_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.constexpr,
+                    GROUPS: tl.constexpr, D: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                    BITS: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
+                    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, INV_LEVELS: tl.constexpr,
+                    INV_FLAGGED: tl.constexpr, BF16_MAX: tl.constexpr, LATTICE: tl.constexpr,
+                    DTYPE_MAX: tl.constexpr):
+  K: tl.constexpr = 8 // BITS
+  Q: tl.constexpr = GROUP_SIZE // K
+  LEVELS: tl.constexpr = (1 << BITS) - 1
+  row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+  row = row1[:, None, None]
+  p = tl.arange(0, K)[None, :, None]
+  j = tl.arange(0, Q_PAD)[None, None, :]
+  within = p * Q + j  # position in the group
+  col = (row % GROUPS) * GROUP_SIZE + within
+  mask = (row < N_ROWS) & (j < Q) & (col < D)
+  if D % GROUP_SIZE == 0:  # groups tile the samples
+    offset = row * GROUP_SIZE + within
+  else:
+    offset = (row // GROUPS) * D + col
+  if IN_BF16:  # bits as uint16
+    raw = tl.load(x_ptr + offset, mask=mask, other=0).to(tl.uint32)
+    v = (raw << 16).to(tl.float32, bitcast=True)
+  else:
+    v = tl.load(x_ptr + offset, mask=mask, other=0.0).to(tl.float32)
+  v = tl.where(mask, v, float("nan"))
+
+  # group statistics (`jact._core.quantize.group_codes`)
+  finite = (v == v) & (tl.abs(v) != float("inf"))
+  lo = tl.min(tl.min(tl.where(finite, v, float("inf")), axis=2), axis=1)  # [ROWS]
+  hi = tl.max(tl.max(tl.where(finite, v, -float("inf")), axis=2), axis=1)
+  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
+  has_nan = tl.max(tl.max(((v != v) & mask).to(tl.int32), axis=2), axis=1) > 0
+  has_pos = tl.max(tl.max((v == float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  has_neg = tl.max(tl.max((v == -float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  kind = tl.where(has_neg, 3, 0)
+  kind = tl.where(has_pos, 2, kind)
+  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
+  flagged = kind != 0
+  finite_levels = tl.where(flagged, LEVELS - 1.0, LEVELS * 1.0)  # the top code means non-finite
+  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
+  any_finite = lo <= hi
+  lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
+  hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
+  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
+  u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
+  down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
+  minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
+  minimum = tl.maximum(minimum, -BF16_MAX)
+  wide = (hi - minimum) >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4
+  s = tl.where(wide, 0.25, 1.0)
+  inv_s = tl.where(wide, 4.0, 1.0)
+  span = hi * s - minimum * s
+  inv_levels = tl.where(single, 0.0, tl.where(flagged, INV_FLAGGED, INV_LEVELS))
+  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
+  up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
+  step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
+  step = tl.minimum(step, BF16_MAX)
+  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
+  u = step.to(tl.uint32, bitcast=True)
+  rounded = (u + 0x30000) & 0xFFFCFFFF
+  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
+  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
+  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
+  positive = step > 0.0
+  inv_step = tl.where(positive, tl.div_rn(tl.full(step.shape, 1.0, tl.float32),
+                                          tl.where(positive, step * s, 1.0)), 0.0)
+
+  # codes, stochastically rounded, packed plane by plane into bytes
+  mn, hi3 = minimum[:, None, None], hi[:, None, None]
+  s3, inv_step3 = s[:, None, None], inv_step[:, None, None]
+  clipped = tl.where(v != v, mn, tl.minimum(tl.maximum(v, mn), hi3))
+  scaled = (clipped * s3 - mn * s3) * inv_step3
+  if STOCHASTIC:  # jact._core.rng.hash_uint32(seed, flat index), then uniform_from_bits
+    seed = tl.load(seed_ptr)
+    index = row.to(tl.uint32) * GROUP_SIZE + within.to(tl.uint32)
+    h = seed
+    for round in tl.static_range(3):  # lowbias32(lowbias32(index * G + lowbias32(seed)) ^ seed)
+      if round == 1:
+        h = index * 0x9E3779B9 + h
+      if round == 2:
+        h = h ^ seed
+      h = h ^ (h >> 16)
+      h = h * 0x7FEB352D
+      h = h ^ (h >> 15)
+      h = h * 0x846CA68B
+      h = h ^ (h >> 16)
+    noise = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+  else:
+    noise = 0.5
+  top = finite_levels[:, None, None]
+  if LATTICE == 0:  # float32: the grid itself
+    code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), top)
+  else:  # between the decoded neighbours, rounded to the dtype (`lattice_codes`)
+    k_low = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), tl.maximum(top - 1.0, 0.0))
+    wide_d = step >= 1.2676506002282294e30  # the decoder's grid scale (of the step)
+    sd = tl.where(wide_d, 0.25, 1.0)
+    inv_sd = tl.where(wide_d, 4.0, 1.0)[:, None, None]
+    st, mn_s = (step * sd)[:, None, None], (minimum * sd)[:, None, None]
+    a = tl.minimum(tl.maximum((k_low * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    b = tl.minimum(tl.maximum(((k_low + 1.0) * st + mn_s) * inv_sd, -DTYPE_MAX), DTYPE_MAX)
+    if LATTICE == 1:  # round to nearest even bfloat16, by the bits
+      ua = a.to(tl.uint32, bitcast=True)
+      a = ((ua + 0x7FFF + ((ua >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+      ub = b.to(tl.uint32, bitcast=True)
+      b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+      a = a.to(tl.float16).to(tl.float32)
+      b = b.to(tl.float16).to(tl.float32)
+    gap = b - a
+    positive = gap > 0.0
+    prob = tl.where(positive, tl.div_rn(clipped - a, tl.where(positive, gap, 1.0)), 0.0)
+    code = tl.minimum(k_low + tl.where(noise < prob, 1.0, 0.0), top)
+  code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
+  packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
+  row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
+  tl.store(data_ptr + row2 * Q + j2, packed.to(tl.uint8), mask=(row2 < N_ROWS) & (j2 < Q))
+  # the statistics hold bf16 values: their bf16 bits are the float32's high half
+  tl.store(min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16),
+           mask=row1 < N_ROWS)
+  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16),
+           mask=row1 < N_ROWS)
+
+
+def kernel_constants(shape, dtype, *, bits: int, group_size: int, stochastic: bool,
+                     rows: int | None = None) -> tuple[int, dict]:
+  """(grid, the kernel's constexpr arguments) for an input of `shape` and `dtype`."""
+  n = shape[0] if len(shape) else 1
+  d = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+  groups, n_rows, _, q_pad, r = pergroup.packing_geometry(n, d, group_size, bits, rows)
+  levels = np.float32((1 << bits) - 1)
+  constants = dict(N_ROWS=n_rows, GROUPS=groups, D=d, GROUP_SIZE=group_size, BITS=bits, ROWS=r,
+                   Q_PAD=q_pad, STOCHASTIC=bool(stochastic),
+                   IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
+                   INV_LEVELS=float(np.float32(1.0) / levels),
+                   INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
+                   BF16_MAX=_BF16_MAX,
+                   LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(
+                       jnp.dtype(dtype), 0),
+                   DTYPE_MAX=float(jnp.finfo(dtype).max))
+  return -(-n_rows // r), constants
+
+
+def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
+             stochastic: bool = True, interpret: bool | None = None, rows: int | None = None,
+             initial=None) -> Packed:
+  """Per-group quantization of x (N, ...) in one Triton pass; the contract of
+  `reference.quantize_reference` (and `pallas_triton.quantize`).
+  `interpret` defaults to True off GPU (Triton's interpreter, slow); `rows`
+  sets the groups per program; `initial` pre-fills the outputs (tests)."""
+  if interpret is None:
+    interpret = not _jax_triton.on_gpu()
+  n = x.shape[0] if x.ndim else 1
+  d = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+  check_int32(n * d, "the input")
+  groups, n_rows, q, _, _ = pergroup.packing_geometry(n, d, group_size, bits, rows)
+  grid, constants = kernel_constants(x.shape, x.dtype, bits=bits, group_size=group_size,
+                                     stochastic=stochastic, rows=rows)
+  flat = x.reshape(-1)
+  if flat.dtype == jnp.bfloat16:
+    flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+  seed = jnp.asarray(seed if stochastic else 0, jnp.uint32).reshape(1)
+  out_shape = (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
+               jax.ShapeDtypeStruct((n_rows,), jnp.uint16),
+               jax.ShapeDtypeStruct((n_rows,), jnp.uint16))
+  data, minimum, scale = _jax_triton.call(
+      quantize_kernel, flat, seed, grid=grid, out_shape=out_shape,
+      name="jact_quantize_jax_triton", interpret=interpret, initial=initial, **constants)
+  as_bf16 = lambda bits16: jax.lax.bitcast_convert_type(bits16, jnp.bfloat16).reshape(n, groups)
+  return Packed(data.reshape(n, groups, q), as_bf16(minimum), as_bf16(scale), tuple(x.shape),
+                jnp.dtype(x.dtype), bits, group_size)
+
+
+def compile_for_cuda(x: jax.ShapeDtypeStruct, seed, *, bits: int, group_size: int,
+                     stochastic: bool = True, rows: int | None = None, arch: int = 90) -> str:
+  """The PTX `quantize` runs for an input like `x` on an sm_`arch` GPU, compiled
+  here by the `triton` package (any host; `seed` is unused, as in the kernel's
+  signature it is one uint32)."""
+  del seed
+  _, constants = kernel_constants(x.shape, x.dtype, bits=bits, group_size=group_size,
+                                  stochastic=stochastic, rows=rows)
+  x_type = jnp.uint16 if jnp.dtype(x.dtype) == jnp.bfloat16 else x.dtype
+  return _jax_triton.compile_ptx(quantize_kernel, [x_type, jnp.uint32, jnp.uint8, jnp.uint16,
+                                                   jnp.uint16], arch=arch, **constants)
