@@ -40,8 +40,8 @@ from jact.ops._linear import conv_general_dilated
 from jact._planning.controller import Controller
 from jact._transforms import _interpreter as interpreter
 from jact._transforms.checkpoint import checkpoint, offload_compressed
-from jact._transforms.compressed import (DEFAULT_MIN_SIZE, check_argnums, compressed, input_flags,
-                                        over_array_leaves)
+from jact._transforms._arguments import check_argnums, input_flags
+from jact._transforms.compressed import DEFAULT_MIN_SIZE, compressed, over_array_leaves
 
 __all__ = ["Level", "LEVELS", "get", "compress_convolutions"]
 

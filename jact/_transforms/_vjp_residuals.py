@@ -33,6 +33,7 @@ from jact._transforms._rows import normalization_rows
 
 
 DEFAULT_MIN_SIZE = 1024
+"""Floating residuals with fewer values than this are kept as they are."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,11 +41,11 @@ from jact._core import rng
 from jact._engine.names import JACT_NAME_PREFIX, is_jact_name
 from jact._engine.op import takes_compressor
 from jact._engine.rounding import op_rounding
+from jact._transforms._arguments import (check_argnums, check_policy, input_flags,
+                                         reserved_key_check, returning_arrays)
 from jact._transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
-                                        CompressedModule, check_argnums, check_policy, compressed,
-                                        input_flags, is_callable_pytree, module_argnums,
-                                        module_call, over_array_leaves, reserved_key_check,
-                                        returning_arrays)
+                                        CompressedModule, compressed, is_callable_pytree,
+                                        module_argnums, module_call, over_array_leaves)
 
 __all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
            "CompressedNamesPolicy"]

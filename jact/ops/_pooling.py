@@ -112,20 +112,6 @@ def _box(shape, offset, strides, pads, out_shape):
   return x_start, x_limit, out_start, out_limit
 
 
-def _window_slices(x, offsets, strides, pads, out_shape):
-  """The K strided window slices of x, zero where a window reads padding (linear in x)."""
-  pieces = []
-  for offset in offsets:
-    x_start, x_limit, i0, i1 = _box(x.shape, offset, strides, pads, out_shape)
-    if any(a == b for a, b in zip(i0, i1)):  # this offset only ever reads padding
-      pieces.append(jnp.zeros(out_shape, x.dtype))
-      continue
-    piece = lax.slice(x, x_start, x_limit, strides)
-    pieces.append(lax.pad(piece, jnp.zeros((), x.dtype),
-                          [(a, m - b, 0) for a, b, m in zip(i0, i1, out_shape)]))
-  return pieces
-
-
 def _argmax_codes(x, y, offsets, strides, pads, out_shape):
   """uint8 index of the window position plain JAX's max-pool gradient picks.
 
