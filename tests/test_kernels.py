@@ -170,7 +170,7 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   """On a GPU machine ops stage the kernel for cuda and the reference for every
   other platform: running on the CPU gives the reference's bits, not a failed
   Triton lowering; lowering for cuda gives the Triton call."""
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(1), (8, 512))
   w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
 
@@ -183,19 +183,19 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   jaxpr = str(jax.make_jaxpr(grad)(x, w))
   assert "platform_index" in jaxpr and "pallas_call" in jaxpr
   staged = jax.jit(grad)(x, w)  # the CPU runs the reference branch
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "cpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "cpu")
   reference_grad = make_grad()
   assert "platform_index" not in str(jax.make_jaxpr(reference_grad)(x, w))
   for a, b in zip(staged, jax.jit(reference_grad)(x, w)):
     assert_same_bits(a, b)
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   assert "__gpu$xla.gpu.triton" not in _cuda_text(grad, x, w, platforms=("cpu",))
   assert _cuda_text(grad, x, w).count("__gpu$xla.gpu.triton") >= 3  # quantize, relu, dequantize
 
 
 @pytest.mark.slow
 def test_staged_arguments_keep_static_values_static(monkeypatch):
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(5), (4, 300)).astype(jnp.bfloat16)
   quantize = kernels.dispatch("quantize", size=x.size)
   assert quantize is not kernels.available("quantize")["pallas_triton"].fn
@@ -218,7 +218,7 @@ def test_staged_arguments_keep_static_values_static(monkeypatch):
 
 
 def test_report_names_the_kernel_of_the_platform_it_runs_on(monkeypatch):
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   x = jax.random.normal(jax.random.key(1), (8, 512))
   w = jax.random.normal(jax.random.key(2), (512, 16)) / 20
 
@@ -306,7 +306,7 @@ def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch)
     return jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile()
 
   plain = compiled()
-  monkeypatch.setattr(kernels.registry, "_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   staged = compiled()
   assert " conditional(" not in staged.as_text() and " case(" not in staged.as_text()
   assert (staged.memory_analysis().temp_size_in_bytes
