@@ -1,4 +1,4 @@
-"""`jact.compressed` on whole Flax modules (jact.flax.compressed_module): linen
+"""`jact.compressed` on whole Flax modules (jact._flax.compressed): linen
 classes and instances, nnx classes and instances. Same variables as the plain
 module, same forward and batch statistics, close 8-bit gradients, small 2-bit
 residuals, clear errors, nnx transforms, and real-data training."""
@@ -18,7 +18,7 @@ from flax import nnx
 
 import jact
 from experiments.data import batches, load_image_dataset
-from jact.flax import compressed_module
+from jact._flax import compressed as compressed_module
 from jact._transforms.compressed import ResidualConfig
 from stats import assert_same_tree, tree_rel_err
 

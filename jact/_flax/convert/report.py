@@ -41,9 +41,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jact.flax._conversion import ConversionWarning
-from jact.flax._convert_nnx import plain_layers
-from jact.flax._convert_generic import Row, recording, saved_bytes
+from jact._flax.convert.settings import ConversionWarning
+from jact._flax.convert.nnx import plain_layers
+from jact._flax.convert.generic import saved_bytes
+from jact._flax.record import Row, recording
 
 __all__ = ["conversion_report", "ConversionReport"]
 

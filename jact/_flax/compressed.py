@@ -104,7 +104,8 @@ from flax import nnx
 from jact._engine.derivatives import inference_only
 from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
-from jact.flax import _compat, _hooks
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
 from jact._transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 
@@ -403,7 +404,7 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
 def _config_of(bits=4, compressor=None, **settings) -> ResidualConfig:
   """The `ResidualConfig` of `CompressedModule`'s settings, spelled as for
   `jact.compressed` (`group_size=` / `stochastic=` raise its TypeError)."""
-  api = "jact.flax.CompressedModule"
+  api = "jact.compressed"
   reject_removed_keywords(api, dict(settings, bits=bits))
   rounding = op_rounding(api, bits, compressor)
   return ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, **settings)

@@ -8,7 +8,7 @@ import warnings
 
 from jact.compressors import Compressor
 from jact._engine.rounding import op_keywords
-from jact.flax import _hooks
+from jact._flax import hooks as _hooks
 
 
 class ConversionWarning(UserWarning):
