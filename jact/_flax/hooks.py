@@ -1,12 +1,12 @@
-"""Plumbing shared by the linen and nnx twins (private).
+"""Plumbing shared by the linen and nnx twins.
 
 Flax layers call their matmul, convolution and attention through hooks
 (`dot_general`, `conv_general_dilated`, `attention_fn`) fixed when the layer is
 built, but a compressed op also needs a fresh PRNG key on every call. A twin
 therefore installs a `Hook` -- a static, hashable stand-in -- and, around each
 call of Flax's own forward, `provide`s the concrete op (key and residual name
-bound) that the hook forwards to. The provided ops live in a context variable,
-so nothing traced ever ends up in a module attribute.
+bound) that the hook forwards to. The provided ops live in `context.OPS`, so
+nothing traced ever ends up in a module attribute.
 """
 
 from __future__ import annotations

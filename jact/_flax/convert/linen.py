@@ -1,4 +1,4 @@
-"""`convert` for flax.linen models: method interception (private; see `jact.flax.convert`)."""
+"""`convert` for flax.linen models: method interception (see `jact._flax.convert`)."""
 
 from __future__ import annotations
 

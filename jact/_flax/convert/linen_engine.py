@@ -1,7 +1,6 @@
-"""linen `convert`: the calls that run through the generic engine (private; see
-`jact.flax.convert`).
+"""linen `convert`: the calls that run through the generic engine.
 
-Called from the interceptor of `_convert_linen`: a layer with no twin
+Called from the interceptor of `convert.linen`: a layer with no twin
 (`GENERIC`), a twin layer inside a scan that hides the 'jact' stream, and the
 converted model's outermost method. Each runs as a lifted transform (the
 module's variables and RNG streams passed in, its mutable collections passed

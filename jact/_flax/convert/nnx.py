@@ -1,4 +1,4 @@
-"""`convert` for flax.nnx models: module surgery (private; see `jact.flax.convert`)."""
+"""`convert` for flax.nnx models: module surgery (see `jact._flax.convert`)."""
 
 from __future__ import annotations
 

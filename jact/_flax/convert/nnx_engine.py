@@ -1,5 +1,5 @@
 """nnx `convert`: layers with no twin, the model's outermost call, and stacked
-streams (private; see `jact.flax.convert`).
+streams.
 
 * A layer with no twin (`GENERIC`) becomes an instance of a cached subclass of
   its class holding the very same Variables, whose `__call__` runs the

@@ -1,5 +1,4 @@
-"""Settings and warnings shared by `convert`'s linen and nnx paths (private; see
-`jact.flax.convert`)."""
+"""Settings and warnings shared by `convert`'s linen and nnx paths."""
 
 from __future__ import annotations
 
