@@ -13,8 +13,8 @@ backward pass needs instead of the full-precision activation.
 """
 
 # The public API: one `from module import name as name` per name (the
-# redundant alias marks an explicit re-export for type checkers; `nn` is
-# jact.flax.linen under its public name), and `__all__` lists the same names.
+# redundant alias marks an explicit re-export for type checkers), and
+# `__all__` lists the same names.
 from jact import acgc as acgc
 from jact import allocate as allocate
 from jact import levels as levels
@@ -26,10 +26,10 @@ from jact import ops as ops
 from jact._planning.controller import CompressionVarianceWarning as CompressionVarianceWarning
 from jact._planning.controller import Controller as Controller
 from jact._planning.controller import ControllerState as ControllerState
-from jact.flax import linen as nn
-from jact.flax import nnx as nnx
-from jact.flax.convert import convert as convert
-from jact.flax.conversion_report import conversion_report as conversion_report
+from jact import nn as nn
+from jact import nnx as nnx
+from jact._flax.convert import convert as convert
+from jact._flax.convert import conversion_report as conversion_report
 from jact._planning.plan import BitPlan as BitPlan
 from jact._planning.plan import UnknownResidualWarning as UnknownResidualWarning
 from jact._planning.plan import planned as planned

@@ -10,7 +10,8 @@ from flax import nnx
 import jact
 from jact.compressors import from_dict
 from jact.compressors._blpa import BLPA, blpa_dequantize, blpa_quantize
-from jact.flax.blpa import LinenBLPABlock, NnxBLPABlock
+from jact.nn import BLPABlock as LinenBLPABlock
+from jact.nnx import BLPABlock as NnxBLPABlock
 from jact.ops._blpa import blpa_block, blpa_block_reference, block_conv
 
 SHAPE = (4, 8, 8, 16)

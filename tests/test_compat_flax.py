@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jact.flax import _compat, _hooks
-from jact.flax import linen as jnn
-from jact.flax import nnx as jnnx
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
+from jact import nn as jnn
+from jact import nnx as jnnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPAT = ROOT / "jact" / "flax" / "_compat.py"

@@ -1,4 +1,4 @@
-"""Tests of jact.flax.convert: an unmodified Flax model, converted, keeps its
+"""Tests of jact.convert: an unmodified Flax model, converted, keeps its
 variables and its forward, gets close 8-bit gradients and small residuals."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from flax import nnx
 import jact
 from experiments.data import batches, load_image_dataset
 from stats import assert_same_tree, tree_rel_err
-from jact.flax import nnx as jnnx
+from jact import nnx as jnnx
 from jact.compressors import PerGroup
-from jact.flax.convert import ConversionWarning, convert
+from jact._flax.convert import ConversionWarning, convert
 from jact._report import residual_report
 
 pytestmark = pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import jact
-from jact.flax.convert import ConversionWarning
+from jact._flax.convert import ConversionWarning
 
 KEY = jax.random.key(1)
 # Everything runs compiled (eagerly, each op of a jact model compiles on its own),
@@ -245,7 +245,7 @@ def test_nnx_stacked_layers_get_stacked_streams():
   model = jact.convert(Stack(nnx.Rngs(0)), bits=2, rngs=nnx.Rngs(jact=1))
   assert model.blocks.fc.jact_rngs.key[...].shape == (3,)
   assert model.head.jact_rngs.key[...].shape == ()
-  assert type(model.blocks.fc).__module__ == "jact.flax.nnx"
+  assert type(model.blocks.fc) is jact.nnx.Linear
   # the engine layers: the cell (its own Linear layers left to it) and LinearGeneral
   tagger = jact.convert(Tagger(nnx.Rngs(0)), bits=2, rngs=nnx.Rngs(jact=1))
   assert type(tagger.rnn.cell).__mro__[1] is nnx.OptimizedLSTMCell

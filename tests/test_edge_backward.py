@@ -26,8 +26,8 @@ from flax import nnx
 
 import jact
 from jact import ops
-from jact.flax import linen as jnn
-from jact.flax import nnx as jnnx
+from jact import nn as jnn
+from jact import nnx as jnnx
 
 N = 4  # samples
 KEY = jax.random.key(7)

@@ -16,8 +16,8 @@ from flax import nnx
 from jax import lax
 
 import jact
-from jact.flax import nnx as jnnx
-from jact.flax.convert import convert
+from jact import nnx as jnnx
+from jact._flax.convert import convert
 
 GROUP = 256
 

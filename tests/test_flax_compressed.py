@@ -1,4 +1,4 @@
-"""`jact.compressed` on whole Flax modules (jact.flax.compressed_module): linen
+"""`jact.compressed` on whole Flax modules (jact._flax.compressed): linen
 classes and instances, nnx classes and instances. Same variables as the plain
 module, same forward and batch statistics, close 8-bit gradients, small 2-bit
 residuals, clear errors, nnx transforms, and real-data training."""
@@ -18,7 +18,7 @@ from flax import nnx
 
 import jact
 from experiments.data import batches, load_image_dataset
-from jact.flax import compressed_module
+from jact._flax import compressed as flax_compressed
 from jact._transforms.compressed import ResidualConfig
 from stats import assert_same_tree, tree_rel_err
 
@@ -153,7 +153,7 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   params, stats = linen_variables["params"], linen_variables["batch_stats"]
 
   def saved(argnums):
-    block = compressed_module.wrap(LinenBlock, ResidualConfig(bits=2), None, argnums)
+    block = flax_compressed.wrap(LinenBlock, ResidualConfig(bits=2), None, argnums)
     loss = _linen_loss(LinenNet(block=block, act=nn.gelu), stats, {"jact": _key(1)})
     return _saved_bytes(loss, params, X)
 
@@ -162,11 +162,11 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   shift = _normal(X.shape, seed=8)
   loss = lambda m, x: jnp.mean(m(2.0 * x + shift, key=_key(1)))  # the input: an activation
   default, compress = (
-      _saved_bytes(loss, compressed_module.wrap(model, ResidualConfig(bits=2), None, argnums), X)
+      _saved_bytes(loss, flax_compressed.wrap(model, ResidualConfig(bits=2), None, argnums), X)
       for argnums in ((), (0,)))
   assert compress < default - X.nbytes // 2
   with pytest.raises(ValueError, match="compress_argnums"):
-    compressed_module.wrap(LinenBlock, ResidualConfig(bits=2), None, (3,))().init(
+    flax_compressed.wrap(LinenBlock, ResidualConfig(bits=2), None, (3,))().init(
         {"params": _key(0), "jact": _key(1)}, X)
 
 
@@ -303,7 +303,7 @@ def test_nnx_instance_wrapper_and_missing_stream():
   block = NnxBlock(16, 64, True, rngs=_rngs(default=0))
   plain = NnxBlock(16, 64, True, rngs=_rngs(default=0))
   wrapped = jact.compressed(block, bits=2)
-  assert isinstance(wrapped, compressed_module.CompressedModule) and wrapped.module is block
+  assert isinstance(wrapped, flax_compressed.CompressedModule) and wrapped.module is block
   assert_same_tree(_pure(wrapped, nnx.Param)["module"], _pure(plain, nnx.Param))
   # no stream, no key: inference runs the plain module; differentiating it names the fixes
   np.testing.assert_array_equal(wrapped(X), plain(X))
@@ -315,7 +315,7 @@ def test_nnx_instance_wrapper_and_missing_stream():
     nnx.grad(lambda m: jnp.sum(m(X)))(wrapped)
   # key= also takes an nnx.Rngs; a stream can be kept on the wrapper
   wrapped(X, key=_rngs(jact=3))
-  kept = compressed_module.CompressedModule(block, rngs=_rngs(jact=3), bits=2)
+  kept = flax_compressed.CompressedModule(block, rngs=_rngs(jact=3), bits=2)
   kept(X)
   assert int(kept.jact_rngs.count[...]) == 1
   # round-to-nearest needs no key
@@ -391,12 +391,12 @@ def test_nnx_scan_over_a_stack_of_blocks():
 def test_nnx_call_function_writes_state_back():
   bn, plain = nnx.BatchNorm(4, rngs=_rngs(default=0)), nnx.BatchNorm(4, rngs=_rngs(default=0))
   x = _normal((2048, 4), seed=7)
-  assert compressed_module.has_graph_nodes((bn, x), {})
-  assert not compressed_module.has_graph_nodes((x,), {})
+  assert flax_compressed.has_graph_nodes((bn, x), {})
+  assert not flax_compressed.has_graph_nodes((x,), {})
   drop = nnx.Dropout(0.5)
   fn = lambda m, x, s, rngs: drop(m(x), rngs=rngs) * s
   rngs, rngs_ref = _rngs(dropout=2), _rngs(dropout=2)
-  y = compressed_module.call_function(fn, (bn, x, 2.0, rngs), {}, key=_key(0),
+  y = flax_compressed.call_function(fn, (bn, x, 2.0, rngs), {}, key=_key(0),
                                       config=ResidualConfig(bits=8))
   np.testing.assert_array_equal(y, fn(plain, x, 2.0, rngs_ref))
   assert_same_tree(_pure(bn, nnx.BatchStat), _pure(plain, nnx.BatchStat))
@@ -404,11 +404,11 @@ def test_nnx_call_function_writes_state_back():
 
 
 def test_is_flax():
-  assert compressed_module.is_flax(LinenBlock) and compressed_module.is_flax(LinenBlock())
-  assert compressed_module.is_flax(NnxBlock)
-  assert compressed_module.is_flax(nnx.Linear(2, 2, rngs=_rngs(default=0)))
-  assert not compressed_module.is_flax(jnp.tanh)
-  assert not compressed_module.is_flax(lambda x: x)
+  assert flax_compressed.is_flax(LinenBlock) and flax_compressed.is_flax(LinenBlock())
+  assert flax_compressed.is_flax(NnxBlock)
+  assert flax_compressed.is_flax(nnx.Linear(2, 2, rngs=_rngs(default=0)))
+  assert not flax_compressed.is_flax(jnp.tanh)
+  assert not flax_compressed.is_flax(lambda x: x)
 
 
 # ----------------------------------------------------------------------------- real data

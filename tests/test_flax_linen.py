@@ -1,4 +1,4 @@
-"""Tests of the linen twins (jact.flax.linen): same variables, same forward,
+"""Tests of the linen twins (jact.nn): same variables, same forward,
 close 8-bit gradients, clear errors, one trace per jitted step, small residuals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
-from jact.flax import linen as jnn
+from jact import nn as jnn
 from jact._report import residual_report
 from stats import DRAWS, assert_same_tree, assert_unbiased, over_keys, tree_rel_err
 

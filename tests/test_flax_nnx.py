@@ -1,4 +1,4 @@
-"""Tests of the nnx twins (jact.flax.nnx): same state, same forward, close
+"""Tests of the nnx twins (jact.nnx): same state, same forward, close
 8-bit gradients, clear errors, one trace per nnx.jit step, small residuals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from flax import nnx
 from jact.compressors import PerGroup
 from jact._compat import saved_residuals
 
-from jact.flax import nnx as jnnx
+from jact import nnx as jnnx
 from jact._report import residual_report
 from stats import assert_same_tree, tree_rel_err
 

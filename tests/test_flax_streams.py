@@ -30,9 +30,9 @@ import pytest
 from flax import nnx
 
 import jact
-from jact.flax import linen as jnn
-from jact.flax import nnx as jnnx
-from jact.flax.convert import ConversionWarning
+from jact import nn as jnn
+from jact import nnx as jnnx
+from jact._flax.convert import ConversionWarning
 
 KEY = jax.random.key(7)
 

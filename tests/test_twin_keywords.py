@@ -11,9 +11,9 @@ from flax import nnx
 
 import jact
 from jact.compressors import PerGroup
-from jact.flax import linen as jnn
-from jact.flax import nnx as jnnx
-from jact.flax.compressed_module import CompressedModule
+from jact import nn as jnn
+from jact import nnx as jnnx
+from jact._flax.compressed import CompressedModule
 
 LINEN = {
     "Dense": lambda **kw: jnn.Dense(4, **kw),
@@ -83,7 +83,7 @@ def test_linen_positional_bits_in_the_message():
 def test_compressed_module_removed_keywords_name_pergroup():
   layer = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
   _check(lambda **kw: CompressedModule(layer, rngs=nnx.Rngs(jact=0), **kw),
-         "jact.flax.CompressedModule", dict(stochastic=False))
+         "jact.compressed", dict(stochastic=False))
 
 
 def test_suggested_compressor_trains_like_the_spelled_out_twin():

@@ -153,7 +153,7 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
 
 @dataclasses.dataclass(frozen=True)
 class ModuleRoute:
-  """How `compressed` treats a framework's stateful objects (`jact.flax` adds
+  """How `compressed` treats a framework's stateful objects (`jact._flax` adds
   the Flax route when it is imported, so this module never imports Flax).
 
   Attributes:
@@ -181,7 +181,7 @@ def add_module_route(route: ModuleRoute) -> None:
 def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
   if not callable(fn):
     raise TypeError(f"jact.compressed takes a function, got {type(fn).__name__}")
-  for route in _MODULE_ROUTES:  # Flax modules have their own path (jact.flax registers it)
+  for route in _MODULE_ROUTES:  # Flax modules have their own path (jact._flax registers it)
     if route.handles(fn):
       return route.wrap(fn, config, policy, compress_argnums)
   if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper

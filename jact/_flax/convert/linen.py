@@ -1,39 +1,33 @@
-"""`convert` for flax.linen models: method interception (private; see `jact.flax.convert`)."""
+"""`convert` for flax.linen models: method interception (see `jact._flax.convert`)."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 from typing import Callable
 
 import flax.linen as nn
 
-from jact.flax import _compat, _hooks
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
 from jact.compressors import Compressor
-from jact.flax import linen as jnn
-from jact.flax import _convert_linen_engine as _engine
-from jact.flax._conversion import Settings, unsupported
-from jact.flax._convert_generic import is_recording
-
-_ACTIVE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
-    "jact_convert_settings", default=None)
-
+from jact import nn as jnn
+from jact._flax.convert import linen_engine as _engine
+from jact._flax.convert.settings import Settings, unsupported
+from jact._flax.context import LINEN_IN_MODEL, LINEN_SETTINGS, bound
+from jact._flax.record import is_recording
 
 @contextlib.contextmanager
 def _converting(settings: Settings):
   """Makes `settings` current and, once per thread of calls, installs the interceptor."""
-  outer = _ACTIVE.get()
-  token = _ACTIVE.set(settings)
-  try:
+  outer = LINEN_SETTINGS.get()
+  with bound(LINEN_SETTINGS, settings):
     if outer is not None:  # our interceptor is already on Flax's stack
       yield
     else:
       with nn.intercept_methods(_intercept):
         yield
-  finally:
-    _ACTIVE.reset(token)
 
 
 _CLASSES: dict[type, type] = {}
@@ -212,17 +206,14 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
   its own that nothing compresses, else the call itself."""
   module = context.module
   is_model = "_jact_base" in type(module).__dict__ and base not in _engine.GENERIC
-  if (is_model and settings.functions and not _engine.IN_MODEL.get()
+  if (is_model and settings.functions and not LINEN_IN_MODEL.get()
       and context.method_name != "setup" and not module.is_initializing()):
     method = getattr(base, context.method_name)
     _engine.note(module, "model", "", None, None, args, kwargs, descendants=False)
-    token = _engine.IN_MODEL.set(True)
-    try:
+    with bound(LINEN_IN_MODEL, True):
       return _engine.engine_call(module, method, args, kwargs, settings, descendants=False,
                                  inputs=False)
-    finally:
-      _engine.IN_MODEL.reset(token)
-  in_model = _engine.IN_MODEL.get()
+  in_model = LINEN_IN_MODEL.get()
   if (context.method_name == "__call__" and (not in_model or is_recording())
       and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
       and not module.is_initializing() and _own_params(module)):
@@ -270,7 +261,7 @@ def _draws_key(module, base: type, arguments: dict) -> bool:
 
 
 def _intercept(next_fun, args, kwargs, context):
-  settings = _ACTIVE.get()
+  settings = LINEN_SETTINGS.get()
   module = context.module
   if settings is None or _engine.passes(module):
     return next_fun(*args, **kwargs)

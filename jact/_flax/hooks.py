@@ -1,18 +1,17 @@
-"""Plumbing shared by the linen and nnx twins (private).
+"""Plumbing shared by the linen and nnx twins.
 
 Flax layers call their matmul, convolution and attention through hooks
 (`dot_general`, `conv_general_dilated`, `attention_fn`) fixed when the layer is
 built, but a compressed op also needs a fresh PRNG key on every call. A twin
 therefore installs a `Hook` -- a static, hashable stand-in -- and, around each
 call of Flax's own forward, `provide`s the concrete op (key and residual name
-bound) that the hook forwards to. The provided ops live in a context variable,
-so nothing traced ever ends up in a module attribute.
+bound) that the hook forwards to. The provided ops live in `context.OPS`, so
+nothing traced ever ends up in a module attribute.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 import zlib
@@ -27,26 +26,20 @@ from jax import lax
 from jact import _compat as _jax_compat
 from jact._engine.derivatives import inference_only
 from jact._engine.rounding import op_rounding
+from jact._flax.context import OPS, USE_KEY, bound
 from jact.flax import _compat
 from jact.ops import _linear as linear
 from jact.ops._attention import dot_product_attention
 
-_ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jact_flax_ops", default=None)
-
-
 @contextlib.contextmanager
 def provide(**ops: Callable[..., Any]):
   """Makes `ops` (slot name -> callable) visible to the `Hook`s called inside."""
-  outer = _ACTIVE.get() or {}
-  token = _ACTIVE.set({**outer, **ops})
-  try:
+  with bound(OPS, {**(OPS.get() or {}), **ops}):
     yield
-  finally:
-    _ACTIVE.reset(token)
 
 
 def lookup(slot: str) -> Callable[..., Any]:
-  ops = _ACTIVE.get() or {}
+  ops = OPS.get() or {}
   if slot not in ops:
     raise RuntimeError(
         f"a jact hook for {slot!r} was called outside a jact layer's forward. The hooks "
@@ -154,10 +147,6 @@ def keyless(fn: Callable[..., Any], message: str) -> Callable[..., Any]:
   return lambda *args, **kwargs: inference_only(fn(*args, **kwargs), message)
 
 
-_USE_KEY: contextvars.ContextVar[_KeySource | None] = contextvars.ContextVar(
-    "jact_nnx_key", default=None)
-
-
 def baked_key_message(name: str) -> str:
   """The error of a concrete `use_key` key read while a jitted function entered
   inside the block is traced (residual `name`)."""
@@ -239,11 +228,8 @@ def use_key(key):
   elif not isinstance(key, jax.Array):
     raise TypeError(f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
                     f"an nnx.RngStream, got {type(key).__name__}.")
-  token = _USE_KEY.set(_KeySource(key))
-  try:
+  with bound(USE_KEY, _KeySource(key)):
     yield
-  finally:
-    _USE_KEY.reset(token)
 
 
 def draw(stream, what: str):
@@ -265,7 +251,7 @@ def draw(stream, what: str):
 
 def context_key(name: str):
   """The next key of residual `name` inside `use_key`, or None outside it."""
-  source = _USE_KEY.get()
+  source = USE_KEY.get()
   return None if source is None else source.draw(name)
 
 

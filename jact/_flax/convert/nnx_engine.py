@@ -1,5 +1,5 @@
 """nnx `convert`: layers with no twin, the model's outermost call, and stacked
-streams (private; see `jact.flax.convert`).
+streams.
 
 * A layer with no twin (`GENERIC`) becomes an instance of a cached subclass of
   its class holding the very same Variables, whose `__call__` runs the
@@ -15,24 +15,22 @@ streams (private; see `jact.flax.convert`).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jact.flax import _compat, _hooks
-from jact.flax._conversion import Settings
-from jact.flax._convert_generic import layout_recomputed, record, residual_config
-from jact.flax.compressed_module import nnx_call
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
+from jact._flax.context import NNX_IN_MODEL, bound
+from jact._flax.convert.settings import Settings
+from jact._flax.convert.generic import layout_recomputed, residual_config
+from jact._flax.record import record
+from jact._flax.compressed import nnx_call
 
 CELLS = (nnx.LSTMCell, nnx.OptimizedLSTMCell, nnx.GRUCell, nnx.SimpleCell)
 GENERIC = (nnx.LinearGeneral, nnx.Einsum, nnx.ConvTranspose, nnx.GroupNorm) + CELLS
-
-_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar("jact_nnx_in_model",
-                                                                 default=False)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineSetup:
@@ -88,13 +86,10 @@ def model_class(base: type) -> type:
   through the engine (once: inner converted models run their own call)."""
   if base not in _MODEL_CLASSES:
     def __call__(self, *args, **kwargs):
-      if _IN_MODEL.get():
+      if NNX_IN_MODEL.get():
         return base.__call__(self, *args, **kwargs)
-      token = _IN_MODEL.set(True)
-      try:
+      with bound(NNX_IN_MODEL, True):
         return _run(self, base, self.jact_model, "jact_model_rngs", args, kwargs)
-      finally:
-        _IN_MODEL.reset(token)
 
     _MODEL_CLASSES[base] = type(base.__name__, (base,), {
         "__call__": __call__, "__module__": base.__module__, "__qualname__": base.__qualname__,

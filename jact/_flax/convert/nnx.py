@@ -1,4 +1,4 @@
-"""`convert` for flax.nnx models: module surgery (private; see `jact.flax.convert`)."""
+"""`convert` for flax.nnx models: module surgery (see `jact._flax.convert`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Any, Callable
 from flax import nnx
 from jax import lax
 
-from jact.flax import _compat, _hooks
-from jact.flax import nnx as jnnx
-from jact.flax import _convert_nnx_engine as _engine
-from jact.flax._conversion import Settings, unsupported
-from jact.flax._hooks import Hook
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
+from jact import nnx as jnnx
+from jact._flax.convert import nnx_engine as _engine
+from jact._flax.convert.settings import Settings, unsupported
+from jact._flax.hooks import Hook
 
 
 def _nnx_norm_check(module, *, axes: bool = True, cross_device: bool = False) -> str | None:

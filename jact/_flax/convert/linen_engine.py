@@ -1,7 +1,6 @@
-"""linen `convert`: the calls that run through the generic engine (private; see
-`jact.flax.convert`).
+"""linen `convert`: the calls that run through the generic engine.
 
-Called from the interceptor of `_convert_linen`: a layer with no twin
+Called from the interceptor of `convert.linen`: a layer with no twin
 (`GENERIC`), a twin layer inside a scan that hides the 'jact' stream, and the
 converted model's outermost method. Each runs as a lifted transform (the
 module's variables and RNG streams passed in, its mutable collections passed
@@ -13,17 +12,17 @@ interceptor unchanged while it runs there.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 
 from jact.flax import _compat
-from jact.flax._conversion import Settings
-from jact.flax._convert_generic import (is_recording, layout_recomputed, record, recording,
-                                        residual_config, saved_bytes, scan_key)
-from jact.flax.compressed_module import _lift_compressed
+from jact._flax.context import LINEN_IN_MODEL, LINEN_OUTER_KEY, LINEN_PASS, bound
+from jact._flax.convert.settings import Settings
+from jact._flax.convert.generic import layout_recomputed, residual_config, saved_bytes, scan_key
+from jact._flax.record import is_recording, record, recording
+from jact._flax.compressed import _lift_compressed
 
 # Flax layers with no twin whose calls run through the generic engine: all
 # their residuals compressed, their inputs (activations) too. Cells are
@@ -33,21 +32,11 @@ CELLS = (nn.LSTMCell, nn.OptimizedLSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCel
 GENERIC = (nn.DenseGeneral, nn.Einsum, nn.ConvTranspose, nn.ConvLocal, nn.GroupNorm,
            nn.InstanceNorm) + CELLS
 
-# (module path, whether its descendants pass too) of the call running through
-# the engine: the interceptor lets it (and them) through unchanged.
-_PASS: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
-    "jact_convert_pass", default=None)
-# the key of the outermost converted apply's 'jact' stream (for scans that hide it)
-OUTER_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("jact_convert_outer_key",
-                                                                default=None)
-# set while a converted model's outermost call runs through the engine
-IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar("jact_convert_in_model",
-                                                                default=False)
 
 
 def passes(module) -> bool:
   """Whether `module`'s call runs inside the engine call of itself or an ancestor."""
-  current = _PASS.get()
+  current = LINEN_PASS.get()
   if current is None:
     return False
   path, descendants = current
@@ -55,27 +44,20 @@ def passes(module) -> bool:
   return here == path or (descendants and here[:len(path)] == path)
 
 
-@contextlib.contextmanager
-def _passing(module, descendants: bool) -> Iterator[None]:
-  token = _PASS.set((tuple(module.path), descendants))
-  try:
-    yield
-  finally:
-    _PASS.reset(token)
+def _passing(module, descendants: bool):
+  """Lets `module`'s call (and with `descendants`, its sublayers') through the interceptor."""
+  return bound(LINEN_PASS, (tuple(module.path), descendants))
 
 
 @contextlib.contextmanager
 def outer_key(rngs) -> Iterator[None]:
   """Makes the 'jact' key of an `apply(..., rngs=)` the outer key (outermost apply only)."""
   key = rngs.get("jact") if isinstance(rngs, dict) else None
-  if key is None or OUTER_KEY.get() is not None:
+  if key is None or LINEN_OUTER_KEY.get() is not None:
     yield
     return
-  token = OUTER_KEY.set(key)
-  try:
+  with bound(LINEN_OUTER_KEY, key):
     yield
-  finally:
-    OUTER_KEY.reset(token)
 
 
 def name_of(module) -> str:
@@ -92,7 +74,7 @@ def key_for(module, settings: Settings, args) -> tuple[bool, Any]:
     return True, None
   if module.has_rng("jact"):
     return True, module.make_rng("jact")
-  outer = OUTER_KEY.get()
+  outer = LINEN_OUTER_KEY.get()
   if outer is not None:
     return True, scan_key(outer, name_of(module), args)
   return False, None
@@ -102,7 +84,7 @@ def hides_stream(module, settings: Settings) -> bool:
   """True inside a lifted transform (nn.scan, nn.RNN) that filtered out the 'jact'
   stream of a converted apply that has one: the twin cannot draw its key there."""
   return (settings.needs_key and not module.is_initializing() and not module.has_rng("jact")
-          and OUTER_KEY.get() is not None)
+          and LINEN_OUTER_KEY.get() is not None)
 
 
 def _lifted(module, method: Callable, args, kwargs, transform) -> Any:
@@ -158,7 +140,7 @@ def note(module, how: str, reason: str, plain: Callable | None, converted: Calla
   """Records this call (with measured bytes) when a conversion report is being taken."""
   if not is_recording():
     return
-  if how == "plain" and IN_MODEL.get():
+  if how == "plain" and LINEN_IN_MODEL.get():
     # inside the model's engine call: its residuals are compressed there
     how, converted = "model", None
   plain_bytes = saved = None

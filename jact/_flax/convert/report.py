@@ -1,20 +1,9 @@
 """`conversion_report`: what `jact.convert` did to each layer a model call ran.
 
-Traces a function that calls converted models (typically the loss) once,
-abstractly, and lists every layer call the conversion met: its path, its
-class, how it was converted -- 'twin' (a jact twin layer), 'engine' (the
-call's residuals through the generic engine, `jact.compressed`), 'model' (the
-converted model's outermost call through the engine: the activation, pooling
-and softmax functions between its layers), 'plain' (uncompressed, with the
-reason) -- and, for linen models, the bytes the call keeps for the backward
-pass as a plain layer and as converted. Each plain layer also gets a
-`ConversionWarning` naming it and its share of the saved bytes.
-
-nnx models are converted when `convert` runs (layers with an option their
-twin lacks are warned about then); their report lists the twin and engine
-calls (the layers with no twin and the model's call), without bytes, and,
-after them, the layers of the nnx modules passed to `fn` that `convert` left
-plain, with the reason ('model' where the model's call compresses them).
+Traces `fn` (typically the loss) once, abstractly, and lists every layer call
+with how it was converted ('twin', 'engine', 'model' or 'plain', with the
+reason) and, for linen models, the bytes it keeps plain and converted; each
+layer left plain also gets a `ConversionWarning` with its share of the bytes.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn, jact
 >>> class Net(nn.Module):
@@ -41,9 +30,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jact.flax._conversion import ConversionWarning
-from jact.flax._convert_nnx import plain_layers
-from jact.flax._convert_generic import Row, recording, saved_bytes
+from jact._flax.convert.settings import ConversionWarning
+from jact._flax.convert.nnx import plain_layers
+from jact._flax.convert.generic import saved_bytes
+from jact._flax.record import Row, recording
 
 __all__ = ["conversion_report", "ConversionReport"]
 

@@ -1,5 +1,4 @@
-"""Settings and warnings shared by `convert`'s linen and nnx paths (private; see
-`jact.flax.convert`)."""
+"""Settings and warnings shared by `convert`'s linen and nnx paths."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import warnings
 
 from jact.compressors import Compressor
 from jact._engine.rounding import op_keywords
-from jact.flax import _hooks
+from jact._flax import hooks as _hooks
 
 
 class ConversionWarning(UserWarning):

@@ -1,68 +1,16 @@
-"""`jact.compressed` for whole Flax modules (linen and nnx).
+"""`jact.compressed` for whole Flax modules: the module's forward through
+`call_compressed`, its variables kept exactly as they are.
 
-`jact.compressed(fn)` stores the VJP residuals of a JAX function compressed
-(see `jact._transforms.compressed`). Applied to a Flax module it does the same for the
-module's forward pass, keeping the module's variables exactly as they are:
+* linen: `jact.compressed(Module)` returns a module class, a lifted transform
+  in the manner of `nn.remat` (same name, parameter paths and values); keys
+  come from the 'jact' stream of `apply`.
+* nnx, a class: a subclass with the same constructor that forks a 'jact'
+  stream from its `rngs`; nnx, an instance: a `CompressedModule` wrapper.
+  Without a stream, keys come from `jact.nnx.use_key`.
 
-* **linen** -- `jact.compressed(SomeModule, bits=2)` returns a module class, a
-  lifted transform in the manner of `nn.remat`: its `__call__` runs the
-  original one (variables, RNG streams and mutable collections lifted in and
-  out) through `call_compressed`. The class keeps the original's name, so
-  autonamed submodules ("MLP_0") and every parameter path and value are those
-  of the undecorated module. Rounding keys come from the RNG stream 'jact'
-  (`make_rng('jact')`); without that stream (`init`, inference, evaluation,
-  decoding) the plain module runs, and differentiating it raises a ValueError
-  naming the fix. Mutable collections
-  (BatchNorm's `batch_stats` under `mutable=['batch_stats']`) update as in the
-  plain module. An *unbound* top-level instance can be decorated too
-  (`jact.compressed(MLP(features=8))`); an instance already attached to a
-  parent (created inside `setup`/`@compact`) cannot -- decorate its class.
-* **nnx, a class** -- `jact.compressed(Block, bits=2)` returns a subclass of
-  `Block` with the same constructor; it forks a 'jact' stream from the
-  constructor's `rngs` (after the parent constructor ran, so parameters are
-  those of the plain class; without a 'jact' stream it derives one from
-  'default' without consuming it) and draws a fresh key per call.
-  `nnx.state(model, nnx.Param)` is exactly the plain module's.
-* **nnx, an instance** -- `jact.compressed(module, bits=2)` returns a
-  `CompressedModule` wrapper (an nnx.Module holding `module` as
-  `.module`, so parameter paths gain the prefix 'module'). Its keys come from
-  `CompressedModule(module, rngs=nnx.Rngs(jact=0), ...)` when built directly,
-  or from a `key=` (a PRNG key, an `nnx.Rngs` or an `nnx.RngStream`) passed at
-  call time.
-
-An nnx module with neither a stream nor a `key=` draws its key from an
-enclosing `jact.nnx.use_key` block; outside one it runs plain like a linen
-module without its stream: the same output, and a ValueError naming the fix
-if differentiated. (A plain *function* decorated with `jact.compressed` takes
-its key as an explicit argument and still raises without one: there the
-call site chooses the key, and evaluation code can call the undecorated
-function.)
-
-For nnx the forward splits the module into graphdef and state, runs a pure
-function of (state, inputs) through `call_compressed` and writes back, with
-`nnx.update`, the Variables whose value the call replaced (batch statistics,
-RNG counts of inner Dropout streams, sown intermediates); graph nodes passed
-as arguments (an `nnx.Rngs` for dropout, another module) are lifted in and
-written back the same way. It composes with
-`nnx.jit`, `nnx.grad` / `nnx.value_and_grad` (also inside an `nnx.Optimizer`
-step), `nnx.remat` (the key drawn inside is written back) and `nnx.scan` over
-a stack of decorated blocks built with `nnx.split_rngs` + `nnx.vmap` (each
-layer then has its own 'jact' stream, advanced by the scan). Calls take
-`key=` explicitly too (nnx and linen), so `key` is a reserved keyword of the
-decorated `__call__`.
-
-Residual names default to the module's path (linen, e.g. "Block_0") or class
-name (nnx; set `.residual_name` to change it); a `name=` other than the
-default "compressed" is used as given. Residuals are then named
-"<name>.<i>", `i` the position of the residual among the VJP's leaves.
-
-Limits: only `__call__` is compressed (other methods run plain); every
-floating VJP residual is compressed (pass `policy=` to keep fewer, e.g.
-`jax.checkpoint_policies.dots_saveable`). A plain *function* taking nnx
-modules, `jact.compressed(lambda m, x: m(x))`, goes through the function path,
-which flattens the module like any pytree: what the call writes into the
-module (batch statistics) is dropped. `call_function` is the nnx-aware
-equivalent (it lifts the modules' state in and out like `nnx_call`).
+Without any key the plain module runs (a ValueError naming the fix if
+differentiated). Only `__call__` is compressed. `call_function` is the
+nnx-aware path for a plain function taking nnx modules.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn, jact
 >>> class MLP(nn.Module):
@@ -104,7 +52,8 @@ from flax import nnx
 from jact._engine.derivatives import inference_only
 from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
-from jact.flax import _compat, _hooks
+from jact.flax import _compat
+from jact._flax import hooks as _hooks
 from jact._transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 
@@ -403,7 +352,7 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
 def _config_of(bits=4, compressor=None, **settings) -> ResidualConfig:
   """The `ResidualConfig` of `CompressedModule`'s settings, spelled as for
   `jact.compressed` (`group_size=` / `stochastic=` raise its TypeError)."""
-  api = "jact.flax.CompressedModule"
+  api = "jact.compressed"
   reject_removed_keywords(api, dict(settings, bits=bits))
   rounding = op_rounding(api, bits, compressor)
   return ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, **settings)

@@ -1,29 +1,22 @@
-"""What `convert`'s linen and nnx paths share for layers with no twin (private; see
-`jact.flax.convert`): the generic engine's settings, keys inside scans, and the
-conversion record that `conversion_report` reads.
+"""What `convert`'s linen and nnx paths share for calls with no twin: the generic
+engine's settings, keys inside scans, and the saved-bytes measure.
 
 Layers without a twin (recurrent cells, DenseGeneral, Einsum, ConvTranspose,
 GroupNorm, ...) and the converted model's outermost call run through
-`call_compressed`: every VJP residual of the call is stored compressed (floats
-quantized, masks bit-packed, what inner jact ops stored kept as it is,
-parameters by reference).
+`call_compressed`: every VJP residual of the call is stored compressed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 import zlib
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
-from jact.flax._conversion import Settings
+from jact._flax.convert.settings import Settings
 from jact._transforms.compressed import ResidualConfig
 
 
@@ -126,62 +119,3 @@ def _replace(full, diff, values, tree):
   for k, v in zip(diff, values):
     full[k] = v
   return jax.tree.unflatten(tree, full)
-
-
-# ----------------------------------------------------------------------------- record
-
-
-@dataclasses.dataclass
-class Row:
-  """One converted (or not) layer call seen while tracing (see `ConversionReport`).
-
-  path: the layer's module path; layer: its class; how: 'twin' (a jact twin),
-  'engine' (this call's residuals through the generic engine), 'model' (the
-  converted model's outermost call through the engine: the activation and
-  pooling functions between its layers, and a layer that runs plain inside it,
-  with the reason), or 'plain' (uncompressed); reason: why a layer runs plain; plain_bytes / saved_bytes: what the call keeps for
-  the backward pass as a plain layer / as converted (None: not measured).
-  """
-  path: str
-  layer: str
-  how: str
-  reason: str = ""
-  plain_bytes: int | None = None
-  saved_bytes: int | None = None
-  calls: int = 1
-
-
-_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jact_convert_recorder", default=None)
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list]:
-  """Collects a `Row` for every converted layer call traced inside."""
-  rows: list = []
-  token = _RECORDER.set(rows)
-  try:
-    yield rows
-  finally:
-    _RECORDER.reset(token)
-
-
-def is_recording() -> bool:
-  return _RECORDER.get() is not None
-
-
-def record(path: str, layer: str, how: str, reason: str = "", plain_bytes=None,
-           saved_bytes=None) -> None:
-  rows = _RECORDER.get()
-  if rows is None:
-    return
-  for row in rows:  # the same layer called again (shared, or a step of an unrolled loop)
-    if (row.path, row.layer, row.how, row.reason) == (path, layer, how, reason):
-      row.calls += 1
-      if plain_bytes is not None:
-        row.plain_bytes = (row.plain_bytes or 0) + plain_bytes
-      if saved_bytes is not None:
-        row.saved_bytes = (row.saved_bytes or 0) + saved_bytes
-      return
-  rows.append(Row(path, layer, how, reason, plain_bytes, saved_bytes))
-
