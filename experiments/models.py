@@ -3,7 +3,7 @@
 A `LayerSet` names the layer classes a model uses (`L.Conv`, `L.BatchNorm`,
 `L.ReLU`, ...). `plain_layers()` gives Flax's own layers (activations and
 pooling wrapped as modules); `jact_layers(bits)` gives the compressed twins from
-`jact.flax.linen` with the same parameter names and shapes, so one set of
+`jact.nn` with the same parameter names and shapes, so one set of
 variables serves both models and the forward passes agree.
 
 >>> import jax, jax.numpy as jnp
@@ -146,16 +146,13 @@ def plain_layers() -> LayerSet:
 
 @functools.lru_cache(maxsize=None)
 def jact_layers(bits: int | None, compressor=None) -> LayerSet:
-  """The compressed twins from `jact.flax.linen`, with `bits` (or a
+  """The compressed twins from `jact.nn`, with `bits` (or a
   `jact.compressors` object, e.g. `PerGroup(4, group_size=64)`) bound.
 
   Layers without rounding settings (exact ReLU masks, pooling, embeddings) are
   used as they are. Twins draw rounding noise from the RNG stream 'jact'.
   """
-  try:
-    from jact.flax import linen as jl
-  except ImportError as e:  # pragma: no cover - only while jact.flax is missing
-    raise ImportError(f"jact_layers needs jact.flax.linen: {e}") from e
+  from jact import nn as jl
   layers = {}
   for n in LAYER_NAMES:
     cls = getattr(jl, n)
