@@ -10,7 +10,8 @@ from typing import Callable
 
 import flax.linen as nn
 
-from jact.flax import _compat, _hooks
+from jact._compat import flax as _compat
+from jact.flax import _hooks
 from jact.compressors import Compressor
 from jact.flax import linen as jnn
 from jact.flax import _convert_linen_engine as _engine

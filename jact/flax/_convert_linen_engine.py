@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact.flax._conversion import Settings
 from jact.flax._convert_generic import (is_recording, layout_recomputed, record, recording,
                                         residual_config, saved_bytes, scan_key)

@@ -7,7 +7,8 @@ from typing import Any, Callable
 from flax import nnx
 from jax import lax
 
-from jact.flax import _compat, _hooks
+from jact._compat import flax as _compat
+from jact.flax import _hooks
 from jact.flax import nnx as jnnx
 from jact.flax import _convert_nnx_engine as _engine
 from jact.flax._conversion import Settings, unsupported

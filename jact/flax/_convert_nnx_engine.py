@@ -22,7 +22,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jact.flax import _compat, _hooks
+from jact._compat import flax as _compat
+from jact.flax import _hooks
 from jact.flax._conversion import Settings
 from jact.flax._convert_generic import layout_recomputed, record, residual_config
 from jact.flax.compressed_module import nnx_call

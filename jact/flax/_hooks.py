@@ -27,7 +27,7 @@ from jax import lax
 from jact import _compat as _jax_compat
 from jact.engine.derivatives import inference_only
 from jact.engine.rounding import op_rounding
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact.ops import linear
 from jact.ops.attention import dot_product_attention
 

@@ -104,7 +104,8 @@ from flax import nnx
 from jact.engine.derivatives import inference_only
 from jact.engine.op import reject_removed_keywords
 from jact.engine.rounding import op_rounding
-from jact.flax import _compat, _hooks
+from jact._compat import flax as _compat
+from jact.flax import _hooks
 from jact.transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)
 

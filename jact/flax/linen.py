@@ -42,7 +42,8 @@ from jax import lax
 
 from jact.compressors import Compressor
 from jact.engine.op import REMOVED_KEYWORDS, reject_removed_keywords
-from jact.flax import _compat, _hooks
+from jact._compat import flax as _compat
+from jact.flax import _hooks
 from jact.ops import activation, embedding, linear, norm, pooling
 from jact.ops.dropout import dropout as dropout_op
 from jact.flax._hooks import Hook
