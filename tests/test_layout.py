@@ -176,3 +176,21 @@ def test_moved_references_keep_their_old_import_path(old, new):
     assert name in new_module.__all__ and name not in old_module.__all__
   with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
     old_module.no_such_name  # noqa: B018 (the attribute read is the test)
+
+
+# Flax's packages: today's `jact.flax`, and the names issue 34 moves them to.
+FLAX_PACKAGES = ("jact.flax", "jact._flax", "jact.nn", "jact.nnx", "jact._compat.flax")
+
+
+def test_compat_test_helpers_and_flax_accessors_are_imported_only_where_they_belong():
+  """`jact._compat.testing` by no jact module (tests only); `jact._compat.flax`
+  by jact's Flax modules only, so jact's core never reaches Flax internals."""
+  wrong = []
+  for name, edges in EDGES.items():
+    for target, line, _ in edges:
+      flax_outside = (target.startswith("jact._compat.flax")
+                      and not name.startswith(FLAX_PACKAGES))
+      if target.startswith("jact._compat.testing") or flax_outside:
+        wrong.append(f"{MODULES[name]}:{line}: {name} imports {target}")
+  assert not wrong, "\n".join(wrong)
+  assert any(t.startswith("jact._compat.flax") for edges in EDGES.values() for t, _, _ in edges)
