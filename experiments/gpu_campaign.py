@@ -105,7 +105,7 @@ _FIDELITY_SMOKE = ("--variants", "fp", "blpa2", "--epochs", "1", "--dataset", "c
 # In order of value: what a GPU minute buys first. `budget_s` caps a chunk on a GPU.
 CHUNKS = (
     Chunk("checks", "i", "gpu_checks", (), (), 30,
-          "versions, device, every jact._compat / jact.flax._compat probe, kernels chosen"),
+          "versions, device, every jact._compat probe (JAX and Flax), kernels chosen"),
     Chunk("kernels_exact", "i", "bench_kernels",
           ("--sizes-mb", "1", "16", "--reps", "3", "--rotate-mb", "32", "--check-cpu"),
           ("--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0", "--ops", "relu_mask",

@@ -1,6 +1,6 @@
 """The first thing a device run records: versions, device, and every `_compat` probe.
 
-Runs the probes of `jact._compat.check()` and `jact.flax._compat.check()` one by one
+Runs the probes of `jact._compat.check()` (JAX and Flax accessors) one by one
 (each one's outcome is kept, so one changed access does not hide the others)
 and the kernel registry's choice per op, and writes them with the run's
 metadata. Exit code 1 when a probe fails.
@@ -36,10 +36,12 @@ def main(argv=None) -> int:
   p.add_argument("--json", required=True)
   a = p.parse_args(argv)
   import jact.kernels
-  from jact import _compat
-  from jact.flax import _compat as flax_compat
-  jax_probes = probe_outcomes({name: probe for name, (_, probe) in _compat.CHECKS.items()})
-  flax_probes = probe_outcomes(flax_compat._CHECKS)  # noqa: SLF001 - the same table check() runs
+  from jact._compat import flax as flax_compat  # registers the Flax accessors' probes too
+  checks = flax_compat.CHECKS
+  jax_probes = probe_outcomes({name: probe.run for name, probe in checks.items()
+                               if not probe.module.startswith("jact._compat.flax")})
+  flax_probes = probe_outcomes({name: probe.run for name, probe in checks.items()
+                                if probe.module.startswith("jact._compat.flax")})
   chosen = {op: jact.kernels.select(op).name for op in jact.kernels.REGISTRY.ops}
   out = {"meta": resumable.run_metadata("experiments.gpu_checks", argv),
          "python": sys.version.split()[0], "jax_compat": jax_probes, "flax_compat": flax_probes,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 DRAWS = 2048
 """Draws per unbiasedness test: enough to detect a bias of 1% of a rounding step."""

@@ -1,22 +1,32 @@
-"""jact's private / undocumented JAX accesses live in jact/_compat.py only.
+"""jact's private / undocumented JAX and Flax accesses live in the jact._compat package only.
 
-* One test per compat function runs its probe (`jact._compat.check`): when an
+* One test per accessor runs its probe (`jact._compat.check`): when an
   installed JAX changes what jact reads, the failure names the access and the
-  function to update.
+  module to update.
+* The probe gate is derived from the modules: every public name of every
+  `jact._compat` module has a probe registered beside it, and every package
+  re-exports its modules' accessors.
+* Import isolation: `import jact` loads no test helper (`jact._compat.testing`),
+  and `jact._compat` loads no Flax.
 * Behaviour through jact: the names, residual layout and policies the compat
   functions feed are seen end to end.
-* Grep gate: no file of jact/ other than the compat modules touches private
-  or internal JAX (`test_no_private_jax_access_outside_compat`, file:line on
-  failure). Another library's gate adds its own pattern table and test
-  function built on `_violations` (Flax accesses belong in jact/flax/_compat.py).
+* Grep gate: no file of jact/ outside jact/_compat/ touches private or internal
+  JAX (`test_no_private_jax_access_outside_compat`, file:line on failure).
+  Another library's gate adds its own pattern table and test function built on
+  `_violations` (tests/test_compat_flax.py does for Flax).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import io
 import pathlib
+import pkgutil
 import re
+import subprocess
+import sys
 import tokenize
 
 import jax
@@ -25,40 +35,143 @@ import pytest
 
 import jact
 from jact import _compat
+from jact._compat import _probes
+from jact._compat import flax as _flax_compat  # noqa: F401 (registers the Flax probes)
+from jact._compat import testing as compat_testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMPAT_MODULES = ("jact/_compat.py", "jact/flax/_compat.py")
+COMPAT_DIR = "jact/_compat/"
+INFRASTRUCTURE = {"CompatError", "CHECKS", "check"}  # what a package re-exports from _probes
+
+
+def _compat_modules() -> dict[str, object]:
+  """Every module of the jact._compat package (subpackages included), by name."""
+  found = {"jact._compat": _compat}
+  for info in pkgutil.walk_packages(_compat.__path__, "jact._compat."):
+    found[info.name] = importlib.import_module(info.name)
+  return found
+
+
+MODULES = _compat_modules()
+LEAVES = {n: m for n, m in MODULES.items()
+          if not hasattr(m, "__path__") and n.rsplit(".", 1)[1] != "_probes"}
+PACKAGES = {n: m for n, m in MODULES.items() if hasattr(m, "__path__")}
+JAX_PROBES = sorted(n for n, p in _compat.CHECKS.items()
+                    if not p.module.startswith("jact._compat.flax"))
 
 
 # ----------------------------------------------------------------------------- probes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(_compat.CHECKS))
+@pytest.mark.parametrize("name", JAX_PROBES)
 def test_compat_access_still_works(name):
   _compat.check([name])
 
 
-def test_every_compat_function_has_a_probe():
-  functions = set(_compat.__all__) - {"CompatError", "CHECKS", "check"}
-  assert functions == set(_compat.CHECKS), (
-      f"without a probe in _compat.CHECKS: {sorted(functions - set(_compat.CHECKS))}; "
-      f"probes of no function: {sorted(set(_compat.CHECKS) - functions)}")
+def test_the_modules_are_enumerated():
+  assert {"jact._compat.jaxpr", "jact._compat.calls", "jact._compat.vjp", "jact._compat.testing",
+          "jact._compat.flax.linen", "jact._compat.flax.nnx"} <= set(LEAVES), sorted(LEAVES)
+  assert set(PACKAGES) == {"jact._compat", "jact._compat.flax"}, sorted(PACKAGES)
+
+
+@pytest.mark.parametrize("module_name", sorted(LEAVES))
+def test_every_public_name_of_a_compat_module_is_an_accessor_with_a_probe_beside_it(module_name):
+  """Public = defined in the module without a leading underscore; each is in
+  `__all__` and has a probe registered from the same module."""
+  module = LEAVES[module_name]
+  defined = {name for name, value in vars(module).items()
+             if not name.startswith("_") and getattr(value, "__module__", None) == module_name
+             and (inspect.isfunction(value) or inspect.isclass(value))}
+  assert defined == set(module.__all__), (
+      f"{module_name}: public but not in __all__: {sorted(defined - set(module.__all__))}; "
+      f"in __all__ but not defined here: {sorted(set(module.__all__) - defined)}")
+  unprobed = [n for n in module.__all__
+              if n not in _compat.CHECKS or _compat.CHECKS[n].module != module_name]
+  assert not unprobed, (f"{module_name}: no probe beside {unprobed}; decorate one with "
+                        f"@probes(name='what it reads') in that module")
+
+
+def test_every_probe_belongs_to_an_accessor():
+  accessors = {(n, m) for m, module in LEAVES.items() for n in module.__all__}
+  stale = sorted((n, p.module) for n, p in _compat.CHECKS.items() if (n, p.module) not in accessors)
+  assert not stale, f"probes of no accessor: {stale}"
+
+
+@pytest.mark.parametrize("package_name", sorted(PACKAGES))
+def test_a_compat_package_re_exports_each_accessor_of_its_modules(package_name):
+  package = PACKAGES[package_name]
+  modules = [m for n, m in LEAVES.items()
+             if n.rsplit(".", 1)[0] == package_name and n != "jact._compat.testing"]
+  expected = {n: getattr(m, n) for m in modules for n in m.__all__}
+  assert set(package.__all__) == set(expected) | INFRASTRUCTURE, (
+      sorted(set(package.__all__) ^ (set(expected) | INFRASTRUCTURE)))
+  assert all(getattr(package, n) is v for n, v in expected.items())
+  assert package.check is _probes.check and package.CompatError is _probes.CompatError
 
 
 def test_check_names_the_broken_access(monkeypatch):
-  """A probe failing is reported with the compat function's name."""
-  what, _ = _compat.CHECKS["checkpoint_name"]
-  monkeypatch.setitem(_compat.CHECKS, "checkpoint_name", (what, lambda: 1 / 0))
-  with pytest.raises(_compat.CompatError, match=r"jact\._compat\.checkpoint_name \(.*ZeroDivision"):
+  """A probe failing is reported with the accessor's module and name."""
+  probe = _compat.CHECKS["checkpoint_name"]
+  monkeypatch.setitem(_compat.CHECKS, "checkpoint_name", probe._replace(run=lambda: 1 / 0))
+  with pytest.raises(_compat.CompatError,
+                     match=r"jact\._compat\.vjp\.checkpoint_name \(.*ZeroDivision") as err:
     _compat.check(["checkpoint_name", "is_var"])
+  assert "is_var" not in str(err.value) and jax.__version__ in str(err.value)
   with pytest.raises(ValueError, match="no compat check named"):
     _compat.check(["not_a_function"])
+
+
+def test_an_accessor_name_is_probed_in_one_module_only():
+  def probe_elsewhere():
+    pass
+
+  probe_elsewhere.__module__ = "elsewhere"
+  with pytest.raises(ValueError, match=r"'is_var' is probed in both jact\._compat\.jaxpr and elsewhere"):
+    _probes.probes(is_var="a second probe")(probe_elsewhere)
+  assert _compat.CHECKS["is_var"].module == "jact._compat.jaxpr"
 
 
 def test_vjp_residuals_rejects_an_object_that_is_no_residual_pytree():
   with pytest.raises(_compat.CompatError, match=r"jact\._compat\.vjp_residuals"):
     _compat.vjp_residuals(lambda ct: ct)
+
+
+# ----------------------------------------------------------------------------- import isolation
+
+
+def _fresh(code: str) -> str:
+  """Stdout of `code` run by a fresh interpreter in the repository root."""
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert done.returncode == 0, done.stderr
+  return done.stdout.strip()
+
+
+@pytest.mark.slow  # a fresh interpreter imports jact and Flax (~3 s)
+def test_import_jact_loads_no_test_helper():
+  """The tests' accessors (and their `jax._src.ad_checkpoint` fallback) stay off
+  jact's import path: no loaded jact module is or holds the helpers' module."""
+  out = _fresh(
+      "import sys, jact, jax._src.ad_checkpoint as private\n"
+      "mods = {n: m for n, m in list(sys.modules.items()) if n == 'jact' or n.startswith('jact.')}\n"
+      "holders = sorted(n for n, m in mods.items() if any(v is private for v in vars(m).values()))\n"
+      "print('jact._compat.testing' in mods, 'jact._compat.flax' in mods, holders)")
+  assert out == "False True []", out
+
+
+def test_jact_compat_imports_no_flax():
+  """`jact._compat` (jact's lowest layer) loaded alone, without jact/__init__."""
+  out = _fresh(
+      "import sys, types\n"
+      "pkg = types.ModuleType('jact'); pkg.__path__ = ['jact']; sys.modules['jact'] = pkg\n"
+      "import jact._compat\n"
+      "print(len(jact._compat.CHECKS) > 40, 'flax' in sys.modules,"
+      " sorted(n for n in sys.modules if n.startswith('jact.')))")
+  assert out.startswith("True False ["), out
+  loaded = ast.literal_eval(out[len("True False "):])
+  assert not [n for n in loaded if n.startswith(("jact._compat.flax", "jact._compat.testing"))
+              or not n.startswith("jact._compat")], loaded
 
 
 # ----------------------------------------------------------------------------- through jact
@@ -108,7 +221,7 @@ def test_compressed_residual_names_follow_vjp_leaf_positions():
 
 def test_saved_residuals_helper_matches_jax_description():
   x = jnp.ones((3,))
-  (aval, src), = _compat.saved_residuals(lambda x: jnp.sin(x).sum(), x)
+  (aval, src), = compat_testing.saved_residuals(lambda x: jnp.sin(x).sum(), x)
   assert aval.shape == (3,) and "cos" in src, src
 
 
@@ -135,14 +248,15 @@ def _code_lines(path: pathlib.Path) -> list[str]:
   return ["".join(row) for row in blank]
 
 
-def _violations(patterns: dict[str, str], exclude=COMPAT_MODULES, root=ROOT) -> list[str]:
+def _violations(patterns: dict[str, str], exclude=(COMPAT_DIR,), root=ROOT) -> list[str]:
   """'file:line: what: code' for every code line of jact/**/*.py (under
-  `root`) outside `exclude` that matches one of `patterns` (what -> regex)."""
+  `root`) outside the paths starting with one of `exclude` that matches one
+  of `patterns` (what -> regex)."""
   compiled = {what: re.compile(rx) for what, rx in patterns.items()}
   found = []
   for path in sorted((root / "jact").rglob("*.py")):
     rel = path.relative_to(root).as_posix()
-    if rel in exclude:
+    if rel.startswith(tuple(exclude)):
       continue
     for number, line in enumerate(_code_lines(path), 1):
       for what, rx in compiled.items():
@@ -151,7 +265,7 @@ def _violations(patterns: dict[str, str], exclude=COMPAT_MODULES, root=ROOT) -> 
   return found
 
 
-# Private or undocumented JAX, allowed only in jact/_compat.py. Public
+# Private or undocumented JAX, allowed only in jact/_compat/. Public
 # experimental `jax.experimental.pallas` (the kernels' API) is not gated.
 JAX_PATTERNS = {
     "private jax module": r"\bjax\._src\b|\b_src\.|from\s+jax\s+import\s+_src\b",
@@ -174,8 +288,8 @@ JAX_PATTERNS = {
 
 def test_no_private_jax_access_outside_compat():
   found = _violations(JAX_PATTERNS)
-  assert not found, ("private/internal JAX access outside jact/_compat.py (add a small named "
-                     "function there, with its public replacement and a probe in CHECKS):\n"
+  assert not found, ("private/internal JAX access outside jact/_compat/ (add a small named "
+                     "function there, with its public replacement and a probe beside it):\n"
                      + "\n".join(found))
 
 
@@ -204,7 +318,8 @@ def test_gate_catches_each_pattern(tmp_path):
   (pkg / "bad.py").write_text(body)
   (pkg / "prose.py").write_text('"""' + "\n".join(samples.values()) + '"""\n'
                                 + "\n".join(f"# {line}" for line in samples.values()) + "\n")
-  (pkg / "_compat.py").write_text(body)  # the compat module may
+  (pkg / "_compat").mkdir()
+  (pkg / "_compat" / "calls.py").write_text(body)  # the compat modules may
   found = _violations(JAX_PATTERNS, root=tmp_path)
   assert all(f.startswith("jact/bad.py:") for f in found), found
   assert {f.split(": ")[1] for f in found} == set(samples)

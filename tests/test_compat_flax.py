@@ -1,6 +1,7 @@
-"""jact.flax._compat, the one home of jact's private / internal Flax accesses.
+"""jact._compat.flax, the one home of jact's private / internal Flax accesses.
 
-`check()` exercises each access on tiny models and names the broken ones; the
+`check()` exercises each access on tiny models and names the broken ones (its
+probe gate, shared with the JAX accessors, is tested in tests/test_compat.py); the
 gate keeps every other jact module off Flax internals (file:line on failure);
 the attention twins take every keyword of the installed Flax's
 dot_product_attention, read from its signature, so a keyword a new Flax adds is
@@ -22,32 +23,41 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
+from jact._compat.flax import linen as compat_linen
+from jact._compat.flax import nnx as compat_nnx
 from jact._flax import hooks as _hooks
 from jact import nn as jnn
 from jact import nnx as jnnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMPAT = ROOT / "jact" / "flax" / "_compat.py"
+COMPAT = ROOT / "jact" / "_compat" / "flax"
+FLAX_PROBES = [n for n, p in _compat.CHECKS.items() if p.module.startswith("jact._compat.flax.")]
 
 
 # ----------------------------------------------------------------------------- check()
 
 
 @pytest.mark.slow
-def test_check_passes_with_the_installed_flax():
-  _compat.check()
+@pytest.mark.parametrize("name", FLAX_PROBES)
+def test_flax_access_still_works(name):
+  _compat.check([name])
+
+
+def test_every_flax_accessor_is_probed():
+  assert set(FLAX_PROBES) == set(_compat.__all__) - {"CompatError", "CHECKS", "check"}
 
 
 @pytest.mark.slow
 def test_check_names_each_broken_access(monkeypatch):
-  monkeypatch.setattr(_compat, "peek_stream_key", lambda stream: jax.random.key(12345))
-  monkeypatch.setattr(_compat, "_capture_stack", lambda: None)
-  with pytest.raises(_compat.FlaxCompatError) as err:
-    _compat.check()
+  monkeypatch.setattr(compat_nnx, "peek_stream_key", lambda stream: jax.random.key(12345))
+  monkeypatch.setattr(compat_linen, "_capture_stack", lambda: None)
+  with pytest.raises(_compat.CompatError) as err:
+    _compat.check(FLAX_PROBES)
   message = str(err.value)
-  assert "peek_stream_key:" in message and "suppress_capture:" in message, message
-  assert "nnx_twin_of:" not in message and "lift_method_call:" not in message, message
+  assert ("jact._compat.flax.nnx.peek_stream_key (" in message
+          and "jact._compat.flax.linen.suppress_capture (" in message), message
+  assert "nnx_twin_of (" not in message and "lift_method_call (" not in message, message
   assert flax.__version__ in message
 
 
@@ -194,9 +204,9 @@ def test_gate_finds_each_idiom():
 def test_no_private_flax_access_outside_compat():
   hits = []
   for path in sorted((ROOT / "jact").rglob("*.py")):
-    if path != COMPAT:
+    if COMPAT not in path.parents:
       hits += _scan(path.read_text(), str(path.relative_to(ROOT)))
-  assert not hits, ("private/internal Flax access outside jact/flax/_compat.py; wrap it "
+  assert not hits, ("private/internal Flax access outside jact/_compat/flax/; wrap it "
                     "there (a named function with its public replacement):\n" + "\n".join(hits))
 
 

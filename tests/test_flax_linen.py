@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jact.compressors import PerGroup
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 from jact import nn as jnn
 from jact._report import residual_report

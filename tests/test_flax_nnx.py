@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from jact.compressors import PerGroup
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 from jact import nnx as jnnx
 from jact._report import residual_report

@@ -115,14 +115,14 @@ def test_unknown_call_mode_is_named():
 def test_levels_keeps_an_argument_read_inside_nested_jits_by_reference(compress_argnums):
   """`compress_convolutions` enters jitted bodies in place (`calls="jit"`) and
   finds, through two levels of calls, which conv input is the block's argument."""
-  from jact import _compat
+  from jact._compat.testing import saved_residuals
   from jact._planning.levels import compress_convolutions
   dn = ("NHWC", "HWIO", "NHWC")
   conv = lambda a, w: lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=dn)
   block = lambda x, w: jnp.sum(jax.jit(lambda a, w: jax.jit(conv)(a, w) + conv(a * 2.0, w))(x, w))
   wrapped = compress_convolutions(block, bits=2, compress_argnums=compress_argnums, min_size=1)
   x, w = jnp.ones((2, 4, 4, 3)), jnp.ones((3, 3, 3, 4))
-  saved = _compat.saved_residuals(lambda x, w: wrapped(x, w, key=jax.random.key(0)), x, w)
+  saved = saved_residuals(lambda x, w: wrapped(x, w, key=jax.random.key(0)), x, w)
   packed = sum(aval.dtype == jnp.uint8 for aval, _ in saved)
   x_kept = any(source == "from the argument x" for _, source in saved)
   assert (packed, x_kept) == ((1, True) if compress_argnums == () else (2, False))

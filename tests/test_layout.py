@@ -18,7 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jact"
 
 # The first prefix that matches names the layer: `jact._flax.convert` (it maps Flax's layers
 # to the twins of `jact.nn` / `jact.nnx`) sits above them, the rest of `jact._flax` below.
-LAYERS = [("jact._compat", -1), ("jact.flax", -1), ("jact._core", 0), ("jact.kernels", 1),
+LAYERS = [("jact._compat", -1), ("jact._core", 0), ("jact.kernels", 1),
           ("jact.compressors", 2), ("jact._engine", 3), ("jact.ops", 4), ("jact._transforms", 5),
           ("jact._planning", 6), ("jact._flax.convert", 8), ("jact._flax", 6), ("jact.nn", 7),
           ("jact.nnx", 7), ("jact._report", 7), ("jact", 9)]
@@ -28,8 +28,6 @@ LAYERS = [("jact._compat", -1), ("jact.flax", -1), ("jact._core", 0), ("jact.ker
 # re-exported by a public module).
 PUBLIC = {"jact", "jact.ops", "jact.compressors", "jact.kernels", "jact.nn", "jact.nnx",
           "jact.sensitivity", "jact.acgc", "jact.levels", "jact.allocate", "jact.rng"}
-# jact/flax/ holds only `_compat.py` (moving to jact._compat.flax); its empty package goes then.
-BEING_REMOVED = {"jact.flax"}
 
 # Imports inside functions, each with the reason it cannot sit at the top of its module.
 LAZY_ALLOWED = {
@@ -148,8 +146,7 @@ def test_no_import_cycles():
 
 def test_every_module_outside_the_public_api_is_underscore_private():
   public_paths = [name for name in MODULES
-                  if not any(part.startswith("_") for part in name.split("."))
-                  and name not in BEING_REMOVED]
+                  if not any(part.startswith("_") for part in name.split("."))]
   assert sorted(set(public_paths) - PUBLIC) == []
 
 
@@ -160,3 +157,21 @@ def test_public_modules_list_their_api(name):
   assert module.__all__, name
   missing = [n for n in module.__all__ if not hasattr(module, n)]
   assert not missing, f"{name}.__all__ names what it does not define: {missing}"
+
+
+# Flax's packages: the public twins and the private machinery.
+FLAX_PACKAGES = ("jact._flax", "jact.nn", "jact.nnx", "jact._compat.flax")
+
+
+def test_compat_test_helpers_and_flax_accessors_are_imported_only_where_they_belong():
+  """`jact._compat.testing` by no jact module (tests only); `jact._compat.flax`
+  by jact's Flax modules only, so jact's core never reaches Flax internals."""
+  wrong = []
+  for name, edges in EDGES.items():
+    for target, line, _ in edges:
+      flax_outside = (target.startswith("jact._compat.flax")
+                      and not name.startswith(FLAX_PACKAGES))
+      if target.startswith("jact._compat.testing") or flax_outside:
+        wrong.append(f"{MODULES[name]}:{line}: {name} imports {target}")
+  assert not wrong, "\n".join(wrong)
+  assert any(t.startswith("jact._compat.flax") for edges in EDGES.values() for t, _, _ in edges)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 from jact.ops._attention import dot_product_attention as attn
 from stats import DRAWS, assert_unbiased, over_keys, residual_bytes, tree_rel_err

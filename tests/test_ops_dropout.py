@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 from jact.ops._dropout import dropout
 from stats import DRAWS, assert_unbiased, over_keys

@@ -14,7 +14,7 @@ import pytest
 
 from jact.ops._embedding import embed
 
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 VOCAB, FEATURES = 50, 16
 

@@ -25,7 +25,7 @@ from jact.compressors import PerGroup
 from jact.ops import _linear as L
 from stats import DRAWS, assert_unbiased
 
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 N_DRAWS = DRAWS  # enough to see a bias of 1% of a rounding step (tests/stats.py)
 BITS = 2

@@ -18,7 +18,7 @@ import pytest
 
 from jact.ops import _pooling as P
 
-from jact._compat import saved_residuals
+from jact._compat.testing import saved_residuals
 
 
 def _data(seed, shape, dtype=jnp.float32, ties=False):

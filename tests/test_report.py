@@ -67,7 +67,7 @@ def test_uncompressed_named_argument_is_flagged():
 
 
 def test_same_as_jax_saved_residuals_without_barriers():
-  from jact._compat import saved_residuals
+  from jact._compat.testing import saved_residuals
 
   def f(params, x):
     h = checkpoint_name(jnp.tanh(x @ params["w"]), "h")

@@ -52,7 +52,7 @@ from flax import nnx
 from jact._engine.derivatives import inference_only
 from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact._transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
                                         check_argnums, input_flags)

@@ -27,7 +27,7 @@ from jact import _compat as _jax_compat
 from jact._engine.derivatives import inference_only
 from jact._engine.rounding import op_rounding
 from jact._flax.context import OPS, USE_KEY, bound
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact.ops import _linear as linear
 from jact.ops._attention import dot_product_attention
 

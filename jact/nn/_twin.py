@@ -10,7 +10,7 @@ from typing import Any, Callable
 from jact._engine.op import REMOVED_KEYWORDS, reject_removed_keywords
 from jact._flax import hooks as _hooks
 from jact._flax.hooks import Hook
-from jact.flax import _compat
+from jact._compat import flax as _compat
 
 
 class _Twin:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import flax.linen as nn
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact.compressors import Compressor
 from jact import nn as jnn

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact._flax.context import LINEN_IN_MODEL, LINEN_OUTER_KEY, LINEN_PASS, bound
 from jact._flax.convert.settings import Settings
 from jact._flax.convert.generic import layout_recomputed, residual_config, saved_bytes, scan_key

@@ -7,7 +7,7 @@ from typing import Any, Callable
 from flax import nnx
 from jax import lax
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact import nnx as jnnx
 from jact._flax.convert import nnx_engine as _engine

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jact.flax import _compat
+from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact._flax.context import NNX_IN_MODEL, bound
 from jact._flax.convert.settings import Settings

@@ -1,0 +1,125 @@
+"""Platforms and Pallas: the lowering platform, Pallas kernel names, lowering for CUDA anywhere.
+
+jact's kernels are chosen per platform and checked by lowering them for a GPU
+on any host; telling CUDA from ROCm and naming the target GPU go through
+semi-public or private JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import jax
+import jax.extend.backend
+import jax.numpy as jnp
+from jax.experimental import pallas as _pallas
+from jax.experimental.pallas import triton as _pallas_triton
+
+from jact._compat._probes import probes, trace_eqns
+
+__all__ = ["lowering_platform", "pallas_kernel_name", "lower_for_cuda"]
+
+
+# ----------------------------------------------------------------------------- platform
+
+
+def lowering_platform() -> str:
+  """The `lax.platform_dependent` name of the default backend: "cpu",
+  "cuda", "rocm" or "tpu".
+
+  Public (semi): `jax.extend.backend.get_backend().platform_version` tells
+  CUDA from ROCm (`jax.default_backend()` says only "gpu"). No default on a
+  missing attribute: a silent "cuda" would pick the wrong branch."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  version = jax.extend.backend.get_backend().platform_version
+  return "rocm" if "rocm" in str(version).lower() else "cuda"
+
+
+@probes(lowering_platform="jax.extend.backend.get_backend().platform_version")
+def _check_lowering_platform():
+  platform = lowering_platform()
+  assert platform in ("cpu", "cuda", "rocm", "tpu"), platform
+  if jax.default_backend() != "gpu":
+    assert platform == jax.default_backend()
+  version = jax.extend.backend.get_backend().platform_version
+  assert isinstance(version, str) and version, f"platform_version is {version!r}"
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def pallas_kernel_name(eqn) -> str | None:
+  """The name of the Pallas kernel `eqn` runs ("pallas_call" when unnamed),
+  or None when `eqn` is no `pallas_call`.
+
+  Public (experimental): `jax.experimental.pallas.pallas_call_p` by
+  identity; its `params["name"]` is undocumented (the `name=` given to
+  `pl.pallas_call`). Watch: older versions kept `name_and_src_info`."""
+  if eqn.primitive is not _pallas.pallas_call_p:
+    return None
+  return str(eqn.params.get("name") or "pallas_call")
+
+
+@probes(pallas_kernel_name="jax.experimental.pallas.pallas_call_p and its params['name']")
+def _check_pallas_kernel_name():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  call = _pallas.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                             interpret=True, name="jact_probe")
+  eqn, = trace_eqns(call, jnp.ones(8))
+  assert pallas_kernel_name(eqn) == "jact_probe", f"kernel name read as {pallas_kernel_name(eqn)!r}"
+  assert pallas_kernel_name(trace_eqns(jnp.sin, 1.0)[0]) is None
+
+
+# ----------------------------------------------------------------------------- cuda from any host
+
+
+def _abstract_gpu(device_kind: str):
+  """Context naming the GPU a Pallas Triton kernel is lowered for, or None
+  where JAX needs none. jax 0.10.2 lowers for compute capability 9.0 when no
+  GPU is attached; jax >= 0.11 reads the target from the device kind of the
+  context's abstract mesh (`jax._src.pallas.triton.gpu_info`, private) and
+  fails without a GPU or one. None public: `jax.sharding.AbstractMesh(...,
+  abstract_device=)` is public, its `AbstractDevice` is not exported (watch:
+  `jax._src.mesh.AbstractDevice`'s fields)."""
+  try:
+    from jax._src.pallas.triton import gpu_info  # noqa: F401  # jax >= 0.11
+  except ImportError:
+    return None
+  from jax._src.mesh import AbstractDevice
+  mesh = jax.sharding.AbstractMesh((1,), ("jact_cuda_target",), abstract_device=AbstractDevice(
+      device_kind=device_kind, num_cores=None, platform="gpu"))
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn: Callable, *args, device_kind: str = "NVIDIA H100",
+                   platforms: Sequence[str] = ("cuda",)):
+  """`jax.jit(fn)` traced at `args` and lowered for cuda (with any other
+  `platforms`) on any host, a machine without a GPU included, its Pallas
+  Triton kernels compiled to Triton IR for `device_kind` ("NVIDIA H100":
+  sm_90). Array arguments count by shape and dtype only.
+
+  Public: `jit(f).trace(*args).lower(lowering_platforms=...)`; naming the
+  target GPU is not (see `_abstract_gpu`)."""
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a, args)
+  target = _abstract_gpu(device_kind) if "cuda" in platforms else None
+  with target if target is not None else contextlib.nullcontext():
+    return jax.jit(fn).trace(*abstract).lower(lowering_platforms=tuple(platforms))
+
+
+@probes(
+    lower_for_cuda=("a Pallas Triton kernel lowered for cuda on any host: the abstract mesh's "
+                    "AbstractDevice on jax >= 0.11"),
+)
+def _check_lower_for_cuda():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  call = _pallas.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), name="jact_probe",
+      compiler_params=_pallas_triton.CompilerParams(num_warps=4, num_stages=1))
+  text = lower_for_cuda(call, jnp.ones((8, 128))).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "jact_probe" in text, "no Triton call in the lowering"
