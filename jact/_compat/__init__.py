@@ -6,7 +6,7 @@ public API that would replace it (or "none public" and what to watch), with
 its probe beside it (`@probes(name="what it reads")`). `check()` runs the
 probes and raises one `CompatError` naming each access the installed JAX
 changed. Nothing else in jact touches `jax._src`, `jax.core`, `jax.extend`,
-`jax.interpreters` or equation parameters (tests/test_compat.py greps for it).
+`jax.interpreters` or equation parameters (tests/compat/test_compat.py greps for it).
 
 This package re-exports every JAX accessor and imports only JAX: it sits
 below every other jact module. The Flax accessors live in `jact._compat.flax`

@@ -12,7 +12,7 @@ division by a runtime 1.0): these are XLA:CPU workarounds, so they are
 emitted through `jact._core.xla_cpu.on_cpu`, one primitive whose rule is
 lowered only in programs for the CPU -- a program lowered for cuda, rocm or
 tpu holds the values themselves, unchanged, and not one flag
-(tests/test_platform_ordering.py lowers for cuda from the CPU and checks).
+(tests/core/test_platform_ordering.py lowers for cuda from the CPU and checks).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """jact._compat.flax, the one home of jact's private / internal Flax accesses.
 
 `check()` exercises each access on tiny models and names the broken ones (its
-probe gate, shared with the JAX accessors, is tested in tests/test_compat.py); the
+probe gate, shared with the JAX accessors, is tested in tests/compat/test_compat.py); the
 gate keeps every other jact module off Flax internals (file:line on failure);
 the attention twins take every keyword of the installed Flax's
 dot_product_attention, read from its signature, so a keyword a new Flax adds is
@@ -30,7 +30,7 @@ from jact._flax import hooks as _hooks
 from jact import nn as jnn
 from jact import nnx as jnnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "jact" / "_compat" / "flax"
 FLAX_PROBES = [n for n, p in _compat.CHECKS.items() if p.module.startswith("jact._compat.flax.")]
 

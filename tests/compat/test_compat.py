@@ -13,7 +13,7 @@
 * Grep gate: no file of jact/ outside jact/_compat/ touches private or internal
   JAX (`test_no_private_jax_access_outside_compat`, file:line on failure).
   Another library's gate adds its own pattern table and test function built on
-  `_violations` (tests/test_compat_flax.py does for Flax).
+  `_violations` (tests/compat/test_compat_flax.py does for Flax).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jact._compat import _probes
 from jact._compat import flax as _flax_compat  # noqa: F401 (registers the Flax probes)
 from jact._compat import testing as compat_testing
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPAT_DIR = "jact/_compat/"
 INFRASTRUCTURE = {"CompatError", "CHECKS", "check"}  # what a package re-exports from _probes
 

@@ -52,7 +52,7 @@ def _geometry(shape):
 # Each kernel and reference is jitted on its own: XLA:CPU compiles the
 # interpreted kernels much faster as separate modules than as one. Kernels and
 # references are compiled alike, unoptimized (FAST_COMPILE): a third faster.
-# (The kernels compute in float32 and integers; tests/test_kernel_contract.py
+# (The kernels compute in float32 and integers; tests/kernels/test_kernel_contract.py
 # checks their unoptimized bits against the reference compiled as users do.)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
@@ -69,7 +69,7 @@ _dequantize_reference = _jit(dequantize_per_sample_reference, static_argnames=("
 # buffer so large that extra programs only write zeros; 784 values (7 groups
 # of 112, not a power of two) with round-to-nearest. On these three cases
 # (same shape, dtype, widths, capacity, group size, rounding and rows)
-# tests/test_kernel_contract.py's per-sample cases "widths-1248-f32-partial-group",
+# tests/kernels/test_kernel_contract.py's per-sample cases "widths-1248-f32-partial-group",
 # "bf16-zero-only-programs" and "f16-nearest-group112" compare the quantize
 # kernel and the dequantize kernel (to float32, float32 and float16) bit for bit,
 # with outputs pre-filled; interpret mode compiles each kernel for seconds, so
@@ -87,7 +87,7 @@ CASES = [
 
 
 def test_the_kernel_contract_runs_the_other_cases():
-  """The cases above not run here are tests/test_kernel_contract.py's (kept in step)."""
+  """The cases above not run here are tests/kernels/test_kernel_contract.py's (kept in step)."""
   import test_kernel_contract as contract
   assert [case.name for case in contract.quantize_per_sample_cases()] == [
       case.name for case in contract.dequantize_per_sample_cases()] == [

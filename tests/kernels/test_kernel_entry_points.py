@@ -18,7 +18,7 @@ from jact.kernels._relu_mask.api import relu_mask
 from jact.kernels._relu_mask.reference import relu_mask_reference
 from kernel_checks import assert_same_bits, assert_same_packed
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jact"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jact"
 
 ENTRY_POINTS = {"quantize": quantize, "dequantize": dequantize, "relu_mask": relu_mask,
                 "quantize_per_sample": quantize_per_sample,

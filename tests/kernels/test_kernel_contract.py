@@ -346,7 +346,7 @@ def _every(op):
 def _require(op, case):
   if case is None:
     pytest.fail(f"op {op!r} is registered in jact.kernels.REGISTRY but has no case generator: "
-                f"add one to CASES in tests/test_kernel_contract.py", pytrace=False)
+                f"add one to CASES in tests/kernels/test_kernel_contract.py", pytrace=False)
 
 
 _REFERENCES: dict[tuple[str, str], tuple] = {}

@@ -111,7 +111,7 @@ def test_keep_mask_probability_resolution():
 
 
 def test_errors():
-  for bad in [1.5, -0.1]:  # rate 1.0 drops everything (tests/test_edge_indices.py)
+  for bad in [1.5, -0.1]:  # rate 1.0 drops everything (tests/ops/test_indices_edges.py)
     with pytest.raises(ValueError, match=r"jact dropout rate must be in \[0, 1\]"):
       dropout(X, bad, key=jax.random.key(0))
   with pytest.raises(ValueError, match="needs a PRNG key"):

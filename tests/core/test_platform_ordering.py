@@ -124,7 +124,7 @@ def test_group_size_is_the_programs_platforms(platform, expected):
 def test_padded_groups_round_unbiased_for_cuda():
   """The padded layout a cuda program uses (784 values in 4 groups of 256):
   over 400 draws the total rounding error has mean zero (|z| < 4.5; z of the
-  per-draw sum, as tests/test_odd_shapes.py)."""
+  per-draw sum, as tests/core/test_odd_shapes.py)."""
   x = jax.random.normal(jax.random.key(11), (2, 784))
   compressor = PerGroup(bits=2, group_size=256)
 

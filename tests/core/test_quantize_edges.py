@@ -33,7 +33,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for the interpret-mode kernels (`_jitted(..., fast=True)`):
 unoptimized, they compile a third faster. The references compile as users compile
 them, so the comparisons also check that the kernels' bits do not depend on the
-optimization level (as tests/test_kernel_contract.py does)."""
+optimization level (as tests/kernels/test_kernel_contract.py does)."""
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "stochastic", "dtype"))

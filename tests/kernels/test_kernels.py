@@ -38,7 +38,7 @@ def _activation(shape, dtype, seed=0, specials=True):
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for `jitted` (kernels and references compiled alike):
 unoptimized, the interpret-mode kernels compile a third faster. (They compute in
-float32 and integers; tests/test_kernel_contract.py checks their unoptimized bits
+float32 and integers; tests/kernels/test_kernel_contract.py checks their unoptimized bits
 against the reference compiled as users compile it.)"""
 
 
@@ -98,7 +98,7 @@ def test_unknown_names_raise_with_the_choices():
 
 
 # 1 bit on (4, 1000) float32 (groups of 200, not a power of two) is
-# tests/test_kernel_contract.py's quantize case "b1-f32-group200" and dequantize
+# tests/kernels/test_kernel_contract.py's quantize case "b1-f32-group200" and dequantize
 # case "b1-f32" (same shape, dtype, width, group size and rows; there with the
 # outputs pre-filled), so it is not repeated here (interpret mode compiles
 # each kernel for seconds).
@@ -253,7 +253,7 @@ def test_compressor_implementation_field_selects_the_kernel():
 
 
 # The ReLU-mask kernel's bit-exactness, with its outputs pre-filled with
-# garbage, is checked by tests/test_kernel_contract.py on the same five
+# garbage, is checked by tests/kernels/test_kernel_contract.py on the same five
 # (shape, dtype, slope) cases this file ran (float32/bfloat16/float16, leaky
 # and not, fewer values than mask planes) and more tile sizes.
 

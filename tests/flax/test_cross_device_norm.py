@@ -190,7 +190,7 @@ def test_converted_batch_norm_adds_no_collectives_on_8_devices(tmp_path):
   env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                                     " --xla_force_host_platform_device_count=8").strip(),
              JAX_PLATFORMS="cpu")
-  tests_dir = str(pathlib.Path(__file__).parent)
+  tests_dir = str(pathlib.Path(__file__).parents[1])
   done = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True,
                         text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -20,7 +20,7 @@ from kernel_checks import assert_same_bits, assert_same_packed
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for the interpret-mode kernels and their references, compiled
 alike: unoptimized, they compile a third faster. (The kernels compute in float32
-and integers; tests/test_kernel_contract.py checks their unoptimized bits against
+and integers; tests/kernels/test_kernel_contract.py checks their unoptimized bits against
 the reference compiled as users compile it.)"""
 
 
