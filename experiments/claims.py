@@ -1,12 +1,13 @@
-"""Every figure the README's Results and the notebooks' prose quote, from the committed JSON.
+"""Every figure the README's Results, the docs' generated pages and the notebooks' prose quote.
 
 Prose is written as a template: a figure is `{{name}}`, never a typed number.
 `figures()` computes every name from `experiments/results/` (formatted as the
 prose shows it), `render(text)` fills a template, and `python -m
 experiments.claims` rewrites the README's Results section (between its
-`results:begin` / `results:end` markers) from `experiments/results_template.md`.
-`tests/test_claims.py` renders the README and the notebooks' prose again and
-fails when a quoted figure differs from the data or a template types a figure.
+`results:begin` / `results:end` markers) from `experiments/results_template.md`
+and each page in `PAGES` (e.g. `docs/results.md`) from its template.
+`tests/test_claims.py` renders them and the notebooks' prose again and fails
+when a quoted figure differs from the data or a template types a figure.
 
 Names: `actnn.<variant>.<field>` (accuracy, saved_mib, temp_mib, fewer: plain JAX's
 saved bytes over the variant's, fewer_than_layers: one float32 copy per layer input
@@ -29,13 +30,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RESULTS", "TEMPLATE", "README", "PAPER", "figures", "render", "placeholders",
-           "typed_figures", "readme_section", "main"]
+__all__ = ["RESULTS", "TEMPLATE", "README", "PAGES", "PAPER", "figures", "render", "placeholders",
+           "typed_figures", "readme_section", "stale", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 TEMPLATE = ROOT / "experiments" / "results_template.md"
 README = ROOT / "README.md"
+# Generated docs pages: the page -> its template (the whole page is generated).
+PAGES = {
+    ROOT / "docs" / "results.md": ROOT / "experiments" / "results_page_template.md",
+}
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
 # A typed figure: a decimal, a ratio ("3.4x", "20x") or a percentage.
@@ -319,18 +324,34 @@ def readme_section(readme: str) -> tuple[int, int]:
   return start, end
 
 
+def _rendered() -> dict[Path, str]:
+  """Every generated file -> its full text as rendered from the committed data."""
+  readme = README.read_text()
+  start, end = readme_section(readme)
+  values = figures()
+  out = {README: readme[:start] + "\n" + render(TEMPLATE.read_text(), values) + "\n" + readme[end:]}
+  for page, template in PAGES.items():
+    out[page] = render(template.read_text(), values)
+  return out
+
+
+def stale() -> list[str]:
+  """The generated files whose text differs from what the data renders (repo-relative)."""
+  return [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+          for path, text in _rendered().items() if not path.exists() or path.read_text() != text]
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m experiments.claims",
                               description=__doc__.split("\n")[0])
-  p.add_argument("--check", action="store_true", help="only say whether README is up to date")
+  p.add_argument("--check", action="store_true",
+                 help="only say whether the README and the generated pages are up to date")
   a = p.parse_args(argv)
-  readme = README.read_text()
-  start, end = readme_section(readme)
-  section = "\n" + render(TEMPLATE.read_text()) + "\n"
   if a.check:
-    raise SystemExit(0 if readme[start:end] == section else "README's Results are stale: run "
-                     "python -m experiments.claims")
-  README.write_text(readme[:start] + section + readme[end:])
+    old = stale()
+    raise SystemExit(f"stale: {', '.join(old)}: run python -m experiments.claims" if old else 0)
+  for path, text in _rendered().items():
+    path.write_text(text)
 
 
 if __name__ == "__main__":
