@@ -14,7 +14,8 @@ saved bytes over the variant's, fewer_than_layers: one float32 copy per layer in
 over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
 values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 `gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
-`acgc.<checkpoint>.<field>`.
+`acgc.<checkpoint>.<field>`, whole tables `table.<experiment>` (bench_compressors,
+bench_memory, train_sharded) for the generated blocks of hand-written docs pages.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["RESULTS", "TEMPLATE", "README", "PAGES", "PAPER", "figures", "render", "placeholders",
-           "typed_figures", "readme_section", "stale", "main"]
+           "typed_figures", "readme_section", "render_blocks", "stale", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -41,6 +42,10 @@ README = ROOT / "README.md"
 PAGES = {
     ROOT / "docs" / "results.md": ROOT / "experiments" / "results_page_template.md",
 }
+# A generated block inside a hand-written docs page: `<!-- claims:NAME -->`, the rendered
+# `{{NAME}}`, `<!-- claims:end -->` (the prose around it is typed by hand).
+_BLOCK = re.compile(r"(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)(<!-- claims:end -->)", re.S)
+DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
 # A typed figure: a decimal, a ratio ("3.4x", "20x") or a percentage.
@@ -261,6 +266,47 @@ def _acgc(results: Path, out: dict) -> None:
     out[f"acgc.{name}.conv_density"] = f"{min(density):.2f}-{max(density):.2f}"
 
 
+_MEMORY_MODELS = {"resnet18_cifar": "ResNet-18, CIFAR", "resnet50_cifar": "ResNet-50, CIFAR",
+                  "resnet18_224": "ResNet-18, 224²", "resnet50_224": "ResNet-50, 224²",
+                  "transformer": "transformer, 8 blocks"}
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _tables(results: Path, out: dict) -> None:
+  """Whole tables of the docs pages' generated blocks (`<!-- claims:table.NAME -->`)."""
+  bc = _load(results / "bench_compressors.json")
+  if bc is not None:
+    rows = [[r["method"].replace(" e2=", ", e²="), f"{r['unit_bytes'] / 1e6:.1f} MB",
+             _ratio(r["unit_ratio"]), _f(r["rel_error"], 3), _f(r["bias"], 3)]
+            for r in bc["rows"] if not r["method"].startswith("exact")]
+    out["table.bench_compressors"] = _table(
+        ["method", "unit residual bytes", "vs exact units", "gradient rel. error",
+         "error of the 8-key mean"], rows)
+  bm = _load(results / "bench_memory.json")
+  if bm is not None:
+    rows = [[f"{_MEMORY_MODELS.get(r['model'], r['model'])} "
+             f"({'x'.join(map(str, r['input_shape'])) if r['model'] == 'transformer' else r['input_shape'][0]})",
+             _ratio(r["residual_reduction"]), _ratio(r["temp_reduction"])]
+            for r in bm["rows"] if r["bits"] == 2]
+    out["table.bench_memory"] = _table(["model (batch)", "saved for backward", "compiled temp"], rows)
+  ts = _load(results / "train_sharded.json")
+  if ts is not None:
+    rows = []
+    for r in ts["runs"]:
+      kinds = ", ".join(f"{k} {c['count']}" for k, c in r["collectives"].items())
+      received = sum(c["bytes"] for c in r["collectives"].values()) / 2**20
+      rows.append([r["variant"], f"{r['per_device_bytes']['temp'] / 2**20:.1f} MiB",
+                   f"{kinds}: {received:.1f} MiB", _f(r["seconds_per_step"], 2),
+                   _f(r["final_loss"], 3), _f(r["held_out_loss"], 3)])
+    out["table.train_sharded"] = _table(
+        ["variant", "per-device temp", "collectives (count: bytes a device receives)", "s/step",
+         "loss, last 20 steps", "held-out loss"], rows)
+
+
 # Figures the papers report (quoted, with where): not computed here, but named so that a
 # template never types a number.
 PAPER = {
@@ -280,7 +326,7 @@ def _figures(results: str) -> dict:
   out: dict[str, str] = {name: value for name, (value, _) in PAPER.items()}
   _theory(out)
   path = Path(results)
-  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc):
+  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc, _tables):
     part(path, out)
   from experiments import notebook_support, summary  # the key table, as summary prints it
   out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
@@ -332,7 +378,21 @@ def _rendered() -> dict[Path, str]:
   out = {README: readme[:start] + "\n" + render(TEMPLATE.read_text(), values) + "\n" + readme[end:]}
   for page, template in PAGES.items():
     out[page] = render(template.read_text(), values)
+  for page in sorted(DOCS.glob("*.md")):
+    if page not in PAGES and _BLOCK.search(page.read_text()):
+      out[page] = render_blocks(page.read_text(), values)
   return out
+
+
+def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
+  """`text` with each generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`) filled.
+
+  >>> render_blocks("a\\n<!-- claims:x -->\\nold\\n<!-- claims:end -->\\nb", {"x": "new"})
+  'a\\n<!-- claims:x -->\\nnew\\n<!-- claims:end -->\\nb'
+  """
+  values = figures() if values is None else values
+  return _BLOCK.sub(lambda m: m.group(1) + render("{{" + m.group(2) + "}}", values) + "\n"
+                    + m.group(4), text)
 
 
 def stale() -> list[str]:

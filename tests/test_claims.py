@@ -103,3 +103,20 @@ def test_figures_follow_the_json(tmp_path):
   f = claims.figures(tmp_path)
   assert f["actnn.fp.accuracy"] == "0.500" and f["actnn.pergroup2.accuracy"] == "0.250"
   assert f["actnn.pergroup2.fewer"] == "4.0x" and f["actnn.pergroup2.saved_mib"] == "0.2"
+
+
+def test_every_generated_file_is_up_to_date():
+  """README's Results, the generated pages and the generated blocks in hand-written docs pages."""
+  assert claims.stale() == [], "run python -m experiments.claims"
+
+
+def test_a_generated_block_is_filled_from_the_data(tmp_path):
+  import json
+  rows = [dict(model="resnet18_cifar", bits=b, input_shape=[8, 32, 32, 3], residual_reduction=r,
+               temp_reduction=r / 2) for b, r in ((None, 1.0), (2, 12.34))]
+  (tmp_path / "bench_memory.json").write_text(json.dumps(dict(rows=rows)))
+  table = claims.figures(tmp_path)["table.bench_memory"]
+  assert "| ResNet-18, CIFAR (8) | 12.3x | 6.2x |" in table.splitlines()
+  page = "x\n<!-- claims:table.bench_memory -->\n| typed | by hand |\n<!-- claims:end -->\n"
+  assert claims.render_blocks(page, {"table.bench_memory": table}) == (
+      f"x\n<!-- claims:table.bench_memory -->\n{table}\n<!-- claims:end -->\n")
