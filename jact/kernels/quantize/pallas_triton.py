@@ -4,7 +4,7 @@
 bf16 minimum and step: the finite-only min/max, the directed bf16 rounding,
 the hashed stochastic rounding and the planar bit packing all happen in one
 pass. `dequantize` is the inverse pass. Non-finite values take the reference's
-flagged-group path (`jact.core.quantize`, "Non-finite values"). Both are bit-exact with
+flagged-group path (docs/design.md, "Per-group quantization"). Both are bit-exact with
 `reference.quantize_reference` / `dequantize_reference` for the same seed.
 
 One program handles `rows` groups; group r (sample r // groups, group
