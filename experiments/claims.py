@@ -15,7 +15,7 @@ over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
 values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 `gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
 `acgc.<checkpoint>.<field>`, whole tables `table.<experiment>` (bench_compressors,
-bench_memory, train_sharded) for the generated blocks of hand-written docs pages.
+bench_memory, bench_models, train_sharded) for the generated blocks of hand-written docs pages.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
@@ -270,6 +270,11 @@ _MEMORY_MODELS = {"resnet18_cifar": "ResNet-18, CIFAR", "resnet50_cifar": "ResNe
                   "resnet18_224": "ResNet-18, 224²", "resnet50_224": "ResNet-50, 224²",
                   "transformer": "transformer, 8 blocks"}
 
+_ZOO_MODELS = {"resnet18": "ResNet-18 (CIFAR, batch 32)", "bilstm_sst2": "SST-2 BiLSTM",
+               "transformer_lm": "LM1B-style decoder", "gemma_nnx": "Gemma-like nnx transformer",
+               "seq2seq": "LSTM seq2seq", "scan_mlp_nnx": "nnx scan over `nnx.vmap`-built blocks",
+               "mnist_cnn": "nnx MNIST CNN"}
+
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -293,6 +298,19 @@ def _tables(results: Path, out: dict) -> None:
              _ratio(r["residual_reduction"]), _ratio(r["temp_reduction"])]
             for r in bm["rows"] if r["bits"] == 2]
     out["table.bench_memory"] = _table(["model (batch)", "saved for backward", "compiled temp"], rows)
+  bmo = _load(results / "bench_models.json")
+  if bmo is not None:
+    by = {(r["model"], r["variant"], r["bits"]): r for r in bmo["rows"]}
+    rows = []
+    for model, label in _ZOO_MODELS.items():
+      plain = by.get((model, "plain", None))
+      cells = [by.get((model, v, 2)) for v in ("convert", "compressed")]
+      if plain and all(cells):
+        rows.append([label] + [f"{plain['saved_bytes'] / c['saved_bytes']:.0f}x / "
+                               f"{plain['temp_bytes'] / c['temp_bytes']:.1f}x" for c in cells])
+    out["table.bench_models"] = _table(
+        ["model", "convert: saved / compiled temp", "whole-model compressed: saved / compiled temp"],
+        rows)
   ts = _load(results / "train_sharded.json")
   if ts is not None:
     rows = []
