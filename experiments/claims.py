@@ -15,7 +15,7 @@ over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
 values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 `gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
 `acgc.<checkpoint>.<field>`, whole tables `table.<experiment>` (bench_compressors,
-bench_memory, bench_models, train_sharded) for the generated blocks of hand-written docs pages.
+bench_memory, bench_models, whole_model_error, train_sharded) for the generated blocks of hand-written docs pages.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
@@ -44,7 +44,8 @@ PAGES = {
 }
 # A generated block inside a hand-written docs page: `<!-- claims:NAME -->`, the rendered
 # `{{NAME}}`, `<!-- claims:end -->` (the prose around it is typed by hand).
-_BLOCK = re.compile(r"(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)(<!-- claims:end -->)", re.S)
+_BLOCK = re.compile(r"^([ \t]*)(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)^([ \t]*<!-- claims:end -->)",
+                    re.S | re.M)
 DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
@@ -275,6 +276,20 @@ _ZOO_MODELS = {"resnet18": "ResNet-18 (CIFAR, batch 32)", "bilstm_sst2": "SST-2 
                "seq2seq": "LSTM seq2seq", "scan_mlp_nnx": "nnx scan over `nnx.vmap`-built blocks",
                "mnist_cnn": "nnx MNIST CNN"}
 
+_WHOLE_MODELS = {"vit": "ViT (class token, pre-LN)", "mixer": "MLP-Mixer", "convnext_nnx": "nnx ConvNeXt",
+                 "gn_resnet": "GroupNorm + StdConv ResNet",
+                 "offset_norms": "offset input into LN/RMSNorm/GN",
+                 "norm_chain": "rsqrt / division / L2-norm chain"}
+
+
+def _sig3(value: float) -> str:
+  """Three significant figures, no exponent, thousands separated: 0.813, 14.1, 93,400."""
+  if value == 0:
+    return "0"
+  digits = 2 - int(np.floor(np.log10(abs(value))))
+  rounded = round(value, digits)
+  return f"{rounded:,.{max(digits, 0)}f}"
+
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -311,6 +326,22 @@ def _tables(results: Path, out: dict) -> None:
     out["table.bench_models"] = _table(
         ["model", "convert: saved / compiled temp", "whole-model compressed: saved / compiled temp"],
         rows)
+  wm = _load(results / "whole_model_error.json")
+  if wm is not None:
+    by = {r["model"]: r for r in wm["rows"]}
+    rows = []
+    for model, label in _WHOLE_MODELS.items():
+      r = by.get(model)
+      if r is None:
+        continue
+      errors = [" / ".join(_sig3(100 * r[f"{kind}_{b}"]["mean_error"]) for b in (8, 4, 2))
+                for kind in ("convert", "compressed", "rows_off")]
+      temp = [r["plain_temp_bytes"], r["convert_2"]["temp_bytes"], r["compressed_2"]["temp_bytes"]]
+      rows.append([label, *errors, f"{r['ratio_4']:.2f}, {r['ratio_2']:.2f}",
+                   " / ".join(f"{b / 1000:.0f}" for b in temp) + " kB"])
+    out["table.whole_model_error"] = _table(
+        ["model", "convert 8 / 4 / 2 bits (%)", "whole-model 8 / 4 / 2", "rows off 8 / 4 / 2",
+         "whole ÷ convert at 4, 2 bits", "temp"], rows)
   ts = _load(results / "train_sharded.json")
   if ts is not None:
     rows = []
@@ -409,8 +440,13 @@ def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
   'a\\n<!-- claims:x -->\\nnew\\n<!-- claims:end -->\\nb'
   """
   values = figures() if values is None else values
-  return _BLOCK.sub(lambda m: m.group(1) + render("{{" + m.group(2) + "}}", values) + "\n"
-                    + m.group(4), text)
+
+  def fill(m):  # the block keeps its indentation (a table inside a list item)
+    indent = m.group(1)
+    body = render("{{" + m.group(3) + "}}", values)
+    return (indent + m.group(2) + "".join(indent + line + "\n" for line in body.split("\n"))
+            + m.group(5))
+  return _BLOCK.sub(fill, text)
 
 
 def stale() -> list[str]:
