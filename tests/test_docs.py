@@ -59,3 +59,17 @@ def test_a_missing_link_target_is_found(tmp_path):
   page.write_text("[ok](page.md) [gone](nope.md#x) [web](https://example.org)")
   assert _relative_links(page) == ["page.md", "nope.md"]
   assert not (tmp_path / "nope.md").exists()
+
+
+NAMESPACES = ("ops", "compressors", "kernels", "nn", "nnx", "sensitivity", "acgc", "levels",
+              "allocate", "rng")
+
+
+def test_the_api_page_lists_every_public_name():
+  """docs/api.md names each `__all__` entry of `jact` and its public namespaces, and nothing else."""
+  import jact
+  listed = set(re.findall(r"^   (jact\.[\w.]+)$", (DOCS / "api.md").read_text(), re.M))
+  public = {f"jact.{n}" for n in jact.__all__ if n not in NAMESPACES}
+  for space in NAMESPACES:
+    public |= {f"jact.{space}.{n}" for n in getattr(jact, space).__all__}
+  assert listed == public, {"missing": sorted(public - listed), "extra": sorted(listed - public)}
