@@ -1,19 +1,21 @@
-"""Every figure the README's Results and the notebooks' prose quote, from the committed JSON.
+"""Every figure the README's Results, the docs' generated pages and the notebooks' prose quote.
 
 Prose is written as a template: a figure is `{{name}}`, never a typed number.
 `figures()` computes every name from `experiments/results/` (formatted as the
 prose shows it), `render(text)` fills a template, and `python -m
 experiments.claims` rewrites the README's Results section (between its
-`results:begin` / `results:end` markers) from `experiments/results_template.md`.
-`tests/test_claims.py` renders the README and the notebooks' prose again and
-fails when a quoted figure differs from the data or a template types a figure.
+`results:begin` / `results:end` markers) from `experiments/results_template.md`
+and each page in `PAGES` (e.g. `docs/results.md`) from its template.
+`tests/test_claims.py` renders them and the notebooks' prose again and fails
+when a quoted figure differs from the data or a template types a figure.
 
 Names: `actnn.<variant>.<field>` (accuracy, saved_mib, temp_mib, fewer: plain JAX's
 saved bytes over the variant's, fewer_than_layers: one float32 copy per layer input
 over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
 values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 `gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
-`acgc.<checkpoint>.<field>`.
+`acgc.<checkpoint>.<field>`, whole tables `table.<experiment>` (bench_compressors,
+bench_memory, bench_models, whole_model_error, train_sharded) for the generated blocks of hand-written docs pages.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
@@ -29,13 +31,22 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RESULTS", "TEMPLATE", "README", "PAPER", "figures", "render", "placeholders",
-           "typed_figures", "readme_section", "main"]
+__all__ = ["RESULTS", "TEMPLATE", "README", "PAGES", "PAPER", "figures", "render", "placeholders",
+           "typed_figures", "readme_section", "render_blocks", "stale", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 TEMPLATE = ROOT / "experiments" / "results_template.md"
 README = ROOT / "README.md"
+# Generated docs pages: the page -> its template (the whole page is generated).
+PAGES = {
+    ROOT / "docs" / "results.md": ROOT / "experiments" / "results_page_template.md",
+}
+# A generated block inside a hand-written docs page: `<!-- claims:NAME -->`, the rendered
+# `{{NAME}}`, `<!-- claims:end -->` (the prose around it is typed by hand).
+_BLOCK = re.compile(r"^([ \t]*)(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)^([ \t]*<!-- claims:end -->)",
+                    re.S | re.M)
+DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
 # A typed figure: a decimal, a ratio ("3.4x", "20x") or a percentage.
@@ -256,6 +267,95 @@ def _acgc(results: Path, out: dict) -> None:
     out[f"acgc.{name}.conv_density"] = f"{min(density):.2f}-{max(density):.2f}"
 
 
+_MEMORY_MODELS = {"resnet18_cifar": "ResNet-18, CIFAR", "resnet50_cifar": "ResNet-50, CIFAR",
+                  "resnet18_224": "ResNet-18, 224²", "resnet50_224": "ResNet-50, 224²",
+                  "transformer": "transformer, 8 blocks"}
+
+_ZOO_MODELS = {"resnet18": "ResNet-18 (CIFAR, batch 32)", "bilstm_sst2": "SST-2 BiLSTM",
+               "transformer_lm": "LM1B-style decoder", "gemma_nnx": "Gemma-like nnx transformer",
+               "seq2seq": "LSTM seq2seq", "scan_mlp_nnx": "nnx scan over `nnx.vmap`-built blocks",
+               "mnist_cnn": "nnx MNIST CNN"}
+
+_WHOLE_MODELS = {"vit": "ViT (class token, pre-LN)", "mixer": "MLP-Mixer", "convnext_nnx": "nnx ConvNeXt",
+                 "gn_resnet": "GroupNorm + StdConv ResNet",
+                 "offset_norms": "offset input into LN/RMSNorm/GN",
+                 "norm_chain": "rsqrt / division / L2-norm chain"}
+
+
+def _sig3(value: float) -> str:
+  """Three significant figures, no exponent, thousands separated: 0.813, 14.1, 93,400."""
+  if value == 0:
+    return "0"
+  digits = 2 - int(np.floor(np.log10(abs(value))))
+  rounded = round(value, digits)
+  return f"{rounded:,.{max(digits, 0)}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _tables(results: Path, out: dict) -> None:
+  """Whole tables of the docs pages' generated blocks (`<!-- claims:table.NAME -->`)."""
+  bc = _load(results / "bench_compressors.json")
+  if bc is not None:
+    rows = [[r["method"].replace(" e2=", ", e²="), f"{r['unit_bytes'] / 1e6:.1f} MB",
+             _ratio(r["unit_ratio"]), _f(r["rel_error"], 3), _f(r["bias"], 3)]
+            for r in bc["rows"] if not r["method"].startswith("exact")]
+    out["table.bench_compressors"] = _table(
+        ["method", "unit residual bytes", "vs exact units", "gradient rel. error",
+         "error of the 8-key mean"], rows)
+  bm = _load(results / "bench_memory.json")
+  if bm is not None:
+    rows = [[f"{_MEMORY_MODELS.get(r['model'], r['model'])} "
+             f"({'x'.join(map(str, r['input_shape'])) if r['model'] == 'transformer' else r['input_shape'][0]})",
+             _ratio(r["residual_reduction"]), _ratio(r["temp_reduction"])]
+            for r in bm["rows"] if r["bits"] == 2]
+    out["table.bench_memory"] = _table(["model (batch)", "saved for backward", "compiled temp"], rows)
+  bmo = _load(results / "bench_models.json")
+  if bmo is not None:
+    by = {(r["model"], r["variant"], r["bits"]): r for r in bmo["rows"]}
+    rows = []
+    for model, label in _ZOO_MODELS.items():
+      plain = by.get((model, "plain", None))
+      cells = [by.get((model, v, 2)) for v in ("convert", "compressed")]
+      if plain and all(cells):
+        rows.append([label] + [f"{plain['saved_bytes'] / c['saved_bytes']:.0f}x / "
+                               f"{plain['temp_bytes'] / c['temp_bytes']:.1f}x" for c in cells])
+    out["table.bench_models"] = _table(
+        ["model", "convert: saved / compiled temp", "whole-model compressed: saved / compiled temp"],
+        rows)
+  wm = _load(results / "whole_model_error.json")
+  if wm is not None:
+    by = {r["model"]: r for r in wm["rows"]}
+    rows = []
+    for model, label in _WHOLE_MODELS.items():
+      r = by.get(model)
+      if r is None:
+        continue
+      errors = [" / ".join(_sig3(100 * r[f"{kind}_{b}"]["mean_error"]) for b in (8, 4, 2))
+                for kind in ("convert", "compressed", "rows_off")]
+      temp = [r["plain_temp_bytes"], r["convert_2"]["temp_bytes"], r["compressed_2"]["temp_bytes"]]
+      rows.append([label, *errors, f"{r['ratio_4']:.2f}, {r['ratio_2']:.2f}",
+                   " / ".join(f"{b / 1000:.0f}" for b in temp) + " kB"])
+    out["table.whole_model_error"] = _table(
+        ["model", "convert 8 / 4 / 2 bits (%)", "whole-model 8 / 4 / 2", "rows off 8 / 4 / 2",
+         "whole ÷ convert at 4, 2 bits", "temp"], rows)
+  ts = _load(results / "train_sharded.json")
+  if ts is not None:
+    rows = []
+    for r in ts["runs"]:
+      kinds = ", ".join(f"{k} {c['count']}" for k, c in r["collectives"].items())
+      received = sum(c["bytes"] for c in r["collectives"].values()) / 2**20
+      rows.append([r["variant"], f"{r['per_device_bytes']['temp'] / 2**20:.1f} MiB",
+                   f"{kinds}: {received:.1f} MiB", _f(r["seconds_per_step"], 2),
+                   _f(r["final_loss"], 3), _f(r["held_out_loss"], 3)])
+    out["table.train_sharded"] = _table(
+        ["variant", "per-device temp", "collectives (count: bytes a device receives)", "s/step",
+         "loss, last 20 steps", "held-out loss"], rows)
+
+
 # Figures the papers report (quoted, with where): not computed here, but named so that a
 # template never types a number.
 PAPER = {
@@ -275,7 +375,7 @@ def _figures(results: str) -> dict:
   out: dict[str, str] = {name: value for name, (value, _) in PAPER.items()}
   _theory(out)
   path = Path(results)
-  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc):
+  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc, _tables):
     part(path, out)
   from experiments import notebook_support, summary  # the key table, as summary prints it
   out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
@@ -319,18 +419,53 @@ def readme_section(readme: str) -> tuple[int, int]:
   return start, end
 
 
+def _rendered() -> dict[Path, str]:
+  """Every generated file -> its full text as rendered from the committed data."""
+  readme = README.read_text()
+  start, end = readme_section(readme)
+  values = figures()
+  out = {README: readme[:start] + "\n" + render(TEMPLATE.read_text(), values) + "\n" + readme[end:]}
+  for page, template in PAGES.items():
+    out[page] = render(template.read_text(), values)
+  for page in sorted(DOCS.glob("*.md")):
+    if page not in PAGES and _BLOCK.search(page.read_text()):
+      out[page] = render_blocks(page.read_text(), values)
+  return out
+
+
+def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
+  """`text` with each generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`) filled.
+
+  >>> render_blocks("a\\n<!-- claims:x -->\\nold\\n<!-- claims:end -->\\nb", {"x": "new"})
+  'a\\n<!-- claims:x -->\\nnew\\n<!-- claims:end -->\\nb'
+  """
+  values = figures() if values is None else values
+
+  def fill(m):  # the block keeps its indentation (a table inside a list item)
+    indent = m.group(1)
+    body = render("{{" + m.group(3) + "}}", values)
+    return (indent + m.group(2) + "".join(indent + line + "\n" for line in body.split("\n"))
+            + m.group(5))
+  return _BLOCK.sub(fill, text)
+
+
+def stale() -> list[str]:
+  """The generated files whose text differs from what the data renders (repo-relative)."""
+  return [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+          for path, text in _rendered().items() if not path.exists() or path.read_text() != text]
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m experiments.claims",
                               description=__doc__.split("\n")[0])
-  p.add_argument("--check", action="store_true", help="only say whether README is up to date")
+  p.add_argument("--check", action="store_true",
+                 help="only say whether the README and the generated pages are up to date")
   a = p.parse_args(argv)
-  readme = README.read_text()
-  start, end = readme_section(readme)
-  section = "\n" + render(TEMPLATE.read_text()) + "\n"
   if a.check:
-    raise SystemExit(0 if readme[start:end] == section else "README's Results are stale: run "
-                     "python -m experiments.claims")
-  README.write_text(readme[:start] + section + readme[end:])
+    old = stale()
+    raise SystemExit(f"stale: {', '.join(old)}: run python -m experiments.claims" if old else 0)
+  for path, text in _rendered().items():
+    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
 
   Args:
     fn: the function to differentiate, e.g. a loss of (params, batch).
-    *args, **kwargs: its arguments (pytrees of arrays).
+    args, kwargs: its positional and keyword arguments (pytrees of arrays).
 
   Residuals a `jax.shard_map` inside `fn` saves are reported as one device
   keeps them (their shape inside the body), under their names, and a
@@ -444,7 +444,7 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
 
   Args:
     fn: the function (e.g. a whole training step).
-    *args, **kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them;
+    args, kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them;
       positions in `static_argnums` are hashable Python values. Without
       `static_argnums` and `in_shardings`, leaves that are not arrays (an
       Equinox module's functions and flags) are held fixed, as

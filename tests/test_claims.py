@@ -1,4 +1,4 @@
-"""Every figure the README's Results and the notebooks' prose quote comes from the committed JSON.
+"""Every figure the README's Results, the generated docs pages and the notebooks' prose quote comes from the committed JSON.
 
 `experiments.claims` computes each named figure from `experiments/results/`;
 these tests render the templates again and compare with what is committed, so
@@ -28,6 +28,8 @@ NOTEBOOKS = _notebook_templates()
 
 def test_templates_quote_figures_instead_of_typing_them():
   typed = {"README": claims.typed_figures(claims.TEMPLATE.read_text())}
+  for page, template in claims.PAGES.items():
+    typed[page.name] = claims.typed_figures(template.read_text())
   for name, cells in NOTEBOOKS.items():
     typed[name] = [f for kind, text in cells if kind == "markdown"
                    for f in claims.typed_figures(text)]
@@ -45,6 +47,32 @@ def test_readme_results_are_rendered_from_the_committed_data():
   expected = "\n" + claims.render(claims.TEMPLATE.read_text()) + "\n"
   assert readme[start:end] == expected, (
       "README's Results differ from the data: run python -m experiments.claims")
+
+
+@pytest.mark.parametrize("page", sorted(claims.PAGES), ids=lambda p: p.name)
+def test_generated_docs_pages_are_rendered_from_the_committed_data(page):
+  expected = claims.render(claims.PAGES[page].read_text())
+  assert page.read_text() == expected, (
+      f"{page.relative_to(ROOT)} differs from the data: run python -m experiments.claims")
+
+
+def test_stale_names_a_page_edited_by_hand(tmp_path, monkeypatch):
+  page, template = tmp_path / "page.md", tmp_path / "page_template.md"
+  template.write_text("fp reaches {{actnn.fp.accuracy}}")
+  page.write_text("fp reaches 0.999")  # typed by hand, not rendered
+  monkeypatch.setattr(claims, "ROOT", tmp_path.parent)
+  monkeypatch.setattr(claims, "README", ROOT / "README.md")
+  monkeypatch.setattr(claims, "PAGES", {page: template})
+  assert claims.stale() == [f"{tmp_path.name}/page.md"]
+  page.write_text(claims.render(template.read_text()))
+  assert claims.stale() == []
+
+
+def test_readme_results_point_to_the_generated_results_page():
+  readme = claims.README.read_text()
+  start, end = claims.readme_section(readme)
+  assert "docs/results.md" in readme[start:end]
+  assert ROOT / "docs" / "results.md" in claims.PAGES
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
@@ -75,3 +103,20 @@ def test_figures_follow_the_json(tmp_path):
   f = claims.figures(tmp_path)
   assert f["actnn.fp.accuracy"] == "0.500" and f["actnn.pergroup2.accuracy"] == "0.250"
   assert f["actnn.pergroup2.fewer"] == "4.0x" and f["actnn.pergroup2.saved_mib"] == "0.2"
+
+
+def test_every_generated_file_is_up_to_date():
+  """README's Results, the generated pages and the generated blocks in hand-written docs pages."""
+  assert claims.stale() == [], "run python -m experiments.claims"
+
+
+def test_a_generated_block_is_filled_from_the_data(tmp_path):
+  import json
+  rows = [dict(model="resnet18_cifar", bits=b, input_shape=[8, 32, 32, 3], residual_reduction=r,
+               temp_reduction=r / 2) for b, r in ((None, 1.0), (2, 12.34))]
+  (tmp_path / "bench_memory.json").write_text(json.dumps(dict(rows=rows)))
+  table = claims.figures(tmp_path)["table.bench_memory"]
+  assert "| ResNet-18, CIFAR (8) | 12.3x | 6.2x |" in table.splitlines()
+  page = "x\n<!-- claims:table.bench_memory -->\n| typed | by hand |\n<!-- claims:end -->\n"
+  assert claims.render_blocks(page, {"table.bench_memory": table}) == (
+      f"x\n<!-- claims:table.bench_memory -->\n{table}\n<!-- claims:end -->\n")

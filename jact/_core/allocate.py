@@ -1,26 +1,11 @@
 """Bit allocation: which width each tensor (or sample) gets under a bit budget.
 
-The per-group stochastic quantizer at b bits adds variance proportional to
-S(b) = (2**b - 1)**-2 (ActNN Eq. 9, GACT Eq. 4), so with a sensitivity c_l
-and a size of D_l values per tensor the problem is
-
-    minimize sum_l c_l * S(b_l)   subject to   sum_l b_l * D_l <= budget,
-
-with every b_l taken from an allowed set of widths (ActNN Eq. 10). The width
-`UNCOMPRESSED` (32) means "kept in full precision" and has S(32) = 0.
-
-* `greedy_allocate` is ActNN's heap greedy (host side, O(L log L)): start at
-  the widest width and keep lowering the tensor whose next step down costs
-  the least variance per bit saved until the budget holds (the step that
-  meets it is weighed against the cheapest single tensor that saves the
-  missing bits), then spend what is left on the upgrades that fit, best
-  variance reduction per bit first.
-* `optimal_allocate` is the exact dynamic program, for checking the greedy on
-  small instances.
-* `allocate_per_sample` is the same greedy over the samples of one tensor
-  (ActNN L3, stage 1) in pure JAX, to run inside `jax.jit`.
-
-Plans from the host allocators are plain tuples of ints (static for jit).
+Minimizes sum_l c_l S(b_l), S(b) = (2**b - 1)**-2, subject to a bit budget
+(ActNN Eq. 10): `greedy_allocate` (ActNN's heap greedy, host side),
+`optimal_allocate` (the exact dynamic program, to check it) and
+`allocate_per_sample` (the greedy over one tensor's samples in pure JAX, for
+ActNN L3 inside `jit`). `UNCOMPRESSED` (32) means kept in full precision.
+The greedy's steps: docs/design.md, "Bit allocation".
 
 >>> greedy_allocate([1.0, 100.0], [64, 64], budget_bits=6 * 64)
 (2, 4)

@@ -1,24 +1,11 @@
 """Per-sample mixed precision (ActNN L3): one width per sample, one static buffer.
 
-Sample n of x (axis 0) is quantized per group exactly like `jact.quantize`
-(same groups, bf16 statistics, non-finite flags and kinds, hash noise) but with
-its own width b_n in (1, 2, 4, 8), decided at run time (e.g. by
-`jact.allocate.allocate_per_sample` inside the same jit). Its codes are
-packed at b_n bits per value -- planar within the sample: with k = 8 // b_n
-codes per byte and Q = Dp // k bytes, byte j holds the sample's values j,
-j+Q, j+2Q, ... (Dp = values per sample padded to whole groups) -- and the
-samples lie back to back in ONE uint8 buffer of static length
-`capacity_bytes`, sample n at byte sum_{m<n} b_m Dp / 8. Shapes never depend
-on the widths, so the buffer is an ordinary jit value and residual.
-
-Widths that do not fit the capacity are the caller's bug, but cannot be
-reported from inside jit: every sample then falls back to 1 bit (which
-always fits, checked at trace time), so memory is never overrun and no NaN
-appears. Values outside (1, 2, 4, 8) are rounded down to one (at least 1).
-
+Each sample is quantized per group like `jact.quantize` but at its own width
+in (1, 2, 4, 8), chosen at run time; the samples' codes lie back to back in
+one uint8 buffer of static length, so shapes never depend on the widths.
 This module holds the layout (`PackedPerSample`, `per_sample_capacity`); the
-XLA reference is `jact.kernels._per_sample.reference`, the entry points that
-pick a kernel `jact.kernels._per_sample.api`.
+kernels are in `jact.kernels._per_sample`. The layout and the overflow rule:
+docs/design.md, "Per-sample widths".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample

@@ -1,51 +1,13 @@
 """Per-group quantization with stochastic rounding, and dense bit packing.
 
-Layout (ActNN §4.1): the leading axis is the sample axis. Each sample is
-flattened to D values, padded to a multiple of the group size G and split
-into groups of G. Every group stores its minimum and its step (range / B,
-B = 2**bits - 1) in bfloat16 -- the minimum rounded *down* and the step
-rounded *up*, so the stored grid always covers the group and stochastic
-rounding stays unbiased -- plus one `bits`-wide code per element, packed
-densely into uint8 in a planar layout: with k = 8 // bits codes per byte and
-Q = G // k bytes per group, byte j holds the group's elements j, j+Q, j+2Q, ...
-(contiguous slices only, which fuse well in XLA and lower in Triton).
-
-Non-finite values propagate exactly: a reconstruction is NaN, +inf or -inf
-exactly where the input is, and finite everywhere else. A group's minimum and
-step come from its *finite* values only (one inf never widens its neighbours'
-grid); a group that also holds non-finite values is *flagged* by the sign bit
-of its stored step (steps are otherwise >= +0). A flagged group codes its
-finite values on 2**bits - 2 steps (codes 0 .. 2**bits - 2, still unbiased)
-and gives every non-finite value the top code 2**bits - 1, which decodes to
-the group's non-finite *kind*, kept in the two lowest mantissa bits of the
-step: 1 NaN, 2 +inf, 3 -inf (NaN when a group mixes kinds). Before the kind
-is written, a flagged step is rounded up to a multiple of 4 bf16 ulps (and to
-at least the smallest normal bfloat16), so clearing those bits gives back a
-step that still covers the group. Unflagged groups are stored exactly as
-before, so data without non-finite values costs nothing. At 1 bit a flagged
-group has a single level for its finite values: they are all stored as the
-midpoint of their finite range (rounded down to bfloat16) -- biased, but only
-in groups that hold a non-finite value, whose gradients are non-finite anyway
-wherever that value reaches.
-
-Range: every finite float32 group is covered. A group whose range reaches
-2**100 is encoded and decoded on a grid scaled by 1/4 (exact: a power of two),
-so neither its range (up to 2 * 3.4e38) nor 1 / step (a step above 2**126
-would flush to zero on CPU) leaves float32's normal range. Reconstructions are
-clamped into the finite range of the output dtype: a float16 group holding
-+-65504 has grid points beyond it (bf16 cannot store 65504), which would
-otherwise round to +-inf. The clamp only moves a grid point outside the
-dtype's range onto its largest finite value (a bias below one step, only for
-values within one step of that limit). Two float32 cases are clipped instead,
-as bfloat16 cannot hold their statistics: a group minimum below -3.39e38 (the
-largest bfloat16) is stored as -3.39e38, and values below it come back as
-that (off by less than 0.4%); and at 1 bit a range above 3.39e38 gets the step
-3.39e38, so values above minimum + 3.39e38 come back as that value.
-
-The XLA reference built on this math, `quantize_reference` /
-`dequantize_reference`, is `jact.kernels._quantize.reference`; the entry points
-that pick a kernel are `jact.quantize` / `jact.dequantize`
-(`jact.kernels._quantize.api`).
+ActNN's layout: each sample split into groups of G values, each group
+stored as a bfloat16 minimum and step (rounded outward, so rounding stays
+unbiased) plus one planar-packed `bits`-wide code per value. NaN/inf come
+back exactly where they were (flagged groups); every finite float32 group is
+covered. The layout, the non-finite flags and the range handling:
+docs/design.md, "Per-group quantization". The XLA reference is
+`jact.kernels._quantize.reference`; the entry points are `jact.quantize` /
+`jact.dequantize`.
 
 >>> import jax, jax.numpy as jnp
 >>> from jact._core import rng

@@ -1,23 +1,10 @@
 """XLA:CPU workarounds, in one place, and only in programs for the CPU.
 
 XLA:CPU expands optimization barriers before it fuses and schedules, and
-never fuses a pad. jact works around both, and neither workaround belongs in
-a program for another platform:
-
-* **Ordering** (`on_cpu` with the rules below): data dependencies XLA cannot
-  fold -- always-true flags that select a value, a division by a runtime 1.0 --
-  order a backward pass's reconstruction after its cotangent, a forward
-  output after its op's compression, a kept kernel after the cotangent (see
-  `jact._engine.scheduling`). They go through one primitive whose rule is
-  lowered only for the CPU: a program lowered for cuda, rocm or tpu passes the
-  values through unchanged and holds not one flag, so it computes the same
-  numbers with none of the extra operations.
-* **Group size** (`pad_free_group_size`): padding a sample to a multiple of
-  the group size costs a full copy on XLA:CPU, so there a group size that
-  divides the sample is chosen; for any other target the requested size is
-  kept (and the last group padded). Shapes are fixed when a function is
-  traced, so this follows the platform the program is traced for:
-  `jax.default_backend()`, or the one `traced_for` names.
+never fuses a pad. The ordering rules (data dependencies XLA cannot fold) go
+through one primitive lowered only for the CPU, and `pad_free_group_size`
+picks pad-free group sizes only when tracing for the CPU, so programs for
+other platforms hold neither. Details: docs/design.md, "XLA:CPU workarounds".
 
 >>> import jax, jax.numpy as jnp
 >>> values = on_cpu(lambda v, a: [x * 1.0 for x in v], [jnp.ones(3)], [])

@@ -1,32 +1,11 @@
 """Trace-time contexts read by every compression site.
 
-Five things reach the compression sites of ops and `jact.compressed`
-without changing their signatures:
-
-* the active bit plan (static: it decides buffer shapes at trace time),
-  with the residual names traced under it, so that plan entries naming no
-  traced residual (typos) are reported when the block ends;
-* a recorder, which notes every compressed residual (name, shape, dtype,
-  bits) while a function is traced -- how estimators find the residuals;
-* a *salt*: a traced uint32 vector with one entry per residual name, mixed
-  into that residual's rounding seed. Salting one entry re-draws the
-  rounding noise of that residual only (GACT Algorithm 1). The salt enters
-  the compressed ops' custom VJPs as an explicit input (see
-  `jact._engine.rounding.make_seed`), never as a closed-over tracer;
-* a statistics collector (`jact._engine.probe`), which gathers the layer
-  statistics of the analytic estimators;
-* the mesh axes the batch is sharded over (`jact.sharded_batch`), which
-  the backward passes pin their reconstructions to.
-
-Each channel is one `contextvars.ContextVar`, set on entering a block and
-reset by its token in `finally`, so a block acts only on traces made inside
-it in its own execution context: threads and asyncio tasks running
-meanwhile do not see it, and a context copied with
-`contextvars.copy_context()` keeps what was active when it was copied. The
-channels are separate variables rather than one combined value because
-they are entered independently: leaving one block never restores another
-channel. The plan channel holds the tuple of enclosing plan blocks
-(innermost last), since a traced residual name counts for all of them.
+The active bit plan, a residual recorder, the per-residual salt of the
+rounding seeds (GACT Algorithm 1), a layer-statistics collector and the
+batch's mesh axes reach the compression sites of ops and `jact.compressed`
+without changing their signatures. Each is one `contextvars.ContextVar`, set
+on entering a block and reset on leaving it. Why five variables and how
+they nest: docs/design.md, "Trace-time contexts".
 """
 
 from __future__ import annotations

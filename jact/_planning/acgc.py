@@ -1,37 +1,12 @@
 """AC-GC: bit widths from an allowed loss increase (AC-GC Sec. 3-5, Table 1).
 
-The user allows the loss to grow by a factor (1 + e^2); AC-GC turns that
-into a bound e^2 V^2 on the squared gradient error (V^2 ~ ||grad||^2) and,
-per layer type, into a closed-form tolerance on the squared error of each
-stored activation value:
-
-    dense  (input X: N rows x C):   dx*^2 = e^2 V^2 / (2 N C ||dY||^2)
-    conv   (kernel RxS, stride T):  dx*^2 = e^2 V^2 T^2 / (2 R S M C ||dY||^2),  M = N H W
-    batch / layer norm:             dx*^2 = e^2 V^2 M s^4 / (C gamma^2 g^2)
-                                    and (jact) dxhat^2 <= e^2 V^2 / (2 T ||dY||^2)
-
-(s: the normalization's standard deviation, g^2 >= the squared gradient of
-gamma, M values per statistic, C statistics). jact's norms store
-xhat = (x - mean) / s, whose tolerance is dx*^2 / s^2. Table 1 bounds only
-the norm's input gradient (AC-GC notes the scale's own gradient is not
-bounded and the bound may be violated). `scale_bound=True` (off by default:
-not the paper's) also bounds the scale gradient d gamma = sum over T values
-of dY * xhat: by Cauchy-Schwarz its error is at most T dxhat^2 ||dY||^2, kept
-below e^2 V^2 / 2 as for a dense layer. A tolerance becomes a
-width of jact's per-group stochastic quantizer, whose per-value error
-variance is at most (R / (2 B))^2 for a group range R and B = 2^b - 1 steps:
-B >= R_max / (2 dx*), rounded up to 1, 2, 4 or 8 bits (wider: kept
-uncompressed). With `compressor=` a fixed-point method (AC-GC's AutoQuant,
-`jact.compressors.Fixpoint`, or AutoQuantZ, `ZeroValue(Fixpoint(...))`),
-whose round-to-nearest error is at most s / (2 L) for the max-abs scale s and
-L = 2^(b-1) - 1 levels per sign, the width is the smallest b in (2, 4, 8)
-with L >= max|x| / (2 dx*), and the plan's entries are that compressor at
-that width. Statistics are recomputed every call of `update` (the
-recalculation interval is how often one calls it) and summarized over the
-last `window` (10) recalculations by their mean or max, as in AC-GC Sec. 5.
-
-Only residuals of jact's dense, convolution and normalization ops have a
-bound; the plan leaves every other residual at its call site's width.
+An allowed loss increase (1 + e^2) becomes, per dense, convolution and
+normalization residual, a tolerance on each stored value's squared error and
+then the smallest width of jact's quantizer (or of a fixed-point
+`compressor=`) that meets it; other residuals keep their call site's width.
+`scale_bound=True` also bounds normalization scale gradients (not the
+paper's). The bounds and how widths follow: docs/design.md, "AC-GC error
+bounds".
 
 >>> import jax, jax.numpy as jnp, jact
 >>> def loss(w, x, key):

@@ -115,6 +115,7 @@ class Level:
 _L3 = dict(bits=2, estimator="analytic", avg_bits=2.0, per_sample=True)
 _G1 = dict(bits=4, estimator="numeric", avg_bits=4.0)
 
+#: The presets by name: ActNN's L0-L5 (`actnn:L3` ...) and GACT's L0/L1/L2/CB1/CB2 (`gact:L1` ...).
 LEVELS = {level.name: level for level in (
     Level("actnn:L0", "do not compress"),
     Level("actnn:L1", "per-group quantization for conv layers (4 bits), others full precision",

@@ -1,31 +1,11 @@
-"""Sensitivity estimators: how much each compressed residual adds to the
-gradient's variance per unit of the quantizer's variance factor S(b).
+"""Sensitivity estimators: how much each compressed residual adds to the gradient's variance.
 
-Both the GACT and the ActNN theory give, for residual l stored at b_l bits,
-
-    Var[gradient] = sampling variance + sum_l c_l * S(b_l),   S(b) = (2^b - 1)^-2,
-
-and the allocators (`jact.allocate`) choose the b_l that minimize the sum
-under a memory budget. Estimators are optax-style pairs of pure functions
-over a small state pytree:
-
-    estimator = jact.sensitivity.numeric(loss_fn)        # or .analytic(loss_fn)
-    state = estimator.init(params, batch, key)
-    state = estimator.update(state, params, batch, key)   # an EMA of the c_l
-
-`loss_fn(params, batch, key) -> scalar` is the model's loss written with jact
-ops or `jact.compressed` (key: the PRNG key for the rounding noise).
-
-* `numeric` (GACT Algorithm 1): c_l = 1/2 ||g(seeds) - g(seeds with l's
-  re-drawn)||^2 / S(b_l): one gradient per residual (`chunk_size` of them per
-  computation) plus the reference gradient.
-* `analytic` (ActNN Eq. 9 and Appendix B): closed forms for dense layers,
-  channels-last convolutions and batch/layer norms from one gradient pass
-  with probes, with the per-layer output-gradient magnitude kept as a moving
-  average (ActNN Sec. 4.3). Other residuals are not estimated (c = NaN).
-  As in ActNN's released code, a normalization's stored value does not
-  compete for bits: it takes the width of the dense/conv layer that produced
-  its input (`SensitivityState.follows`, which `jact.Controller` honours).
+Var[gradient] = sampling variance + sum_l c_l S(b_l), S(b) = (2^b - 1)^-2;
+the estimators give the c_l, the allocators (`jact.allocate`) the widths.
+`numeric` is GACT's Algorithm 1 (one gradient per residual), `analytic`
+ActNN's closed forms from one gradient pass. Both are optax-style
+`init` / `update` pairs over a small state. The theory and the estimators'
+details: docs/design.md, "Sensitivity estimators".
 
 >>> import jax, jax.numpy as jnp, jact
 >>> def loss(w, x, key):

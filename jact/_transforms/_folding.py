@@ -1,17 +1,11 @@
 """Elementwise chains inside `jact.compressed` store one derivative.
 
-A chain of elementwise operations of one tensor x (`jax.nn.gelu`'s
-`x * 0.5 * (1 + tanh(c * (x + 0.044715 * x**3)))`, `x * logistic(x)`,
-`exp(x) - 1`) has a diagonal Jacobian: its VJP is `g * f'(x)`. Differentiated
-op by op, it saves one tensor per nonlinear step instead (gelu: six, each
-of x's size), and each stored copy adds its own rounding noise to the
-gradient. `unary_regions` finds such chains in a jaxpr -- maximal sets of
-elementwise equations whose only array operand is x -- and
-`folded_chain` evaluates one through a custom VJP whose residual is
-`f'(x)` (a forward-mode derivative with a tangent of ones), computed exactly
-in the forward pass and then compressed as one residual. The derivative
-enters the backward pass linearly once, so its stochastic rounding keeps the
-gradient unbiased; fewer copies mean less noise and fewer stored bytes.
+A chain of elementwise operations of one tensor (gelu, `x * logistic(x)`)
+has a diagonal Jacobian; differentiated op by op it saves one tensor per
+nonlinear step, each adding rounding noise. `unary_regions` finds such
+chains and `folded_chain` stores only the exact derivative f'(x), compressed
+once: fewer bytes, less noise, still unbiased. Details: docs/design.md,
+"Folded elementwise chains".
 
 >>> import jax, jax.numpy as jnp
 >>> closed = jax.make_jaxpr(lambda x: jax.nn.gelu(x) + 1.0)(jnp.ones(4))

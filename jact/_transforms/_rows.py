@@ -1,24 +1,11 @@
 """Residuals of normalizations, stored centered and scaled per row.
 
-A per-group quantizer shares one grid (a bfloat16 minimum and step) among
-`group_size` consecutive values. Two kinds of residual do not fit such a
-grid:
-
-* values with a large offset: a group of `1000 + 0.01 * noise` keeps a
-  minimum off by up to 4 (bfloat16's resolution at 1000), so the step is far
-  larger than the spread the backward pass needs (the deviations from the
-  mean, which a normalization divides by the spread);
-* rows of very different scale sharing a group: a ViT's class token next
-  to the patch tokens in the input of a LayerNorm, whose backward multiplies
-  each row by its own 1/std.
-
-`normalization_rows(jaxpr, reduced)` finds, from the jaxpr alone, the
-residuals whose backward works on such rows: values linked by elementwise
-arithmetic to the operand of a reduction (the sum of `x` and of `x**2`
-behind a mean and a variance), or combined with a broadcast statistic
-(`x - mean`, `rsqrt(var) * scale`, `e / sum(e)`). Their rows are the
-reduced axes; `jact._engine.rows.store_rows` stores them centered and scaled
-per row.
+A per-group grid fits neither values with a large offset nor rows of very
+different scale sharing a group (a ViT's class token beside its patches in a
+LayerNorm's input). `normalization_rows(jaxpr, reduced)` finds, from the
+jaxpr alone, the residuals whose backward works on such rows;
+`jact._engine.rows.store_rows` stores them per row. Which residuals qualify:
+docs/design.md, "Normalization rows".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact._transforms._vjp_residuals import reduced_values

@@ -3,8 +3,8 @@
 The VJP of `lax.reduce_window(x, -inf, lax.max, ...)` (what `nn.max_pool`
 runs) saves the whole input and re-selects each window's arg-max from it in
 the backward pass. Quantized, that input moves the arg-max: gradients land on
-the wrong positions (measured: 7% gradient error at 8 bits, NaN after a few
-dozen 2-bit steps on a ResNet). `evaluate_with_exact_selections` evaluates a
+the wrong positions (docs/design.md, "Exact max-pool selections", has the
+measured damage). `evaluate_with_exact_selections` evaluates a
 function's jaxpr with every undilated max-pooling equation replaced by
 `jact.ops.max_pool`, which computes the same maxima and stores only the
 arg-max position per window, exactly, in 1 to 8 bits.

@@ -1,57 +1,11 @@
 """BLPA: sign-preserving K-bit fixed-point codes of a batch-normalized value.
 
-Chakrabarti & Moseley, "Backprop with Approximate Activations for
-Memory-efficient Network Training" (NeurIPS 2019), eqs. (9)-(10). A value A
-with per-channel (last axis) mean beta_c and standard deviation gamma_c is
-stored as K-bit codes (L = 2**K) on a grid of step h_c = 6 |gamma_c| / L:
-
-  j     = ceil(A / h_c) - 1                 absolute bin (j h, (j+1) h]
-  s_c   = floor(beta_c / h_c) - L / 2       first bin of the window (paper)
-  code  = clip(j - s_c, 0, L - 1)           K bits, densely packed
-  A~    = (s_c + code + 0.5) * h_c          bin centres
-
-so A is clipped to about beta +- 3 gamma and, where not clipped, is off by at
-most h_c / 2 = 3 |gamma_c| / L. Bin boundaries sit on multiples of h_c, so 0
-is one: sign(A~) == sign(A) for every value inside the window.
-
-Deviations from the paper, all for an exact ReLU mask (A~ > 0) == (A > 0):
-
-1. Windows that do not straddle 0. When beta > 3 gamma (s_c >= 0) every bin
-   is positive and clipped negatives would come back positive; when
-   beta < -3 gamma (s_c + L - 1 <= -1) clipped positives would come back
-   negative. Such a window stays around beta but spends one code on the
-   other sign: its values use bins s_c+1 .. s_c+L-1 (the paper's lowest bin,
-   on the beta - 3 gamma side, merges into the next one) and the freed code
-   means "A <= 0" (bin -1, reconstructed as -h/2; code 0) or "A > 0" (bin 0,
-   +h/2; code L-1). Signs are then exact for every value, and values within
-   beta +- (3 gamma - h) keep the h/2 error bound. (Shifting the window to
-   always hold bins -1 and 0 would also keep signs, but clips a channel with
-   beta = 10 gamma to [0, 6 gamma], every value off by about 4 gamma.)
-2. Bins are closed on the right, (j h, (j+1) h], instead of the paper's
-   floor bins [j h, (j+1) h): A == 0 goes to bin -1 (negative), matching
-   ReLU'(0) = 0; j is also forced to the side of A's sign, so a quotient
-   A / h that underflows or rounds cannot flip it.
-3. The step is at least 2**-20 |beta_c| (and 1e-30): a channel with
-   gamma == 0 (constant) still gets a fine grid around beta, and window
-   indices stay within +-2**20 (exact in float32 and int32).
-
-As a generic compressor (`BLPA(bits)`) beta_c and gamma_c are the channel
-mean and standard deviation of the tensor itself (over all axes but the last;
-a 0-D or 1-D tensor is one channel; finite values only); for a training-mode batch-norm output
-these are BN's beta and |gamma| sqrt(var / (var + eps)). `blpa_quantize`
-takes them explicitly (the fused `jact.ops._blpa.blpa_block` passes BN's
-parameters). Stored: the packed codes, ceil(n K / 8) bytes, plus per channel
-the float32 step and the int32 window start (8 bytes per channel).
-
-Non-finite values: BLPA cannot carry them -- all 2**K codes are in use and
-its grid is per channel across the whole batch, so marking a value would
-spread to every sample. A NaN or inf is stored as a finite bin (NaN as the
-lowest, +-inf clipped to the window's ends) and the generic compressor takes
-its statistics from finite values only, so the other samples' values are
-stored exactly as without it. This is a documented limit: the gradient of
-the affected element is finite where plain JAX's may not be (in the fused
-`jact.ops._blpa.blpa_block`, batch norm's own statistics are already
-non-finite then, as in plain JAX).
+Chakrabarti & Moseley (NeurIPS 2019), eqs. (9)-(10): per channel, K-bit codes
+on a grid of step 6 |gamma| / 2**K around the channel mean, so values are
+clipped to about beta +- 3 gamma. jact keeps the sign of every value exact, so
+a ReLU mask read from the codes equals the exact one. Deterministic (biased);
+cannot carry NaN/inf. The grid, the deviations from the paper and the stored
+bytes: docs/design.md, "BLPA".
 
 >>> import jax, jax.numpy as jnp
 >>> c = BLPA(bits=4)

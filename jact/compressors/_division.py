@@ -1,38 +1,10 @@
 """DIVISION (dual activation precision, Wang et al. 2022, Sec. 4) as a `Compressor`.
 
-A channels-last activation map (N, [D,] [H,] W, C) is split into a
-low-frequency component (LFC), its average pooling with block B and stride B
-over every spatial axis, stored in `lfc_dtype`, and a high-frequency
-component HFC = x - upsample(LFC), stored with per-sample per-group
-stochastic rounding at Q bits (`PerGroup(Q, group_size)`). The
-reconstruction upsample(LFC) + dequantized HFC is unbiased: the residual is
-taken against the LFC *as stored*, so E[decompress] = x up to float rounding.
-
-Kernels: `compress` runs `jact.kernels._division.api.division_compress` (the
-XLA reference `division_compress_reference`, or a one-pass Pallas kernel on
-GPU; `implementation=` picks one); all store the same bits, since the pooling
-sums in a fixed order (see `pool`).
-
-Blocks: a spatial axis shorter than B is one block (its whole extent); when B
-does not divide an axis the last, partial block averages only its valid
-elements. A rank-2 input (N, C) has no spatial axes, hence no LFC: it is
-stored as plain per-group quantization of x.
-
-Non-finite values come back exactly where they were: the LFC averages each
-block's *finite* values (0 for a block with none, or whose mean is not finite
-in `lfc_dtype`), so one NaN or inf leaves its block's other values intact;
-the non-finite value itself gets a non-finite HFC, which the per-group
-quantizer keeps exactly (its flagged groups, `jact._core.quantize`). With
-`keep='lfc'` (no HFC) per-element exactness is impossible: a block holding a
-non-finite value stores a NaN LFC, so its whole block reconstructs as NaN
-(never other blocks, never other samples).
-
-Stored bytes: N * prod(ceil(S_i / B_i)) * C * itemsize(lfc_dtype) for the LFC
-plus `PerGroup(Q, group_size).stored_bytes(shape)` for the HFC (Q/8 bytes a
-value and 4 bytes of bf16 minimum and step a group). For float32 x with a
-float32 LFC and 2-D maps divisible by B this is a compression rate of
-(B^-2 + Q/32 + 1/group_size)^-1, the paper's (B^-2 + Q/32)^-1 (Appendix B)
-plus the group statistics.
+A channels-last map is split into its block-average-pooled low-frequency part
+(LFC, stored in `lfc_dtype`) and the high-frequency residual x - upsample(LFC),
+stored with per-group stochastic rounding at Q bits; the reconstruction is
+unbiased. Rank-2 inputs have no LFC and are stored per group. Blocks,
+non-finite values and stored bytes: docs/design.md, "DIVISION".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.compressors._division import Division

@@ -1,6 +1,6 @@
 """AC-GC's scaled fixed point (AutoQuant) as a `Compressor`.
 
-Per channel (the last axis) the scale is the largest finite |x| (non-finite
+Per channel (the last axis) the scale is the largest finite abs(x) (non-finite
 values are kept exactly: see `Fixpoint`); values are
 rounded to the nearest of 2L + 1 levels -L..L (L = 2^(bits-1) - 1), so zero
 stays exactly zero (which zero-value compression relies on) and every error
@@ -68,7 +68,7 @@ class Fixpoint(Compressor):
 
   Stored: `bits`-wide codes (densely packed) + float32 scale per channel.
   Non-finite inputs come back exactly where they were: the scale is the
-  largest *finite* |x| of the channel; a non-finite value gets the spare
+  largest *finite* abs(x) of the channel; a non-finite value gets the spare
   stored code 2^bits - 1 (code L + 1), and a channel holding one is flagged
   by the sign bit of its scale, whose two lowest mantissa bits (after
   rounding the scale up to a multiple of 4 ulps) say what that code decodes
@@ -95,7 +95,7 @@ class Fixpoint(Compressor):
     return Fixpoint(_check_fixpoint_bits(bits))
 
   def scales(self, x: jax.Array) -> jax.Array:
-    """float32[C]: the largest finite |x| per channel, flagged with the channel's
+    """float32[C]: the largest finite abs(x) per channel, flagged with the channel's
     non-finite kind (`flag_scale`) where it holds a non-finite value."""
     v = as_channel_rows(x.astype(jnp.float32))
     a = jnp.abs(v)

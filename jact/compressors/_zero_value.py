@@ -1,18 +1,10 @@
 """Zero-value compression (ZVC) as a real stored format (AC-GC's AutoQuantZ).
 
-A 1-bit non-zero mask plus only the non-zero values, in one uint8 buffer of
-static size: the mask takes ceil(n / 8) bytes and the values a slot area of
-K = ceil(capacity * n) entries -- in x's dtype (`inner=None`: lossless), or
-as fixed-point codes (`inner=Fixpoint(b)`: the zeros of the codes are
-dropped after quantization, AutoQuantZ). Shapes must be static under `jit`,
-so the capacity is fixed in advance.
-
-Fallback, when a tensor has more than K non-zeros: the same buffer holds a
-dense fixed-point copy of x instead (per-channel max-abs scale,
-round-to-nearest) at the widest b_f in (8, 4, 2) with ceil(n * b_f / 8) <=
-buffer bytes; the stored non-zero count tells the decoder which format it
-is, and lets users check the density (`nonzeros(stored)`). Both formats are
-deterministic. A capacity too small even for 2-bit codes is an error.
+A 1-bit non-zero mask plus only the non-zero values (exact, or fixed-point
+codes with `inner=Fixpoint(b)`) in one uint8 buffer of static size; a tensor
+denser than the capacity is stored as dense fixed point in the same buffer.
+Deterministic. The format and the fallback: docs/design.md, "Zero-value
+compression".
 
 >>> import jax.numpy as jnp
 >>> from jact.compressors import ZeroValue

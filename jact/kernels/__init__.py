@@ -1,46 +1,13 @@
 """Kernel registry: an XLA reference for every op, GPU kernels when importable.
 
-Each op name maps to implementations keyed by name. The `"xla"` reference is
-always registered (it is the test oracle); the Pallas kernels
-(`"pallas_triton"`, Triton backend) register themselves for GPUs, as does
-a jax-triton kernel of "quantize" (`"jax_triton"`, chosen only when asked), and
-`select` picks one by backend unless the caller (`implementation=`) or a
-`use(...)` context asks for a specific implementation. Every implementation
-of an op returns the same bits for the same inputs and seed. `dispatch`
-returns what jact's ops call: a kernel chosen automatically is staged with
-`lax.platform_dependent`, so it runs only where it is lowered for a platform
-it supports (the Pallas kernels: cuda) and the reference runs everywhere else
--- a CPU device or host computation on a GPU machine, ROCm. A kernel forced
-off GPU runs in interpret mode (slow: for tests). `jact.residual_report`
-shows which kernel produced each residual.
-
-Layout: one package per op family, the reference next to its kernels (as
-tokamax's `ops/normalization/`), each with one module per implementation and
-an `api` module holding the op's validated entry point:
-
-* `quantize/`: ops "quantize" / "dequantize", per-group quantization;
-  entry points `jact.kernels._quantize.api.quantize` / `dequantize`
-  (`jact.quantize`, `jact.dequantize`);
-* `per_sample/`: ops "quantize_per_sample" / "dequantize_per_sample", one
-  width per sample in one static buffer (`jact._core.persample`);
-* `relu_mask/`: op "relu_mask", ReLU / leaky ReLU output and its packed 1-bit
-  mask (`jact.ops.relu`);
-* `division/`: op "division_compress", DIVISION's pooled LFC and quantized
-  HFC (`jact.compressors.Division`).
-
-In each: `reference.py` (the "xla" implementation, every kernel's oracle),
-`pallas_triton.py` (the "pallas_triton" kernel), `jax_triton.py` where one
-exists ("jax_triton", quantize only) and `api.py` (the entry point: it
-validates its arguments, then runs the implementation this table picks for
-it; callers call that function, never the table by op name). The numerics
-the implementations share stay in `jact._core` (`Packed`, `group_codes`,
-`decode_groups`, pooling). Shared Triton pieces: `_triton.py` (Pallas) and
-`_jax_triton.py` (the jax-triton launcher); `registry.py` is the generic
-table (it imports nothing from jact); `api.py` re-exports the entry points.
-This module builds the table (`REGISTRY`) from the references and kernels.
-The op packages import nothing themselves, so the table imports their
-modules without a cycle (an entry point imports this table, not the
-reverse).
+Each op ("quantize", "dequantize", "relu_mask", "quantize_per_sample",
+"dequantize_per_sample", "division_compress") has the "xla" reference (the
+tests' oracle) and, where available, "pallas_triton" / "jax_triton" kernels
+returning the same bits. `select` picks one by backend, `implementation=` or
+a `use(...)` context; `dispatch` stages an automatic choice with
+`lax.platform_dependent` so a kernel runs only where it is lowered for its
+platform. Package layout and dispatch rules: docs/design.md, "The kernel
+registry".
 
 >>> import jax
 >>> from jact import kernels

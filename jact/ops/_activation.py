@@ -143,7 +143,7 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
 
   The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
   stored y_hat, so its expectation is off by -Var(y_hat) * g elementwise
-  (at most step**2 / 4 * |g|, step = group range / (2**bits - 1)): nearly
+  (at most step**2 / 4 * abs(g), step = group range / (2**bits - 1)): nearly
   unbiased, negligible at 8 bits.
 
   >>> import jax, jax.numpy as jnp

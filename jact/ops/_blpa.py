@@ -1,27 +1,10 @@
 """BLPA's fused pre-activation block: batch norm -> scale & bias -> ReLU -> conv.
 
-Chakrabarti & Moseley 2019, Sec. 3.1-3.3. In training mode, with batch
-statistics over all axes but the last (channels last):
-
-  A1 = (x - mu) / sqrt(var + eps),  A2 = gamma A1 + beta,  A3 = relu(A2),
-  y  = conv(A3, W) (+ conv bias)
-
-The forward is exact. The backward keeps only the K-bit BLPA codes of A2
-(residual `name.a2`: K/8 bytes per value; the grid comes from gamma and beta,
-which are parameters and alive anyway) and the per-channel 1/sqrt(var + eps)
-(`name.inv`: float32, 4 bytes per channel), and follows eqs. (5)-(8) with
-A~2 = decoded codes, A~3 = relu(A~2), A~1 = (A~2 - beta) / gamma:
-
-  dW, dA3 = conv VJP at (A~3, W)     (dW approximate; dA3 exact: it needs only W)
-  dA2     = [A~2 > 0] dA3            (exact: BLPA codes keep signs)
-  dbeta   = sum dA2                  (exact)
-  dgamma  = sum A~1 dA2              (approximate)
-  dA1     = gamma dA2                (exact)
-  dx      = inv (dA1 - mean dA1 - A~1 mean(A~1 dA1))
-
-so dx differs from the exact gradient only in its last (variance) term. A
-channel with gamma == 0 has A~1 := 0 (A1 cannot be recovered from A2 = beta;
-its dA1 is 0 anyway, so only dgamma of that channel is affected).
+Chakrabarti & Moseley 2019, Sec. 3.1-3.3. The forward is exact; the backward
+keeps only the K-bit BLPA codes of the normalized, scaled value (`name.a2`)
+and the per-channel 1/sqrt(var + eps) (`name.inv`), so the input gradient
+differs from the exact one only in its variance term. The equations:
+docs/design.md, "BLPA's fused block".
 
 >>> import jax, jax.numpy as jnp
 >>> x, k = jnp.ones((2, 4, 4, 8)).at[0].set(-1.0), 0.1 * jnp.ones((3, 3, 8, 5))

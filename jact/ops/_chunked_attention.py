@@ -1,36 +1,12 @@
 """Memory-efficient (flash-style) attention with optionally compressed residuals.
 
-`chunked_attention` computes softmax(q·k / sqrt(depth) + bias, masked) · v
-like `flax.linen.dot_product_attention` (same [batch..., length, heads,
-depth] layout), but never materializes the [q_length, kv_length] logits:
-the forward runs an online softmax over key chunks for each query chunk
-(two nested `lax.scan`s, float32 accumulation), and the backward recomputes
-the attention weights block by block from the row log-sum-exp (the standard
-flash-attention backward: D = rowsum(dO * O), dS = P * (dP - D)). Saved
-memory is O(length), not O(length^2).
-
-Residuals (`name.q`, `name.k`, `name.v`, `name.out`, `name.lse`):
-
-* bits=None (default): q, k, v, the output and the float32 row log-sum-exp,
-  uncompressed; the gradient equals plain attention's up to float rounding.
-* bits set: q, k and v are stored quantized, and by default
-  (`recompute=None`) nothing else: the backward first re-runs the chunked
-  forward on the reconstructions to get their output and log-sum-exp, so
-  the gradient is the exact gradient of attention at (q_hat, k_hat, v_hat) --
-  the contract of every other jact op -- for the price of one more forward
-  pass. `recompute=False` instead also stores the quantized output and the
-  exact float32 log-sum-exp (the textbook flash residuals) and skips that
-  pass, but then the recomputed weights exp(s_hat - lse) are not normalized:
-  one logit's rounding error is amplified exponentially. Measured relative
-  L2 error of one gradient draw (a [2, 12, 2, 16] causal problem): 1.5% / 24% /
-  110% at 8 / 4 / 2 bits with recomputation, 2.4% / 41% / 3200% without.
-
-Bias with compression. The gradient is linear in v_hat, so noise in v alone
-leaves it unbiased. q_hat and k_hat enter through the softmax, so their
-noise biases every gradient at second order, about proportionally to the
-squared quantization step: measured ~2% of the gradient norm at 4 bits,
-~30% at 2 bits, and ~(15/255)^2 times the 4-bit figure (undetectable) at 8
-bits. Use bits >= 4 (8 for long, sharp attention).
+`chunked_attention` computes `flax.linen.dot_product_attention`'s result
+without materializing the logits: an online softmax over key chunks forward,
+the flash-attention backward from the row log-sum-exp. Saved memory is
+O(length). With `bits` set, q, k and v are stored quantized and, by default,
+the backward re-runs the forward on their reconstructions, so the gradient is
+exact at (q_hat, k_hat, v_hat). Use bits >= 4. Residuals, the bias of
+compressing q and k, and measured errors: docs/design.md, "Chunked attention".
 
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.sin(jnp.arange(2 * 100 * 4 * 16.0)).reshape(2, 100, 4, 16)

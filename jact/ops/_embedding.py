@@ -37,7 +37,8 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str = "embed") -> jax.Array
     name: residual name prefix; the saved ids are tagged `f"{name}.ids"`.
 
   Returns:
-    `ids.shape + table.shape[1:]` array in the table's dtype. Out-of-range
+    The rows, shaped `ids.shape` followed by the table's trailing axes, in
+    the table's dtype. Out-of-range
     ids give NaN rows (`jnp.take`'s default) and contribute no gradient.
   """
   name = check_name(name)

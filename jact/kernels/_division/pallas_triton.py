@@ -1,31 +1,10 @@
 """Pallas (Triton backend) kernel for DIVISION compression (`jact.compressors.Division`).
 
-`division_compress` returns the pooled low-frequency map (LFC) in `lfc_dtype`
-and the per-group quantized residual HFC = x - upsample(LFC as stored),
-bit-exact with `reference.division_compress_reference`.
-
-The map (N, [D,] [H,] W, C) is viewed as (N, D, H, W, C) with unit axes
-added (a 1-D map (N, L, C) as (N, 1, L, 1, C)). A *band* is one row of the
-pooled map, (n, od, oh, :, :): its nw * C pooled values are sums over the
-block's offsets in the reference's row-major order (`T.add`; non-finite
-values and out-of-range offsets of a partial block add 0.0), times the
-float32 reciprocal of the block's count of finite values (0 if none; an LFC
-not finite in `lfc_dtype` is stored as 0, as in the reference).
-
-Two paths:
-
-* one pass (`fused`): when every band is a contiguous run of x that starts
-  on a group boundary (2-D and 1-D maps whose band B * W * C is a multiple of
-  the group, or with one band per sample; 3-D maps likewise when D or H fits
-  in one block), one program per band pools it, stores its LFC, and then
-  quantizes the band's groups, reading their LFC back from what it stored.
-  DRAM traffic per value: x read once (the second read of the band for the
-  residual is a cache hit), Q/8 bytes of codes, 4/G of statistics and the
-  LFC (itemsize / B^2) written.
-* two kernels otherwise (groups straddle bands, or small samples quantized
-  as one row): a pooling kernel writes the LFC, then a residual kernel over
-  tiles of groups (like `jact.kernels._quantize.pallas_triton.quantize`) subtracts the
-  gathered LFC value of each element before encoding: x is read twice.
+`division_compress` returns the pooled LFC and the per-group quantized HFC,
+bit-exact with `reference.division_compress_reference`: one pass per pooled
+row when rows start on group boundaries, a pooling kernel and a residual
+kernel otherwise. The paths and their traffic: docs/design.md, "The DIVISION
+kernel".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._division.reference import division_compress_reference

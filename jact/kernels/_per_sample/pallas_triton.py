@@ -1,30 +1,10 @@
 """Pallas (Triton backend) kernels for per-sample mixed-precision quantization.
 
 Bit-exact with `reference.quantize_per_sample_reference` /
-`dequantize_per_sample_reference` for the same seed: same groups, bf16
-statistics, non-finite handling, hash noise (index n Dp + position) and
-layout (sample n planar at b_n bits, at byte sum_{m<n} b_m Dp / 8 of one
-buffer; see `jact._core.persample`).
-
-A byte of sample n mixes values from k = 8 // b_n far-apart groups, so
-quantization takes two passes:
-
-1. `_stats_kernel`: a program per `rows` groups reads their values once and
-   writes each group's bf16 minimum and step (levels 2**b_n - 1 of its
-   sample) and two float32 temporaries, its finite maximum and 1 / step.
-2. `_pack_kernel`: program (n, t) reads the values [t V, (t + 1) V) worth of
-   sample n's bytes -- with width b, bytes j in [t V b/8, (t + 1) V b/8), each
-   the or of the codes of values j + p Q (p < k, Q = b Dp / 8) -- gathers
-   their groups' statistics, and writes the packed bytes at the sample's
-   offset. The width is a run-time `switch` over four static branches. The
-   same programs also write the zeros of the unused tail of the buffer.
-
-`dequantize_per_sample` is the inverse of pass 2 (one pass, same grid).
-
-Traffic per value (input itemsize s, width b, group size G): quantize reads
-x twice and writes the codes, 2 s + b / 8 bytes, plus 12 / G written and
-~10 / G gathered for the statistics and the zeros of the unused tail;
-dequantize reads b / 8 + 4 / G and writes the output itemsize.
+`dequantize_per_sample_reference` for the same seed. Quantization takes two
+passes (group statistics, then packing at each sample's width and offset);
+dequantization one. Passes and memory traffic: docs/design.md, "The
+per-sample kernels".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._per_sample.reference import quantize_per_sample_reference

@@ -1,19 +1,10 @@
 """Per-group quantize-and-pack written in Triton's language, launched with jax-triton.
 
-The same contract, bits and layout as the Pallas kernel `pallas_triton.quantize`
-(registered beside it as the "jax_triton" implementation of "quantize"): one
-program handles `ROWS` groups; group r covers flat elements [sample * D + g * G,
-... + G) of the (N, D) input; its k = 8 // bits planes of Q = G / k values are
-one [ROWS, k, Q_PAD] tile, read once. Per group: the finite-only minimum and
-maximum, the minimum rounded down and the step rounded up to bfloat16 (by their
-bits), the grid scaled by 1/4 for ranges >= 2**100, then each value clipped,
-scaled, stochastically rounded with `jact._core.rng`'s hash of (seed, flat
-index) and packed (plane p at bits p * bits of each byte). Every float
-operation is one IEEE operation rounded to nearest: the kernel is compiled
-without contraction and divides with `tl.div_rn`. (One function, no `@triton.jit`
-helpers: Triton's interpreter, the CPU path, cannot call those.) Groups holding
-non-finite values are flagged and coded as in the reference (`jact._core.quantize`,
-"Non-finite values").
+The same contract, bits and layout as the Pallas kernel
+`pallas_triton.quantize` (registered as the "jax_triton" implementation of
+"quantize", chosen only when asked): it does not depend on Pallas' Triton
+backend, which jax 0.12 deprecates. How it stays bit-exact:
+docs/design.md, "The jax-triton quantize kernel".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._quantize.reference import quantize_reference

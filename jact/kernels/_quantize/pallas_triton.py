@@ -1,17 +1,10 @@
 """Pallas (Triton backend) kernels for per-group quantization.
 
 `quantize` reads each value once and writes its packed code and its group's
-bf16 minimum and step: the finite-only min/max, the directed bf16 rounding,
-the hashed stochastic rounding and the planar bit packing all happen in one
-pass. `dequantize` is the inverse pass. Non-finite values take the reference's
-flagged-group path (`jact._core.quantize`, "Non-finite values"). Both are bit-exact with
-`reference.quantize_reference` / `dequantize_reference` for the same seed.
-
-One program handles `rows` groups; group r (sample r // groups, group
-r % groups) covers flat elements [sample * D + g * G, ... + G) of the
-(N, D) input, clipped to the sample (the reference pads that tail with NaN,
-here it is masked out with NaN). Each of the k = 8 // bits planes of a group
-is a contiguous run of Q = G / k values, loaded as a power-of-two tile.
+bf16 statistics in one pass; `dequantize` is the inverse. Both are bit-exact
+with `reference.quantize_reference` / `dequantize_reference` for the same
+seed, non-finite values included. The program layout: docs/design.md, "The
+per-group quantize kernels".
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._quantize.reference import quantize_reference
