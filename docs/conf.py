@@ -10,21 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's jact, also when it is not installed
 
-import importlib  # noqa: E402
-
-import jact  # noqa: E402
-
-# The public namespaces, documented under their public names. One that is today only an attribute
-# of `jact` (not an importable module) is registered under its public name so autodoc imports it;
-# once it is a real module this changes nothing.
-PUBLIC = ("ops", "compressors", "kernels", "nn", "nnx", "sensitivity", "acgc", "levels",
-          "allocate", "rng")
-for _name in PUBLIC:
-  try:
-    importlib.import_module(f"jact.{_name}")
-  except ImportError:
-    sys.modules[f"jact.{_name}"] = getattr(jact, _name)
-
 project = "jact"
 author = "the jact authors"
 copyright = "the jact authors, Apache-2.0"
