@@ -39,8 +39,13 @@ from jact._engine.names import JACT_NAME_PREFIX
 from jact._transforms.compressed import over_array_leaves
 
 __all__ = [
-    "Residual", "ResidualGroup", "ResidualReport", "residual_report",
-    "CompiledMemory", "compiled_memory", "format_bytes",
+  "Residual",
+  "ResidualGroup",
+  "ResidualReport",
+  "residual_report",
+  "CompiledMemory",
+  "compiled_memory",
+  "format_bytes",
 ]
 
 _PATH = re.compile(r"(?:[^\s(]*/)([^/\s:]+:\d+)")
@@ -97,6 +102,7 @@ class Residual:
     kernel: the Pallas kernel that wrote it ("jact_quantize", ... -- see
       `jact.kernels`), or "xla" for values XLA computes.
   """
+
   name: str | None
   shape: tuple[int, ...]
   dtype: Any
@@ -112,6 +118,7 @@ class ResidualGroup:
 
   `name` is None for the group of all unnamed, non-argument residuals.
   """
+
   name: str | None
   pieces: tuple[Residual, ...]
 
@@ -127,6 +134,7 @@ class ResidualReport:
   Attributes:
     residuals: one row per saved value, in the order the VJP keeps them.
   """
+
   residuals: tuple[Residual, ...]
 
   @property
@@ -165,27 +173,43 @@ class ResidualReport:
 
   def __str__(self) -> str:
     with_kernel = any(r.kernel != "xla" for r in self.residuals)
-    rows = [("name", "shape", "dtype", "bytes") + (("kernel",) if with_kernel else ()) + ("source",)]
+    rows = [
+      ("name", "shape", "dtype", "bytes") + (("kernel",) if with_kernel else ()) + ("source",)
+    ]
     for r in self.residuals:
-      rows.append((r.name or ("(argument)" if r.is_argument else "-"),
-                   "[" + ",".join(map(str, r.shape)) + "]", str(r.dtype),
-                   format_bytes(r.bytes)) + ((r.kernel,) if with_kernel else ())
-                  + (_short_source(r.source),))
+      rows.append(
+        (
+          r.name or ("(argument)" if r.is_argument else "-"),
+          "[" + ",".join(map(str, r.shape)) + "]",
+          str(r.dtype),
+          format_bytes(r.bytes),
+        )
+        + ((r.kernel,) if with_kernel else ())
+        + (_short_source(r.source),)
+      )
     cols = len(rows[0]) - 1
     widths = [max(len(row[i]) for row in rows) for i in range(cols)]
-    lines = ["  ".join([c.ljust(w) if i != 3 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row[:cols], widths))] + [row[cols]])
-             for row in rows]
-    lines.append(f"saved for backward: {format_bytes(self.total_bytes)} "
-                 f"in {_count(sum(not r.is_argument for r in self.residuals), 'array')} "
-                 f"(+ {format_bytes(self.argument_bytes)} of fn's own arguments)")
+    lines = [
+      "  ".join(
+        [c.ljust(w) if i != 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row[:cols], widths))]
+        + [row[cols]]
+      )
+      for row in rows
+    ]
+    lines.append(
+      f"saved for backward: {format_bytes(self.total_bytes)} "
+      f"in {_count(sum(not r.is_argument for r in self.residuals), 'array')} "
+      f"(+ {format_bytes(self.argument_bytes)} of fn's own arguments)"
+    )
     groups = self.by_name()
     if any(k is not None for k in groups):
       lines.append("by name:")
       width = max(len(k or "(unnamed)") for k in groups)
       for k, g in groups.items():
-        lines.append(f"  {(k or '(unnamed)').ljust(width)}  {format_bytes(g.bytes):>10}"
-                     f"  ({_count(len(g.pieces), 'piece')})")
+        lines.append(
+          f"  {(k or '(unnamed)').ljust(width)}  {format_bytes(g.bytes):>10}"
+          f"  ({_count(len(g.pieces), 'piece')})"
+        )
     return "\n".join(lines)
 
   def print(self) -> None:
@@ -237,8 +261,17 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
         continue
       seen.add(var)
     shape = tuple(int(d) for d in aval.shape)
-    rows.append(Residual(name=name, shape=shape, dtype=aval.dtype, bytes=_nbytes(shape, aval.dtype),
-                         source=source, is_argument=is_argument, kernel=kernel))
+    rows.append(
+      Residual(
+        name=name,
+        shape=shape,
+        dtype=aval.dtype,
+        bytes=_nbytes(shape, aval.dtype),
+        source=source,
+        is_argument=is_argument,
+        kernel=kernel,
+      )
+    )
   return ResidualReport(tuple(rows))
 
 
@@ -248,8 +281,7 @@ def _arg_names(fn, args, kwargs) -> list[str]:
     params = list(inspect.signature(fn).parameters.values())
   except (TypeError, ValueError):
     params = []
-  positional = [p.name for p in params
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
   star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
   names = []
   for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
@@ -268,7 +300,7 @@ def _shown_name(name: str | None) -> str | None:
   """A residual name as reports show it: jact's reserved-namespace copy of a
   residual name (see `jact._engine.names.tag`) without its prefix."""
   if name is not None and name.startswith(JACT_NAME_PREFIX):
-    return name[len(JACT_NAME_PREFIX):]
+    return name[len(JACT_NAME_PREFIX) :]
   return name
 
 
@@ -301,17 +333,20 @@ def _kernel_of(eqn, jaxpr, producer_map) -> str:
 
 def _check_callable(fn, api: str) -> None:
   if not callable(fn):
-    raise TypeError(f"jact.{api}: fn must be the function to measure (e.g. a loss or a "
-                    f"training step), got {type(fn).__name__} {fn!r:.40}; pass it first: "
-                    f"jact.{api}(fn, *args)")
+    raise TypeError(
+      f"jact.{api}: fn must be the function to measure (e.g. a loss or a "
+      f"training step), got {type(fn).__name__} {fn!r:.40}; pass it first: "
+      f"jact.{api}(fn, *args)"
+    )
 
 
 def _is_traceable(leaf) -> bool:
   """Whether `leaf` is traced as an argument: an array or an abstract one.
   Other leaves (Python numbers and flags, functions) are static, as in
   `jact.compressed` and `equinox.filter_vjp`."""
-  return _compat.is_jax_value(leaf) or isinstance(leaf, (np.ndarray, np.generic,
-                                                         jax.ShapeDtypeStruct))
+  return _compat.is_jax_value(leaf) or isinstance(
+    leaf, (np.ndarray, np.generic, jax.ShapeDtypeStruct)
+  )
 
 
 def _over_traceable_leaves(fn, args, kwargs):
@@ -355,7 +390,7 @@ def _saved_values(fn, args, kwargs):
       producers[id(jaxpr)] = {v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
     return producers[id(jaxpr)]
 
-  for v in top.outvars[len(top.outvars) - num_res:]:
+  for v in top.outvars[len(top.outvars) - num_res :]:
     aval, name, named_src = v.aval, None, ""
     stack = []  # (call eqn, outer jaxpr) frames entered through jitted functions
     jaxpr = top
@@ -396,8 +431,10 @@ def _saved_values(fn, args, kwargs):
       if name is not None:
         src = named_src
       elif _compat.is_call(eqn):
-        src = (f"output of jitted function '{_compat.call_name(eqn)}' from "
-               f"{_compat.summarize_source(eqn)}")
+        src = (
+          f"output of jitted function '{_compat.call_name(eqn)}' from "
+          f"{_compat.summarize_source(eqn)}"
+        )
       else:
         src = f"output of {eqn.primitive.name} from {_compat.summarize_source(eqn)}"
       yield aval, name, src, v, False, _kernel_of(eqn, jaxpr, producer_map)
@@ -418,6 +455,7 @@ class CompiledMemory:
     alias_bytes: outputs that reuse (donated) argument buffers.
     generated_code_bytes: size of the generated code.
   """
+
   temp_bytes: int
   argument_bytes: int
   output_bytes: int
@@ -425,15 +463,24 @@ class CompiledMemory:
   generated_code_bytes: int
 
   def __str__(self) -> str:
-    fields = [("temp", self.temp_bytes), ("arguments", self.argument_bytes),
-              ("outputs", self.output_bytes), ("aliased", self.alias_bytes),
-              ("code", self.generated_code_bytes)]
+    fields = [
+      ("temp", self.temp_bytes),
+      ("arguments", self.argument_bytes),
+      ("outputs", self.output_bytes),
+      ("aliased", self.alias_bytes),
+      ("code", self.generated_code_bytes),
+    ]
     return "\n".join(f"{k:<10} {format_bytes(v):>12}" for k, v in fields)
 
 
-def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Sequence[int] = (),
-                    in_shardings: Any = None, out_shardings: Any = None,
-                    **kwargs: Any) -> CompiledMemory:
+def compiled_memory(
+  fn: Callable[..., Any],
+  *args: Any,
+  static_argnums: int | Sequence[int] = (),
+  in_shardings: Any = None,
+  out_shardings: Any = None,
+  **kwargs: Any,
+) -> CompiledMemory:
   """Compiles `jax.jit(fn, static_argnums=...)` for `args` and reports its buffers.
 
   Lowers and compiles only -- nothing runs and, with `jax.ShapeDtypeStruct`
@@ -462,20 +509,26 @@ def compiled_memory(fn: Callable[..., Any], *args: Any, static_argnums: int | Se
   (True, True)
   """
   _check_callable(fn, "compiled_memory")
-  shardings = {name: value for name, value in (("in_shardings", in_shardings),
-                                                ("out_shardings", out_shardings))
-               if value is not None}
+  shardings = {
+    name: value
+    for name, value in (("in_shardings", in_shardings), ("out_shardings", out_shardings))
+    if value is not None
+  }
   if not shardings and static_argnums == ():
     fn, args, kwargs = _over_traceable_leaves(fn, args, kwargs)
-  compiled = jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
+  compiled = (
+    jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
+  )
   stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError(
-        f"the {jax.default_backend()!r} backend gives no memory analysis for compiled "
-        "functions; measure on CPU or GPU, or use residual_report for saved bytes.")
+      f"the {jax.default_backend()!r} backend gives no memory analysis for compiled "
+      "functions; measure on CPU or GPU, or use residual_report for saved bytes."
+    )
   return CompiledMemory(
-      temp_bytes=int(stats.temp_size_in_bytes),
-      argument_bytes=int(stats.argument_size_in_bytes),
-      output_bytes=int(stats.output_size_in_bytes),
-      alias_bytes=int(stats.alias_size_in_bytes),
-      generated_code_bytes=int(stats.generated_code_size_in_bytes))
+    temp_bytes=int(stats.temp_size_in_bytes),
+    argument_bytes=int(stats.argument_size_in_bytes),
+    output_bytes=int(stats.output_size_in_bytes),
+    alias_bytes=int(stats.alias_size_in_bytes),
+    generated_code_bytes=int(stats.generated_code_size_in_bytes),
+  )

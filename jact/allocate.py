@@ -4,21 +4,21 @@ The public names of `jact._core.allocate` (an internal module).
 """
 
 from jact._core.allocate import (
-    UNCOMPRESSED as UNCOMPRESSED,
-    variance_factor as variance_factor,
-    greedy_allocate as greedy_allocate,
-    optimal_allocate as optimal_allocate,
-    total_variance as total_variance,
-    total_bits as total_bits,
-    allocate_per_sample as allocate_per_sample,
+  UNCOMPRESSED as UNCOMPRESSED,
+  variance_factor as variance_factor,
+  greedy_allocate as greedy_allocate,
+  optimal_allocate as optimal_allocate,
+  total_variance as total_variance,
+  total_bits as total_bits,
+  allocate_per_sample as allocate_per_sample,
 )
 
 __all__ = [
-    "UNCOMPRESSED",
-    "variance_factor",
-    "greedy_allocate",
-    "optimal_allocate",
-    "total_variance",
-    "total_bits",
-    "allocate_per_sample",
+  "UNCOMPRESSED",
+  "variance_factor",
+  "greedy_allocate",
+  "optimal_allocate",
+  "total_variance",
+  "total_bits",
+  "allocate_per_sample",
 ]

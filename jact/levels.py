@@ -4,9 +4,9 @@ The public names of `jact._planning.levels` (an internal module).
 """
 
 from jact._planning.levels import (
-    Level as Level,
-    get as get,
-    compress_convolutions as compress_convolutions,
+  Level as Level,
+  get as get,
+  compress_convolutions as compress_convolutions,
 )
 
 from jact._planning import levels as _levels
@@ -15,8 +15,8 @@ from jact._planning import levels as _levels
 LEVELS = _levels.LEVELS
 
 __all__ = [
-    "Level",
-    "LEVELS",
-    "get",
-    "compress_convolutions",
+  "Level",
+  "LEVELS",
+  "get",
+  "compress_convolutions",
 ]

@@ -13,8 +13,16 @@ from typing import Callable, Iterable, NamedTuple
 
 import jax
 
-__all__ = ["CompatError", "Probe", "CHECKS", "probes", "check", "trace_eqns", "only_eqn",
-           "in_shard_map"]
+__all__ = [
+  "CompatError",
+  "Probe",
+  "CHECKS",
+  "probes",
+  "check",
+  "trace_eqns",
+  "only_eqn",
+  "in_shard_map",
+]
 
 
 class CompatError(RuntimeError):
@@ -23,6 +31,7 @@ class CompatError(RuntimeError):
 
 class Probe(NamedTuple):
   """How one accessor is checked: its module, what it reads, the probe to run."""
+
   module: str
   reads: str
   run: Callable[[], None]
@@ -39,8 +48,10 @@ def probes(**reads: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
     for name, what in reads.items():
       known = CHECKS.get(name)
       if known is not None and known.module != run.__module__:
-        raise ValueError(f"accessor name {name!r} is probed in both {known.module} and "
-                         f"{run.__module__}; accessor names must be unique in jact._compat")
+        raise ValueError(
+          f"accessor name {name!r} is probed in both {known.module} and "
+          f"{run.__module__}; accessor names must be unique in jact._compat"
+        )
       CHECKS[name] = Probe(run.__module__, what, run)
     return run
 
@@ -72,8 +83,9 @@ def check(names: Iterable[str] | None = None) -> None:
       broken.append(f"{module}.{name} ({what}): {type(e).__name__}: {e}")
   if broken:
     raise CompatError(
-        f"{_versions()} changed what jact reads through jact._compat; update these "
-        "accessors (each names the public API that would replace it):\n  " + "\n  ".join(broken))
+      f"{_versions()} changed what jact reads through jact._compat; update these "
+      "accessors (each names the public API that would replace it):\n  " + "\n  ".join(broken)
+    )
 
 
 # ----------------------------------------------------------------------------- probe helpers
@@ -87,13 +99,17 @@ def trace_eqns(fn: Callable, *args) -> list:
 def only_eqn(eqns, primitive):
   """The one equation of `eqns` that binds `primitive`."""
   found = [e for e in eqns if e.primitive is primitive]
-  assert len(found) == 1, f"expected one {primitive} equation, got {[str(e.primitive) for e in eqns]}"
+  assert len(found) == 1, (
+    f"expected one {primitive} equation, got {[str(e.primitive) for e in eqns]}"
+  )
   return found[0]
 
 
 def in_shard_map(fn: Callable, *args):
   """Runs `fn` inside a shard_map over a one-device mesh axis 'i' (args replicated)."""
-  mesh = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  return jax.shard_map(fn, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
-                       out_specs=jax.sharding.PartitionSpec())(*args)
+  mesh = jax.make_mesh(
+    (1,), ("i",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  return jax.shard_map(
+    fn, mesh=mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec()
+  )(*args)

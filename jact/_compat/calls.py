@@ -20,8 +20,15 @@ from jact._compat._probes import in_shard_map, probes, trace_eqns
 from jact._compat.jaxpr import eval_jaxpr, is_var
 
 __all__ = [
-    "is_call", "call_body", "call_name", "shard_map_body", "nested_output", "ScanParts",
-    "scan_parts", "platform_dependent_branch", "body_operand",
+  "is_call",
+  "call_body",
+  "call_name",
+  "shard_map_body",
+  "nested_output",
+  "ScanParts",
+  "scan_parts",
+  "platform_dependent_branch",
+  "body_operand",
 ]
 
 
@@ -44,15 +51,17 @@ def is_call(eqn) -> bool:
 def _closed_call_eqn():
   # What JAX's own rules stage (scan partial evaluation, custom_vjp DCE).
   inner = jax.make_jaxpr(jnp.cos)(1.0)
-  fun = jax.extend.linear_util.wrap_init(jax.extend.core.jaxpr_as_fun(inner),
-                                         debug_info=inner.jaxpr.debug_info)
-  return trace_eqns(lambda x: _primitives.closed_call_p.bind(x, subfuns=(fun,), call_jaxpr=inner)[0],
-               1.0)[0]
+  fun = jax.extend.linear_util.wrap_init(
+    jax.extend.core.jaxpr_as_fun(inner), debug_info=inner.jaxpr.debug_info
+  )
+  return trace_eqns(
+    lambda x: _primitives.closed_call_p.bind(x, subfuns=(fun,), call_jaxpr=inner)[0], 1.0
+  )[0]
 
 
 @probes(is_call="jit_p / closed_call_p in jax.extend.core.primitives")
 def _check_is_call():
-  eqn, = trace_eqns(jax.jit(jnp.sin), 1.0)
+  (eqn,) = trace_eqns(jax.jit(jnp.sin), 1.0)
   assert is_call(eqn) and is_call(_closed_call_eqn()), "jit / closed_call not recognised"
   assert not is_call(trace_eqns(jnp.sin, 1.0)[0])
 
@@ -102,7 +111,8 @@ def call_name(eqn) -> str | None:
 def _check_call_name():
   def sine(x):
     return jnp.sin(x)
-  eqn, = trace_eqns(jax.jit(sine), 1.0)
+
+  (eqn,) = trace_eqns(jax.jit(sine), 1.0)
   assert call_name(eqn) == "sine", f"jit's function name read as {call_name(eqn)!r}"
   assert call_name(_closed_call_eqn()) is None
 
@@ -131,7 +141,7 @@ def shard_map_body(eqn):
 
 @probes(shard_map_body="the jax.shard_map primitive (by name) and its params['jaxpr']")
 def _check_shard_map_body():
-  eqn, = trace_eqns(lambda x: in_shard_map(jnp.sin, x), jnp.ones(2))
+  (eqn,) = trace_eqns(lambda x: in_shard_map(jnp.sin, x), jnp.ones(2))
   body = shard_map_body(eqn)
   assert body is not None, f"no body found in {eqn.primitive} (params {sorted(eqn.params)})"
   assert [e.primitive for e in body.eqns] == [lax.sin_p], body
@@ -177,6 +187,7 @@ def _check_nested_output():
 
 class ScanParts(NamedTuple):
   """What `lax.scan` needs to run a scan equation's body again."""
+
   body: Any  # ClosedJaxpr: (consts, carry, x) -> (carry, y)
   num_consts: int
   num_carry: int
@@ -209,14 +220,19 @@ def scan_parts(eqn) -> ScanParts | None:
 
 
 @probes(
-    scan_parts=("scan_p; params jaxpr, num_consts/num_carry (jax 0.10) or ft_in (>= 0.11), "
-                "length, reverse, unroll"),
-    ScanParts="the scan settings lax.scan takes again (what scan_parts returns)",
+  scan_parts=(
+    "scan_p; params jaxpr, num_consts/num_carry (jax 0.10) or ft_in (>= 0.11), "
+    "length, reverse, unroll"
+  ),
+  ScanParts="the scan settings lax.scan takes again (what scan_parts returns)",
 )
 def _check_scan_parts():
   w = jnp.float32(3.0)
-  eqn, = trace_eqns(lambda c, xs: lax.scan(lambda c, x: (c * w + x, c - x), c, xs, reverse=True),
-               1.0, jnp.arange(4.0))
+  (eqn,) = trace_eqns(
+    lambda c, xs: lax.scan(lambda c, x: (c * w + x, c - x), c, xs, reverse=True),
+    1.0,
+    jnp.arange(4.0),
+  )
   parts = scan_parts(eqn)
   assert parts is not None and (parts.num_consts, parts.num_carry, parts.length) == (1, 1, 4), parts
   assert parts.reverse is True
@@ -247,23 +263,27 @@ def platform_dependent_branch(eqn, producer_of: Callable[[Any], Any], platform: 
   if found is None or found.primitive.name != "platform_index":
     return None
   choices = found.params["platforms"]
-  index = next((i for i, p in enumerate(choices) if p is not None and platform in p),
-               next((i for i, p in enumerate(choices) if p is None), None))
+  index = next(
+    (i for i, p in enumerate(choices) if p is not None and platform in p),
+    next((i for i, p in enumerate(choices) if p is None), None),
+  )
   if index is None:
     return None
   return eqn.params["branches"][index].jaxpr
 
 
 def _platform_program():
-  closed = jax.make_jaxpr(lambda x: lax.platform_dependent(x, cpu=lambda y: y * 2.0,
-                                                           default=lambda y: y * 3.0))(1.0)
+  closed = jax.make_jaxpr(
+    lambda x: lax.platform_dependent(x, cpu=lambda y: y * 2.0, default=lambda y: y * 3.0)
+  )(1.0)
   producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
   return closed.jaxpr.eqns[-1], producers.get
 
 
 @probes(
-    platform_dependent_branch=("lax.platform_dependent: platform_index params['platforms'] and cond "
-                               "params['branches']"),
+  platform_dependent_branch=(
+    "lax.platform_dependent: platform_index params['platforms'] and cond params['branches']"
+  ),
 )
 def _check_platform_dependent_branch():
   eqn, producer_of = _platform_program()
@@ -288,5 +308,5 @@ def body_operand(eqn, j: int):
 def _check_body_operand():
   eqn, _ = _platform_program()
   assert body_operand(eqn, 0) is eqn.invars[1], "a cond's operands do not follow its index"
-  call, = trace_eqns(jax.jit(lambda x, y: x * y), 1.0, 2.0)
+  (call,) = trace_eqns(jax.jit(lambda x, y: x * y), 1.0, 2.0)
   assert body_operand(call, 1) is call.invars[1]

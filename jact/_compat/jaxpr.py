@@ -21,9 +21,19 @@ from jax import lax
 from jact._compat._probes import only_eqn, probes, trace_eqns
 
 __all__ = [
-    "summarize_source", "is_var", "is_literal", "literal_value", "eval_jaxpr", "prune_jaxpr",
-    "is_tracer", "is_jax_value", "on_device", "barrier_operand", "register_pass_through",
-    "passthrough_operand", "is_view",
+  "summarize_source",
+  "is_var",
+  "is_literal",
+  "literal_value",
+  "eval_jaxpr",
+  "prune_jaxpr",
+  "is_tracer",
+  "is_jax_value",
+  "on_device",
+  "barrier_operand",
+  "register_pass_through",
+  "passthrough_operand",
+  "is_view",
 ]
 
 
@@ -40,7 +50,7 @@ def summarize_source(eqn) -> str:
 
 @probes(summarize_source="jax.extend.source_info_util.summarize of an equation's source_info")
 def _check_summarize_source():
-  eqn, = trace_eqns(lambda x: jnp.sin(x), 1.0)  # pylint: disable=unnecessary-lambda  (a user frame)
+  (eqn,) = trace_eqns(lambda x: jnp.sin(x), 1.0)  # pylint: disable=unnecessary-lambda  (a user frame)
   text = summarize_source(eqn)
   assert re.fullmatch(r".+:\d+(:\d+)? \(.+\)", text), f"summary {text!r} is not 'file:line (fn)'"
 
@@ -55,7 +65,7 @@ def is_var(v) -> bool:
 
 @probes(is_var="jax.extend.core.Var")
 def _check_is_var():
-  eqn, = trace_eqns(lambda x: x * 2.0, 1.0)
+  (eqn,) = trace_eqns(lambda x: x * 2.0, 1.0)
   assert is_var(eqn.invars[0]) and not is_var(eqn.invars[1])
 
 
@@ -66,7 +76,7 @@ def is_literal(v) -> bool:
 
 @probes(is_literal="jax.extend.core.Literal")
 def _check_is_literal():
-  eqn, = trace_eqns(lambda x: x * 2.0, 1.0)
+  (eqn,) = trace_eqns(lambda x: x * 2.0, 1.0)
   assert is_literal(eqn.invars[1]) and not is_literal(eqn.invars[0])
 
 
@@ -78,7 +88,7 @@ def literal_value(v):
 
 @probes(literal_value="Literal.val")
 def _check_literal_value():
-  eqn, = trace_eqns(lambda x: x * 2.0, 1.0)
+  (eqn,) = trace_eqns(lambda x: x * 2.0, 1.0)
   assert literal_value(eqn.invars[1]) == 2.0
 
 
@@ -118,7 +128,7 @@ def prune_jaxpr(jaxpr, wanted: Sequence):
 def _check_prune_jaxpr():
   closed = jax.make_jaxpr(lambda x: (jnp.zeros(3) + 1.0, x * 2.0))(1.0)
   pruned = prune_jaxpr(closed.jaxpr, [closed.jaxpr.outvars[0]])
-  value, = eval_jaxpr(pruned, closed.consts)
+  (value,) = eval_jaxpr(pruned, closed.consts)
   assert bool(jnp.array_equal(value, jnp.ones(3))), f"pruned jaxpr computes {value}"
 
 
@@ -200,8 +210,9 @@ def barrier_operand(eqn, out_index: int):
 
 @probes(barrier_operand="lax.optimization_barrier_p and its positional pass-through")
 def _check_barrier_operand():
-  eqn = only_eqn(trace_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0),
-              lax.optimization_barrier_p)
+  eqn = only_eqn(
+    trace_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0), lax.optimization_barrier_p
+  )
   assert barrier_operand(eqn, 1) is eqn.invars[1] and barrier_operand(eqn, 0) is eqn.invars[0]
   assert barrier_operand(trace_eqns(jnp.sin, 1.0)[0], 0) is None
 
@@ -250,11 +261,14 @@ def _is_varying_cast(eqn) -> bool:
 
 @probes(passthrough_operand="lax.reduce_precision_p / optimization_barrier_p pass-through")
 def _check_passthrough_operand():
-  eqn = only_eqn(trace_eqns(lambda x: lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7), 1.0),
-              lax.reduce_precision_p)
+  eqn = only_eqn(
+    trace_eqns(lambda x: lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7), 1.0),
+    lax.reduce_precision_p,
+  )
   assert passthrough_operand(eqn, 0) is eqn.invars[0]
-  eqn = only_eqn(trace_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0),
-              lax.optimization_barrier_p)
+  eqn = only_eqn(
+    trace_eqns(lambda x, y: lax.optimization_barrier((x, y)), 1.0, 2.0), lax.optimization_barrier_p
+  )
   assert passthrough_operand(eqn, 1) is eqn.invars[1]
   assert passthrough_operand(trace_eqns(jnp.sin, 1.0)[0], 0) is None
 
@@ -276,9 +290,12 @@ def is_view(eqn) -> bool:
 @probes(is_view="lax.reshape_p / squeeze_p / slice_p / bitcast_convert_type_p")
 def _check_is_view():
   x = jnp.ones((2, 3))
-  views = [trace_eqns(lambda x: x.reshape(3, 2), x), trace_eqns(lambda x: x[1:], x),
-           trace_eqns(lambda x: lax.squeeze(x[:1], (0,)), x),
-           trace_eqns(lambda x: lax.bitcast_convert_type(x, jnp.int32), x)]
+  views = [
+    trace_eqns(lambda x: x.reshape(3, 2), x),
+    trace_eqns(lambda x: x[1:], x),
+    trace_eqns(lambda x: lax.squeeze(x[:1], (0,)), x),
+    trace_eqns(lambda x: lax.bitcast_convert_type(x, jnp.int32), x),
+  ]
   for eqns in views:
     assert is_view(eqns[-1]), f"{eqns[-1].primitive} not seen as a view"
   assert not is_view(trace_eqns(jnp.sin, 1.0)[0])

@@ -67,9 +67,11 @@ def pallas_kernel_name(eqn) -> str | None:
 def _check_pallas_kernel_name():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
-  call = _pallas.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
-                             interpret=True, name="jact_probe")
-  eqn, = trace_eqns(call, jnp.ones(8))
+
+  call = _pallas.pallas_call(
+    kernel, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True, name="jact_probe"
+  )
+  (eqn,) = trace_eqns(call, jnp.ones(8))
   assert pallas_kernel_name(eqn) == "jact_probe", f"kernel name read as {pallas_kernel_name(eqn)!r}"
   assert pallas_kernel_name(trace_eqns(jnp.sin, 1.0)[0]) is None
 
@@ -90,13 +92,18 @@ def _abstract_gpu(device_kind: str):
   except ImportError:
     return None
   from jax._src.mesh import AbstractDevice
-  mesh = jax.sharding.AbstractMesh((1,), ("jact_cuda_target",), abstract_device=AbstractDevice(
-      device_kind=device_kind, num_cores=None, platform="gpu"))
+
+  mesh = jax.sharding.AbstractMesh(
+    (1,),
+    ("jact_cuda_target",),
+    abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu"),
+  )
   return jax.sharding.use_abstract_mesh(mesh)
 
 
-def lower_for_cuda(fn: Callable, *args, device_kind: str = "NVIDIA H100",
-                   platforms: Sequence[str] = ("cuda",)):
+def lower_for_cuda(
+  fn: Callable, *args, device_kind: str = "NVIDIA H100", platforms: Sequence[str] = ("cuda",)
+):
   """`jax.jit(fn)` traced at `args` and lowered for cuda (with any other
   `platforms`) on any host, a machine without a GPU included, its Pallas
   Triton kernels compiled to Triton IR for `device_kind` ("NVIDIA H100":
@@ -105,21 +112,28 @@ def lower_for_cuda(fn: Callable, *args, device_kind: str = "NVIDIA H100",
   Public: `jit(f).trace(*args).lower(lowering_platforms=...)`; naming the
   target GPU is not (see `_abstract_gpu`)."""
   abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a, args)
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a, args
+  )
   target = _abstract_gpu(device_kind) if "cuda" in platforms else None
   with target if target is not None else contextlib.nullcontext():
     return jax.jit(fn).trace(*abstract).lower(lowering_platforms=tuple(platforms))
 
 
 @probes(
-    lower_for_cuda=("a Pallas Triton kernel lowered for cuda on any host: the abstract mesh's "
-                    "AbstractDevice on jax >= 0.11"),
+  lower_for_cuda=(
+    "a Pallas Triton kernel lowered for cuda on any host: the abstract mesh's "
+    "AbstractDevice on jax >= 0.11"
+  ),
 )
 def _check_lower_for_cuda():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
+
   call = _pallas.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), name="jact_probe",
-      compiler_params=_pallas_triton.CompilerParams(num_warps=4, num_stages=1))
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    name="jact_probe",
+    compiler_params=_pallas_triton.CompilerParams(num_warps=4, num_stages=1),
+  )
   text = lower_for_cuda(call, jnp.ones((8, 128))).as_text()
   assert "__gpu$xla.gpu.triton" in text and "jact_probe" in text, "no Triton call in the lowering"

@@ -21,9 +21,15 @@ from jact._compat._probes import only_eqn, probes, trace_eqns
 from jact._compat.jaxpr import barrier_operand, register_pass_through
 
 __all__ = [
-    "max_window_geometry", "is_reduction", "reduced_axes", "is_row_link", "elementwise_kind",
-    "is_layout_primitive", "conv_kwargs", "linear_identity_primitive",
-    "platform_lowered_primitive",
+  "max_window_geometry",
+  "is_reduction",
+  "reduced_axes",
+  "is_row_link",
+  "elementwise_kind",
+  "is_layout_primitive",
+  "conv_kwargs",
+  "linear_identity_primitive",
+  "platform_lowered_primitive",
 ]
 
 
@@ -40,26 +46,42 @@ def max_window_geometry(eqn) -> tuple | None:
   params = eqn.params
   if any(d != 1 for d in params["base_dilation"]) or any(d != 1 for d in params["window_dilation"]):
     return None
-  return (tuple(params["window_dimensions"]), tuple(params["window_strides"]),
-          tuple(tuple(p) for p in params["padding"]))
+  return (
+    tuple(params["window_dimensions"]),
+    tuple(params["window_strides"]),
+    tuple(tuple(p) for p in params["padding"]),
+  )
 
 
 @probes(max_window_geometry="lax.reduce_window(x, -inf, lax.max, ...)")
 def _check_max_window_geometry():
   x = jnp.ones((1, 4, 4, 1))
   pooled = lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-  [eqn] = trace_eqns(lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
-                                            "VALID"), x)
+  [eqn] = trace_eqns(
+    lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"), x
+  )
   assert pooled.shape == (1, 2, 2, 1)
   assert max_window_geometry(eqn) == ((1, 2, 2, 1), (1, 2, 2, 1), ((0, 0),) * 4), eqn
-  [summed] = trace_eqns(lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1),
-                                               "VALID"), x)
+  [summed] = trace_eqns(
+    lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"), x
+  )
   assert max_window_geometry(summed) is None
 
 
-_REDUCTION_PRIMITIVES = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                                   "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin",
-                                   "reduce"})
+_REDUCTION_PRIMITIVES = frozenset(
+  {
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "argmax",
+    "argmin",
+    "reduce",
+  }
+)
 
 
 def is_reduction(eqn) -> bool:
@@ -72,8 +94,9 @@ def is_reduction(eqn) -> bool:
 @probes(is_reduction="primitive names")
 def _check_is_reduction():
   x = jnp.ones((4, 3))
-  eqns = trace_eqns(lambda x: (x.sum(0), x.max(1), jnp.argmax(x, 1), x @ x.T,
-                          lax.reduce(x, 0.0, lax.add, (0,))), x)
+  eqns = trace_eqns(
+    lambda x: (x.sum(0), x.max(1), jnp.argmax(x, 1), x @ x.T, lax.reduce(x, 0.0, lax.add, (0,))), x
+  )
   found = [is_reduction(e) for e in eqns]
   assert found == [True, True, True, False, False, True], [e.primitive for e in eqns]
 
@@ -97,8 +120,21 @@ def _check_reduced_axes():
   assert found == [(0, 2), (1,), (2,), None], [(e.primitive, e.params) for e in eqns]
 
 
-_ROW_LINKS = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type",
-                        "integer_pow", "square", "copy", "copy_p"})
+_ROW_LINKS = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "convert_element_type",
+    "integer_pow",
+    "square",
+    "copy",
+    "copy_p",
+  }
+)
 
 
 def is_row_link(eqn) -> bool:
@@ -121,11 +157,40 @@ def _check_is_row_link():
 _ELEMENTWISE_LINEAR = frozenset({"add", "sub", "neg", "convert_element_type", "copy", "copy_p"})
 
 
-_ELEMENTWISE_NONLINEAR = frozenset({
-    "mul", "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "integer_pow",
-    "sqrt", "rsqrt", "cbrt", "pow", "erf", "erfc", "sin", "cos", "tan", "atan", "asinh", "acosh",
-    "atanh", "sinh", "cosh", "abs", "square", "max", "min",
-    "one_minus_square"})  # 1 - x**2: tanh's derivative on jax >= 0.11
+_ELEMENTWISE_NONLINEAR = frozenset(
+  {
+    "mul",
+    "div",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "integer_pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "erf",
+    "erfc",
+    "sin",
+    "cos",
+    "tan",
+    "atan",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sinh",
+    "cosh",
+    "abs",
+    "square",
+    "max",
+    "min",
+    "one_minus_square",
+  }
+)  # 1 - x**2: tanh's derivative on jax >= 0.11
 
 
 def elementwise_kind(eqn) -> str | None:
@@ -141,14 +206,24 @@ def elementwise_kind(eqn) -> str | None:
 
 @probes(elementwise_kind="primitive names")
 def _check_elementwise_kind():
-  eqns = trace_eqns(lambda x: (jnp.tanh(x) * x + 1.0, x ** 3, x.sum()), jnp.ones(3))
+  eqns = trace_eqns(lambda x: (jnp.tanh(x) * x + 1.0, x**3, x.sum()), jnp.ones(3))
   found = [elementwise_kind(e) for e in eqns]
-  assert found == ["nonlinear", "nonlinear", "linear", "nonlinear", None], (
-      [e.primitive for e in eqns])
+  assert found == ["nonlinear", "nonlinear", "linear", "nonlinear", None], [
+    e.primitive for e in eqns
+  ]
 
 
-_LAYOUT_PRIMITIVES = frozenset({"concatenate", "broadcast_in_dim", "reshape", "transpose",
-                                "squeeze", "expand_dims", "convert_element_type"})
+_LAYOUT_PRIMITIVES = frozenset(
+  {
+    "concatenate",
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "convert_element_type",
+  }
+)
 
 
 def is_layout_primitive(prim) -> bool:
@@ -160,7 +235,9 @@ def is_layout_primitive(prim) -> bool:
 
 @probes(is_layout_primitive="primitive names")
 def _check_is_layout_primitive():
-  eqns = trace_eqns(lambda x: jnp.concatenate([x, x]).reshape(2, -1).T.astype(jnp.bfloat16) * 2, jnp.ones(3))
+  eqns = trace_eqns(
+    lambda x: jnp.concatenate([x, x]).reshape(2, -1).T.astype(jnp.bfloat16) * 2, jnp.ones(3)
+  )
   layout = [is_layout_primitive(e.primitive) for e in eqns]
   assert layout == [True, True, True, True, False], [e.primitive for e in eqns]
 
@@ -187,7 +264,8 @@ def _check_conv_kwargs():
   kwargs = conv_kwargs(eqn)
   accepted = set(inspect.signature(lax.conv_general_dilated).parameters)
   assert kwargs is not None and set(kwargs) <= accepted, (
-      f"conv params {sorted(set(kwargs or ()) - accepted)} are not lax.conv_general_dilated keywords")
+    f"conv params {sorted(set(kwargs or ()) - accepted)} are not lax.conv_general_dilated keywords"
+  )
   assert bool(jnp.array_equal(lax.conv_general_dilated(x, w, **kwargs), conv(x, w)))
   assert conv_kwargs(trace_eqns(jnp.sin, 1.0)[0]) is None
 
@@ -214,8 +292,10 @@ def linear_identity_primitive(name: str, fail: Callable[..., Any]) -> jax.extend
 
 
 @probes(
-    linear_identity_primitive=("jax.extend.core.Primitive with jax.interpreters.ad.deflinear2, "
-                               "batching.defvectorized, mlir.register_lowering"),
+  linear_identity_primitive=(
+    "jax.extend.core.Primitive with jax.interpreters.ad.deflinear2, "
+    "batching.defvectorized, mlir.register_lowering"
+  ),
 )
 def _check_linear_identity_primitive():
   def fail(*_, **__):
@@ -224,8 +304,11 @@ def _check_linear_identity_primitive():
   p = linear_identity_primitive("jact_compat_probe", fail)
   t = jnp.arange(3.0)
   assert jax.make_jaxpr(lambda t: p.bind(t))(t).out_avals[0].shape == (3,)
-  assert jax.make_jaxpr(jax.vmap(lambda t: p.bind(t)))(jnp.ones((2, 3))).out_avals[0].shape == (2, 3)
-  transposed, = jax.linear_transpose(lambda t: p.bind(t), t)(t)
+  assert jax.make_jaxpr(jax.vmap(lambda t: p.bind(t)))(jnp.ones((2, 3))).out_avals[0].shape == (
+    2,
+    3,
+  )
+  (transposed,) = jax.linear_transpose(lambda t: p.bind(t), t)(t)
   assert bool(jnp.array_equal(transposed, t)), "the transpose is not the identity"
   try:
     p.bind(t)
@@ -272,8 +355,10 @@ def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Prim
 
   def batch(args, dims, *, n_values, rule):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    values = [jnp.moveaxis(a, d, 0) if d is not _NOT_MAPPED
-              else jnp.broadcast_to(a, (size,) + a.shape) for a, d in zip(args[:n_values], dims)]
+    values = [
+      jnp.moveaxis(a, d, 0) if d is not _NOT_MAPPED else jnp.broadcast_to(a, (size,) + a.shape)
+      for a, d in zip(args[:n_values], dims)
+    ]
     anchors = list(args[n_values:])
     axes = [None if d is _NOT_MAPPED else d for d in dims[n_values:]]
     mapped = lambda v, a: rule(list(v), list(a))
@@ -286,8 +371,10 @@ def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Prim
 
 
 @probes(
-    platform_lowered_primitive=("jax.extend.core.Primitive, mlir.register_lowering(platform=), mlir.lower_fun, "
-                                "batching.primitive_batchers / not_mapped, ad.primitive_jvps"),
+  platform_lowered_primitive=(
+    "jax.extend.core.Primitive, mlir.register_lowering(platform=), mlir.lower_fun, "
+    "batching.primitive_batchers / not_mapped, ad.primitive_jvps"
+  ),
 )
 def _check_platform_lowered_primitive():
   p = platform_lowered_primitive("jact_compat_probe_platform", "cpu")

@@ -19,8 +19,14 @@ from jact._compat._probes import in_shard_map, probes
 from jact._compat.jaxpr import is_literal, is_tracer, is_var, literal_value
 
 __all__ = [
-    "varying_axes", "cast_varying", "union_of_varying_axes", "leading_axis_sharded", "bind_eqn",
-    "is_static_shape", "bound_axis_sizes", "axes_bound",
+  "varying_axes",
+  "cast_varying",
+  "union_of_varying_axes",
+  "leading_axis_sharded",
+  "bind_eqn",
+  "is_static_shape",
+  "bound_axis_sizes",
+  "axes_bound",
 ]
 
 
@@ -49,6 +55,7 @@ def _check_varying_axes():
     v = cast_varying(w, ("i",))
     assert varying_axes(v) == frozenset({"i"}), varying_axes(v)
     return jax.lax.psum(v, "i")
+
   in_shard_map(inside, jnp.ones(2))
   assert varying_axes(jnp.ones(2)) == frozenset()
 
@@ -58,8 +65,9 @@ def cast_varying(x, axes):
   JAX inserts when an invariant value meets a varying one; its transpose is a
   psum). Public: `jax.lax.pcast(..., to='varying')` in jax 0.10.2,
   `jax.lax.pvary` before."""
-  missing = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,))
-                  if a not in varying_axes(x))
+  missing = tuple(
+    a for a in (axes if isinstance(axes, (tuple, list)) else (axes,)) if a not in varying_axes(x)
+  )
   if not missing:
     return x
   if hasattr(lax, "pcast"):
@@ -75,17 +83,17 @@ def _check_cast_varying():
     eqns = jax.make_jaxpr(lambda w: w * v)(w).eqns
     pvary = [e for e in eqns if e.primitive.name == "pvary"]
     assert pvary and "axes" in pvary[0].params, [e.primitive.name for e in eqns]
-    out, = bind_eqn(pvary[0], [v])  # recorded for an invariant value, run on a varying one
+    (out,) = bind_eqn(pvary[0], [v])  # recorded for an invariant value, run on a varying one
     assert varying_axes(out) == frozenset({"i"})
     return jax.lax.psum(v, "i")
+
   in_shard_map(inside, jnp.ones(2))
 
 
 def union_of_varying_axes(values: Sequence) -> tuple[str, ...]:
   """The manual mesh axes any of the arrays among `values` varies over, sorted
   (empty outside shard_map)."""
-  return tuple(sorted(frozenset().union(
-      *(varying_axes(v) for v in values if _is_array(v)))))
+  return tuple(sorted(frozenset().union(*(varying_axes(v) for v in values if _is_array(v)))))
 
 
 def _is_array(v) -> bool:
@@ -99,6 +107,7 @@ def _check_union_of_varying_axes():
     assert union_of_varying_axes([w, v, 1.0]) == ("i",), union_of_varying_axes([w, v, 1.0])
     assert union_of_varying_axes([w, 2.0]) == ()
     return jax.lax.psum(v, "i")
+
   in_shard_map(inside, jnp.ones(2))
   assert union_of_varying_axes([jnp.ones(2)]) == ()
 
@@ -114,9 +123,12 @@ def leading_axis_sharded(x) -> bool:
 @probes(leading_axis_sharded="jax.typeof(x).sharding.spec (explicit sharding mode)")
 def _check_leading_axis_sharded():
   assert not leading_axis_sharded(jnp.ones((4, 2)))
-  mesh = jax.make_mesh((1,), ("i",), devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Explicit,))
-  x = jax.device_put(jnp.ones((4, 2)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i")))
+  mesh = jax.make_mesh(
+    (1,), ("i",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  x = jax.device_put(
+    jnp.ones((4, 2)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("i"))
+  )
   seen = []
   jax.jit(lambda x: seen.append(leading_axis_sharded(x)) or x)(x)
   assert seen == [True], seen
@@ -160,17 +172,22 @@ def _same_varying(eqn, values: Sequence) -> list:
   current = [varying_axes(v) if _is_array(v) else frozenset() for v in values]
   if not any(recorded) and not any(current):  # outside shard_map: nothing to do
     return list(values)
-  values = [cast_varying(v, tuple(sorted(r))) if _is_array(v) and r - c else v
-            for v, r, c in zip(values, recorded, current)]
-  if len(values) < 2 or any(isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr))
-                            for p in eqn.params.values()):
+  values = [
+    cast_varying(v, tuple(sorted(r))) if _is_array(v) and r - c else v
+    for v, r, c in zip(values, recorded, current)
+  ]
+  if len(values) < 2 or any(
+    isinstance(p, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)) for p in eqn.params.values()
+  ):
     return values
   union = union_of_varying_axes(values)
   if all((varying_axes(v) if _is_array(v) else frozenset()) == frozenset(union) for v in values):
     return values
   # literals (constants in the equation) become arrays of their recorded type to be cast too
-  return [cast_varying(v if _is_array(v) else jnp.asarray(v, var.aval.dtype), union)
-          for v, var in zip(values, eqn.invars)]
+  return [
+    cast_varying(v if _is_array(v) else jnp.asarray(v, var.aval.dtype), union)
+    for v, var in zip(values, eqn.invars)
+  ]
 
 
 @probes(bind_eqn="Primitive.get_bind_params, eqn.ctx.manager, Primitive.bind")
@@ -191,8 +208,12 @@ def _check_bind_eqn():
   def rebound(*args):
     env = dict(zip(closed.jaxpr.constvars, closed.consts)) | dict(zip(closed.jaxpr.invars, args))
     for eqn in closed.jaxpr.eqns:
-      env.update(zip(eqn.outvars, bind_eqn(
-          eqn, [literal_value(v) if is_literal(v) else env[v] for v in eqn.invars])))
+      env.update(
+        zip(
+          eqn.outvars,
+          bind_eqn(eqn, [literal_value(v) if is_literal(v) else env[v] for v in eqn.invars]),
+        )
+      )
     return env[closed.jaxpr.outvars[0]]
 
   ours, theirs = rebound(*args), jax.jit(program)(*args)
@@ -214,7 +235,8 @@ def is_static_shape(shape) -> bool:
 # One probe per compat function: (what it reads, probe).
 def _check_is_static_shape():
   from jax import export  # pylint: disable=import-outside-toplevel
-  b, = export.symbolic_shape("b")
+
+  (b,) = export.symbolic_shape("b")
   seen = {}
 
   def f(x):
@@ -233,6 +255,7 @@ def bound_axis_sizes(axis_name) -> tuple[tuple[Any, int], ...]:
   Public: `jax.lax.axis_size(name)`; whether a name is bound has no public
   query in jax 0.10.2 (watch `jax._src.core.get_axis_env().axis_exists`)."""
   from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+
   names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
   env = _core.get_axis_env()
   return tuple((n, int(lax.axis_size(n))) for n in names if env.axis_exists(n))
@@ -251,6 +274,7 @@ def axes_bound(sizes: Sequence[tuple[Any, int]]):
   replacement: none in jax 0.10.2; watch `jax._src.core.extend_axis_env_nd`
   and `batching.batch_custom_vjp_bwd`."""
   from jax._src import core as _core  # pylint: disable=import-outside-toplevel
+
   env = _core.get_axis_env()
   missing = [(n, s) for n, s in sizes if not env.axis_exists(n)]
   if not missing:
@@ -261,8 +285,8 @@ def axes_bound(sizes: Sequence[tuple[Any, int]]):
 
 
 @probes(
-    bound_axis_sizes="jax._src.core.get_axis_env().axis_exists and lax.axis_size",
-    axes_bound="jax._src.core.extend_axis_env_nd in a custom_vjp backward under vmap",
+  bound_axis_sizes="jax._src.core.get_axis_env().axis_exists and lax.axis_size",
+  axes_bound="jax._src.core.extend_axis_env_nd in a custom_vjp backward under vmap",
 )
 def _bound_axes_backward():
   """grad outside vmap(axis_name) of a custom_vjp whose backward takes a pmean."""

@@ -34,4 +34,5 @@ def _check_saved_residuals():
   x = jnp.arange(3.0)
   saved = saved_residuals(lambda x: jnp.sin(x).sum(), x)
   assert len(saved) == 1 and tuple(saved[0][0].shape) == (3,) and isinstance(saved[0][1], str), (
-      f"saved_residuals(sin) gave {saved}")
+    f"saved_residuals(sin) gave {saved}"
+  )

@@ -20,8 +20,13 @@ from jact._compat._probes import CompatError, probes, trace_eqns
 from jact._compat.calls import call_body
 
 __all__ = [
-    "checkpoint_name", "policy_checkpoint_name", "vjp_residuals", "rebuild_vjp",
-    "current_trace", "jit_traces_since", "abstract_evaluation",
+  "checkpoint_name",
+  "policy_checkpoint_name",
+  "vjp_residuals",
+  "rebuild_vjp",
+  "current_trace",
+  "jit_traces_since",
+  "abstract_evaluation",
 ]
 
 
@@ -48,19 +53,24 @@ def checkpoint_name(eqn) -> str | None:
 
 
 @probes(
-    checkpoint_name=("name_p / params['name'] of jax.ad_checkpoint.checkpoint_name, and "
-                     "params['_prim'] of the private remat3 checkpoint_name3"),
+  checkpoint_name=(
+    "name_p / params['name'] of jax.ad_checkpoint.checkpoint_name, and "
+    "params['_prim'] of the private remat3 checkpoint_name3"
+  ),
 )
 def _check_checkpoint_name():
   from jax.ad_checkpoint import checkpoint_name as name_it  # pylint: disable=import-outside-toplevel
+
   found = [checkpoint_name(e) for e in trace_eqns(lambda x: name_it(x * 2, "n"), 1.0)]
   assert found == [None, "n"], f"names of (mul, checkpoint_name) are {found}, expected [None, 'n']"
   jitted = jax.make_jaxpr(jax.jit(lambda x: name_it(x * 2, "m")))(1.0).jaxpr.eqns[0]
   body = call_body(jitted)
   assert body is not None and [checkpoint_name(e) for e in body.jaxpr.eqns] == [None, "m"], (
-      "checkpoint_name inside a jitted body is not recognised")
+    "checkpoint_name inside a jitted body is not recognised"
+  )
   # The experimental hi-primitive form (remove that branch when JAX drops it).
   from jax._src.ad_checkpoint import checkpoint_name3  # pylint: disable=import-outside-toplevel
+
   hi = trace_eqns(lambda x: checkpoint_name3("h", x * 2), 1.0)
   assert [checkpoint_name(e) for e in hi] == [None, "h"], "remat3's CheckpointName not recognised"
 
@@ -82,6 +92,7 @@ def policy_checkpoint_name(prim, params: dict) -> str | None:
 @probes(policy_checkpoint_name="the name a jax.checkpoint policy receives in params['name']")
 def _check_policy_checkpoint_name():
   from jax.ad_checkpoint import checkpoint_name as name_it  # pylint: disable=import-outside-toplevel
+
   seen = []
 
   def policy(prim, *_, **params):
@@ -110,14 +121,16 @@ def vjp_residuals(vjp) -> tuple[list, Any]:
   Works on the `ShapeDtypeStruct` form `make_jaxpr(..., return_shape=True)`
   returns too. Raises a CompatError when the object stops being such a pytree."""
   leaves, layout = jax.tree.flatten(vjp)
-  if not callable(vjp) or any(l is vjp or not (hasattr(l, "shape") and hasattr(l, "dtype"))
-                              for l in leaves):
+  if not callable(vjp) or any(
+    l is vjp or not (hasattr(l, "shape") and hasattr(l, "dtype")) for l in leaves
+  ):
     raise CompatError(
-        "jact._compat.vjp_residuals: the object jax.vjp returns is no longer a pytree whose "
-        f"leaves are its residual arrays (jax {jax.__version__}, got "
-        f"{[type(l).__name__ for l in leaves]}); jact.compressed, jact.checkpoint and "
-        "jact.residual_report read residuals from it. Update vjp_residuals / rebuild_vjp in "
-        "jact/_compat/vjp.py.")
+      "jact._compat.vjp_residuals: the object jax.vjp returns is no longer a pytree whose "
+      f"leaves are its residual arrays (jax {jax.__version__}, got "
+      f"{[type(l).__name__ for l in leaves]}); jact.compressed, jact.checkpoint and "
+      "jact.residual_report read residuals from it. Update vjp_residuals / rebuild_vjp in "
+      "jact/_compat/vjp.py."
+    )
   return leaves, layout
 
 
@@ -129,15 +142,15 @@ def rebuild_vjp(layout, leaves: Sequence) -> Callable:
 
 
 @probes(
-    vjp_residuals="the pytree layout of the object jax.vjp returns",
-    rebuild_vjp="jax.tree.unflatten of that layout",
+  vjp_residuals="the pytree layout of the object jax.vjp returns",
+  rebuild_vjp="jax.tree.unflatten of that layout",
 )
 def _check_vjp_residuals():
   x = jnp.arange(3.0)
   _, vjp = jax.vjp(jnp.sin, x)
   leaves, layout = vjp_residuals(vjp)
   assert len(leaves) == 1 and bool(jnp.allclose(leaves[0], jnp.cos(x))), "sin's VJP keeps cos(x)"
-  zero, = rebuild_vjp(layout, [jnp.zeros_like(leaves[0])])(jnp.ones(3))
+  (zero,) = rebuild_vjp(layout, [jnp.zeros_like(leaves[0])])(jnp.ones(3))
   assert not bool(jnp.any(zero)), "rebuilt VJP does not use the replaced residuals"
   # The order residual names are built from: used primals, then residuals.
   # (sin, not tanh: jax 0.11 gave tanh a one-residual rule, so what tanh keeps is not stable.)
@@ -147,7 +160,8 @@ def _check_vjp_residuals():
   shapes = [tuple(l.shape) for l in leaves]
   assert shapes == [(2, 3), (3, 4), (2, 4)], f"sin(x @ w) VJP leaves {shapes}"
   assert bool(jnp.array_equal(leaves[1], w)) and bool(jnp.allclose(leaves[2], jnp.cos(x @ w))), (
-      "sin(x @ w) VJP leaves are not (x, w, cos(x @ w))")
+    "sin(x @ w) VJP leaves are not (x, w, cos(x @ w))"
+  )
   g = jnp.ones((2, 4))
   for a, b in zip(rebuild_vjp(layout, leaves)(g), vjp(g)):
     assert bool(jnp.array_equal(a, b)), "rebuilt VJP differs from the original"
@@ -200,9 +214,11 @@ def abstract_evaluation() -> bool:
 
 
 @probes(
-    current_trace="jax._src.core.trace_ctx.trace",
-    jit_traces_since=("Trace.parent_trace and the staging trace's frame.debug_info.traced_for == 'jit'"),
-    abstract_evaluation="the frames of jax.eval_shape and jax.make_jaxpr's inner make_jaxpr_f",
+  current_trace="jax._src.core.trace_ctx.trace",
+  jit_traces_since=(
+    "Trace.parent_trace and the staging trace's frame.debug_info.traced_for == 'jit'"
+  ),
+  abstract_evaluation="the frames of jax.eval_shape and jax.make_jaxpr's inner make_jaxpr_f",
 )
 def _check_trace_state():
   outer, seen = current_trace(), []
@@ -218,6 +234,14 @@ def _check_trace_state():
   lax.scan(lambda c, x: (probe(c), None), 1.0, None, length=1)
   jax.grad(jax.checkpoint(lambda x: probe(x)))(1.0)
   jax.jit(lambda x: jax.grad(lambda y: probe(y))(x))(3.0)
-  assert seen == [(True, False), (True, True), (True, True), (False, False), (False, False),
-                  (False, False), (False, False), (True, False)], seen
+  assert seen == [
+    (True, False),
+    (True, True),
+    (True, True),
+    (False, False),
+    (False, False),
+    (False, False),
+    (False, False),
+    (True, False),
+  ], seen
   assert not jit_traces_since(outer) and not abstract_evaluation()

@@ -28,8 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "UNCOMPRESSED", "variance_factor", "greedy_allocate", "optimal_allocate",
-    "total_variance", "total_bits", "allocate_per_sample",
+  "UNCOMPRESSED",
+  "variance_factor",
+  "greedy_allocate",
+  "optimal_allocate",
+  "total_variance",
+  "total_bits",
+  "allocate_per_sample",
 ]
 
 UNCOMPRESSED = 32
@@ -56,9 +61,13 @@ def _check_allowed(allowed, uncompressed: bool = True) -> tuple[int, ...]:
   except TypeError:
     widths = None
   valid = _WIDTHS if uncompressed else _WIDTHS[:-1]
-  if (not widths or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or int(b) not in valid
-                        for b in widths)):
-    raise ValueError(f"allowed must be a non-empty sequence of widths from {valid}, got {allowed!r}.")
+  if not widths or any(
+    isinstance(b, bool) or not isinstance(b, (int, np.integer)) or int(b) not in valid
+    for b in widths
+  ):
+    raise ValueError(
+      f"allowed must be a non-empty sequence of widths from {valid}, got {allowed!r}."
+    )
   return tuple(sorted({int(b) for b in widths}))
 
 
@@ -70,18 +79,26 @@ def _check_problem(sensitivity, sizes, budget_bits, allowed):
   if d.ndim != 1 or (d.size and (d.dtype.kind not in "iu" or (d <= 0).any())):
     raise ValueError(f"sizes must be a 1-D sequence of positive ints, got {sizes!r}.")
   if c.shape != d.shape:
-    raise ValueError(f"sensitivity has {c.size} entries but sizes has {d.size}; give one of each per tensor.")
+    raise ValueError(
+      f"sensitivity has {c.size} entries but sizes has {d.size}; give one of each per tensor."
+    )
   if not np.isfinite(c).all() or (c < 0).any():
-    raise ValueError("sensitivities must be finite and >= 0 (a variance scale); got "
-                     f"{c[~(np.isfinite(c) & (c >= 0))][:4].tolist()} among them.")
-  if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float, np.integer, np.floating)):
+    raise ValueError(
+      "sensitivities must be finite and >= 0 (a variance scale); got "
+      f"{c[~(np.isfinite(c) & (c >= 0))][:4].tolist()} among them."
+    )
+  if isinstance(budget_bits, bool) or not isinstance(
+    budget_bits, (int, float, np.integer, np.floating)
+  ):
     raise ValueError(f"budget_bits must be a number of bits, got {budget_bits!r}.")
   widths = _check_allowed(allowed)
   d = [int(v) for v in d]
   minimum = widths[0] * sum(d)
   if not budget_bits >= minimum:
-    raise ValueError(f"budget_bits={budget_bits} is below the smallest possible allocation (every tensor "
-                     f"at {widths[0]} bits): raise the budget to at least {minimum} bits.")
+    raise ValueError(
+      f"budget_bits={budget_bits} is below the smallest possible allocation (every tensor "
+      f"at {widths[0]} bits): raise the budget to at least {minimum} bits."
+    )
   return [float(v) for v in c], d, widths
 
 
@@ -103,8 +120,12 @@ def total_bits(sizes: Sequence[int], bits: Sequence[int]) -> int:
   return int(sum(int(d) * int(b) for d, b in zip(sizes, bits, strict=True)))
 
 
-def greedy_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_bits: int,
-                    allowed: Sequence[int] = (1, 2, 4, 8)) -> tuple[int, ...]:
+def greedy_allocate(
+  sensitivity: Sequence[float],
+  sizes: Sequence[int],
+  budget_bits: int,
+  allowed: Sequence[int] = (1, 2, 4, 8),
+) -> tuple[int, ...]:
   """ActNN's greedy for min sum c_l S(b_l) s.t. sum b_l D_l <= budget_bits.
 
   Downward pass: every tensor starts at the widest allowed width; a binary
@@ -166,8 +187,10 @@ def greedy_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_b
     # The crossing step, and the cheapest single-tensor way to save the missing bits.
     missing, best = used - budget_bits, None
     for m in range(len(c)):
-      lower = max((k for k in range(level[m]) if (widths[level[m]] - widths[k]) * d[m] >= missing),
-                  default=None)
+      lower = max(
+        (k for k in range(level[m]) if (widths[level[m]] - widths[k]) * d[m] >= missing),
+        default=None,
+      )
       if lower is not None and (best is None or c[m] * (s[lower] - s[level[m]]) < best[0]):
         best = (c[m] * (s[lower] - s[level[m]]), m, lower)
     plain = list(level)
@@ -181,8 +204,12 @@ def greedy_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_b
   return tuple(widths[k] for k in level)
 
 
-def optimal_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_bits: int,
-                     allowed: Sequence[int] = (1, 2, 4, 8)) -> tuple[int, ...]:
+def optimal_allocate(
+  sensitivity: Sequence[float],
+  sizes: Sequence[int],
+  budget_bits: int,
+  allowed: Sequence[int] = (1, 2, 4, 8),
+) -> tuple[int, ...]:
   """The exact optimum by dynamic programming (a multiple-choice knapsack).
 
   Costs are counted in units of g = gcd(D_l), so the table has
@@ -196,8 +223,10 @@ def optimal_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_
   g = math.gcd(*d)
   cap = int(min(budget_bits // g, widths[-1] * sum(d) // g))
   if len(c) * (cap + 1) > _MAX_DP_CELLS:
-    raise ValueError(f"optimal_allocate is for small instances: its table would have "
-                     f"{len(c) * (cap + 1):.3g} cells (limit {_MAX_DP_CELLS:.0e}); use greedy_allocate.")
+    raise ValueError(
+      f"optimal_allocate is for small instances: its table would have "
+      f"{len(c) * (cap + 1):.3g} cells (limit {_MAX_DP_CELLS:.0e}); use greedy_allocate."
+    )
   s = np.array([variance_factor(b) for b in widths])
   best = np.zeros(cap + 1)  # least variance of the tensors so far within a capacity
   choice = np.zeros((len(c), cap + 1), np.uint8)
@@ -206,7 +235,7 @@ def optimal_allocate(sensitivity: Sequence[float], sizes: Sequence[int], budget_
     for k, b in enumerate(widths):
       cost = b * d[l] // g
       if cost <= cap:
-        options[k, cost:] = best[:cap + 1 - cost] + c[l] * s[k]
+        options[k, cost:] = best[: cap + 1 - cost] + c[l] * s[k]
     choice[l] = np.argmin(options, axis=0)
     best = options[choice[l], np.arange(cap + 1)]
   out, rest = [], cap
@@ -228,8 +257,10 @@ def _allocate_per_sample(w, avg_bits, widths):
   width = jnp.array(widths, jnp.int32)
   # Step m of a sample lowers it from level top - m to top - m - 1.
   dbits = [widths[top - m] - widths[top - m - 1] for m in range(top)]
-  dvar = [(variance_factor(widths[top - m - 1]) - variance_factor(widths[top - m])) / dbits[m]
-          for m in range(top)]
+  dvar = [
+    (variance_factor(widths[top - m - 1]) - variance_factor(widths[top - m])) / dbits[m]
+    for m in range(top)
+  ]
   w = jnp.asarray(w, jnp.float32)
   w = jnp.where(jnp.isnan(w) | (w < 0), 0.0, jnp.minimum(w, jnp.finfo(jnp.float32).max))
   # The heap pops steps in (key, sample) order and each sample's keys grow
@@ -286,8 +317,9 @@ def _allocate_per_sample(w, avg_bits, widths):
   return width[jnp.where(better, alt, plain)]
 
 
-def allocate_per_sample(weights: jax.Array, avg_bits: float,
-                        allowed: Sequence[int] = (1, 2, 4, 8)) -> jax.Array:
+def allocate_per_sample(
+  weights: jax.Array, avg_bits: float, allowed: Sequence[int] = (1, 2, 4, 8)
+) -> jax.Array:
   """Per-sample widths for one tensor under an average-bits budget, in JAX.
 
   The result equals `greedy_allocate(weights, [1] * N, floor(avg_bits * N),
@@ -310,10 +342,18 @@ def allocate_per_sample(weights: jax.Array, avg_bits: float,
     int32[N] widths with sum <= floor(avg_bits * N).
   """
   widths = _check_allowed(allowed, uncompressed=False)
-  if (isinstance(avg_bits, bool) or not isinstance(avg_bits, (int, float, np.integer, np.floating))
-      or not avg_bits >= widths[0] or not math.isfinite(avg_bits)):
-    raise ValueError(f"avg_bits must be a static finite number >= {widths[0]} (the narrowest "
-                     f"allowed width), got {avg_bits!r}.")
+  if (
+    isinstance(avg_bits, bool)
+    or not isinstance(avg_bits, (int, float, np.integer, np.floating))
+    or not avg_bits >= widths[0]
+    or not math.isfinite(avg_bits)
+  ):
+    raise ValueError(
+      f"avg_bits must be a static finite number >= {widths[0]} (the narrowest "
+      f"allowed width), got {avg_bits!r}."
+    )
   if jnp.ndim(weights) != 1:
-    raise ValueError(f"weights must be a 1-D array (one per sample), got shape {jnp.shape(weights)}.")
+    raise ValueError(
+      f"weights must be a 1-D array (one per sample), got shape {jnp.shape(weights)}."
+    )
   return _allocate_per_sample(weights, float(avg_bits), widths)

@@ -24,9 +24,10 @@ _F32 = jnp.float32
 def check_rank(shape: tuple[int, ...]) -> None:
   if not 2 <= len(shape) <= 5:
     raise ValueError(
-        f"Division takes channels-last inputs of rank 2 to 5 ((N, C), (N, L, C), "
-        f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(shape)}; reshape the "
-        "residual to one of these layouts or use PerGroup for other shapes.")
+      f"Division takes channels-last inputs of rank 2 to 5 ((N, C), (N, L, C), "
+      f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(shape)}; reshape the "
+      "residual to one of these layouts or use PerGroup for other shapes."
+    )
 
 
 def pool_blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
@@ -62,8 +63,9 @@ def pool(x: jax.Array, blocks: tuple[int, ...]) -> jax.Array:
     part = x[(slice(None), *(slice(o, None, b) for o, b in zip(offset, blocks)), slice(None))]
     short = [m - p for m, p in zip(n, part.shape[1:-1])]
     if any(short):  # a partial last block has no element at this offset: adds 0.0
-      part = jax.lax.pad(part, jnp.float32(0.0), ((0, 0, 0), *((0, k, 0) for k in short),
-                                                  (0, 0, 0)))
+      part = jax.lax.pad(
+        part, jnp.float32(0.0), ((0, 0, 0), *((0, k, 0) for k in short), (0, 0, 0))
+      )
     finite = jnp.isfinite(part)
     part, miss = jnp.where(finite, part, 0.0), jnp.where(finite, _F32(0.0), _F32(1.0))
     acc, bad = (part, miss) if acc is None else (acc + part, bad + miss)

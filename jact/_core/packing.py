@@ -25,8 +25,16 @@ import jax.numpy as jnp
 
 import numpy as np
 
-__all__ = ["SUPPORTED_BITS", "check_bits", "pack_bits", "unpack_bits", "PackedBits", "pack_codes", "unpack_codes",
-           "packed_codes_bytes"]
+__all__ = [
+  "SUPPORTED_BITS",
+  "check_bits",
+  "pack_bits",
+  "unpack_bits",
+  "PackedBits",
+  "pack_codes",
+  "unpack_codes",
+  "packed_codes_bytes",
+]
 
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -34,10 +42,15 @@ SUPPORTED_BITS = (1, 2, 4, 8)
 
 def check_bits(bits: Any) -> int:
   """Validates a bit width; returns it as int."""
-  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+  if (
+    isinstance(bits, bool)
+    or not isinstance(bits, (int, np.integer))
+    or int(bits) not in SUPPORTED_BITS
+  ):
     raise ValueError(
-        f"bits must be one of {SUPPORTED_BITS}, got {bits!r}. Pick 1, 2, 4 or 8 "
-        "(use bits=None on an op to keep its residual uncompressed).")
+      f"bits must be one of {SUPPORTED_BITS}, got {bits!r}. Pick 1, 2, 4 or 8 "
+      "(use bits=None on an op to keep its residual uncompressed)."
+    )
   return int(bits)
 
 
@@ -96,6 +109,7 @@ class PackedBits:
     shape: shape of the original code array (static).
     bits: width of one code (static).
   """
+
   data: jax.Array
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   bits: int = dataclasses.field(metadata=dict(static=True))
@@ -125,8 +139,11 @@ def pack_codes(codes: jax.Array, bits: int) -> PackedBits:
   bits = check_bits(bits)
   k = 8 // bits
   codes = jnp.asarray(codes)
-  rows = (codes.reshape(codes.shape[0], math.prod(codes.shape[1:])) if codes.ndim >= 2
-          else jnp.ravel(codes))
+  rows = (
+    codes.reshape(codes.shape[0], math.prod(codes.shape[1:]))
+    if codes.ndim >= 2
+    else jnp.ravel(codes)
+  )
   d = rows.shape[-1]
   padded = -(-max(d, 1) // k) * k
   pad = [(0, 0)] * (rows.ndim - 1) + [(0, padded - d)]
@@ -150,9 +167,11 @@ def packed_codes_bytes(shape: tuple[int, ...], bits: int) -> int:
 def unpack_codes(packed: PackedBits, dtype=None) -> jax.Array:
   """Inverse of `pack_codes` (booleans come back as bool when bits == 1 and dtype is None)."""
   if not isinstance(packed, PackedBits):
-    raise TypeError(f"unpack_codes takes the jact.PackedBits that pack_codes returns, got "
-                    f"{type(packed).__name__}; pack the codes first "
-                    f"(packed = jact.pack_codes(codes, bits)).")
+    raise TypeError(
+      f"unpack_codes takes the jact.PackedBits that pack_codes returns, got "
+      f"{type(packed).__name__}; pack the codes first "
+      f"(packed = jact.pack_codes(codes, bits))."
+    )
   shape = packed.shape
   d = math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
   flat = unpack_bits(packed.data, packed.bits)[..., :d].reshape(shape)

@@ -48,6 +48,7 @@ class PackedPerSample:
     scale: bfloat16[N, groups] quantization step (rounded up).
     shape, dtype, group_size: static description of the original tensor.
   """
+
   data: jax.Array
   bits: jax.Array
   minimum: jax.Array
@@ -82,8 +83,13 @@ def per_sample_capacity(shape: tuple[int, ...], avg_bits: float, group_size: int
   (3920, 12544)
   """
   n, _, dp = _layout(tuple(shape), group_size)
-  if (isinstance(avg_bits, bool) or not isinstance(avg_bits, (int, float, np.integer, np.floating))
-      or not math.isfinite(avg_bits) or avg_bits < 1):
-    raise ValueError(f"avg_bits must be a finite number >= 1 (every value needs at least 1 bit), "
-                     f"got {avg_bits!r}.")
+  if (
+    isinstance(avg_bits, bool)
+    or not isinstance(avg_bits, (int, float, np.integer, np.floating))
+    or not math.isfinite(avg_bits)
+    or avg_bits < 1
+  ):
+    raise ValueError(
+      f"avg_bits must be a finite number >= 1 (every value needs at least 1 bit), got {avg_bits!r}."
+    )
   return -(-min(math.floor(avg_bits * n), 8 * n) * dp // 8)

@@ -36,12 +36,31 @@ from jact._core import rng, xla_cpu
 from jact._core.packing import SUPPORTED_BITS, check_bits
 
 __all__ = [
-    "Packed", "check_bits", "check_group_size",
-    "check_float_dtype", "effective_group_size", "as_rows", "grouped", "finite_min_max",
-    "grid_scale", "finite_clamp", "group_values", "group_codes", "group_extremes", "decode_groups",
-    "flag_step", "split_step", "kind_value", "nonfinite_kind", "flagged_levels", "round_to",
-    "lattice_codes", "bf16_directed",
-    "bf16_round_directed", "SUPPORTED_BITS", "FLOAT_DTYPES",
+  "Packed",
+  "check_bits",
+  "check_group_size",
+  "check_float_dtype",
+  "effective_group_size",
+  "as_rows",
+  "grouped",
+  "finite_min_max",
+  "grid_scale",
+  "finite_clamp",
+  "group_values",
+  "group_codes",
+  "group_extremes",
+  "decode_groups",
+  "flag_step",
+  "split_step",
+  "kind_value",
+  "nonfinite_kind",
+  "flagged_levels",
+  "round_to",
+  "lattice_codes",
+  "bf16_directed",
+  "bf16_round_directed",
+  "SUPPORTED_BITS",
+  "FLOAT_DTYPES",
 ]
 
 
@@ -50,11 +69,16 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 
 def check_group_size(group_size: Any) -> int:
   """Validates a group size (a positive multiple of 8); returns it as int."""
-  if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
-      or group_size <= 0 or group_size % 8):
+  if (
+    isinstance(group_size, bool)
+    or not isinstance(group_size, (int, np.integer))
+    or group_size <= 0
+    or group_size % 8
+  ):
     raise ValueError(
-        f"group_size must be a positive multiple of 8 (so 1-bit codes fill whole "
-        f"bytes), got {group_size!r}; the usual value is 256.")
+      f"group_size must be a positive multiple of 8 (so 1-bit codes fill whole "
+      f"bytes), got {group_size!r}; the usual value is 256."
+    )
   return int(group_size)
 
 
@@ -62,9 +86,10 @@ def check_float_dtype(x) -> jnp.dtype:
   dtype = jnp.dtype(x.dtype)
   if dtype not in FLOAT_DTYPES:
     raise TypeError(
-        f"quantize takes float32, bfloat16 or float16 arrays, got {dtype}. Cast "
-        "the input (x.astype(jnp.float32)); integer and boolean residuals are "
-        "stored exactly instead (see jact.pack_codes for masks).")
+      f"quantize takes float32, bfloat16 or float16 arrays, got {dtype}. Cast "
+      "the input (x.astype(jnp.float32)); integer and boolean residuals are "
+      "stored exactly instead (see jact.pack_codes for masks)."
+    )
   return dtype
 
 
@@ -81,6 +106,7 @@ class Packed:
     view_shape: shape `dequantize` returns when the tensor was quantized as a
       reshaped view (small samples as one row), else None.
   """
+
   data: jax.Array
   minimum: jax.Array
   scale: jax.Array
@@ -163,6 +189,7 @@ def finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   constant folder, which interprets a custom reducer at tens of microseconds
   per element (13 s for one 262,144-value tensor).
   """
+
   def reducer(a, b):
     (a_lo, a_hi), (b_lo, b_hi) = a, b
     lo = jax.lax.select(jnp.isfinite(b_lo) & ~(b_lo >= a_lo), b_lo, a_lo)
@@ -174,7 +201,7 @@ def finite_min_max(g: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jax.lax.reduce((g, g), init, reducer, (g.ndim - 1,))
 
 
-_WIDE = 2.0 ** 100  # group ranges (and steps) from here on use the grid scaled by 1/4
+_WIDE = 2.0**100  # group ranges (and steps) from here on use the grid scaled by 1/4
 
 
 def grid_scale(span: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -186,8 +213,10 @@ def grid_scale(span: jax.Array) -> tuple[jax.Array, jax.Array]:
   # arithmetic on the flag (1 - 0.75 * wide): Triton contracts that into a
   # fused multiply-add, which the kernels' exactness checks forbid.
   one = jnp.ones_like(span, jnp.float32)
-  return (jax.lax.select(wide, jnp.full_like(one, 0.25), one),
-          jax.lax.select(wide, jnp.full_like(one, 4.0), one))
+  return (
+    jax.lax.select(wide, jnp.full_like(one, 0.25), one),
+    jax.lax.select(wide, jnp.full_like(one, 4.0), one),
+  )
 
 
 def finite_clamp(v: jax.Array, dtype) -> jax.Array:
@@ -276,8 +305,9 @@ def round_to(v: jax.Array, dtype) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
   odd = (bits >> drop) & jnp.uint32(1)
   kept = jnp.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
-  rounded = jax.lax.bitcast_convert_type((bits + jnp.uint32((1 << (drop - 1)) - 1) + odd) & kept,
-                                         jnp.float32)
+  rounded = jax.lax.bitcast_convert_type(
+    (bits + jnp.uint32((1 << (drop - 1)) - 1) + odd) & kept, jnp.float32
+  )
   if dtype == jnp.bfloat16:  # same exponent range as float32: no subnormals of its own
     return rounded
   # float16 subnormals (|v| < 2**-14) lie on a 2**-24 grid: round |v| * 2**24 (exact,
@@ -291,8 +321,9 @@ def round_to(v: jax.Array, dtype) -> jax.Array:
   return jax.lax.select(jnp.abs(v) < jnp.float32(2.0**-14), tiny, rounded)
 
 
-def decode_groups(codes: jax.Array, minimum: jax.Array, stored: jax.Array, levels,
-                  dtype, through=None) -> jax.Array:
+def decode_groups(
+  codes: jax.Array, minimum: jax.Array, stored: jax.Array, levels, dtype, through=None
+) -> jax.Array:
   """float32 reconstruction of codes (float32) with their groups' bf16 minimum
   and stored step as float32 (broadcast against codes): the grid value,
   clamped into the finite range of `through` (the quantized tensor's dtype;
@@ -321,8 +352,9 @@ def lattice_codes(x, k_low, top, noise, minimum, stored, dtype, levels, divide=N
   b = decode_groups(k_low + 1.0, minimum, stored, levels, dtype)
   gap = b - a
   positive = gap > 0
-  p = jax.lax.select(positive, divide(x - a, jax.lax.select(positive, gap, jnp.ones_like(gap))),
-                     jnp.zeros_like(gap))
+  p = jax.lax.select(
+    positive, divide(x - a, jax.lax.select(positive, gap, jnp.ones_like(gap))), jnp.zeros_like(gap)
+  )
   up = jax.lax.select(noise < p, jnp.ones_like(p), jnp.zeros_like(p))
   return jnp.minimum(k_low + up, top)
 
@@ -335,8 +367,9 @@ def group_extremes(g: jax.Array, size: int | None = None):
   g = g.astype(jnp.float32)
   bits = jnp.where(g != g, 1, 0) | jnp.where(g == jnp.inf, 2, 0) | jnp.where(g == -jnp.inf, 4, 0)
   if size is not None and g.shape[-2] * g.shape[-1] != size:
-    position = jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 0) * g.shape[-1] + \
-        jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 1)
+    position = jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 0) * g.shape[
+      -1
+    ] + jax.lax.broadcasted_iota(jnp.int32, g.shape[-2:], 1)
     bits = jnp.where(position < size, bits, 0)
   bits = bits.astype(jnp.int32)
 
@@ -363,8 +396,7 @@ def kind_of_bits(k: jax.Array) -> jax.Array:
   return (jnp.int32(_KIND_TABLE) >> (k * 4)) & 15
 
 
-def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None,
-                dtype=None):
+def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None, dtype=None):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
   `levels` (2**bits - 1) is a number or an array broadcasting against the
@@ -400,20 +432,27 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
   # step is the same whether `levels` is a constant or computed (per sample),
   # and GPU kernels reproduce it with one correctly rounded multiply.
   inv_levels = jax.lax.select(
-      single, zero, jax.lax.select(flagged, jnp.float32(1.0) / jnp.maximum(levels - 1.0, 1.0),
-                                   jnp.float32(1.0) / levels))
+    single,
+    zero,
+    jax.lax.select(
+      flagged, jnp.float32(1.0) / jnp.maximum(levels - 1.0, 1.0), jnp.float32(1.0) / levels
+    ),
+  )
   scale = bf16_directed((hi * s - lo_b * s) * inv_levels * inv_s, up=True)
   scale = jnp.minimum(scale, jnp.finfo(jnp.bfloat16).max)  # 1 bit, range > 3.39e38: clipped
   stored = flag_step(scale.astype(jnp.float32), kind)
   step, _, _ = split_step(stored)
   positive = step > 0
-  inv_step = jax.lax.select(positive, 1.0 / jax.lax.select(positive, step * s, jnp.ones_like(step)),
-                            zero)
+  inv_step = jax.lax.select(
+    positive, 1.0 / jax.lax.select(positive, step * s, jnp.ones_like(step)), zero
+  )
 
   g = g.astype(jnp.float32)
   full = lambda a: jax.lax.broadcast_in_dim(a, g.shape, tuple(range(a.ndim)))
   lo_g = full(lo_b)
-  clipped = jax.lax.select(g != g, lo_g, jnp.minimum(jnp.maximum(g, lo_g), full(hi)))  # NaN -> minimum
+  clipped = jax.lax.select(
+    g != g, lo_g, jnp.minimum(jnp.maximum(g, lo_g), full(hi))
+  )  # NaN -> minimum
   v = (clipped * full(s) - full(lo_b * s)) * full(inv_step)
   if seed is not None:
     noise = rng.uniform_from_bits(rng.element_bits(seed, g.shape))  # 64-bit-safe flat index
@@ -427,12 +466,14 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
     codes = jnp.minimum(jnp.floor(jnp.maximum(v, 0.0) + noise), top)
   else:  # grid points decode rounded to dtype: round between those (see `lattice_codes`)
     k_low = jnp.minimum(jnp.maximum(jnp.floor(v), 0.0), jnp.maximum(top - 1.0, 0.0))
-    codes = lattice_codes(clipped, k_low, top, jnp.broadcast_to(noise, g.shape), lo_g,
-                          full(stored), dtype, full(levels))
+    codes = lattice_codes(
+      clipped, k_low, top, jnp.broadcast_to(noise, g.shape), lo_g, full(stored), dtype, full(levels)
+    )
   nonfinite = ~jnp.isfinite(g)
   if size is not None and g.shape[-2] * g.shape[-1] != size:
-    position = jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 2) * g.shape[-1] + \
-        jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 1)
+    position = jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 2) * g.shape[
+      -1
+    ] + jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 1)
     nonfinite = nonfinite & (position < size)
   codes = jax.lax.select(nonfinite, full(levels), codes)
   return minimum, stored.astype(jnp.bfloat16), codes.astype(jnp.uint8)

@@ -27,8 +27,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["seed_from_key", "hash_uint32", "uniform_from_bits", "split_seed", "element_bits",
-           "element_bits_at", "index_words"]
+__all__ = [
+  "seed_from_key",
+  "hash_uint32",
+  "uniform_from_bits",
+  "split_seed",
+  "element_bits",
+  "element_bits_at",
+  "index_words",
+]
 
 _GOLDEN = 0x9E3779B9
 _MIX1 = 0x7FEB352D
@@ -38,9 +45,10 @@ _MIX2 = 0x846CA68B
 def _as_key(key):
   if key is None:
     raise ValueError(
-        "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) "
-        "(or, for Flax layers, an RNG stream named 'jact'), or use "
-        "stochastic=False for deterministic round-to-nearest.")
+      "stochastic rounding needs a PRNG key: pass key=jax.random.key(...) "
+      "(or, for Flax layers, an RNG stream named 'jact'), or use "
+      "stochastic=False for deterministic round-to-nearest."
+    )
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key
   try:
@@ -50,10 +58,11 @@ def _as_key(key):
   if arr is not None and arr.dtype == jnp.uint32 and arr.ndim and arr.shape[-1] == 2:
     return jax.random.wrap_key_data(arr)  # legacy uint32[..., 2] keys (jax.random.PRNGKey)
   raise TypeError(
-      f"key: expected a JAX PRNG key (jax.random.key(...)), got {type(key).__name__} "
-      f"with dtype {getattr(arr, 'dtype', None)} and shape {getattr(arr, 'shape', None)}; "
-      f"pass key=jax.random.key(seed) (or a legacy uint32[2] jax.random.PRNGKey(seed)), "
-      f"a fresh one per step.")
+    f"key: expected a JAX PRNG key (jax.random.key(...)), got {type(key).__name__} "
+    f"with dtype {getattr(arr, 'dtype', None)} and shape {getattr(arr, 'shape', None)}; "
+    f"pass key=jax.random.key(seed) (or a legacy uint32[2] jax.random.PRNGKey(seed)), "
+    f"a fresh one per step."
+  )
 
 
 def single_key(key) -> jax.Array:
@@ -62,8 +71,9 @@ def single_key(key) -> jax.Array:
   key = _as_key(key)
   if key.shape:
     raise ValueError(
-        f"key= takes one PRNG key, got a key array of shape {key.shape}; "
-        "pass a single key (e.g. keys[i]), or jax.vmap over the keys.")
+      f"key= takes one PRNG key, got a key array of shape {key.shape}; "
+      "pass a single key (e.g. keys[i]), or jax.vmap over the keys."
+    )
   return key
 
 
@@ -88,7 +98,9 @@ def seed_from_key(key, site: int = 0) -> jax.Array:
   key = single_key(key)
   words = jax.random.key_data(key).reshape(-1)
   x = _lowbias32(jnp.asarray(site, jnp.uint32) * jnp.uint32(_GOLDEN) + jnp.uint32(1))
-  for i in range(words.shape[0]):  # each step a bijection of the word: distinct keys, distinct chains
+  for i in range(
+    words.shape[0]
+  ):  # each step a bijection of the word: distinct keys, distinct chains
     x = _lowbias32(x ^ words[i].astype(jnp.uint32))
   return x
 
@@ -156,14 +168,16 @@ def index_words(coords, shape) -> tuple[jax.Array | None, jax.Array]:
     raise ValueError(f"jact.rng.index_words: {len(coords)} coordinates for shape {shape}")
   if any(s > 2**32 for s in shape):
     raise ValueError(
-        f"jact hashes each element's index with one uint32 per axis, so no axis may hold more "
-        f"than 2**32 elements; got shape {shape}. Reshape the tensor (e.g. split its longest "
-        f"axis in two) before this op.")
-  strides = [math.prod(shape[a + 1:]) for a in range(len(shape))]
+      f"jact hashes each element's index with one uint32 per axis, so no axis may hold more "
+      f"than 2**32 elements; got shape {shape}. Reshape the tensor (e.g. split its longest "
+      f"axis in two) before this op."
+    )
+  strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
   coords = [jnp.asarray(c, jnp.uint32) for c in coords]
   if math.prod(shape) <= 2**32:  # the old 32-bit index, unchanged
-    return None, sum((c if s == 1 else c * jnp.uint32(s) for c, s in zip(coords, strides)),
-                     jnp.uint32(0))
+    return None, sum(
+      (c if s == 1 else c * jnp.uint32(s) for c, s in zip(coords, strides)), jnp.uint32(0)
+    )
   high, low = jnp.uint32(0), jnp.uint32(0)
   for c, s, n in zip(coords, strides, shape):
     if (n - 1) * (s % 2**32) < 2**32:

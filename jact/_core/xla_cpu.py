@@ -22,9 +22,18 @@ import jax.numpy as jnp
 
 from jact import _compat
 
-__all__ = ["on_cpu", "select_after_arrival", "select_after_any_arrival", "select_when_ready",
-           "wait_when_ready", "row_heads", "always", "program_platform", "traced_for",
-           "pad_free_group_size"]
+__all__ = [
+  "on_cpu",
+  "select_after_arrival",
+  "select_after_any_arrival",
+  "select_when_ready",
+  "wait_when_ready",
+  "row_heads",
+  "always",
+  "program_platform",
+  "traced_for",
+  "pad_free_group_size",
+]
 
 # Values computed by `rule(values, anchors)` in programs lowered for the CPU,
 # passed through unchanged in any other.
@@ -118,8 +127,12 @@ def _ready_flag(packed: list) -> jax.Array:
   if len(leading) == 1 and None not in leading:
     t = sum(row_heads(r).astype(jnp.float32) for r in packed)
   else:  # one byte of each (a sum over its rows where explicit sharding mode needs it)
-    t = sum(jnp.sum(row_heads(r).astype(jnp.float32)) if _compat.leading_axis_sharded(r)
-            else jnp.reshape(r, (-1,))[0].astype(jnp.float32) for r in packed)
+    t = sum(
+      jnp.sum(row_heads(r).astype(jnp.float32))
+      if _compat.leading_axis_sharded(r)
+      else jnp.reshape(r, (-1,))[0].astype(jnp.float32)
+      for r in packed
+    )
   return t == t  # pylint: disable=comparison-with-itself
 
 

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 # The plan channel holds a tuple of enclosing PlanScopes (innermost last); the
 # others hold their innermost value. Values are never mutated in place.
 _CHANNELS: dict[str, contextvars.ContextVar] = {
-    "plan": contextvars.ContextVar("jact_plan_scopes", default=()),
-    "recorder": contextvars.ContextVar("jact_recorder", default=None),
-    "salt": contextvars.ContextVar("jact_salt", default=None),
-    "stats": contextvars.ContextVar("jact_stats", default=None),
-    "batch": contextvars.ContextVar("jact_batch_sharding", default=None),
+  "plan": contextvars.ContextVar("jact_plan_scopes", default=()),
+  "recorder": contextvars.ContextVar("jact_recorder", default=None),
+  "salt": contextvars.ContextVar("jact_salt", default=None),
+  "stats": contextvars.ContextVar("jact_stats", default=None),
+  "batch": contextvars.ContextVar("jact_batch_sharding", default=None),
 }
 
 
@@ -73,6 +73,7 @@ class UnknownResidualWarning(UserWarning):
 class PlanScope:
   """One `use_plan` block: its plan, whether unknown names are errors, and
   the residual names traced while it was entered."""
+
   plan: Any
   strict: bool = False
   traced: set = dataclasses.field(default_factory=set)
@@ -88,12 +89,20 @@ def plan_scope(plan, strict: bool = False) -> Iterator[PlanScope]:
     names = {n for n, _ in plan.entries} | {n for n, _ in plan.budgets}
     # stacklevel 6: the caller's `with use_plan(...)` line (or `planned`'s wrapper).
     check_traced(
-        names, scope.traced, strict=strict, stacklevel=6,
-        what="the plan of a jact.use_plan / jact.planned block",
-        fix="Fix the names (jact.residual_report lists a function's residuals). A function "
-            "jitted on its own inside the block is not re-traced when jit's cache hits: jit "
-            "the outer step only." + ("" if strict else
-            " use_plan(..., strict=True) / planned(..., strict=True) make this an error."))
+      names,
+      scope.traced,
+      strict=strict,
+      stacklevel=6,
+      what="the plan of a jact.use_plan / jact.planned block",
+      fix="Fix the names (jact.residual_report lists a function's residuals). A function "
+      "jitted on its own inside the block is not re-traced when jit's cache hits: jit "
+      "the outer step only."
+      + (
+        ""
+        if strict
+        else " use_plan(..., strict=True) / planned(..., strict=True) make this an error."
+      ),
+    )
 
 
 def _active_plan():
@@ -113,21 +122,27 @@ def note_residual(name: str) -> None:
     scope.traced.add(name)
 
 
-def check_traced(names, traced, *, strict: bool, what: str, fix: str,
-                 stacklevel: int = 2) -> None:
+def check_traced(names, traced, *, strict: bool, what: str, fix: str, stacklevel: int = 2) -> None:
   """Warns (strict: raises ValueError) when `names` has names not in `traced`,
   listing each with the closest traced names."""
   unknown = sorted(set(names) - set(traced))
   if not unknown:
     return
+
   def closest(n):
     close = difflib.get_close_matches(n, sorted(traced), n=3, cutoff=0.6)
     return f"{n!r}" + (f" (closest: {', '.join(map(repr, close))})" if close else "")
+
   shown = sorted(traced)[:8]
-  known = (", ".join(map(repr, shown)) + (", ..." if len(traced) > len(shown) else "")
-           if traced else "none")
-  message = (f"jact: {what} names residuals that were not traced, so their entries do "
-             f"nothing: {', '.join(map(closest, unknown))}; traced: {known}. {fix}")
+  known = (
+    ", ".join(map(repr, shown)) + (", ..." if len(traced) > len(shown) else "")
+    if traced
+    else "none"
+  )
+  message = (
+    f"jact: {what} names residuals that were not traced, so their entries do "
+    f"nothing: {', '.join(map(closest, unknown))}; traced: {known}. {fix}"
+  )
   if strict:
     raise ValueError(message)
   warnings.warn(message, UnknownResidualWarning, stacklevel=stacklevel)
@@ -157,6 +172,7 @@ def planned_budget(name: str):
 @dataclasses.dataclass(frozen=True)
 class Site:
   """One compressed residual seen while tracing."""
+
   name: str
   shape: tuple[int, ...]
   dtype: Any
@@ -197,6 +213,7 @@ def record(name: str | None, x, bits) -> None:
 @dataclasses.dataclass(frozen=True)
 class Salt:
   """Per-name salts: `values[i]` is mixed into the seed of residual `names[i]`."""
+
   names: tuple[str, ...]
   values: jax.Array
 

@@ -34,12 +34,14 @@ __all__ = ["reverse_only", "first_order_only", "inference_only"]
 
 
 def _forward_mode_message(op: str) -> str:
-  return (f"{op} has a custom backward rule and supports reverse-mode differentiation only "
-          "(jax.grad, jax.vjp, jax.jacrev, and jax.hessian where its residuals are exact); "
-          "forward mode (jax.jvp, jax.jacfwd, jax.linearize) cannot go through it. Use "
-          "jax.jacrev instead of jax.jacfwd, or the plain JAX function (the jax.nn / lax "
-          "op, or the function without jact.compressed / jact.checkpoint) where forward "
-          "mode is needed.")
+  return (
+    f"{op} has a custom backward rule and supports reverse-mode differentiation only "
+    "(jax.grad, jax.vjp, jax.jacrev, and jax.hessian where its residuals are exact); "
+    "forward mode (jax.jvp, jax.jacfwd, jax.linearize) cannot go through it. Use "
+    "jax.jacrev instead of jax.jacfwd, or the plain JAX function (the jax.nn / lax "
+    "op, or the function without jact.compressed / jact.checkpoint) where forward "
+    "mode is needed."
+  )
 
 
 def _fail(*_, op: str):
@@ -80,11 +82,12 @@ def _first_order_only(what: str, x):
 @_first_order_only.defjvp
 def _first_order_only_jvp(what, primals, tangents):
   raise TypeError(
-      f"jact cannot differentiate {what} a second time: it is stored compressed, and the "
-      "stored copy does not depend on the input, so a higher-order derivative through it "
-      "(jax.hessian, grad of grad, jvp of grad) would be silently wrong. Store it exactly "
-      "(bits=None for the op or jact.compressed call, or None for its name in the plan), or "
-      "take the higher-order derivative outside the compressed region.")
+    f"jact cannot differentiate {what} a second time: it is stored compressed, and the "
+    "stored copy does not depend on the input, so a higher-order derivative through it "
+    "(jax.hessian, grad of grad, jvp of grad) would be silently wrong. Store it exactly "
+    "(bits=None for the op or jact.compressed call, or None for its name in the plan), or "
+    "take the higher-order derivative outside the compressed region."
+  )
 
 
 def first_order_only(x: jax.Array, name: str | None, method) -> jax.Array:

@@ -20,8 +20,10 @@ __all__ = ["JACT_NAME_PREFIX", "is_jact_name", "tag", "check_name"]
 
 def check_name(name: Any) -> str:
   if not isinstance(name, str) or not name:
-    raise ValueError(f"a residual name must be a non-empty string, got {name!r}: pass "
-                     f"name='block1' (a string) as the residual-name prefix")
+    raise ValueError(
+      f"a residual name must be a non-empty string, got {name!r}: pass "
+      f"name='block1' (a string) as the residual-name prefix"
+    )
   return name
 
 
@@ -44,4 +46,5 @@ def tag(tree, name: str):
   (which report plan entries naming no residual)."""
   _context.note_residual(name)
   return jax.tree.map(
-      lambda a: checkpoint_name(checkpoint_name(a, JACT_NAME_PREFIX + name), name), tree)
+    lambda a: checkpoint_name(checkpoint_name(a, JACT_NAME_PREFIX + name), name), tree
+  )

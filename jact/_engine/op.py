@@ -65,8 +65,16 @@ from jact._engine.rows import store_rows
 from jact._engine.scheduling import barrier, finish_forward, is_stored, kept_until_cotangent
 from jact._engine.store import compress_residual, restore_residual
 
-__all__ = ["Store", "Save", "Keep", "compressed_op", "same_varying_axes", "takes_compressor",
-           "REMOVED_KEYWORDS", "reject_removed_keywords"]
+__all__ = [
+  "Store",
+  "Save",
+  "Keep",
+  "compressed_op",
+  "same_varying_axes",
+  "takes_compressor",
+  "REMOVED_KEYWORDS",
+  "reject_removed_keywords",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,7 @@ class Store:
     rows: axes of a row (counted from the end): the value is centered and
       scaled per row before it is rounded (`jact._engine.rows.store_rows`).
   """
+
   value: Any
   dtype: Any = None
   exact_dtype: Any = None
@@ -92,6 +101,7 @@ class Store:
 class Save:
   """A residual kept as given and named `name.role` (a statistic, a packed
   mask, a seed, ids); `unpack`, when given, rebuilds it after the barrier."""
+
   value: Any
   unpack: Callable[[Any], Any] | None = None
 
@@ -101,13 +111,23 @@ class Keep:
   """An op input kept by reference for the backward (a weight: alive anyway),
   not named; `tie=True` makes it wait for the cotangent
   (`jact._engine.scheduling.kept_until_cotangent`)."""
+
   value: Any
   tie: bool = False
 
 
-def compressed_op(forward: Callable, backward: Callable, *, op: str, name: str,
-                  rounding: Rounding | None = None, key=None, primal: Callable | None = None,
-                  elementwise: bool = False, statistics: int = 0) -> Callable:
+def compressed_op(
+  forward: Callable,
+  backward: Callable,
+  *,
+  op: str,
+  name: str,
+  rounding: Rounding | None = None,
+  key=None,
+  primal: Callable | None = None,
+  elementwise: bool = False,
+  statistics: int = 0,
+) -> Callable:
   """A reverse-mode function of the op's inputs with compressed residuals.
 
   Args:
@@ -146,12 +166,16 @@ def compressed_op(forward: Callable, backward: Callable, *, op: str, name: str,
     out, residuals = forward(*inputs)
     roles = tuple(residuals)
     kinds = tuple(residuals.values())
-    values = tuple(_stored(kind, seed, site, rounding, f"{name}.{role}")
-                   for site, (role, kind) in enumerate(residuals.items()))
+    values = tuple(
+      _stored(kind, seed, site, rounding, f"{name}.{role}")
+      for site, (role, kind) in enumerate(residuals.items())
+    )
     # the static part only: the backward rule must not hold the forward's tracers
-    layout.update(roles=roles, kinds=tuple(dataclasses.replace(k, value=None) for k in kinds),
-                  shapes=tuple(jnp.shape(k.value) if isinstance(k, Store) else None
-                               for k in kinds))
+    layout.update(
+      roles=roles,
+      kinds=tuple(dataclasses.replace(k, value=None) for k in kinds),
+      shapes=tuple(jnp.shape(k.value) if isinstance(k, Store) else None for k in kinds),
+    )
     if _waits(kinds, values):
       out, values = _finish(out, kinds, values, elementwise, statistics)
     return out, values
@@ -162,8 +186,10 @@ def compressed_op(forward: Callable, backward: Callable, *, op: str, name: str,
     if values:
       values, g = barrier(values, g)
       values = _tied(kinds, values, g)
-    res = {role: _restored(kind, value, shape) for role, kind, value, shape in zip(
-        layout["roles"], kinds, values, layout["shapes"])}
+    res = {
+      role: _restored(kind, value, shape)
+      for role, kind, value, shape in zip(layout["roles"], kinds, values, layout["shapes"])
+    }
     return (None, *backward(res, g))
 
   apply.defvjp(fwd, bwd)
@@ -185,16 +211,16 @@ def _stored(kind, seed, site: int, rounding: Rounding | None, name: str):
   if isinstance(kind, Save):
     return tag(kind.value, name)
   if not isinstance(kind, Store):
-    raise TypeError(f"a compressed op's residual {name!r} must be Store, Save or Keep, "
-                    f"got {kind!r}")
+    raise TypeError(
+      f"a compressed op's residual {name!r} must be Store, Save or Keep, got {kind!r}"
+    )
   value = kind.value
   if rounding is None or rounding.bits is None:
     if kind.exact_dtype is not None:
       value = value.astype(kind.exact_dtype)
     stored = _compress(value, seed, site, rounding, name)
   elif kind.rows is not None and jnp.size(value):
-    stored = store_rows(value, kind.rows,
-                        lambda v: _compress(v, seed, site, rounding, name))
+    stored = store_rows(value, kind.rows, lambda v: _compress(v, seed, site, rounding, name))
   else:
     stored = _compress(value, seed, site, rounding, name)
   return tag(stored, name)
@@ -209,8 +235,9 @@ def _compress(value, seed, site, rounding, name):
 def _waits(kinds, values) -> bool:
   """Whether the output waits for the residuals: the op stores something
   (compressed or exact) or saves a packed form."""
-  return any(isinstance(k, Store) or (isinstance(k, Save) and is_stored(v))
-             for k, v in zip(kinds, values))
+  return any(
+    isinstance(k, Store) or (isinstance(k, Save) and is_stored(v)) for k, v in zip(kinds, values)
+  )
 
 
 def _finish(out, kinds, values, elementwise: bool, statistics: int):
@@ -218,8 +245,9 @@ def _finish(out, kinds, values, elementwise: bool, statistics: int):
   the named residuals; kept inputs pass untouched."""
   named = [i for i, k in enumerate(kinds) if not isinstance(k, Keep)]
   waiting = out[0] if statistics else out
-  waiting, finished = finish_forward(waiting, tuple(values[i] for i in named),
-                                     elementwise=elementwise)
+  waiting, finished = finish_forward(
+    waiting, tuple(values[i] for i in named), elementwise=elementwise
+  )
   values = list(values)
   for i, v in zip(named, finished):
     values[i] = v
@@ -319,7 +347,9 @@ def _removed_message(api: str, bits, removed: dict) -> str:
   settings = {"group_size": 256, "stochastic": True, **removed}
   width = bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
   given = ", ".join(f"{k}={v!r}" for k, v in removed.items())
-  return (f"{api} no longer takes {', '.join(k + '=' for k in removed)}: the quantizer's "
-          f"settings are one argument. Pass compressor=jact.compressors.PerGroup({width}, "
-          f"group_size={settings['group_size']!r}, stochastic={settings['stochastic']!r}) "
-          f"instead of bits={bits!r}, {given}.")
+  return (
+    f"{api} no longer takes {', '.join(k + '=' for k in removed)}: the quantizer's "
+    f"settings are one argument. Pass compressor=jact.compressors.PerGroup({width}, "
+    f"group_size={settings['group_size']!r}, stochastic={settings['stochastic']!r}) "
+    f"instead of bits={bits!r}, {given}."
+  )

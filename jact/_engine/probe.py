@@ -39,8 +39,9 @@ class Collector:
   def probe(self, name: str, y: jax.Array) -> jax.Array:
     if name in self.shapes:
       raise ValueError(
-          f"residual {name!r} is produced by two op calls: give every jact op its own "
-          "name= so analytic estimators can tell the layers apart")
+        f"residual {name!r} is produced by two op calls: give every jact op its own "
+        "name= so analytic estimators can tell the layers apart"
+      )
     self.shapes[name] = (tuple(y.shape), y.dtype)
     if self.probes is None or name not in self.probes:
       return y
@@ -65,36 +66,74 @@ def abs_max(x: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0))
 
 
-def observe_linear(collector: Collector, name: str, kind: str, x: jax.Array, y: jax.Array,
-                   *, group_size: int, kernel_locations: int = 1, stride: int = 1,
-                   feature_groups: int = 1) -> jax.Array:
+def observe_linear(
+  collector: Collector,
+  name: str,
+  kind: str,
+  x: jax.Array,
+  y: jax.Array,
+  *,
+  group_size: int,
+  kernel_locations: int = 1,
+  stride: int = 1,
+  feature_groups: int = 1,
+) -> jax.Array:
   """Records a dense ('dense') or channels-last convolution ('conv') whose
   stored residual `name` is its input x; returns y with the probe added."""
   ranges_sq, range_max, g = group_ranges_sq(x, group_size)
   positions = max(1, x.size // (x.shape[0] * x.shape[-1])) if x.ndim >= 2 else 1
-  collector.info[name] = dict(kind=kind, group_size=g, positions=positions,
-                              kernel_locations=kernel_locations, stride=stride,
-                              feature_groups=feature_groups, batch=x.shape[0] if x.ndim else 1,
-                              channels=x.shape[-1] if x.ndim else 1,
-                              samples_quantized=ranges_sq.shape[0])
+  collector.info[name] = dict(
+    kind=kind,
+    group_size=g,
+    positions=positions,
+    kernel_locations=kernel_locations,
+    stride=stride,
+    feature_groups=feature_groups,
+    batch=x.shape[0] if x.ndim else 1,
+    channels=x.shape[-1] if x.ndim else 1,
+    samples_quantized=ranges_sq.shape[0],
+  )
   collector.stats[name] = dict(ranges_sq=ranges_sq, range_max=range_max, abs_max=abs_max(x))
   return collector.probe(name, y)
 
 
-def observe_norm(collector: Collector, name: str, kind: str, xhat: jax.Array, inv: jax.Array,
-                 scale, y: jax.Array, *, reduction_axes, group_size: int) -> jax.Array:
+def observe_norm(
+  collector: Collector,
+  name: str,
+  kind: str,
+  xhat: jax.Array,
+  inv: jax.Array,
+  scale,
+  y: jax.Array,
+  *,
+  reduction_axes,
+  group_size: int,
+) -> jax.Array:
   """Records a batch/layer norm whose stored residual `name` is xhat = (x - mean) * inv."""
   xhat = jax.lax.stop_gradient(xhat).astype(jnp.float32)
   ranges_sq, range_max, g = group_ranges_sq(xhat, group_size)
   m = math.prod(xhat.shape[a] for a in reduction_axes)
-  collector.info[name] = dict(kind=kind, group_size=g, reduction=m, batch=xhat.shape[0],
-                              samples_quantized=ranges_sq.shape[0],
-                              reduction_axes=tuple(reduction_axes), has_scale=scale is not None)
+  collector.info[name] = dict(
+    kind=kind,
+    group_size=g,
+    reduction=m,
+    batch=xhat.shape[0],
+    samples_quantized=ranges_sq.shape[0],
+    reduction_axes=tuple(reduction_axes),
+    has_scale=scale is not None,
+  )
   collector.stats[name] = dict(
-      ranges_sq=ranges_sq, range_max=range_max, abs_max=abs_max(xhat), xhat=xhat,
-      inv=jax.lax.stop_gradient(jnp.broadcast_to(inv, xhat.shape)).astype(jnp.float32),
-      scale=(jnp.ones((), jnp.float32) if scale is None
-             else jax.lax.stop_gradient(scale).astype(jnp.float32)))
+    ranges_sq=ranges_sq,
+    range_max=range_max,
+    abs_max=abs_max(xhat),
+    xhat=xhat,
+    inv=jax.lax.stop_gradient(jnp.broadcast_to(inv, xhat.shape)).astype(jnp.float32),
+    scale=(
+      jnp.ones((), jnp.float32)
+      if scale is None
+      else jax.lax.stop_gradient(scale).astype(jnp.float32)
+    ),
+  )
   return collector.probe(name, y)
 
 

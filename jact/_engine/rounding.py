@@ -16,10 +16,21 @@ from jact._core.quantize import FLOAT_DTYPES, check_bits, check_group_size
 from jact.compressors import Compressor, PerGroup
 from jact._engine import context as _context
 
-__all__ = ["Rounding", "SaltedSeed", "NoKey", "NO_KEY", "residual_method", "op_rounding",
-           "op_keywords",
-           "as_compressor",
-           "apply_plan_entry", "make_seed", "salt_seed", "site_seed", "check_float"]
+__all__ = [
+  "Rounding",
+  "SaltedSeed",
+  "NoKey",
+  "NO_KEY",
+  "residual_method",
+  "op_rounding",
+  "op_keywords",
+  "as_compressor",
+  "apply_plan_entry",
+  "make_seed",
+  "salt_seed",
+  "site_seed",
+  "check_float",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +46,7 @@ class Rounding:
     group_size: values per quantization group (multiple of 8) of an integer `bits`.
     stochastic: stochastic (unbiased) or round-to-nearest rounding, for an integer `bits`.
   """
+
   bits: int | Compressor | None = 4
   group_size: int = 256
   stochastic: bool = True
@@ -44,13 +56,16 @@ class Rounding:
       try:
         check_bits(self.bits)
       except ValueError as e:
-        raise ValueError(f"{e} Or pass a compressor from jact.compressors "
-                         "(e.g. compressor=jact.compressors.Division()).") from None
+        raise ValueError(
+          f"{e} Or pass a compressor from jact.compressors "
+          "(e.g. compressor=jact.compressors.Division())."
+        ) from None
     check_group_size(self.group_size)
     if not isinstance(self.stochastic, (bool, np.bool_)):
       raise TypeError(
-          f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
-          f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}.")
+        f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
+        f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}."
+      )
 
   @property
   def compressor(self) -> Compressor | None:
@@ -74,18 +89,24 @@ def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
   width. `api` names the call in the messages ("jact.ops.dense").
   """
   if isinstance(bits, Compressor):
-    raise TypeError(f"{api}: bits= takes an int width (1, 2, 4 or 8) or None, got the "
-                    f"compressor {bits!r}; pass it as compressor={bits!r}.")
+    raise TypeError(
+      f"{api}: bits= takes an int width (1, 2, 4 or 8) or None, got the "
+      f"compressor {bits!r}; pass it as compressor={bits!r}."
+    )
   if compressor is None:
     return bits
   if not isinstance(compressor, Compressor):
-    raise TypeError(f"{api}: compressor= takes a jact.compressors object (e.g. "
-                    f"jact.compressors.Division()) or None, got {compressor!r}; pass a width "
-                    f"as bits={compressor!r}.")
+    raise TypeError(
+      f"{api}: compressor= takes a jact.compressors object (e.g. "
+      f"jact.compressors.Division()) or None, got {compressor!r}; pass a width "
+      f"as bits={compressor!r}."
+    )
   if bits != default_bits:
-    raise ValueError(f"{api}: got both bits={bits!r} and compressor={compressor!r}, which "
-                     f"conflict: the compressor sets its own width. Pass compressor= alone "
-                     f"(compressor.with_bits(n) changes its width), or bits= alone.")
+    raise ValueError(
+      f"{api}: got both bits={bits!r} and compressor={compressor!r}, which "
+      f"conflict: the compressor sets its own width. Pass compressor= alone "
+      f"(compressor.with_bits(n) changes its width), or bits= alone."
+    )
   return compressor
 
 
@@ -106,8 +127,9 @@ def op_rounding(api: str, bits, compressor, default_bits: int | None = 4) -> Rou
   return Rounding(method)
 
 
-def op_keywords(bits, group_size: int = 256, stochastic: bool = True,
-                compressor: Compressor | None = None) -> dict:
+def op_keywords(
+  bits, group_size: int = 256, stochastic: bool = True, compressor: Compressor | None = None
+) -> dict:
   """The ops' `bits=` / `compressor=` keywords for settings spelled out (a
   Flax layer's or a conversion's `bits`, `group_size`, `stochastic`,
   `compressor` fields): a non-default group size or rounding mode becomes
@@ -118,8 +140,12 @@ def op_keywords(bits, group_size: int = 256, stochastic: bool = True,
   >>> op_keywords(2)
   {'bits': 2, 'compressor': None}
   """
-  if (compressor is None and bits is not None and not isinstance(bits, Compressor)
-      and (group_size, stochastic) != (256, True)):
+  if (
+    compressor is None
+    and bits is not None
+    and not isinstance(bits, Compressor)
+    and (group_size, stochastic) != (256, True)
+  ):
     return dict(compressor=PerGroup(bits, group_size, stochastic))
   return dict(bits=bits, compressor=compressor)
 
@@ -148,6 +174,7 @@ class SaltedSeed:
   """An op's seed while a sensitivity estimator re-draws chosen residuals'
   noise: `salt[i]` is mixed into the seed of residual `names[i]` (0: no change).
   Passed into the custom VJPs as an ordinary input."""
+
   base: jax.Array
   salt: jax.Array
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
@@ -172,10 +199,11 @@ def make_seed(key, rounding: Rounding, op: str):
     if not rounding.needs_key:
       return NO_KEY
     raise ValueError(
-        f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "
-        f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
-        f"or round to nearest (compressor=jact.compressors.PerGroup(bits, "
-        f"stochastic=False)), or pass bits=None to store the residual uncompressed.")
+      f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "
+      f"a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), "
+      f"or round to nearest (compressor=jact.compressors.PerGroup(bits, "
+      f"stochastic=False)), or pass bits=None to store the residual uncompressed."
+    )
   return salt_seed(rng.seed_from_key(key))
 
 
@@ -202,6 +230,7 @@ def check_float(x, op: str) -> jax.Array:
   x = jnp.asarray(x)
   if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
     raise TypeError(
-        f"jact.ops.{op} takes a floating-point input (float32, bfloat16 or float16), got "
-        f"{x.dtype}; cast it first (x.astype(jnp.float32)).")
+      f"jact.ops.{op} takes a floating-point input (float32, bfloat16 or float16), got "
+      f"{x.dtype}; cast it first (x.astype(jnp.float32))."
+    )
   return x

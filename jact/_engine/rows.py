@@ -45,6 +45,7 @@ class RowNormalized:
   Attributes:
     axes: the axes of a row (counted from the end).
   """
+
   axes: tuple[int, ...]
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
@@ -60,8 +61,9 @@ def fits_rows(leaf, axes) -> bool:
   return bool(axes) and all(-leaf.ndim <= a < 0 for a in axes) and leaf.size > 0
 
 
-def store_rows(leaf: jax.Array, axes: tuple[int, ...],
-               compress: Callable[[jax.Array], object]) -> Compressed:
+def store_rows(
+  leaf: jax.Array, axes: tuple[int, ...], compress: Callable[[jax.Array], object]
+) -> Compressed:
   """`leaf` stored as per-row mean (float32), scale (bfloat16) and
   `compress((leaf - mean) / scale)`; rows span `axes`. Statistics are of the
   finite values; non-finite values are compressed as they are."""
@@ -73,5 +75,9 @@ def store_rows(leaf: jax.Array, axes: tuple[int, ...],
   scale = jnp.max(jnp.abs(deviation), axes, keepdims=True)
   scale = jnp.where(scale > 0, scale, 1.0).astype(jnp.bfloat16)
   z = jnp.where(finite, deviation / scale.astype(jnp.float32), x)
-  return Compressed({"codes": compress(z), "mean": mean, "scale": scale},
-                    RowNormalized(tuple(axes)), tuple(leaf.shape), leaf.dtype)
+  return Compressed(
+    {"codes": compress(z), "mean": mean, "scale": scale},
+    RowNormalized(tuple(axes)),
+    tuple(leaf.shape),
+    leaf.dtype,
+  )

@@ -31,8 +31,16 @@ from jact._core.quantize import Packed
 from jact.compressors import Compressed
 from jact._engine.sharding import batch_is_sharded
 
-__all__ = ["barrier", "after_residuals", "materialize", "finish_forward", "wait_for_all",
-           "is_stored", "kept_until_cotangent", "Stacked"]
+__all__ = [
+  "barrier",
+  "after_residuals",
+  "materialize",
+  "finish_forward",
+  "wait_for_all",
+  "is_stored",
+  "kept_until_cotangent",
+  "Stacked",
+]
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +58,7 @@ class Stacked:
   >>> is_stored(s), s.length
   (True, 3)
   """
+
   pieces: Any
 
   @property
@@ -151,15 +160,15 @@ def kept_until_cotangent(values, cotangent):
   if head is None or batch_is_sharded():
     return values
   floating = lambda v: not is_stored(v) and jnp.issubdtype(jnp.result_type(v), jnp.floating)
-  return _leaves_on_cpu(xla_cpu.select_after_any_arrival, values, [head], floating,
-                        is_leaf=is_stored)
+  return _leaves_on_cpu(
+    xla_cpu.select_after_any_arrival, values, [head], floating, is_leaf=is_stored
+  )
 
 
 def _cotangent_head(cotangent):
   """The cotangent's first non-empty array, whose rows' first elements say it
   arrived; None when it has none (nothing to order after)."""
-  leaves = [c for c in jax.tree.leaves(cotangent)
-            if jnp.size(c) and c.dtype != jax.dtypes.float0]
+  leaves = [c for c in jax.tree.leaves(cotangent) if jnp.size(c) and c.dtype != jax.dtypes.float0]
   return leaves[0] if leaves else None
 
 

@@ -51,16 +51,22 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   >>> g.shape
   (8, 8)
   """
-  names = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else ()
+  names = (
+    (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else ()
+  )
   if not names or not all(isinstance(a, str) for a in names):
-    raise ValueError(f"jact.sharded_batch: axes must be mesh axis names (a string or a tuple "
-                     f"of strings), got {axes!r}")
+    raise ValueError(
+      f"jact.sharded_batch: axes must be mesh axis names (a string or a tuple "
+      f"of strings), got {axes!r}"
+    )
   if mesh is not None:
     missing = [a for a in names if a not in mesh.shape]
     if missing:
-      raise ValueError(f"jact.sharded_batch: the mesh has no axis {missing[0]!r} "
-                       f"(its axes: {tuple(mesh.shape)}); name axes of the mesh the batch "
-                       "is sharded over")
+      raise ValueError(
+        f"jact.sharded_batch: the mesh has no axis {missing[0]!r} "
+        f"(its axes: {tuple(mesh.shape)}); name axes of the mesh the batch "
+        "is sharded over"
+      )
   with _context._pushed("batch", (names, mesh)):  # pylint: disable=protected-access
     yield
 
@@ -77,15 +83,17 @@ def pin_rows(x):
   shape = dict(mesh.shape) if mesh is not None else dict(getattr(context_mesh, "shape", {}))
   if any(a not in shape for a in axes):
     raise ValueError(
-        f"jact.sharded_batch({axes!r}): no mesh with these axes is known while tracing; "
-        "pass the mesh (jact.sharded_batch(axes, mesh)) or trace inside jax.set_mesh(mesh)")
+      f"jact.sharded_batch({axes!r}): no mesh with these axes is known while tracing; "
+      "pass the mesh (jact.sharded_batch(axes, mesh)) or trace inside jax.set_mesh(mesh)"
+    )
   if _layout_known(axes, mesh, context_mesh):
     return x
   if x.shape[0] % math.prod(shape[a] for a in axes):
     return x
   spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
   return jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, spec) if mesh is not None else spec)
+    x, NamedSharding(mesh, spec) if mesh is not None else spec
+  )
 
 
 def _axis_types(mesh) -> dict:

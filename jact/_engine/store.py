@@ -42,10 +42,13 @@ def kept_symbolic(x) -> bool:
   if _compat.is_static_shape(jnp.shape(x)):
     return False
   warnings.warn(
-      "jact: a residual has a symbolic shape (jax.export with a symbolic dimension); it is "
-      "kept uncompressed, so the exported function's gradients are plain JAX's and it saves "
-      "no activation memory. Export with a concrete batch size to store residuals "
-      "compressed.", SymbolicShapeWarning, stacklevel=2)
+    "jact: a residual has a symbolic shape (jax.export with a symbolic dimension); it is "
+    "kept uncompressed, so the exported function's gradients are plain JAX's and it saves "
+    "no activation memory. Export with a concrete batch size to store residuals "
+    "compressed.",
+    SymbolicShapeWarning,
+    stacklevel=2,
+  )
   return True
 
 
@@ -78,20 +81,22 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
   if budget is not None:
     if not isinstance(compressor, PerGroup):
       raise ValueError(
-          f"the plan gives residual {name!r} a per-sample budget, which only the per-group "
-          f"quantizer supports, but its compressor is {compressor!r}; drop the budget or "
-          "give the residual an integer width.")
+        f"the plan gives residual {name!r} a per-sample budget, which only the per-group "
+        f"quantizer supports, but its compressor is {compressor!r}; drop the budget or "
+        "give the residual an integer width."
+      )
     rows = as_rows(tuple(x.shape), compressor.group_size)
     return _compress_per_sample(x.reshape(rows), site_seed(seed, site, name), rounding, budget)
   if not compressor.needs_key:
     return compressor.compress(x, None)
   if isinstance(seed, NoKey):
     raise ValueError(
-        f"residual {name!r} is to be stored with {compressor!r}, which rounds stochastically "
-        "and needs a PRNG key, but its op was called without one (its call site asked for "
-        f"{rounding.bits if rounding.compressor is None else 'a deterministic method'}): pass "
-        "key=jax.random.key(...) to the op (a Flax layer: an RNG stream named 'jact'), or "
-        "give the residual a deterministic compressor in the plan.")
+      f"residual {name!r} is to be stored with {compressor!r}, which rounds stochastically "
+      "and needs a PRNG key, but its op was called without one (its call site asked for "
+      f"{rounding.bits if rounding.compressor is None else 'a deterministic method'}): pass "
+      "key=jax.random.key(...) to the op (a Flax layer: an RNG stream named 'jact'), or "
+      "give the residual a deterministic compressor in the plan."
+    )
   return compressor.compress(x, site_seed(seed, site, name))
 
 
@@ -103,9 +108,14 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
   ranges_sq, _, _ = group_ranges_sq(x, rounding.group_size)
   widths = allocate_per_sample(ranges_sq, avg_bits)
   capacity = per_sample_capacity(x.shape, avg_bits, rounding.group_size)
-  return quantize_per_sample(x, widths, capacity_bytes=capacity,
-                                       group_size=rounding.group_size,
-                                       stochastic=rounding.stochastic, seed=seed)
+  return quantize_per_sample(
+    x,
+    widths,
+    capacity_bytes=capacity,
+    group_size=rounding.group_size,
+    stochastic=rounding.stochastic,
+    seed=seed,
+  )
 
 
 def restore_residual(r, shape=None, dtype=None):

@@ -21,7 +21,8 @@ def check_fits(kernel_size: tuple[int, ...], shape: tuple[int, ...], layer: str)
   spatial = len(shape) - 2
   if len(kernel_size) != spatial:
     raise ValueError(
-        f"{layer}: kernel_size {kernel_size} has {len(kernel_size)} axes but the input of shape "
-        f"{shape} has {spatial} spatial axes (N, spatial..., C); pass a {spatial}-tuple, e.g. "
-        f"{(3,) * spatial} (an int k means (k,), a 1-D window, as in flax's Conv; () for a "
-        f"rank-2 input: a dense layer).")
+      f"{layer}: kernel_size {kernel_size} has {len(kernel_size)} axes but the input of shape "
+      f"{shape} has {spatial} spatial axes (N, spatial..., C); pass a {spatial}-tuple, e.g. "
+      f"{(3,) * spatial} (an int k means (k,), a 1-D window, as in flax's Conv; () for a "
+      f"rank-2 input: a dense layer)."
+    )

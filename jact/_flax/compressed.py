@@ -54,11 +54,16 @@ from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
-from jact._transforms.compressed import (ModuleRoute, ResidualConfig, add_module_route, call_compressed,
-                                        check_argnums, input_flags)
+from jact._transforms.compressed import (
+  ModuleRoute,
+  ResidualConfig,
+  add_module_route,
+  call_compressed,
+  check_argnums,
+  input_flags,
+)
 
-__all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function",
-           "has_graph_nodes"]
+__all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function", "has_graph_nodes"]
 
 _DEFAULT_NAME = "compressed"  # `compressed`'s default name: replaced by the module's path
 
@@ -90,8 +95,9 @@ def wrap(obj, config: ResidualConfig, policy=None, compress_argnums=()):
 
 def _check_call(module_class) -> None:
   if not any("__call__" in vars(c) for c in module_class.__mro__ if c is not object):
-    raise TypeError(f"jact.compressed compresses a module's __call__; {module_class.__name__} "
-                    f"has none.")
+    raise TypeError(
+      f"jact.compressed compresses a module's __call__; {module_class.__name__} has none."
+    )
 
 
 def _named(config: ResidualConfig, name: str) -> ResidualConfig:
@@ -104,9 +110,11 @@ def _keyless_message(what: str, nnx_module: bool) -> str:
   what = f"jact.compressed({what})"
   if nnx_module:
     return _hooks.nnx_keyless_message(
-        what, "give it a stream: build the decorated class with rngs=nnx.Rngs(params=0, "
-        "jact=1), or wrap an instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...); "
-        "or call it with key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>")
+      what,
+      "give it a stream: build the decorated class with rngs=nnx.Rngs(params=0, "
+      "jact=1), or wrap an instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...); "
+      "or call it with key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>",
+    )
   return _hooks.linen_keyless_message(what, " or call it with key=<a fresh PRNG key>")
 
 
@@ -118,8 +126,17 @@ def _flags(fn, prefix, args, kwargs, argnums) -> list[bool]:
   return [False] * len(jax.tree.leaves(prefix)) + list(input_flags(fn, args, kwargs, argnums))
 
 
-def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy, argnums,
-                     name_of=None, keyless: str = ""):
+def _lift_compressed(
+  fn,
+  *,
+  key,
+  compress: bool,
+  config: ResidualConfig,
+  policy,
+  argnums,
+  name_of=None,
+  keyless: str = "",
+):
   """Lifted transform (cf. `flax.core.lift.checkpoint`): runs the scope function `fn`
   with variables and RNGs as explicit inputs of `call_compressed`, and returns the
   updated mutable collections as outputs, which `pack` publishes to the outer scope.
@@ -137,9 +154,16 @@ def _lift_compressed(fn, *, key, compress: bool, config: ResidualConfig, policy,
       y, variables = pure(variable_groups, rng_groups, *args, **kwargs)
       return inference_only(y, keyless), variables
     flags = _flags(name_of, (variable_groups, rng_groups), args, kwargs, argnums)
-    return call_compressed(pure, (variable_groups, rng_groups, *args), kwargs, key=key,
-                           config=config, policy=policy, compress_inputs=flags,
-                           state_output=True)
+    return call_compressed(
+      pure,
+      (variable_groups, rng_groups, *args),
+      kwargs,
+      key=key,
+      config=config,
+      policy=policy,
+      compress_inputs=flags,
+      state_output=True,
+    )
 
   return _compat.pack_all(inner, name="compressed")
 
@@ -161,27 +185,43 @@ def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
     # `fn` runs on a `module_class` clone bound to the lifted scopes (as in linen's
     # own lifted transforms), so it sees the plain class.
     transform = functools.partial(
-        _lift_compressed, key=key, compress=compress, config=cfg, policy=policy,
-        argnums=argnums, name_of=module_class,
-        keyless=_keyless_message(f"{module_class.__name__} {cfg.name!r}", False))
+      _lift_compressed,
+      key=key,
+      compress=compress,
+      config=cfg,
+      policy=policy,
+      argnums=argnums,
+      name_of=module_class,
+      keyless=_keyless_message(f"{module_class.__name__} {cfg.name!r}", False),
+    )
     return _compat.lift_method_call(self, module_class, fn, transform, args, kwargs)
 
   # Same class name as the original, so that parents autoname it identically.
-  return type(module_class.__name__, (module_class,), {
-      "__call__": __call__, "__module__": module_class.__module__,
-      "__qualname__": module_class.__qualname__, "__doc__": module_class.__doc__,
+  return type(
+    module_class.__name__,
+    (module_class,),
+    {
+      "__call__": __call__,
+      "__module__": module_class.__module__,
+      "__qualname__": module_class.__qualname__,
+      "__doc__": module_class.__doc__,
       "residual_config": config,
-  })
+    },
+  )
 
 
 def _linen_instance(module: nn.Module, config: ResidualConfig, policy, argnums=()):
   if module.scope is not None or isinstance(module.parent, nn.Module):
     raise TypeError(
-        f"jact.compressed got a {type(module).__name__} instance that already belongs to a "
-        f"parent module (created inside setup or @nn.compact); decorate the class instead, "
-        f"e.g. jact.compressed({type(module).__name__}, bits=...)(...)(x).")
-  attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-           if f.name != "parent" and f.init}
+      f"jact.compressed got a {type(module).__name__} instance that already belongs to a "
+      f"parent module (created inside setup or @nn.compact); decorate the class instead, "
+      f"e.g. jact.compressed({type(module).__name__}, bits=...)(...)(x)."
+    )
+  attrs = {
+    f.name: getattr(module, f.name)
+    for f in dataclasses.fields(module)
+    if f.name != "parent" and f.init
+  }
   return _linen_class(type(module), config, policy, argnums)(**attrs)
 
 
@@ -243,16 +283,28 @@ def _draw_key(module, key, config: ResidualConfig, name: str):
   return True, stream()
 
 
-def _call(module, target: nnx.Module, method, args, kwargs, key, config: ResidualConfig, policy,
-          argnums, what: str):
+def _call(
+  module,
+  target: nnx.Module,
+  method,
+  args,
+  kwargs,
+  key,
+  config: ResidualConfig,
+  policy,
+  argnums,
+  what: str,
+):
   """`method(target, *args, **kwargs)` with compressed residuals, or plain
   (raising if differentiated) when no key can be found."""
   compress, key = _draw_key(module, key, config, config.name)
   if not compress:
-    return inference_only(method(target, *args, **kwargs),
-                          _keyless_message(f"{what} {config.name!r}", True))
-  return nnx_call(target, method, args, kwargs, key=key, config=config, policy=policy,
-                  compress_argnums=argnums)
+    return inference_only(
+      method(target, *args, **kwargs), _keyless_message(f"{what} {config.name!r}", True)
+    )
+  return nnx_call(
+    target, method, args, kwargs, key=key, config=config, policy=policy, compress_argnums=argnums
+  )
 
 
 def _is_graph_node(x) -> bool:
@@ -262,12 +314,22 @@ def _is_graph_node(x) -> bool:
 def has_graph_nodes(args, kwargs) -> bool:
   """True when `(args, kwargs)` holds nnx graph nodes: modules, Rngs, Variables (see
   `call_function`)."""
-  return any(_is_graph_node(leaf)
-             for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_graph_node))
+  return any(
+    _is_graph_node(leaf) for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_graph_node)
+  )
 
 
-def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
-                  compress_argnums=(), name: str | None = None):
+def call_function(
+  fn,
+  args,
+  kwargs,
+  *,
+  key,
+  config: ResidualConfig,
+  policy=None,
+  compress_argnums=(),
+  name: str | None = None,
+):
   """`fn(*args, **kwargs)` with compressed residuals, where the arguments may hold nnx
   modules, `nnx.Rngs` or Variables (graph nodes).
 
@@ -282,11 +344,14 @@ def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
   """
   argnums = check_argnums(compress_argnums)
   if any(i >= len(args) for i in argnums):
-    raise ValueError(f"compress_argnums={argnums} but {name or getattr(fn, '__name__', 'fn')} "
-                     f"got {len(args)} positional arguments")
+    raise ValueError(
+      f"compress_argnums={argnums} but {name or getattr(fn, '__name__', 'fn')} "
+      f"got {len(args)} positional arguments"
+    )
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
-  arg_flags = [i in argnums for i, a in enumerate(args)
-               for _ in jax.tree.leaves(a, is_leaf=_is_graph_node)]
+  arg_flags = [
+    i in argnums for i, a in enumerate(args) for _ in jax.tree.leaves(a, is_leaf=_is_graph_node)
+  ]
   arg_flags += [False] * (len(leaves) - len(arg_flags))
   is_node = [_is_graph_node(leaf) for leaf in leaves]
   nodes = [leaf for leaf, n in zip(leaves, is_node) if n]
@@ -304,22 +369,47 @@ def call_function(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
     return out, _compat.replaced_variables(before, nnx.state(merged))
 
   flags = [False] * len(jax.tree.leaves(state)) + [
-      f for f, leaf in zip(rest_flags, rest) if jax.tree.leaves(leaf)]
-  out, updates = call_compressed(pure, (state, rest), {}, key=key, config=config,
-                                 policy=policy, compress_inputs=flags, state_output=True)
+    f for f, leaf in zip(rest_flags, rest) if jax.tree.leaves(leaf)
+  ]
+  out, updates = call_compressed(
+    pure,
+    (state, rest),
+    {},
+    key=key,
+    config=config,
+    policy=policy,
+    compress_inputs=flags,
+    state_output=True,
+  )
   if jax.tree.leaves(updates):
     nnx.update(nodes, updates)
   return out
 
 
-def nnx_call(module: nnx.Module, method: Callable[..., Any], args, kwargs, *, key,
-             config: ResidualConfig, policy=None, compress_argnums=()):
+def nnx_call(
+  module: nnx.Module,
+  method: Callable[..., Any],
+  args,
+  kwargs,
+  *,
+  key,
+  config: ResidualConfig,
+  policy=None,
+  compress_argnums=(),
+):
   """`method(module, *args, **kwargs)` with compressed residuals and the state changes
   of `module` (and of graph nodes among the arguments, e.g. an `nnx.Rngs` passed
   for dropout) written back; see `call_function`."""
-  return call_function(method, (module, *args), kwargs, key=key, config=config, policy=policy,
-                       compress_argnums=tuple(i + 1 for i in check_argnums(compress_argnums)),
-                       name=type(module).__name__)
+  return call_function(
+    method,
+    (module, *args),
+    kwargs,
+    key=key,
+    config=config,
+    policy=policy,
+    compress_argnums=tuple(i + 1 for i in check_argnums(compress_argnums)),
+    name=type(module).__name__,
+  )
 
 
 def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
@@ -338,15 +428,23 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
   @functools.wraps(base_call)
   def __call__(self, *args, key=None, **kwargs):
     cfg = dataclasses.replace(config, name=self.residual_name)
-    return _call(self, self, base_call, args, kwargs, key, cfg, policy, argnums,
-                 module_class.__name__)
+    return _call(
+      self, self, base_call, args, kwargs, key, cfg, policy, argnums, module_class.__name__
+    )
 
   functools.update_wrapper(__init__, module_class.__init__)
-  return type(module_class.__name__, (module_class,), {
-      "__init__": __init__, "__call__": __call__, "__module__": module_class.__module__,
-      "__qualname__": module_class.__qualname__, "__doc__": module_class.__doc__,
+  return type(
+    module_class.__name__,
+    (module_class,),
+    {
+      "__init__": __init__,
+      "__call__": __call__,
+      "__module__": module_class.__module__,
+      "__qualname__": module_class.__qualname__,
+      "__doc__": module_class.__doc__,
       "residual_config": config,
-  })
+    },
+  )
 
 
 def _config_of(bits=4, compressor=None, **settings) -> ResidualConfig:
@@ -369,8 +467,16 @@ class CompressedModule(nnx.Module):
   `key=` (a PRNG key, nnx.Rngs or nnx.RngStream) to override the stored stream.
   """
 
-  def __init__(self, module: nnx.Module, *, rngs=None, config: ResidualConfig | None = None,
-               policy=None, compress_argnums=(), **settings):
+  def __init__(
+    self,
+    module: nnx.Module,
+    *,
+    rngs=None,
+    config: ResidualConfig | None = None,
+    policy=None,
+    compress_argnums=(),
+    **settings,
+  ):
     if not isinstance(module, nnx.Module):
       raise TypeError(f"CompressedModule wraps an nnx.Module, got {type(module).__name__}")
     _check_call(type(module))
@@ -391,9 +497,20 @@ class CompressedModule(nnx.Module):
   def __call__(self, *args, key=None, **kwargs):
     settings = self.residual_settings
     cfg = dataclasses.replace(settings.config, name=self.residual_name)
-    return _call(self, self.module, type(self.module).__call__, args, kwargs, key, cfg,
-                 settings.policy, settings.argnums, type(self.module).__name__)
+    return _call(
+      self,
+      self.module,
+      type(self.module).__call__,
+      args,
+      kwargs,
+      key,
+      cfg,
+      settings.policy,
+      settings.argnums,
+      type(self.module).__name__,
+    )
 
 
-add_module_route(ModuleRoute(handles=is_flax, wrap=wrap, takes_arguments=has_graph_nodes,
-                             call=call_function))
+add_module_route(
+  ModuleRoute(handles=is_flax, wrap=wrap, takes_arguments=has_graph_nodes, call=call_function)
+)

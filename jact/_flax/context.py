@@ -22,29 +22,35 @@ USE_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("jact_nnx_key", de
 
 # conversion_report (jact._flax.record)
 RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jact_convert_recorder", default=None)
+  "jact_convert_recorder", default=None
+)
 """The `Row`s of the `conversion_report` being taken, or None outside one."""
 
 # convert, linen (jact._flax.convert.linen, .linen_engine)
 LINEN_SETTINGS: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jact_convert_settings", default=None)
+  "jact_convert_settings", default=None
+)
 """The `Settings` of the converted linen model whose method is running."""
 
 LINEN_PASS: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
-    "jact_convert_pass", default=None)
+  "jact_convert_pass", default=None
+)
 """(module path, descendants too) of a layer left plain, so that the interceptor lets it run."""
 
 LINEN_OUTER_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jact_convert_outer_key", default=None)
+  "jact_convert_outer_key", default=None
+)
 """The 'jact' key drawn outside a linen scan, folded into keys of the layers inside it."""
 
 LINEN_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jact_convert_in_model", default=False)
+  "jact_convert_in_model", default=False
+)
 """True inside a converted linen model's outermost call (the generic engine's model call)."""
 
 # convert, nnx (jact._flax.convert.nnx_engine)
 NNX_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jact_nnx_in_model", default=False)
+  "jact_nnx_in_model", default=False
+)
 """True inside a converted nnx model's outermost call."""
 
 

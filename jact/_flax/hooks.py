@@ -31,6 +31,7 @@ from jact._compat import flax as _compat
 from jact.ops import _linear as linear
 from jact.ops._attention import dot_product_attention
 
+
 @contextlib.contextmanager
 def provide(**ops: Callable[..., Any]):
   """Makes `ops` (slot name -> callable) visible to the `Hook`s called inside."""
@@ -42,15 +43,17 @@ def lookup(slot: str) -> Callable[..., Any]:
   ops = OPS.get() or {}
   if slot not in ops:
     raise RuntimeError(
-        f"a jact hook for {slot!r} was called outside a jact layer's forward. The hooks "
-        f"are installed by jact's Flax twins (jact.nn.Dense, jact.nnx.Linear, ...) and only "
-        f"work inside their __call__; do not copy them into plain Flax layers.")
+      f"a jact hook for {slot!r} was called outside a jact layer's forward. The hooks "
+      f"are installed by jact's Flax twins (jact.nn.Dense, jact.nnx.Linear, ...) and only "
+      f"work inside their __call__; do not copy them into plain Flax layers."
+    )
   return ops[slot]
 
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
   """Static stand-in for a Flax op hook; forwards to the op provided for `slot`."""
+
   slot: str
 
   def __call__(self, *args, **kwargs):
@@ -75,8 +78,15 @@ class Calls:
   call, kept exact by the engine).
   """
 
-  def __init__(self, op: Callable[..., Any], key, names: Sequence[str], op_name: str,
-               plain: Callable[..., Any] | None = None, **settings):
+  def __init__(
+    self,
+    op: Callable[..., Any],
+    key,
+    names: Sequence[str],
+    op_name: str,
+    plain: Callable[..., Any] | None = None,
+    **settings,
+  ):
     self.op, self.key, self.names, self.op_name = op, key, tuple(names), op_name
     self.plain = plain
     self.settings = settings
@@ -91,7 +101,7 @@ class Calls:
 
   def __call__(self, *args, **kwargs):
     key, name = self.next_key_and_name()
-    if self.plain is not None and any(hasattr(a, 'dtype') and jnp.iscomplexobj(a) for a in args):
+    if self.plain is not None and any(hasattr(a, "dtype") and jnp.iscomplexobj(a) for a in args):
       return self.plain(*args, **kwargs)
     kwargs = _drop_sharding(dict(kwargs), self.op_name)
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
@@ -121,24 +131,28 @@ def last_axis_only(axes, ndim: int) -> bool:
 def linen_keyless_message(what: str, extra_fix: str = "") -> str:
   """The error of differentiating a linen layer or module (`what`, e.g.
   "jact.nn.Dense 'Dense_0'") that ran without a 'jact' stream."""
-  return (f"{what} was differentiated without an RNG stream named 'jact'. It rounds the "
-          f"activations it saves for the backward pass stochastically; without a key it runs "
-          f"the plain computation, for inference only (nothing saved). Fixes: pass a fresh key "
-          f"per step, e.g. model.apply(variables, x, rngs={{'jact': key}}){extra_fix}; or use "
-          f"compressor=jact.compressors.PerGroup(bits, stochastic=False) (round-to-nearest) or "
-          f"bits=None (no compression).")
+  return (
+    f"{what} was differentiated without an RNG stream named 'jact'. It rounds the "
+    f"activations it saves for the backward pass stochastically; without a key it runs "
+    f"the plain computation, for inference only (nothing saved). Fixes: pass a fresh key "
+    f"per step, e.g. model.apply(variables, x, rngs={{'jact': key}}){extra_fix}; or use "
+    f"compressor=jact.compressors.PerGroup(bits, stochastic=False) (round-to-nearest) or "
+    f"bits=None (no compression)."
+  )
 
 
 def nnx_keyless_message(what: str, own_stream: str) -> str:
   """The error of differentiating an nnx layer or module (`what`) that has no
   'jact' stream and ran outside `use_key`; `own_stream` says how to give it one."""
-  return (f"{what} was differentiated without a rounding key. It rounds the activations it "
-          f"saves for the backward pass stochastically; without a key it runs the plain "
-          f"computation, for inference only (nothing saved). Fixes: differentiate under "
-          f"jact.nnx.use_key, e.g. `with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)"
-          f"(model)` (a fresh PRNG key, or an nnx.Rngs with a 'jact' stream, per step); or "
-          f"{own_stream}; or use compressor=jact.compressors.PerGroup(bits, stochastic=False) "
-          f"(round-to-nearest) or bits=None (no compression).")
+  return (
+    f"{what} was differentiated without a rounding key. It rounds the activations it "
+    f"saves for the backward pass stochastically; without a key it runs the plain "
+    f"computation, for inference only (nothing saved). Fixes: differentiate under "
+    f"jact.nnx.use_key, e.g. `with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)"
+    f"(model)` (a fresh PRNG key, or an nnx.Rngs with a 'jact' stream, per step); or "
+    f"{own_stream}; or use compressor=jact.compressors.PerGroup(bits, stochastic=False) "
+    f"(round-to-nearest) or bits=None (no compression)."
+  )
 
 
 def keyless(fn: Callable[..., Any], message: str) -> Callable[..., Any]:
@@ -150,13 +164,15 @@ def keyless(fn: Callable[..., Any], message: str) -> Callable[..., Any]:
 def baked_key_message(name: str) -> str:
   """The error of a concrete `use_key` key read while a jitted function entered
   inside the block is traced (residual `name`)."""
-  return (f"jact.nnx.use_key: {name!r} read the key of a use_key block entered outside the "
-          f"jitted function being traced. That key is baked into the compiled function as a "
-          f"constant: every later call would silently reuse this call's rounding noise, "
-          f"whatever key later blocks hold. Enter use_key inside the jitted step with a traced "
-          f"key: pass the key (or an nnx.Rngs) as an argument, e.g. `@nnx.jit def step(model, "
-          f"x, key): with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)(model, x)`; or give "
-          f"the layers their own streams: jact.convert(model, rngs=nnx.Rngs(jact=0)).")
+  return (
+    f"jact.nnx.use_key: {name!r} read the key of a use_key block entered outside the "
+    f"jitted function being traced. That key is baked into the compiled function as a "
+    f"constant: every later call would silently reuse this call's rounding noise, "
+    f"whatever key later blocks hold. Enter use_key inside the jitted step with a traced "
+    f"key: pass the key (or an nnx.Rngs) as an argument, e.g. `@nnx.jit def step(model, "
+    f"x, key): with jact.nnx.use_key(key): grads = nnx.grad(loss_fn)(model, x)`; or give "
+    f"the layers their own streams: jact.convert(model, rngs=nnx.Rngs(jact=0))."
+  )
 
 
 class _KeySource:
@@ -174,8 +190,11 @@ class _KeySource:
     self.concrete = not _jax_compat.is_tracer(key)
 
   def draw(self, name: str):
-    if (self.concrete and _jax_compat.jit_traces_since(self.trace)
-        and not _jax_compat.abstract_evaluation()):
+    if (
+      self.concrete
+      and _jax_compat.jit_traces_since(self.trace)
+      and not _jax_compat.abstract_evaluation()
+    ):
       raise ValueError(baked_key_message(name))
     i = self.calls.get(name, 0)
     self.calls[name] = i + 1
@@ -220,14 +239,18 @@ def use_key(key):
   """
   if isinstance(key, nnx.Rngs):
     if "jact" not in key and "default" not in key:
-      raise ValueError("jact.nnx.use_key got an nnx.Rngs with neither a 'jact' nor a "
-                       "'default' stream; pass nnx.Rngs(jact=seed) or a PRNG key.")
+      raise ValueError(
+        "jact.nnx.use_key got an nnx.Rngs with neither a 'jact' nor a "
+        "'default' stream; pass nnx.Rngs(jact=seed) or a PRNG key."
+      )
     key = key["jact"]() if "jact" in key else key["default"]()
   elif isinstance(key, nnx.RngStream):
     key = key()
   elif not isinstance(key, jax.Array):
-    raise TypeError(f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
-                    f"an nnx.RngStream, got {type(key).__name__}.")
+    raise TypeError(
+      f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
+      f"an nnx.RngStream, got {type(key).__name__}."
+    )
   with bound(USE_KEY, _KeySource(key)):
     yield
 
@@ -240,13 +263,14 @@ def draw(stream, what: str):
     return stream()
   except _compat.trace_context_error() as err:
     raise ValueError(
-        f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
-        f"rngs=...)), which advances the stream's count, and nnx forbids that inside a JAX "
-        f"transform that closes over the model (jax.vmap, jax.jit or jax.grad of a "
-        f"closure). Use the nnx transforms (nnx.vmap, nnx.jit, nnx.grad), or nnx.split / "
-        f"nnx.merge inside the JAX transform, as for any nnx model with RNG streams; or "
-        f"convert without rngs= and pass keys with jact.nnx.use_key inside the "
-        f"transform.") from err
+      f"{what} draws its rounding key from its own 'jact' stream (jact.convert(model, "
+      f"rngs=...)), which advances the stream's count, and nnx forbids that inside a JAX "
+      f"transform that closes over the model (jax.vmap, jax.jit or jax.grad of a "
+      f"closure). Use the nnx transforms (nnx.vmap, nnx.jit, nnx.grad), or nnx.split / "
+      f"nnx.merge inside the JAX transform, as for any nnx model with RNG streams; or "
+      f"convert without rngs= and pass keys with jact.nnx.use_key inside the "
+      f"transform."
+    ) from err
 
 
 def context_key(name: str):
@@ -266,8 +290,17 @@ def _causal_mask(query, key):
 # Keywords of Flax's dot_product_attention that jact's attention implements, and
 # those it ignores by design (documented on the twins); any other keyword is
 # accepted at Flax's default value and rejected, by name, otherwise.
-ATTENTION_HANDLED = ("bias", "mask", "dropout_rng", "dropout_rate", "deterministic", "precision",
-                     "module", "is_causal", "broadcast_dropout")
+ATTENTION_HANDLED = (
+  "bias",
+  "mask",
+  "dropout_rng",
+  "dropout_rate",
+  "deterministic",
+  "precision",
+  "module",
+  "is_causal",
+  "broadcast_dropout",
+)
 ATTENTION_IGNORED = ("dtype", "force_fp32_for_softmax")
 _ATTENTION_SIGNATURE = _compat.attention_signature()
 _ATTENTION_DEFAULTS = _compat.attention_defaults()
@@ -305,9 +338,10 @@ def _check_attention_keywords(kwargs: dict, supported) -> None:
   for name, value in kwargs.items():
     if name not in supported and not _is_flax_default(name, value):
       raise ValueError(
-          f"jact attention does not support {name}={value!r} (a keyword of Flax's "
-          f"dot_product_attention); leave {name} at Flax's default, or keep this attention "
-          f"layer a plain Flax layer.")
+        f"jact attention does not support {name}={value!r} (a keyword of Flax's "
+        f"dot_product_attention); leave {name} at Flax's default, or keep this attention "
+        f"layer a plain Flax layer."
+      )
 
 
 def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
@@ -317,21 +351,43 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
   'dropout' stream) exactly as Flax's attention does, `broadcast_dropout`
   included, so the weights are Flax's; its backward keeps only that key.
   """
+
   def op(query, keys, value, **kwargs):
     _check_attention_keywords(kwargs, ATTENTION_HANDLED + ATTENTION_IGNORED)
-    (bias, mask, dropout_rng, dropout_rate, deterministic, precision, module, is_causal,
-     broadcast_dropout) = (kwargs[n] for n in ATTENTION_HANDLED)
+    (
+      bias,
+      mask,
+      dropout_rng,
+      dropout_rate,
+      deterministic,
+      precision,
+      module,
+      is_causal,
+      broadcast_dropout,
+    ) = (kwargs[n] for n in ATTENTION_HANDLED)
     if module is not None:
       raise ValueError(
-          "jact attention does not return the attention weights, so sow_weights=True is not "
-          "supported; call with sow_weights=False.")
+        "jact attention does not return the attention weights, so sow_weights=True is not "
+        "supported; call with sow_weights=False."
+      )
     if is_causal:
       causal = _causal_mask(query, keys)
       mask = causal if mask is None else jnp.logical_and(mask, causal)
     return dot_product_attention(
-        query, keys, value, bias=bias, mask=mask, dropout_rate=dropout_rate,
-        deterministic=deterministic, key=key, dropout_key=dropout_rng,
-        broadcast_dropout=bool(broadcast_dropout), precision=precision, name=name, **settings)
+      query,
+      keys,
+      value,
+      bias=bias,
+      mask=mask,
+      dropout_rate=dropout_rate,
+      deterministic=deterministic,
+      key=key,
+      dropout_key=dropout_rng,
+      broadcast_dropout=bool(broadcast_dropout),
+      precision=precision,
+      name=name,
+      **settings,
+    )
 
   return op
 
@@ -340,12 +396,29 @@ def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any
   """The compressed ops an attention twin provides: q/k/v projections, output
   projection and the attention itself, each with its own key and residual name."""
   sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
-  qkv = Calls(linear.dot_general, sub(0), tuple(f"{name}/{p}" for p in ("query", "key", "value")),
-              "dot_general", plain=lax.dot_general, compress=(True, False), **rounding)
-  out = Calls(linear.dot_general, sub(1), (f"{name}/out",), "dot_general", plain=lax.dot_general,
-              compress=(True, False), **rounding)
-  return {"qkv": qkv, "out": out,
-          "attention": compressed_attention(sub(2), f"{name}/attention", **rounding)}
+  qkv = Calls(
+    linear.dot_general,
+    sub(0),
+    tuple(f"{name}/{p}" for p in ("query", "key", "value")),
+    "dot_general",
+    plain=lax.dot_general,
+    compress=(True, False),
+    **rounding,
+  )
+  out = Calls(
+    linear.dot_general,
+    sub(1),
+    (f"{name}/out",),
+    "dot_general",
+    plain=lax.dot_general,
+    compress=(True, False),
+    **rounding,
+  )
+  return {
+    "qkv": qkv,
+    "out": out,
+    "attention": compressed_attention(sub(2), f"{name}/attention", **rounding),
+  }
 
 
 _NNX_ATTENTION = tuple(inspect.signature(nnx.dot_product_attention).parameters)
@@ -355,11 +428,13 @@ def plain_nnx_attention(query, keys, value, **kwargs):
   """Flax's own nnx attention: what an nnx attention twin runs without a key."""
   _check_attention_keywords(kwargs, _NNX_ATTENTION)
   return nnx.dot_product_attention(
-      query, keys, value, **{n: v for n, v in kwargs.items() if n in _NNX_ATTENTION})
+    query, keys, value, **{n: v for n, v in kwargs.items() if n in _NNX_ATTENTION}
+  )
 
 
 def plain_attention(query, keys, value, **kwargs):
   """Flax's own (linen) attention: the fallback while initializing a linen model."""
   _check_attention_keywords(kwargs, _LINEN_ATTENTION)  # nnx-only keywords: at their defaults
   return nn.dot_product_attention(
-      query, keys, value, **{n: v for n, v in kwargs.items() if n in _LINEN_ATTENTION})
+    query, keys, value, **{n: v for n, v in kwargs.items() if n in _LINEN_ATTENTION}
+  )

@@ -22,6 +22,7 @@ class Row:
   plain; plain_bytes / saved_bytes: what the call keeps for the backward pass
   as a plain layer / as converted (None: not measured).
   """
+
   path: str
   layer: str
   how: str
@@ -42,8 +43,9 @@ def is_recording() -> bool:
   return RECORDER.get() is not None
 
 
-def record(path: str, layer: str, how: str, reason: str = "", plain_bytes=None,
-           saved_bytes=None) -> None:
+def record(
+  path: str, layer: str, how: str, reason: str = "", plain_bytes=None, saved_bytes=None
+) -> None:
   rows = RECORDER.get()
   if rows is None:
     return

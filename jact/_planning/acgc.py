@@ -48,13 +48,21 @@ class ACGCState:
     count: int32, recalculations so far.
     names: static residual names.
   """
+
   levels_sq: jax.Array
   count: jax.Array
   names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
 
 
-def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, error: float,
-              scale_bound: bool = False):
+def tolerance(
+  info: dict,
+  stats: dict,
+  grad_y: jax.Array,
+  grad_scale,
+  v_sq,
+  error: float,
+  scale_bound: bool = False,
+):
   """Table 1's tolerance dx*^2 for one residual (in the stored residual's units);
   `scale_bound`: a normalization's also keeps its scale's gradient error below
   e^2 V^2 / 2 (not in Table 1)."""
@@ -65,8 +73,12 @@ def tolerance(info: dict, stats: dict, grad_y: jax.Array, grad_scale, v_sq, erro
   if info["kind"] == "conv":
     m = info["batch"] * info["positions"]
     t_sq = info["stride"]  # product of the strides = T^2 for a square stride T
-    return error * v_sq * t_sq / (
-        2.0 * info["kernel_locations"] * m * info["channels"] * jnp.sum(jnp.square(grad_y)))
+    return (
+      error
+      * v_sq
+      * t_sq
+      / (2.0 * info["kernel_locations"] * m * info["channels"] * jnp.sum(jnp.square(grad_y)))
+    )
   # Normalization: dx*^2 = e^2 V^2 M s^4 / (C gamma^2 g^2); stored xhat = dx / s.
   xhat, inv, scale = stats["xhat"], stats["inv"], stats["scale"]
   m = info["reduction"]
@@ -109,14 +121,21 @@ def _is_fixpoint(compressor) -> bool:
 class ErrorBounded(NamedTuple):
   """init(params, batch, key) -> state; update(state, params, batch, key) -> state;
   plan(state) -> BitPlan."""
+
   init: Callable[..., ACGCState]
   update: Callable[..., ACGCState]
   plan: Callable[[ACGCState], BitPlan]
 
 
-def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: int = 10,
-                  summary: str = "mean", compressor=None,
-                  scale_bound: bool = False) -> ErrorBounded:
+def error_bounded(
+  loss_fn: Callable[..., Any],
+  *,
+  error: float = 0.5,
+  window: int = 10,
+  summary: str = "mean",
+  compressor=None,
+  scale_bound: bool = False,
+) -> ErrorBounded:
   """AC-GC bounds as an estimator producing a `BitPlan`.
 
   Args:
@@ -144,8 +163,9 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
 
   def init(params, batch, key) -> ACGCState:
     names = tuple(sorted(find_residuals(loss_fn, params, batch, key)))
-    return ACGCState(jnp.full((window, len(names)), jnp.nan, jnp.float32),
-                     jnp.zeros((), jnp.int32), names)
+    return ACGCState(
+      jnp.full((window, len(names)), jnp.nan, jnp.float32), jnp.zeros((), jnp.int32), names
+    )
 
   @jax.jit
   def update(state: ACGCState, params, batch, key) -> ACGCState:
@@ -163,15 +183,16 @@ def error_bounded(loss_fn: Callable[..., Any], *, error: float = 0.5, window: in
         gy = g_probes[name].astype(jnp.float32)
         red = info[name]["reduction_axes"]
         # d gamma = sum of dy * xhat over the non-feature axes (the parameter's gradient)
-        grad_scale = jnp.sum(gy * xhat, axis=_param_axes(xhat.ndim, red, info[name]["kind"]),
-                             keepdims=True)
-      tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error,
-                      scale_bound)
+        grad_scale = jnp.sum(
+          gy * xhat, axis=_param_axes(xhat.ndim, red, info[name]["kind"]), keepdims=True
+        )
+      tol = tolerance(info[name], stats[name], g_probes[name], grad_scale, v_sq, error, scale_bound)
       spread = stats[name]["abs_max"] if signed else stats[name]["range_max"]
       row.append(jnp.square(spread) / (4.0 * tol))
     slot = state.count % window
-    return dataclasses.replace(state, levels_sq=state.levels_sq.at[slot].set(jnp.stack(row)),
-                               count=state.count + 1)
+    return dataclasses.replace(
+      state, levels_sq=state.levels_sq.at[slot].set(jnp.stack(row)), count=state.count + 1
+    )
 
   def plan(state: ACGCState) -> BitPlan:
     history = np.asarray(state.levels_sq, np.float64)

@@ -54,6 +54,7 @@ class ControllerState:
     report: the last adaptation's figures (step, average bits, predicted
       compression variance, sampling variance, their ratio).
   """
+
   estimates: Any
   plan: BitPlan
   step: int
@@ -69,13 +70,15 @@ def _check_allowed(allowed, avg_bits: float | None) -> tuple[int, ...]:
     widths = ()
   if not any(b != allocate.UNCOMPRESSED for b in widths):
     raise ValueError(
-        f"jact.Controller: allowed must list the widths the allocator may pick, at least one "
-        f"of 1, 2, 4, 8 (32: keep a residual uncompressed), got {allowed!r}; e.g. "
-        "allowed=(1, 2, 4, 8)")
+      f"jact.Controller: allowed must list the widths the allocator may pick, at least one "
+      f"of 1, 2, 4, 8 (32: keep a residual uncompressed), got {allowed!r}; e.g. "
+      "allowed=(1, 2, 4, 8)"
+    )
   if avg_bits is not None and widths[0] > avg_bits:
     raise ValueError(
-        f"jact.Controller: avg_bits={avg_bits} is below the narrowest allowed width "
-        f"{widths[0]}, so no plan fits the budget: raise avg_bits or allow narrower widths")
+      f"jact.Controller: avg_bits={avg_bits} is below the narrowest allowed width "
+      f"{widths[0]}, so no plan fits the budget: raise avg_bits or allow narrower widths"
+    )
   return widths
 
 
@@ -102,6 +105,7 @@ class Controller:
       AC-GC's Table 1; see `jact.acgc.error_bounded`).
     decay, chunk_size: estimator settings (see `jact.sensitivity`).
   """
+
   loss_fn: Callable[..., Any]
   estimator: str = "numeric"
   avg_bits: float = 2.0
@@ -118,22 +122,29 @@ class Controller:
 
   def __post_init__(self):
     if not callable(self.loss_fn):
-      raise TypeError(f"jact.Controller: loss_fn must be loss_fn(params, batch, key) -> "
-                      f"scalar, got {type(self.loss_fn).__name__} {self.loss_fn!r:.40}")
+      raise TypeError(
+        f"jact.Controller: loss_fn must be loss_fn(params, batch, key) -> "
+        f"scalar, got {type(self.loss_fn).__name__} {self.loss_fn!r:.40}"
+      )
     for field in ("avg_bits", "alert_fraction", "error"):
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"jact.Controller: {field} must be a number, got "
-                        f"{type(value).__name__} {value!r}")
+        raise TypeError(
+          f"jact.Controller: {field} must be a number, got {type(value).__name__} {value!r}"
+        )
     if not self.alert_fraction > 0:
-      raise ValueError(f"jact.Controller: alert_fraction must be positive (the fraction of the "
-                       f"sampling variance above which to warn, e.g. 0.5), got "
-                       f"{self.alert_fraction!r}")
+      raise ValueError(
+        f"jact.Controller: alert_fraction must be positive (the fraction of the "
+        f"sampling variance above which to warn, e.g. 0.5), got "
+        f"{self.alert_fraction!r}"
+      )
     if self.estimator not in _ESTIMATORS:
       raise ValueError(f"estimator must be one of {_ESTIMATORS}, got {self.estimator!r}")
     if not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
-      raise ValueError(f"jact.Controller: adapt_interval must be a positive int (steps "
-                       f"between estimations, e.g. 50), got {self.adapt_interval!r}")
+      raise ValueError(
+        f"jact.Controller: adapt_interval must be a positive int (steps "
+        f"between estimations, e.g. 50), got {self.adapt_interval!r}"
+      )
     if not isinstance(self.warmup, int) or self.warmup < 0:
       raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
     if not 1 <= self.avg_bits <= 32:
@@ -142,26 +153,36 @@ class Controller:
     object.__setattr__(self, "allowed", _check_allowed(self.allowed, budget))
     object.__setattr__(self, "_impl", self._make_estimator())
     # compiled once per controller (run eagerly, the exact gradients cost hundreds of steps)
-    object.__setattr__(self, "_sampling_variance",
-                       jax.jit(functools.partial(sensitivity.sampling_variance, self.loss_fn)))
+    object.__setattr__(
+      self,
+      "_sampling_variance",
+      jax.jit(functools.partial(sensitivity.sampling_variance, self.loss_fn)),
+    )
 
   def _make_estimator(self):
     if self.estimator == "numeric":
       return sensitivity.numeric(self.loss_fn, decay=self.decay, chunk_size=self.chunk_size)
     if self.estimator == "analytic":
       return sensitivity.analytic(self.loss_fn, decay=self.decay)
-    return _acgc.error_bounded(self.loss_fn, error=self.error, compressor=self.compressor,
-                               scale_bound=self.scale_bound)
+    return _acgc.error_bounded(
+      self.loss_fn, error=self.error, compressor=self.compressor, scale_bound=self.scale_bound
+    )
 
   # ------------------------------------------------------------------ loop
 
   def init(self, params, batch, key) -> ControllerState:
     """Finds the residuals; the first plan is uniform at the nearest allowed width."""
     estimates = self._impl.init(params, batch, key)
-    sizes = dict(zip(estimates.names, getattr(estimates, "sizes", None) or self._sizes(
-        params, batch, key, estimates.names)))
-    uniform = min((b for b in self.allowed if b != allocate.UNCOMPRESSED),
-                  key=lambda b: (abs(b - self.avg_bits), b))
+    sizes = dict(
+      zip(
+        estimates.names,
+        getattr(estimates, "sizes", None) or self._sizes(params, batch, key, estimates.names),
+      )
+    )
+    uniform = min(
+      (b for b in self.allowed if b != allocate.UNCOMPRESSED),
+      key=lambda b: (abs(b - self.avg_bits), b),
+    )
     return ControllerState(estimates, BitPlan.uniform(sizes, uniform), 0, {})
 
   def _sizes(self, params, batch, key, names):
@@ -187,9 +208,12 @@ class Controller:
       report.update(predicted_variance=predicted, sampling_variance=sampled, ratio=ratio)
       if ratio > self.alert_fraction:
         warnings.warn(
-            f"jact: predicted compression variance is {ratio:.2f}x the gradient's sampling "
-            f"variance at step {state.step} (alert above {self.alert_fraction}): raise "
-            "avg_bits, or check the learning rate", CompressionVarianceWarning, stacklevel=2)
+          f"jact: predicted compression variance is {ratio:.2f}x the gradient's sampling "
+          f"variance at step {state.step} (alert above {self.alert_fraction}): raise "
+          "avg_bits, or check the learning rate",
+          CompressionVarianceWarning,
+          stacklevel=2,
+        )
     return ControllerState(estimates, plan, state.step + 1, report)
 
   def _replan(self, estimates, previous: BitPlan) -> BitPlan:
@@ -209,8 +233,9 @@ class Controller:
     d = [sizes[n] + sum(sizes[m] for m in followers[n]) for n in names]
     budget = int(self.avg_bits * sum(d))
     index = {n: i for i, n in enumerate(estimates.names)}
-    bits = allocate.greedy_allocate(np.maximum([c[index[n]] for n in names], 0.0), d, budget,
-                                    self.allowed)
+    bits = allocate.greedy_allocate(
+      np.maximum([c[index[n]] for n in names], 0.0), d, budget, self.allowed
+    )
     chosen = dict(zip(names, bits))
     chosen.update({m: chosen[n] for n in names for m in followers[n]})
     if self.per_sample:
@@ -223,11 +248,20 @@ class Controller:
   def save(self, state: ControllerState, directory: str | os.PathLike) -> None:
     """Writes the controller state to `directory` (orbax; must not exist yet)."""
     ocp = _orbax()
-    meta = {"plan": state.plan.to_dict(), "step": state.step, "report": state.report,
-            "estimator": self.estimator, "names": list(state.estimates.names)}
+    meta = {
+      "plan": state.plan.to_dict(),
+      "step": state.step,
+      "report": state.report,
+      "estimator": self.estimator,
+      "names": list(state.estimates.names),
+    }
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-      ckpt.save(os.fspath(os.path.abspath(directory)), args=ocp.args.Composite(
-          estimates=ocp.args.StandardSave(state.estimates), meta=ocp.args.JsonSave(meta)))
+      ckpt.save(
+        os.fspath(os.path.abspath(directory)),
+        args=ocp.args.Composite(
+          estimates=ocp.args.StandardSave(state.estimates), meta=ocp.args.JsonSave(meta)
+        ),
+      )
 
   def restore(self, directory: str | os.PathLike, like: ControllerState) -> ControllerState:
     """Reads a state written by `save`; `like` (e.g. from `init`) gives its structure.
@@ -237,16 +271,19 @@ class Controller:
     """
     if not isinstance(like, ControllerState):
       raise TypeError(
-          f"jact.Controller.restore: like must be a ControllerState of the model being trained "
-          f"(it gives the estimates' structure and the residual names), got "
-          f"{type(like).__name__} {like!r:.60}; pass like=controller.init(params, batch, key)")
+        f"jact.Controller.restore: like must be a ControllerState of the model being trained "
+        f"(it gives the estimates' structure and the residual names), got "
+        f"{type(like).__name__} {like!r:.60}; pass like=controller.init(params, batch, key)"
+      )
     path = os.fspath(os.path.abspath(directory))
     meta = _read_meta(path)
     plan, saved_names = _check_meta(path, meta)
     if meta["estimator"] != self.estimator:
-      raise ValueError(f"jact.Controller.restore: the checkpoint at {path} was written by a "
-                       f"{meta['estimator']!r} controller, this one uses {self.estimator!r}; "
-                       f"restore it with Controller(..., estimator={meta['estimator']!r})")
+      raise ValueError(
+        f"jact.Controller.restore: the checkpoint at {path} was written by a "
+        f"{meta['estimator']!r} controller, this one uses {self.estimator!r}; "
+        f"restore it with Controller(..., estimator={meta['estimator']!r})"
+      )
     _check_same_residuals(path, saved_names, dict(plan.sizes), like)
     estimates = _read_estimates(path, like.estimates)
     return ControllerState(estimates, plan, meta["step"], dict(meta["report"]))
@@ -257,42 +294,55 @@ def _orbax():
   try:
     import orbax.checkpoint as ocp
   except ImportError as e:
-    raise ImportError("jact.Controller.save/restore write checkpoints with orbax-checkpoint, "
-                      f"which does not import here ({e}); install it with "
-                      "`pip install orbax-checkpoint` (a dependency of jact)") from e
+    raise ImportError(
+      "jact.Controller.save/restore write checkpoints with orbax-checkpoint, "
+      f"which does not import here ({e}); install it with "
+      "`pip install orbax-checkpoint` (a dependency of jact)"
+    ) from e
   return ocp
 
 
-_DAMAGED = ("it is missing pieces or was cut off while being written: restore an earlier "
-            "checkpoint, or start again from Controller.init")
+_DAMAGED = (
+  "it is missing pieces or was cut off while being written: restore an earlier "
+  "checkpoint, or start again from Controller.init"
+)
 
 
 def _read_meta(path: str) -> dict:
   """The JSON part of a controller checkpoint (plan, step, report, estimator, names)."""
   ocp = _orbax()
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"jact.Controller.restore: no checkpoint at {path}; write one with "
-                            "Controller.save(state, directory)")
+    raise FileNotFoundError(
+      f"jact.Controller.restore: no checkpoint at {path}; write one with "
+      "Controller.save(state, directory)"
+    )
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
       meta = ckpt.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as e:  # orbax raises many kinds for a damaged directory
-    raise ValueError(f"jact.Controller.restore: cannot read the controller checkpoint at "
-                     f"{path} ({type(e).__name__}: {e}); {_DAMAGED}") from e
+    raise ValueError(
+      f"jact.Controller.restore: cannot read the controller checkpoint at "
+      f"{path} ({type(e).__name__}: {e}); {_DAMAGED}"
+    ) from e
   if not isinstance(meta, dict) or not {"plan", "step", "report", "estimator"} <= set(meta):
-    raise ValueError(f"jact.Controller.restore: {path} holds no controller state (fields "
-                     f"plan, step, report, estimator); {_DAMAGED}")
+    raise ValueError(
+      f"jact.Controller.restore: {path} holds no controller state (fields "
+      f"plan, step, report, estimator); {_DAMAGED}"
+    )
   return meta
 
 
-_EDITED = ("the checkpoint's metadata (meta/metadata) was edited or damaged: restore an "
-           "unedited checkpoint, or start again from Controller.init")
+_EDITED = (
+  "the checkpoint's metadata (meta/metadata) was edited or damaged: restore an "
+  "unedited checkpoint, or start again from Controller.init"
+)
 
 
 def _check_meta(path: str, meta: dict) -> tuple[BitPlan, tuple[str, ...]]:
   """`(plan, names)` of a checkpoint's metadata, checked for consistency: a
   known estimator, a non-negative int step, a report dict, a valid plan and
   residual names that are the plan's."""
+
   def bad(what):
     return ValueError(f"jact.Controller.restore: {what} in the checkpoint at {path}; {_EDITED}")
 
@@ -313,8 +363,9 @@ def _check_meta(path: str, meta: dict) -> tuple[BitPlan, tuple[str, ...]]:
   if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
     raise bad(f"names={names!r:.60} is not a list of residual names")
   if set(names) != set(dict(plan.sizes)):
-    raise bad(f"the residual names {sorted(names)} are not those of its plan "
-              f"{sorted(dict(plan.sizes))}")
+    raise bad(
+      f"the residual names {sorted(names)} are not those of its plan {sorted(dict(plan.sizes))}"
+    )
   return plan, tuple(names)
 
 
@@ -325,20 +376,23 @@ def _check_same_residuals(path: str, saved_names, saved_sizes: dict, like: Contr
     only_saved = sorted(set(saved_names) - set(names))
     only_model = sorted(set(names) - set(saved_names))
     raise ValueError(
-        f"jact.Controller.restore: the checkpoint at {path} holds {len(saved_names)} residuals "
-        f"whose names differ from the {len(names)} of this model (`like`): only in the "
-        f"checkpoint: {only_saved}; only in the model: {only_model}. Estimates and plan "
-        "entries belong to residual names: restore into a model with the same residual names "
-        "(the `name=` of its jact ops), or start again from Controller.init")
+      f"jact.Controller.restore: the checkpoint at {path} holds {len(saved_names)} residuals "
+      f"whose names differ from the {len(names)} of this model (`like`): only in the "
+      f"checkpoint: {only_saved}; only in the model: {only_model}. Estimates and plan "
+      "entries belong to residual names: restore into a model with the same residual names "
+      "(the `name=` of its jact ops), or start again from Controller.init"
+    )
   sizes = dict(like.plan.sizes)
-  changed = sorted(n for n in names if n in saved_sizes and n in sizes
-                   and saved_sizes[n] != sizes[n])
+  changed = sorted(
+    n for n in names if n in saved_sizes and n in sizes and saved_sizes[n] != sizes[n]
+  )
   if changed:
     raise ValueError(
-        f"jact.Controller.restore: residuals {changed} of the checkpoint at {path} have other "
-        f"sizes than in this model ({[saved_sizes[n] for n in changed]} vs "
-        f"{[sizes[n] for n in changed]} values): the plan's budget would be wrong; restore "
-        "into the model the checkpoint was written for, or start again from Controller.init")
+      f"jact.Controller.restore: residuals {changed} of the checkpoint at {path} have other "
+      f"sizes than in this model ({[saved_sizes[n] for n in changed]} vs "
+      f"{[sizes[n] for n in changed]} values): the plan's budget would be wrong; restore "
+      "into the model the checkpoint was written for, or start again from Controller.init"
+    )
 
 
 def _read_estimates(path: str, like):
@@ -346,8 +400,11 @@ def _read_estimates(path: str, like):
   ocp = _orbax()
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
-      return ckpt.restore(path, args=ocp.args.Composite(
-          estimates=ocp.args.StandardRestore(like)))["estimates"]
+      return ckpt.restore(path, args=ocp.args.Composite(estimates=ocp.args.StandardRestore(like)))[
+        "estimates"
+      ]
   except Exception as e:  # orbax raises many kinds for a damaged directory
-    raise ValueError(f"jact.Controller.restore: cannot read the estimates in the checkpoint "
-                     f"at {path} ({type(e).__name__}: {e}); {_DAMAGED}") from e
+    raise ValueError(
+      f"jact.Controller.restore: cannot read the estimates in the checkpoint "
+      f"at {path} ({type(e).__name__}: {e}); {_DAMAGED}"
+    ) from e

@@ -62,6 +62,7 @@ class Level:
     checkpoint: blocks are wrapped by `jact.checkpoint` (GACT CB1+).
     chunked_attention: attention via `jact.ops.chunked_attention` (GACT CB2).
   """
+
   name: str
   description: str
   bits: int | None = None
@@ -116,22 +117,38 @@ _L3 = dict(bits=2, estimator="analytic", avg_bits=2.0, per_sample=True)
 _G1 = dict(bits=4, estimator="numeric", avg_bits=4.0)
 
 #: The presets by name: ActNN's L0-L5 (`actnn:L3` ...) and GACT's L0/L1/L2/CB1/CB2 (`gact:L1` ...).
-LEVELS = {level.name: level for level in (
+LEVELS = {
+  level.name: level
+  for level in (
     Level("actnn:L0", "do not compress"),
-    Level("actnn:L1", "per-group quantization for conv layers (4 bits), others full precision",
-          bits=4, conv_only=True),
+    Level(
+      "actnn:L1",
+      "per-group quantization for conv layers (4 bits), others full precision",
+      bits=4,
+      conv_only=True,
+    ),
     Level("actnn:L2", "per-group quantization of every layer (4 bits)", bits=4),
     Level("actnn:L3", "L2 + fine-grained (per-sample, per-layer) mixed precision, 2 bits", **_L3),
     Level("actnn:L4", "L3 + swapping compressed activations to host memory", offload=True, **_L3),
-    Level("actnn:L5", "L4 + defragmentation (no-op under XLA's static buffer assignment)",
-          offload=True, **_L3),
+    Level(
+      "actnn:L5",
+      "L4 + defragmentation (no-op under XLA's static buffer assignment)",
+      offload=True,
+      **_L3,
+    ),
     Level("gact:L0", "do not compress"),
     Level("gact:L1", "per-group quantization with auto-precision, 4 bits average", **_G1),
     Level("gact:L2", "L1 + swapping/prefetching", offload=True, **_G1),
     Level("gact:CB1", "L1 + gradient checkpointing", checkpoint=True, **_G1),
-    Level("gact:CB2", "CB1 + memory-efficient self-attention", checkpoint=True,
-          chunked_attention=True, **_G1),
-)}
+    Level(
+      "gact:CB2",
+      "CB1 + memory-efficient self-attention",
+      checkpoint=True,
+      chunked_attention=True,
+      **_G1,
+    ),
+  )
+}
 
 
 def get(name: str) -> Level:
@@ -140,15 +157,24 @@ def get(name: str) -> Level:
   try:
     return LEVELS[name]
   except KeyError:
-    raise ValueError(f"unknown optimization level {name!r}; choose one of {sorted(LEVELS)}") from None
+    raise ValueError(
+      f"unknown optimization level {name!r}; choose one of {sorted(LEVELS)}"
+    ) from None
 
 
 # ----------------------------------------------------------------------------- ActNN L1
 
+
 @takes_compressor(api="jact.levels.compress_convolutions")
-def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
-                          compressor: Compressor | None = None, min_size: int | None = None,
-                          name: str = "block", compress_argnums: Sequence[int] = ()):
+def compress_convolutions(
+  block: Callable[..., Any],
+  *,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  min_size: int | None = None,
+  name: str = "block",
+  compress_argnums: Sequence[int] = (),
+):
   """`block` with the inputs of its convolutions stored compressed and every
   other residual kept as plain JAX saves it (ActNN L1).
 
@@ -169,8 +195,11 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
     stochastic (a fresh key per step).
   """
   rounding = op_rounding("jact.levels.compress_convolutions", bits, compressor)  # validates them
-  method = ({"compressor": rounding.bits} if isinstance(rounding.bits, Compressor) else
-            op_keywords(rounding.bits, rounding.group_size, rounding.stochastic))
+  method = (
+    {"compressor": rounding.bits}
+    if isinstance(rounding.bits, Compressor)
+    else op_keywords(rounding.bits, rounding.group_size, rounding.stochastic)
+  )
   check_name(name)
   argnums = check_argnums(compress_argnums)
   min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
@@ -181,8 +210,9 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
   def wrapped(*args, key=None, **kwargs):
     if key is None and rounding.needs_key:
       raise ValueError(
-          f"jact level {name!r}: the convolutions' inputs are stochastically rounded, which "
-          f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step).")
+        f"jact level {name!r}: the convolutions' inputs are stochastically rounded, which "
+        f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step)."
+      )
     call, values, dynamic = over_array_leaves(block, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*values)
     flags = input_flags(block, args, kwargs, argnums)
@@ -196,6 +226,7 @@ def compress_convolutions(block: Callable[..., Any], *, bits: int | None = 4,
 @dataclasses.dataclass
 class _CompressedConv:
   """Runs one traced convolution, storing its input compressed unless `keep`."""
+
   key: Any
   method: dict  # the ops' bits= / compressor= keywords
   min_size: int
@@ -212,8 +243,9 @@ class _CompressedConv:
     if all(d == 1 for d in params["lhs_dilation"]):
       params["lhs_dilation"] = None
     key = None if self.key is None else jax.random.fold_in(self.key, i)
-    return conv_general_dilated(lhs, rhs, key=key, name=f"{self.name}.conv{i}", **self.method,
-                                **params)
+    return conv_general_dilated(
+      lhs, rhs, key=key, name=f"{self.name}.conv{i}", **self.method, **params
+    )
 
 
 def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
@@ -227,8 +259,10 @@ def _evaluate(jaxpr, consts, args, by_reference, conv: _CompressedConv) -> list:
     if conv_kwargs is None:
       return None
     lhs = frame.origin(eqn.invars[0])
-    return [conv(conv_kwargs, *frame.read_all(eqn.invars),
-                 keep=_compat.is_var(lhs) and lhs in arguments)]
+    return [
+      conv(conv_kwargs, *frame.read_all(eqn.invars), keep=_compat.is_var(lhs) and lhs in arguments)
+    ]
 
-  return interpreter.evaluate(jaxpr, consts, args, {lax.conv_general_dilated_p: run_conv},
-                              calls="jit")
+  return interpreter.evaluate(
+    jaxpr, consts, args, {lax.conv_general_dilated_p: run_conv}, calls="jit"
+  )

@@ -73,22 +73,28 @@ def _check_size(d, name: str) -> int:
   """A residual's number of values: a positive integer (2.0 is accepted, 2.7 is not)."""
   integral = isinstance(d, numbers.Integral) or (isinstance(d, float) and d.is_integer())
   if isinstance(d, bool) or not integral or d <= 0:
-    raise ValueError(f"jact.BitPlan: sizes[{name!r}] must be a positive integer number of "
-                     f"values, got {d!r}; give each residual's number of elements")
+    raise ValueError(
+      f"jact.BitPlan: sizes[{name!r}] must be a positive integer number of "
+      f"values, got {d!r}; give each residual's number of elements"
+    )
   return int(d)
 
 
 def _check_field(value, field: str) -> Mapping:
   if value is None or isinstance(value, Mapping):
     return value
-  raise ValueError(f"jact.BitPlan: {field} must be a mapping from residual names, got "
-                   f"{type(value).__name__} {value!r}")
+  raise ValueError(
+    f"jact.BitPlan: {field} must be a mapping from residual names, got "
+    f"{type(value).__name__} {value!r}"
+  )
 
 
 def _check_budget(avg, name: str) -> float:
   if isinstance(avg, bool) or not isinstance(avg, (int, float)) or not 1 <= avg <= 8:
-    raise ValueError(f"jact.BitPlan: per-sample budget of {name!r} must be a number of "
-                     f"average bits in [1, 8], got {avg!r}")
+    raise ValueError(
+      f"jact.BitPlan: per-sample budget of {name!r} must be a number of "
+      f"average bits in [1, 8], got {avg!r}"
+    )
   return float(avg)
 
 
@@ -108,26 +114,35 @@ class BitPlan(Mapping):
   Equal plans are equal values with equal hashes, so a jitted step with the
   plan as a static argument is traced once per distinct plan.
   """
+
   entries: tuple[tuple[str, int | None], ...]
   default: int | None | str
   budgets: tuple[tuple[str, float], ...]
   sizes: tuple[tuple[str, int], ...]
 
-  def __init__(self, bits: Mapping[str, int | None] | None = None, *, default=CALL_SITE,
-               budgets: Mapping[str, float] | None = None,
-               sizes: Mapping[str, int] | None = None):
+  def __init__(
+    self,
+    bits: Mapping[str, int | None] | None = None,
+    *,
+    default=CALL_SITE,
+    budgets: Mapping[str, float] | None = None,
+    sizes: Mapping[str, int] | None = None,
+  ):
     bits = dict(_check_field(bits, "bits") or {})
     for name in bits:
       if not isinstance(name, str) or not name:
         raise ValueError(f"jact.BitPlan: residual names must be non-empty strings, got {name!r}")
-    entries = tuple(sorted((n, _check_width(b, f"jact.BitPlan: bits of {n!r}"))
-                           for n, b in bits.items()))
+    entries = tuple(
+      sorted((n, _check_width(b, f"jact.BitPlan: bits of {n!r}")) for n, b in bits.items())
+    )
     if default != CALL_SITE:
       default = _check_width(default, "jact.BitPlan: default")
-    budgets = tuple(sorted((n, _check_budget(a, n))
-                           for n, a in (_check_field(budgets, "budgets") or {}).items()))
-    sizes = tuple(sorted((n, _check_size(d, n))
-                         for n, d in (_check_field(sizes, "sizes") or {}).items()))
+    budgets = tuple(
+      sorted((n, _check_budget(a, n)) for n, a in (_check_field(budgets, "budgets") or {}).items())
+    )
+    sizes = tuple(
+      sorted((n, _check_size(d, n)) for n, d in (_check_field(sizes, "sizes") or {}).items())
+    )
     object.__setattr__(self, "entries", entries)
     object.__setattr__(self, "default", default)
     object.__setattr__(self, "budgets", budgets)
@@ -195,8 +210,10 @@ class BitPlan(Mapping):
     compressor entry: its `average_bits`)."""
     d = dict(self.sizes).get(name)
     if d is None:
-      raise ValueError(f"jact.BitPlan.nbytes: the plan has no size for residual {name!r}; "
-                       "build it with sizes={name: values, ...} (or plan.replace(sizes=...))")
+      raise ValueError(
+        f"jact.BitPlan.nbytes: the plan has no size for residual {name!r}; "
+        "build it with sizes={name: values, ...} (or plan.replace(sizes=...))"
+      )
     if isinstance(self.bits_for(name, None), Compressor) and self.budget_for(name) is None:
       return math.ceil(d * self.stored_bits(name) / 8)
     bits = self.stored_bits(name)
@@ -217,8 +234,9 @@ class BitPlan(Mapping):
         shown = f"{entry.method}:{entry.bits}"
       else:
         shown = f"~{b:g}" if b is not None else str(entry or 32)
-      rows.append(f"{n:<32} {d if d else '?':>10} {shown:>6} "
-                  f"{self.nbytes(n, group_size) if d else '?':>12}")
+      rows.append(
+        f"{n:<32} {d if d else '?':>10} {shown:>6} {self.nbytes(n, group_size) if d else '?':>12}"
+      )
     default = "call site" if self.default == CALL_SITE else (self.default or 32)
     rows.append(f"default: {default}")
     if sizes:
@@ -227,29 +245,45 @@ class BitPlan(Mapping):
     return "\n".join(rows)
 
   def __repr__(self):
-    return f"BitPlan({dict(self.entries)!r}, default={self.default!r}" + (
-        f", budgets={dict(self.budgets)!r}" if self.budgets else "") + ")"
+    return (
+      f"BitPlan({dict(self.entries)!r}, default={self.default!r}"
+      + (f", budgets={dict(self.budgets)!r}" if self.budgets else "")
+      + ")"
+    )
 
   # ------------------------------------------------------------------ JSON
 
   def to_dict(self) -> dict[str, Any]:
     def plain(b):
       return b.to_dict() if isinstance(b, Compressor) else b
-    return {"bits": {n: plain(b) for n, b in self.entries}, "default": plain(self.default),
-            "budgets": dict(self.budgets), "sizes": dict(self.sizes)}
+
+    return {
+      "bits": {n: plain(b) for n, b in self.entries},
+      "default": plain(self.default),
+      "budgets": dict(self.budgets),
+      "sizes": dict(self.sizes),
+    }
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "BitPlan":
     if not isinstance(d, Mapping):
-      raise ValueError(f"jact.BitPlan.from_dict / from_json expects an object with the fields "
-                       f"bits, default, budgets, sizes (as BitPlan.to_json writes it), got "
-                       f"{type(d).__name__} {d!r}")
+      raise ValueError(
+        f"jact.BitPlan.from_dict / from_json expects an object with the fields "
+        f"bits, default, budgets, sizes (as BitPlan.to_json writes it), got "
+        f"{type(d).__name__} {d!r}"
+      )
     unknown = set(d) - {"bits", "default", "budgets", "sizes"}
     if unknown:
-      raise ValueError(f"jact.BitPlan: unknown fields {sorted(map(str, unknown))}; expected "
-                       "bits, default, budgets, sizes (as BitPlan.to_json writes them)")
-    return cls(d.get("bits"), default=d.get("default", CALL_SITE), budgets=d.get("budgets"),
-               sizes=d.get("sizes"))
+      raise ValueError(
+        f"jact.BitPlan: unknown fields {sorted(map(str, unknown))}; expected "
+        "bits, default, budgets, sizes (as BitPlan.to_json writes them)"
+      )
+    return cls(
+      d.get("bits"),
+      default=d.get("default", CALL_SITE),
+      budgets=d.get("budgets"),
+      sizes=d.get("sizes"),
+    )
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), sort_keys=True)
@@ -259,8 +293,9 @@ class BitPlan(Mapping):
     try:
       d = json.loads(text)
     except json.JSONDecodeError as e:
-      raise ValueError(f"jact.BitPlan.from_json: the text is not valid JSON ({e}); pass what "
-                       "BitPlan.to_json wrote") from e
+      raise ValueError(
+        f"jact.BitPlan.from_json: the text is not valid JSON ({e}); pass what BitPlan.to_json wrote"
+      ) from e
     return cls.from_dict(d)
 
 
@@ -275,8 +310,10 @@ def use_plan(plan: BitPlan | None, *, strict: bool = False) -> Iterator[BitPlan 
   also applies to the `overrides` of `jact.compressed` calls in the block.
   """
   if plan is not None and not isinstance(plan, BitPlan):
-    raise TypeError(f"use_plan takes a jact.BitPlan (or None), got {type(plan).__name__}; "
-                    "build one with jact.BitPlan({name: bits, ...})")
+    raise TypeError(
+      f"use_plan takes a jact.BitPlan (or None), got {type(plan).__name__}; "
+      "build one with jact.BitPlan({name: bits, ...})"
+    )
   if not isinstance(strict, bool):
     raise TypeError(f"jact.use_plan: strict must be True or False, got {strict!r}")
   with _context.plan_scope(plan, strict):
@@ -293,8 +330,10 @@ def planned(step: Callable[..., Any] | None = None, *, strict: bool = False) -> 
   if step is None:
     return functools.partial(planned, strict=strict)
   if not callable(step):
-    raise TypeError(f"jact.planned takes the training step function (then called with "
-                    f"plan=...), got {type(step).__name__} {step!r:.40}")
+    raise TypeError(
+      f"jact.planned takes the training step function (then called with "
+      f"plan=...), got {type(step).__name__} {step!r:.40}"
+    )
 
   @functools.wraps(step)
   def run(*args, plan: BitPlan | None, **kwargs):

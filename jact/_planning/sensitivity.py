@@ -37,9 +37,17 @@ from jact._engine import context as _context, probe as _probe
 from jact.compressors import PerGroup
 from jact._planning.plan import BitPlan, use_plan
 
-__all__ = ["SensitivityState", "Estimator", "find_residuals", "numeric", "analytic",
-           "normalization_producers",
-           "predicted_variance", "sampling_variance", "variance_factors"]
+__all__ = [
+  "SensitivityState",
+  "Estimator",
+  "find_residuals",
+  "numeric",
+  "analytic",
+  "normalization_producers",
+  "predicted_variance",
+  "sampling_variance",
+  "variance_factors",
+]
 
 
 def variance_factors(bits) -> np.ndarray:
@@ -64,6 +72,7 @@ class SensitivityState:
       allocated one (the analytic estimator's normalizations), or None;
       empty: every residual is allocated on its own.
   """
+
   sensitivity: jax.Array
   grad_sq: jax.Array
   count: jax.Array
@@ -84,12 +93,14 @@ class Estimator(NamedTuple):
   from one estimator (or a checkpoint) updates the same in another built
   with the same settings.
   """
+
   init: Callable[..., SensitivityState]
   update: Callable[..., SensitivityState]
 
 
-def find_residuals(loss_fn: Callable[..., Any], params, batch, key, *,
-                   plan: BitPlan | None = None) -> dict[str, _context.Site]:
+def find_residuals(
+  loss_fn: Callable[..., Any], params, batch, key, *, plan: BitPlan | None = None
+) -> dict[str, _context.Site]:
   """The compressed residuals of `loss_fn`'s gradient: name -> Site (shape, dtype, bits).
 
   Traces only (no computation). Masks and other lossless residuals are not listed.
@@ -99,25 +110,35 @@ def find_residuals(loss_fn: Callable[..., Any], params, batch, key, *,
     jax.eval_shape(lambda *a: jax.grad(loss_fn)(*a), params, batch, key)
   if not recorder.sites:
     raise ValueError(
-        "no compressed residuals found: the loss must use jact ops or jact.compressed "
-        "with bits set (a residual kept uncompressed has no sensitivity to estimate)")
+      "no compressed residuals found: the loss must use jact ops or jact.compressed "
+      "with bits set (a residual kept uncompressed has no sensitivity to estimate)"
+    )
   return dict(recorder.sites)
 
 
 def _ema(state: SensitivityState, c, grad_sq, decay: float) -> SensitivityState:
   first = state.count == 0
   mix = lambda old, new: jnp.where(first, new, decay * old + (1.0 - decay) * new)
-  return dataclasses.replace(state, sensitivity=mix(state.sensitivity, c),
-                             grad_sq=mix(state.grad_sq, grad_sq), count=state.count + 1)
+  return dataclasses.replace(
+    state,
+    sensitivity=mix(state.sensitivity, c),
+    grad_sq=mix(state.grad_sq, grad_sq),
+    count=state.count + 1,
+  )
 
 
 def _empty_state(sites, follows: dict[str, str] | None = None) -> SensitivityState:
   names = tuple(sorted(sites))
   n = len(names)
-  return SensitivityState(jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32),
-                          jnp.zeros((), jnp.int32), names, tuple(sites[k].size for k in names),
-                          tuple(sites[k].bits for k in names),
-                          tuple(follows.get(k) for k in names) if follows else ())
+  return SensitivityState(
+    jnp.zeros((n,), jnp.float32),
+    jnp.zeros((n,), jnp.float32),
+    jnp.zeros((), jnp.int32),
+    names,
+    tuple(sites[k].size for k in names),
+    tuple(sites[k].bits for k in names),
+    tuple(follows.get(k) for k in names) if follows else (),
+  )
 
 
 def _sq_norm(tree) -> jax.Array:
@@ -132,8 +153,13 @@ def _check_decay(decay):
 # ----------------------------------------------------------------------------- GACT numeric
 
 
-def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 0.9,
-            chunk_size: int | None = None) -> Estimator:
+def numeric(
+  loss_fn: Callable[..., Any],
+  *,
+  probe_bits: int = 4,
+  decay: float = 0.9,
+  chunk_size: int | None = None,
+) -> Estimator:
   """GACT's numeric sensitivity (Algorithm 1): one gradient per residual variant.
 
   Args:
@@ -162,8 +188,12 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
   def grads(state, params, batch, key, salt):
     # Sensitivity is measured for the per-group stochastic quantizer: a site with
     # another (possibly deterministic) compressor is probed with PerGroup.
-    probe = BitPlan({n: probe_bits if isinstance(b, (int, PerGroup)) else PerGroup(probe_bits)
-                     for n, b in zip(state.names, state.bits)})
+    probe = BitPlan(
+      {
+        n: probe_bits if isinstance(b, (int, PerGroup)) else PerGroup(probe_bits)
+        for n, b in zip(state.names, state.bits)
+      }
+    )
     with use_plan(probe), _context.salted(state.names, salt):
       return grad_fn(params, batch, key)
 
@@ -185,8 +215,11 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
   @jax.jit
   def update_traced(state, params, batch, key):
     g0 = reference(state, params, batch, key)
-    sq = jax.lax.map(lambda salt: spread(state, g0, params, batch, key, salt),
-                     redraws(len(state.names)), batch_size=chunk_size)
+    sq = jax.lax.map(
+      lambda salt: spread(state, g0, params, batch, key, salt),
+      redraws(len(state.names)),
+      batch_size=chunk_size,
+    )
     return finish(state, sq)
 
   @jax.jit
@@ -205,11 +238,16 @@ def numeric(loss_fn: Callable[..., Any], *, probe_bits: int = 4, decay: float = 
     g0 = grads_jit(state, params, batch, key, jnp.zeros((n,), jnp.uint32))
     salts = redraws(n)
     if (chunk_size or 1) == 1:
-      sq = jnp.stack([half_sq_distance(grads_jit(state, params, batch, key, salts[i]), g0)
-                      for i in range(n)])
+      sq = jnp.stack(
+        [half_sq_distance(grads_jit(state, params, batch, key, salts[i]), g0) for i in range(n)]
+      )
     else:
-      sq = jnp.concatenate([spread_chunk(state, g0, params, batch, key, salts[i:i + chunk_size])
-                            for i in range(0, n, chunk_size)])
+      sq = jnp.concatenate(
+        [
+          spread_chunk(state, g0, params, batch, key, salts[i : i + chunk_size])
+          for i in range(0, n, chunk_size)
+        ]
+      )
     return finish_jit(state, sq)
 
   return Estimator(init, update)
@@ -256,21 +294,25 @@ def _discover_layers(loss_fn, params, batch, key) -> _probe.Collector:
 
 def collect_layer_stats(loss_fn, params, batch, key, probes=None):
   """One gradient pass with probes: (param grads, probe grads, info, stats)."""
+
   def with_probes(params, probes):
     collector = _probe.Collector(probes)
     with _context.collecting(collector):
       loss = loss_fn(params, batch, key)
     return loss, (collector.info, collector.stats)
+
   if probes is None:
     shapes = _discover_layers(loss_fn, params, batch, key).shapes
     return {n: jnp.zeros(s, d) for n, (s, d) in shapes.items()}
   try:
     (g_params, g_probes), (info, stats) = jax.grad(with_probes, argnums=(0, 1), has_aux=True)(
-        params, probes)
+      params, probes
+    )
   except jax.errors.UnexpectedTracerError as e:
     raise ValueError(
-        "analytic estimators need the jact ops at the top level of the loss (not inside "
-        "lax.scan, jax.checkpoint or jact.compressed); use jact.sensitivity.numeric there") from e
+      "analytic estimators need the jact ops at the top level of the loss (not inside "
+      "lax.scan, jax.checkpoint or jact.compressed); use jact.sensitivity.numeric there"
+    ) from e
   return g_params, g_probes, info, stats
 
 
@@ -367,10 +409,12 @@ def sampling_variance(loss_fn: Callable[..., Any], params, batch, key) -> jax.Ar
   leaves = jax.tree.leaves(batch)
   n = leaves[0].shape[0]
   if n < 2 or any(x.shape[0] != n for x in leaves):
-    raise ValueError("sampling_variance needs every batch leaf to share a batch axis 0 of size >= 2")
+    raise ValueError(
+      "sampling_variance needs every batch leaf to share a batch axis 0 of size >= 2"
+    )
   half = n // 2
   a = jax.tree.map(lambda x: x[:half], batch)
-  b = jax.tree.map(lambda x: x[half:2 * half], batch)
+  b = jax.tree.map(lambda x: x[half : 2 * half], batch)
   grad = jax.grad(loss_fn)
   ka, kb = jax.random.split(key)
   with use_plan(BitPlan(default=None)):  # exact gradients: sampling noise only

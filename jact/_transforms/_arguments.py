@@ -9,6 +9,8 @@ from typing import Callable
 import jax
 
 from jact._transforms._vjp_residuals import is_array
+
+
 def check_policy(policy, api: str) -> None:
   """A clear error unless `policy` is None or a `jax.checkpoint` policy (a callable)."""
   if policy is None or callable(policy):
@@ -16,13 +18,15 @@ def check_policy(policy, api: str) -> None:
   hint = ""
   if isinstance(policy, str):
     import difflib  # pylint: disable=import-outside-toplevel
+
     known = [n for n in dir(jax.checkpoint_policies) if not n.startswith("_")]
     close = difflib.get_close_matches(policy, known, n=1, cutoff=0.3) or ["dots_saveable"]
     hint = f", e.g. policy=jax.checkpoint_policies.{close[0]}"
   raise TypeError(
-      f"{api}: policy must be a jax.checkpoint policy -- a function such as "
-      f"jax.checkpoint_policies.dots_saveable or jact.save_compressed() -- or None, got "
-      f"{type(policy).__name__} {policy!r:.60}; pass the policy object itself{hint}")
+    f"{api}: policy must be a jax.checkpoint policy -- a function such as "
+    f"jax.checkpoint_policies.dots_saveable or jact.save_compressed() -- or None, got "
+    f"{type(policy).__name__} {policy!r:.60}; pass the policy object itself{hint}"
+  )
 
 
 def check_argnums(argnums) -> tuple[int, ...]:
@@ -33,9 +37,11 @@ def check_argnums(argnums) -> tuple[int, ...]:
   except TypeError:
     argnums = (argnums,)
   if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in argnums):
-    raise ValueError(f"compress_argnums must be non-negative ints (positions of the activation "
-                     f"arguments, e.g. compress_argnums=(1,) for block(params, x)), got "
-                     f"{argnums!r}")
+    raise ValueError(
+      f"compress_argnums must be non-negative ints (positions of the activation "
+      f"arguments, e.g. compress_argnums=(1,) for block(params, x)), got "
+      f"{argnums!r}"
+    )
   return argnums
 
 
@@ -44,9 +50,11 @@ def input_flags(fn, args, kwargs, argnums) -> tuple[bool, ...]:
   the leaves of the positional arguments in `argnums` are; keyword arguments
   never are (the rule of `compressed` and `jact.checkpoint`)."""
   if any(i >= len(args) for i in argnums):
-    raise ValueError(f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
-                     f"{len(args)} positional arguments: list positions below {len(args)}, "
-                     f"and pass the activations positionally")
+    raise ValueError(
+      f"compress_argnums={argnums} but {getattr(fn, '__name__', 'fn')} got "
+      f"{len(args)} positional arguments: list positions below {len(args)}, "
+      f"and pass the activations positionally"
+    )
   flags = []
   for i, a in enumerate(args):
     flags += [i in argnums] * len(jax.tree.leaves(a))
@@ -66,8 +74,11 @@ def reserved_key_check(fn, api: str) -> Callable[[tuple], None]:
   except (TypeError, ValueError):  # no signature to read (some builtins)
     params = {}
   param = params.get("key")
-  if param is None or param.default is not param.empty or param.kind in (
-      param.VAR_POSITIONAL, param.VAR_KEYWORD):
+  if (
+    param is None
+    or param.default is not param.empty
+    or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+  ):
     return lambda args: None
   positional = param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
   index = list(params).index("key")
@@ -76,17 +87,19 @@ def reserved_key_check(fn, api: str) -> Callable[[tuple], None]:
     if positional and len(args) > index:
       return  # fn's own key passed positionally
     raise TypeError(
-        f"{api}: {_fn_name(fn)} needs its own parameter `key`, but the keyword `key=` is "
-        f"reserved by jact.compressed / jact.checkpoint for the PRNG key of stochastic "
-        f"rounding and is not passed on. Rename the parameter (e.g. `rng`), pass it "
-        f"positionally, or bind it before wrapping: "
-        f"{api}(functools.partial({_fn_name(fn)}, key=k)).")
+      f"{api}: {_fn_name(fn)} needs its own parameter `key`, but the keyword `key=` is "
+      f"reserved by jact.compressed / jact.checkpoint for the PRNG key of stochastic "
+      f"rounding and is not passed on. Rename the parameter (e.g. `rng`), pass it "
+      f"positionally, or bind it before wrapping: "
+      f"{api}(functools.partial({_fn_name(fn)}, key=k))."
+    )
 
   return check
 
 
 def returning_arrays(fn, api: str):
   """`fn` whose outputs are checked by `check_outputs` when it is traced."""
+
   def checked(*args, **kwargs):
     return check_outputs(fn(*args, **kwargs), fn, api)
 
@@ -106,7 +119,8 @@ def check_outputs(out, fn, api: str):
   else:
     what = f"{out!r:.40}, which holds no array"
   raise TypeError(
-      f"{api}: {_fn_name(fn)} returned {what}; a wrapped function must return an array or a "
-      f"pytree of arrays (what the backward pass differentiates). Return numbers as arrays "
-      f"(jnp.asarray(...)), and return strings, None or other Python values from outside "
-      f"the wrapped function.")
+    f"{api}: {_fn_name(fn)} returned {what}; a wrapped function must return an array or a "
+    f"pytree of arrays (what the backward pass differentiates). Return numbers as arrays "
+    f"(jnp.asarray(...)), and return strings, None or other Python values from outside "
+    f"the wrapped function."
+  )

@@ -45,6 +45,7 @@ class Region:
     output: the one variable of the chain read outside it.
     nonlinear: how many of its equations save a residual when differentiated.
   """
+
   root: object
   eqns: tuple[int, ...]
   output: object
@@ -77,8 +78,9 @@ def unary_regions(jaxpr) -> dict:
       continue
     out = eqn.outvars[0]
     operands = [v for v in eqn.invars if not _scalar_literal(v)]
-    if not operands or not all(_compat.is_var(v) and _is_float(v)
-                               and v.aval.shape == out.aval.shape for v in operands):
+    if not operands or not all(
+      _compat.is_var(v) and _is_float(v) and v.aval.shape == out.aval.shape for v in operands
+    ):
       continue
     roots = {root_of.get(v, v) for v in operands}
     if len(roots) != 1:
@@ -93,8 +95,13 @@ def unary_regions(jaxpr) -> dict:
   for root, eqns in members.items():
     inside = set(eqns)
     values = {jaxpr.eqns[i].outvars[0] for i in eqns}
-    read = {v for k, e in enumerate(jaxpr.eqns) if k not in inside for v in e.invars
-            if _compat.is_var(v) and v in values}
+    read = {
+      v
+      for k, e in enumerate(jaxpr.eqns)
+      if k not in inside
+      for v in e.invars
+      if _compat.is_var(v) and v in values
+    }
     read |= {v for v in jaxpr.outvars if _compat.is_var(v) and v in values}
     if len(read) == 1 and nonlinear[root] >= MIN_NONLINEAR:
       [output] = read
@@ -105,8 +112,9 @@ def unary_regions(jaxpr) -> dict:
 def _scaling(eqn) -> bool:
   """A product with a literal or a quotient by one: linear, saves nothing."""
   name, ins = eqn.primitive.name, eqn.invars
-  return ((name == "mul" and any(_compat.is_literal(v) for v in ins))
-          or (name == "div" and _compat.is_literal(ins[1])))
+  return (name == "mul" and any(_compat.is_literal(v) for v in ins)) or (
+    name == "div" and _compat.is_literal(ins[1])
+  )
 
 
 def fold_rule(jaxpr) -> tuple:
@@ -129,8 +137,9 @@ def fold_rule(jaxpr) -> tuple:
 def folded_chain(jaxpr, region: Region):
   """`region`'s output as a function of its root, with a custom VJP that
   keeps `f'(x)` (one tensor of x's shape) as its only residual."""
-  steps = interpreter.Fragment((), (region.root,), tuple(jaxpr.eqns[i] for i in region.eqns),
-                               (region.output,))
+  steps = interpreter.Fragment(
+    (), (region.root,), tuple(jaxpr.eqns[i] for i in region.eqns), (region.output,)
+  )
 
   def chain(x):
     [y] = interpreter.evaluate(steps, (), [x])

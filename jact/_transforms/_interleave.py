@@ -30,8 +30,15 @@ import jax.numpy as jnp
 from jact import _compat
 from jact._engine.scheduling import Stacked, barrier, kept_until_cotangent, wait_for_all
 from jact._transforms import _interpreter as interpreter
-from jact._transforms._scan import (call_residuals, rebuild, restore_scan, scan_inputs,
-                                   scan_residuals, store_scan, store_stacked)
+from jact._transforms._scan import (
+  call_residuals,
+  rebuild,
+  restore_scan,
+  scan_inputs,
+  scan_residuals,
+  store_scan,
+  store_stacked,
+)
 
 __all__ = ["evaluate_storing", "evaluate_restoring", "FLUSHES"]
 
@@ -56,13 +63,22 @@ def _nbytes(var) -> int:
 
 def _tieable(value) -> bool:
   dtype = getattr(value, "dtype", None)
-  return (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-          and jnp.size(value) > 0 and _compat.on_device(value))
+  return (
+    dtype is not None
+    and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    and jnp.size(value) > 0
+    and _compat.on_device(value)
+  )
 
 
-def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
-                     store: Callable[[int, jax.Array], object],
-                     needed: Sequence[bool] | None = None) -> tuple[list, dict]:
+def evaluate_storing(
+  jaxpr,
+  consts: Sequence,
+  inputs: Sequence,
+  store_at: dict,
+  store: Callable[[int, jax.Array], object],
+  needed: Sequence[bool] | None = None,
+) -> tuple[list, dict]:
   """Evaluates `jaxpr` on `inputs`, storing residuals as it goes.
 
   Args:
@@ -105,8 +121,9 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   per_step = scan_inputs(eqns, store_at)
   # Residuals stored inside their scan do not wait for a flush: the groups
   # are a share of the others.
-  in_loop = {p for found in (in_loops, in_calls) for residuals in found.values()
-             for p in residuals.values()}
+  in_loop = {
+    p for found in (in_loops, in_calls) for residuals in found.values() for p in residuals.values()
+  }
   sizes = [_nbytes(var) for p, var in store_at.items() if p not in in_loop]
   flush_bytes = max([sum(sizes) / FLUSHES] + sizes)
   frame = interpreter.Frame.start(jaxpr, consts, inputs)
@@ -115,8 +132,10 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
 
   def flush(after: int):
     nonlocal pending, pending_bytes
-    pieces = {p: store_stacked(p, env[store_at[p]], store) if p in per_step
-              else store(p, env[store_at[p]]) for p in pending}
+    pieces = {
+      p: store_stacked(p, env[store_at[p]], store) if p in per_step else store(p, env[store_at[p]])
+      for p in pending
+    }
     pending, pending_bytes = [], 0
     packed = [s for p, s in pieces.items() if s is not env[store_at[p]]]
     stored.update(pieces)
@@ -125,8 +144,11 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     # Only what the rest of the forward pass reads is ordered after the
     # flush; values merely returned (outputs, pieces an inner jact op stored)
     # keep their identity and their names (the epilogue orders the outputs).
-    waiting = [v for v, value in env.items()
-               if last_read.get(v, -1) > after and v not in given and _tieable(value)]
+    waiting = [
+      v
+      for v, value in env.items()
+      if last_read.get(v, -1) > after and v not in given and _tieable(value)
+    ]
     for v, value in zip(waiting, wait_for_all([env[v] for v in waiting], packed)):
       env[v] = value
 
@@ -145,17 +167,28 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     i = frame.index
     if i in in_loops:
       residuals = in_loops[i]
-      full = {k for k, p in residuals.items()
-              if last_read.get(store_at[p], -1) > i or store_at[p] in outputs}
-      outs, inner = store_scan(eqn, frame.read_all(eqn.invars), residuals, full, store,
-                               evaluate_storing)
+      full = {
+        k
+        for k, p in residuals.items()
+        if last_read.get(store_at[p], -1) > i or store_at[p] in outputs
+      }
+      outs, inner = store_scan(
+        eqn, frame.read_all(eqn.invars), residuals, full, store, evaluate_storing
+      )
     elif i in in_calls:  # a jitted call around a scan: its body evaluated in place
       body, residuals = _compat.call_body(eqn), in_calls[i]
-      wanted = [k not in residuals or last_read.get(v, -1) > i or v in outputs
-                for k, v in enumerate(eqn.outvars)]
+      wanted = [
+        k not in residuals or last_read.get(v, -1) > i or v in outputs
+        for k, v in enumerate(eqn.outvars)
+      ]
       outs, inner = evaluate_storing(
-          body.jaxpr, body.consts, frame.read_all(eqn.invars),
-          {p: body.jaxpr.outvars[k] for k, p in residuals.items()}, store, wanted)
+        body.jaxpr,
+        body.consts,
+        frame.read_all(eqn.invars),
+        {p: body.jaxpr.outvars[k] for k, p in residuals.items()},
+        store,
+        wanted,
+      )
     else:
       return None
     stored.update(inner)
@@ -165,8 +198,13 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
     i = frame.index
     settle(i)
     for v in eqn.invars:  # forget what nothing reads any more
-      if _compat.is_var(v) and last_read.get(v) == i and v not in outputs and v not in given \
-          and all(store_at[p] is not v for p in pending):
+      if (
+        _compat.is_var(v)
+        and last_read.get(v) == i
+        and v not in outputs
+        and v not in given
+        and all(store_at[p] is not v for p in pending)
+      ):
         env.pop(v, None)
 
   settle(-1)
@@ -176,8 +214,9 @@ def evaluate_storing(jaxpr, consts: Sequence, inputs: Sequence, store_at: dict,
   return [frame.read(v) if n else None for v, n in zip(jaxpr.outvars, needed)], stored
 
 
-def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
-                       start=None, kept: Sequence[int] = ()) -> list:
+def evaluate_restoring(
+  jaxpr, consts: Sequence, inputs: Sequence, restore: dict, start=None, kept: Sequence[int] = ()
+) -> list:
   """Evaluates a backward-pass `jaxpr`, reconstructing residuals just before use.
 
   Args:
@@ -206,8 +245,9 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
   the start of the program and keep it alive through the forward pass.
   """
   lazy = {jaxpr.invars[p]: entry for p, entry in restore.items()}
-  frame = interpreter.Frame.start(jaxpr, consts, [None if v in lazy else x
-                                                  for v, x in zip(jaxpr.invars, inputs)])
+  frame = interpreter.Frame.start(
+    jaxpr, consts, [None if v in lazy else x for v, x in zip(jaxpr.invars, inputs)]
+  )
   env = frame.env
   given = set(env)
   kept = {jaxpr.invars[p] for p in kept} - set(lazy)
@@ -216,12 +256,18 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
   def rebuild_before_use(frame, eqn):
     """Rebuilds the residuals `eqn` reads (except those a loop rebuilds per iteration)."""
     deferred = set(_in_loop(eqn, lazy, env).values()) | set(_in_call(eqn, lazy, env).values())
-    waiting = [v for v in eqn.invars if _compat.is_var(v) and v in lazy and v not in env
-               and v not in deferred]
+    waiting = [
+      v
+      for v in eqn.invars
+      if _compat.is_var(v) and v in lazy and v not in env and v not in deferred
+    ]
     if not waiting:
       return
-    anchors = [env[v] for v in eqn.invars if _compat.is_var(v) and v in env
-               and v not in given and v not in lazy and _tieable(env[v])]
+    anchors = [
+      env[v]
+      for v in eqn.invars
+      if _compat.is_var(v) and v in env and v not in given and v not in lazy and _tieable(env[v])
+    ]
     anchor = anchors[0] if anchors else frontier
     for v in waiting:
       pieces, rebuild_one = lazy[v]
@@ -233,26 +279,41 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
     """A scan (or a jitted call around scans) reading residuals per iteration."""
     in_loop, in_call = _in_loop(eqn, lazy, env), _in_call(eqn, lazy, env)
     if in_loop:
-      return restore_scan(eqn, [None if j in in_loop else frame.read(v)
-                                for j, v in enumerate(eqn.invars)],
-                          {j: lazy[v] for j, v in in_loop.items()}, evaluate_restoring)
+      return restore_scan(
+        eqn,
+        [None if j in in_loop else frame.read(v) for j, v in enumerate(eqn.invars)],
+        {j: lazy[v] for j, v in in_loop.items()},
+        evaluate_restoring,
+      )
     if in_call:  # a jitted call around the scans that read them: evaluated in place
       body = _compat.call_body(eqn)
       return evaluate_restoring(
-          body.jaxpr, body.consts,
-          [None if j in in_call else frame.read(v) for j, v in enumerate(eqn.invars)],
-          {j: lazy[v] for j, v in in_call.items()}, start=frontier)
+        body.jaxpr,
+        body.consts,
+        [None if j in in_call else frame.read(v) for j, v in enumerate(eqn.invars)],
+        {j: lazy[v] for j, v in in_call.items()},
+        start=frontier,
+      )
     return None
 
   def tie_kept(frame, eqn):
     """An equation of given values only, some `kept`: run after the latest value."""
     variables = [v for v in eqn.invars if _compat.is_var(v)]
-    if (frontier is None or not any(v in kept for v in variables)
-        or not all(v in given for v in variables)):
+    if (
+      frontier is None
+      or not any(v in kept for v in variables)
+      or not all(v in given for v in variables)
+    ):
       return None
-    return _compat.bind_eqn(eqn, [kept_until_cotangent(frame.read(v), frontier)
-                                  if _compat.is_var(v) and v in kept else frame.read(v)
-                                  for v in eqn.invars])
+    return _compat.bind_eqn(
+      eqn,
+      [
+        kept_until_cotangent(frame.read(v), frontier)
+        if _compat.is_var(v) and v in kept
+        else frame.read(v)
+        for v in eqn.invars
+      ],
+    )
 
   def advance_frontier(frame, eqn, outs):
     nonlocal frontier
@@ -260,8 +321,12 @@ def evaluate_restoring(jaxpr, consts: Sequence, inputs: Sequence, restore: dict,
       if _compat.is_var(var) and _tieable(value):
         frontier = value
 
-  interpreter.run(frame, [(interpreter.EVERY, restore_inside_loops), (interpreter.EVERY, tie_kept)],
-                  before=rebuild_before_use, after=advance_frontier)
+  interpreter.run(
+    frame,
+    [(interpreter.EVERY, restore_inside_loops), (interpreter.EVERY, tie_kept)],
+    before=rebuild_before_use,
+    after=advance_frontier,
+  )
   for v in jaxpr.outvars:  # a residual passed straight through
     if _compat.is_var(v) and v in lazy and v not in env:
       env[v] = rebuild(lazy[v][0], lazy[v][1], v.aval.shape)
@@ -274,8 +339,11 @@ def _in_call(eqn, lazy: dict, env: dict) -> dict:
   can rebuild them one iteration at a time)."""
   if _compat.call_body(eqn) is None:
     return {}
-  return {j: v for j, v in enumerate(eqn.invars) if _compat.is_var(v) and v in lazy
-          and v not in env and isinstance(lazy[v][0], Stacked)}
+  return {
+    j: v
+    for j, v in enumerate(eqn.invars)
+    if _compat.is_var(v) and v in lazy and v not in env and isinstance(lazy[v][0], Stacked)
+  }
 
 
 def _in_loop(eqn, lazy: dict, env: dict) -> dict:

@@ -49,6 +49,7 @@ def EVERY(eqn) -> bool:  # noqa: N802 -- a constant-like predicate
 
 class Fragment(NamedTuple):
   """Equations of a jaxpr evaluated as one: `invars` given, `outvars` read."""
+
   constvars: tuple
   invars: tuple
   eqns: tuple
@@ -67,6 +68,7 @@ class Frame:
     parent: the frame of the call this one's jaxpr is the body of, or None.
     binding: `{invar: operand atom in parent}` for a body entered in place.
   """
+
   jaxpr: Any
   env: dict
   index: int = -1
@@ -116,8 +118,14 @@ def _body(eqn, calls: str | None):
   return _compat.call_body(eqn, closed_call=calls == "all")
 
 
-def run(frame: Frame, rules: Sequence[Rule] = (), *, before: Hook | None = None,
-        after: Hook | None = None, calls: str | None = None) -> Frame:
+def run(
+  frame: Frame,
+  rules: Sequence[Rule] = (),
+  *,
+  before: Hook | None = None,
+  after: Hook | None = None,
+  calls: str | None = None,
+) -> Frame:
   """Evaluates `frame.jaxpr`'s equations in order, writing into `frame.env`.
 
   Args:
@@ -153,15 +161,23 @@ def _apply(frame: Frame, eqn, rules: list, before, after, calls) -> list:
   values = frame.read_all(eqn.invars)
   if body is None:
     return _compat.bind_eqn(eqn, values)
-  child = Frame.start(body.jaxpr, body.consts, values, parent=frame,
-                      binding=dict(zip(body.jaxpr.invars, eqn.invars)))
+  child = Frame.start(
+    body.jaxpr, body.consts, values, parent=frame, binding=dict(zip(body.jaxpr.invars, eqn.invars))
+  )
   run(child, rules, before=before, after=after, calls=calls)
   return child.read_all(body.jaxpr.outvars)
 
 
-def evaluate(jaxpr, consts: Sequence, args: Sequence, rules: Sequence[Rule] = (), *,
-             before: Hook | None = None, after: Hook | None = None,
-             calls: str | None = None) -> list:
+def evaluate(
+  jaxpr,
+  consts: Sequence,
+  args: Sequence,
+  rules: Sequence[Rule] = (),
+  *,
+  before: Hook | None = None,
+  after: Hook | None = None,
+  calls: str | None = None,
+) -> list:
   """The values of `jaxpr.outvars` given `consts` and `args`, every equation
   run by the first rule that handles it, else as JAX runs it (see `run`).
   With no rules, hooks or calls this is `jax.core.eval_jaxpr`."""

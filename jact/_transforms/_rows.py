@@ -32,6 +32,7 @@ __all__ = ["normalization_rows"]
 
 REDUCTION = 8  # a statistic is at least this many times smaller than its rows' tensor
 
+
 def _shape(v) -> tuple[int, ...]:
   return tuple(getattr(v.aval, "shape", ()))
 
@@ -44,8 +45,9 @@ def _float_var(v) -> bool:
   if not _compat.is_var(v) or not hasattr(v.aval, "shape"):
     return False
   dtype = v.aval.dtype
-  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-          and jnp.issubdtype(dtype, jnp.floating))
+  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(
+    dtype, jnp.floating
+  )
 
 
 def _statistics(jaxpr, reduced) -> set:
@@ -130,8 +132,12 @@ def normalization_rows(jaxpr, reduced, broadcasts: bool = True) -> dict:
     if not _compat.is_static_shape(shape):  # a symbolic (jax.export) batch: no row hints
       continue
     for w in ins:
-      if (w in stat and len(_shape(w)) == len(shape) and w not in same
-          and _size(w) * REDUCTION <= _size(out)):
+      if (
+        w in stat
+        and len(_shape(w)) == len(shape)
+        and w not in same
+        and _size(w) * REDUCTION <= _size(out)
+      ):
         axes = [i for i, (a, b) in enumerate(zip(_shape(w), shape)) if a == 1 and b > 1]
         rows = _row_axes(axes, shape)
         if rows:

@@ -32,8 +32,17 @@ from jact._engine import context as _context
 from jact._engine.rounding import NoKey, SaltedSeed
 from jact._engine.scheduling import Stacked, is_stored
 
-__all__ = ["step_seed", "step_config", "scan_residuals", "call_residuals", "scan_inputs", "store_stacked", "store_scan",
-           "restore_scan", "rebuild"]
+__all__ = [
+  "step_seed",
+  "step_config",
+  "scan_residuals",
+  "call_residuals",
+  "scan_inputs",
+  "store_stacked",
+  "store_scan",
+  "restore_scan",
+  "rebuild",
+]
 
 
 def step_seed(seed, steps):
@@ -73,7 +82,7 @@ def scan_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:
     parts = _compat.scan_parts(eqn)
     if parts is None:
       continue
-    ys = {v: k for k, v in enumerate(eqn.outvars[parts.num_carry:])}
+    ys = {v: k for k, v in enumerate(eqn.outvars[parts.num_carry :])}
     hit = {ys[var]: p for p, var in store_at.items() if var in ys}
     if hit:
       found[i] = hit
@@ -90,8 +99,11 @@ def _from_scan(jaxpr, var) -> bool:
       if parts is not None:
         return k >= parts.num_carry
       body = _compat.call_body(eqn)
-      return (body is not None and _compat.is_var(body.jaxpr.outvars[k])
-              and _from_scan(body.jaxpr, body.jaxpr.outvars[k]))
+      return (
+        body is not None
+        and _compat.is_var(body.jaxpr.outvars[k])
+        and _from_scan(body.jaxpr, body.jaxpr.outvars[k])
+      )
   return False
 
 
@@ -106,9 +118,13 @@ def call_residuals(eqns, store_at: dict) -> dict[int, dict[int, int]]:
     if body is None:
       continue
     outs = {v: k for k, v in enumerate(eqn.outvars)}
-    hit = {outs[var]: p for p, var in store_at.items() if var in outs
-           and _compat.is_var(body.jaxpr.outvars[outs[var]])
-           and _from_scan(body.jaxpr, body.jaxpr.outvars[outs[var]])}
+    hit = {
+      outs[var]: p
+      for p, var in store_at.items()
+      if var in outs
+      and _compat.is_var(body.jaxpr.outvars[outs[var]])
+      and _from_scan(body.jaxpr, body.jaxpr.outvars[outs[var]])
+    }
     if hit:
       found[i] = hit
   return found
@@ -123,7 +139,7 @@ def scan_inputs(eqns, store_at: dict) -> set:
   for eqn in eqns:
     parts = _compat.scan_parts(eqn)
     if parts is not None:
-      xs.update(v for v in eqn.invars[parts.num_consts + parts.num_carry:] if _compat.is_var(v))
+      xs.update(v for v in eqn.invars[parts.num_consts + parts.num_carry :] if _compat.is_var(v))
   return {p for p, var in store_at.items() if var in xs}
 
 
@@ -137,8 +153,9 @@ def store_stacked(position, value, store: Callable):
   return Stacked(pieces) if is_stored(pieces) else store(position, value)
 
 
-def store_scan(eqn, values, residuals: dict[int, int], full: set, store: Callable,
-               evaluate: Callable) -> tuple[list, dict]:
+def store_scan(
+  eqn, values, residuals: dict[int, int], full: set, store: Callable, evaluate: Callable
+) -> tuple[list, dict]:
   """Runs the scan `eqn` on `values` (its operands), storing inside the loop
   the per-iteration values of its stacked outputs in `residuals`.
 
@@ -159,11 +176,12 @@ def store_scan(eqn, values, residuals: dict[int, int], full: set, store: Callabl
   """
   parts = _compat.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
-  consts, init, xs = list(values[:nc]), list(values[nc:nc + nk]), list(values[nc + nk:])
+  consts, init, xs = list(values[:nc]), list(values[nc : nc + nk]), list(values[nc + nk :])
   body = parts.body.jaxpr
   n_ys = len(body.outvars) - nk
-  store_at = {p: body.outvars[nk + k] for k, p in residuals.items()
-              if _compat.is_var(body.outvars[nk + k])}
+  store_at = {
+    p: body.outvars[nk + k] for k, p in residuals.items() if _compat.is_var(body.outvars[nk + k])
+  }
   if _context.current("recorder") is not None:
     for k, p in residuals.items():  # recorded first: the residual's whole shape, not one step's
       aval = eqn.outvars[nk + k].aval
@@ -171,8 +189,13 @@ def store_scan(eqn, values, residuals: dict[int, int], full: set, store: Callabl
 
   def step(carry, x):
     x, i = x
-    outs, stored = evaluate(body, parts.body.consts, [*consts, *carry, *x], store_at,
-                            lambda p, v, steps=(): store(p, v, (i, *steps)))
+    outs, stored = evaluate(
+      body,
+      parts.body.consts,
+      [*consts, *carry, *x],
+      store_at,
+      lambda p, v, steps=(): store(p, v, (i, *steps)),
+    )
     ys, packed = [], {}
     for k in range(n_ys):
       p = residuals.get(k)
@@ -183,9 +206,14 @@ def store_scan(eqn, values, residuals: dict[int, int], full: set, store: Callabl
         ys.append(outs[nk + k])
     return list(outs[:nk]), (ys, packed)
 
-  carry, (ys, packed) = jax.lax.scan(step, init, (xs, jnp.arange(parts.length)),
-                                     length=parts.length, reverse=parts.reverse,
-                                     unroll=parts.unroll)
+  carry, (ys, packed) = jax.lax.scan(
+    step,
+    init,
+    (xs, jnp.arange(parts.length)),
+    length=parts.length,
+    reverse=parts.reverse,
+    unroll=parts.unroll,
+  )
   return [*carry, *ys], {p: Stacked(pieces) for p, pieces in packed.items()}
 
 
@@ -206,7 +234,7 @@ def restore_scan(eqn, values, lazy: dict[int, tuple], evaluate: Callable) -> lis
   (each iteration's value is rebuilt just before its first use in the body)."""
   parts = _compat.scan_parts(eqn)
   nc, nk = parts.num_consts, parts.num_carry
-  consts, init = list(values[:nc]), list(values[nc:nc + nk])
+  consts, init = list(values[:nc]), list(values[nc : nc + nk])
   xs = [None if j in lazy else v for j, v in enumerate(values) if j >= nc + nk]
   pieces = {j: stacked.pieces for j, (stacked, _) in lazy.items()}
 
@@ -217,6 +245,7 @@ def restore_scan(eqn, values, lazy: dict[int, tuple], evaluate: Callable) -> lis
     outs = evaluate(parts.body.jaxpr, parts.body.consts, inputs, restore)
     return list(outs[:nk]), list(outs[nk:])
 
-  carry, ys = jax.lax.scan(step, init, (xs, pieces), length=parts.length,
-                           reverse=parts.reverse, unroll=parts.unroll)
+  carry, ys = jax.lax.scan(
+    step, init, (xs, pieces), length=parts.length, reverse=parts.reverse, unroll=parts.unroll
+  )
   return [*carry, *ys]

@@ -52,6 +52,7 @@ class ResidualConfig:
       mapping, or any object with a `bits_for(name, default)` method, such as
       a plan); an integer applied to a compressor changes its width.
   """
+
   bits: int | None = 4
   group_size: int = 256
   stochastic: bool = True
@@ -63,13 +64,18 @@ class ResidualConfig:
     Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
     check_name(self.name)
     if not isinstance(self.min_size, int) or self.min_size < 1:
-      raise ValueError(f"min_size must be a positive int (values), got {self.min_size!r}: "
-                       f"floating residuals with fewer values are kept exact (default "
-                       f"min_size={DEFAULT_MIN_SIZE}; min_size=1 compresses every one)")
-    if self.overrides is not None and not (isinstance(self.overrides, Mapping)
-                                           or hasattr(self.overrides, "bits_for")):
-      raise TypeError("overrides must be a mapping from residual names to bits, or an object "
-                      f"with a bits_for(name, default) method; got {type(self.overrides).__name__}")
+      raise ValueError(
+        f"min_size must be a positive int (values), got {self.min_size!r}: "
+        f"floating residuals with fewer values are kept exact (default "
+        f"min_size={DEFAULT_MIN_SIZE}; min_size=1 compresses every one)"
+      )
+    if self.overrides is not None and not (
+      isinstance(self.overrides, Mapping) or hasattr(self.overrides, "bits_for")
+    ):
+      raise TypeError(
+        "overrides must be a mapping from residual names to bits, or an object "
+        f"with a bits_for(name, default) method; got {type(self.overrides).__name__}"
+      )
     if isinstance(self.overrides, Mapping):
       for name, entry in self.overrides.items():
         check_override(name, entry)
@@ -93,21 +99,25 @@ def is_array(x) -> bool:
   return isinstance(x, (np.ndarray, np.generic)) or _compat.is_jax_value(x)
 
 
-
 def check_override(name, entry) -> None:
   """A clear error unless `overrides[name] = entry` names a residual and gives
   it a width (1, 2, 4, 8), None (kept uncompressed) or a compressor."""
   if not isinstance(name, str):
-    raise TypeError(f"overrides keys must be residual names (str, e.g. 'compressed.3' as "
-                    f"jact.residual_report lists them), got {type(name).__name__} {name!r}")
+    raise TypeError(
+      f"overrides keys must be residual names (str, e.g. 'compressed.3' as "
+      f"jact.residual_report lists them), got {type(name).__name__} {name!r}"
+    )
   if entry is None or isinstance(entry, Compressor):
     return
-  if isinstance(entry, numbers.Integral) and not isinstance(entry, bool) and entry in SUPPORTED_BITS:
+  if (
+    isinstance(entry, numbers.Integral) and not isinstance(entry, bool) and entry in SUPPORTED_BITS
+  ):
     return
   raise ValueError(
-      f"overrides[{name!r}] = {entry!r} is not a residual width: use one of {SUPPORTED_BITS}, "
-      f"None to keep the residual uncompressed, or a compressor from jact.compressors "
-      f"(e.g. jact.compressors.PerGroup(4)).")
+    f"overrides[{name!r}] = {entry!r} is not a residual width: use one of {SUPPORTED_BITS}, "
+    f"None to keep the residual uncompressed, or a compressor from jact.compressors "
+    f"(e.g. jact.compressors.PerGroup(4))."
+  )
 
 
 @jax.tree_util.register_dataclass
@@ -123,6 +133,7 @@ class Saved:
   vjp_layout: how to rebuild the VJP object from its leaves
     (`jact._compat.vjp_residuals`).
   """
+
   values: tuple
   plan: tuple = dataclasses.field(metadata=dict(static=True))
   index: tuple = dataclasses.field(metadata=dict(static=True))
@@ -135,8 +146,9 @@ class Saved:
 
 def is_float(x) -> bool:
   dtype = x.dtype
-  return (not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-          and jnp.issubdtype(dtype, jnp.floating))
+  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(
+    dtype, jnp.floating
+  )
 
 
 def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail=None):
@@ -152,8 +164,12 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
       compress = lambda x: compress_residual(x, seed, site, rounding, name)
-      if (isinstance(detail, tuple) and detail[0] == "rows" and fits_rows(leaf, detail[1])
-          and isinstance(rounding.compressor, PerGroup)):  # rows fix the shared group grid
+      if (
+        isinstance(detail, tuple)
+        and detail[0] == "rows"
+        and fits_rows(leaf, detail[1])
+        and isinstance(rounding.compressor, PerGroup)
+      ):  # rows fix the shared group grid
         return tag(store_rows(leaf, detail[1], compress), name)
       return tag(compress(leaf), name)
   return leaf
@@ -169,10 +185,13 @@ def check_overrides(config: ResidualConfig, names) -> None:
   if hasattr(overrides, "bits_for"):  # a whole-model plan: only the names of this call
     listed = {n for n in listed if n.startswith(config.name + ".")}
   _context.check_traced(
-      listed, names, strict=_context.strict_plan(),
-      what=f"the overrides mapping of jact.compressed(name={config.name!r})",
-      fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
-          "inside the function take their widths from a plan (jact.use_plan), not overrides.")
+    listed,
+    names,
+    strict=_context.strict_plan(),
+    what=f"the overrides mapping of jact.compressed(name={config.name!r})",
+    fix="Use the names jact.residual_report lists for this call; residuals of jact ops "
+    "inside the function take their widths from a plan (jact.use_plan), not overrides.",
+  )
 
 
 def restore_saved(value, shape, dtype):
@@ -257,8 +276,9 @@ def reduced_values(jaxpr) -> set:
     neutral = [v in scalar or size == 1 for v, size in zip(ins, sizes)]
     if all(neutral):  # static shapes only: a symbolic (jax.export) batch is never neutral
       scalar.update(o for o in eqn.outvars if hasattr(o.aval, "shape") and _size(o) is not None)
-    from_reduced = (any(v in reduced for v in ins)
-                    and all(v in reduced or n for v, n in zip(ins, neutral)))
+    from_reduced = any(v in reduced for v in ins) and all(
+      v in reduced or n for v, n in zip(ins, neutral)
+    )
     # never larger than its statistics (a broadcast constant may be activation-sized)
     stat_sizes = [size for v, size in zip(ins, sizes) if v in reduced]
     largest_stat = None if None in stat_sizes else max(stat_sizes, default=0)
@@ -266,9 +286,11 @@ def reduced_values(jaxpr) -> set:
       if not hasattr(out.aval, "shape"):
         continue
       inner_out = body.jaxpr.outvars[k] if body is not None else None
-      if ((_compat.is_reduction(eqn) and _at_most(_size(out), REDUCTION, largest))
-          or (_compat.is_var(inner_out) and inner_out in inner)  # a Literal is unhashable
-          or (from_reduced and _at_most(_size(out), 1, largest_stat))):
+      if (
+        (_compat.is_reduction(eqn) and _at_most(_size(out), REDUCTION, largest))
+        or (_compat.is_var(inner_out) and inner_out in inner)  # a Literal is unhashable
+        or (from_reduced and _at_most(_size(out), 1, largest_stat))
+      ):
         reduced.add(out)
   return reduced
 
@@ -279,8 +301,13 @@ def from_mask(var, producers) -> bool:
   if var not in producers:
     return False
   eqn, _ = producers[var]
-  return (len(eqn.invars) == 1 and len(eqn.outvars) == 1 and _compat.is_var(eqn.invars[0])
-          and eqn.invars[0].aval.dtype == jnp.bool_ and eqn.invars[0].aval.shape == var.aval.shape)
+  return (
+    len(eqn.invars) == 1
+    and len(eqn.outvars) == 1
+    and _compat.is_var(eqn.invars[0])
+    and eqn.invars[0].aval.dtype == jnp.bool_
+    and eqn.invars[0].aval.shape == var.aval.shape
+  )
 
 
 def plan_saved(jaxpr, residual_vars, compress_inputs, config: ResidualConfig):

@@ -41,14 +41,32 @@ from jact._core import rng
 from jact._engine.names import JACT_NAME_PREFIX, is_jact_name
 from jact._engine.op import takes_compressor
 from jact._engine.rounding import op_rounding
-from jact._transforms._arguments import (check_argnums, check_policy, input_flags,
-                                         reserved_key_check, returning_arrays)
-from jact._transforms.compressed import (DEFAULT_MIN_SIZE, ResidualConfig, call_compressed,
-                                        CompressedModule, compressed, is_callable_pytree,
-                                        module_argnums, module_call, over_array_leaves)
+from jact._transforms._arguments import (
+  check_argnums,
+  check_policy,
+  input_flags,
+  reserved_key_check,
+  returning_arrays,
+)
+from jact._transforms.compressed import (
+  DEFAULT_MIN_SIZE,
+  ResidualConfig,
+  call_compressed,
+  CompressedModule,
+  compressed,
+  is_callable_pytree,
+  module_argnums,
+  module_call,
+  over_array_leaves,
+)
 
-__all__ = ["checkpoint", "save_compressed", "offload_compressed", "save_inputs_only",
-           "CompressedNamesPolicy"]
+__all__ = [
+  "checkpoint",
+  "save_compressed",
+  "offload_compressed",
+  "save_inputs_only",
+  "CompressedNamesPolicy",
+]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -59,8 +77,11 @@ def _jax_policy(name: str | None, src: str | None, dst: str | None):
   if dst is None:
     return jax.checkpoint_policies.save_only_these_names(*names)
   return jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=(), names_which_can_be_offloaded=names,
-      offload_src=src, offload_dst=dst)
+    names_which_can_be_saved=(),
+    names_which_can_be_offloaded=names,
+    offload_src=src,
+    offload_dst=dst,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +103,7 @@ class CompressedNamesPolicy:
       kind such as 'pinned_host' to offload them there.
     offload_from: the memory kind they are offloaded from.
   """
+
   prefixes: tuple[str, ...] = ()
   offload_to: str | None = None
   offload_from: str = "device"
@@ -90,7 +112,7 @@ class CompressedNamesPolicy:
     """Whether the `checkpoint_name` `name` is selected."""
     if not is_jact_name(name):
       return False
-    residual = name[len(JACT_NAME_PREFIX):]
+    residual = name[len(JACT_NAME_PREFIX) :]
     return not self.prefixes or any(residual.startswith(p) for p in self.prefixes)
 
   def __call__(self, prim, *avals, **params):
@@ -134,8 +156,9 @@ def save_compressed(*prefixes: str) -> CompressedNamesPolicy:
   return CompressedNamesPolicy(_check_prefixes(prefixes))
 
 
-def offload_compressed(*prefixes: str, src: str = "device",
-                       dst: str = "pinned_host") -> CompressedNamesPolicy:
+def offload_compressed(
+  *prefixes: str, src: str = "device", dst: str = "pinned_host"
+) -> CompressedNamesPolicy:
   """Policy: offload jact's compressed residuals from `src` to `dst` memory
   (ActNN L4 / GACT L2 swapping), recompute everything else.
 
@@ -148,8 +171,9 @@ def offload_compressed(*prefixes: str, src: str = "device",
   """
   for kind, value in (("src", src), ("dst", dst)):
     if not isinstance(value, str) or not value:
-      raise ValueError(f"{kind} must be a memory kind such as 'device' or 'pinned_host', "
-                       f"got {value!r}")
+      raise ValueError(
+        f"{kind} must be a memory kind such as 'device' or 'pinned_host', got {value!r}"
+      )
   return CompressedNamesPolicy(_check_prefixes(prefixes), offload_to=dst, offload_from=src)
 
 
@@ -160,10 +184,17 @@ def save_inputs_only():
 
 
 @takes_compressor(api="jact.checkpoint")
-def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., Any] | None = None,
-               bits: int | None = 4, compressor: Compressor | None = None,
-               min_size: int = DEFAULT_MIN_SIZE, name: str = "checkpoint",
-               compress_argnums: Sequence[int] = (), prevent_cse: bool = True):
+def checkpoint(
+  fn: Callable[..., Any] | None = None,
+  *,
+  policy: Callable[..., Any] | None = None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  min_size: int = DEFAULT_MIN_SIZE,
+  name: str = "checkpoint",
+  compress_argnums: Sequence[int] = (),
+  prevent_cse: bool = True,
+):
   """`jax.checkpoint` whose saved values are compressed (GACT CB1).
 
   The forward pass runs `fn` exactly and keeps compressed copies of the
@@ -201,31 +232,56 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
   """
   check_policy(policy, "jact.checkpoint")
   if fn is None:
-    return functools.partial(checkpoint, policy=policy, bits=bits, compressor=compressor,
-                             min_size=min_size, name=name, compress_argnums=compress_argnums,
-                             prevent_cse=prevent_cse)
+    return functools.partial(
+      checkpoint,
+      policy=policy,
+      bits=bits,
+      compressor=compressor,
+      min_size=min_size,
+      name=name,
+      compress_argnums=compress_argnums,
+      prevent_cse=prevent_cse,
+    )
   if not callable(fn):
     raise TypeError(f"jact.checkpoint takes a function, got {type(fn).__name__}")
   if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
-    return CompressedModule(fn, checkpoint(
-        module_call(fn), policy=policy, bits=bits, compressor=compressor, min_size=min_size,
+    return CompressedModule(
+      fn,
+      checkpoint(
+        module_call(fn),
+        policy=policy,
+        bits=bits,
+        compressor=compressor,
+        min_size=min_size,
         name=name,
-        compress_argnums=module_argnums(check_argnums(compress_argnums)), prevent_cse=prevent_cse))
+        compress_argnums=module_argnums(check_argnums(compress_argnums)),
+        prevent_cse=prevent_cse,
+      ),
+    )
   check_key = reserved_key_check(fn, "jact.checkpoint")
   compress_argnums = check_argnums(compress_argnums)
-  if not compress_argnums and (policy is None
-                               or policy is jax.checkpoint_policies.nothing_saveable):
+  if not compress_argnums and (
+    policy is None or policy is jax.checkpoint_policies.nothing_saveable
+  ):
     name_of_fn = getattr(fn, "__name__", type(fn).__name__)
     warnings.warn(
-        f"jact.checkpoint({name_of_fn}) stores nothing compressed: no argument is listed in "
-        f"compress_argnums and the policy saves nothing, so the inputs are kept by reference, "
-        f"as jax.checkpoint keeps them. List the segment's activation arguments, e.g. "
-        f"compress_argnums=(1,) for block(params, x), to keep a compressed copy of them "
-        f"instead (GACT CB1); parameters stay exact either way.", UserWarning, stacklevel=2)
+      f"jact.checkpoint({name_of_fn}) stores nothing compressed: no argument is listed in "
+      f"compress_argnums and the policy saves nothing, so the inputs are kept by reference, "
+      f"as jax.checkpoint keeps them. List the segment's activation arguments, e.g. "
+      f"compress_argnums=(1,) for block(params, x), to keep a compressed copy of them "
+      f"instead (GACT CB1); parameters stay exact either way.",
+      UserWarning,
+      stacklevel=2,
+    )
   rounding = op_rounding("jact.checkpoint", bits, compressor)
   config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size, name)
-  body = compressed(returning_arrays(fn, "jact.checkpoint"), bits=bits, compressor=compressor,
-                    min_size=min_size, name=f"{name}.body")
+  body = compressed(
+    returning_arrays(fn, "jact.checkpoint"),
+    bits=bits,
+    compressor=compressor,
+    min_size=min_size,
+    name=f"{name}.body",
+  )
 
   def rematted(key, args, kwargs):
     # Non-array leaves (flags, functions, strings) are held fixed, as in
@@ -243,8 +299,15 @@ def checkpoint(fn: Callable[..., Any] | None = None, *, policy: Callable[..., An
     # XLA re-fuses that chain into every earlier segment's backward and keeps
     # each segment's input cotangents alive to the end (measured: 1.2 MiB per
     # transformer block at small size, 9 MiB at 16x256x256).
-    return call_compressed(lambda *a, **k: rematted(body_key, a, k), args, kwargs, key=key,
-                           config=config, compress_inputs=flags, materialize_cotangent=True)
+    return call_compressed(
+      lambda *a, **k: rematted(body_key, a, k),
+      args,
+      kwargs,
+      key=key,
+      config=config,
+      compress_inputs=flags,
+      materialize_cotangent=True,
+    )
 
   wrapped.residual_config = config
   return wrapped

@@ -59,13 +59,30 @@ from jact._engine.rounding import Rounding, SaltedSeed, make_seed, op_rounding, 
 from jact._engine.names import tag
 from jact._engine.scheduling import Stacked, barrier, materialize
 from jact._engine.derivatives import reverse_only
-from jact._transforms._arguments import (check_policy, check_argnums, input_flags, reserved_key_check, returning_arrays)
+from jact._transforms._arguments import (
+  check_policy,
+  check_argnums,
+  input_flags,
+  reserved_key_check,
+  returning_arrays,
+)
 from jact._transforms._selections import evaluate_with_exact_selections
 from jact._transforms._interleave import evaluate_restoring, evaluate_storing
 from jact._transforms._scan import step_config, step_seed
-from jact._transforms._vjp_residuals import (DEFAULT_MIN_SIZE, ResidualConfig, Saved, check_overrides,
-                                           eval_constants, is_array, is_float, is_stored, output_epilogue,
-                                           plan_saved, restore_saved, store_saved)
+from jact._transforms._vjp_residuals import (
+  DEFAULT_MIN_SIZE,
+  ResidualConfig,
+  Saved,
+  check_overrides,
+  eval_constants,
+  is_array,
+  is_float,
+  is_stored,
+  output_epilogue,
+  plan_saved,
+  restore_saved,
+  store_saved,
+)
 
 __all__ = ["compressed", "ResidualConfig", "DEFAULT_MIN_SIZE"]
 
@@ -94,11 +111,19 @@ def over_array_leaves(fn, args, kwargs, is_dynamic: Callable[[Any], bool] = is_a
 # ---------------------------------------------------------------------------
 # The transform.
 
+
 @takes_compressor(api="jact.compressed")
-def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
-               compressor: Compressor | None = None, min_size: int = DEFAULT_MIN_SIZE,
-               name: str = "compressed", overrides: Any = None,
-               policy: Callable[..., Any] | None = None, compress_argnums: Sequence[int] = ()):
+def compressed(
+  fn: Callable[..., Any] | None = None,
+  *,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  min_size: int = DEFAULT_MIN_SIZE,
+  name: str = "compressed",
+  overrides: Any = None,
+  policy: Callable[..., Any] | None = None,
+  compress_argnums: Sequence[int] = (),
+):
   """Returns `fn` with compressed residuals: same signature plus keyword `key`.
 
   The forward pass runs `fn` exactly; the backward pass runs `fn`'s VJP on
@@ -142,8 +167,9 @@ def compressed(fn: Callable[..., Any] | None = None, *, bits: int | None = 4,
     residuals are stochastically rounded; use a fresh key every step.
   """
   rounding = op_rounding("jact.compressed", bits, compressor)
-  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size,
-                          name, overrides)
+  config = ResidualConfig(
+    rounding.bits, rounding.group_size, rounding.stochastic, min_size, name, overrides
+  )
   argnums = check_argnums(compress_argnums)
   check_policy(policy, "jact.compressed")
   if fn is None:
@@ -163,6 +189,7 @@ class ModuleRoute:
     call: runs the function on them: (fn, args, kwargs, *, key, config,
       policy, compress_argnums) -> its outputs.
   """
+
   handles: Callable[[Any], bool]
   wrap: Callable[..., Any]
   takes_arguments: Callable[[tuple, dict], bool]
@@ -185,8 +212,15 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
     if route.handles(fn):
       return route.wrap(fn, config, policy, compress_argnums)
   if is_callable_pytree(fn):  # an Equinox module: its parameters stay leaves of the wrapper
-    return CompressedModule(fn, _wrap(module_call(fn), config=config, policy=policy,
-                                      compress_argnums=module_argnums(compress_argnums)))
+    return CompressedModule(
+      fn,
+      _wrap(
+        module_call(fn),
+        config=config,
+        policy=policy,
+        compress_argnums=module_argnums(compress_argnums),
+      ),
+    )
   check_key = reserved_key_check(fn, "jact.compressed")
   checked = returning_arrays(fn, "jact.compressed")
 
@@ -195,10 +229,18 @@ def _wrap(fn, *, config: ResidualConfig, policy=None, compress_argnums=()):
     check_key(args)
     for route in _MODULE_ROUTES:  # e.g. nnx modules/Rngs passed as arguments
       if route.takes_arguments(args, kwargs):
-        return route.call(fn, args, kwargs, key=key, config=config, policy=policy,
-                          compress_argnums=compress_argnums)
-    return call_compressed(checked, args, kwargs, key=key, config=config, policy=policy,
-                           compress_inputs=input_flags(fn, args, kwargs, compress_argnums))
+        return route.call(
+          fn, args, kwargs, key=key, config=config, policy=policy, compress_argnums=compress_argnums
+        )
+    return call_compressed(
+      checked,
+      args,
+      kwargs,
+      key=key,
+      config=config,
+      policy=policy,
+      compress_inputs=input_flags(fn, args, kwargs, compress_argnums),
+    )
 
   wrapped.residual_config = config
   return wrapped
@@ -224,6 +266,7 @@ _MODULE_KEY = "_jact_module_key"  # carries a module's own `key=` past the wrapp
 def module_call(module) -> Callable[..., Any]:
   """`call(module, *args, **kwargs) = module(*args, **kwargs)`, named after the
   module; a keyword `_MODULE_KEY` reaches the module as its `key`."""
+
   def call(module, *args, **kwargs):
     if _MODULE_KEY in kwargs:
       kwargs["key"] = kwargs.pop(_MODULE_KEY)
@@ -310,17 +353,28 @@ def _hoist_closure(fn, args, name: str):
   kept = [c for c, h in zip(closed.consts, hoisted) if not h]
 
   def converted(*inputs):
-    passed, kept_it = iter(inputs[len(args):]), iter(kept)
+    passed, kept_it = iter(inputs[len(args) :]), iter(kept)
     consts = [next(passed) if h else next(kept_it) for h in hoisted]
-    return jax.tree.unflatten(out_tree, evaluate_with_exact_selections(
-        closed.jaxpr, consts, *inputs[:len(args)], name=name))
+    return jax.tree.unflatten(
+      out_tree,
+      evaluate_with_exact_selections(closed.jaxpr, consts, *inputs[: len(args)], name=name),
+    )
 
   return converted, [c for c, h in zip(closed.consts, hoisted) if h]
 
 
-def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=None,
-                    compress_inputs=None, materialize_cotangent: bool = False,
-                    state_output: bool = False):
+def call_compressed(
+  fn,
+  args,
+  kwargs,
+  *,
+  key,
+  config: ResidualConfig,
+  policy=None,
+  compress_inputs=None,
+  materialize_cotangent: bool = False,
+  state_output: bool = False,
+):
   """`fn(*args, **kwargs)` with compressed residuals (the body of `compressed`).
 
   `policy`, when given, is a `jax.checkpoint` policy applied to `fn` before
@@ -337,12 +391,12 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   """
   if config.needs_key and key is None:
     raise ValueError(
-        f"jact.compressed({config.name!r}) quantizes residuals with stochastic rounding and "
-        f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
-        f"build it with compressor=jact.compressors.PerGroup(bits, stochastic=False) "
-        f"(round-to-nearest) or bits=None (keep residuals).")
-  seed = make_seed(key, Rounding(config.bits, config.group_size, config.stochastic),
-                   "compressed")
+      f"jact.compressed({config.name!r}) quantizes residuals with stochastic rounding and "
+      f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step), or "
+      f"build it with compressor=jact.compressors.PerGroup(bits, stochastic=False) "
+      f"(round-to-nearest) or bits=None (keep residuals)."
+    )
+  seed = make_seed(key, Rounding(config.bits, config.group_size, config.stochastic), "compressed")
   if isinstance(seed, NoKey) and _context.current("salt") is not None:
     seed = salt_seed(jnp.uint32(0))  # carries the estimator's salt into the forward rule
 
@@ -361,7 +415,7 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
   differentiable = tuple(is_float(x) or is_complex(x) for x in inputs)
 
   def run(*inputs):
-    return converted(*inputs[:len(dynamic_leaves)], *inputs[len(dynamic_leaves):])
+    return converted(*inputs[: len(dynamic_leaves)], *inputs[len(dynamic_leaves) :])
 
   def split(inputs):
     return [x for x, d in zip(inputs, differentiable) if d]
@@ -394,15 +448,24 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
     residual_vars = tuple(capture.jaxpr.outvars[n_out:])
     plan = plan_saved(capture.jaxpr, residual_vars, input_flags, config)
     results, stored = evaluate_storing(
-        capture.jaxpr, capture.consts, inputs,
-        {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
-        lambda p, leaf, steps=(): store_saved(
-            leaf, f"{config.name}.{p}", step_seed(seed, steps), p,
-            step_config(config, residual_vars[p]) if steps else config, plan[p][1]),
-        needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan])
+      capture.jaxpr,
+      capture.consts,
+      inputs,
+      {p: v for p, ((kind, _), v) in enumerate(zip(plan, residual_vars)) if kind == "compress"},
+      lambda p, leaf, steps=(): store_saved(
+        leaf,
+        f"{config.name}.{p}",
+        step_seed(seed, steps),
+        p,
+        step_config(config, residual_vars[p]) if steps else config,
+        plan[p][1],
+      ),
+      needed=[True] * n_out + [kind not in ("compress", "same", "constant") for kind, _ in plan],
+    )
     # pieces stacked by a scan carry their name inside its body: named again outside
-    stored = {p: tag(s, f"{config.name}.{p}") if isinstance(s, Stacked) else s
-              for p, s in stored.items()}
+    stored = {
+      p: tag(s, f"{config.name}.{p}") if isinstance(s, Stacked) else s for p, s in stored.items()
+    }
     out = jax.tree.unflatten(trees["out"], results[:n_out])
     values, index = [], []
     for position, ((kind, _), leaf) in enumerate(zip(plan, results[n_out:])):
@@ -413,8 +476,9 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
         leaf = stored[position]
       index.append(len(values))
       values.append(leaf)
-    check_overrides(config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan)
-                              if k == "compress"})
+    check_overrides(
+      config, {f"{config.name}.{i}" for i, (k, _) in enumerate(plan) if k == "compress"}
+    )
     if state_output:
       result, values = output_epilogue(out[0], tuple(values))
       out = (result, out[1])
@@ -422,37 +486,47 @@ def call_compressed(fn, args, kwargs, *, key, config: ResidualConfig, policy=Non
       out, values = output_epilogue(out, tuple(values))
     shapes = tuple(tuple(v.aval.shape) for v in residual_vars)
     dtypes = tuple(v.aval.dtype for v in residual_vars)
-    return out, Saved(values, plan, tuple(index), shapes, dtypes, capture, residual_vars,
-                       trees["vjp"])
+    return out, Saved(
+      values, plan, tuple(index), shapes, dtypes, capture, residual_vars, trees["vjp"]
+    )
 
   def bwd(saved, g):
     values, g = barrier(saved.values, g)
     if materialize_cotangent:
-      g = jax.tree.map(lambda t: materialize(t, values) if is_array(t) and is_float(t)
-                       and jnp.size(t) else t, g)
-    constants = iter(eval_constants(
-        saved.capture.jaxpr, saved.capture.consts,
-        [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"]))
+      g = jax.tree.map(
+        lambda t: materialize(t, values) if is_array(t) and is_float(t) and jnp.size(t) else t, g
+      )
+    constants = iter(
+      eval_constants(
+        saved.capture.jaxpr,
+        saved.capture.consts,
+        [v for v, (kind, _) in zip(saved.residual_vars, saved.plan) if kind == "constant"],
+      )
+    )
     leaves, restore, kept = [], {}, []
-    for position, ((kind, detail), i, shape, dtype) in enumerate(zip(
-        saved.plan, saved.index, saved.shapes, saved.dtypes)):
+    for position, ((kind, detail), i, shape, dtype) in enumerate(
+      zip(saved.plan, saved.index, saved.shapes, saved.dtypes)
+    ):
       if kind == "same":
         leaves.append(leaves[detail])
       elif kind == "constant":
         leaves.append(next(constants))
       elif kind == "compress" and is_stored(values[i]):
-        restore[position] = (values[i], functools.partial(restore_saved, shape=shape,
-                                                          dtype=dtype))
+        restore[position] = (values[i], functools.partial(restore_saved, shape=shape, dtype=dtype))
         leaves.append(jax.ShapeDtypeStruct(shape, dtype))
       else:
         kept.append(position)
         leaves.append(restore_saved(values[i], shape, dtype))
     g_leaves, g_tree = jax.tree.flatten(g)
-    backward = jax.make_jaxpr(lambda leaves, g: _compat.rebuild_vjp(saved.vjp_layout, leaves)(
-        jax.tree.unflatten(g_tree, g)))(leaves, g_leaves)
+    backward = jax.make_jaxpr(
+      lambda leaves, g: _compat.rebuild_vjp(saved.vjp_layout, leaves)(jax.tree.unflatten(g_tree, g))
+    )(leaves, g_leaves)
     anchor = next((t for t in g_leaves if is_array(t) and is_float(t) and jnp.size(t)), None)
-    grads = iter(evaluate_restoring(backward.jaxpr, backward.consts, leaves + g_leaves, restore,
-                                    start=anchor, kept=kept))
+    grads = iter(
+      evaluate_restoring(
+        backward.jaxpr, backward.consts, leaves + g_leaves, restore, start=anchor, kept=kept
+      )
+    )
     return (None, *[next(grads) if d else None for d in differentiable])
 
   op.defvjp(fwd, bwd)

@@ -21,5 +21,14 @@ from jact.compressors._fixed_point import Fixpoint
 from jact.compressors._pergroup import PerGroup
 from jact.compressors._zero_value import ZeroValue
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered", "PerGroup", "Division", "BLPA", "Fixpoint",
-           "ZeroValue"]
+__all__ = [
+  "Compressor",
+  "Compressed",
+  "from_dict",
+  "registered",
+  "PerGroup",
+  "Division",
+  "BLPA",
+  "Fixpoint",
+  "ZeroValue",
+]

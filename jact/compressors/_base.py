@@ -20,8 +20,15 @@ import jax.numpy as jnp
 from jact import kernels
 from jact._core.quantize import FLOAT_DTYPES
 
-__all__ = ["Compressor", "Compressed", "from_dict", "registered", "channels", "as_channel_rows",
-           "check_implementation"]
+__all__ = [
+  "Compressor",
+  "Compressed",
+  "from_dict",
+  "registered",
+  "channels",
+  "as_channel_rows",
+  "check_implementation",
+]
 
 _REGISTRY: dict[str, type["Compressor"]] = {}
 
@@ -43,8 +50,10 @@ def check_implementation(implementation: Any, op: str) -> None:
     return
   known = sorted(kernels.available(op))
   if not isinstance(implementation, str) or implementation not in known:
-    raise ValueError(f"unknown kernel implementation {implementation!r} for {op!r}; use one of "
-                     f"{known} or None (the best one for the backend).")
+    raise ValueError(
+      f"unknown kernel implementation {implementation!r} for {op!r}; use one of "
+      f"{known} or None (the best one for the backend)."
+    )
 
 
 class Compressor(abc.ABC):
@@ -121,8 +130,10 @@ class Compressor(abc.ABC):
   def check_input(self, x) -> None:
     """A clear error for inputs this compressor cannot take."""
     if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-      raise TypeError(f"{type(self).__name__} compresses float32, bfloat16 or float16 "
-                      f"residuals, got {x.dtype}; cast it first (x.astype(jnp.float32)).")
+      raise TypeError(
+        f"{type(self).__name__} compresses float32, bfloat16 or float16 "
+        f"residuals, got {x.dtype}; cast it first (x.astype(jnp.float32))."
+      )
 
 
 def registered() -> dict[str, type[Compressor]]:
@@ -162,6 +173,7 @@ class Compressed:
     compressor: the compressor that made it (static).
     shape, dtype: of the original residual (static).
   """
+
   arrays: dict
   compressor: Any = dataclasses.field(metadata=dict(static=True))
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))

@@ -30,22 +30,37 @@ from jact.compressors._base import Compressed, Compressor, as_channel_rows, chan
 from jact._core.quantize import FLOAT_DTYPES
 from jact._core.packing import pack_codes, packed_codes_bytes, unpack_codes
 
-__all__ = ["BLPA", "BLPA_BITS", "check_blpa_bits", "blpa_grid", "blpa_encode", "blpa_decode",
-           "blpa_quantize", "blpa_dequantize"]
+__all__ = [
+  "BLPA",
+  "BLPA_BITS",
+  "check_blpa_bits",
+  "blpa_grid",
+  "blpa_encode",
+  "blpa_decode",
+  "blpa_quantize",
+  "blpa_dequantize",
+]
 
 BLPA_BITS = (2, 4, 8)
 _MIN_STEP = 1e-30  # smallest step (a normal float32, also after * 0.5)
-_REL_STEP = 2.0 ** -20  # smallest step relative to |beta|
+_REL_STEP = 2.0**-20  # smallest step relative to |beta|
 _F32 = jnp.float32
 
 
 def check_blpa_bits(bits: Any) -> int:
   """Validates a BLPA width (2, 4 or 8); returns it as int."""
-  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in BLPA_BITS:
-    hint = (" 1 bit would keep only the sign (a ReLU mask) and no value; use bits=2 or "
-            "more (or jact.ops.relu, whose residual is that 1-bit mask)." if bits == 1 else "")
-    raise ValueError(f"BLPA needs bits in {BLPA_BITS} (the paper uses 4 or 8), got {bits!r}."
-                     + hint)
+  if (
+    isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in BLPA_BITS
+  ):
+    hint = (
+      " 1 bit would keep only the sign (a ReLU mask) and no value; use bits=2 or "
+      "more (or jact.ops.relu, whose residual is that 1-bit mask)."
+      if bits == 1
+      else ""
+    )
+    raise ValueError(
+      f"BLPA needs bits in {BLPA_BITS} (the paper uses 4 or 8), got {bits!r}." + hint
+    )
   return int(bits)
 
 
@@ -56,7 +71,7 @@ def blpa_grid(beta: jax.Array, gamma: jax.Array, bits: int) -> tuple[jax.Array, 
   a window with s >= 0 or s + 2**K - 1 <= -1 spends one code on the other sign.
   """
   bits = check_blpa_bits(bits)
-  levels = 2 ** bits
+  levels = 2**bits
   beta = jnp.nan_to_num(jnp.asarray(beta, _F32))
   step = 6.0 * jnp.abs(jnp.asarray(gamma, _F32)) / levels
   step = jnp.maximum(jnp.maximum(step, jnp.abs(beta) * _REL_STEP), _MIN_STEP)
@@ -72,7 +87,7 @@ def _sign_codes(start, levels: int):
 def blpa_encode(a: jax.Array, step: jax.Array, start: jax.Array, bits: int) -> jax.Array:
   """uint8 codes in [0, 2**K) of `a` on the grid (step, start) (broadcast against a)."""
   bits = check_blpa_bits(bits)
-  levels = 2 ** bits
+  levels = 2**bits
   a = jnp.asarray(a).astype(_F32)
   pos = a > 0
   j = jnp.ceil(a / step) - 1.0  # bin (j h, (j+1) h]
@@ -90,8 +105,9 @@ def blpa_encode(a: jax.Array, step: jax.Array, start: jax.Array, bits: int) -> j
   return code.astype(jnp.uint8)
 
 
-def blpa_decode(codes: jax.Array, step: jax.Array, start: jax.Array, bits: int,
-                dtype=_F32) -> jax.Array:
+def blpa_decode(
+  codes: jax.Array, step: jax.Array, start: jax.Array, bits: int, dtype=_F32
+) -> jax.Array:
   """Bin centres (bin + 0.5) * step of uint8 codes (see `blpa_encode` for the bins)."""
   levels = 2 ** check_blpa_bits(bits)
   codes = codes.astype(jnp.int32)
@@ -122,26 +138,38 @@ def blpa_quantize(a: jax.Array, beta: jax.Array, gamma: jax.Array, bits: int = 4
   bits = check_blpa_bits(bits)
   a = jnp.asarray(a)
   if jnp.dtype(a.dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"blpa_quantize takes a float32, bfloat16 or float16 array, got {a.dtype}; "
-                    "cast it first (a.astype(jnp.float32)).")
+    raise TypeError(
+      f"blpa_quantize takes a float32, bfloat16 or float16 array, got {a.dtype}; "
+      "cast it first (a.astype(jnp.float32))."
+    )
   shape = tuple(a.shape)
   channels = _channels(shape)
   beta, gamma = jnp.asarray(beta), jnp.asarray(gamma)
   if beta.size != channels or gamma.size != channels:
-    raise ValueError(f"blpa_quantize: beta {beta.shape} and gamma {gamma.shape} need one value "
-                     f"per channel (the last axis of a {shape}: {channels}).")
+    raise ValueError(
+      f"blpa_quantize: beta {beta.shape} and gamma {gamma.shape} need one value "
+      f"per channel (the last axis of a {shape}: {channels})."
+    )
   step, start = blpa_grid(beta.reshape(channels), gamma.reshape(channels), bits)
   codes = blpa_encode(a, _broadcast_channels(step, shape), _broadcast_channels(start, shape), bits)
-  return Compressed({"codes": pack_codes(codes, bits), "step": step, "start": start},
-                    BLPA(bits), shape, jnp.dtype(a.dtype))
+  return Compressed(
+    {"codes": pack_codes(codes, bits), "step": step, "start": start},
+    BLPA(bits),
+    shape,
+    jnp.dtype(a.dtype),
+  )
 
 
 def blpa_dequantize(stored: Compressed, dtype=None) -> jax.Array:
   """Inverse of `blpa_quantize`: bin centres, shape of the input (its dtype unless given)."""
   arrays, shape = stored.arrays, tuple(stored.shape)
   codes = unpack_codes(arrays["codes"], jnp.uint8)
-  out = blpa_decode(codes, _broadcast_channels(arrays["step"], shape),
-                    _broadcast_channels(arrays["start"], shape), stored.compressor.bits)
+  out = blpa_decode(
+    codes,
+    _broadcast_channels(arrays["step"], shape),
+    _broadcast_channels(arrays["start"], shape),
+    stored.compressor.bits,
+  )
   return out.astype(stored.dtype if dtype is None else dtype)
 
 
@@ -155,6 +183,7 @@ class BLPA(Compressor):
   Attributes:
     bits: 2, 4 or 8 bits per value (the paper uses 4 and 8).
   """
+
   bits: int = 4
 
   method = "blpa"

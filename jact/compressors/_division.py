@@ -39,21 +39,6 @@ from jact.kernels._quantize.api import dequantize
 __all__ = ["Division", "division_compress_reference"]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _nan_where_not_finite(x: jax.Array, blocks: tuple[int, ...], lfc: jax.Array) -> jax.Array:
   """`lfc` with NaN for every block of x holding a non-finite value."""
   bad = (~jnp.isfinite(x)).astype(jnp.float32)
@@ -79,6 +64,7 @@ class Division(Compressor):
       see `jact.kernels`), or None for the best one on the backend. Every
       kernel stores the same bits.
   """
+
   block: int = 8
   bits: int = 2
   group_size: int = 256
@@ -89,28 +75,36 @@ class Division(Compressor):
   method = "division"
 
   def __post_init__(self):
-    if (isinstance(self.block, bool) or not isinstance(self.block, (int, np.integer))
-        or self.block <= 0):
-      raise ValueError(f"block must be a positive int (the pooling block and stride, "
-                       f"e.g. 8), got {self.block!r}.")
+    if (
+      isinstance(self.block, bool)
+      or not isinstance(self.block, (int, np.integer))
+      or self.block <= 0
+    ):
+      raise ValueError(
+        f"block must be a positive int (the pooling block and stride, e.g. 8), got {self.block!r}."
+      )
     if self.block < 2:
       raise ValueError(
-          f"block must be a positive int of at least 2, got block={self.block!r}: with B=1 the "
-          f"low-frequency part is the whole map, so DIVISION would store more bytes than the "
-          f"input (compression rate (B^-2 + Q/32)^-1 < 1). Use block=8 (the paper's setting) "
-          f"or 4, or PerGroup(bits) for plain quantization.")
+        f"block must be a positive int of at least 2, got block={self.block!r}: with B=1 the "
+        f"low-frequency part is the whole map, so DIVISION would store more bytes than the "
+        f"input (compression rate (B^-2 + Q/32)^-1 < 1). Use block=8 (the paper's setting) "
+        f"or 4, or PerGroup(bits) for plain quantization."
+      )
     check_bits(self.bits)
     check_group_size(self.group_size)
     if self.keep not in ("both", "lfc", "hfc"):
-      raise ValueError(f"keep must be 'both' (DIVISION), 'lfc' or 'hfc' (ablations), "
-                       f"got {self.keep!r}.")
+      raise ValueError(
+        f"keep must be 'both' (DIVISION), 'lfc' or 'hfc' (ablations), got {self.keep!r}."
+      )
     try:
       dtype = jnp.dtype(self.lfc_dtype)
     except TypeError:
       dtype = None
     if dtype not in FLOAT_DTYPES:
-      raise ValueError(f"lfc_dtype must be float32, bfloat16 or float16, got "
-                       f"{self.lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32.")
+      raise ValueError(
+        f"lfc_dtype must be float32, bfloat16 or float16, got "
+        f"{self.lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32."
+      )
     check_implementation(self.implementation, "division_compress")
     object.__setattr__(self, "block", int(self.block))
     object.__setattr__(self, "lfc_dtype", dtype)  # compares equal after to_dict/from_dict
@@ -146,9 +140,15 @@ class Division(Compressor):
       blocks = pool_blocks(spatial, self.block)
       arrays["lfc"] = _nan_where_not_finite(x, blocks, stored_lfc(x, blocks, self.lfc_dtype))
     else:
-      lfc, hfc = division_compress(x, seed, block=self.block, bits=self.bits,
-                                   group_size=self.group_size, lfc_dtype=self.lfc_dtype,
-                                   implementation=self.implementation)
+      lfc, hfc = division_compress(
+        x,
+        seed,
+        block=self.block,
+        bits=self.bits,
+        group_size=self.group_size,
+        lfc_dtype=self.lfc_dtype,
+        implementation=self.implementation,
+      )
       if self.keep == "both":
         arrays["lfc"] = lfc
       arrays["hfc"] = hfc
@@ -157,9 +157,11 @@ class Division(Compressor):
   def _check_keep(self, shape) -> None:
     check_rank(shape)
     if len(shape) == 2 and self.keep == "lfc":
-      raise ValueError(f"Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
-                       f"input of shape {tuple(shape)} has no low-frequency part: use "
-                       f"keep='both' (stored as per-group quantization) or PerGroup(bits).")
+      raise ValueError(
+        f"Division(keep='lfc') needs spatial axes (rank 3 to 5); a rank-2 "
+        f"input of shape {tuple(shape)} has no low-frequency part: use "
+        f"keep='both' (stored as per-group quantization) or PerGroup(bits)."
+      )
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
     if "hfc" in stored.arrays:

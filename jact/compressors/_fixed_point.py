@@ -49,13 +49,16 @@ def split_scale(scale: jax.Array):
   kind = jnp.where(flagged, (u & 3).astype(jnp.int32), 0)
   return jax.lax.bitcast_convert_type(magnitude, jnp.float32), flagged, kind
 
+
 FIXPOINT_BITS = (2, 4, 8)
 
 
 def _check_fixpoint_bits(bits: Any) -> int:
   if isinstance(bits, bool) or not isinstance(bits, int) or bits not in FIXPOINT_BITS:
-    raise ValueError(f"Fixpoint bits must be one of {FIXPOINT_BITS}, got {bits!r}: signed "
-                     "fixed point needs 2 bits or more for a zero level (use 2, 4 or 8 bits).")
+    raise ValueError(
+      f"Fixpoint bits must be one of {FIXPOINT_BITS}, got {bits!r}: signed "
+      "fixed point needs 2 bits or more for a zero level (use 2, 4 or 8 bits)."
+    )
   return bits
 
 
@@ -75,6 +78,7 @@ class Fixpoint(Compressor):
   to: NaN, +inf or -inf (NaN when the channel mixes kinds), as in
   `jact._core.quantize`.
   """
+
   bits: int = 8
 
   method = "fixpoint"

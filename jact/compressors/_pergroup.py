@@ -38,6 +38,7 @@ class PerGroup(Compressor):
     implementation: the kernel ("xla", "pallas_triton"; see `jact.kernels`),
       or None for the best one on the backend. Every kernel stores the same bits.
   """
+
   bits: int = 4
   group_size: int = 256
   stochastic: bool = True
@@ -69,8 +70,14 @@ class PerGroup(Compressor):
   def compress(self, x: jax.Array, seed) -> Packed:
     self.check_input(x)
     rows = as_rows(tuple(x.shape), self.group_size)
-    packed = quantize(x.reshape(rows), bits=self.bits, group_size=self.group_size,
-                      stochastic=self.stochastic, seed=seed, implementation=self.implementation)
+    packed = quantize(
+      x.reshape(rows),
+      bits=self.bits,
+      group_size=self.group_size,
+      stochastic=self.stochastic,
+      seed=seed,
+      implementation=self.implementation,
+    )
     if rows != tuple(x.shape):
       packed = dataclasses.replace(packed, view_shape=tuple(x.shape))
     return packed

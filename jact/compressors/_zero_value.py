@@ -47,6 +47,7 @@ class ZeroValue(Compressor):
       (non-zero fixed-point codes kept, AutoQuantZ).
     capacity: fraction of values the buffer has room for, in (0, 1].
   """
+
   inner: Fixpoint | None = None
   capacity: float = 0.5
 
@@ -54,12 +55,18 @@ class ZeroValue(Compressor):
 
   def __post_init__(self):
     if self.inner is not None and not isinstance(self.inner, Fixpoint):
-      raise TypeError(f"ZeroValue's inner must be None (lossless) or a Fixpoint, got "
-                      f"{self.inner!r}")
-    if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, float)) or not (
-        0 < self.capacity <= 1):
-      raise ValueError(f"capacity must be a fraction of the values in (0, 1], got "
-                       f"{self.capacity!r}; set it above the expected density of non-zeros.")
+      raise TypeError(
+        f"ZeroValue's inner must be None (lossless) or a Fixpoint, got {self.inner!r}"
+      )
+    if (
+      isinstance(self.capacity, bool)
+      or not isinstance(self.capacity, (int, float))
+      or not (0 < self.capacity <= 1)
+    ):
+      raise ValueError(
+        f"capacity must be a fraction of the values in (0, 1], got "
+        f"{self.capacity!r}; set it above the expected density of non-zeros."
+      )
     object.__setattr__(self, "capacity", float(self.capacity))
 
   @property
@@ -91,8 +98,9 @@ class ZeroValue(Compressor):
     else:
       value_bytes = -(-k // (8 // self.inner.bits))
     total = mask_bytes + value_bytes
-    fallback = next((b for b in sorted(FIXPOINT_BITS, reverse=True)
-                     if -(-n // (8 // b)) <= total), None)
+    fallback = next(
+      (b for b in sorted(FIXPOINT_BITS, reverse=True) if -(-n // (8 // b)) <= total), None
+    )
     return n, c, k, mask_bytes, value_bytes, fallback
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = jnp.float32) -> int:
@@ -109,9 +117,10 @@ class ZeroValue(Compressor):
     n, c, k, mask_bytes, value_bytes, fallback = self._layout(shape, dtype)
     if fallback is None:
       raise ValueError(
-          f"ZeroValue(capacity={self.capacity}) leaves {mask_bytes + value_bytes} bytes for "
-          f"{n} values: too few for the 2-bit fallback used when a tensor is denser than the "
-          "capacity; raise the capacity.")
+        f"ZeroValue(capacity={self.capacity}) leaves {mask_bytes + value_bytes} bytes for "
+        f"{n} values: too few for the 2-bit fallback used when a tensor is denser than the "
+        "capacity; raise the capacity."
+      )
     fixpoint = self.inner or Fixpoint(8)
     scale = fixpoint.scales(x)
     values = (x if self.inner is None else self.inner.codes(x, scale)).reshape(-1)
@@ -158,7 +167,7 @@ class ZeroValue(Compressor):
 
     def dense(_):
       f = Fixpoint(fallback)
-      q = unpack_bits(buffer[:-(-n // (8 // fallback))], fallback)[:n].astype(jnp.int32)
+      q = unpack_bits(buffer[: -(-n // (8 // fallback))], fallback)[:n].astype(jnp.int32)
       return f.values((q - f.levels).reshape(-1, c), scale)
 
     out = lax.cond(stored.arrays["nonzeros"] <= k, sparse, dense, None)

@@ -25,8 +25,10 @@ from __future__ import annotations
 import importlib.util
 
 from jact.kernels._division.reference import division_compress_reference
-from jact.kernels._per_sample.reference import (dequantize_per_sample_reference,
-                                               quantize_per_sample_reference)
+from jact.kernels._per_sample.reference import (
+  dequantize_per_sample_reference,
+  quantize_per_sample_reference,
+)
 from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 from jact.kernels._registry import Implementation, Registry
 from jact.kernels._relu_mask.reference import relu_mask_reference
@@ -34,12 +36,12 @@ from jact.kernels._relu_mask.reference import relu_mask_reference
 __all__ = ["Implementation", "Registry", "REGISTRY", "available", "select", "dispatch", "use"]
 
 _REFERENCES = [
-    Implementation("quantize", "xla", quantize_reference),
-    Implementation("dequantize", "xla", dequantize_reference),
-    Implementation("relu_mask", "xla", relu_mask_reference),
-    Implementation("quantize_per_sample", "xla", quantize_per_sample_reference),
-    Implementation("dequantize_per_sample", "xla", dequantize_per_sample_reference),
-    Implementation("division_compress", "xla", division_compress_reference),
+  Implementation("quantize", "xla", quantize_reference),
+  Implementation("dequantize", "xla", dequantize_reference),
+  Implementation("relu_mask", "xla", relu_mask_reference),
+  Implementation("quantize_per_sample", "xla", quantize_per_sample_reference),
+  Implementation("dequantize_per_sample", "xla", dequantize_per_sample_reference),
+  Implementation("division_compress", "xla", division_compress_reference),
 ]
 
 
@@ -47,7 +49,9 @@ def _pallas_triton() -> list[Implementation]:
   """The Pallas (Triton backend) kernels, when this jax has that backend."""
   try:
     from jax.experimental.pallas import triton as _  # noqa: F401
-  except ImportError:  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
+  except (
+    ImportError
+  ):  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
     return []
   from jact.kernels._division import pallas_triton as division
   from jact.kernels._per_sample import pallas_triton as per_sample
@@ -56,18 +60,23 @@ def _pallas_triton() -> list[Implementation]:
 
   # inline PTX (`_triton.mul`, ...) makes them NVIDIA-only
   gpu = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1, lowering_platforms=("cuda",))
-  return [Implementation(op, "pallas_triton", fn, **gpu) for op, fn in [
+  return [
+    Implementation(op, "pallas_triton", fn, **gpu)
+    for op, fn in [
       ("quantize", quantize.quantize),
       ("dequantize", quantize.dequantize),
       ("relu_mask", relu_mask.relu_mask),
       ("quantize_per_sample", per_sample.quantize_per_sample),
       ("dequantize_per_sample", per_sample.dequantize_per_sample),
-      ("division_compress", division.division_compress)]]
+      ("division_compress", division.division_compress),
+    ]
+  ]
 
 
 def _quantize_jax_triton(*args, **kwargs):
   """`jact.kernels._quantize.jax_triton.quantize`, imported (with `triton`) when first called."""
   from jact.kernels._quantize import jax_triton
+
   return jax_triton.quantize(*args, **kwargs)
 
 
@@ -78,8 +87,17 @@ def _jax_triton_kernels() -> list[Implementation]:
   (jax 0.12 deprecates Pallas' Triton backend; these do not depend on it)."""
   if importlib.util.find_spec("triton") is None:  # pragma: no cover
     return []
-  return [Implementation("quantize", "jax_triton", _quantize_jax_triton, platforms=("gpu",),
-                         priority=5, max_size=2**31 - 1, lowering_platforms=("cuda",))]
+  return [
+    Implementation(
+      "quantize",
+      "jax_triton",
+      _quantize_jax_triton,
+      platforms=("gpu",),
+      priority=5,
+      max_size=2**31 - 1,
+      lowering_platforms=("cuda",),
+    )
+  ]
 
 
 REGISTRY = Registry(_REFERENCES + _pallas_triton() + _jax_triton_kernels())

@@ -21,5 +21,11 @@ from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sam
 from jact.kernels._quantize.api import dequantize, quantize
 from jact.kernels._relu_mask.api import relu_mask
 
-__all__ = ["quantize", "dequantize", "quantize_per_sample", "dequantize_per_sample", "relu_mask",
-           "division_compress"]
+__all__ = [
+  "quantize",
+  "dequantize",
+  "quantize_per_sample",
+  "dequantize_per_sample",
+  "relu_mask",
+  "division_compress",
+]

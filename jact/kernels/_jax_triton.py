@@ -27,17 +27,31 @@ import numpy as np
 
 __all__ = ["call", "compile_ptx", "on_gpu"]
 
-_TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "uint8": "u8", "uint16": "u16",
-                 "uint32": "u32", "int32": "i32"}
+_TRITON_TYPES = {
+  "float32": "fp32",
+  "float16": "fp16",
+  "uint8": "u8",
+  "uint16": "u16",
+  "uint32": "u32",
+  "int32": "i32",
+}
 
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def call(kernel, *args: jax.Array, grid: int, out_shape: Sequence[jax.ShapeDtypeStruct],
-         name: str, interpret: bool, num_warps: int = 4, initial: Sequence[Any] | None = None,
-         **constants) -> tuple[jax.Array, ...]:
+def call(
+  kernel,
+  *args: jax.Array,
+  grid: int,
+  out_shape: Sequence[jax.ShapeDtypeStruct],
+  name: str,
+  interpret: bool,
+  num_warps: int = 4,
+  initial: Sequence[Any] | None = None,
+  **constants,
+) -> tuple[jax.Array, ...]:
   """Runs the `@triton.jit` `kernel` over a 1-D `grid`: its pointer arguments
   are `args` then one per output of `out_shape`, its `tl.constexpr` ones
   `constants`. `initial` (host/CPU path only) fills the outputs before the
@@ -50,16 +64,28 @@ def call(kernel, *args: jax.Array, grid: int, out_shape: Sequence[jax.ShapeDtype
     try:
       import jax_triton
     except ImportError as e:  # pragma: no cover - GPU only
-      raise ImportError("the 'jax_triton' kernels need jax-triton on a CUDA jax: "
-                        "pip install 'jax-triton>=0.3.1' (or choose implementation='pallas_triton')"
-                        ) from e
-    return tuple(jax_triton.triton_call(
-        *args, kernel=kernel, out_shape=out_shape, grid=(grid,), name=name, num_warps=num_warps,
-        num_stages=1, enable_fp_fusion=False, **constants))
+      raise ImportError(
+        "the 'jax_triton' kernels need jax-triton on a CUDA jax: "
+        "pip install 'jax-triton>=0.3.1' (or choose implementation='pallas_triton')"
+      ) from e
+    return tuple(
+      jax_triton.triton_call(
+        *args,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=(grid,),
+        name=name,
+        num_warps=num_warps,
+        num_stages=1,
+        enable_fp_fusion=False,
+        **constants,
+      )
+    )
   host = functools.partial(_interpret, kernel, grid, out_shape, constants)
   fills = () if initial is None else tuple(jnp.asarray(f) for f in initial)
-  return tuple(jax.pure_callback(lambda *a: host(a[:len(args)], a[len(args):]), out_shape,
-                                 *args, *fills))
+  return tuple(
+    jax.pure_callback(lambda *a: host(a[: len(args)], a[len(args) :]), out_shape, *args, *fills)
+  )
 
 
 class _HostBuffer:
@@ -101,6 +127,7 @@ class _HostBuffer:
 @functools.lru_cache(maxsize=None)
 def _interpreted(fn):
   from triton.runtime.interpreter import InterpretedFunction
+
   return InterpretedFunction(fn)
 
 
@@ -140,23 +167,26 @@ def _interpret(kernel, grid, out_shape, constants, args, fills):
   buffers = [_HostBuffer(np.array(a)) for a in args] + [_HostBuffer(o) for o in outs]
   with _INTERPRET_LOCK, _jit_functions_interpreted(), np.errstate(over="ignore"):
     _interpreted(kernel.fn)[(grid,)](*buffers, **constants)  # uint32 hashing wraps, as on a GPU
-  return tuple(b.array.reshape(o.shape) for b, o in zip(buffers[len(args):], out_shape))
+  return tuple(b.array.reshape(o.shape) for b, o in zip(buffers[len(args) :], out_shape))
 
 
-def compile_ptx(kernel, arg_dtypes: Sequence, *, arch: int = 90, num_warps: int = 4,
-                **constants) -> str:
+def compile_ptx(
+  kernel, arg_dtypes: Sequence, *, arch: int = 90, num_warps: int = 4, **constants
+) -> str:
   """PTX of `kernel` compiled by the `triton` package for sm_`arch` on any host,
   with the launch settings `call` uses on a GPU (no contraction, one stage).
   `arg_dtypes` are the pointer arguments' element types, outputs included."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
+
   names = kernel.arg_names
   signature = {n: "*" + _TRITON_TYPES[str(jnp.dtype(t))] for n, t in zip(names, arg_dtypes)}
   signature.update({n: "constexpr" for n in constants})
   source = ASTSource(kernel, signature=signature, constexprs=dict(constants))
-  compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps, "num_stages": 1,
-                                     "enable_fp_fusion": False})
+  compiled = triton.compile(
+    source,
+    target=GPUTarget("cuda", arch, 32),
+    options={"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False},
+  )
   return compiled.asm["ptx"]
-

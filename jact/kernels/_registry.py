@@ -46,6 +46,7 @@ class Implementation:
     lowering_platforms: the `lax.platform_dependent` platforms it can be
       lowered for ("cuda", ...); empty means every platform.
   """
+
   op: str
   name: str
   fn: Callable
@@ -82,9 +83,11 @@ class Registry:
         raise ValueError(f"op {op!r} has no 'xla' reference implementation; register one first")
     self._implementations = tuple(i for impls in table.values() for i in impls.values())
     self._table = types.MappingProxyType(
-        {op: types.MappingProxyType(dict(impls)) for op, impls in table.items()})
+      {op: types.MappingProxyType(dict(impls)) for op, impls in table.items()}
+    )
     self._choices: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
-        f"jact_kernel_choices_{next(_IDS)}", default=types.MappingProxyType({}))
+      f"jact_kernel_choices_{next(_IDS)}", default=types.MappingProxyType({})
+    )
 
   @property
   def ops(self) -> tuple[str, ...]:
@@ -101,8 +104,13 @@ class Registry:
       raise KeyError(f"no kernels registered for op {op!r}; known ops: {sorted(self._table)}")
     return self._table[op]
 
-  def select(self, op: str, implementation: str | None = None, platform: str | None = None,
-             size: int | None = None) -> Implementation:
+  def select(
+    self,
+    op: str,
+    implementation: str | None = None,
+    platform: str | None = None,
+    size: int | None = None,
+  ) -> Implementation:
     """The implementation to use for `op`: the explicit one, the `use()` one, or
     the highest-priority one supporting the platform (default: jax's backend)
     and an input of `size` elements. Empty inputs always use the reference."""
@@ -118,7 +126,9 @@ class Registry:
     candidates = [i for i in impls.values() if i.supports(platform, size)]
     return max(candidates, key=lambda i: i.priority)
 
-  def dispatch(self, op: str, implementation: str | None = None, size: int | None = None) -> Callable:
+  def dispatch(
+    self, op: str, implementation: str | None = None, size: int | None = None
+  ) -> Callable:
     """The callable to run for `op` (the reference's signature).
 
     An explicit `implementation` or a `use()` choice is returned as is. An
@@ -140,8 +150,9 @@ class Registry:
     """Context in which `select(op)` returns the named implementation, e.g. `use(quantize="xla")`."""
     for op, name in choices.items():
       if name not in self.available(op):
-        raise ValueError(f"unknown implementation {name!r} for {op!r}; "
-                         f"available: {sorted(self.available(op))}")
+        raise ValueError(
+          f"unknown implementation {name!r} for {op!r}; available: {sorted(self.available(op))}"
+        )
     token = self._choices.set(types.MappingProxyType({**self._choices.get(), **choices}))
     try:
       yield
@@ -157,6 +168,7 @@ def _is_arrays(value) -> bool:
 def _staged(kernel: Implementation, reference: Implementation) -> Callable:
   """`kernel.fn` on its lowering platforms, `reference.fn` elsewhere; arguments
   that hold arrays are traced operands, the others stay static."""
+
   def run(*args, **kwargs):
     positions = [i for i, a in enumerate(args) if _is_arrays(a)]
     names = [k for k, v in kwargs.items() if _is_arrays(v)]
@@ -167,10 +179,16 @@ def _staged(kernel: Implementation, reference: Implementation) -> Callable:
         for i, a in zip(positions, dynamic_args):
           full[i] = a
         return fn(*full, **{**kwargs, **dynamic_kwargs, **extra})
+
       return call
 
     per_platform = {p: branch(kernel.fn, interpret=False) for p in kernel.lowering_platforms}
-    return jax.lax.platform_dependent([args[i] for i in positions], {k: kwargs[k] for k in names},
-                                      default=branch(reference.fn), **per_platform)
+    return jax.lax.platform_dependent(
+      [args[i] for i in positions],
+      {k: kwargs[k] for k in names},
+      default=branch(reference.fn),
+      **per_platform,
+    )
+
   run.__name__ = f"{kernel.op}_{kernel.name}_or_{reference.name}"
   return run

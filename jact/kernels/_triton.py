@@ -31,8 +31,21 @@ from jax.experimental.pallas import triton as pltriton
 from jact._core import rng
 from jact._core.quantize import bf16_round_directed
 
-__all__ = ["mul", "add", "div", "bf16_down", "bf16_up", "noise", "load", "store", "next_pow2",
-           "call", "compiler_params", "on_gpu", "check_int32"]
+__all__ = [
+  "mul",
+  "add",
+  "div",
+  "bf16_down",
+  "bf16_up",
+  "noise",
+  "load",
+  "store",
+  "next_pow2",
+  "call",
+  "compiler_params",
+  "on_gpu",
+  "check_int32",
+]
 
 
 def on_gpu() -> bool:
@@ -45,15 +58,21 @@ def next_pow2(n: int) -> int:
 
 def check_int32(n: int, what: str) -> None:
   if n >= 2**31:
-    raise ValueError(f"{what} has {n} elements; the Pallas kernels address with int32 "
-                     "offsets (< 2**31). Use implementation='xla' for tensors this large.")
+    raise ValueError(
+      f"{what} has {n} elements; the Pallas kernels address with int32 "
+      "offsets (< 2**31). Use implementation='xla' for tensors this large."
+    )
 
 
 def _asm(op: str, a: jax.Array, b: jax.Array) -> jax.Array:
   a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
   return pltriton.elementwise_inline_asm(
-      f"{op}.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+    f"{op}.rn.f32 $0, $1, $2;",
+    args=[a, b],
+    constraints="=r,r,r",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+  )[0]
 
 
 def mul(a, b, interpret: bool):
@@ -94,8 +113,16 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1) -> pltriton.Compile
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def call(kernel, *, grid: int | tuple[int, ...], out_shape, name: str, interpret: bool,
-         num_warps: int = 4, num_stages: int = 1):
+def call(
+  kernel,
+  *,
+  grid: int | tuple[int, ...],
+  out_shape,
+  name: str,
+  interpret: bool,
+  num_warps: int = 4,
+  num_stages: int = 1,
+):
   """`pl.pallas_call` on the Triton backend over a grid (an int: 1-D) with whole-array refs.
 
   Every kernel makes its Pallas calls through this function: the kernel
@@ -104,6 +131,10 @@ def call(kernel, *, grid: int | tuple[int, ...], out_shape, name: str, interpret
   element), so a kernel must write every element of its outputs.
   """
   return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=grid if isinstance(grid, tuple) else (grid,),
-      interpret=interpret, name=name,
-      compiler_params=compiler_params(num_warps, num_stages))
+    kernel,
+    out_shape=out_shape,
+    grid=grid if isinstance(grid, tuple) else (grid,),
+    interpret=interpret,
+    name=name,
+    compiler_params=compiler_params(num_warps, num_stages),
+  )

@@ -45,7 +45,23 @@ from jact.nn._norm import LayerNorm as LayerNorm
 from jact.nn._norm import RMSNorm as RMSNorm
 
 __all__ = [
-    "Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
-    "MultiHeadDotProductAttention", "SelfAttention", "ReLU", "LeakyReLU", "GELU", "SiLU",
-    "Tanh", "Sigmoid", "Softmax", "MaxPool", "AvgPool", "BLPABlock",
+  "Dense",
+  "Conv",
+  "BatchNorm",
+  "LayerNorm",
+  "RMSNorm",
+  "Dropout",
+  "Embed",
+  "MultiHeadDotProductAttention",
+  "SelfAttention",
+  "ReLU",
+  "LeakyReLU",
+  "GELU",
+  "SiLU",
+  "Tanh",
+  "Sigmoid",
+  "Softmax",
+  "MaxPool",
+  "AvgPool",
+  "BLPABlock",
 ]

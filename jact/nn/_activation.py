@@ -20,6 +20,7 @@ class ReLU(_Twin, nn.Module):
 
 class LeakyReLU(_Twin, nn.Module):
   """Leaky ReLU keeping a 1-bit mask (exact gradient, no key needed)."""
+
   negative_slope: float = 0.01
 
   def __call__(self, x):
@@ -42,6 +43,7 @@ class _StoredDerivative(_Twin, nn.Module):
 
 class GELU(_StoredDerivative):
   """GELU storing its quantized derivative (unbiased input gradient)."""
+
   approximate: bool = True
   bits: int | None = 4
   compressor: Compressor | None = None
@@ -54,6 +56,7 @@ class GELU(_StoredDerivative):
 
 class SiLU(_StoredDerivative):
   """SiLU (swish) storing its quantized derivative (unbiased input gradient)."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
   _op_name = "silu"
@@ -65,6 +68,7 @@ class SiLU(_StoredDerivative):
 
 class Tanh(_StoredDerivative):
   """tanh storing its quantized derivative (unbiased input gradient)."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
   _op_name = "tanh"
@@ -76,6 +80,7 @@ class Tanh(_StoredDerivative):
 
 class Sigmoid(_StoredDerivative):
   """Sigmoid storing its quantized derivative (unbiased input gradient)."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
   _op_name = "sigmoid"
@@ -87,6 +92,7 @@ class Sigmoid(_StoredDerivative):
 
 class Softmax(_StoredDerivative):
   """Softmax over `axis` storing its quantized output (nearly unbiased gradient)."""
+
   axis: int = -1
   bits: int | None = 4
   compressor: Compressor | None = None

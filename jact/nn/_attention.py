@@ -21,6 +21,7 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   masks from the 'dropout' stream (`broadcast_dropout` included). Not
   supported: sow_weights=True.
   """
+
   bits: int | None = 4
   compressor: Compressor | None = None
   attention_fn: Callable[..., Any] = _hooks.attention_slot
@@ -32,12 +33,14 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
     self._check_hook("qkv_dot_general")
     self._check_hook("out_dot_general")
     if self.attention_fn is not _hooks.attention_slot:
-      raise TypeError(f"jact.nn.{type(self).__name__} installs its own attention_fn; do not "
-                      f"pass one.")
+      raise TypeError(
+        f"jact.nn.{type(self).__name__} installs its own attention_fn; do not pass one."
+      )
     compress, key = self._key()
     if not compress:
-      with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
-                          attention=_hooks.plain_attention):
+      with _hooks.provide(
+        qkv=lax.dot_general, out=lax.dot_general, attention=_hooks.plain_attention
+      ):
         return self._keyless(super().__call__)(inputs_q, inputs_k, inputs_v, **kwargs)
     with _hooks.provide(**_hooks.attention_ops(key, self._residual_name(), self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
@@ -47,7 +50,18 @@ class SelfAttention(MultiHeadDotProductAttention):
   """`flax.linen.SelfAttention` (same parameters) built on the compressed attention."""
 
   @nn.compact
-  def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,
-               sow_weights: bool = False):
-    return super().__call__(inputs_q, mask=mask, deterministic=deterministic,
-                            dropout_rng=dropout_rng, sow_weights=sow_weights)
+  def __call__(
+    self,
+    inputs_q,
+    mask=None,
+    deterministic: bool | None = None,
+    dropout_rng=None,
+    sow_weights: bool = False,
+  ):
+    return super().__call__(
+      inputs_q,
+      mask=mask,
+      deterministic=deterministic,
+      dropout_rng=dropout_rng,
+      sow_weights=sow_weights,
+    )

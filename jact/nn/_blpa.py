@@ -31,6 +31,7 @@ from jact.ops._norm import update_running_stats
 
 class _LinenNorm(nn.Module):
   """The BatchNorm variables of a block ('params': scale, bias; 'batch_stats': mean, var)."""
+
   features: int
   scale_init: Callable
   bias_init: Callable
@@ -48,6 +49,7 @@ class _LinenNorm(nn.Module):
 
 class _LinenConv(nn.Module):
   """The Conv variables of a block ('params': kernel[, bias])."""
+
   kernel_shape: tuple[int, ...]
   use_bias: bool
   kernel_init: Callable
@@ -57,8 +59,11 @@ class _LinenConv(nn.Module):
   @nn.compact
   def __call__(self):
     kernel = self.param("kernel", self.kernel_init, self.kernel_shape, self.param_dtype)
-    bias = (self.param("bias", self.bias_init, self.kernel_shape[-1:], self.param_dtype)
-            if self.use_bias else None)
+    bias = (
+      self.param("bias", self.bias_init, self.kernel_shape[-1:], self.param_dtype)
+      if self.use_bias
+      else None
+    )
     return kernel, bias
 
 
@@ -76,6 +81,7 @@ class BLPABlock(nn.Module):
     use_running_average: eval mode (running statistics); may also be passed to __call__.
     scale_init, bias_init, kernel_init, conv_bias_init, param_dtype: initializers and dtype.
   """
+
   features: int
   kernel_size: int | Sequence[int]
   strides: int | Sequence[int] = 1
@@ -99,7 +105,8 @@ class BLPABlock(nn.Module):
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None):
     use_running_average = nn.merge_param(
-        "use_running_average", self.use_running_average, use_running_average)
+      "use_running_average", self.use_running_average, use_running_average
+    )
     check_blpa_bits(self.bits)
     layer = f"jact BLPABlock {self._residual_name()!r}"
     x = jnp.asarray(x)
@@ -107,18 +114,43 @@ class BLPABlock(nn.Module):
       raise ValueError(f"{layer}: needs a batched input (N, ..., C), got shape {x.shape}")
     ksize = kernel_size_tuple(self.kernel_size)
     check_fits(ksize, x.shape, layer)
-    scale, bias, ra_mean, ra_var = _LinenNorm(x.shape[-1], self.scale_init, self.bias_init,
-                                              self.param_dtype, name="norm")()
-    kernel, conv_bias = _LinenConv(ksize + (x.shape[-1], self.features), self.use_bias,
-                                   self.kernel_init, self.conv_bias_init, self.param_dtype,
-                                   name="conv")()
+    scale, bias, ra_mean, ra_var = _LinenNorm(
+      x.shape[-1], self.scale_init, self.bias_init, self.param_dtype, name="norm"
+    )()
+    kernel, conv_bias = _LinenConv(
+      ksize + (x.shape[-1], self.features),
+      self.use_bias,
+      self.kernel_init,
+      self.conv_bias_init,
+      self.param_dtype,
+      name="conv",
+    )()
     conv = dict(strides=self.strides, padding=self.padding, dilation=self.kernel_dilation)
     if use_running_average:
-      return blpa_block_reference(x, scale, bias, kernel, conv_bias, mean=ra_mean.value,
-                                  var=ra_var.value, epsilon=self.epsilon, **conv)
-    y, mean, var = blpa_block(x, scale, bias, kernel, conv_bias, bits=self.bits,
-                              epsilon=self.epsilon, name=self._residual_name(), **conv)
+      return blpa_block_reference(
+        x,
+        scale,
+        bias,
+        kernel,
+        conv_bias,
+        mean=ra_mean.value,
+        var=ra_var.value,
+        epsilon=self.epsilon,
+        **conv,
+      )
+    y, mean, var = blpa_block(
+      x,
+      scale,
+      bias,
+      kernel,
+      conv_bias,
+      bits=self.bits,
+      epsilon=self.epsilon,
+      name=self._residual_name(),
+      **conv,
+    )
     if not self.is_initializing():
       ra_mean.value, ra_var.value = update_running_stats(
-          ra_mean.value, ra_var.value, mean, var, self.momentum)
+        ra_mean.value, ra_var.value, mean, var, self.momentum
+      )
     return y

@@ -22,27 +22,32 @@ class Dense(_Twin, nn.Dense):
   `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
   stochastic=False)`); the other rounding twins take the same two.
   """
+
   bits: int | None = 4
   compressor: Compressor | None = None
   dot_general: Any = Hook("dot_general")
 
   @nn.compact
   def __call__(self, inputs):
-    with self._provide("dot_general", linear.dot_general, lax.dot_general,
-                       compress=(True, False)):
+    with self._provide("dot_general", linear.dot_general, lax.dot_general, compress=(True, False)):
       return super().__call__(inputs)
 
 
 class Conv(_Twin, nn.Conv):
   """`flax.linen.Conv` storing its input compressed (residual "<path>.lhs")."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
   conv_general_dilated: Any = Hook("conv_general_dilated")
 
   @nn.compact
   def __call__(self, inputs):
-    with self._provide("conv_general_dilated", linear.conv_general_dilated,
-                       lax.conv_general_dilated, compress=(True, False)):
+    with self._provide(
+      "conv_general_dilated",
+      linear.conv_general_dilated,
+      lax.conv_general_dilated,
+      compress=(True, False),
+    ):
       return super().__call__(inputs)
 
 
@@ -75,28 +80,43 @@ class Dropout(_Twin, nn.Dropout):
       return jnp.zeros_like(inputs)
     if rng is None:
       rng = self.make_rng(self.rng_collection)
-    return dropout_op(inputs, self.rate, key=rng, broadcast_dims=self.broadcast_dims,
-                      name=self._residual_name(), draw="flax")
+    return dropout_op(
+      inputs,
+      self.rate,
+      key=rng,
+      broadcast_dims=self.broadcast_dims,
+      name=self._residual_name(),
+      draw="flax",
+    )
 
 
 class MaxPool(_Twin, nn.Module):
   """`flax.linen.max_pool` as a layer; keeps only the arg-max position per window."""
+
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
   padding: Any = "VALID"
 
   def __call__(self, x):
-    return pooling.max_pool(x, tuple(self.window_shape), self.strides, self.padding,
-                            name=self._residual_name())
+    return pooling.max_pool(
+      x, tuple(self.window_shape), self.strides, self.padding, name=self._residual_name()
+    )
 
 
 class AvgPool(_Twin, nn.Module):
   """`flax.linen.avg_pool` as a layer; keeps nothing for the backward."""
+
   window_shape: Sequence[int]
   strides: Sequence[int] | None = None
   padding: Any = "VALID"
   count_include_pad: bool = True
 
   def __call__(self, x):
-    return pooling.avg_pool(x, tuple(self.window_shape), self.strides, self.padding,
-                            self.count_include_pad, name=self._residual_name())
+    return pooling.avg_pool(
+      x,
+      tuple(self.window_shape),
+      self.strides,
+      self.padding,
+      self.count_include_pad,
+      name=self._residual_name(),
+    )

@@ -20,6 +20,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
   statistics over devices as Flax does (and the backward over the same devices).
   Single feature axis only; no mask.
   """
+
   bits: int | None = 4
   compressor: Compressor | None = None
 
@@ -27,7 +28,8 @@ class BatchNorm(_Twin, nn.BatchNorm):
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     call_arg = use_running_average
     use_running_average = nn.merge_param(
-        "use_running_average", self.use_running_average, use_running_average)
+      "use_running_average", self.use_running_average, use_running_average
+    )
     if use_running_average:
       return super().__call__(x, call_arg, mask=mask)
     compress, key = self._key()
@@ -39,28 +41,43 @@ class BatchNorm(_Twin, nn.BatchNorm):
       raise ValueError("jact.nn.BatchNorm supports a single feature axis.")
     axis = axes[0] % x.ndim
     feature_shape = [x.shape[axis]]
-    ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32),
-                            feature_shape)
-    ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32),
-                           feature_shape)
-    scale = (self.param("scale", self.scale_init, feature_shape, self.param_dtype)
-             if self.use_scale else None)
-    bias = (self.param("bias", self.bias_init, feature_shape, self.param_dtype)
-            if self.use_bias else None)
+    ra_mean = self.variable(
+      "batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), feature_shape
+    )
+    ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), feature_shape)
+    scale = (
+      self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+      if self.use_scale
+      else None
+    )
+    bias = (
+      self.param("bias", self.bias_init, feature_shape, self.param_dtype) if self.use_bias else None
+    )
     out_dtype = _output_dtype(x, (scale, bias), self.dtype)
     compute = jnp.promote_types(x.dtype, out_dtype)
     y, mean, var = norm.batch_norm(
-        x.astype(compute), scale, bias, axis=axis, epsilon=self.epsilon,
-        use_fast_variance=self.use_fast_variance, key=key, name=self._residual_name(),
-        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, **self._rounding())
+      x.astype(compute),
+      scale,
+      bias,
+      axis=axis,
+      epsilon=self.epsilon,
+      use_fast_variance=self.use_fast_variance,
+      key=key,
+      name=self._residual_name(),
+      axis_name=self.axis_name,
+      axis_index_groups=self.axis_index_groups,
+      **self._rounding(),
+    )
     if not self.is_initializing():
       ra_mean.value, ra_var.value = norm.update_running_stats(
-          ra_mean.value, ra_var.value, mean, var, self.momentum)
+        ra_mean.value, ra_var.value, mean, var, self.momentum
+      )
     return y.astype(out_dtype)
 
 
 class LayerNorm(_Twin, nn.LayerNorm):
   """`flax.linen.LayerNorm` (last-axis normalization) storing the normalized input compressed."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
 
@@ -70,25 +87,39 @@ class LayerNorm(_Twin, nn.LayerNorm):
     if not compress:
       return self._keyless(super().__call__)(x, mask=mask)
     _norm_options_supported(self, mask, "LayerNorm")
-    if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
-            and _hooks.last_axis_only(self.feature_axes, x.ndim)):
+    if not (
+      _hooks.last_axis_only(self.reduction_axes, x.ndim)
+      and _hooks.last_axis_only(self.feature_axes, x.ndim)
+    ):
       raise ValueError(
-          "jact.nn.LayerNorm normalizes over the last axis only (reduction_axes=-1, "
-          "feature_axes=-1).")
+        "jact.nn.LayerNorm normalizes over the last axis only (reduction_axes=-1, feature_axes=-1)."
+      )
     feature_shape = [x.shape[-1]]
-    scale = (self.param("scale", self.scale_init, feature_shape, self.param_dtype)
-             if self.use_scale else None)
-    bias = (self.param("bias", self.bias_init, feature_shape, self.param_dtype)
-            if self.use_bias else None)
+    scale = (
+      self.param("scale", self.scale_init, feature_shape, self.param_dtype)
+      if self.use_scale
+      else None
+    )
+    bias = (
+      self.param("bias", self.bias_init, feature_shape, self.param_dtype) if self.use_bias else None
+    )
     out_dtype = _output_dtype(x, (scale, bias), self.dtype)
-    y = norm.layer_norm(x.astype(jnp.promote_types(x.dtype, out_dtype)), scale, bias,
-                        epsilon=self.epsilon, use_fast_variance=self.use_fast_variance, key=key,
-                        name=self._residual_name(), **self._rounding())
+    y = norm.layer_norm(
+      x.astype(jnp.promote_types(x.dtype, out_dtype)),
+      scale,
+      bias,
+      epsilon=self.epsilon,
+      use_fast_variance=self.use_fast_variance,
+      key=key,
+      name=self._residual_name(),
+      **self._rounding(),
+    )
     return y.astype(out_dtype)
 
 
 class RMSNorm(_Twin, nn.RMSNorm):
   """`flax.linen.RMSNorm` (last-axis normalization) storing the normalized input compressed."""
+
   bits: int | None = 4
   compressor: Compressor | None = None
 
@@ -98,15 +129,25 @@ class RMSNorm(_Twin, nn.RMSNorm):
     if not compress:
       return self._keyless(super().__call__)(x, mask=mask)
     _norm_options_supported(self, mask, "RMSNorm")
-    if not (_hooks.last_axis_only(self.reduction_axes, x.ndim)
-            and _hooks.last_axis_only(self.feature_axes, x.ndim)):
+    if not (
+      _hooks.last_axis_only(self.reduction_axes, x.ndim)
+      and _hooks.last_axis_only(self.feature_axes, x.ndim)
+    ):
       raise ValueError(
-          "jact.nn.RMSNorm normalizes over the last axis only (reduction_axes=-1, "
-          "feature_axes=-1).")
-    scale = (self.param("scale", self.scale_init, [x.shape[-1]], self.param_dtype)
-             if self.use_scale else None)
+        "jact.nn.RMSNorm normalizes over the last axis only (reduction_axes=-1, feature_axes=-1)."
+      )
+    scale = (
+      self.param("scale", self.scale_init, [x.shape[-1]], self.param_dtype)
+      if self.use_scale
+      else None
+    )
     out_dtype = _output_dtype(x, (scale,), self.dtype)
-    y = norm.rms_norm(x.astype(jnp.promote_types(x.dtype, out_dtype)), scale,
-                      epsilon=self.epsilon, key=key, name=self._residual_name(),
-                      **self._rounding())
+    y = norm.rms_norm(
+      x.astype(jnp.promote_types(x.dtype, out_dtype)),
+      scale,
+      epsilon=self.epsilon,
+      key=key,
+      name=self._residual_name(),
+      **self._rounding(),
+    )
     return y.astype(out_dtype)

@@ -50,16 +50,19 @@ class _Twin:
 
   def _check_hook(self, field: str) -> None:
     if not isinstance(getattr(self, field), Hook) or getattr(self, f"{field}_cls") is not None:
-      raise TypeError(f"jact.nn.{type(self).__name__} installs its own {field!r}; do not pass "
-                      f"{field} or {field}_cls.")
+      raise TypeError(
+        f"jact.nn.{type(self).__name__} installs its own {field!r}; do not pass "
+        f"{field} or {field}_cls."
+      )
 
   def _provide(self, slot: str, op: Callable, plain: Callable, **static):
     self._check_hook(slot)
     compress, key = self._key()
     if not compress:
       return _hooks.provide(**{slot: self._keyless(plain)})
-    calls = _hooks.Calls(op, key, (self._residual_name(),), slot, plain=plain, **self._rounding(),
-                          **static)
+    calls = _hooks.Calls(
+      op, key, (self._residual_name(),), slot, plain=plain, **self._rounding(), **static
+    )
     return _hooks.provide(**{slot: calls})
 
 
@@ -89,8 +92,9 @@ def _norm_options_supported(module, mask, layer: str, cross_device: bool = False
     raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")
   if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     raise ValueError(
-        f"jact.nn.{layer} does not support axis_name/axis_index_groups (pmap statistics); "
-        f"use flax.linen.{layer}, or jit with sharded inputs.")
+      f"jact.nn.{layer} does not support axis_name/axis_index_groups (pmap statistics); "
+      f"use flax.linen.{layer}, or jit with sharded inputs."
+    )
   if not module.force_float32_reductions:
     raise ValueError(f"jact.nn.{layer} needs force_float32_reductions=True.")
 

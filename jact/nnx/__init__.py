@@ -39,7 +39,24 @@ from jact.nnx._norm import RMSNorm as RMSNorm
 from jact.nnx._twin import name_residuals as name_residuals
 
 __all__ = [
-    "Linear", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
-    "MultiHeadAttention", "ReLU", "LeakyReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax",
-    "MaxPool", "AvgPool", "BLPABlock", "name_residuals", "use_key",
+  "Linear",
+  "Conv",
+  "BatchNorm",
+  "LayerNorm",
+  "RMSNorm",
+  "Dropout",
+  "Embed",
+  "MultiHeadAttention",
+  "ReLU",
+  "LeakyReLU",
+  "GELU",
+  "SiLU",
+  "Tanh",
+  "Sigmoid",
+  "Softmax",
+  "MaxPool",
+  "AvgPool",
+  "BLPABlock",
+  "name_residuals",
+  "use_key",
 ]

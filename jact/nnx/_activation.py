@@ -33,9 +33,14 @@ class LeakyReLU(_Twin, nnx.Module):
 
 
 class _StoredDerivative(_Twin, nnx.Module):
-
-  def __init__(self, *, bits: int | None = 4, compressor: Compressor | None = None, name: str | None = None,
-               rngs: nnx.Rngs | nnx.RngStream | None = None):
+  def __init__(
+    self,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+  ):
     self._init_jact(rngs, bits, name, compressor)
 
   def _apply(self, op, plain, x, **extra):

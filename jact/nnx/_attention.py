@@ -20,24 +20,51 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   sow_weights=True.
   """
 
-  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
-               out_features: int | None = None, num_kv_heads: int | None = None,
-               in_kv_features: int | None = None, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
-    _no_hook(kwargs, "attention_fn", "qkv_dot_general", "out_dot_general",
-             "qkv_dot_general_cls", "out_dot_general_cls")
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    in_kv_features: int | None = None,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
+    _no_hook(
+      kwargs,
+      "attention_fn",
+      "qkv_dot_general",
+      "out_dot_general",
+      "qkv_dot_general_cls",
+      "out_dot_general_cls",
+    )
     self._check_settings(rngs, bits, compressor)
-    super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
-                     in_kv_features, attention_fn=_hooks.attention_slot,
-                     qkv_dot_general=Hook("qkv"), out_dot_general=Hook("out"), rngs=rngs,
-                     **kwargs)
+    super().__init__(
+      num_heads,
+      in_features,
+      qkv_features,
+      out_features,
+      num_kv_heads,
+      in_kv_features,
+      attention_fn=_hooks.attention_slot,
+      qkv_dot_general=Hook("qkv"),
+      out_dot_general=Hook("out"),
+      rngs=rngs,
+      **kwargs,
+    )
     self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
     compress, key = self._key()
     if not compress:
-      with _hooks.provide(qkv=lax.dot_general, out=lax.dot_general,
-                          attention=_hooks.plain_nnx_attention):
+      with _hooks.provide(
+        qkv=lax.dot_general, out=lax.dot_general, attention=_hooks.plain_nnx_attention
+      ):
         return self._keyless(super().__call__)(inputs_q, inputs_k, inputs_v, **kwargs)
     with _hooks.provide(**_hooks.attention_ops(key, self.residual_name, self._rounding())):
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)

@@ -38,11 +38,15 @@ class _NnxNorm(nnx.Module):
 class _NnxConv(nnx.Module):
   """The Conv state of a block (nnx.Param kernel[, bias])."""
 
-  def __init__(self, kernel_shape, use_bias: bool, kernel_init, bias_init, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, kernel_shape, use_bias: bool, kernel_init, bias_init, param_dtype, rngs: nnx.Rngs
+  ):
     self.kernel = nnx.Param(kernel_init(rngs.params(), kernel_shape, param_dtype))
-    self.bias = (nnx.Param(bias_init(rngs.params(), kernel_shape[-1:], param_dtype))
-                 if use_bias else nnx.data(None))
+    self.bias = (
+      nnx.Param(bias_init(rngs.params(), kernel_shape[-1:], param_dtype))
+      if use_bias
+      else nnx.data(None)
+    )
 
 
 class BLPABlock(nnx.Module):
@@ -61,14 +65,28 @@ class BLPABlock(nnx.Module):
   ((8, 2), (4, 2))
   """
 
-  def __init__(self, in_features: int, features: int, kernel_size: int | Sequence[int],
-               strides: int | Sequence[int] = 1, *, padding: Any = "SAME",
-               kernel_dilation: int | Sequence[int] = 1, use_bias: bool = False,
-               bits: int = 4, momentum: float = 0.99, epsilon: float = 1e-5,
-               use_running_average: bool = False,
-               scale_init=nnx.initializers.ones, bias_init=nnx.initializers.zeros,
-               kernel_init=KERNEL_INIT, conv_bias_init=nnx.initializers.zeros,
-               param_dtype: Any = F32, name: str | None = None, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    in_features: int,
+    features: int,
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] = 1,
+    *,
+    padding: Any = "SAME",
+    kernel_dilation: int | Sequence[int] = 1,
+    use_bias: bool = False,
+    bits: int = 4,
+    momentum: float = 0.99,
+    epsilon: float = 1e-5,
+    use_running_average: bool = False,
+    scale_init=nnx.initializers.ones,
+    bias_init=nnx.initializers.zeros,
+    kernel_init=KERNEL_INIT,
+    conv_bias_init=nnx.initializers.zeros,
+    param_dtype: Any = F32,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+  ):
     self.bits = check_blpa_bits(bits)
     self.residual_name = name or type(self).__name__
     ksize = kernel_size_tuple(kernel_size)
@@ -77,8 +95,9 @@ class BLPABlock(nnx.Module):
     self.use_bias, self.momentum, self.epsilon = use_bias, momentum, epsilon
     self.use_running_average = use_running_average
     self.norm = _NnxNorm(in_features, scale_init, bias_init, param_dtype, rngs)
-    self.conv = _NnxConv(ksize + (in_features, features), use_bias, kernel_init,
-                         conv_bias_init, param_dtype, rngs)
+    self.conv = _NnxConv(
+      ksize + (in_features, features), use_bias, kernel_init, conv_bias_init, param_dtype, rngs
+    )
 
   def __call__(self, x, use_running_average: bool | None = None):
     if use_running_average is None:
@@ -90,10 +109,29 @@ class BLPABlock(nnx.Module):
     conv_bias = None if self.conv.bias is None else self.conv.bias[...]
     conv = dict(strides=self.strides, padding=self.padding, dilation=self.kernel_dilation)
     if use_running_average:
-      return blpa_block_reference(x, scale, bias, kernel, conv_bias, mean=self.norm.mean[...],
-                                  var=self.norm.var[...], epsilon=self.epsilon, **conv)
-    y, mean, var = blpa_block(x, scale, bias, kernel, conv_bias, bits=self.bits,
-                              epsilon=self.epsilon, name=self.residual_name, **conv)
+      return blpa_block_reference(
+        x,
+        scale,
+        bias,
+        kernel,
+        conv_bias,
+        mean=self.norm.mean[...],
+        var=self.norm.var[...],
+        epsilon=self.epsilon,
+        **conv,
+      )
+    y, mean, var = blpa_block(
+      x,
+      scale,
+      bias,
+      kernel,
+      conv_bias,
+      bits=self.bits,
+      epsilon=self.epsilon,
+      name=self.residual_name,
+      **conv,
+    )
     self.norm.mean[...], self.norm.var[...] = update_running_stats(
-        self.norm.mean[...], self.norm.var[...], mean, var, self.momentum)
+      self.norm.mean[...], self.norm.var[...], mean, var, self.momentum
+    )
     return y

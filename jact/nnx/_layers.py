@@ -24,43 +24,74 @@ class Linear(_Twin, nnx.Linear):
   stochastic=False)`), and name; the other rounding twins take the same.
   """
 
-  def __init__(self, in_features: int, out_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
     _no_hook(kwargs, "dot_general")
     self._check_settings(rngs, bits, compressor)
-    super().__init__(in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs,
-                     **kwargs)
+    super().__init__(
+      in_features, out_features, dot_general=Hook("dot_general"), rngs=rngs, **kwargs
+    )
     self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
-    with self._provide("dot_general", linear.dot_general, lax.dot_general,
-                       compress=(True, False)):
+    with self._provide("dot_general", linear.dot_general, lax.dot_general, compress=(True, False)):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class Conv(_Twin, nnx.Conv):
   """`nnx.Conv` storing its input compressed (residual "<name>.lhs")."""
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
-               strides: int | Sequence[int] | None = 1, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs, **kwargs):
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] | None = 1,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
     _no_hook(kwargs, "conv_general_dilated")
     self._check_settings(rngs, bits, compressor)
-    super().__init__(in_features, out_features, kernel_size, strides,
-                     conv_general_dilated=Hook("conv_general_dilated"), rngs=rngs, **kwargs)
+    super().__init__(
+      in_features,
+      out_features,
+      kernel_size,
+      strides,
+      conv_general_dilated=Hook("conv_general_dilated"),
+      rngs=rngs,
+      **kwargs,
+    )
     self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, inputs, out_sharding=None):
-    with self._provide("conv_general_dilated", linear.conv_general_dilated,
-                       lax.conv_general_dilated, compress=(True, False)):
+    with self._provide(
+      "conv_general_dilated",
+      linear.conv_general_dilated,
+      lax.conv_general_dilated,
+      compress=(True, False),
+    ):
       return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class Embed(_Twin, nnx.Embed):
   """`nnx.Embed` whose backward keeps only the integer ids (no key needed)."""
 
-  def __init__(self, num_embeddings: int, features: int, *, name: str | None = None,
-               rngs: nnx.Rngs, **kwargs):
+  def __init__(
+    self, num_embeddings: int, features: int, *, name: str | None = None, rngs: nnx.Rngs, **kwargs
+  ):
     super().__init__(num_embeddings, features, rngs=rngs, **kwargs)
     self._init_jact(None, None, name)
 
@@ -90,17 +121,21 @@ class Dropout(_Twin, nnx.Dropout):
 
   def __call__(self, inputs, *, deterministic: bool | None = None, rngs=None):
     deterministic = _first_not_none(
-        deterministic, self.deterministic,
-        error_msg="No `deterministic` argument was provided to jact.nnx.Dropout: pass it to "
-                  "the constructor or to __call__, or use nnx.view.")
+      deterministic,
+      self.deterministic,
+      error_msg="No `deterministic` argument was provided to jact.nnx.Dropout: pass it to "
+      "the constructor or to __call__, or use nnx.view.",
+    )
     if self.rate == 0.0 or deterministic:
       return inputs
     if self.rate == 1.0:
       return jnp.zeros_like(inputs)
     rngs = _first_not_none(
-        rngs, self.rngs,
-        error_msg="jact.nnx.Dropout has deterministic=False but no rngs: build it with "
-                  "rngs=nnx.Rngs(dropout=0) or pass rngs= at call time.")
+      rngs,
+      self.rngs,
+      error_msg="jact.nnx.Dropout has deterministic=False but no rngs: build it with "
+      "rngs=nnx.Rngs(dropout=0) or pass rngs= at call time.",
+    )
     if isinstance(rngs, nnx.Rngs):
       key = rngs[self.rng_collection]()
     elif isinstance(rngs, nnx.RngStream):
@@ -108,34 +143,55 @@ class Dropout(_Twin, nnx.Dropout):
     elif isinstance(rngs, jax.Array):
       key = rngs
     else:
-      raise TypeError(f"jact.nnx.Dropout: rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG "
-                      f"key (jax.Array), got {type(rngs).__name__}.")
-    return dropout_op(inputs, self.rate, key=key, broadcast_dims=self.broadcast_dims,
-                      name=self.residual_name, draw="flax",
-                      out_sharding=jax.typeof(inputs).sharding)
+      raise TypeError(
+        f"jact.nnx.Dropout: rngs must be an nnx.Rngs, an nnx.RngStream or a PRNG "
+        f"key (jax.Array), got {type(rngs).__name__}."
+      )
+    return dropout_op(
+      inputs,
+      self.rate,
+      key=key,
+      broadcast_dims=self.broadcast_dims,
+      name=self.residual_name,
+      draw="flax",
+      out_sharding=jax.typeof(inputs).sharding,
+    )
 
 
 class MaxPool(_Twin, nnx.Module):
   """Max pooling layer (Flax `max_pool` semantics) keeping only the arg-max per window."""
 
-  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-               padding: Any = "VALID", *, name: str | None = None):
+  def __init__(
+    self,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: Any = "VALID",
+    *,
+    name: str | None = None,
+  ):
     self.window_shape = tuple(window_shape)
     self.strides = None if strides is None else tuple(strides)
     self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
     self._init_jact(None, None, name)
 
   def __call__(self, x):
-    return pooling.max_pool(x, self.window_shape, self.strides, self.padding,
-                            name=self.residual_name)
+    return pooling.max_pool(
+      x, self.window_shape, self.strides, self.padding, name=self.residual_name
+    )
 
 
 class AvgPool(_Twin, nnx.Module):
   """Average pooling layer (Flax `avg_pool` semantics); keeps nothing for the backward."""
 
-  def __init__(self, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-               padding: Any = "VALID", count_include_pad: bool = True, *,
-               name: str | None = None):
+  def __init__(
+    self,
+    window_shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+    padding: Any = "VALID",
+    count_include_pad: bool = True,
+    *,
+    name: str | None = None,
+  ):
     self.window_shape = tuple(window_shape)
     self.strides = None if strides is None else tuple(strides)
     self.padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
@@ -143,5 +199,11 @@ class AvgPool(_Twin, nnx.Module):
     self._init_jact(None, None, name)
 
   def __call__(self, x):
-    return pooling.avg_pool(x, self.window_shape, self.strides, self.padding,
-                            self.count_include_pad, name=self.residual_name)
+    return pooling.avg_pool(
+      x,
+      self.window_shape,
+      self.strides,
+      self.padding,
+      self.count_include_pad,
+      name=self.residual_name,
+    )

@@ -15,15 +15,18 @@ def _check_norm_options(module, mask, layer: str, cross_device: bool = False) ->
     raise ValueError(f"jact.nnx.{layer} does not support mask=; use nnx.{layer}.")
   if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
     raise ValueError(
-        f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}.")
+      f"jact.nnx.{layer} does not support axis_name/axis_index_groups; use nnx.{layer}."
+    )
 
 
 def _check_last_axis(module, x, layer: str) -> None:
-  if not (_hooks.last_axis_only(module.reduction_axes, x.ndim)
-          and _hooks.last_axis_only(module.feature_axes, x.ndim)):
+  if not (
+    _hooks.last_axis_only(module.reduction_axes, x.ndim)
+    and _hooks.last_axis_only(module.feature_axes, x.ndim)
+  ):
     raise ValueError(
-        f"jact.nnx.{layer} normalizes over the last axis only (reduction_axes=-1, "
-        f"feature_axes=-1).")
+      f"jact.nnx.{layer} normalizes over the last axis only (reduction_axes=-1, feature_axes=-1)."
+    )
 
 
 class BatchNorm(_Twin, nnx.BatchNorm):
@@ -34,18 +37,27 @@ class BatchNorm(_Twin, nnx.BatchNorm):
   (and the backward) over devices as Flax does. Single feature axis; no mask.
   """
 
-  def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
-               **kwargs):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
     self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
     self._init_jact(rngs, bits, name, compressor)
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_running_average = _first_not_none(
-        use_running_average, self.use_running_average,
-        error_msg="No `use_running_average` argument was provided to jact.nnx.BatchNorm: "
-                  "pass it to the constructor or to __call__, or use nnx.view.")
+      use_running_average,
+      self.use_running_average,
+      error_msg="No `use_running_average` argument was provided to jact.nnx.BatchNorm: "
+      "pass it to the constructor or to __call__, or use nnx.view.",
+    )
     if use_running_average:
       return super().__call__(x, True, mask=mask)
     _check_norm_options(self, mask, "BatchNorm", cross_device=True)
@@ -58,20 +70,37 @@ class BatchNorm(_Twin, nnx.BatchNorm):
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
     y, mean, var = norm.batch_norm(
-        x, scale, bias, axis=self.axis, epsilon=self.epsilon,
-        use_fast_variance=self.use_fast_variance, key=key, name=self.residual_name,
-        axis_name=self.axis_name, axis_index_groups=self.axis_index_groups, **self._rounding())
+      x,
+      scale,
+      bias,
+      axis=self.axis,
+      epsilon=self.epsilon,
+      use_fast_variance=self.use_fast_variance,
+      key=key,
+      name=self.residual_name,
+      axis_name=self.axis_name,
+      axis_index_groups=self.axis_index_groups,
+      **self._rounding(),
+    )
     self.mean[...], self.var[...] = norm.update_running_stats(
-        self.mean[...], self.var[...], mean, var, self.momentum)
+      self.mean[...], self.var[...], mean, var, self.momentum
+    )
     return y
 
 
 class LayerNorm(_Twin, nnx.LayerNorm):
   """`nnx.LayerNorm` (last axis) storing the normalized input compressed."""
 
-  def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
-               **kwargs):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
     self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
     self._init_jact(rngs, bits, name, compressor)
@@ -85,17 +114,31 @@ class LayerNorm(_Twin, nnx.LayerNorm):
     scale = self.scale[...] if self.scale is not None else None
     bias = self.bias[...] if self.bias is not None else None
     x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-    return norm.layer_norm(x, scale, bias, epsilon=self.epsilon,
-                           use_fast_variance=self.use_fast_variance, key=key,
-                           name=self.residual_name, **self._rounding())
+    return norm.layer_norm(
+      x,
+      scale,
+      bias,
+      epsilon=self.epsilon,
+      use_fast_variance=self.use_fast_variance,
+      key=key,
+      name=self.residual_name,
+      **self._rounding(),
+    )
 
 
 class RMSNorm(_Twin, nnx.RMSNorm):
   """`nnx.RMSNorm` (last axis) storing the normalized input compressed."""
 
-  def __init__(self, num_features: int, *, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str | None = None, rngs: nnx.Rngs,
-               **kwargs):
+  def __init__(
+    self,
+    num_features: int,
+    *,
+    bits: int | None = 4,
+    compressor: Compressor | None = None,
+    name: str | None = None,
+    rngs: nnx.Rngs,
+    **kwargs,
+  ):
     self._check_settings(rngs, bits, compressor)
     super().__init__(num_features, rngs=rngs, **kwargs)
     self._init_jact(rngs, bits, name, compressor)
@@ -108,5 +151,6 @@ class RMSNorm(_Twin, nnx.RMSNorm):
       return self._keyless(super().__call__)(x, mask=mask)
     scale = self.scale[...] if self.scale is not None else None
     x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-    return norm.rms_norm(x, scale, epsilon=self.epsilon, key=key,
-                         name=self.residual_name, **self._rounding())
+    return norm.rms_norm(
+      x, scale, epsilon=self.epsilon, key=key, name=self.residual_name, **self._rounding()
+    )

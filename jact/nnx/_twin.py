@@ -44,8 +44,7 @@ class _Twin:
     stream = None
     if self._needs_key() and isinstance(rngs, nnx.RngStream):
       stream = rngs.fork()
-    elif self._needs_key() and isinstance(rngs, nnx.Rngs) and ("jact" in rngs
-                                                               or "default" in rngs):
+    elif self._needs_key() and isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs):
       stream = rngs["jact"].fork()
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
@@ -65,27 +64,34 @@ class _Twin:
       return True, key
     if self.jact_rngs is None:
       return False, None
-    return True, _hooks.draw(self.jact_rngs, f"jact.nnx.{type(self).__name__} "
-                                              f"{self.residual_name!r}")
+    return True, _hooks.draw(
+      self.jact_rngs, f"jact.nnx.{type(self).__name__} {self.residual_name!r}"
+    )
 
   def _keyless(self, fn):
     """`fn`, the layer's plain computation run without a key: differentiating it raises."""
-    return _hooks.keyless(fn, _hooks.nnx_keyless_message(
+    return _hooks.keyless(
+      fn,
+      _hooks.nnx_keyless_message(
         f"jact.nnx.{type(self).__name__} {self.residual_name!r}",
         "give the layers their own streams: jact.convert(model, rngs=nnx.Rngs(jact=0)), or "
-        "build the twins with rngs=nnx.Rngs(params=0, jact=1)"))
+        "build the twins with rngs=nnx.Rngs(params=0, jact=1)",
+      ),
+    )
 
   def _provide(self, slot: str, op, plain, **static):
     compress, key = self._key()
     if not compress:
       return _hooks.provide(**{slot: self._keyless(plain)})
-    calls = _hooks.Calls(op, key, (self.residual_name,), slot, plain=plain, **self._rounding(),
-                          **static)
+    calls = _hooks.Calls(
+      op, key, (self.residual_name,), slot, plain=plain, **self._rounding(), **static
+    )
     return _hooks.provide(**{slot: calls})
 
 
 def _recorded(call):
   """`call` (a twin's `__call__`) noting the call in a conversion report being taken."""
+
   @functools.wraps(call)
   def recorded(self, *args, **kwargs):
     record(self.residual_name, type(self).__name__, "twin")
@@ -97,6 +103,7 @@ def _recorded(call):
 def _rejecting_removed(init):
   """A rounding twin's `__init__` raising the TypeError of `takes_compressor`
   for `group_size=` / `stochastic=` (before Flax's constructor sees them)."""
+
   @functools.wraps(init)
   def checked(self, *args, **kwargs):
     reject_removed_keywords(f"jact.nnx.{type(self).__name__}", kwargs)

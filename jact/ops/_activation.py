@@ -33,7 +33,16 @@ from jact._engine.op import Save, Store, compressed_op, takes_compressor
 from jact._engine.rounding import check_float, op_rounding
 from jact._engine.sharding import pin_rows
 
-__all__ = ["relu", "leaky_relu", "gelu", "silu", "tanh", "sigmoid", "softmax", "relu_mask_reference"]
+__all__ = [
+  "relu",
+  "leaky_relu",
+  "gelu",
+  "silu",
+  "tanh",
+  "sigmoid",
+  "softmax",
+  "relu_mask_reference",
+]
 
 
 # ----------------------------------------------------------------------------- mask activations
@@ -61,8 +70,9 @@ def relu(x: jax.Array, *, name: str = "relu") -> jax.Array:
   return _mask_op(x, None, name, "relu", jax.nn.relu)
 
 
-def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
-               name: str = "leaky_relu") -> jax.Array:
+def leaky_relu(
+  x: jax.Array, negative_slope: float = 0.01, *, name: str = "leaky_relu"
+) -> jax.Array:
   """`jax.nn.leaky_relu` storing a 1-bit mask (x >= 0) as its only residual.
 
   `negative_slope` must be a static number. The gradient equals JAX's exactly.
@@ -78,8 +88,7 @@ def leaky_relu(x: jax.Array, negative_slope: float = 0.01, *,
 # ----------------------------------------------------------------------------- stored derivative
 
 
-def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str,
-                       op: str) -> jax.Array:
+def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str, op: str) -> jax.Array:
   x = check_float(x, op)
   rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
 
@@ -91,13 +100,21 @@ def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str,
   def backward(res, g):
     return ((g.astype(jnp.float32) * res["dydx"]).astype(g.dtype),)
 
-  return compressed_op(forward, backward, op=op, name=name, rounding=rounding, key=key,
-                       primal=f, elementwise=True)(x)
+  return compressed_op(
+    forward, backward, op=op, name=name, rounding=rounding, key=key, primal=f, elementwise=True
+  )(x)
 
 
 @takes_compressor
-def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, name: str = "gelu") -> jax.Array:
+def gelu(
+  x: jax.Array,
+  approximate: bool = True,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "gelu",
+) -> jax.Array:
   """`jax.nn.gelu` storing a quantized derivative (residual `name.dydx`); unbiased gradient.
 
   `bits` (a width, or None: exact) or `compressor` (a `jact.compressors`
@@ -105,40 +122,75 @@ def gelu(x: jax.Array, approximate: bool = True, *, key=None, bits: int | None =
   derivative is stored, as in every jact op.
   """
   approximate = bool(approximate)
-  return _stored_derivative(lambda x: jax.nn.gelu(x, approximate=approximate), x, key=key,
-                            bits=bits, compressor=compressor, name=name, op="gelu")
+  return _stored_derivative(
+    lambda x: jax.nn.gelu(x, approximate=approximate),
+    x,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="gelu",
+  )
 
 
 @takes_compressor
-def silu(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, name: str = "silu") -> jax.Array:
+def silu(
+  x: jax.Array,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "silu",
+) -> jax.Array:
   """`jax.nn.silu` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.silu, x, key=key, bits=bits, compressor=compressor, name=name,
-                            op="silu")
+  return _stored_derivative(
+    jax.nn.silu, x, key=key, bits=bits, compressor=compressor, name=name, op="silu"
+  )
 
 
 @takes_compressor
-def tanh(x: jax.Array, *, key=None, bits: int | None = 4,
-         compressor: Compressor | None = None, name: str = "tanh") -> jax.Array:
+def tanh(
+  x: jax.Array,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "tanh",
+) -> jax.Array:
   """`jnp.tanh` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jnp.tanh, x, key=key, bits=bits, compressor=compressor, name=name,
-                            op="tanh")
+  return _stored_derivative(
+    jnp.tanh, x, key=key, bits=bits, compressor=compressor, name=name, op="tanh"
+  )
 
 
 @takes_compressor
-def sigmoid(x: jax.Array, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, name: str = "sigmoid") -> jax.Array:
+def sigmoid(
+  x: jax.Array,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "sigmoid",
+) -> jax.Array:
   """`jax.nn.sigmoid` storing a quantized derivative (residual `name.dydx`); unbiased gradient."""
-  return _stored_derivative(jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor, name=name,
-                            op="sigmoid")
+  return _stored_derivative(
+    jax.nn.sigmoid, x, key=key, bits=bits, compressor=compressor, name=name, op="sigmoid"
+  )
 
 
 # ----------------------------------------------------------------------------- softmax
 
 
 @takes_compressor
-def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: int | None = 4,
-            compressor: Compressor | None = None, name: str = "softmax") -> jax.Array:
+def softmax(
+  x: jax.Array,
+  axis: int | tuple[int, ...] = -1,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "softmax",
+) -> jax.Array:
   """`jax.nn.softmax` storing its quantized output (residual `name.y`).
 
   The backward is y_hat * (g - sum(g * y_hat, axis)). It is quadratic in the
@@ -163,5 +215,13 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, *, key=None, bits: i
     y, g32 = res["y"], g.astype(jnp.float32)
     return ((y * (g32 - jnp.sum(g32 * y, axis=axis, keepdims=True))).astype(g.dtype),)
 
-  return compressed_op(forward, backward, op="softmax", name=name, rounding=rounding, key=key,
-                       primal=lambda x: jax.nn.softmax(x, axis=axis), elementwise=True)(x)
+  return compressed_op(
+    forward,
+    backward,
+    op="softmax",
+    name=name,
+    rounding=rounding,
+    key=key,
+    primal=lambda x: jax.nn.softmax(x, axis=axis),
+    elementwise=True,
+  )(x)

@@ -34,13 +34,23 @@ __all__ = ["dot_product_attention"]
 
 
 @takes_compressor
-def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
-                          bias: jax.Array | None = None, mask: jax.Array | None = None, *,
-                          dropout_rate: float = 0.0, deterministic: bool = True, key=None,
-                          dropout_key=None, broadcast_dropout: bool = False,
-                          bits: int | None = 4, compressor: Compressor | None = None,
-                          precision=None,
-                          name: str = "attention") -> jax.Array:
+def dot_product_attention(
+  query: jax.Array,
+  keys: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  dropout_rate: float = 0.0,
+  deterministic: bool = True,
+  key=None,
+  dropout_key=None,
+  broadcast_dropout: bool = False,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  precision=None,
+  name: str = "attention",
+) -> jax.Array:
   """softmax(q·k / sqrt(depth) + bias, masked) · v with compressed residuals.
 
   Args:
@@ -79,21 +89,24 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   dtype = jnp.result_type(query, keys, value)
   query, keys, value = (a.astype(dtype) for a in (query, keys, value))
   if not query.ndim == keys.ndim == value.ndim or query.ndim < 3:
-    raise ValueError("query, keys and value must have the same rank >= 3: "
-                     "[batch..., length, num_heads, depth]")
+    raise ValueError(
+      "query, keys and value must have the same rank >= 3: [batch..., length, num_heads, depth]"
+    )
   if key is None and (rounding.needs_key or (use_dropout and dropout_key is None)):
     raise ValueError(
-        "jact.ops.dot_product_attention needs a PRNG key (rounding noise"
-        f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
-        "key per step), or round to nearest (compressor=jact.compressors.PerGroup(bits, "
-        "stochastic=False)) or bits=None, with deterministic=True.")
+      "jact.ops.dot_product_attention needs a PRNG key (rounding noise"
+      f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
+      "key per step), or round to nearest (compressor=jact.compressors.PerGroup(bits, "
+      "stochastic=False)) or bits=None, with deterministic=True."
+    )
   k_qk, k_sm, k_drop, k_pv = (None,) * 4 if key is None else jax.random.split(key, 4)
   opts = dict(bits=bits, compressor=compressor)
 
   depth = query.shape[-1]
   query = query / jnp.sqrt(depth).astype(dtype)
-  w = einsum("...qhd,...khd->...hqk", query, keys, key=k_qk, precision=precision,
-             name=f"{name}.qk", **opts)
+  w = einsum(
+    "...qhd,...khd->...hqk", query, keys, key=k_qk, precision=precision, name=f"{name}.qk", **opts
+  )
   if bias is not None:
     w = w + jnp.asarray(bias).astype(dtype)
   if mask is not None:
@@ -101,9 +114,11 @@ def dot_product_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   p = softmax(w, key=k_sm, name=f"{name}.softmax", **opts).astype(dtype)
   if use_dropout and dropout_key is not None:
     shared = tuple(range(p.ndim - 2)) if broadcast_dropout else ()
-    p = dropout(p, rate, key=dropout_key, broadcast_dims=shared, name=f"{name}.dropout",
-                draw="flax_attention")
+    p = dropout(
+      p, rate, key=dropout_key, broadcast_dims=shared, name=f"{name}.dropout", draw="flax_attention"
+    )
   elif use_dropout:
     p = dropout(p, rate, key=k_drop, name=f"{name}.dropout")
-  return einsum("...hqk,...khd->...qhd", p, value, key=k_pv, precision=precision,
-                name=f"{name}.pv", **opts)
+  return einsum(
+    "...hqk,...khd->...qhd", p, value, key=k_pv, precision=precision, name=f"{name}.pv", **opts
+  )

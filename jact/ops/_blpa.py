@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jact.compressors._blpa import (BLPA, blpa_decode, blpa_encode, blpa_grid,
-                                   check_blpa_bits)
+from jact.compressors._blpa import BLPA, blpa_decode, blpa_encode, blpa_grid, check_blpa_bits
 from jact._engine.derivatives import first_order_only
 from jact._engine.op import Keep, Save, compressed_op
 from jact._engine.rounding import check_float, residual_method
@@ -38,13 +37,20 @@ _F32 = jnp.float32
 def _tuple(v, n: int, what: str) -> tuple[int, ...]:
   t = (int(v),) * n if isinstance(v, int) else tuple(int(i) for i in v)
   if len(t) != n:
-    raise ValueError(f"jact.ops.blpa_block: {what} needs {n} values for a {n}-D convolution, "
-                     f"got {v!r}")
+    raise ValueError(
+      f"jact.ops.blpa_block: {what} needs {n} values for a {n}-D convolution, got {v!r}"
+    )
   return t
 
 
-def block_conv(a: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] = 1,
-               padding: Any = "SAME", dilation: int | Sequence[int] = 1) -> jax.Array:
+def block_conv(
+  a: jax.Array,
+  kernel: jax.Array,
+  *,
+  strides: int | Sequence[int] = 1,
+  padding: Any = "SAME",
+  dilation: int | Sequence[int] = 1,
+) -> jax.Array:
   """The block's linear map: a channels-last convolution (a: N,[D,]H,W,C; kernel:
   [D,]H,W,I,O), or `a @ kernel` for a rank-2 `a` and a 2-D kernel."""
   if a.ndim == 2:
@@ -52,39 +58,62 @@ def block_conv(a: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] 
   n = a.ndim - 2
   dims = _channels_last(a.ndim)
   pad = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
-  return lax.conv_general_dilated(a, kernel, _tuple(strides, n, "strides"), pad,
-                                  rhs_dilation=_tuple(dilation, n, "dilation"),
-                                  dimension_numbers=dims)
+  return lax.conv_general_dilated(
+    a,
+    kernel,
+    _tuple(strides, n, "strides"),
+    pad,
+    rhs_dilation=_tuple(dilation, n, "dilation"),
+    dimension_numbers=dims,
+  )
 
 
 def _check(x, scale, bias, kernel, conv_bias):
   x = check_float(x, "blpa_block")
   if not 2 <= x.ndim <= 5:
-    raise ValueError(f"jact.ops.blpa_block takes a rank-2 (dense) or rank-3 to 5 (1-D to 3-D "
-                     f"channels-last convolution) input, got shape {x.shape}")
+    raise ValueError(
+      f"jact.ops.blpa_block takes a rank-2 (dense) or rank-3 to 5 (1-D to 3-D "
+      f"channels-last convolution) input, got shape {x.shape}"
+    )
   c = x.shape[-1]
   scale, bias, kernel = (check_float(p, "blpa_block") for p in (scale, bias, kernel))
   for p, what in ((scale, "scale"), (bias, "bias")):
     if p.shape != (c,):
-      raise ValueError(f"jact.ops.blpa_block: {what} has shape {p.shape}, expected ({c},): one "
-                       f"value per channel (last axis) of x {x.shape}")
+      raise ValueError(
+        f"jact.ops.blpa_block: {what} has shape {p.shape}, expected ({c},): one "
+        f"value per channel (last axis) of x {x.shape}"
+      )
   if kernel.ndim != x.ndim or kernel.shape[-2] != c:
     want = "(C, O)" if x.ndim == 2 else "(" + ", ".join(["k"] * (x.ndim - 2)) + ", C, O)"
-    raise ValueError(f"jact.ops.blpa_block: kernel has shape {kernel.shape}, expected {want} "
-                     f"with C = {c} input channels (last axis of x {x.shape})")
+    raise ValueError(
+      f"jact.ops.blpa_block: kernel has shape {kernel.shape}, expected {want} "
+      f"with C = {c} input channels (last axis of x {x.shape})"
+    )
   if conv_bias is not None:
     conv_bias = check_float(conv_bias, "blpa_block")
     if conv_bias.shape != (kernel.shape[-1],):
-      raise ValueError(f"jact.ops.blpa_block: conv_bias has shape {conv_bias.shape}, expected "
-                       f"({kernel.shape[-1]},): one value per output feature")
+      raise ValueError(
+        f"jact.ops.blpa_block: conv_bias has shape {conv_bias.shape}, expected "
+        f"({kernel.shape[-1]},): one value per output feature"
+      )
   return x, scale, bias, kernel, conv_bias
 
 
-def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Array,
-               conv_bias: jax.Array | None = None, *, bits: int = 4,
-               compressor: BLPA | None = None, strides: int | Sequence[int] = 1,
-               padding: Any = "SAME", dilation: int | Sequence[int] = 1, epsilon: float = 1e-5,
-               name: str = "blpa") -> tuple[jax.Array, jax.Array, jax.Array]:
+def blpa_block(
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  kernel: jax.Array,
+  conv_bias: jax.Array | None = None,
+  *,
+  bits: int = 4,
+  compressor: BLPA | None = None,
+  strides: int | Sequence[int] = 1,
+  padding: Any = "SAME",
+  dilation: int | Sequence[int] = 1,
+  epsilon: float = 1e-5,
+  name: str = "blpa",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm -> scale/bias -> ReLU -> conv, storing BLPA codes of A2.
 
   Args:
@@ -105,9 +134,11 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
   """
   method = residual_method(bits, compressor, "jact.ops.blpa_block")
   if compressor is not None and not isinstance(method, BLPA):
-    raise TypeError(f"jact.ops.blpa_block stores BLPA codes: compressor= takes a "
-                    f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
-                    f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv.")
+    raise TypeError(
+      f"jact.ops.blpa_block stores BLPA codes: compressor= takes a "
+      f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
+      f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv."
+    )
   bits = check_blpa_bits(method.bits if isinstance(method, BLPA) else method)
   x, scale, bias, kernel, conv_bias = _check(x, scale, bias, kernel, conv_bias)
   epsilon = float(epsilon)
@@ -115,8 +146,9 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
   out_dtype = jnp.result_type(x.dtype, kernel.dtype)
 
   def conv(a, w):
-    return block_conv(a.astype(out_dtype), w.astype(out_dtype), strides=strides,
-                      padding=padding, dilation=dilation)
+    return block_conv(
+      a.astype(out_dtype), w.astype(out_dtype), strides=strides, padding=padding, dilation=dilation
+    )
 
   def forward(x, scale, bias, kernel, conv_bias):
     x32 = x.astype(_F32)
@@ -135,8 +167,13 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
     step, start = blpa_grid(bias, scale, bits)
     a2 = first_order_only(a2, f"{name}.a2", f"BLPA {bits}-bit")
     codes = pack_codes(blpa_encode(a2, step, start, bits), bits)
-    return out, {"a2": Save(codes), "inv": Save(inv), "scale": Keep(scale),
-                 "bias": Keep(bias), "kernel": Keep(kernel, tie=True)}
+    return out, {
+      "a2": Save(codes),
+      "inv": Save(inv),
+      "scale": Keep(scale),
+      "bias": Keep(bias),
+      "kernel": Keep(kernel, tie=True),
+    }
 
   def backward(res, g):
     codes, inv, scale, bias, kernel = (res[r] for r in ("a2", "inv", "scale", "bias", "kernel"))
@@ -157,22 +194,41 @@ def blpa_block(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Arra
     d_conv_bias = None
     if has_conv_bias:
       d_conv_bias = jnp.sum(g.astype(_F32), tuple(range(g.ndim - 1))).astype(conv_bias_dtype)
-    return (dx.astype(x_dtype), d_scale.astype(scale.dtype), d_bias.astype(bias.dtype),
-            d_kernel.astype(kernel.dtype), d_conv_bias)
+    return (
+      dx.astype(x_dtype),
+      d_scale.astype(scale.dtype),
+      d_bias.astype(bias.dtype),
+      d_kernel.astype(kernel.dtype),
+      d_conv_bias,
+    )
 
   has_conv_bias = conv_bias is not None
   conv_bias_dtype = None if conv_bias is None else conv_bias.dtype
   x_dtype = x.dtype
-  return compressed_op(storing_codes, backward, op="blpa_block", name=name,
-                       primal=lambda *args: forward(*args)[0], statistics=2)(
-                           x, scale, bias, kernel, conv_bias)
+  return compressed_op(
+    storing_codes,
+    backward,
+    op="blpa_block",
+    name=name,
+    primal=lambda *args: forward(*args)[0],
+    statistics=2,
+  )(x, scale, bias, kernel, conv_bias)
 
 
-def blpa_block_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel: jax.Array,
-                         conv_bias: jax.Array | None = None, *, mean: jax.Array | None = None,
-                         var: jax.Array | None = None, strides: int | Sequence[int] = 1,
-                         padding: Any = "SAME", dilation: int | Sequence[int] = 1,
-                         epsilon: float = 1e-5) -> jax.Array:
+def blpa_block_reference(
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  kernel: jax.Array,
+  conv_bias: jax.Array | None = None,
+  *,
+  mean: jax.Array | None = None,
+  var: jax.Array | None = None,
+  strides: int | Sequence[int] = 1,
+  padding: Any = "SAME",
+  dilation: int | Sequence[int] = 1,
+  epsilon: float = 1e-5,
+) -> jax.Array:
   """The same block with plain autodiff (no compression): batch statistics, or
   the given `mean` and `var` (inference with running averages).
 
@@ -190,6 +246,11 @@ def blpa_block_reference(x: jax.Array, scale: jax.Array, bias: jax.Array, kernel
   a1 = (x32 - mean.astype(_F32)) * lax.rsqrt(var.astype(_F32) + float(epsilon))
   a3 = jax.nn.relu(scale.astype(_F32) * a1 + bias.astype(_F32))
   out_dtype = jnp.result_type(x.dtype, kernel.dtype)
-  y = block_conv(a3.astype(out_dtype), kernel.astype(out_dtype), strides=strides,
-                 padding=padding, dilation=dilation)
+  y = block_conv(
+    a3.astype(out_dtype),
+    kernel.astype(out_dtype),
+    strides=strides,
+    padding=padding,
+    dilation=dilation,
+  )
   return y if conv_bias is None else y + conv_bias.astype(y.dtype)

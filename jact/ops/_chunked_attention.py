@@ -46,8 +46,9 @@ _OP = "chunked_attention"
 def _check_chunk(c: Any, what: str) -> int:
   if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
     raise ValueError(
-        f"jact.ops.chunked_attention: {what} must be a positive int (rows per block, "
-        f"e.g. 128), got {c!r}.")
+      f"jact.ops.chunked_attention: {what} must be a positive int (rows per block, "
+      f"e.g. 128), got {c!r}."
+    )
   return int(c)
 
 
@@ -57,9 +58,10 @@ def _canonical(x, full: tuple[int, ...], what: str) -> jax.Array:
   shape = (1,) * (len(full) - x.ndim) + tuple(x.shape)
   if x.ndim > len(full) or any(s not in (1, f) for s, f in zip(shape, full)):
     raise ValueError(
-        f"jact.ops.chunked_attention: {what} of shape {tuple(x.shape)} does not broadcast to "
-        f"[batch..., num_heads, q_length, kv_length] = {list(full)}; give it size 1 or the "
-        f"full size on every axis.")
+      f"jact.ops.chunked_attention: {what} of shape {tuple(x.shape)} does not broadcast to "
+      f"[batch..., num_heads, q_length, kv_length] = {list(full)}; give it size 1 or the "
+      f"full size on every axis."
+    )
   return x.reshape(shape)
 
 
@@ -80,12 +82,23 @@ def _block(x: jax.Array | None, axis: int, start, size: int):
 
 
 @takes_compressor
-def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
-                      bias: jax.Array | None = None, mask: jax.Array | None = None, *,
-                      causal: bool = False, query_chunk: int = 128, key_chunk: int = 128,
-                      bits: int | None = None, compressor: Compressor | None = None, key=None,
-                      recompute: bool | None = None, precision=None,
-                      name: str = "chunked_attention") -> jax.Array:
+def chunked_attention(
+  query: jax.Array,
+  keys: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  *,
+  causal: bool = False,
+  query_chunk: int = 128,
+  key_chunk: int = 128,
+  bits: int | None = None,
+  compressor: Compressor | None = None,
+  key=None,
+  recompute: bool | None = None,
+  precision=None,
+  name: str = "chunked_attention",
+) -> jax.Array:
   """Attention in O(length) memory (forward and saved residuals), flash-attention style.
 
   Args:
@@ -136,19 +149,26 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   query, keys, value = (a.astype(dtype) for a in (query, keys, value))
   if not query.ndim == keys.ndim == value.ndim or query.ndim < 3:
     raise ValueError(
-        "jact.ops.chunked_attention: query, keys and value must have the same rank >= 3 "
-        f"([batch..., length, num_heads, depth]), got shapes {query.shape}, {keys.shape}, "
-        f"{value.shape}.")
+      "jact.ops.chunked_attention: query, keys and value must have the same rank >= 3 "
+      f"([batch..., length, num_heads, depth]), got shapes {query.shape}, {keys.shape}, "
+      f"{value.shape}."
+    )
   *batch, lq, heads, depth = query.shape
   lk = keys.shape[-3]
-  if (tuple(keys.shape[:-3]) != tuple(batch) or tuple(value.shape[:-3]) != tuple(batch)
-      or keys.shape[-2] != heads or value.shape[-2] != heads or keys.shape[-1] != depth
-      or value.shape[-3] != lk):
+  if (
+    tuple(keys.shape[:-3]) != tuple(batch)
+    or tuple(value.shape[:-3]) != tuple(batch)
+    or keys.shape[-2] != heads
+    or value.shape[-2] != heads
+    or keys.shape[-1] != depth
+    or value.shape[-3] != lk
+  ):
     raise ValueError(
-        "jact.ops.chunked_attention: mismatched shapes: query [batch..., q_length, heads, "
-        "depth], keys [batch..., kv_length, heads, depth] and value [batch..., kv_length, "
-        f"heads, v_depth] must agree on batch, heads, depth and kv_length; got {query.shape}, "
-        f"{keys.shape}, {value.shape}.")
+      "jact.ops.chunked_attention: mismatched shapes: query [batch..., q_length, heads, "
+      "depth], keys [batch..., kv_length, heads, depth] and value [batch..., kv_length, "
+      f"heads, v_depth] must agree on batch, heads, depth and kv_length; got {query.shape}, "
+      f"{keys.shape}, {value.shape}."
+    )
   if lq == 0 or lk == 0:
     raise ValueError(f"jact.ops.chunked_attention: empty sequence (q_length={lq}, kv_length={lk}).")
   full = (*batch, heads, lq, lk)
@@ -158,14 +178,17 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   if mask is not None:
     mask_in = jnp.asarray(mask)
     if mask_in.dtype != jnp.bool_:
-      raise TypeError(f"jact.ops.chunked_attention: mask must be boolean (True = attend), got "
-                      f"{mask_in.dtype}; pass mask.astype(bool) or use an additive bias.")
+      raise TypeError(
+        f"jact.ops.chunked_attention: mask must be boolean (True = attend), got "
+        f"{mask_in.dtype}; pass mask.astype(bool) or use an additive bias."
+      )
     mask = _canonical(mask_in, full, "mask")
   if recompute is None:
     recompute = bits is not None
   elif not isinstance(recompute, (bool, np.bool_)):
-    raise TypeError(f"jact.ops.chunked_attention: recompute must be True, False or None, got "
-                    f"{recompute!r}.")
+    raise TypeError(
+      f"jact.ops.chunked_attention: recompute must be True, False or None, got {recompute!r}."
+    )
 
   nb = len(batch)
   cq, ck = min(query_chunk, lq), min(key_chunk, lk)
@@ -174,8 +197,7 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
   scale = 1.0 / math.sqrt(depth)
   big_neg = float(jnp.finfo(_F32).min)
   skip_future = causal and mask is None
-  ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision,
-                                      preferred_element_type=_F32)
+  ein = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=_F32)
 
   def pad_mask_bias(bias, mask):
     if bias is not None and bias.shape[-2] == lq:
@@ -236,10 +258,14 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
         acc = acc * corr[..., None] + ein("...hqk,...khd->...hqd", p.astype(dtype), vj)
         return m_new, l, acc
 
-      init = (jnp.full((*batch, heads, cq), -jnp.inf, _F32), jnp.zeros((*batch, heads, cq), _F32),
-              jnp.zeros((*batch, heads, cq, value.shape[-1]), _F32))
-      (m, l, acc), _ = lax.scan(lambda c, j: (maybe(i, j, k_block, c, j), None), init,
-                                jnp.arange(nk))
+      init = (
+        jnp.full((*batch, heads, cq), -jnp.inf, _F32),
+        jnp.zeros((*batch, heads, cq), _F32),
+        jnp.zeros((*batch, heads, cq, value.shape[-1]), _F32),
+      )
+      (m, l, acc), _ = lax.scan(
+        lambda c, j: (maybe(i, j, k_block, c, j), None), init, jnp.arange(nk)
+      )
       out_i = jnp.moveaxis(acc / l[..., None], -3, -2).astype(dtype)  # [batch..., cq, heads, dv]
       return None, (out_i, m + jnp.log(l))
 
@@ -259,8 +285,11 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
     bias_p, mask_p = pad_mask_bias(bias, mask)
     bias_grad = bias_p is not None
     # Bias axes (batch and heads) that are broadcast: the gradient sums over them.
-    db_axes = () if not bias_grad else tuple(
-        a for a, n in enumerate((*batch, heads)) if bias_p.shape[a] == 1 and n != 1)
+    db_axes = (
+      ()
+      if not bias_grad
+      else tuple(a for a, n in enumerate((*batch, heads)) if bias_p.shape[a] == 1 and n != 1)
+    )
 
     def q_step(carry, i):
       qi = lax.dynamic_slice_in_dim(qp, i * cq, cq, nb)
@@ -291,9 +320,11 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
         dq_i = dq_i + ein("...hqk,...khd->...qhd", ds.astype(dtype), kj) * scale
         dk_j = ein("...hqk,...qhd->...khd", ds.astype(dtype), qi) * scale
         dk = lax.dynamic_update_slice_in_dim(
-            dk, lax.dynamic_slice_in_dim(dk, j * ck, ck, nb) + dk_j, j * ck, nb)
+          dk, lax.dynamic_slice_in_dim(dk, j * ck, ck, nb) + dk_j, j * ck, nb
+        )
         dv = lax.dynamic_update_slice_in_dim(
-            dv, lax.dynamic_slice_in_dim(dv, j * ck, ck, nb) + dv_j, j * ck, nb)
+          dv, lax.dynamic_slice_in_dim(dv, j * ck, ck, nb) + dv_j, j * ck, nb
+        )
         if bias_grad:
           red = ds
           if bias_p.shape[-2] == 1:
@@ -306,23 +337,25 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
             start[-2] = i * cq
           if db.shape[-1] != 1:
             start[-1] = j * ck
-          db = lax.dynamic_update_slice(
-              db, lax.dynamic_slice(db, start, red.shape) + red, start)
+          db = lax.dynamic_update_slice(db, lax.dynamic_slice(db, start, red.shape) + red, start)
         return dq_i, dk, dv, db
 
       dq0 = jnp.zeros((*batch, cq, heads, depth), _F32)
-      (dq_i, dk, dv, db), _ = lax.scan(lambda c, j: (maybe(i, j, k_block, c, j), None),
-                                       (dq0, *carry), jnp.arange(nk))
+      (dq_i, dk, dv, db), _ = lax.scan(
+        lambda c, j: (maybe(i, j, k_block, c, j), None), (dq0, *carry), jnp.arange(nk)
+      )
       return (dk, dv, db), dq_i
 
-    acc0 = (jnp.zeros((*batch, lk_p, heads, depth), _F32),
-            jnp.zeros((*batch, lk_p, heads, dv_depth), _F32),
-            None if not bias_grad else jnp.zeros(bias_p.shape, _F32))
+    acc0 = (
+      jnp.zeros((*batch, lk_p, heads, depth), _F32),
+      jnp.zeros((*batch, lk_p, heads, dv_depth), _F32),
+      None if not bias_grad else jnp.zeros(bias_p.shape, _F32),
+    )
     (dk, dv, db), dqs = lax.scan(q_step, acc0, jnp.arange(nq))
     dq = jnp.moveaxis(dqs, 0, nb).reshape(*batch, lq_p, heads, depth)[..., :lq, :, :]
     dk, dv = dk[..., :lk, :, :], dv[..., :lk, :, :]
     if bias_grad:
-      db = db[..., :bias.shape[-2], :bias.shape[-1]]
+      db = db[..., : bias.shape[-2], : bias.shape[-1]]
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype), db
 
   def storing(q, k, v, bias, mask):
@@ -342,5 +375,12 @@ def chunked_attention(query: jax.Array, keys: jax.Array, value: jax.Array,
 
   # bias and mask enter in the canonical rank (a differentiable reshape of the
   # caller's bias, so its gradient comes back in the caller's shape).
-  return compressed_op(storing, stored_backward, op=_OP, name=name, rounding=rounding, key=key,
-                       primal=lambda *args: forward(*args)[0])(query, keys, value, bias, mask)
+  return compressed_op(
+    storing,
+    stored_backward,
+    op=_OP,
+    name=name,
+    rounding=rounding,
+    key=key,
+    primal=lambda *args: forward(*args)[0],
+  )(query, keys, value, bias, mask)

@@ -57,11 +57,13 @@ def check_rate(rate, *, allow_one: bool = False) -> float:
     value = float(rate)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(
-        f"jact dropout rate must be a static Python number in {interval}, got {rate!r}") from e
+      f"jact dropout rate must be a static Python number in {interval}, got {rate!r}"
+    ) from e
   if not (0.0 <= value <= 1.0 if allow_one else 0.0 <= value < 1.0):
     raise ValueError(
-        f"jact dropout rate must be in {interval}, got {value}: rate is the probability of "
-        f"dropping a value (rate=0.0 disables dropout).")
+      f"jact dropout rate must be in {interval}, got {value}: rate is the probability of "
+      f"dropping a value (rate=0.0 disables dropout)."
+    )
   return value
 
 
@@ -89,13 +91,22 @@ def _check_flax_key(key) -> None:
   typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
   if (typed and shape) or (not typed and (len(shape) != 1 or dtype != jnp.uint32)):
     raise ValueError(
-        f"jact.ops.dropout(draw='flax') takes one PRNG key (jax.random.key(...) or a legacy "
-        f"uint32 jax.random.PRNGKey), got {dtype} of shape {shape}; pass a single key.")
+      f"jact.ops.dropout(draw='flax') takes one PRNG key (jax.random.key(...) or a legacy "
+      f"uint32 jax.random.PRNGKey), got {dtype} of shape {shape}; pass a single key."
+    )
 
 
-def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
-            broadcast_dims: Sequence[int] = (), name: str = "dropout",
-            draw: str = "hash", out_sharding=None) -> jax.Array:
+def dropout(
+  x: jax.Array,
+  rate: float,
+  *,
+  key,
+  deterministic: bool = False,
+  broadcast_dims: Sequence[int] = (),
+  name: str = "dropout",
+  draw: str = "hash",
+  out_sharding=None,
+) -> jax.Array:
   """Zeroes each value with probability `rate` and scales the rest by 1 / (1 - rate).
 
   Args:
@@ -119,9 +130,11 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
   rate = check_rate(rate, allow_one=True)
   name = check_name(name)
   if draw not in DRAWS:
-    raise ValueError(f"jact.ops.dropout draw must be one of {DRAWS}, got {draw!r}: 'hash' "
-                     f"(jact's hash, a 4-byte residual), 'flax' (Flax's masks for the same "
-                     f"key) or 'flax_attention' (applied as Flax's attention dropout).")
+    raise ValueError(
+      f"jact.ops.dropout draw must be one of {DRAWS}, got {draw!r}: 'hash' "
+      f"(jact's hash, a 4-byte residual), 'flax' (Flax's masks for the same "
+      f"key) or 'flax_attention' (applied as Flax's attention dropout)."
+    )
   if deterministic or rate == 0.0:
     return x
   x = check_float(x, "dropout")
@@ -129,8 +142,9 @@ def dropout(x: jax.Array, rate: float, *, key, deterministic: bool = False,
     return jnp.zeros_like(x)
   if key is None:
     raise ValueError(
-        "jact.ops.dropout needs a PRNG key when deterministic=False and rate > 0: pass "
-        "key=jax.random.key(...) (a fresh key per step), or deterministic=True.")
+      "jact.ops.dropout needs a PRNG key when deterministic=False and rate > 0: pass "
+      "key=jax.random.key(...) (a fresh key per step), or deterministic=True."
+    )
   dims = {d % x.ndim for d in broadcast_dims} if x.ndim else set()
   mask_shape = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
   keep_prob = 1.0 - rate

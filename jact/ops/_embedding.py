@@ -46,12 +46,14 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str = "embed") -> jax.Array
   table = jnp.asarray(table)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(
-        f"jact.ops.embed takes integer ids, got {ids.dtype}; cast token ids with "
-        f"ids.astype(jnp.int32) (float ids would be truncated silently).")
+      f"jact.ops.embed takes integer ids, got {ids.dtype}; cast token ids with "
+      f"ids.astype(jnp.int32) (float ids would be truncated silently)."
+    )
   if not jnp.issubdtype(table.dtype, jnp.floating):
     raise TypeError(
-        f"jact.ops.embed takes a floating-point table, got {table.dtype}; cast it "
-        f"(table.astype(jnp.float32)).")
+      f"jact.ops.embed takes a floating-point table, got {table.dtype}; cast it "
+      f"(table.astype(jnp.float32))."
+    )
   if table.ndim < 1:
     raise ValueError("jact.ops.embed needs a table with at least one axis (rows)")
   shape, dtype = table.shape, table.dtype
@@ -63,5 +65,10 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str = "embed") -> jax.Array
     # Same scatter-add as the transpose of jnp.take (out-of-range ids dropped).
     return None, jnp.zeros(shape, dtype).at[res["ids"]].add(g, mode="drop")
 
-  return compressed_op(lambda ids, table: (lookup(ids, table), {"ids": Save(ids)}), backward,
-                       op="embed", name=name, primal=lookup)(ids, table)
+  return compressed_op(
+    lambda ids, table: (lookup(ids, table), {"ids": Save(ids)}),
+    backward,
+    op="embed",
+    name=name,
+    primal=lookup,
+  )(ids, table)

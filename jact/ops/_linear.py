@@ -47,10 +47,11 @@ def _check_real(args, op: str) -> None:
   for a in args:
     if jnp.iscomplexobj(a):
       raise TypeError(
-          f"jact.ops.{op} takes real floating-point operands, got {jnp.asarray(a).dtype}: "
-          f"complex values are not supported by jact's ops. Use the plain op (lax / jnp) for "
-          f"complex values, or wrap the computation in jact.compressed, which keeps complex "
-          f"residuals exact.")
+        f"jact.ops.{op} takes real floating-point operands, got {jnp.asarray(a).dtype}: "
+        f"complex values are not supported by jact's ops. Use the plain op (lax / jnp) for "
+        f"complex values, or wrap the computation in jact.compressed, which keeps complex "
+        f"residuals exact."
+      )
 
 
 def _apply(fn, args, *, compress, key, bits, compressor, name, op, layer=None):
@@ -62,15 +63,18 @@ def _apply(fn, args, *, compress, key, bits, compressor, name, op, layer=None):
   _check_compressed(args, compress, bits, op)
   compress = tuple(bool(c) for c in compress)
   if len(compress) != len(args):
-    raise ValueError(f"jact.ops.{op}: compress needs one flag per operand ({len(args)}), "
-                     f"got {compress}")
-  y = compressed_op(*_stored_operands(fn, compress), op=op, name=name, rounding=rounding,
-                    key=key, primal=fn)(*args)
+    raise ValueError(
+      f"jact.ops.{op}: compress needs one flag per operand ({len(args)}), got {compress}"
+    )
+  y = compressed_op(
+    *_stored_operands(fn, compress), op=op, name=name, rounding=rounding, key=key, primal=fn
+  )(*args)
   collector = _probe.active()
   if collector is not None and layer is not None and compress[0] and bits is not None:
     kind, info = layer
-    y = _probe.observe_linear(collector, f"{name}.lhs", kind, args[0], y,
-                              group_size=rounding.group_size, **info)
+    y = _probe.observe_linear(
+      collector, f"{name}.lhs", kind, args[0], y, group_size=rounding.group_size, **info
+    )
   return y
 
 
@@ -79,11 +83,12 @@ def _stored_operands(fn, compress):
   compressed (`name.lhs`, `name.rhs`) and keeping the others (weights, alive
   anyway); the backward is the exact VJP of `fn` at the reconstructions. For
   a function linear in each stored operand the gradients are unbiased."""
-  roles = ("lhs", "rhs", "arg2")[:len(compress)]
+  roles = ("lhs", "rhs", "arg2")[: len(compress)]
 
   def forward(*args):
-    return fn(*args), {role: Store(a) if c else Keep(a, tie=True)
-                       for role, a, c in zip(roles, args, compress)}
+    return fn(*args), {
+      role: Store(a) if c else Keep(a, tie=True) for role, a, c in zip(roles, args, compress)
+    }
 
   def backward(res, g):
     _, vjp = jax.vjp(fn, *res.values())
@@ -104,15 +109,31 @@ def _conv_layer(lhs, rhs, window_strides, dimension_numbers, feature_group_count
   """('conv', info) for a channels-last convolution (Flax's layout)."""
   if dimension_numbers != _channels_last(lhs.ndim) or lhs.ndim < 3:
     return None
-  return ("conv", dict(kernel_locations=math.prod(rhs.shape[:-2]),
-                       stride=math.prod(window_strides), feature_groups=feature_group_count))
+  return (
+    "conv",
+    dict(
+      kernel_locations=math.prod(rhs.shape[:-2]),
+      stride=math.prod(window_strides),
+      feature_groups=feature_group_count,
+    ),
+  )
 
 
 @takes_compressor
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
-                preferred_element_type=None, *, key=None, bits: int | None = 4,
-                compressor: Compressor | None = None, compress: tuple[bool, bool] = (True, True),
-                name: str = "dot_general", **kwargs) -> jax.Array:
+def dot_general(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers,
+  precision=None,
+  preferred_element_type=None,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  compress: tuple[bool, bool] = (True, True),
+  name: str = "dot_general",
+  **kwargs,
+) -> jax.Array:
   """`lax.dot_general` whose backward uses compressed copies of its operands.
 
   Signature-compatible with `lax.dot_general` (so it can be a Flax
@@ -123,64 +144,128 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=Non
   operand is an activation to be compressed; a weight (alive anyway) should be kept.
   Residual names are `f"{name}.lhs"` and `f"{name}.rhs"`.
   """
-  fn = functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
-                         precision=precision, preferred_element_type=preferred_element_type,
-                         **kwargs)
-  return _apply(fn, (lhs, rhs), compress=compress, key=key, bits=bits, compressor=compressor,
-                name=name, op="dot_general",
-                layer=_dense_layer(lhs, dimension_numbers, compress))
+  fn = functools.partial(
+    lax.dot_general,
+    dimension_numbers=dimension_numbers,
+    precision=precision,
+    preferred_element_type=preferred_element_type,
+    **kwargs,
+  )
+  return _apply(
+    fn,
+    (lhs, rhs),
+    compress=compress,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="dot_general",
+    layer=_dense_layer(lhs, dimension_numbers, compress),
+  )
 
 
 @takes_compressor
-def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *, key=None,
-          bits: int | None = 4, compressor: Compressor | None = None, precision=None,
-          name: str = "dense") -> jax.Array:
+def dense(
+  x: jax.Array,
+  kernel: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  precision=None,
+  name: str = "dense",
+) -> jax.Array:
   """`x @ kernel + bias` over the last axis of x, storing x compressed (residual `name.lhs`)."""
   _check_real((x, kernel), "dense")
   _check_compressed((x,), (True,), op_rounding("jact.ops.dense", bits, compressor).bits, "dense")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  y = dot_general(x, kernel, dims, precision, key=key, bits=bits, compressor=compressor,
-                  compress=(True, False), name=name)
+  y = dot_general(
+    x,
+    kernel,
+    dims,
+    precision,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    compress=(True, False),
+    name=name,
+  )
   return y if bias is None else y + bias
 
 
 @takes_compressor
-def einsum(subscripts: str, a: jax.Array, b: jax.Array, *, key=None, bits: int | None = 4,
-           compressor: Compressor | None = None, compress: tuple[bool, bool] = (True, True),
-           precision=None, name: str = "einsum") -> jax.Array:
+def einsum(
+  subscripts: str,
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  compress: tuple[bool, bool] = (True, True),
+  precision=None,
+  name: str = "einsum",
+) -> jax.Array:
   """Two-operand `jnp.einsum` storing compressed operands (attention's q·k, p·v)."""
   fn = functools.partial(jnp.einsum, subscripts, precision=precision)
-  return _apply(fn, (a, b), compress=compress, key=key, bits=bits, compressor=compressor,
-                name=name, op="einsum")
+  return _apply(
+    fn, (a, b), compress=compress, key=key, bits=bits, compressor=compressor, name=name, op="einsum"
+  )
 
 
 @takes_compressor
-def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding,
-                         lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-                         feature_group_count: int = 1, batch_group_count: int = 1,
-                         precision=None, preferred_element_type=None, *, key=None,
-                         bits: int | None = 4, compressor: Compressor | None = None,
-                         compress: tuple[bool, bool] = (True, False),
-                         name: str = "conv") -> jax.Array:
+def conv_general_dilated(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  window_strides: Sequence[int],
+  padding,
+  lhs_dilation=None,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  feature_group_count: int = 1,
+  batch_group_count: int = 1,
+  precision=None,
+  preferred_element_type=None,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  compress: tuple[bool, bool] = (True, False),
+  name: str = "conv",
+) -> jax.Array:
   """`lax.conv_general_dilated` storing the input compressed (1-D/2-D/3-D, any stride,
   dilation, padding and feature groups). Signature-compatible with the lax function."""
   fn = functools.partial(
-      lax.conv_general_dilated, window_strides=tuple(window_strides),
-      padding=padding if isinstance(padding, str) else tuple(tuple(p) for p in padding),
-      lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
-      rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
-      dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
-      batch_group_count=batch_group_count, precision=precision,
-      preferred_element_type=preferred_element_type)
+    lax.conv_general_dilated,
+    window_strides=tuple(window_strides),
+    padding=padding if isinstance(padding, str) else tuple(tuple(p) for p in padding),
+    lhs_dilation=None if lhs_dilation is None else tuple(lhs_dilation),
+    rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+    dimension_numbers=dimension_numbers,
+    feature_group_count=feature_group_count,
+    batch_group_count=batch_group_count,
+    precision=precision,
+    preferred_element_type=preferred_element_type,
+  )
   layer = None
   if tuple(compress)[:2] == (True, False) and lhs_dilation is None and batch_group_count == 1:
     layer = _conv_layer(lhs, rhs, tuple(window_strides), dimension_numbers, feature_group_count)
-  return _apply(fn, (lhs, rhs), compress=compress, key=key, bits=bits, compressor=compressor,
-                name=name, op="conv_general_dilated", layer=layer)
+  return _apply(
+    fn,
+    (lhs, rhs),
+    compress=compress,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="conv_general_dilated",
+    layer=layer,
+  )
 
 
 def _channels_last(ndim: int):
-  spatial = "DHW"[3 - (ndim - 2):] if ndim <= 5 else None
+  spatial = "DHW"[3 - (ndim - 2) :] if ndim <= 5 else None
   if spatial is None:
     raise ValueError(f"conv supports 1-D, 2-D and 3-D inputs, got rank {ndim}")
   return ("N" + spatial + "C", spatial + "IO", "N" + spatial + "C")
@@ -191,37 +276,80 @@ def _tuple(v, n):
 
 
 @takes_compressor
-def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-         strides: int | Sequence[int] = 1, padding: Any = "SAME",
-         dilation: int | Sequence[int] = 1, feature_group_count: int = 1, key=None,
-         bits: int | None = 4, compressor: Compressor | None = None, precision=None,
-         name: str = "conv") -> jax.Array:
+def conv(
+  x: jax.Array,
+  kernel: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  strides: int | Sequence[int] = 1,
+  padding: Any = "SAME",
+  dilation: int | Sequence[int] = 1,
+  feature_group_count: int = 1,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  precision=None,
+  name: str = "conv",
+) -> jax.Array:
   """Channels-last convolution (x: N,[D,]H,W,C; kernel: [D,]H,W,I,O), Flax's layout."""
   _check_real((x, kernel), "conv")
   _check_compressed((x,), (True,), op_rounding("jact.ops.conv", bits, compressor).bits, "conv")
   n = x.ndim - 2
   y = conv_general_dilated(
-      x, kernel, _tuple(strides, n), padding, rhs_dilation=_tuple(dilation, n),
-      dimension_numbers=_channels_last(x.ndim), feature_group_count=feature_group_count,
-      precision=precision, key=key, bits=bits, compressor=compressor, name=name)
+    x,
+    kernel,
+    _tuple(strides, n),
+    padding,
+    rhs_dilation=_tuple(dilation, n),
+    dimension_numbers=_channels_last(x.ndim),
+    feature_group_count=feature_group_count,
+    precision=precision,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+  )
   return y if bias is None else y + bias
 
 
 @takes_compressor
-def conv_transpose(x: jax.Array, kernel: jax.Array, strides: Sequence[int], padding,
-                   rhs_dilation=None, dimension_numbers=None, transpose_kernel: bool = False,
-                   precision=None, preferred_element_type=None, *, key=None,
-                   bits: int | None = 4, compressor: Compressor | None = None,
-                   name: str = "conv_transpose") -> jax.Array:
+def conv_transpose(
+  x: jax.Array,
+  kernel: jax.Array,
+  strides: Sequence[int],
+  padding,
+  rhs_dilation=None,
+  dimension_numbers=None,
+  transpose_kernel: bool = False,
+  precision=None,
+  preferred_element_type=None,
+  *,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "conv_transpose",
+) -> jax.Array:
   """`lax.conv_transpose` storing the input compressed (ActNN: a convolution with
   inverse stride, so the same unbiasedness holds)."""
   if dimension_numbers is None:
     dimension_numbers = _channels_last(x.ndim)
   fn = functools.partial(
-      lax.conv_transpose, strides=tuple(strides),
-      padding=padding if isinstance(padding, str) else tuple(tuple(p) for p in padding),
-      rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
-      dimension_numbers=dimension_numbers, transpose_kernel=transpose_kernel,
-      precision=precision, preferred_element_type=preferred_element_type)
-  return _apply(fn, (x, kernel), compress=(True, False), key=key, bits=bits,
-                compressor=compressor, name=name, op="conv_transpose")
+    lax.conv_transpose,
+    strides=tuple(strides),
+    padding=padding if isinstance(padding, str) else tuple(tuple(p) for p in padding),
+    rhs_dilation=None if rhs_dilation is None else tuple(rhs_dilation),
+    dimension_numbers=dimension_numbers,
+    transpose_kernel=transpose_kernel,
+    precision=precision,
+    preferred_element_type=preferred_element_type,
+  )
+  return _apply(
+    fn,
+    (x, kernel),
+    compress=(True, False),
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="conv_transpose",
+  )

@@ -60,14 +60,30 @@ def _check_param(p, feature_shape: tuple[int, ...], what: str, op: str):
     size *= s
   if p.size != size:
     raise ValueError(
-        f"jact.ops.{op}: {what} has shape {p.shape}, expected {size} values for the "
-        f"feature shape {tuple(s for s in feature_shape if s != 1) or (1,)}")
+      f"jact.ops.{op}: {what} has shape {p.shape}, expected {size} values for the "
+      f"feature shape {tuple(s for s in feature_shape if s != 1) or (1,)}"
+    )
   return p
 
 
-def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mean,
-               use_fast_variance, key, bits, compressor, name, op,
-               axis_name=None, axis_index_groups=None):
+def _normalize(
+  x,
+  scale,
+  bias,
+  *,
+  reduction_axes,
+  feature_axes,
+  epsilon,
+  use_mean,
+  use_fast_variance,
+  key,
+  bits,
+  compressor,
+  name,
+  op,
+  axis_name=None,
+  axis_index_groups=None,
+):
   """Shared custom_vjp: returns (y, mean, var); mean/var carry no gradient.
 
   With `axis_name`, the statistics (and the backward's means over the reduced
@@ -130,8 +146,10 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
     # RMS norm: x_hat keeps x's offset (1 + small deviations for x = 100 + noise), which
     # the backward needs: centered and scaled per row before rounding
     rows = None if use_mean else axes_from_end(red, x.ndim)
-    residuals = {"xhat": Store(xc * inv, dtype=_F32, exact_dtype=x.dtype, rows=rows),
-                 "inv_std": Save(inv)}
+    residuals = {
+      "xhat": Store(xc * inv, dtype=_F32, exact_dtype=x.dtype, rows=rows),
+      "inv_std": Save(inv),
+    }
     if clipped_variance:  # twice the slope per row: 2 where the fast variance was not clipped
       residuals["var_slope"] = Save(jnp.expand_dims(2 * slope, red).astype(jnp.uint8))
     residuals["scale"] = Keep(scale)
@@ -173,25 +191,49 @@ def _normalize(x, scale, bias, *, reduction_axes, feature_axes, epsilon, use_mea
   # only y waits for the residuals: under shard_map the statistics of an axis_name are
   # invariant over it, and a flag from the (varying) residuals would make them vary
   y, mu, var = compressed_op(
-      forward_storing, backward, op=op, name=name, rounding=rounding, key=key,
-      primal=lambda x, scale, bias: forward(x, scale, bias)[:3], elementwise=True,
-      statistics=2)(x, scale, bias)
+    forward_storing,
+    backward,
+    op=op,
+    name=name,
+    rounding=rounding,
+    key=key,
+    primal=lambda x, scale, bias: forward(x, scale, bias)[:3],
+    elementwise=True,
+    statistics=2,
+  )(x, scale, bias)
   collector = _probe.active()
   if collector is not None and bits is not None:
     _, _, _, xc, inv, _ = forward(x, scale, bias)
-    y = _probe.observe_norm(collector, f"{name}.xhat", op, xc * inv, inv,
-                            None if scale is None else scale.reshape(bshape), y,
-                            reduction_axes=red, group_size=rounding.group_size)
+    y = _probe.observe_norm(
+      collector,
+      f"{name}.xhat",
+      op,
+      xc * inv,
+      inv,
+      None if scale is None else scale.reshape(bshape),
+      y,
+      reduction_axes=red,
+      group_size=rounding.group_size,
+    )
   return y, mu, var
 
 
 @takes_compressor
-def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
-               axis: int | Sequence[int] = -1, epsilon: float = 1e-5,
-               use_fast_variance: bool = True, key=None, bits: int | None = 4,
-               compressor: Compressor | None = None, name: str = "batch_norm",
-               axis_name: str | None = None, axis_index_groups=None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def batch_norm(
+  x: jax.Array,
+  scale: jax.Array | None = None,
+  bias: jax.Array | None = None,
+  *,
+  axis: int | Sequence[int] = -1,
+  epsilon: float = 1e-5,
+  use_fast_variance: bool = True,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "batch_norm",
+  axis_name: str | None = None,
+  axis_index_groups=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode batch norm over all axes except the feature `axis`.
 
   Matches `flax.linen.BatchNorm(use_running_average=False)` with output dtype
@@ -208,15 +250,32 @@ def batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
   x = check_float(x, "batch_norm")
   feature = _axes(x.ndim, axis)
   red = tuple(a for a in range(x.ndim) if a not in feature)
-  return _normalize(x, scale, bias, reduction_axes=red, feature_axes=feature, epsilon=epsilon,
-                    use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, name=name, op="batch_norm", axis_name=axis_name,
-                    axis_index_groups=axis_index_groups)
+  return _normalize(
+    x,
+    scale,
+    bias,
+    reduction_axes=red,
+    feature_axes=feature,
+    epsilon=epsilon,
+    use_mean=True,
+    use_fast_variance=use_fast_variance,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="batch_norm",
+    axis_name=axis_name,
+    axis_index_groups=axis_index_groups,
+  )
 
 
-def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.Array,
-                         batch_var: jax.Array, momentum: float = 0.99
-                         ) -> tuple[jax.Array, jax.Array]:
+def update_running_stats(
+  ra_mean: jax.Array,
+  ra_var: jax.Array,
+  batch_mean: jax.Array,
+  batch_var: jax.Array,
+  momentum: float = 0.99,
+) -> tuple[jax.Array, jax.Array]:
   """Flax's running-average update: momentum * running + (1 - momentum) * batch.
 
   >>> import jax.numpy as jnp
@@ -229,28 +288,65 @@ def update_running_stats(ra_mean: jax.Array, ra_var: jax.Array, batch_mean: jax.
 
 
 @takes_compressor
-def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
-               epsilon: float = 1e-6, use_fast_variance: bool = True, key=None,
-               bits: int | None = 4, compressor: Compressor | None = None,
-               name: str = "layer_norm") -> jax.Array:
+def layer_norm(
+  x: jax.Array,
+  scale: jax.Array | None = None,
+  bias: jax.Array | None = None,
+  *,
+  epsilon: float = 1e-6,
+  use_fast_variance: bool = True,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "layer_norm",
+) -> jax.Array:
   """Layer norm over the last axis, matching `flax.linen.LayerNorm` (output dtype x.dtype)."""
   x = check_float(x, "layer_norm")
-  return _normalize(x, scale, bias, reduction_axes=(x.ndim - 1,),
-                    feature_axes=(x.ndim - 1,), epsilon=epsilon,
-                    use_mean=True, use_fast_variance=use_fast_variance, key=key, bits=bits,
-                    compressor=compressor, name=name, op="layer_norm")[0]
+  return _normalize(
+    x,
+    scale,
+    bias,
+    reduction_axes=(x.ndim - 1,),
+    feature_axes=(x.ndim - 1,),
+    epsilon=epsilon,
+    use_mean=True,
+    use_fast_variance=use_fast_variance,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="layer_norm",
+  )[0]
 
 
 @takes_compressor
-def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float = 1e-6, key=None,
-             bits: int | None = 4, compressor: Compressor | None = None,
-             name: str = "rms_norm") -> jax.Array:
+def rms_norm(
+  x: jax.Array,
+  scale: jax.Array | None = None,
+  *,
+  epsilon: float = 1e-6,
+  key=None,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  name: str = "rms_norm",
+) -> jax.Array:
   """RMS norm over the last axis, matching `flax.linen.RMSNorm` (output dtype x.dtype).
 
   The residual row statistic is 1/rms, tagged `name.inv_std`.
   """
   x = check_float(x, "rms_norm")
-  return _normalize(x, scale, None, reduction_axes=(x.ndim - 1,),
-                    feature_axes=(x.ndim - 1,), epsilon=epsilon,
-                    use_mean=False, use_fast_variance=True, key=key, bits=bits,
-                    compressor=compressor, name=name, op="rms_norm")[0]
+  return _normalize(
+    x,
+    scale,
+    None,
+    reduction_axes=(x.ndim - 1,),
+    feature_axes=(x.ndim - 1,),
+    epsilon=epsilon,
+    use_mean=False,
+    use_fast_variance=True,
+    key=key,
+    bits=bits,
+    compressor=compressor,
+    name=name,
+    op="rms_norm",
+  )[0]

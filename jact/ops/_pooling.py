@@ -52,8 +52,9 @@ def argmax_bits(window_size: int) -> int:
     if window_size <= 1 << bits:
       return bits
   raise ValueError(
-      f"max_pool stores the arg-max position in at most 8 bits, so a window may hold at "
-      f"most 256 positions; got {window_size}. Use a smaller window, or pool in two steps.")
+    f"max_pool stores the arg-max position in at most 8 bits, so a window may hold at "
+    f"most 256 positions; got {window_size}. Use a smaller window, or pool in two steps."
+  )
 
 
 def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
@@ -64,8 +65,7 @@ def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
   if len(strides) != n:
     raise ValueError(f"{op}: window_shape {window} and strides {strides} need the same length")
   if x.ndim < n + 1:
-    raise ValueError(
-        f"{op}: input of shape {x.shape} needs (batch..., {n} spatial dims, features)")
+    raise ValueError(f"{op}: input of shape {x.shape} needs (batch..., {n} spatial dims, features)")
   if any(w < 1 for w in window) or any(s < 1 for s in strides):
     raise ValueError(f"{op}: window_shape {window} and strides {strides} must be positive")
   batch = x.ndim - n - 1
@@ -77,7 +77,8 @@ def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
     padding = tuple(tuple(int(v) for v in p) for p in padding)
     if len(padding) != n or any(len(p) != 2 for p in padding):
       raise ValueError(
-          f"{op}: padding must be 'SAME', 'VALID' or {n} (low, high) pairs, got {padding}")
+        f"{op}: padding must be 'SAME', 'VALID' or {n} (low, high) pairs, got {padding}"
+      )
     pads = ((0, 0),) * batch + padding + ((0, 0),)
   pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   return dims, full_strides, pads
@@ -85,8 +86,9 @@ def _geometry(x: jax.Array, window_shape, strides, padding, op: str):
 
 def _out_shape(shape, dims, strides, pads):
   """Windows per dim; 0 where the window exceeds the padded input (as in lax)."""
-  return tuple(max(0, (h + lo + hi - w) // s + 1)
-               for h, w, s, (lo, hi) in zip(shape, dims, strides, pads))
+  return tuple(
+    max(0, (h + lo + hi - w) // s + 1) for h, w, s, (lo, hi) in zip(shape, dims, strides, pads)
+  )
 
 
 def _offsets(dims):
@@ -162,8 +164,10 @@ def _scatter_to_argmax(g, code, shape, dims, strides, pads, out_shape, offsets):
   cotangent, so their codes do not matter. (Transposing the K strided window
   slices instead materializes K input-sized tensors at once on XLA:CPU.)
   """
-  cfg = [(w - 1, (h + lo + hi) - s * (m - 1) - 1, s - 1)
-         for h, w, s, (lo, hi), m in zip(shape, dims, strides, pads, out_shape)]
+  cfg = [
+    (w - 1, (h + lo + hi) - s * (m - 1) - 1, s - 1)
+    for h, w, s, (lo, hi), m in zip(shape, dims, strides, pads, out_shape)
+  ]
   g_up = lax.pad(g, jnp.zeros((), g.dtype), cfg)
   code_up = lax.pad(code, jnp.uint8(0), cfg)
   # Accumulate like jax's select_and_scatter_add (windows in increasing output
@@ -185,8 +189,14 @@ def _read(a, start, shape):
   return lax.pad(a, jnp.zeros((), a.dtype), cfg)
 
 
-def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-             padding: Any = "VALID", *, name: str = "max_pool") -> jax.Array:
+def max_pool(
+  x: jax.Array,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None = None,
+  padding: Any = "VALID",
+  *,
+  name: str = "max_pool",
+) -> jax.Array:
   """`flax.linen.max_pool` whose backward keeps only the arg-max position per window.
 
   Args:
@@ -222,16 +232,23 @@ def max_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     return y, {"argmax": Save(pack_codes(code, bits), unpack=unpack)}
 
   def backward(res, g):
-    return (_scatter_to_argmax(g, res["argmax"], shape, dims, full_strides, pads, out_shape,
-                               offsets),)
+    return (
+      _scatter_to_argmax(g, res["argmax"], shape, dims, full_strides, pads, out_shape, offsets),
+    )
 
   # the output waits for the packed codes, so x can die as soon as they exist
   return compressed_op(storing_argmax, backward, op="max_pool", name=name, primal=forward)(x)
 
 
-def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] | None = None,
-             padding: Any = "VALID", count_include_pad: bool = True, *,
-             name: str = "avg_pool") -> jax.Array:
+def avg_pool(
+  x: jax.Array,
+  window_shape: Sequence[int],
+  strides: Sequence[int] | None = None,
+  padding: Any = "VALID",
+  count_include_pad: bool = True,
+  *,
+  name: str = "avg_pool",
+) -> jax.Array:
   """`flax.linen.avg_pool` that saves nothing for its backward (it is linear).
 
   Args:
@@ -262,7 +279,9 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     # Non-padding count per window, over the spatial dims only (broadcasts over batch/features).
     sp = slice(x.ndim - n - 1, x.ndim - 1)
     ones = jnp.ones(shape[sp], jnp.float32)
-    return lax.reduce_window(ones, np.float32(0), lax.add, dims[sp], full_strides[sp], pads[sp])[..., None]
+    return lax.reduce_window(ones, np.float32(0), lax.add, dims[sp], full_strides[sp], pads[sp])[
+      ..., None
+    ]
 
   def forward(x):
     y = lax.reduce_window(x, np.array(0, dtype), lax.add, dims, full_strides, pads)
@@ -275,5 +294,6 @@ def avg_pool(x: jax.Array, window_shape: Sequence[int], strides: Sequence[int] |
     # XLA from simplifying the division exactly as it does for Flax's gradient.
     return jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, dtype))(g)
 
-  return compressed_op(lambda x: (forward(x), {}), backward, op="avg_pool", name=name,
-                       primal=forward)(x)
+  return compressed_op(
+    lambda x: (forward(x), {}), backward, op="avg_pool", name=name, primal=forward
+  )(x)

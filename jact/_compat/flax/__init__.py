@@ -12,17 +12,42 @@ Imported by jact's Flax modules only: `jact._compat` itself never imports Flax.
 
 from jact._compat._probes import CHECKS, CompatError, check
 from jact._compat.flax.linen import (
-    bind_to_scope, canonicalize_dtype, lift_method_call, pack_all, run_methods_within,
-    state_restored, suppress_capture,
+  bind_to_scope,
+  canonicalize_dtype,
+  lift_method_call,
+  pack_all,
+  run_methods_within,
+  state_restored,
+  suppress_capture,
 )
 from jact._compat.flax.nnx import (
-    attention_defaults, attention_signature, nnx_twin_of, peek_stream_key, replaced_variables,
-    stream_key_shape, trace_context_error, variable_values,
+  attention_defaults,
+  attention_signature,
+  nnx_twin_of,
+  peek_stream_key,
+  replaced_variables,
+  stream_key_shape,
+  trace_context_error,
+  variable_values,
 )
 
 __all__ = [
-    "CompatError", "CHECKS", "check", "pack_all", "lift_method_call", "state_restored",
-    "run_methods_within", "suppress_capture", "bind_to_scope", "canonicalize_dtype",
-    "nnx_twin_of", "peek_stream_key", "stream_key_shape", "trace_context_error",
-    "variable_values", "replaced_variables", "attention_signature", "attention_defaults",
+  "CompatError",
+  "CHECKS",
+  "check",
+  "pack_all",
+  "lift_method_call",
+  "state_restored",
+  "run_methods_within",
+  "suppress_capture",
+  "bind_to_scope",
+  "canonicalize_dtype",
+  "nnx_twin_of",
+  "peek_stream_key",
+  "stream_key_shape",
+  "trace_context_error",
+  "variable_values",
+  "replaced_variables",
+  "attention_signature",
+  "attention_defaults",
 ]

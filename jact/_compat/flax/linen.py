@@ -22,8 +22,13 @@ from flax.linen import transforms as linen_transforms
 from jact._compat._probes import probes
 
 __all__ = [
-    "pack_all", "lift_method_call", "state_restored", "run_methods_within", "suppress_capture",
-    "bind_to_scope", "canonicalize_dtype",
+  "pack_all",
+  "lift_method_call",
+  "state_restored",
+  "run_methods_within",
+  "suppress_capture",
+  "bind_to_scope",
+  "canonicalize_dtype",
 ]
 
 
@@ -47,9 +52,14 @@ def pack_all(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
   return lift.pack(fn, (True,), (True,), (True,), name=name, enable_kwargs=True)
 
 
-def lift_method_call(module: nn.Module, module_class: type, method: Callable[..., Any],
-                     transform: Callable[[Callable[..., Any]], Callable[..., Any]], args,
-                     kwargs) -> Any:
+def lift_method_call(
+  module: nn.Module,
+  module_class: type,
+  method: Callable[..., Any],
+  transform: Callable[[Callable[..., Any]], Callable[..., Any]],
+  args,
+  kwargs,
+) -> Any:
   """`method(clone, *args, **kwargs)` run through a lifted transform, as linen's own
   lifted transforms run a module's method.
 
@@ -68,8 +78,11 @@ def lift_method_call(module: nn.Module, module_class: type, method: Callable[...
   state = module._state.export()
 
   def core_fn(scopes, *args, **kwargs):
-    attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-             if f.name != "parent" and f.init}
+    attrs = {
+      f.name: getattr(module, f.name)
+      for f in dataclasses.fields(module)
+      if f.name != "parent" and f.init
+    }
     cloned = module_class(parent=None, **attrs)
     cloned, args, kwargs = linen_transforms.set_module_scopes(cloned, args, kwargs, scopes)
     object.__setattr__(cloned, "_state", state.export())
@@ -83,8 +96,8 @@ def lift_method_call(module: nn.Module, module_class: type, method: Callable[...
 
 
 @probes(
-    pack_all="flax.core.lift.pack: its signature and calling convention",
-    lift_method_call="Module._state export()/reimport(), linen.transforms get/set_module_scopes",
+  pack_all="flax.core.lift.pack: its signature and calling convention",
+  lift_method_call="Module._state export()/reimport(), linen.transforms get/set_module_scopes",
 )
 def _check_lift() -> None:
   class Block(nn.Module):
@@ -99,20 +112,27 @@ def _check_lift() -> None:
         def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
           scope = scope_fn(variable_groups, rng_groups)
           return core_fn(scope, *args, **kwargs), repack_fn(scope)
+
         return pack_all(inner, "check")
+
       return lift_method_call(self, Block, Block.__call__, transform, (x,), {})
 
   x, rngs = jnp.arange(8.0).reshape(2, 4), {"params": jax.random.key(0)}
   plain, lifted = Block().init(rngs, x), Lifted().init(rngs, x)
-  _expect(jax.tree.map(jnp.shape, plain) == jax.tree.map(jnp.shape, lifted),
-          "the lifted module's variables differ from the plain module's")
+  _expect(
+    jax.tree.map(jnp.shape, plain) == jax.tree.map(jnp.shape, lifted),
+    "the lifted module's variables differ from the plain module's",
+  )
   run = lambda m, v: m.apply(v, x, rngs={"dropout": jax.random.key(1)}, mutable=["batch_stats"])
   (y0, s0), (y1, s1) = run(Block(), plain), run(Lifted(), plain)
   _expect(bool(jnp.array_equal(y0, y1)), "the lifted call's output differs from the plain call's")
-  _expect(all(jax.tree.leaves(jax.tree.map(jnp.array_equal, s0, s1)))
-          and not jnp.array_equal(s1["batch_stats"]["BatchNorm_0"]["var"],
-                                  plain["batch_stats"]["BatchNorm_0"]["var"]),
-          "the lifted call did not write the batch statistics back")
+  _expect(
+    all(jax.tree.leaves(jax.tree.map(jnp.array_equal, s0, s1)))
+    and not jnp.array_equal(
+      s1["batch_stats"]["BatchNorm_0"]["var"], plain["batch_stats"]["BatchNorm_0"]["var"]
+    ),
+    "the lifted call did not write the batch statistics back",
+  )
 
 
 @contextlib.contextmanager
@@ -196,8 +216,10 @@ def _check_methods_within() -> None:
       return Recorded()(x)
 
   Parent().init(jax.random.key(0), jnp.ones((1, 3)))
-  _expect(any(isinstance(m, Recorded) for m in entered),
-          "a method of a child module did not run inside the installed context")
+  _expect(
+    any(isinstance(m, Recorded) for m in entered),
+    "a method of a child module did not run inside the installed context",
+  )
 
 
 def _capture_stack() -> list | None:
@@ -242,8 +264,10 @@ def _check_capture() -> None:
   variables = Model().init(jax.random.key(0), x)
   _, state = Model().apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
   captured = set(state["intermediates"])
-  _expect("other" in captured and "inner" not in captured,
-          f"capture filter not applied (captured {sorted(captured)})")
+  _expect(
+    "other" in captured and "inner" not in captured,
+    f"capture filter not applied (captured {sorted(captured)})",
+  )
 
 
 def bind_to_scope(module: nn.Module, cls: type, **fields) -> nn.Module:
@@ -278,8 +302,11 @@ def _check_bind() -> None:
     twin = twins.get(type(context.module))
     if twin is None or context.method_name != "__call__":
       return next_fun(*args, **kwargs)
-    fields = {f.name: getattr(context.module, f.name) for f in dataclasses.fields(context.module)
-              if f.init and f.name not in ("parent", "name")}
+    fields = {
+      f.name: getattr(context.module, f.name)
+      for f in dataclasses.fields(context.module)
+      if f.init and f.name not in ("parent", "name")
+    }
     bound.append(twin)
     return bind_to_scope(context.module, twin, **fields)(*args, **kwargs)
 
@@ -289,11 +316,15 @@ def _check_bind() -> None:
     twin_vars = Model().init(jax.random.key(0), ids)
     y = Model().apply(plain, ids)
   _expect(set(bound) == {Twin, DenseTwin}, "the twins were not called")
-  _expect(jax.tree.map(jnp.shape, plain) == jax.tree.map(jnp.shape, twin_vars)
-          and all(jax.tree.leaves(jax.tree.map(jnp.array_equal, plain, twin_vars))),
-          "a twin bound to a layer's scope made different variables")
-  _expect(bool(jnp.array_equal(y, Model().apply(plain, ids))),
-          "a twin bound to a layer's scope computed a different output")
+  _expect(
+    jax.tree.map(jnp.shape, plain) == jax.tree.map(jnp.shape, twin_vars)
+    and all(jax.tree.leaves(jax.tree.map(jnp.array_equal, plain, twin_vars))),
+    "a twin bound to a layer's scope made different variables",
+  )
+  _expect(
+    bool(jnp.array_equal(y, Model().apply(plain, ids))),
+    "a twin bound to a layer's scope computed a different output",
+  )
 
 
 def canonicalize_dtype(*args, dtype=None):
@@ -308,5 +339,7 @@ def canonicalize_dtype(*args, dtype=None):
 @probes(canonicalize_dtype="flax.linen.dtypes.canonicalize_dtype")
 def _check_dtype() -> None:
   got = canonicalize_dtype(jnp.ones(2, jnp.bfloat16), None, jnp.ones(2, jnp.float32))
-  _expect(got == jnp.float32 and canonicalize_dtype(jnp.ones(2), dtype=jnp.bfloat16)
-          == jnp.bfloat16, f"canonicalize_dtype gave {got}")
+  _expect(
+    got == jnp.float32 and canonicalize_dtype(jnp.ones(2), dtype=jnp.bfloat16) == jnp.bfloat16,
+    f"canonicalize_dtype gave {got}",
+  )

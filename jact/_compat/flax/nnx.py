@@ -19,8 +19,14 @@ from flax import nnx
 from jact._compat._probes import probes
 
 __all__ = [
-    "nnx_twin_of", "peek_stream_key", "stream_key_shape", "trace_context_error",
-    "variable_values", "replaced_variables", "attention_signature", "attention_defaults",
+  "nnx_twin_of",
+  "peek_stream_key",
+  "stream_key_shape",
+  "trace_context_error",
+  "variable_values",
+  "replaced_variables",
+  "attention_signature",
+  "attention_defaults",
 ]
 
 
@@ -61,14 +67,18 @@ def _check_nnx_twin() -> None:
 
   plain = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
   twin = nnx_twin_of(plain, Twin)
-  _expect(type(twin) is Twin and twin.kernel is plain.kernel and twin.bias is plain.bias,
-          "the twin does not hold the plain layer's Variables")
+  _expect(
+    type(twin) is Twin and twin.kernel is plain.kernel and twin.bias is plain.bias,
+    "the twin does not hold the plain layer's Variables",
+  )
   twin.extra = nnx.data(jnp.zeros(()))  # an assignment through nnx's checks
   graphdef, state = nnx.split(twin)
   _expect(type(nnx.merge(graphdef, state)) is Twin, "split/merge does not round-trip the twin")
   x = jnp.ones((1, 2))
-  _expect(bool(jnp.array_equal(nnx.jit(lambda m, x: m(x))(twin, x), plain(x))),
-          "the twin computes a different output under nnx.jit")
+  _expect(
+    bool(jnp.array_equal(nnx.jit(lambda m, x: m(x))(twin, x), plain(x))),
+    "the twin computes a different output under nnx.jit",
+  )
 
 
 def peek_stream_key(stream: nnx.RngStream) -> jax.Array:
@@ -86,8 +96,10 @@ def _check_stream() -> None:
   stream = nnx.Rngs(default=3)["default"]
   stream()
   peeked = peek_stream_key(stream)
-  _expect(bool(jnp.array_equal(jax.random.key_data(peeked), jax.random.key_data(stream()))),
-          "the peeked key is not the stream's next key")
+  _expect(
+    bool(jnp.array_equal(jax.random.key_data(peeked), jax.random.key_data(stream()))),
+    "the peeked key is not the stream's next key",
+  )
 
 
 def stream_key_shape(stream: nnx.RngStream) -> tuple:
@@ -106,7 +118,9 @@ def _check_stream_key_shape() -> None:
     return nnx.Rngs(default=key)
 
   rngs = stacked(jax.random.split(jax.random.key(0), 4))
-  _expect(stream_key_shape(rngs["default"]) == (4,), "stacked streams do not hold one key per layer")
+  _expect(
+    stream_key_shape(rngs["default"]) == (4,), "stacked streams do not hold one key per layer"
+  )
 
 
 def trace_context_error() -> type:
@@ -128,8 +142,9 @@ def _check_trace_context_error() -> None:
     jax.vmap(lambda x: jax.random.normal(stream(), ()) * x)(jnp.ones(2))
   except trace_context_error():
     return
-  raise AssertionError("advancing a stream inside jax.vmap closing over it did not raise "
-                       "trace_context_error()")
+  raise AssertionError(
+    "advancing a stream inside jax.vmap closing over it did not raise trace_context_error()"
+  )
 
 
 def _leaf(variable):
@@ -158,14 +173,17 @@ def replaced_variables(before: dict, state: nnx.State) -> nnx.State:
   Watch: if merge copied, every Variable would count as written (still correct,
   but every parameter would pass through the output epilogue).
   """
-  changed = [(path, var) for path, var in nnx.to_flat_state(state)
-             if path not in before or not _same(_leaf(var), before[path])]
+  changed = [
+    (path, var)
+    for path, var in nnx.to_flat_state(state)
+    if path not in before or not _same(_leaf(var), before[path])
+  ]
   return nnx.from_flat_state(changed)
 
 
 @probes(
-    variable_values="nnx.to_flat_state: one value object per Variable",
-    replaced_variables="nnx.merge reusing the state's arrays by identity",
+  variable_values="nnx.to_flat_state: one value object per Variable",
+  replaced_variables="nnx.merge reusing the state's arrays by identity",
 )
 def _check_replaced() -> None:
   for training in (True, False):
@@ -200,8 +218,10 @@ def attention_signature() -> inspect.Signature:
   `nnx.MultiHeadAttention.__call__`.
   """
   linen_fn, nnx_fn = _attention_functions()
-  params = {name: p.replace(annotation=p.empty)
-            for name, p in inspect.signature(linen_fn).parameters.items()}
+  params = {
+    name: p.replace(annotation=p.empty)
+    for name, p in inspect.signature(linen_fn).parameters.items()
+  }
   for name, p in inspect.signature(nnx_fn).parameters.items():
     if name not in params:
       params[name] = p.replace(kind=p.KEYWORD_ONLY, annotation=p.empty)
@@ -219,8 +239,8 @@ def attention_defaults() -> dict[str, tuple]:
 
 
 @probes(
-    attention_signature="the signatures of linen's and nnx's dot_product_attention and the keywords their attention layers pass",
-    attention_defaults="the defaults in those signatures",
+  attention_signature="the signatures of linen's and nnx's dot_product_attention and the keywords their attention layers pass",
+  attention_defaults="the defaults in those signatures",
 )
 def _check_attention() -> None:
   declared = set(attention_signature().parameters)
@@ -233,14 +253,18 @@ def _check_attention() -> None:
     def attention_fn(query, key, value, **kwargs):
       seen[where].update(kwargs)
       return nn.dot_product_attention(query, key, value)
+
     attention_fn.__signature__ = attention_signature()
     return attention_fn
 
   x = jnp.ones((1, 2, 4))
   nn.MultiHeadDotProductAttention(2, attention_fn=recorder("linen")).init(jax.random.key(0), x)
-  nnx.MultiHeadAttention(2, 4, decode=False, attention_fn=recorder("nnx"),
-                         rngs=nnx.Rngs(0))(x)
+  nnx.MultiHeadAttention(2, 4, decode=False, attention_fn=recorder("nnx"), rngs=nnx.Rngs(0))(x)
   for where, names in seen.items():
-    _expect(names and names <= declared,
-            f"{where} attention passes keywords {sorted(names - declared)} that Flax's "
-            f"dot_product_attention does not take" if names else f"{where} attention passed none")
+    _expect(
+      names and names <= declared,
+      f"{where} attention passes keywords {sorted(names - declared)} that Flax's "
+      f"dot_product_attention does not take"
+      if names
+      else f"{where} attention passed none",
+    )

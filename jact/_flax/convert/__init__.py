@@ -27,6 +27,7 @@ True
 >>> type(net.layers[0]) is jact.nnx.Linear, net.layers[0].residual_name
 (True, 'layers/0')
 """
+
 from __future__ import annotations
 
 import flax.linen
@@ -44,9 +45,15 @@ __all__ = ["convert", "conversion_report", "ConversionReport", "ConversionWarnin
 
 
 @takes_compressor(api="jact.convert")
-def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None,
-            strict: bool = False,
-            functions: bool = True, rngs: flax.nnx.Rngs | flax.nnx.RngStream | None = None):
+def convert(
+  model,
+  *,
+  bits: int | None = 4,
+  compressor: Compressor | None = None,
+  strict: bool = False,
+  functions: bool = True,
+  rngs: flax.nnx.Rngs | flax.nnx.RngStream | None = None,
+):
   """Makes a plain Flax model store compressed activations; keeps its variables.
 
   Args:
@@ -91,19 +98,22 @@ def convert(model, *, bits: int | None = 4, compressor: Compressor | None = None
   for flag, value in (("strict", strict), ("functions", functions)):
     if not isinstance(value, bool):
       raise TypeError(f"{flag} must be True or False, got {value!r}")
-  settings = Settings(bits, rounding.group_size, bool(rounding.stochastic), strict, compressor,
-                      functions)
+  settings = Settings(
+    bits, rounding.group_size, bool(rounding.stochastic), strict, compressor, functions
+  )
   if isinstance(model, flax.linen.Module):
     if rngs is not None:
       raise TypeError(
-          "convert(linen_model, rngs=...): a linen model draws its rounding noise from the "
-          "'jact' stream of apply: model.apply(variables, x, rngs={'jact': key}). Drop rngs=.")
+        "convert(linen_model, rngs=...): a linen model draws its rounding noise from the "
+        "'jact' stream of apply: model.apply(variables, x, rngs={'jact': key}). Drop rngs=."
+      )
     return convert_linen(model, settings)
   if isinstance(model, flax.nnx.Module):
     return convert_nnx(model, settings, rngs)
   raise TypeError(
-      f"jact.convert accepts a flax.linen.Module (returns a converted copy) or a "
-      f"flax.nnx.Module (converted in place), got {type(model).__module__}."
-      f"{type(model).__qualname__}. Wrap any other model (an Equinox module, a plain JAX "
-      f"function) with jact.compressed(model_or_loss, bits=...) instead; pass a linen class "
-      f"as an instance (Model(...)).")
+    f"jact.convert accepts a flax.linen.Module (returns a converted copy) or a "
+    f"flax.nnx.Module (converted in place), got {type(model).__module__}."
+    f"{type(model).__qualname__}. Wrap any other model (an Equinox module, a plain JAX "
+    f"function) with jact.compressed(model_or_loss, bits=...) instead; pass a linen class "
+    f"as an instance (Model(...))."
+  )

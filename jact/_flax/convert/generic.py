@@ -29,8 +29,9 @@ def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> 
   1024 values)."""
   bits = settings.compressor if settings.compressor is not None else settings.bits
   extra = dict(min_size=settings.group_size) if scanned else {}
-  return ResidualConfig(bits=bits, group_size=settings.group_size,
-                        stochastic=settings.stochastic, name=name, **extra)
+  return ResidualConfig(
+    bits=bits, group_size=settings.group_size, stochastic=settings.stochastic, name=name, **extra
+  )
 
 
 def layout_recomputed(prim, *_, **__) -> bool:
@@ -43,9 +44,11 @@ def layout_recomputed(prim, *_, **__) -> bool:
 
 
 def _float_leaves(tree) -> list:
-  return [leaf for leaf in jax.tree.leaves(tree)
-          if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
-          and jnp.size(leaf)]
+  return [
+    leaf
+    for leaf in jax.tree.leaves(tree)
+    if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating) and jnp.size(leaf)
+  ]
 
 
 def name_salt(name: str) -> int:
@@ -89,8 +92,11 @@ def saved_bytes(fn, inputs, kept) -> int:
   abstractly; an activation argument the VJP keeps counts."""
   flat, tree = jax.tree.flatten(inputs)
   owners = [i for i, a in enumerate(inputs) for _ in jax.tree.leaves(a)]
-  diff = [k for k, leaf in enumerate(flat) if hasattr(leaf, "dtype")
-          and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  diff = [
+    k
+    for k, leaf in enumerate(flat)
+    if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)
+  ]
   counted = {}
 
   def run(*diff_leaves):

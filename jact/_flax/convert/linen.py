@@ -18,6 +18,7 @@ from jact._flax.convert.settings import Settings, unsupported
 from jact._flax.context import LINEN_IN_MODEL, LINEN_SETTINGS, bound
 from jact._flax.record import is_recording
 
+
 @contextlib.contextmanager
 def _converting(settings: Settings):
   """Makes `settings` current and, once per thread of calls, installs the interceptor."""
@@ -49,8 +50,14 @@ def _converted_class(cls: type) -> type:
 
     @nn.nowrap
     def _jact_settings(self) -> Settings:
-      return Settings(self.jact_bits, self.jact_group_size, self.jact_stochastic,
-                      self.jact_strict, self.jact_compressor, self.jact_functions)
+      return Settings(
+        self.jact_bits,
+        self.jact_group_size,
+        self.jact_stochastic,
+        self.jact_strict,
+        self.jact_compressor,
+        self.jact_functions,
+      )
 
     # Besides every method of the model's classes (below), `init_with_output`
     # (behind `init`) and `apply` run under interception, for `method=`
@@ -79,16 +86,26 @@ def _converted_class(cls: type) -> type:
 def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
   if model.scope is not None or isinstance(model.parent, nn.Module):
     raise ValueError(
-        f"jact.convert needs a top-level, unbound linen module, got a bound or child "
-        f"{type(model).__name__}. Convert the whole model, e.g. convert(Model(...)); the "
-        f"layers inside it are converted when it runs.")
+      f"jact.convert needs a top-level, unbound linen module, got a bound or child "
+      f"{type(model).__name__}. Convert the whole model, e.g. convert(Model(...)); the "
+      f"layers inside it are converted when it runs."
+    )
   cls = _converted_class(type(model))
-  attrs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-           if f.init and f.name != "parent" and not f.name.startswith("jact_")}
-  return cls(**attrs, jact_bits=settings.bits, jact_group_size=settings.group_size,
-             jact_stochastic=settings.stochastic, jact_strict=settings.strict,
-             jact_compressor=settings.compressor, jact_functions=settings.functions,
-             parent=None)
+  attrs = {
+    f.name: getattr(model, f.name)
+    for f in dataclasses.fields(model)
+    if f.init and f.name != "parent" and not f.name.startswith("jact_")
+  }
+  return cls(
+    **attrs,
+    jact_bits=settings.bits,
+    jact_group_size=settings.group_size,
+    jact_stochastic=settings.stochastic,
+    jact_strict=settings.strict,
+    jact_compressor=settings.compressor,
+    jact_functions=settings.functions,
+    parent=None,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +117,7 @@ class _LinenRule:
   (Without a 'jact' stream the twin itself runs the plain layer, which raises
   only if differentiated.)
   """
+
   twin: type
   drop: tuple[str, ...] = ()
   check: Callable[..., str | None] = lambda m, a: None
@@ -121,8 +139,11 @@ def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | N
     return "force_float32_reductions=False is not supported"
   if axes:
     ndim = getattr(a.get("x"), "ndim", 0)
-    if not (ndim and _hooks.last_axis_only(module.reduction_axes, ndim)
-            and _hooks.last_axis_only(module.feature_axes, ndim)):
+    if not (
+      ndim
+      and _hooks.last_axis_only(module.reduction_axes, ndim)
+      and _hooks.last_axis_only(module.feature_axes, ndim)
+    ):
       return "only normalization over the last axis is supported"
   return None
 
@@ -145,9 +166,15 @@ def _batch_norm_check(module, a) -> str | None:
 def _attention_check(module, a) -> str | None:
   if module.attention_fn is not nn.dot_product_attention:
     return "a custom 'attention_fn'"
-  reason = _custom(module, "qkv_dot_general", "out_dot_general", "qkv_dot_general_cls",
-                   "out_dot_general_cls", "qk_attn_weights_einsum_cls",
-                   "attn_weights_value_einsum_cls")
+  reason = _custom(
+    module,
+    "qkv_dot_general",
+    "out_dot_general",
+    "qkv_dot_general_cls",
+    "out_dot_general_cls",
+    "qk_attn_weights_einsum_cls",
+    "attn_weights_value_einsum_cls",
+  )
   if reason is not None:
     return reason
   if a.get("sow_weights"):
@@ -155,24 +182,29 @@ def _attention_check(module, a) -> str | None:
   return None
 
 
-_ATTENTION = _LinenRule(jnn.MultiHeadDotProductAttention,
-                        ("attention_fn", "qkv_dot_general", "out_dot_general"),
-                        _attention_check)
+_ATTENTION = _LinenRule(
+  jnn.MultiHeadDotProductAttention,
+  ("attention_fn", "qkv_dot_general", "out_dot_general"),
+  _attention_check,
+)
 
 _LINEN_RULES: dict[type, _LinenRule] = {
-    nn.Dense: _LinenRule(jnn.Dense, ("dot_general",),
-                         lambda m, a: _custom(m, "dot_general", "dot_general_cls")),
-    nn.Conv: _LinenRule(jnn.Conv, ("conv_general_dilated",),
-                        lambda m, a: _custom(m, "conv_general_dilated",
-                                             "conv_general_dilated_cls")),
-    nn.BatchNorm: _LinenRule(jnn.BatchNorm, check=_batch_norm_check),
-    nn.LayerNorm: _LinenRule(jnn.LayerNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
-    nn.RMSNorm: _LinenRule(jnn.RMSNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
-    nn.Embed: _LinenRule(jnn.Embed),
-    nn.Dropout: _LinenRule(jnn.Dropout),
-    nn.MultiHeadDotProductAttention: _ATTENTION,
-    nn.MultiHeadAttention: _ATTENTION,
-    nn.SelfAttention: dataclasses.replace(_ATTENTION, twin=jnn.SelfAttention),
+  nn.Dense: _LinenRule(
+    jnn.Dense, ("dot_general",), lambda m, a: _custom(m, "dot_general", "dot_general_cls")
+  ),
+  nn.Conv: _LinenRule(
+    jnn.Conv,
+    ("conv_general_dilated",),
+    lambda m, a: _custom(m, "conv_general_dilated", "conv_general_dilated_cls"),
+  ),
+  nn.BatchNorm: _LinenRule(jnn.BatchNorm, check=_batch_norm_check),
+  nn.LayerNorm: _LinenRule(jnn.LayerNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
+  nn.RMSNorm: _LinenRule(jnn.RMSNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
+  nn.Embed: _LinenRule(jnn.Embed),
+  nn.Dropout: _LinenRule(jnn.Dropout),
+  nn.MultiHeadDotProductAttention: _ATTENTION,
+  nn.MultiHeadAttention: _ATTENTION,
+  nn.SelfAttention: dataclasses.replace(_ATTENTION, twin=jnn.SelfAttention),
 }
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
@@ -206,27 +238,39 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
   its own that nothing compresses, else the call itself."""
   module = context.module
   is_model = "_jact_base" in type(module).__dict__ and base not in _engine.GENERIC
-  if (is_model and settings.functions and not LINEN_IN_MODEL.get()
-      and context.method_name != "setup" and not module.is_initializing()):
+  if (
+    is_model
+    and settings.functions
+    and not LINEN_IN_MODEL.get()
+    and context.method_name != "setup"
+    and not module.is_initializing()
+  ):
     method = getattr(base, context.method_name)
     _engine.note(module, "model", "", None, None, args, kwargs, descendants=False)
     with bound(LINEN_IN_MODEL, True):
-      return _engine.engine_call(module, method, args, kwargs, settings, descendants=False,
-                                 inputs=False)
+      return _engine.engine_call(
+        module, method, args, kwargs, settings, descendants=False, inputs=False
+      )
   in_model = LINEN_IN_MODEL.get()
-  if (context.method_name == "__call__" and (not in_model or is_recording())
-      and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
-      and not module.is_initializing() and _own_params(module)):
+  if (
+    context.method_name == "__call__"
+    and (not in_model or is_recording())
+    and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
+    and not module.is_initializing()
+    and _own_params(module)
+  ):
     if in_model:  # compressed by the model's call: reported as such
-      _engine.note(module, "plain", _no_twin(base), base.__call__, None, args, kwargs,
-                   descendants=True)
+      _engine.note(
+        module, "plain", _no_twin(base), base.__call__, None, args, kwargs, descendants=True
+      )
     else:
-      reason = (f"{_no_twin(base)}, and its own parameters are used outside any converted "
-                f"layer (convert with functions=True to compress them through the model's "
-                f"call)")
+      reason = (
+        f"{_no_twin(base)}, and its own parameters are used outside any converted "
+        f"layer (convert with functions=True to compress them through the model's "
+        f"call)"
+      )
       unsupported(settings, _where(module), reason)
-      _engine.note(module, "plain", reason, base.__call__, None, args, kwargs,
-                   descendants=True)
+      _engine.note(module, "plain", reason, base.__call__, None, args, kwargs, descendants=True)
   return next_fun(*args, **kwargs)
 
 
@@ -237,8 +281,10 @@ def _no_twin(cls: type) -> str:
   parent = next((b for b in cls.__mro__[1:] if b in _LINEN_RULES or b in _engine.GENERIC), None)
   if parent is None:
     return "no twin"
-  return (f"no twin: a subclass of flax.linen.{parent.__name__} (twins and the engine "
-          f"replace exact types only)")
+  return (
+    f"no twin: a subclass of flax.linen.{parent.__name__} (twins and the engine "
+    f"replace exact types only)"
+  )
 
 
 def _generic(next_fun, args, kwargs, module, settings: Settings, base: type, how: str):
@@ -247,8 +293,7 @@ def _generic(next_fun, args, kwargs, module, settings: Settings, base: type, how
   scanned = issubclass(base, _engine.CELLS) or how == "engine (in scan)"
 
   def converted(clone, *a, **k):
-    return _engine.engine_call(clone, method, a, k, settings, descendants=True,
-                               scanned=scanned)
+    return _engine.engine_call(clone, method, a, k, settings, descendants=True, scanned=scanned)
 
   _engine.note(module, how, "", method, converted, args, kwargs, descendants=True)
   return converted(module, *args, **kwargs)
@@ -283,9 +328,11 @@ def _intercept(next_fun, args, kwargs, context):
   if _engine.hides_stream(module, settings) and _draws_key(module, base, arguments):
     # inside nn.scan / nn.RNN without the 'jact' stream: the twin could draw no key
     return _generic(next_fun, args, kwargs, module, settings, base, "engine (in scan)")
-  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-            if f.init and f.name not in ("parent", "name", *rule.drop)
-            and not f.name.startswith("jact_")}
+  fields = {
+    f.name: getattr(module, f.name)
+    for f in dataclasses.fields(module)
+    if f.init and f.name not in ("parent", "name", *rule.drop) and not f.name.startswith("jact_")
+  }
   if "bits" in {f.name for f in dataclasses.fields(rule.twin)}:
     fields.update(settings.rounding)
 

@@ -27,11 +27,15 @@ from jact._flax.compressed import _lift_compressed
 # Flax layers with no twin whose calls run through the generic engine: all
 # their residuals compressed, their inputs (activations) too. Cells are
 # usually scanned over time (nn.RNN): their per-step residuals are small.
-CELLS = (nn.LSTMCell, nn.OptimizedLSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCell,
-         nn.ConvLSTMCell)
-GENERIC = (nn.DenseGeneral, nn.Einsum, nn.ConvTranspose, nn.ConvLocal, nn.GroupNorm,
-           nn.InstanceNorm) + CELLS
-
+CELLS = (nn.LSTMCell, nn.OptimizedLSTMCell, nn.GRUCell, nn.SimpleCell, nn.MGUCell, nn.ConvLSTMCell)
+GENERIC = (
+  nn.DenseGeneral,
+  nn.Einsum,
+  nn.ConvTranspose,
+  nn.ConvLocal,
+  nn.GroupNorm,
+  nn.InstanceNorm,
+) + CELLS
 
 
 def passes(module) -> bool:
@@ -41,7 +45,7 @@ def passes(module) -> bool:
     return False
   path, descendants = current
   here = tuple(module.path)
-  return here == path or (descendants and here[:len(path)] == path)
+  return here == path or (descendants and here[: len(path)] == path)
 
 
 def _passing(module, descendants: bool):
@@ -83,16 +87,29 @@ def key_for(module, settings: Settings, args) -> tuple[bool, Any]:
 def hides_stream(module, settings: Settings) -> bool:
   """True inside a lifted transform (nn.scan, nn.RNN) that filtered out the 'jact'
   stream of a converted apply that has one: the twin cannot draw its key there."""
-  return (settings.needs_key and not module.is_initializing() and not module.has_rng("jact")
-          and LINEN_OUTER_KEY.get() is not None)
+  return (
+    settings.needs_key
+    and not module.is_initializing()
+    and not module.has_rng("jact")
+    and LINEN_OUTER_KEY.get() is not None
+  )
 
 
 def _lifted(module, method: Callable, args, kwargs, transform) -> Any:
   return _compat.lift_method_call(module, type(module), method, transform, args, kwargs)
 
 
-def engine_call(module, method: Callable, args, kwargs, settings: Settings, *,
-                descendants: bool, scanned: bool = False, inputs: bool = True) -> Any:
+def engine_call(
+  module,
+  method: Callable,
+  args,
+  kwargs,
+  settings: Settings,
+  *,
+  descendants: bool,
+  scanned: bool = False,
+  inputs: bool = True,
+) -> Any:
   """`method(module, *args, **kwargs)` with every residual compressed (the
   positional arguments too, when `inputs`: a layer's are activations); the plain
   call where `key_for` says so. `descendants`: the module's sublayers pass
@@ -109,8 +126,14 @@ def engine_call(module, method: Callable, args, kwargs, settings: Settings, *,
 
     config = residual_config(settings, name_of(module), scanned=scanned)
     transform = functools.partial(
-        _lift_compressed, key=key, compress=True, config=config, policy=layout_recomputed if scanned else None,
-        argnums=tuple(range(len(args))) if inputs else (), name_of=type(module))
+      _lift_compressed,
+      key=key,
+      compress=True,
+      config=config,
+      policy=layout_recomputed if scanned else None,
+      argnums=tuple(range(len(args))) if inputs else (),
+      name_of=type(module),
+    )
     return _lifted(module, uncaptured, args, kwargs, transform)
 
 
@@ -135,8 +158,17 @@ def measure(module, call: Callable, args, kwargs, *, descendants: bool) -> int:
   return result["bytes"]
 
 
-def note(module, how: str, reason: str, plain: Callable | None, converted: Callable | None,
-         args, kwargs, *, descendants: bool) -> None:
+def note(
+  module,
+  how: str,
+  reason: str,
+  plain: Callable | None,
+  converted: Callable | None,
+  args,
+  kwargs,
+  *,
+  descendants: bool,
+) -> None:
   """Records this call (with measured bytes) when a conversion report is being taken."""
   if not is_recording():
     return
@@ -148,5 +180,11 @@ def note(module, how: str, reason: str, plain: Callable | None, converted: Calla
     plain_bytes = measure(module, plain, args, kwargs, descendants=True)
   if converted is not None:
     saved = measure(module, converted, args, kwargs, descendants=descendants)
-  record(name_of(module), type(module).__name__, how, reason, plain_bytes,
-         plain_bytes if how == "plain" else saved)
+  record(
+    name_of(module),
+    type(module).__name__,
+    how,
+    reason,
+    plain_bytes,
+    plain_bytes if how == "plain" else saved,
+  )

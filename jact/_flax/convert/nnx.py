@@ -51,30 +51,50 @@ def _set(name: str, value) -> Callable[[Any], None]:
 # type -> (twin, check(module) -> reason or None, patch(module) after the copy,
 #          whether it rounds stochastically)
 _NNX_RULES: dict[type, tuple[type, Callable, Callable, bool]] = {
-    nnx.Linear: (jnnx.Linear,
-                 lambda m: None if m.dot_general is lax.dot_general
-                 else "a custom 'dot_general' (the twin installs its own)",
-                 _set("dot_general", Hook("dot_general")), True),
-    nnx.Conv: (jnnx.Conv,
-               lambda m: None if m.conv_general_dilated is lax.conv_general_dilated
-               else "a custom 'conv_general_dilated' (the twin installs its own)",
-               _set("conv_general_dilated", Hook("conv_general_dilated")), True),
-    nnx.BatchNorm: (jnnx.BatchNorm,
-                    lambda m: (_nnx_norm_check(m, axes=False, cross_device=True)
-                               if isinstance(m.axis, int)
-                               else "only a single feature axis is supported"),
-                    lambda m: None, True),
-    nnx.LayerNorm: (jnnx.LayerNorm, _nnx_norm_check, lambda m: None, True),
-    nnx.RMSNorm: (jnnx.RMSNorm, _nnx_norm_check, lambda m: None, True),
-    nnx.Embed: (jnnx.Embed, lambda m: None, lambda m: None, False),
-    nnx.Dropout: (jnnx.Dropout, lambda m: None, lambda m: None, False),
-    nnx.MultiHeadAttention: (jnnx.MultiHeadAttention, _nnx_attention_check,
-                             _nnx_attention_patch, True),
+  nnx.Linear: (
+    jnnx.Linear,
+    lambda m: (
+      None
+      if m.dot_general is lax.dot_general
+      else "a custom 'dot_general' (the twin installs its own)"
+    ),
+    _set("dot_general", Hook("dot_general")),
+    True,
+  ),
+  nnx.Conv: (
+    jnnx.Conv,
+    lambda m: (
+      None
+      if m.conv_general_dilated is lax.conv_general_dilated
+      else "a custom 'conv_general_dilated' (the twin installs its own)"
+    ),
+    _set("conv_general_dilated", Hook("conv_general_dilated")),
+    True,
+  ),
+  nnx.BatchNorm: (
+    jnnx.BatchNorm,
+    lambda m: (
+      _nnx_norm_check(m, axes=False, cross_device=True)
+      if isinstance(m.axis, int)
+      else "only a single feature axis is supported"
+    ),
+    lambda m: None,
+    True,
+  ),
+  nnx.LayerNorm: (jnnx.LayerNorm, _nnx_norm_check, lambda m: None, True),
+  nnx.RMSNorm: (jnnx.RMSNorm, _nnx_norm_check, lambda m: None, True),
+  nnx.Embed: (jnnx.Embed, lambda m: None, lambda m: None, False),
+  nnx.Dropout: (jnnx.Dropout, lambda m: None, lambda m: None, False),
+  nnx.MultiHeadAttention: (
+    jnnx.MultiHeadAttention,
+    _nnx_attention_check,
+    _nnx_attention_patch,
+    True,
+  ),
 }
 
 
-def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings | None,
-              name: str):
+def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings | None, name: str):
   """A `twin_cls` instance holding `plain`'s attributes (its very Variable objects)."""
   twin = _compat.nnx_twin_of(plain, twin_cls)
   patch(twin)
@@ -87,7 +107,8 @@ def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings |
 
 def _has_stream(rngs) -> bool:
   return isinstance(rngs, nnx.RngStream) or (
-      isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs))
+    isinstance(rngs, nnx.Rngs) and ("jact" in rngs or "default" in rngs)
+  )
 
 
 def _replace(value, twins: dict[int, Any]):
@@ -132,26 +153,41 @@ def _swap_in(node, twins: dict[int, Any]) -> None:
 
 
 # twins that round (their settings are convert's); Embed and Dropout have none
-_ROUNDING_TWINS = (jnnx.Linear, jnnx.Conv, jnnx.BatchNorm, jnnx.LayerNorm, jnnx.RMSNorm,
-                   jnnx.MultiHeadAttention)
+_ROUNDING_TWINS = (
+  jnnx.Linear,
+  jnnx.Conv,
+  jnnx.BatchNorm,
+  jnnx.LayerNorm,
+  jnnx.RMSNorm,
+  jnnx.MultiHeadAttention,
+)
 
 
 # every layer class of jact.nnx (twins, activation and pooling layers, BLPABlock)
-_TWIN_TYPES = tuple(obj for obj in map(lambda n: getattr(jnnx, n), jnnx.__all__)
-                    if isinstance(obj, type))
+_TWIN_TYPES = tuple(
+  obj for obj in map(lambda n: getattr(jnnx, n), jnnx.__all__) if isinstance(obj, type)
+)
 
 
 def _converted_twins(model: nnx.Module) -> list:
   """(name, twin) for the rounding twins already in `model` (exact types)."""
-  return [("/".join(str(p) for p in path) or type(module).__name__, module)
-          for path, module in nnx.iter_modules(model) if type(module) in _ROUNDING_TWINS]
+  return [
+    ("/".join(str(p) for p in path) or type(module).__name__, module)
+    for path, module in nnx.iter_modules(model)
+    if type(module) in _ROUNDING_TWINS
+  ]
 
 
 def _layer_streams(model: nnx.Module) -> list:
   """The rounding streams of `model`'s converted layers (twins, engine layers),
   in `nnx.iter_modules` order."""
-  return [stream for _, module in nnx.iter_modules(model) if module is not model
-          for stream in [getattr(module, "jact_rngs", None)] if stream is not None]
+  return [
+    stream
+    for _, module in nnx.iter_modules(model)
+    if module is not model
+    for stream in [getattr(module, "jact_rngs", None)]
+    if stream is not None
+  ]
 
 
 def convert_nnx(model: nnx.Module, settings: Settings, rngs):
@@ -174,18 +210,20 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
     raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
   if rngs is not None and not _has_stream(rngs):
     raise ValueError(
-        f"jact.convert(model, rngs=...) forks each converted layer's rounding stream from "
-        f"a stream named 'jact' (or 'default'); got an nnx.Rngs with only {list(rngs)}. Pass "
-        f"rngs=nnx.Rngs(jact=0); or leave rngs out: the model's state then stays the plain "
-        f"model's, and the keys come from jact.nnx.use_key.")
+      f"jact.convert(model, rngs=...) forks each converted layer's rounding stream from "
+      f"a stream named 'jact' (or 'default'); got an nnx.Rngs with only {list(rngs)}. Pass "
+      f"rngs=nnx.Rngs(jact=0); or leave rngs out: the model's state then stays the plain "
+      f"model's, and the keys come from jact.nnx.use_key."
+    )
   converted = _converted_twins(model)
   for _, twin in converted:  # converted before (or built as twins): the new settings apply
     source = rngs if rngs is not None else twin.jact_rngs
     twin._init_jact(source, name=twin.residual_name, **settings.rounding)
 
-  twins = {id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None,
-                                 name)
-           for module, twin_cls, patch, rounds, name in plan}
+  twins = {
+    id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None, name)
+    for module, twin_cls, patch, rounds, name in plan
+  }
   paths = {id(module): path for path, module in nnx.iter_modules(model)}
   for module_id, twin in twins.items():  # built inside nnx.vmap: one stream per stacked layer
     _engine.restack(model, paths[module_id], twin)
@@ -215,7 +253,7 @@ def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool]]:
   found, covered, models = [], [], []
   for path, module in sorted(nnx.iter_modules(model), key=lambda pm: len(pm[0])):
     path = tuple(path)
-    if any(path[:len(p)] == p for p in covered):
+    if any(path[: len(p)] == p for p in covered):
       continue
     if type(module) in _TWIN_TYPES or _engine.is_engine_layer(module):
       covered.append(path)
@@ -226,7 +264,6 @@ def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool]]:
     reason = None if rule is None else rule[1](module)
     if reason is not None:
       name = "/".join(str(p) for p in path) or type(module).__name__
-      in_model = any(path[:len(p)] == p for p in models)
+      in_model = any(path[: len(p)] == p for p in models)
       found.append((name, type(module).__name__, reason, in_model))
   return found
-

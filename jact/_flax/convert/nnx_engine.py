@@ -32,10 +32,12 @@ from jact._flax.compressed import nnx_call
 CELLS = (nnx.LSTMCell, nnx.OptimizedLSTMCell, nnx.GRUCell, nnx.SimpleCell)
 GENERIC = (nnx.LinearGeneral, nnx.Einsum, nnx.ConvTranspose, nnx.GroupNorm) + CELLS
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineSetup:
   """Static settings of a converted call (compared by identity, as nnx static
   attributes must hash): the engine's config and which arguments it compresses."""
+
   config: Any
   inputs: bool
   cell: bool = False
@@ -57,12 +59,21 @@ def _run(module, base: type, setup: EngineSetup, stream_attr: str, args, kwargs)
   compress, key = _draw(module, stream_attr, setup.config)
   if not compress:
     message = _hooks.nnx_keyless_message(
-        f"jact.convert's {type(module).__name__} {setup.config.name!r}",
-        "give it its own stream: jact.convert(model, rngs=nnx.Rngs(jact=0))")
+      f"jact.convert's {type(module).__name__} {setup.config.name!r}",
+      "give it its own stream: jact.convert(model, rngs=nnx.Rngs(jact=0))",
+    )
     return _hooks.keyless(lambda: base.__call__(module, *args, **kwargs), message)()
   argnums = tuple(range(len(args))) if setup.inputs else ()
-  return nnx_call(module, base.__call__, args, kwargs, key=key, config=setup.config,
-                  policy=layout_recomputed if setup.cell else None, compress_argnums=argnums)
+  return nnx_call(
+    module,
+    base.__call__,
+    args,
+    kwargs,
+    key=key,
+    config=setup.config,
+    policy=layout_recomputed if setup.cell else None,
+    compress_argnums=argnums,
+  )
 
 
 _LAYER_CLASSES: dict[type, type] = {}
@@ -72,12 +83,21 @@ _MODEL_CLASSES: dict[type, type] = {}
 def layer_class(base: type) -> type:
   """The cached engine subclass of a layer class with no twin."""
   if base not in _LAYER_CLASSES:
+
     def __call__(self, *args, **kwargs):
       return _run(self, base, self.jact_engine, "jact_rngs", args, kwargs)
 
-    _LAYER_CLASSES[base] = type(base.__name__, (base,), {
-        "__call__": __call__, "__module__": base.__module__, "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__, "_jact_base": base})
+    _LAYER_CLASSES[base] = type(
+      base.__name__,
+      (base,),
+      {
+        "__call__": __call__,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+        "_jact_base": base,
+      },
+    )
   return _LAYER_CLASSES[base]
 
 
@@ -85,15 +105,24 @@ def model_class(base: type) -> type:
   """The cached subclass a converted model's class becomes: its `__call__`
   through the engine (once: inner converted models run their own call)."""
   if base not in _MODEL_CLASSES:
+
     def __call__(self, *args, **kwargs):
       if NNX_IN_MODEL.get():
         return base.__call__(self, *args, **kwargs)
       with bound(NNX_IN_MODEL, True):
         return _run(self, base, self.jact_model, "jact_model_rngs", args, kwargs)
 
-    _MODEL_CLASSES[base] = type(base.__name__, (base,), {
-        "__call__": __call__, "__module__": base.__module__, "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__, "_jact_model_base": base})
+    _MODEL_CLASSES[base] = type(
+      base.__name__,
+      (base,),
+      {
+        "__call__": __call__,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+        "_jact_model_base": base,
+      },
+    )
   return _MODEL_CLASSES[base]
 
 
@@ -140,8 +169,8 @@ def stack_shape(module) -> tuple[int, ...] | None:
     attr, shape = expected
     value = getattr(sub, attr)
     actual = tuple(getattr(value, "shape", ()))
-    if len(actual) >= len(shape) and actual[len(actual) - len(shape):] == shape:
-      return actual[:len(actual) - len(shape)]
+    if len(actual) >= len(shape) and actual[len(actual) - len(shape) :] == shape:
+      return actual[: len(actual) - len(shape)]
   return None
 
 
@@ -173,7 +202,7 @@ def generic_layers(model, twin_types) -> list[tuple[tuple, Any]]:
   found, twins = [], []
   for path, module in sorted(nnx.iter_modules(model), key=lambda pm: len(pm[0])):
     path = tuple(path)
-    if any(path[:len(p)] == p for p in [p for p, _ in found] + twins):
+    if any(path[: len(p)] == p for p in [p for p, _ in found] + twins):
       continue
     if type(module) in twin_types:
       twins.append(path)
@@ -186,7 +215,7 @@ def inside(path, layers) -> bool:
   """Whether `path` lies strictly inside one of `layers` (their sublayers are not
   converted themselves: the engine compresses all of the layer's residuals)."""
   path = tuple(path)
-  return any(len(path) > len(p) and path[:len(p)] == p for p, _ in layers)
+  return any(len(path) > len(p) and path[: len(p)] == p for p, _ in layers)
 
 
 def _shape_of(model, path, module) -> tuple[int, ...]:
@@ -194,8 +223,9 @@ def _shape_of(model, path, module) -> tuple[int, ...]:
   if shape is None and path:  # no parameter tells: a sibling in the same block
     parent = model
     for p in path[:-1]:
-      parent = parent[p] if isinstance(parent, (list, dict, nnx.List, nnx.Dict)) else getattr(
-          parent, p)
+      parent = (
+        parent[p] if isinstance(parent, (list, dict, nnx.List, nnx.Dict)) else getattr(parent, p)
+      )
     shape = stack_shape(parent)
   return shape or ()
 

@@ -46,6 +46,7 @@ class ConversionReport:
   layer called several times is one row; `calls` counts them);
   total_bytes: what the whole function keeps for its backward pass.
   """
+
   rows: list[Row]
   total_bytes: int
 
@@ -57,11 +58,14 @@ class ConversionReport:
       return "-" if n is None else f"{n:,}"
 
     table = [("layer", "type", "converted", "plain B", "saved B", "note")]
-    table += [(r.path, r.layer, r.how, size(r.plain_bytes), size(r.saved_bytes), r.reason)
-              for r in self.rows]
+    table += [
+      (r.path, r.layer, r.how, size(r.plain_bytes), size(r.saved_bytes), r.reason)
+      for r in self.rows
+    ]
     widths = [max(len(str(row[i])) for row in table) for i in range(5)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5]
-             for row in table]
+    lines = [
+      "  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in table
+    ]
     lines.append(f"saved for backward by the whole call: {self.total_bytes:,} B")
     return "\n".join(line.rstrip() for line in lines)
 
@@ -69,8 +73,9 @@ class ConversionReport:
 def _nnx_plain_rows(args, kwargs) -> list[Row]:
   """Rows for the layers of the nnx modules passed to `fn` that `convert` left
   plain ('model' when a converted model's call compresses them)."""
-  modules = [leaf for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module)
-             if _is_nnx_module(leaf)]
+  modules = [
+    leaf for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module) if _is_nnx_module(leaf)
+  ]
   rows, seen = [], set()
   for module in modules:
     for name, layer, reason, in_model in plain_layers(module):
@@ -93,16 +98,24 @@ def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Conv
   arguments (variables, batch, keys) are not counted as saved.
   """
   if not callable(fn):
-    raise TypeError(f"jact.conversion_report: fn must be a function that calls the converted "
-                    f"model (e.g. lambda v, x: model.apply(v, x).sum()), got "
-                    f"{type(fn).__name__} {fn!r:.40}")
+    raise TypeError(
+      f"jact.conversion_report: fn must be a function that calls the converted "
+      f"model (e.g. lambda v, x: model.apply(v, x).sum()), got "
+      f"{type(fn).__name__} {fn!r:.40}"
+    )
   with recording() as rows:
     total = saved_bytes(lambda *a: fn(*a, **kwargs), args, kept=set(range(len(args))))
   report = ConversionReport(list(rows) + _nnx_plain_rows(args, kwargs), total)
   for row in report.plain():
-    share = ("" if row.saved_bytes is None or not total
-             else f"; it saves {row.saved_bytes:,} B, {100 * row.saved_bytes / total:.0f}% of "
-                  f"the {total:,} B saved for the backward pass")
-    warnings.warn(f"jact.convert: {row.path} (flax {row.layer}) runs uncompressed: "
-                  f"{row.reason}{share}", ConversionWarning, stacklevel=2)
+    share = (
+      ""
+      if row.saved_bytes is None or not total
+      else f"; it saves {row.saved_bytes:,} B, {100 * row.saved_bytes / total:.0f}% of "
+      f"the {total:,} B saved for the backward pass"
+    )
+    warnings.warn(
+      f"jact.convert: {row.path} (flax {row.layer}) runs uncompressed: {row.reason}{share}",
+      ConversionWarning,
+      stacklevel=2,
+    )
   return report

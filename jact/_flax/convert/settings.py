@@ -19,6 +19,7 @@ class ConversionWarning(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """What `convert` was called with (the twins' rounding settings and `strict`)."""
+
   bits: int | None
   group_size: int
   stochastic: bool

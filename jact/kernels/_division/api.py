@@ -26,9 +26,16 @@ from jact._core.quantize import FLOAT_DTYPES, Packed, check_group_size
 __all__ = ["division_compress"]
 
 
-def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
-                      group_size: int = 256, lfc_dtype: Any = jnp.bfloat16,
-                      implementation: str | None = None) -> tuple[jax.Array, Packed]:
+def division_compress(
+  x: jax.Array,
+  seed: jax.Array,
+  *,
+  block: int,
+  bits: int,
+  group_size: int = 256,
+  lfc_dtype: Any = jnp.bfloat16,
+  implementation: str | None = None,
+) -> tuple[jax.Array, Packed]:
   """DIVISION's (LFC, packed HFC) of a channels-last map `x`.
 
   Args:
@@ -49,25 +56,41 @@ def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
   """
   x = jnp.asarray(x)
   if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"division_compress takes a float32, bfloat16 or float16 array, got "
-                    f"{x.dtype}; cast it first (x.astype(jnp.float32)).")
+    raise TypeError(
+      f"division_compress takes a float32, bfloat16 or float16 array, got "
+      f"{x.dtype}; cast it first (x.astype(jnp.float32))."
+    )
   if not 3 <= x.ndim <= 5:
-    raise ValueError(f"division_compress takes channels-last inputs of rank 3 to 5 ((N, L, C), "
-                     f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(x.shape)}; a rank-2 "
-                     f"input has no spatial axes: quantize it with jact.quantize instead.")
+    raise ValueError(
+      f"division_compress takes channels-last inputs of rank 3 to 5 ((N, L, C), "
+      f"(N, H, W, C) or (N, D, H, W, C)), got shape {tuple(x.shape)}; a rank-2 "
+      f"input has no spatial axes: quantize it with jact.quantize instead."
+    )
   if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block <= 0:
-    raise ValueError(f"division_compress: block must be a positive int (the pooling block and "
-                     f"stride, e.g. 8), got {block!r}.")
+    raise ValueError(
+      f"division_compress: block must be a positive int (the pooling block and "
+      f"stride, e.g. 8), got {block!r}."
+    )
   try:
     lfc = jnp.dtype(lfc_dtype)
   except TypeError:
     lfc = None
   if lfc not in FLOAT_DTYPES:
-    raise ValueError(f"division_compress: lfc_dtype must be float32, bfloat16 or float16, got "
-                     f"{lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32.")
+    raise ValueError(
+      f"division_compress: lfc_dtype must be float32, bfloat16 or float16, got "
+      f"{lfc_dtype!r}; use jnp.bfloat16 (default) or jnp.float32."
+    )
   if seed is None:
-    raise ValueError("division_compress needs a uint32 seed for the HFC's stochastic rounding, "
-                     "got None; draw one with jact.rng.seed_from_key(key).")
+    raise ValueError(
+      "division_compress needs a uint32 seed for the HFC's stochastic rounding, "
+      "got None; draw one with jact.rng.seed_from_key(key)."
+    )
   fn = kernels.dispatch("division_compress", implementation, size=x.size)
-  return fn(x, seed, block=int(block), bits=check_bits(bits), group_size=check_group_size(group_size),
-            lfc_dtype=lfc_dtype)
+  return fn(
+    x,
+    seed,
+    block=int(block),
+    bits=check_bits(bits),
+    group_size=check_group_size(group_size),
+    lfc_dtype=lfc_dtype,
+  )

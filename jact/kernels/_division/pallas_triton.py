@@ -44,6 +44,7 @@ _LFC_TILE = 1024  # pooled values per chunk of a band (a power of two)
 @dataclasses.dataclass(frozen=True)
 class _Map:
   """The map viewed as (n, d, h, w, c) with blocks (bd, bh, bw) and pooled extents."""
+
   n: int
   d: int
   h: int
@@ -76,8 +77,10 @@ def _map(shape: tuple[int, ...], block: int) -> _Map:
 
 def _check(shape, bits, group_size) -> None:
   if not 3 <= len(shape) <= 5:
-    raise ValueError(f"division_compress takes (N, L, C), (N, H, W, C) or (N, D, H, W, C) "
-                     f"inputs, got shape {tuple(shape)}.")
+    raise ValueError(
+      f"division_compress takes (N, L, C), (N, H, W, C) or (N, D, H, W, C) "
+      f"inputs, got shape {tuple(shape)}."
+    )
   check_bits(bits)
   check_group_size(group_size)
 
@@ -164,9 +167,24 @@ def _pool_band(x_ref, lfc_ref, band, m: _Map, *, tile: int, interpret: bool) -> 
   jax.lax.fori_loop(0, -(-row_len // tile), chunk, 0)
 
 
-def _encode_rows(x_ref, lfc_ref, seed, data_ref, min_ref, scale_ref, row, row_ok, m: _Map, *,
-                 groups: int, d: int, group_size: int, bits: int, q_pad: int,
-                 interpret: bool) -> None:
+def _encode_rows(
+  x_ref,
+  lfc_ref,
+  seed,
+  data_ref,
+  min_ref,
+  scale_ref,
+  row,
+  row_ok,
+  m: _Map,
+  *,
+  groups: int,
+  d: int,
+  group_size: int,
+  bits: int,
+  q_pad: int,
+  interpret: bool,
+) -> None:
   """Quantizes the HFC of group rows `row` [R] (row = sample * groups + group of the
   (rows, d) view), subtracting each element's LFC value as stored."""
   k = 8 // bits
@@ -186,32 +204,62 @@ def _encode_rows(x_ref, lfc_ref, seed, data_ref, min_ref, scale_ref, row, row_ok
     valid.append(mask)
     index.append(rr.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = float((1 << bits) - 1)  # static: the reciprocal is a constant, as in XLA
-  minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret,
-                                      valid=valid)
+  minimum, step, packed = encode_tile(
+    planes, levels, seed, index, bits=bits, interpret=interpret, valid=valid
+  )
   T.store(data_ref, rr * q + j, packed.astype(jnp.uint8), ok)
   T.store(min_ref, row, minimum.astype(jnp.bfloat16), row_ok)
   T.store(scale_ref, row, step.astype(jnp.bfloat16), row_ok)
 
 
-def _fused_kernel(x_ref, seed_ref, lfc_ref, data_ref, min_ref, scale_ref, *, m: _Map, groups,
-                  d, group_size, bits, rows, q_pad, tile, interpret):
+def _fused_kernel(
+  x_ref,
+  seed_ref,
+  lfc_ref,
+  data_ref,
+  min_ref,
+  scale_ref,
+  *,
+  m: _Map,
+  groups,
+  d,
+  group_size,
+  bits,
+  rows,
+  q_pad,
+  tile,
+  interpret,
+):
   """One band: its LFC, then the HFC of the groups it owns."""
   band = pl.program_id(0)
   _pool_band(x_ref, lfc_ref, band, m, tile=tile, interpret=interpret)
   if not interpret:
     pltriton.debug_barrier()  # the band's LFC stores are visible to all its threads
   n, od, oh = _band(band, m)
-  length = (jnp.minimum(m.bd, m.d - od * m.bd) * jnp.minimum(m.bh, m.h - oh * m.bh)
-            * (m.w * m.c))
+  length = jnp.minimum(m.bd, m.d - od * m.bd) * jnp.minimum(m.bh, m.h - oh * m.bh) * (m.w * m.c)
   owned = _div(length + group_size - 1, group_size)
   first = n * groups + _div(m.band_start(od, oh), group_size)
   seed = seed_ref[0]
 
   def chunk(i, carry):
     r = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    _encode_rows(x_ref, lfc_ref, seed, data_ref, min_ref, scale_ref, first + r, r < owned, m,
-                 groups=groups, d=d, group_size=group_size, bits=bits, q_pad=q_pad,
-                 interpret=interpret)
+    _encode_rows(
+      x_ref,
+      lfc_ref,
+      seed,
+      data_ref,
+      min_ref,
+      scale_ref,
+      first + r,
+      r < owned,
+      m,
+      groups=groups,
+      d=d,
+      group_size=group_size,
+      bits=bits,
+      q_pad=q_pad,
+      interpret=interpret,
+    )
     return carry
 
   most = -(-(m.bd * m.bh * m.w * m.c) // group_size)
@@ -222,17 +270,55 @@ def _pool_kernel(x_ref, lfc_ref, *, m: _Map, tile, interpret):
   _pool_band(x_ref, lfc_ref, pl.program_id(0), m, tile=tile, interpret=interpret)
 
 
-def _residual_kernel(x_ref, lfc_ref, seed_ref, data_ref, min_ref, scale_ref, *, m: _Map,
-                     n_rows, groups, d, group_size, bits, rows, q_pad, interpret):
+def _residual_kernel(
+  x_ref,
+  lfc_ref,
+  seed_ref,
+  data_ref,
+  min_ref,
+  scale_ref,
+  *,
+  m: _Map,
+  n_rows,
+  groups,
+  d,
+  group_size,
+  bits,
+  rows,
+  q_pad,
+  interpret,
+):
   row = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-  _encode_rows(x_ref, lfc_ref, seed_ref[0], data_ref, min_ref, scale_ref, row, row < n_rows, m,
-               groups=groups, d=d, group_size=group_size, bits=bits, q_pad=q_pad,
-               interpret=interpret)
+  _encode_rows(
+    x_ref,
+    lfc_ref,
+    seed_ref[0],
+    data_ref,
+    min_ref,
+    scale_ref,
+    row,
+    row < n_rows,
+    m,
+    groups=groups,
+    d=d,
+    group_size=group_size,
+    bits=bits,
+    q_pad=q_pad,
+    interpret=interpret,
+  )
 
 
-def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int, group_size: int,
-                      lfc_dtype: Any, interpret: bool | None = None,
-                      rows: int | None = None) -> tuple[jax.Array, Packed]:
+def division_compress(
+  x: jax.Array,
+  seed: jax.Array,
+  *,
+  block: int,
+  bits: int,
+  group_size: int,
+  lfc_dtype: Any,
+  interpret: bool | None = None,
+  rows: int | None = None,
+) -> tuple[jax.Array, Packed]:
   """(LFC, packed HFC) of x (rank 3 to 5), bit-exact with the XLA reference.
 
   Same contract as `reference.division_compress_reference`.
@@ -257,23 +343,43 @@ def division_compress(x: jax.Array, seed: jax.Array, *, block: int, bits: int, g
   seed = jnp.asarray(seed, jnp.uint32).reshape(1)
   lfc_shape = jax.ShapeDtypeStruct((bands * nw * m.c,), lfc_dtype)
   packed_shape = packed_out_shape(n_rows, q)
-  common = dict(m=m, groups=groups, d=d, group_size=g, bits=bits, rows=r, q_pad=q_pad,
-                interpret=interpret)
+  common = dict(
+    m=m, groups=groups, d=d, group_size=g, bits=bits, rows=r, q_pad=q_pad, interpret=interpret
+  )
   if fused(shape, block, group_size):
     kernel = functools.partial(_fused_kernel, tile=tile, **common)
     lfc, data, minimum, scale = T.call(
-        kernel, grid=bands, out_shape=(lfc_shape, *packed_shape), name="jact_division",
-        interpret=interpret)(flat, seed)
+      kernel,
+      grid=bands,
+      out_shape=(lfc_shape, *packed_shape),
+      name="jact_division",
+      interpret=interpret,
+    )(flat, seed)
   else:
-    lfc = T.call(functools.partial(_pool_kernel, m=m, tile=tile, interpret=interpret),
-                 grid=bands, out_shape=lfc_shape, name="jact_division_pool",
-                 interpret=interpret)(flat)
+    lfc = T.call(
+      functools.partial(_pool_kernel, m=m, tile=tile, interpret=interpret),
+      grid=bands,
+      out_shape=lfc_shape,
+      name="jact_division_pool",
+      interpret=interpret,
+    )(flat)
     kernel = functools.partial(_residual_kernel, n_rows=n_rows, **common)
     data, minimum, scale = T.call(
-        kernel, grid=max(1, -(-n_rows // r)), out_shape=packed_shape,
-        name="jact_division_residual", interpret=interpret)(flat, lfc, seed)
+      kernel,
+      grid=max(1, -(-n_rows // r)),
+      out_shape=packed_shape,
+      name="jact_division_residual",
+      interpret=interpret,
+    )(flat, lfc, seed)
   pooled = tuple(-(-s // min(block, s)) for s in shape[1:-1])
-  packed = Packed(data.reshape(n_view, groups, q), minimum.reshape(n_view, groups),
-                  scale.reshape(n_view, groups), view, jnp.dtype(jnp.float32), bits, g,
-                  shape if view != shape else None)
+  packed = Packed(
+    data.reshape(n_view, groups, q),
+    minimum.reshape(n_view, groups),
+    scale.reshape(n_view, groups),
+    view,
+    jnp.dtype(jnp.float32),
+    bits,
+    g,
+    shape if view != shape else None,
+  )
   return lfc.reshape(shape[0], *pooled, shape[-1]), packed

@@ -26,8 +26,9 @@ from jact.kernels._quantize.reference import quantize_rows_reference
 __all__ = ["division_compress_reference"]
 
 
-def division_compress_reference(x: jax.Array, seed: jax.Array, *, block: int, bits: int,
-                                group_size: int, lfc_dtype: Any):
+def division_compress_reference(
+  x: jax.Array, seed: jax.Array, *, block: int, bits: int, group_size: int, lfc_dtype: Any
+):
   """The XLA reference of the "division_compress" kernel op: (LFC, packed HFC).
 
   For an input of rank 3 to 5: LFC = the pooled map in `lfc_dtype`, HFC =

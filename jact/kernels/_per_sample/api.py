@@ -30,9 +30,17 @@ from jact._core.quantize import check_float_dtype
 __all__ = ["quantize_per_sample", "dequantize_per_sample"]
 
 
-def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int = 256,
-                        stochastic: bool = True, seed: jax.Array | None = None,
-                        key=None, implementation: str | None = None) -> PackedPerSample:
+def quantize_per_sample(
+  x: jax.Array,
+  bits: jax.Array,
+  *,
+  capacity_bytes: int,
+  group_size: int = 256,
+  stochastic: bool = True,
+  seed: jax.Array | None = None,
+  key=None,
+  implementation: str | None = None,
+) -> PackedPerSample:
   """Quantizes each sample n of `x` at its own width `bits[n]` into one buffer.
 
   Args:
@@ -54,34 +62,47 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   """
   check_float_dtype(x)
   n, group_size, dp = _layout(tuple(x.shape), group_size)
-  if (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer))
-      or capacity_bytes < n * dp // 8):
-    raise ValueError(f"capacity_bytes={capacity_bytes!r} cannot hold {n} samples of {dp} values at "
-                     f"even 1 bit each ({n * dp // 8} bytes); size the buffer with "
-                     f"per_sample_capacity(x.shape, avg_bits) for an average of at least 1 bit.")
+  if (
+    isinstance(capacity_bytes, bool)
+    or not isinstance(capacity_bytes, (int, np.integer))
+    or capacity_bytes < n * dp // 8
+  ):
+    raise ValueError(
+      f"capacity_bytes={capacity_bytes!r} cannot hold {n} samples of {dp} values at "
+      f"even 1 bit each ({n * dp // 8} bytes); size the buffer with "
+      f"per_sample_capacity(x.shape, avg_bits) for an average of at least 1 bit."
+    )
   capacity = int(capacity_bytes)
   if capacity + n * dp >= 2**31:
-    raise ValueError(f"tensor too large for int32 byte offsets ({n} x {dp} values, capacity {capacity}).")
+    raise ValueError(
+      f"tensor too large for int32 byte offsets ({n} x {dp} values, capacity {capacity})."
+    )
   if stochastic and seed is None:
     seed = rng.seed_from_key(key)
   bits = jnp.asarray(bits)
   if bits.shape != (n,) or not jnp.issubdtype(bits.dtype, jnp.integer):
-    raise ValueError(f"bits must be an integer array of shape ({n},) (one width per sample), got "
-                     f"{bits.dtype}{list(bits.shape)}.")
+    raise ValueError(
+      f"bits must be an integer array of shape ({n},) (one width per sample), got "
+      f"{bits.dtype}{list(bits.shape)}."
+    )
   bits = bits.astype(jnp.int32)
   bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
   quantize_fn = kernels.dispatch("quantize_per_sample", implementation, size=x.size)
-  return quantize_fn(x, bits, capacity_bytes=capacity, group_size=group_size,
-                     seed=seed if stochastic else None)
+  return quantize_fn(
+    x, bits, capacity_bytes=capacity, group_size=group_size, seed=seed if stochastic else None
+  )
 
 
-def dequantize_per_sample(p: PackedPerSample, dtype=None, *,
-                          implementation: str | None = None) -> jax.Array:
+def dequantize_per_sample(
+  p: PackedPerSample, dtype=None, *, implementation: str | None = None
+) -> jax.Array:
   """Reconstructs the tensor from a `PackedPerSample` (its own dtype unless given);
   `implementation` picks the kernel as in `quantize_per_sample`."""
   if not isinstance(p, PackedPerSample):
-    raise TypeError(f"dequantize_per_sample takes the PackedPerSample that quantize_per_sample "
-                    f"returns, got {type(p).__name__}; quantize the array first "
-                    f"(p = quantize_per_sample(x, bits, capacity_bytes=..., key=key)).")
+    raise TypeError(
+      f"dequantize_per_sample takes the PackedPerSample that quantize_per_sample "
+      f"returns, got {type(p).__name__}; quantize the array first "
+      f"(p = quantize_per_sample(x, bits, capacity_bytes=..., key=key))."
+    )
   return kernels.dispatch("dequantize_per_sample", implementation, size=p.data.size)(p, dtype)

@@ -35,8 +35,10 @@ from jact.kernels import _triton as T
 from jact.kernels._quantize.pallas_triton import decode_values, encode_values, group_stats
 from jact._core.quantize import flagged_levels, split_step
 from jact._core.persample import PackedPerSample
-from jact.kernels._per_sample.reference import (dequantize_per_sample_reference,
-                                               quantize_per_sample_reference)
+from jact.kernels._per_sample.reference import (
+  dequantize_per_sample_reference,
+  quantize_per_sample_reference,
+)
 
 __all__ = ["quantize_per_sample", "dequantize_per_sample"]
 
@@ -70,8 +72,22 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
 # ----------------------------------------------------------------------------- pass 1: statistics
 
 
-def _stats_kernel(x_ref, width_ref, min_ref, scale_ref, hi_ref, inv_ref, *, n_rows, groups, d,
-                  group_size, rows, gp, interpret):
+def _stats_kernel(
+  x_ref,
+  width_ref,
+  min_ref,
+  scale_ref,
+  hi_ref,
+  inv_ref,
+  *,
+  n_rows,
+  groups,
+  d,
+  group_size,
+  rows,
+  gp,
+  interpret,
+):
   pid = pl.program_id(0)
   row = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, gp), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (rows, gp), 1)
@@ -94,22 +110,54 @@ def _statistics(x, width, *, groups, group_size, rows, interpret):
   n, d = x.shape
   n_rows = n * groups
   gp = T.next_pow2(group_size)
-  kernel = functools.partial(_stats_kernel, n_rows=n_rows, groups=groups, d=d,
-                             group_size=group_size, rows=rows, gp=gp, interpret=interpret)
-  out_shape = (jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
-               jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
-               jax.ShapeDtypeStruct((n_rows,), jnp.float32),
-               jax.ShapeDtypeStruct((n_rows,), jnp.float32))
-  return T.call(kernel, grid=-(-n_rows // rows), out_shape=out_shape,
-                name="jact_per_sample_stats", interpret=interpret)(x.reshape(-1), width)
+  kernel = functools.partial(
+    _stats_kernel,
+    n_rows=n_rows,
+    groups=groups,
+    d=d,
+    group_size=group_size,
+    rows=rows,
+    gp=gp,
+    interpret=interpret,
+  )
+  out_shape = (
+    jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+    jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+    jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+    jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+  )
+  return T.call(
+    kernel,
+    grid=-(-n_rows // rows),
+    out_shape=out_shape,
+    name="jact_per_sample_stats",
+    interpret=interpret,
+  )(x.reshape(-1), width)
 
 
 # ----------------------------------------------------------------------------- pass 2: codes
 
 
-def _pack_width(x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, sample, t, offset, *,
-                bits, d,
-                groups, group_size, unit, values, interpret):
+def _pack_width(
+  x_ref,
+  min_ref,
+  scale_ref,
+  hi_ref,
+  inv_ref,
+  data_ref,
+  seed,
+  sample,
+  t,
+  offset,
+  *,
+  bits,
+  d,
+  groups,
+  group_size,
+  unit,
+  values,
+  interpret,
+):
   """Packs sample `sample`'s bytes of program tile t at a static width `bits`."""
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
   j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
@@ -128,18 +176,40 @@ def _pack_width(x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, samp
     inv_step = T.load(inv_ref, r, in_sample, jnp.float32(0))
     index = (sample * (groups * group_size) + pos).astype(jnp.uint32)
     finite_levels = flagged_levels(jnp.full(v.shape, levels), split_step(stored)[1])
-    code = encode_values(v, minimum, hi, inv_step, levels, seed, index, interpret=interpret,
-                         finite_levels=finite_levels, valid=own, dtype=x_ref.dtype,
-                         stored=stored) << (p * bits)
+    code = encode_values(
+      v,
+      minimum,
+      hi,
+      inv_step,
+      levels,
+      seed,
+      index,
+      interpret=interpret,
+      finite_levels=finite_levels,
+      valid=own,
+      dtype=x_ref.dtype,
+      stored=stored,
+    ) << (p * bits)
     packed = code if packed is None else packed | code
   T.store(data_ref, offset + j, packed.astype(jnp.uint8), in_sample)
 
 
-def _pack_kernel(*refs, n, d, groups, group_size, tiles, values, zero_tile, capacity, stochastic,
-                 interpret):
+def _pack_kernel(
+  *refs, n, d, groups, group_size, tiles, values, zero_tile, capacity, stochastic, interpret
+):
   if stochastic:
-    (x_ref, width_ref, offset_ref, used_ref, min_ref, scale_ref, hi_ref, inv_ref, seed_ref,
-     data_ref) = refs
+    (
+      x_ref,
+      width_ref,
+      offset_ref,
+      used_ref,
+      min_ref,
+      scale_ref,
+      hi_ref,
+      inv_ref,
+      seed_ref,
+      data_ref,
+    ) = refs
     seed = seed_ref[0]
   else:
     x_ref, width_ref, offset_ref, used_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref = refs
@@ -151,16 +221,39 @@ def _pack_kernel(*refs, n, d, groups, group_size, tiles, values, zero_tile, capa
 
   @pl.when(sample < n)
   def _():
-    branches = [functools.partial(
-        _pack_width, x_ref, min_ref, scale_ref, hi_ref, inv_ref, data_ref, seed, bits=b, d=d,
-        groups=groups, group_size=group_size, unit=groups * group_size // 8, values=values, interpret=interpret)
-        for b in _WIDTHS]
+    branches = [
+      functools.partial(
+        _pack_width,
+        x_ref,
+        min_ref,
+        scale_ref,
+        hi_ref,
+        inv_ref,
+        data_ref,
+        seed,
+        bits=b,
+        d=d,
+        groups=groups,
+        group_size=group_size,
+        unit=groups * group_size // 8,
+        values=values,
+        interpret=interpret,
+      )
+      for b in _WIDTHS
+    ]
     jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
 
-def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int,
-                        seed: jax.Array | None, interpret: bool | None = None,
-                        rows: int | None = None) -> PackedPerSample:
+def quantize_per_sample(
+  x: jax.Array,
+  bits: jax.Array,
+  *,
+  capacity_bytes: int,
+  group_size: int,
+  seed: jax.Array | None,
+  interpret: bool | None = None,
+  rows: int | None = None,
+) -> PackedPerSample:
   """Per-sample mixed-precision quantization of x (N, ...) in two Pallas passes.
 
   Same contract as `reference.quantize_per_sample_reference`: `bits`
@@ -174,67 +267,147 @@ def quantize_per_sample(x: jax.Array, bits: jax.Array, *, capacity_bytes: int, g
   n, d = x.shape[0], math.prod(x.shape[1:])
   capacity = int(capacity_bytes)
   if not n * d:
-    return quantize_per_sample_reference(x, bits, capacity_bytes=capacity, group_size=group_size,
-                                         seed=seed)
+    return quantize_per_sample_reference(
+      x, bits, capacity_bytes=capacity, group_size=group_size, seed=seed
+    )
   T.check_int32(n * d, "the input")
   T.check_int32(capacity, "the buffer")
   groups, dp, r, values, tiles = _geometry(d, group_size, rows)
   bits = jnp.asarray(bits, jnp.int32)
   width = _width_index(bits)
-  minimum, scale, hi, inv_step = _statistics(x.reshape(n, d), width, groups=groups,
-                                             group_size=group_size, rows=r, interpret=interpret)
+  minimum, scale, hi, inv_step = _statistics(
+    x.reshape(n, d), width, groups=groups, group_size=group_size, rows=r, interpret=interpret
+  )
   offsets = _offsets(bits, dp)
   used = (jnp.sum(bits) * (dp // 8)).reshape(1).astype(jnp.int32)
   zero_tile = min(_ZERO_TILE, T.next_pow2(-(-capacity // (n * tiles))))
   grid = max(n * tiles, -(-capacity // zero_tile))
   stochastic = seed is not None
   kernel = functools.partial(
-      _pack_kernel, n=n, d=d, groups=groups, group_size=group_size, tiles=tiles, values=values,
-      zero_tile=zero_tile, capacity=capacity, stochastic=stochastic, interpret=interpret)
+    _pack_kernel,
+    n=n,
+    d=d,
+    groups=groups,
+    group_size=group_size,
+    tiles=tiles,
+    values=values,
+    zero_tile=zero_tile,
+    capacity=capacity,
+    stochastic=stochastic,
+    interpret=interpret,
+  )
   args = [x.reshape(-1), width, offsets, used, minimum, scale, hi, inv_step]
   if stochastic:
     args.append(jnp.asarray(seed, jnp.uint32).reshape(1))
-  data = T.call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((capacity,), jnp.uint8),
-                name="jact_per_sample_pack", interpret=interpret)(*args)
-  return PackedPerSample(data, bits.astype(jnp.uint8), minimum.reshape(n, groups),
-                         scale.reshape(n, groups), tuple(x.shape), jnp.dtype(x.dtype), group_size)
+  data = T.call(
+    kernel,
+    grid=grid,
+    out_shape=jax.ShapeDtypeStruct((capacity,), jnp.uint8),
+    name="jact_per_sample_pack",
+    interpret=interpret,
+  )(*args)
+  return PackedPerSample(
+    data,
+    bits.astype(jnp.uint8),
+    minimum.reshape(n, groups),
+    scale.reshape(n, groups),
+    tuple(x.shape),
+    jnp.dtype(x.dtype),
+    group_size,
+  )
 
 
 # ----------------------------------------------------------------------------- dequantize
 
 
-def _unpack_width(data_ref, min_ref, scale_ref, out_ref, sample, t, offset, *, bits, d, groups,
-                  group_size, unit, values, capacity, through, interpret):
+def _unpack_width(
+  data_ref,
+  min_ref,
+  scale_ref,
+  out_ref,
+  sample,
+  t,
+  offset,
+  *,
+  bits,
+  d,
+  groups,
+  group_size,
+  unit,
+  values,
+  capacity,
+  through,
+  interpret,
+):
   """Decodes sample `sample`'s values of program tile t at a static width `bits`."""
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
   j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
   in_sample = j < q
-  byte = T.load(data_ref, offset + j, in_sample & (offset + j < capacity),
-                jnp.uint8(0)).astype(jnp.int32)
+  byte = T.load(data_ref, offset + j, in_sample & (offset + j < capacity), jnp.uint8(0)).astype(
+    jnp.int32
+  )
   for p in range(k):
     pos = p * q + j
     r = sample * groups + pos // group_size
     minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     step = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
     code = ((byte >> (p * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
-    value = decode_values(code, minimum, step, out_ref.dtype, levels=float((1 << bits) - 1),
-                          interpret=interpret, through=through)
+    value = decode_values(
+      code,
+      minimum,
+      step,
+      out_ref.dtype,
+      levels=float((1 << bits) - 1),
+      interpret=interpret,
+      through=through,
+    )
     T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
 
 
-def _unpack_kernel(data_ref, width_ref, offset_ref, min_ref, scale_ref, out_ref, *, d, groups,
-                   group_size, tiles, values, capacity, through, interpret):
+def _unpack_kernel(
+  data_ref,
+  width_ref,
+  offset_ref,
+  min_ref,
+  scale_ref,
+  out_ref,
+  *,
+  d,
+  groups,
+  group_size,
+  tiles,
+  values,
+  capacity,
+  through,
+  interpret,
+):
   pid = pl.program_id(0)
   sample, t = pid // tiles, pid % tiles
-  branches = [functools.partial(
-      _unpack_width, data_ref, min_ref, scale_ref, out_ref, bits=b, d=d, groups=groups,
-      group_size=group_size, unit=groups * group_size // 8, values=values, capacity=capacity,
-      through=through, interpret=interpret) for b in _WIDTHS]
+  branches = [
+    functools.partial(
+      _unpack_width,
+      data_ref,
+      min_ref,
+      scale_ref,
+      out_ref,
+      bits=b,
+      d=d,
+      groups=groups,
+      group_size=group_size,
+      unit=groups * group_size // 8,
+      values=values,
+      capacity=capacity,
+      through=through,
+      interpret=interpret,
+    )
+    for b in _WIDTHS
+  ]
   jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
 
-def dequantize_per_sample(p: PackedPerSample, dtype=None, *, interpret: bool | None = None,
-                          rows: int | None = None) -> jax.Array:
+def dequantize_per_sample(
+  p: PackedPerSample, dtype=None, *, interpret: bool | None = None, rows: int | None = None
+) -> jax.Array:
   """Inverse of `quantize_per_sample` in one Pallas pass (same contract as the
   reference; widths must fit the buffer, as `quantize_per_sample` ensures)."""
   if interpret is None:
@@ -248,10 +421,21 @@ def dequantize_per_sample(p: PackedPerSample, dtype=None, *, interpret: bool | N
   T.check_int32(p.data.size, "the buffer")
   _, dp, _, values, tiles = _geometry(d, p.group_size, rows)
   kernel = functools.partial(
-      _unpack_kernel, d=d, groups=groups, group_size=p.group_size, tiles=tiles, values=values,
-      capacity=p.data.size, through=jnp.dtype(p.dtype), interpret=interpret)
-  out = T.call(kernel, grid=n * tiles, out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
-               name="jact_per_sample_unpack", interpret=interpret)(
-                   p.data, _width_index(p.bits), _offsets(p.bits, dp), p.minimum.reshape(-1),
-                   p.scale.reshape(-1))
+    _unpack_kernel,
+    d=d,
+    groups=groups,
+    group_size=p.group_size,
+    tiles=tiles,
+    values=values,
+    capacity=p.data.size,
+    through=jnp.dtype(p.dtype),
+    interpret=interpret,
+  )
+  out = T.call(
+    kernel,
+    grid=n * tiles,
+    out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
+    name="jact_per_sample_unpack",
+    interpret=interpret,
+  )(p.data, _width_index(p.bits), _offsets(p.bits, dp), p.minimum.reshape(-1), p.scale.reshape(-1))
   return out.reshape(p.shape)

@@ -34,9 +34,11 @@ __all__ = ["quantize_per_sample_reference", "dequantize_per_sample_reference"]
 def _scatter_rows(buf: jax.Array, rows: jax.Array, starts: jax.Array) -> jax.Array:
   """buf[starts[i] : starts[i] + rows.shape[1]] = rows[i]; out-of-bounds rows are dropped."""
   dnums = jax.lax.ScatterDimensionNumbers(
-      update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,))
-  return jax.lax.scatter(buf, starts[:, None], rows, dnums,
-                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+  )
+  return jax.lax.scatter(
+    buf, starts[:, None], rows, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP
+  )
 
 
 def _offsets(bits: jax.Array, dp: int) -> jax.Array:
@@ -45,8 +47,9 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
   return jnp.cumsum(size) - size
 
 
-def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_bytes: int,
-                                  group_size: int, seed: jax.Array | None) -> PackedPerSample:
+def quantize_per_sample_reference(
+  x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int, seed: jax.Array | None
+) -> PackedPerSample:
   """The XLA reference of `quantize_per_sample`: `bits` int32[N] already in
   (1, 2, 4, 8) and fitting `capacity_bytes`, `group_size` the effective one,
   `seed` a uint32 scalar or None (round to nearest)."""
@@ -73,13 +76,23 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   # in shifted by the new width (8 -> 4 -> 2 -> 1 bits keeps the order).
   unit = dp // 8
   if not n * unit:  # no values: nothing to pack
-    return PackedPerSample(jnp.zeros((capacity,), jnp.uint8), bits.astype(jnp.uint8), minimum, scale,
-                           tuple(x.shape), dtype, group_size)
-  pairs = jnp.sum(codes.reshape(n, 2, 4 * unit).astype(jnp.uint16)
-                  << jnp.array([0, 8], jnp.uint16)[:, None], axis=1, dtype=jnp.uint16)
+    return PackedPerSample(
+      jnp.zeros((capacity,), jnp.uint8),
+      bits.astype(jnp.uint8),
+      minimum,
+      scale,
+      tuple(x.shape),
+      dtype,
+      group_size,
+    )
+  pairs = jnp.sum(
+    codes.reshape(n, 2, 4 * unit).astype(jnp.uint16) << jnp.array([0, 8], jnp.uint16)[:, None],
+    axis=1,
+    dtype=jnp.uint16,
+  )
   lo, hi = (pairs & 255).astype(jnp.uint8), (pairs >> 8).astype(jnp.uint8)
   f4 = (lo & 15) | (hi << 4)
-  f2 = f4[:, :2 * unit] | (f4[:, 2 * unit:] << 2)
+  f2 = f4[:, : 2 * unit] | (f4[:, 2 * unit :] << 2)
   f1 = f2[:, :unit] | (f2[:, unit:] << 1)
 
   def units(a):  # (n, k units) -> (n, 4 units), repeated (units past k are dropped)
@@ -93,8 +106,9 @@ def quantize_per_sample_reference(x: jax.Array, bits: jax.Array, *, capacity_byt
   k = jnp.arange(8, dtype=jnp.int32)
   starts = jnp.where(k < bits[:, None], _offsets(bits, dp)[:, None] + k * unit, capacity)
   data = _scatter_rows(jnp.zeros((capacity,), jnp.uint8), chunks, starts.reshape(-1))
-  return PackedPerSample(data, bits.astype(jnp.uint8), minimum, scale, tuple(x.shape), dtype,
-                         group_size)
+  return PackedPerSample(
+    data, bits.astype(jnp.uint8), minimum, scale, tuple(x.shape), dtype, group_size
+  )
 
 
 def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array:
@@ -110,13 +124,21 @@ def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array
   seg = jax.vmap(lambda o: jax.lax.dynamic_slice(p.data, (o,), (unit,)))(starts.reshape(-1))
   seg = seg.reshape(n, dp)
   w = bits[:, None]
-  codes = jnp.select([w == 8, w == 4, w == 2],
-                     [seg, unpack_bits(seg[:, :4 * unit], 4), unpack_bits(seg[:, :2 * unit], 2)],
-                     unpack_bits(seg[:, :unit], 1))
+  codes = jnp.select(
+    [w == 8, w == 4, w == 2],
+    [seg, unpack_bits(seg[:, : 4 * unit], 4), unpack_bits(seg[:, : 2 * unit], 2)],
+    unpack_bits(seg[:, :unit], 1),
+  )
   codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
   d = math.prod(p.shape[1:])
   dtype = jnp.dtype(dtype or p.dtype)
   levels = ((1 << bits) - 1).astype(jnp.float32)[:, None, None]
-  g = decode_groups(codes, p.minimum.astype(jnp.float32)[..., None],
-                    p.scale.astype(jnp.float32)[..., None], levels, dtype, p.dtype)
+  g = decode_groups(
+    codes,
+    p.minimum.astype(jnp.float32)[..., None],
+    p.scale.astype(jnp.float32)[..., None],
+    levels,
+    dtype,
+    p.dtype,
+  )
   return g.reshape(n, dp)[:, :d].reshape(p.shape).astype(dtype)

@@ -22,15 +22,27 @@ import numpy as np
 
 from jact import kernels
 from jact._core import rng
-from jact._core.quantize import (Packed, check_bits, check_float_dtype, check_group_size,
-                                effective_group_size)
+from jact._core.quantize import (
+  Packed,
+  check_bits,
+  check_float_dtype,
+  check_group_size,
+  effective_group_size,
+)
 
 __all__ = ["quantize", "dequantize"]
 
 
-def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
-             stochastic: bool = True, seed: jax.Array | None = None,
-             implementation: str | None = None) -> Packed:
+def quantize(
+  x: jax.Array,
+  key=None,
+  *,
+  bits: int = 4,
+  group_size: int = 256,
+  stochastic: bool = True,
+  seed: jax.Array | None = None,
+  implementation: str | None = None,
+) -> Packed:
   """Quantizes `x` per sample and per group of `group_size` values.
 
   Args:
@@ -57,8 +69,9 @@ def quantize(x: jax.Array, key=None, *, bits: int = 4, group_size: int = 256,
   d = math.prod(x.shape[1:]) if x.ndim else 1
   group_size = effective_group_size(d, group_size)
   quantize_fn = kernels.dispatch("quantize", implementation, size=x.size)
-  return quantize_fn(x, seed if stochastic else None, bits=bits, group_size=group_size,
-                     stochastic=bool(stochastic))
+  return quantize_fn(
+    x, seed if stochastic else None, bits=bits, group_size=group_size, stochastic=bool(stochastic)
+  )
 
 
 def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None) -> jax.Array:
@@ -68,9 +81,10 @@ def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None)
   """
   if not isinstance(packed, Packed):
     raise TypeError(
-        f"jact.dequantize takes the jact.Packed that jact.quantize returns, got "
-        f"{'an array' if isinstance(packed, (jax.Array, np.ndarray)) else type(packed).__name__}"
-        "; quantize the array first (p = jact.quantize(x, key, bits=4), "
-        "then jact.dequantize(p)). A compressor's stored residual is restored with "
-        "compressor.decompress(stored), packed codes with jact.unpack_codes.")
+      f"jact.dequantize takes the jact.Packed that jact.quantize returns, got "
+      f"{'an array' if isinstance(packed, (jax.Array, np.ndarray)) else type(packed).__name__}"
+      "; quantize the array first (p = jact.quantize(x, key, bits=4), "
+      "then jact.dequantize(p)). A compressor's stored residual is restored with "
+      "compressor.decompress(stored), packed codes with jact.unpack_codes."
+    )
   return kernels.dispatch("dequantize", implementation, size=packed.data.size)(packed, dtype)

@@ -34,12 +34,27 @@ _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
 
 @triton.jit
-def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.constexpr,
-                    GROUPS: tl.constexpr, D: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                    BITS: tl.constexpr, ROWS: tl.constexpr, Q_PAD: tl.constexpr,
-                    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, INV_LEVELS: tl.constexpr,
-                    INV_FLAGGED: tl.constexpr, BF16_MAX: tl.constexpr, LATTICE: tl.constexpr,
-                    DTYPE_MAX: tl.constexpr):
+def quantize_kernel(
+  x_ptr,
+  seed_ptr,
+  data_ptr,
+  min_ptr,
+  scale_ptr,
+  N_ROWS: tl.constexpr,
+  GROUPS: tl.constexpr,
+  D: tl.constexpr,
+  GROUP_SIZE: tl.constexpr,
+  BITS: tl.constexpr,
+  ROWS: tl.constexpr,
+  Q_PAD: tl.constexpr,
+  STOCHASTIC: tl.constexpr,
+  IN_BF16: tl.constexpr,
+  INV_LEVELS: tl.constexpr,
+  INV_FLAGGED: tl.constexpr,
+  BF16_MAX: tl.constexpr,
+  LATTICE: tl.constexpr,
+  DTYPE_MAX: tl.constexpr,
+):
   K: tl.constexpr = 8 // BITS
   Q: tl.constexpr = GROUP_SIZE // K
   LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -99,8 +114,11 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
   stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
   step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
   positive = step > 0.0
-  inv_step = tl.where(positive, tl.div_rn(tl.full(step.shape, 1.0, tl.float32),
-                                          tl.where(positive, step * s, 1.0)), 0.0)
+  inv_step = tl.where(
+    positive,
+    tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(positive, step * s, 1.0)),
+    0.0,
+  )
 
   # codes, stochastically rounded, packed plane by plane into bytes
   mn, hi3 = minimum[:, None, None], hi[:, None, None]
@@ -152,34 +170,50 @@ def quantize_kernel(x_ptr, seed_ptr, data_ptr, min_ptr, scale_ptr, N_ROWS: tl.co
   row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
   tl.store(data_ptr + row2 * Q + j2, packed.to(tl.uint8), mask=(row2 < N_ROWS) & (j2 < Q))
   # the statistics hold bf16 values: their bf16 bits are the float32's high half
-  tl.store(min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16),
-           mask=row1 < N_ROWS)
-  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16),
-           mask=row1 < N_ROWS)
+  tl.store(
+    min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=row1 < N_ROWS
+  )
+  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=row1 < N_ROWS)
 
 
-def kernel_constants(shape, dtype, *, bits: int, group_size: int, stochastic: bool,
-                     rows: int | None = None) -> tuple[int, dict]:
+def kernel_constants(
+  shape, dtype, *, bits: int, group_size: int, stochastic: bool, rows: int | None = None
+) -> tuple[int, dict]:
   """(grid, the kernel's constexpr arguments) for an input of `shape` and `dtype`."""
   n = shape[0] if len(shape) else 1
   d = int(np.prod(shape[1:])) if len(shape) > 1 else 1
   groups, n_rows, _, q_pad, r = pergroup.packing_geometry(n, d, group_size, bits, rows)
   levels = np.float32((1 << bits) - 1)
-  constants = dict(N_ROWS=n_rows, GROUPS=groups, D=d, GROUP_SIZE=group_size, BITS=bits, ROWS=r,
-                   Q_PAD=q_pad, STOCHASTIC=bool(stochastic),
-                   IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
-                   INV_LEVELS=float(np.float32(1.0) / levels),
-                   INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
-                   BF16_MAX=_BF16_MAX,
-                   LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(
-                       jnp.dtype(dtype), 0),
-                   DTYPE_MAX=float(jnp.finfo(dtype).max))
+  constants = dict(
+    N_ROWS=n_rows,
+    GROUPS=groups,
+    D=d,
+    GROUP_SIZE=group_size,
+    BITS=bits,
+    ROWS=r,
+    Q_PAD=q_pad,
+    STOCHASTIC=bool(stochastic),
+    IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
+    INV_LEVELS=float(np.float32(1.0) / levels),
+    INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
+    BF16_MAX=_BF16_MAX,
+    LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(jnp.dtype(dtype), 0),
+    DTYPE_MAX=float(jnp.finfo(dtype).max),
+  )
   return -(-n_rows // r), constants
 
 
-def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
-             stochastic: bool = True, interpret: bool | None = None, rows: int | None = None,
-             initial=None) -> Packed:
+def quantize(
+  x: jax.Array,
+  seed: jax.Array | None,
+  *,
+  bits: int,
+  group_size: int,
+  stochastic: bool = True,
+  interpret: bool | None = None,
+  rows: int | None = None,
+  initial=None,
+) -> Packed:
   """Per-group quantization of x (N, ...) in one Triton pass; the contract of
   `reference.quantize_reference` (and `pallas_triton.quantize`).
   `interpret` defaults to True off GPU (Triton's interpreter, slow); `rows`
@@ -190,31 +224,59 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
   d = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
   check_int32(n * d, "the input")
   groups, n_rows, q, _, _ = pergroup.packing_geometry(n, d, group_size, bits, rows)
-  grid, constants = kernel_constants(x.shape, x.dtype, bits=bits, group_size=group_size,
-                                     stochastic=stochastic, rows=rows)
+  grid, constants = kernel_constants(
+    x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
+  )
   flat = x.reshape(-1)
   if flat.dtype == jnp.bfloat16:
     flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
   seed = jnp.asarray(seed if stochastic else 0, jnp.uint32).reshape(1)
-  out_shape = (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
-               jax.ShapeDtypeStruct((n_rows,), jnp.uint16),
-               jax.ShapeDtypeStruct((n_rows,), jnp.uint16))
+  out_shape = (
+    jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
+    jax.ShapeDtypeStruct((n_rows,), jnp.uint16),
+    jax.ShapeDtypeStruct((n_rows,), jnp.uint16),
+  )
   data, minimum, scale = _jax_triton.call(
-      quantize_kernel, flat, seed, grid=grid, out_shape=out_shape,
-      name="jact_quantize_jax_triton", interpret=interpret, initial=initial, **constants)
+    quantize_kernel,
+    flat,
+    seed,
+    grid=grid,
+    out_shape=out_shape,
+    name="jact_quantize_jax_triton",
+    interpret=interpret,
+    initial=initial,
+    **constants,
+  )
   as_bf16 = lambda bits16: jax.lax.bitcast_convert_type(bits16, jnp.bfloat16).reshape(n, groups)
-  return Packed(data.reshape(n, groups, q), as_bf16(minimum), as_bf16(scale), tuple(x.shape),
-                jnp.dtype(x.dtype), bits, group_size)
+  return Packed(
+    data.reshape(n, groups, q),
+    as_bf16(minimum),
+    as_bf16(scale),
+    tuple(x.shape),
+    jnp.dtype(x.dtype),
+    bits,
+    group_size,
+  )
 
 
-def compile_for_cuda(x: jax.ShapeDtypeStruct, seed, *, bits: int, group_size: int,
-                     stochastic: bool = True, rows: int | None = None, arch: int = 90) -> str:
+def compile_for_cuda(
+  x: jax.ShapeDtypeStruct,
+  seed,
+  *,
+  bits: int,
+  group_size: int,
+  stochastic: bool = True,
+  rows: int | None = None,
+  arch: int = 90,
+) -> str:
   """The PTX `quantize` runs for an input like `x` on an sm_`arch` GPU, compiled
   here by the `triton` package (any host; `seed` is unused, as in the kernel's
   signature it is one uint32)."""
   del seed
-  _, constants = kernel_constants(x.shape, x.dtype, bits=bits, group_size=group_size,
-                                  stochastic=stochastic, rows=rows)
+  _, constants = kernel_constants(
+    x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
+  )
   x_type = jnp.uint16 if jnp.dtype(x.dtype) == jnp.bfloat16 else x.dtype
-  return _jax_triton.compile_ptx(quantize_kernel, [x_type, jnp.uint32, jnp.uint8, jnp.uint16,
-                                                   jnp.uint16], arch=arch, **constants)
+  return _jax_triton.compile_ptx(
+    quantize_kernel, [x_type, jnp.uint32, jnp.uint8, jnp.uint16, jnp.uint16], arch=arch, **constants
+  )

@@ -30,9 +30,17 @@ from jact.kernels import _triton as T
 from jact._core import quantize as Q
 from jact._core.quantize import Packed, grid_scale
 
-__all__ = ["quantize", "dequantize", "encode_tile", "group_stats", "encode_values", "decode_values",
-           "inverse_step",
-           "packing_geometry", "packed_out_shape"]
+__all__ = [
+  "quantize",
+  "dequantize",
+  "encode_tile",
+  "group_stats",
+  "encode_values",
+  "decode_values",
+  "inverse_step",
+  "packing_geometry",
+  "packed_out_shape",
+]
 
 _TILE = 4096  # values per program (a power of two)
 
@@ -56,9 +64,11 @@ def packing_geometry(n: int, d: int, group_size: int, bits: int, rows: int | Non
 
 def packed_out_shape(n_rows: int, q: int) -> tuple[jax.ShapeDtypeStruct, ...]:
   """Kernel outputs of `n_rows` groups: flat packed bytes, bf16 minima and steps."""
-  return (jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
-          jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
-          jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16))
+  return (
+    jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
+    jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+    jax.ShapeDtypeStruct((n_rows,), jnp.bfloat16),
+  )
 
 
 def _layout(shape) -> tuple[int, int]:
@@ -102,8 +112,9 @@ def group_stats(planes, levels, *, interpret: bool, valid=None):
   any_finite = lo <= hi
   lo = jnp.where(any_finite & (lo != 0), lo, 0.0)
   hi = jnp.where(any_finite & (hi != 0), hi, 0.0)
-  mid = T.add(T.mul(lo, jnp.float32(0.5), interpret), T.mul(hi, jnp.float32(0.5), interpret),
-              interpret)
+  mid = T.add(
+    T.mul(lo, jnp.float32(0.5), interpret), T.mul(hi, jnp.float32(0.5), interpret), interpret
+  )
   lo = jnp.where(single, mid, lo)
   minimum = jnp.maximum(T.bf16_down(lo), jnp.float32(-jnp.finfo(jnp.bfloat16).max))
   s, inv_s = grid_scale(hi - minimum)
@@ -119,18 +130,38 @@ def group_stats(planes, levels, *, interpret: bool, valid=None):
   step = jnp.minimum(step, jnp.float32(jnp.finfo(jnp.bfloat16).max))
   stored = Q.flag_step(step, kind)
   step, _, _ = Q.split_step(stored)
-  return (minimum, stored, hi, inverse_step(T.mul(step, s, interpret), interpret=interpret),
-          finite_levels)
+  return (
+    minimum,
+    stored,
+    hi,
+    inverse_step(T.mul(step, s, interpret), interpret=interpret),
+    finite_levels,
+  )
 
 
 def inverse_step(step, *, interpret: bool):
   """1 / step where step > 0, else 0 (as the reference)."""
   positive = step > 0
-  return jnp.where(positive, T.div(jnp.float32(1.0), jnp.where(positive, step, 1.0), interpret), 0.0)
+  return jnp.where(
+    positive, T.div(jnp.float32(1.0), jnp.where(positive, step, 1.0), interpret), 0.0
+  )
 
 
-def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: bool,
-                  finite_levels=None, valid=None, dtype=None, stored=None):
+def encode_values(
+  v,
+  minimum,
+  hi,
+  inv_step,
+  levels,
+  seed,
+  index,
+  *,
+  interpret: bool,
+  finite_levels=None,
+  valid=None,
+  dtype=None,
+  stored=None,
+):
   """Integer codes (int32) of values v given their groups' statistics (broadcast
   against v; `inv_step`, `finite_levels` and the `stored` step as `group_stats`
   returns them): clipped to [minimum, hi], hashed stochastic rounding with the
@@ -144,19 +175,24 @@ def encode_values(v, minimum, hi, inv_step, levels, seed, index, *, interpret: b
   offset = T.mul(clipped, s, interpret) - T.mul(minimum, s, interpret)
   scaled = T.mul(offset, inv_step, interpret)
   u = jnp.float32(0.5) if seed is None else T.noise(seed, index)
-  top = jnp.broadcast_to(jnp.asarray(levels if finite_levels is None else finite_levels,
-                                     jnp.float32), scaled.shape)
+  top = jnp.broadcast_to(
+    jnp.asarray(levels if finite_levels is None else finite_levels, jnp.float32), scaled.shape
+  )
   if dtype is None or jnp.dtype(dtype) == jnp.float32:
-    code = jnp.minimum(jnp.floor(T.add(jnp.maximum(scaled, 0.0), u, interpret)), top)  # as the reference
+    code = jnp.minimum(
+      jnp.floor(T.add(jnp.maximum(scaled, 0.0), u, interpret)), top
+    )  # as the reference
   else:
     k_low = jnp.minimum(jnp.maximum(jnp.floor(scaled), 0.0), jnp.maximum(top - 1.0, 0.0))
-    decode = functools.partial(decode_values, minimum=minimum, stored=stored, dtype=dtype,
-                               levels=levels, interpret=interpret)
+    decode = functools.partial(
+      decode_values, minimum=minimum, stored=stored, dtype=dtype, levels=levels, interpret=interpret
+    )
     a, b = decode(k_low), decode(k_low + 1.0)
     gap = T.add(b, -a, interpret)
     positive = gap > 0
-    p = jnp.where(positive, T.div(T.add(clipped, -a, interpret), jnp.where(positive, gap, 1.0),
-                                  interpret), 0.0)
+    p = jnp.where(
+      positive, T.div(T.add(clipped, -a, interpret), jnp.where(positive, gap, 1.0), interpret), 0.0
+    )
     code = jnp.minimum(k_low + jnp.where(u < p, 1.0, 0.0), top)
   nonfinite = ~jnp.isfinite(v) if valid is None else ~jnp.isfinite(v) & valid
   return jnp.where(nonfinite, levels, code).astype(jnp.int32)
@@ -170,8 +206,9 @@ def decode_values(code, minimum, stored, dtype, *, levels, interpret: bool, thro
   through = jnp.dtype(through or dtype)
   step, flagged, kind = Q.split_step(stored)
   s, inv_s = grid_scale(step)
-  value = T.add(T.mul(code, T.mul(step, s, interpret), interpret), T.mul(minimum, s, interpret),
-                interpret)
+  value = T.add(
+    T.mul(code, T.mul(step, s, interpret), interpret), T.mul(minimum, s, interpret), interpret
+  )
   big = float(jnp.finfo(through).max)
   value = Q.round_to(jnp.clip(T.mul(value, inv_s, interpret), -big, big), through)
   if jnp.dtype(dtype) != through:
@@ -180,8 +217,7 @@ def decode_values(code, minimum, stored, dtype, *, levels, interpret: bool, thro
   return jnp.where(flagged & (code == levels), Q.kind_value(kind), value)
 
 
-def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None,
-                dtype=None):
+def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None, dtype=None):
   """Statistics and packed bytes for a tile of R groups (the reference's math).
 
   Args:
@@ -200,20 +236,32 @@ def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, vali
     (minimum, stored step) float32 [R] holding bf16 values, and the packed
     bytes as int32 [R, P] (byte j of a group is the or of code_p(j) << p * bits).
   """
-  minimum, step, hi, inv_step, finite_levels = group_stats(planes, levels, interpret=interpret,
-                                                           valid=valid)
+  minimum, step, hi, inv_step, finite_levels = group_stats(
+    planes, levels, interpret=interpret, valid=valid
+  )
   packed = None
   for p, (v, idx) in enumerate(zip(planes, index)):
-    code = encode_values(v, minimum[:, None], hi[:, None], inv_step[:, None], levels, seed, idx,
-                         interpret=interpret, finite_levels=finite_levels[:, None],
-                         valid=None if valid is None else valid[p], dtype=dtype,
-                         stored=step[:, None]) << (p * bits)
+    code = encode_values(
+      v,
+      minimum[:, None],
+      hi[:, None],
+      inv_step[:, None],
+      levels,
+      seed,
+      idx,
+      interpret=interpret,
+      finite_levels=finite_levels[:, None],
+      valid=None if valid is None else valid[p],
+      dtype=dtype,
+      stored=step[:, None],
+    ) << (p * bits)
     packed = code if packed is None else packed | code
   return minimum, step, packed
 
 
-def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, stochastic,
-                     interpret):
+def _quantize_kernel(
+  *refs, n_rows, groups, d, group_size, bits, rows, q_pad, stochastic, interpret
+):
   if stochastic:
     x_ref, seed_ref, data_ref, min_ref, scale_ref = refs
     seed = seed_ref[0]
@@ -238,17 +286,25 @@ def _quantize_kernel(*refs, n_rows, groups, d, group_size, bits, rows, q_pad, st
     valid.append(mask)
     index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = float((1 << bits) - 1)
-  minimum, step, packed = encode_tile(planes, levels, seed, index, bits=bits, interpret=interpret,
-                                      valid=valid, dtype=x_ref.dtype)
+  minimum, step, packed = encode_tile(
+    planes, levels, seed, index, bits=bits, interpret=interpret, valid=valid, dtype=x_ref.dtype
+  )
   T.store(data_ref, row * q + j, packed.astype(jnp.uint8), row_ok & (j < q))
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   T.store(min_ref, r, minimum.astype(jnp.bfloat16), r < n_rows)
   T.store(scale_ref, r, step.astype(jnp.bfloat16), r < n_rows)
 
 
-def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
-             stochastic: bool = True, interpret: bool | None = None,
-             rows: int | None = None) -> Packed:
+def quantize(
+  x: jax.Array,
+  seed: jax.Array | None,
+  *,
+  bits: int,
+  group_size: int,
+  stochastic: bool = True,
+  interpret: bool | None = None,
+  rows: int | None = None,
+) -> Packed:
   """Per-group quantization of x (N, ...) in one Pallas pass.
 
   Same contract as `reference.quantize_reference`: `group_size` is the
@@ -263,20 +319,51 @@ def quantize(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int
   groups, n_rows, q, q_pad, r = packing_geometry(n, d, group_size, bits, rows)
   grid = max(1, -(-n_rows // r))
   kernel = functools.partial(
-      _quantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=group_size, bits=bits,
-      rows=r, q_pad=q_pad, stochastic=stochastic, interpret=interpret)
+    _quantize_kernel,
+    n_rows=n_rows,
+    groups=groups,
+    d=d,
+    group_size=group_size,
+    bits=bits,
+    rows=r,
+    q_pad=q_pad,
+    stochastic=stochastic,
+    interpret=interpret,
+  )
   out_shape = packed_out_shape(n_rows, q)
   args = [x.reshape(-1)]
   if stochastic:
     args.append(jnp.asarray(seed, jnp.uint32).reshape(1))
-  data, minimum, scale = T.call(kernel, grid=grid, out_shape=out_shape, name="jact_quantize",
-                                interpret=interpret)(*args)
-  return Packed(data.reshape(n, groups, q), minimum.reshape(n, groups), scale.reshape(n, groups),
-                tuple(x.shape), jnp.dtype(x.dtype), bits, group_size)
+  data, minimum, scale = T.call(
+    kernel, grid=grid, out_shape=out_shape, name="jact_quantize", interpret=interpret
+  )(*args)
+  return Packed(
+    data.reshape(n, groups, q),
+    minimum.reshape(n, groups),
+    scale.reshape(n, groups),
+    tuple(x.shape),
+    jnp.dtype(x.dtype),
+    bits,
+    group_size,
+  )
 
 
-def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups, d, group_size,
-                       bits, rows, q_pad, through, interpret):
+def _dequantize_kernel(
+  data_ref,
+  min_ref,
+  scale_ref,
+  out_ref,
+  *,
+  n_rows,
+  groups,
+  d,
+  group_size,
+  bits,
+  rows,
+  q_pad,
+  through,
+  interpret,
+):
   k = 8 // bits
   q = group_size // k
   pid = pl.program_id(0)
@@ -291,15 +378,17 @@ def _dequantize_kernel(data_ref, min_ref, scale_ref, out_ref, *, n_rows, groups,
   mask = (1 << bits) - 1
   for p in range(k):
     code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
-    value = decode_values(code, minimum, step, out_ref.dtype, levels=float(mask),
-                          interpret=interpret, through=through)
+    value = decode_values(
+      code, minimum, step, out_ref.dtype, levels=float(mask), interpret=interpret, through=through
+    )
     col = group * group_size + p * q + j
     offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
     T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))
 
 
-def dequantize(packed: Packed, dtype=None, *, interpret: bool | None = None,
-               rows: int | None = None) -> jax.Array:
+def dequantize(
+  packed: Packed, dtype=None, *, interpret: bool | None = None, rows: int | None = None
+) -> jax.Array:
   """Inverse of `quantize` in one Pallas pass (same contract as the reference)."""
   if interpret is None:
     interpret = not T.on_gpu()
@@ -310,10 +399,22 @@ def dequantize(packed: Packed, dtype=None, *, interpret: bool | None = None,
   n_rows = n * groups
   r = rows_per_program((8 // packed.bits) * T.next_pow2(q), rows)
   kernel = functools.partial(
-      _dequantize_kernel, n_rows=n_rows, groups=groups, d=d, group_size=packed.group_size,
-      bits=packed.bits, rows=r, q_pad=T.next_pow2(q), through=jnp.dtype(packed.dtype),
-      interpret=interpret)
-  out = T.call(kernel, grid=max(1, -(-n_rows // r)), out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
-               name="jact_dequantize", interpret=interpret)(
-                   packed.data.reshape(-1), packed.minimum.reshape(-1), packed.scale.reshape(-1))
+    _dequantize_kernel,
+    n_rows=n_rows,
+    groups=groups,
+    d=d,
+    group_size=packed.group_size,
+    bits=packed.bits,
+    rows=r,
+    q_pad=T.next_pow2(q),
+    through=jnp.dtype(packed.dtype),
+    interpret=interpret,
+  )
+  out = T.call(
+    kernel,
+    grid=max(1, -(-n_rows // r)),
+    out_shape=jax.ShapeDtypeStruct((n * d,), dtype),
+    name="jact_dequantize",
+    interpret=interpret,
+  )(packed.data.reshape(-1), packed.minimum.reshape(-1), packed.scale.reshape(-1))
   return out.reshape(packed.view_shape or packed.shape)

@@ -26,14 +26,21 @@ import jax
 import jax.numpy as jnp
 
 from jact._core.packing import pack_bits, unpack_bits
-from jact._core.quantize import (Packed, as_rows, decode_groups, effective_group_size, group_codes,
-                                grouped)
+from jact._core.quantize import (
+  Packed,
+  as_rows,
+  decode_groups,
+  effective_group_size,
+  group_codes,
+  grouped,
+)
 
 __all__ = ["quantize_reference", "dequantize_reference", "quantize_rows_reference"]
 
 
-def quantize_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
-                       stochastic: bool = True) -> Packed:
+def quantize_reference(
+  x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int, stochastic: bool = True
+) -> Packed:
   """The XLA reference of `quantize` (validated arguments; `group_size` already
   the effective one, `seed` a uint32 scalar or None when not stochastic)."""
   levels = float((1 << bits) - 1)
@@ -47,9 +54,14 @@ def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   """The XLA reference of `dequantize`."""
   dtype = jnp.dtype(dtype or packed.dtype)
   codes = unpack_bits(packed.data, packed.bits).astype(jnp.float32)
-  g = decode_groups(codes, packed.minimum.astype(jnp.float32)[..., None],
-                    packed.scale.astype(jnp.float32)[..., None], float((1 << packed.bits) - 1), dtype,
-                    packed.dtype)
+  g = decode_groups(
+    codes,
+    packed.minimum.astype(jnp.float32)[..., None],
+    packed.scale.astype(jnp.float32)[..., None],
+    float((1 << packed.bits) - 1),
+    dtype,
+    packed.dtype,
+  )
   n, groups, group_size = g.shape
   d = math.prod(packed.shape[1:]) if packed.shape else 1
   flat = g.reshape(n, groups * group_size)  # explicit: -1 is ambiguous for empty tensors
@@ -58,15 +70,17 @@ def dequantize_reference(packed: Packed, dtype=None) -> jax.Array:
   return flat.reshape(packed.view_shape or packed.shape).astype(dtype)
 
 
-def quantize_rows_reference(x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int,
-                            stochastic: bool = True) -> Packed:
+def quantize_rows_reference(
+  x: jax.Array, seed: jax.Array | None, *, bits: int, group_size: int, stochastic: bool = True
+) -> Packed:
   """`quantize_reference` of `x` viewed as rows (`as_rows`), with the effective
   group size: exactly what `jact.compressors.PerGroup(bits, group_size).compress`
   stores for `x`."""
   rows = as_rows(tuple(x.shape), group_size)
   g = effective_group_size(math.prod(rows[1:]), group_size)
-  packed = quantize_reference(x.reshape(rows), seed if stochastic else None, bits=bits,
-                              group_size=g, stochastic=stochastic)
+  packed = quantize_reference(
+    x.reshape(rows), seed if stochastic else None, bits=bits, group_size=g, stochastic=stochastic
+  )
   if rows != tuple(x.shape):
     packed = dataclasses.replace(packed, view_shape=tuple(x.shape))
   return packed

@@ -23,8 +23,9 @@ from jact._core.quantize import FLOAT_DTYPES
 __all__ = ["relu_mask"]
 
 
-def relu_mask(x: jax.Array, *, negative_slope: float | None = None,
-              implementation: str | None = None) -> tuple[jax.Array, PackedBits]:
+def relu_mask(
+  x: jax.Array, *, negative_slope: float | None = None, implementation: str | None = None
+) -> tuple[jax.Array, PackedBits]:
   """(activation, packed 1-bit mask) of `x`: `jax.nn.relu(x)` and x > 0, or with a
   `negative_slope`, `jax.nn.leaky_relu(x, negative_slope)` and x >= 0.
 
@@ -38,12 +39,17 @@ def relu_mask(x: jax.Array, *, negative_slope: float | None = None,
   """
   x = jnp.asarray(x)
   if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"relu_mask takes a float32, bfloat16 or float16 array, got {x.dtype}; "
-                    f"cast it first (x.astype(jnp.float32)).")
+    raise TypeError(
+      f"relu_mask takes a float32, bfloat16 or float16 array, got {x.dtype}; "
+      f"cast it first (x.astype(jnp.float32))."
+    )
   if negative_slope is not None and (
-      isinstance(negative_slope, bool)
-      or not isinstance(negative_slope, (int, float, np.integer, np.floating))):
-    raise TypeError(f"relu_mask: negative_slope must be None (ReLU) or a static real number "
-                    f"(leaky ReLU, e.g. 0.01), got {negative_slope!r}.")
+    isinstance(negative_slope, bool)
+    or not isinstance(negative_slope, (int, float, np.integer, np.floating))
+  ):
+    raise TypeError(
+      f"relu_mask: negative_slope must be None (ReLU) or a static real number "
+      f"(leaky ReLU, e.g. 0.01), got {negative_slope!r}."
+    )
   fn = kernels.dispatch("relu_mask", implementation, size=x.size)
   return fn(x, negative_slope=negative_slope)

@@ -59,8 +59,13 @@ def _kernel(x_ref, y_ref, mask_ref, *, rows, d, q, tile, negative_slope, interpr
   T.store(mask_ref, row * q + j, byte.astype(jnp.uint8), in_bytes)
 
 
-def relu_mask(x: jax.Array, *, negative_slope: float | None = None, interpret: bool | None = None,
-              tile: int | None = None) -> tuple[jax.Array, PackedBits]:
+def relu_mask(
+  x: jax.Array,
+  *,
+  negative_slope: float | None = None,
+  interpret: bool | None = None,
+  tile: int | None = None,
+) -> tuple[jax.Array, PackedBits]:
   """(activation, packed mask) of x: relu and x > 0, or leaky_relu and x >= 0.
 
   `tile` (mask bytes per program, a power of two) bounds the grid in tests.
@@ -74,11 +79,15 @@ def relu_mask(x: jax.Array, *, negative_slope: float | None = None, interpret: b
   q = -(-max(d, 1) // 8)
   T.check_int32(rows * q, "the mask")
   tile = T.next_pow2(tile or min(_TILE, q))
-  kernel = functools.partial(_kernel, rows=rows, d=d, q=q, tile=tile,
-                             negative_slope=negative_slope, interpret=interpret)
-  y, mask = T.call(kernel, grid=(max(rows, 1), -(-q // tile)), name="jact_relu_mask",
-                   interpret=interpret,
-                   out_shape=(jax.ShapeDtypeStruct((n,), x.dtype),
-                              jax.ShapeDtypeStruct((rows * q,), jnp.uint8)))(x.reshape(-1))
+  kernel = functools.partial(
+    _kernel, rows=rows, d=d, q=q, tile=tile, negative_slope=negative_slope, interpret=interpret
+  )
+  y, mask = T.call(
+    kernel,
+    grid=(max(rows, 1), -(-q // tile)),
+    name="jact_relu_mask",
+    interpret=interpret,
+    out_shape=(jax.ShapeDtypeStruct((n,), x.dtype), jax.ShapeDtypeStruct((rows * q,), jnp.uint8)),
+  )(x.reshape(-1))
   mask = mask.reshape((rows, q) if x.ndim >= 2 else (q,))
   return y.reshape(x.shape), PackedBits(mask, tuple(x.shape), 1)
