@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
 from jax._src import ad_checkpoint as _private_ad_checkpoint

@@ -151,8 +151,8 @@ def effective_group_size(sample_size: int, group_size: int) -> int:
 
   >>> from jact._core.xla_cpu import traced_for
   >>> with traced_for("cpu"):
-  ...   effective_group_size(32 * 32 * 64, 256), effective_group_size(784, 256), effective_group_size(10, 256)
-  (256, 112, 16)
+  ...   [effective_group_size(n, 256) for n in (32 * 32 * 64, 784, 10)]
+  [256, 112, 16]
   >>> with traced_for("cuda"):
   ...   effective_group_size(784, 256)
   256

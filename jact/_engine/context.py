@@ -53,7 +53,9 @@ def _pushed(kind: str, value) -> Iterator[Any]:
 
 
 def current(kind: str):
-  """The innermost active value of `kind` ('plan', 'recorder', 'salt', 'stats', 'batch'), or None."""
+  """The innermost active value of `kind`, or None.
+
+  `kind` is one of 'plan', 'recorder', 'salt', 'stats', 'batch'."""
   if kind not in _CHANNELS:
     raise ValueError(f"jact: unknown context channel {kind!r}; one of {sorted(_CHANNELS)}")
   value = _CHANNELS[kind].get()

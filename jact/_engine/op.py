@@ -316,10 +316,12 @@ def takes_compressor(fn: Callable | None = None, *, api: str | None = None) -> C
   >>> @takes_compressor
   ... def op(x, *, bits=4, compressor=None):
   ...   return x
-  >>> op(jnp.ones(2), bits=2, stochastic=False)
+  >>> op(jnp.ones(2), bits=2, stochastic=False)  # doctest: +NORMALIZE_WHITESPACE
   Traceback (most recent call last):
   ...
-  TypeError: jact.ops.op no longer takes stochastic=: the quantizer's settings are one argument. Pass compressor=jact.compressors.PerGroup(2, group_size=256, stochastic=False) instead of bits=2, stochastic=False.
+  TypeError: jact.ops.op no longer takes stochastic=: the quantizer's settings are one argument.
+  Pass compressor=jact.compressors.PerGroup(2, group_size=256, stochastic=False)
+  instead of bits=2, stochastic=False.
   """
   if fn is None:
     return functools.partial(takes_compressor, api=api)

@@ -25,7 +25,7 @@ True
 >>> loss = lambda p, x: CMLP().apply(p, x, rngs={'jact': jax.random.key(1)}).sum()
 >>> plain = lambda p, x: MLP().apply(p, x).sum()
 >>> saved = lambda f: jact.residual_report(f, params, x).total_bytes
->>> saved(plain) > 30 * saved(loss)  # gelu's chain stores one derivative (jact._transforms._folding)
+>>> saved(plain) > 30 * saved(loss)  # gelu's chain stores one derivative (_transforms._folding)
 True
 >>> from flax import nnx
 >>> class Block(nnx.Module):

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 # The twins (jact._flax.hooks)
 OPS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jact_flax_ops", default=None)
-"""slot name -> the op (key and residual name bound) a `Hook` forwards to; set by `hooks.provide`."""
+"""slot name -> the op (key and residual name bound) a `Hook` forwards to (`hooks.provide`)."""
 
 USE_KEY: contextvars.ContextVar[Any] = contextvars.ContextVar("jact_nnx_key", default=None)
 """The key source of the enclosing `jact.nnx.use_key` block (a `hooks._KeySource`), or None."""

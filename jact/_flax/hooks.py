@@ -219,10 +219,10 @@ def use_key(key):
   every later call reusing the first call's noise): a layer drawing such a
   concrete key inside a `jax.jit` / `nnx.jit` trace raises a ValueError
   naming the fix (`jax.eval_shape` / `jax.make_jaxpr`, which compile
-  nothing, are fine; so is a constant key written inside the step). Keys are drawn while tracing, so the layers of an
-  `nnx.scan` body share theirs across iterations: give stacked layers their
-  own streams (`convert(..., rngs=)`) instead. Without a key (and without a
-  stream) a layer runs plain: fine for inference, an error if
+  nothing, are fine; so is a constant key written inside the step). Keys are drawn
+  while tracing, so the layers of an `nnx.scan` body share theirs across iterations:
+  give stacked layers their own streams (`convert(..., rngs=)`) instead. Without a key
+  (and without a stream) a layer runs plain: fine for inference, an error if
   differentiated.
 
   >>> import jax, jax.numpy as jnp

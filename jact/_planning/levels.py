@@ -1,20 +1,7 @@
 """Optimization levels of ActNN (L0-L5) and GACT (L0, L1, L2, CB1, CB2) as presets.
 
-Each level says which jact mechanism realizes it:
-
-| level | paper's meaning | jact |
-|---|---|---|
-| actnn:L0 | no compression | plain JAX (bits None) |
-| actnn:L1 | 4-bit per-group quantization of conv layers only | `compress_convolutions(block, bits=4)`: conv inputs 4 bits, other residuals kept as JAX saves them |
-| actnn:L2 | 4-bit per-group quantization of all layers | compressed ops / `jact.compressed`, bits 4 |
-| actnn:L3 | L2 + per-sample and per-layer mixed precision, 2 bits avg | `Controller(estimator="analytic", per_sample=True, avg_bits=2)` |
-| actnn:L4 | L3 + swapping to host | L3 + `jact.offload_compressed()` policy |
-| actnn:L5 | L4 + allocator defragmentation | same as L4: XLA plans every buffer of a compiled step at compile time, so there is no run-time caching allocator to defragment |
-| gact:L0 | no compression | plain JAX |
-| gact:L1 | adaptive per-tensor bits, 4 avg | `Controller(estimator="numeric", avg_bits=4)` |
-| gact:L2 | L1 + swapping | L1 + `jact.offload_compressed()` |
-| gact:CB1 | L1 + gradient checkpointing | L1 with blocks wrapped by `jact.checkpoint` |
-| gact:CB2 | CB1 + memory-efficient attention | CB1 + `jact.ops.chunked_attention` |
+Each level names the jact mechanism that realizes it (the table: docs/bit_plans.md,
+"Presets").
 
 >>> import jact
 >>> level = jact.levels.get("gact:CB1")

@@ -206,7 +206,8 @@ def jact_named(var, producers) -> bool:
   """Whether `var` is a piece an inner jact op or `compressed` call stored
   compressed: a value carrying a name in jact's reserved namespace (see
   `jact._engine.names.tag`), possibly seen through other names, optimization
-  barriers and the outputs of jitted calls and scans. A user's own `checkpoint_name` never qualifies."""
+  barriers and the outputs of jitted calls and scans. A user's own `checkpoint_name` never
+  qualifies."""
   while var in producers:
     eqn, i = producers[var]
     name = _compat.checkpoint_name(eqn)

@@ -147,7 +147,7 @@ class Registry:
 
   @contextlib.contextmanager
   def use(self, **choices: str) -> Iterator[None]:
-    """Context in which `select(op)` returns the named implementation, e.g. `use(quantize="xla")`."""
+    """Context in which `select(op)` returns the named implementation (`use(quantize="xla")`)."""
     for op, name in choices.items():
       if name not in self.available(op):
         raise ValueError(

@@ -239,7 +239,10 @@ def attention_defaults() -> dict[str, tuple]:
 
 
 @probes(
-  attention_signature="the signatures of linen's and nnx's dot_product_attention and the keywords their attention layers pass",
+  attention_signature=(
+    "the signatures of linen's and nnx's dot_product_attention and the keywords their "
+    "attention layers pass"
+  ),
   attention_defaults="the defaults in those signatures",
 )
 def _check_attention() -> None:

@@ -12,7 +12,8 @@ per-sample kernels".
 ... def both(x, bits, seed):
 ...   args = dict(capacity_bytes=1200, group_size=152, seed=seed)
 ...   p = quantize_per_sample(x, bits, interpret=True, **args)
-...   return p, quantize_per_sample_reference(x, bits, **args), dequantize_per_sample(p, interpret=True)
+...   reference = quantize_per_sample_reference(x, bits, **args)
+...   return p, reference, dequantize_per_sample(p, interpret=True)
 >>> x = jax.random.normal(jax.random.key(0), (4, 300))
 >>> p, r, y = both(x, jnp.array([1, 2, 4, 8], jnp.int32), jnp.uint32(5))
 >>> bool((p.data == r.data).all() & (p.scale == r.scale).all() & (p.minimum == r.minimum).all())
