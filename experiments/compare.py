@@ -33,11 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.lib import data as data_lib
+from experiments.lib import resumable
+from experiments.lib.models import SmallCNN, jact_layers, plain_layers
 from jact.compressors import PerGroup
-
-from experiments import data as data_lib
-from experiments import resumable
-from experiments.models import SmallCNN, jact_layers, plain_layers
 
 __all__ = ["run_comparison", "format_table", "residual_bytes", "main"]
 

@@ -53,7 +53,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.resumable import write_json
+from experiments.lib.resumable import write_json
 
 __all__ = ["CHUNKS", "STAGES", "Chunk", "select", "command", "probe", "run_chunk", "main"]
 
@@ -180,7 +180,7 @@ def _shown(cmd: list[str]) -> str:
   return shlex.join(["python", *cmd[1:]])
 
 
-_PROBE = ("import json, sys; from experiments.resumable import run_metadata; "
+_PROBE = ("import json, sys; from experiments.lib.resumable import run_metadata; "
           "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))")
 
 

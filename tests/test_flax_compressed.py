@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jact
-from experiments.data import batches, load_image_dataset
+from experiments.lib.data import batches, load_image_dataset
 from jact.flax import compressed_module
 from jact.transforms.compressed import ResidualConfig
 from stats import assert_same_tree, tree_rel_err
