@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from experiments.lib import data as data_lib
-from experiments.lib import resumable
+from experiments.lib import metadata
 from experiments.lib.models import SmallCNN, jact_layers, plain_layers
 from jact.compressors import PerGroup
 
@@ -204,7 +204,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def run_metadata(argv=None) -> dict:
   """Device, versions, date and command of a run, stored with its results."""
-  return resumable.run_metadata("experiments.compare", argv)
+  return metadata.run_metadata("experiments.compare", argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -180,7 +180,7 @@ def _shown(cmd: list[str]) -> str:
   return shlex.join(["python", *cmd[1:]])
 
 
-_PROBE = ("import json, sys; from experiments.lib.resumable import run_metadata; "
+_PROBE = ("import json, sys; from experiments.lib.metadata import run_metadata; "
           "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))")
 
 

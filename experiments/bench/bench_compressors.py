@@ -30,10 +30,7 @@ uncompressed get lossless ZVC).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 
 import jax
@@ -42,7 +39,7 @@ import numpy as np
 import optax
 
 import jact
-from experiments.lib import data, preact
+from experiments.lib import data, metadata, preact
 from jact import compressors
 
 
@@ -194,10 +191,7 @@ def main(argv=None):
     widths = [v["bits"] if isinstance(v, dict) else 32 for v in plan["bits"].values()]
     print(f"AC-GC e2={error:g}: widths {sorted(widths)}")
   if args.json:
-    meta = dict(command="python -m experiments.bench.bench_compressors " + " ".join(argv or sys.argv[1:]),
-                date=datetime.date.today().isoformat(), jax=jax.__version__,
-                device=str(jax.devices()[0].device_kind), machine=platform.processor() or "cpu",
-                args=vars(args))
+    meta = metadata.run_metadata("experiments.bench.bench_compressors", argv, args=vars(args))
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, **result), f, indent=1)
 

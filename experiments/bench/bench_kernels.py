@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from experiments.lib import metadata
 from jact import kernels
 from jact.core.persample import per_sample_capacity
 from jact.core.quantize import effective_group_size
@@ -273,15 +270,10 @@ def main(argv=None):
   every = sorted({name for op in args.ops for name in kernels.available(op)})  # jax_triton too
   impls = args.impls or (every if jax.default_backend() == "gpu" else ["xla"])
   rows = run(args.sizes_mb, impls, args.ops, args.reps, args.rotate_mb, args.check_cpu)
-  device = jax.devices()[0]
-  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": "python -m experiments.bench.bench_kernels " + " ".join(
-              argv if argv is not None else sys.argv[1:]),
-          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "backend": jax.default_backend(), "device": str(device),
-          "device_kind": getattr(device, "device_kind", None), "python": platform.python_version(),
-          "traffic": "minimal bytes: every input read once, every output written once",
-          "timing": "median of 5 blocks of back-to-back calls over rotating inputs"}
+  meta = metadata.run_metadata(
+      "experiments.bench.bench_kernels", argv,
+      traffic="minimal bytes: every input read once, every output written once",
+      timing="median of 5 blocks of back-to-back calls over rotating inputs")
   print(f"\n{'op':22s} {'config':22s} {'impl':14s} {'MB':>7s} {'GB/s':>8s} {'of copy':>8s} {'vs xla':>7s} exact")
   for r in (r for r in rows if "error" not in r):
     print(f"{r['op']:22s} {r['config']:22s} {r['impl']:14s} {r['input_bytes'] / MB:7.1f} "

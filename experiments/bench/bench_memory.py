@@ -24,19 +24,15 @@ and the same block written with `jact.ops`:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 
-import flax
 import jax
 import jax.numpy as jnp
 import optax
 
 from experiments.bench import memory_scaling
-from experiments.lib import models
+from experiments.lib import metadata, models
 from jact.report import compiled_memory, residual_report
 
 __all__ = ["MODELS", "measure", "main"]
@@ -157,11 +153,9 @@ def main(argv=None):
       print(f"{name:16s} {str(bits or 'plain'):>5s} {row['residual_bytes'] / mib:11.1f} MiB "
             f"{row['residual_reduction']:6.1f}x {row['temp_bytes'] / mib:7.1f} MiB {row['temp_reduction']:6.1f}x",
             flush=True)
-  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": "python -m experiments.bench.bench_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-          "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-          "device": str(jax.devices()[0]), "machine": platform.machine(), "python": platform.python_version(),
-          "note": "compile-only: residual bytes from the traced VJP, temp bytes from XLA's memory analysis"}
+  meta = metadata.run_metadata(
+      "experiments.bench.bench_memory", argv,
+      note="compile-only: residual bytes from the traced VJP, temp bytes from XLA's memory analysis")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -26,46 +26,24 @@ issue's targets and whether they are met, and the run's metadata.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.lib import paths
+from experiments.lib import metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import flat, variant_fns
 
 RESULTS = paths.RESULTS
 TARGET_MODELS = ("resnet18", "bilstm_sst2", "transformer_lm")
 ERROR_MODELS = ("resnet18", "transformer_lm")
-
-
-def meta(argv, module: str = "experiments.bench.bench_models") -> dict:
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=True, cwd=Path(__file__).parents[1]).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "jact"], capture_output=True,
-                                text=True, check=True, cwd=Path(__file__).parents[1]).stdout.strip())
-  except (OSError, subprocess.CalledProcessError):
-    commit, dirty = None, None
-  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "command": f"python -m {module} " + " ".join(argv),
-          "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-          "devices": [str(d) for d in jax.devices()],
-          "machine": f"{platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}",
-          "python": platform.python_version(), "git_commit": commit,
-          "jact_tree_modified": dirty}
 
 
 def _median_time(fn, args, steps):
@@ -202,7 +180,7 @@ def main(argv=None):
   parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
   parser.add_argument("--json", default=str(RESULTS / "bench_models.json"))
   args = parser.parse_args(argv)
-  run_meta = meta(argv)  # the library as the run starts
+  run_meta = metadata.run_metadata("experiments.bench.bench_models", argv)  # the library as the run starts
   bits_list = (8, 2) if args.quick else (8, 4, 2)
   steps = 1 if args.quick else 3
   print(HEADER, flush=True)

@@ -14,10 +14,7 @@ rounding keys for one fixed batch. AC-GC plans come from its error bound
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 import warnings
 
@@ -26,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.lib import data
+from experiments.lib import data, metadata
 
 # ----------------------------------------------------------------------------- models
 
@@ -189,9 +186,7 @@ def main(argv=None):
   for c in costs:
     print(c)
   if args.json:
-    meta = dict(command="python -m experiments.bench.bench_plans " + " ".join(argv or sys.argv[1:]),
-                date=datetime.date.today().isoformat(), jax=jax.__version__,
-                device=str(jax.devices()[0].device_kind), machine=platform.processor() or "cpu")
+    meta = metadata.run_metadata("experiments.bench.bench_plans", argv)
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, rows=rows, costs=costs), f, indent=1)
 

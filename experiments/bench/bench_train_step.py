@@ -40,26 +40,22 @@ may turn non-finite after a few steps -- reported as null.)
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 
-import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
 import jact.kernels
 from experiments.lib import data as data_lib
-from experiments.lib import models
+from experiments.lib import metadata, models
 from jact.report import CompiledMemory
 
 __all__ = ["Bench", "largest_batch", "main"]
@@ -415,16 +411,9 @@ def table(rows: list[dict], searches: list[dict]) -> str:
 
 
 def meta_block(args, argv, bench: Bench, limit) -> dict:
-  dev = jax.devices()[0]
-  command = "python -m experiments.bench.bench_train_step " + " ".join(
-      argv if argv is not None else sys.argv[1:])
-  return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "command": command, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-      "flax": flax.__version__, "optax": optax.__version__, "backend": jax.default_backend(),
-      "device": str(dev), "device_kind": dev.device_kind, "machine": platform.machine(),
-      "python": platform.python_version(),
-      "kernels": {op: jact.kernels.select(op).name for op in KERNEL_OPS},
+  return metadata.run_metadata(
+      "experiments.bench.bench_train_step", argv,
+      kernels={op: jact.kernels.select(op).name for op in KERNEL_OPS}, **{
       "model": f"ResNet50 ({args.stem} stem)" + (
           f", stages {args.stage_sizes}, width {args.width}"
           if args.stage_sizes or args.width != 64 else ""), "image": args.image, "classes": args.classes,
@@ -435,7 +424,7 @@ def meta_block(args, argv, bench: Bench, limit) -> dict:
       "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
       "note": ("step time: median of the repeats of `steps` back-to-back steps (compile "
                "excluded); temp/needed bytes: XLA memory analysis of the donated step; "
-               "peak_bytes_*: allocator peak over the whole process (cumulative)")}
+               "peak_bytes_*: allocator peak over the whole process (cumulative)")})
 
 
 def main(argv=None):

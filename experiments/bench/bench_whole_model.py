@@ -23,17 +23,14 @@ plain at 2 bits.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 
-import flax
 import jax
 import jax.numpy as jnp
 
 from experiments.bench.memory_scaling import BLOCKS, wrap_block
+from experiments.lib import metadata
 from jact.transforms.compressed import compressed
 
 __all__ = ["measure", "main"]
@@ -115,12 +112,8 @@ def main(argv=None):
             flush=True)
       rows.append(row)
   if args.json:
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python -m experiments.bench.bench_whole_model " + " ".join(sys.argv[1:]),
-            "jax": jax.__version__, "flax": flax.__version__,
-            "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-            "machine": platform.machine(), "python": platform.python_version(),
-            "note": "compile-only: temp bytes from XLA's memory analysis"}
+    meta = metadata.run_metadata("experiments.bench.bench_whole_model", argv,
+                                  note="compile-only: temp bytes from XLA's memory analysis")
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

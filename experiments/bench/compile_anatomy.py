@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact.kernels
-from experiments.bench.compile_time import RESULTS, meta
+from experiments.lib import metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 from jact.core import rng, xla_cpu
@@ -202,9 +202,9 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="transformer_lm", choices=sorted(CASES))
   parser.add_argument("--bits", type=int, default=4)
-  parser.add_argument("--json", type=Path, default=RESULTS / "compile_anatomy.json")
+  parser.add_argument("--json", type=Path, default=paths.RESULTS / "compile_anatomy.json")
   args = parser.parse_args(argv)
-  case, info, rows = CASES[args.model], meta(argv), []
+  case, info, rows = CASES[args.model], metadata.run_metadata("experiments.bench.compile_anatomy", argv, load_average_start=os.getloadavg()), []
 
   def add(name, make, *contexts):
     with contextlib.ExitStack() as stack:

@@ -28,22 +28,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import platform
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 
+from experiments.lib import metadata
 from jact import _compat
 from jact.kernels.division import pallas_triton as division
 from jact.kernels.per_sample import pallas_triton as persample
@@ -282,11 +279,8 @@ def main(argv=None):
     for c in compile_kernel(kernel, args.arch):
       print(_row(kernel, c), flush=True)
       rows.append({"kernel": kernel, **dataclasses.asdict(c)})
-  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": " ".join(["python -m experiments.bench.compile_kernels", *(argv or sys.argv[1:])]),
-          "target": f"sm_{args.arch}a", "triton": triton.__version__, "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-          "host": platform.machine(), "backend": jax.default_backend()}
+  meta = metadata.run_metadata("experiments.bench.compile_kernels", argv,
+                                target=f"sm_{args.arch}a", triton=triton.__version__)
   if args.json:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

@@ -31,42 +31,21 @@ the run's metadata (commit, versions, date, machine, load average).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import flax
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import paths
+from experiments.lib import metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 
 RESULTS = paths.RESULTS
 DEFAULT_MODELS = ("mnist_cnn", "transformer_lm", "bilstm_sst2", "resnet18")
-
-
-def meta(argv) -> dict:
-  root = Path(__file__).parents[1]
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=True, cwd=root).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "jact"], capture_output=True,
-                                text=True, check=True, cwd=root).stdout.strip())
-  except (OSError, subprocess.CalledProcessError):
-    commit, dirty = None, None
-  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "command": "python -m experiments.bench.compile_time " + " ".join(argv),
-          "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-          "machine": f"{platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()}",
-          "python": platform.python_version(), "git_commit": commit,
-          "jact_tree_modified": dirty, "load_average_start": os.getloadavg()}
 
 
 def count_eqns(jaxpr) -> int:
@@ -224,7 +203,7 @@ def main(argv=None):
                       help="add ResNet-50 at 224x224, batch 8: plain and jact.convert (compile-only)")
   parser.add_argument("--json", type=Path, default=RESULTS / "compile_time.json")
   args = parser.parse_args(argv)
-  info, rows = meta(argv), []
+  info, rows = metadata.run_metadata("experiments.bench.compile_time", argv, load_average_start=os.getloadavg()), []
   for name in args.models:
     case = CASES[name]
     plain = measure(case, "plain", None, args.repeat, args.step)

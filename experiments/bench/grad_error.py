@@ -34,9 +34,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.bench_models import meta
 from experiments.bench.train_zoo import DATA
-from experiments.lib import paths
+from experiments.lib import metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import flat, variant_fns
 
@@ -112,7 +111,7 @@ def main(argv=None):
   parser.add_argument("--draws", type=int, default=8)
   parser.add_argument("--json", default=str(RESULTS / "grad_error.json"))
   args = parser.parse_args(argv)
-  info = meta(argv, "experiments.bench.grad_error")
+  info = metadata.run_metadata("experiments.bench.grad_error", argv)
   info["command"] = "python -m experiments.bench.grad_error " + " ".join(argv)
   rows = []
   for name in args.models:

@@ -102,7 +102,7 @@ import optax
 
 import jact
 from experiments.bench import bench_train_step
-from experiments.lib import data, paths, preact, resumable, zoo
+from experiments.lib import data, metadata, paths, preact, resumable, zoo
 
 __all__ = ["MODELS", "METHODS", "MEASURES", "Config", "FULL", "SMALL", "block_method",
            "resnet_blockwise_logits", "lm_blockwise_logits", "init_params", "real_batch",
@@ -762,7 +762,7 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
   t0 = time.perf_counter()
   results = Path(results)
   path = results / f"memory_batch{suffix}.json"
-  out = {"meta": resumable.run_metadata(MODULE, argv),
+  out = {"meta": metadata.run_metadata(MODULE, argv),
          "settings": settings(config, models, methods), "models": {}}
   earlier = resumable.earlier_result(
       path, lambda e: _same_settings(e["settings"], out["settings"]), fresh, log)

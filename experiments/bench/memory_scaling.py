@@ -23,17 +23,14 @@ wrapped in `jact.compressed(bits=...)`, one call per block), `checkpoint`
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
-import platform
-import sys
 
-import flax
 import jax
 import jax.numpy as jnp
 
+from experiments.lib import metadata
 from jact import ops
 from jact.report import compiled_memory, residual_report
 from jact.transforms.checkpoint import checkpoint
@@ -187,11 +184,7 @@ def main(argv=None):
             f"{r['temp_per_block'] / mib:6.2f} MiB, residual {r['residual_per_block'] / mib:6.2f} MiB, "
             f"ratio {r['slope_over_residual']:.2f}", flush=True)
   if args.json:
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0]) + " (compile-only)", "python": platform.python_version(),
-            "command": "python -m experiments.bench.memory_scaling " + " ".join(
-                argv if argv is not None else sys.argv[1:])}
+    meta = metadata.run_metadata("experiments.bench.memory_scaling", argv, compile_only=True)
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
   return rows

@@ -43,9 +43,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jact
-from experiments.bench.bench_models import meta
 from experiments.bench.train_zoo import shakespeare_batches
-from experiments.lib import paths
+from experiments.lib import metadata, paths
 from experiments.lib.zoo import LM_CONFIG, TransformerLM
 
 RESULTS = paths.RESULTS
@@ -185,7 +184,7 @@ def main(argv=None):
       print(summary[-1], flush=True)
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"meta": meta(argv, "experiments.bench.train_sharded"),
+  path.write_text(json.dumps({"meta": metadata.run_metadata("experiments.bench.train_sharded", argv),
                               "summary": summary, "runs": runs}, indent=1) + "\n")
   print(f"wrote {path}")
 

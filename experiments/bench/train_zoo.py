@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments.bench.bench_models import meta
-from experiments.lib import data, paths
+from experiments.lib import data, metadata, paths
 from experiments.lib.zoo import CASES, LM_CONFIG
 from experiments.lib.zoo_harness import variant_fns
 
@@ -178,7 +177,7 @@ def main(argv=None):
       print(summary[-1], flush=True)
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
-  run_meta = meta(argv, "experiments.bench.train_zoo")
+  run_meta = metadata.run_metadata("experiments.bench.train_zoo", argv)
   path.write_text(json.dumps({"meta": run_meta, "summary": summary, "runs": runs}, indent=1) + "\n")
   print(f"wrote {path}")
 

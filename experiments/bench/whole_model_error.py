@@ -41,8 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.bench.bench_models import meta
-from experiments.lib import paths
+from experiments.lib import metadata, paths
 from experiments.lib.zoo_harness import flat, variant_fns
 from experiments.lib.zoo_thirdparty import CASES
 from jact.transforms import _vjp_residuals
@@ -147,7 +146,7 @@ def main(argv=None):
                       help="also measure the whole-model wrap without normalization rows")
   parser.add_argument("--json", default=str(RESULTS / "whole_model_error.json"))
   args = parser.parse_args(argv)
-  info = meta(argv, "experiments.bench.whole_model_error")
+  info = metadata.run_metadata("experiments.bench.whole_model_error", argv)
   offset = offset_layer_norm_error()
   print(f"offset LayerNorm at 8 bits: {offset['errors']}", flush=True)
   rows = []

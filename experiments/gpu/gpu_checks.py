@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from experiments.lib import resumable
+from experiments.lib import metadata, resumable
 
 __all__ = ["probe_outcomes", "main"]
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   jax_probes = probe_outcomes({name: probe for name, (_, probe) in _compat.CHECKS.items()})
   flax_probes = probe_outcomes(flax_compat._CHECKS)  # noqa: SLF001 - the same table check() runs
   chosen = {op: jact.kernels.select(op).name for op in jact.kernels.REGISTRY.ops}
-  out = {"meta": resumable.run_metadata("experiments.gpu.gpu_checks", argv),
+  out = {"meta": metadata.run_metadata("experiments.gpu.gpu_checks", argv),
          "python": sys.version.split()[0], "jax_compat": jax_probes, "flax_compat": flax_probes,
          "kernels_chosen": chosen,
          "kernels_available": {op: sorted(jact.kernels.available(op))

@@ -24,7 +24,7 @@ import time
 import jax
 
 from experiments.bench import bench_train_step, memory_batch
-from experiments.lib import resumable, zoo
+from experiments.lib import metadata, resumable, zoo
 
 __all__ = ["METHODS", "measure", "main"]
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                                upper=1, time_batch=a.batch, time_steps=a.steps)
   params = memory_batch.init_params("transformer_lm", config)
   batch = memory_batch.shakespeare_batch(a.batch, a.length)
-  out = {"meta": resumable.run_metadata("experiments.gpu.gpu_lm", argv),
+  out = {"meta": metadata.run_metadata("experiments.gpu.gpu_lm", argv),
          "config": {"layers": a.layers, "width": a.width, "heads": cfg.num_heads,
                     "length": a.length, "batch": a.batch, "steps": a.steps,
                     "repeats": a.repeats, "data": "tiny Shakespeare characters"},

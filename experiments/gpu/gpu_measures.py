@@ -61,7 +61,7 @@ import numpy as np
 
 import jact
 from experiments.bench import bench_kernels, memory_scaling
-from experiments.lib import models, resumable
+from experiments.lib import metadata, models, resumable
 from jact import compressors, kernels
 
 __all__ = ["MEASURES", "ORDERING_MODES", "ordering_ties", "failures", "main"]
@@ -500,7 +500,7 @@ def main(argv=None):
   reps = args.reps or (2 if args.small else 20)
   global _compiler_options
   _compiler_options = FAST_COMPILE if args.small and jax.default_backend() == "cpu" else None
-  result = {"meta": {**resumable.run_metadata("experiments.gpu.gpu_measures", argv),
+  result = {"meta": {**metadata.run_metadata("experiments.gpu.gpu_measures", argv),
                      "small": args.small, "reps": reps, "compiler_options": _compiler_options,
                      "kernels": {op: kernels.select(op).name for op in ("quantize", "relu_mask")}}}
   for name in args.measures:

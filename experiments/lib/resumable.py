@@ -16,17 +16,11 @@ has none yet.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import shutil
-import sys
 from pathlib import Path
 
-import jax
-
-__all__ = ["save", "restore", "run_metadata", "write_json", "earlier_result"]
+__all__ = ["save", "restore", "write_json", "earlier_result"]
 
 _CURRENT, _NEW, _OLD = "checkpoint", "checkpoint.new", "checkpoint.old"
 
@@ -70,18 +64,6 @@ def restore(directory, like):
         state = ckpt.restore(path / "state", like)
       return state, json.loads((path / "progress.json").read_text()), path
   return None
-
-
-def run_metadata(module: str, argv=None) -> dict:
-  """Command, date, versions and device of a run, stored with its results."""
-  import flax
-  import jaxlib
-  args = list(sys.argv[1:] if argv is None else argv)
-  return {"command": " ".join(["python -m", module, *args]),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
-          "device": str(jax.devices()[0].device_kind), "cpu_count": os.cpu_count(),
-          "machine": platform.machine(), "python": platform.python_version()}
 
 
 def write_json(path, payload: dict) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable
 
 __all__ = ["ERRORS", "needed_levels", "needed_bits", "sweep", "main"]
 
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     if restored is None:
       raise SystemExit(f"no snapshot under {a.snapshot}")
     checkpoints["trained"] = restored[0]["params"]
-  result = dict(meta=resumable.run_metadata("experiments.papers.acgc_sweep", argv),
+  result = dict(meta=metadata.run_metadata("experiments.papers.acgc_sweep", argv),
                 batches=a.batches, batch=a.batch, widths=list(widths), blocks=blocks,
                 paper_error=PAPER_ERROR, snapshot=None if a.snapshot is None else str(a.snapshot),
                 checkpoints={})

@@ -46,7 +46,7 @@ import optax
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable
 
 __all__ = ["VARIANTS", "variant_settings", "augment", "train_variant", "main"]
 
@@ -279,7 +279,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   x_tr, y_tr, x_te, y_te = data_lib.load_image_dataset(
       a.dataset, train_size=a.train_size, test_size=a.test_size)
-  meta = resumable.run_metadata("experiments.papers.actnn_cifar", argv)
+  meta = metadata.run_metadata("experiments.papers.actnn_cifar", argv)
   combined = {"meta": meta, "variants": {}}
   for name in a.variants:
     def write(result, name=name):

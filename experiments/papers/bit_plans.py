@@ -38,7 +38,7 @@ import optax
 import jact
 from experiments.bench import bench_plans
 from experiments.lib import data as data_lib
-from experiments.lib import paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable
 from experiments.papers import actnn_cifar
 
 __all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "check_plans",
@@ -234,7 +234,7 @@ def main(argv=None) -> dict:
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   p.add_argument("--small", action="store_true")
   a = p.parse_args(argv)
-  result = dict(meta=resumable.run_metadata("experiments.papers.bit_plans", argv),
+  result = dict(meta=metadata.run_metadata("experiments.papers.bit_plans", argv),
                 avg_bits=a.avg_bits, small=a.small)
   if "resnet" in a.models:
     sizes = dict(widths=(8, 16, 32), blocks=1, batch_size=32, epochs=[0], updates=1) \

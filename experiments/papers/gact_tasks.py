@@ -93,7 +93,7 @@ import optax
 import jact
 from experiments.bench.train_zoo import _sst2_split  # pylint: disable=protected-access
 from experiments.lib import data as data_lib
-from experiments.lib import paths, resumable, zoo
+from experiments.lib import metadata, paths, resumable, zoo
 from experiments.lib.gcn import Graph, graph_arrays
 
 __all__ = ["TASKS", "SMALL", "VARIANTS", "EncoderBlock", "SST2Transformer", "BlockFieldLM",
@@ -661,7 +661,7 @@ def main(argv=None) -> dict:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quiet", action="store_true")
   a = p.parse_args(argv)
-  meta = resumable.run_metadata("experiments.papers.gact_tasks", argv)
+  meta = metadata.run_metadata("experiments.papers.gact_tasks", argv)
   sizes = SMALL if a.small else TASKS
   out = {}
   for task in a.tasks:

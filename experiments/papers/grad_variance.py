@@ -40,7 +40,7 @@ import numpy as np
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable
 from experiments.papers import actnn_cifar
 
 __all__ = ["flat_gradient", "sampling_variance", "compression_variance", "adaptive_plan",
@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
       path, lambda e: all(e.get(k) == v for k, v in settings.items()), a.fresh)
   kept = {} if earlier is None else {
       e: rows for e, rows in earlier["checkpoints"].items() if int(e) in a.epochs}
-  result = dict(meta=resumable.run_metadata("experiments.papers.grad_variance", argv), **settings,
+  result = dict(meta=metadata.run_metadata("experiments.papers.grad_variance", argv), **settings,
                 checkpoints=kept, missing=[], complete=False)
   if kept:
     result["meta"]["kept_from"] = earlier["meta"]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jact
-from experiments.lib import paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable
 
 __all__ = ["layer_inputs", "main"]
 
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   a = p.parse_args(argv)
   values = layer_inputs(a.batch)
-  result = dict(meta=resumable.run_metadata("experiments.papers.memory_accounting", argv),
+  result = dict(meta=metadata.run_metadata("experiments.papers.memory_accounting", argv),
                 batch=a.batch, model="pre-activation ResNet-20 (16/32/64, 3 blocks a stage)",
                 layer_inputs=values, float32_layer_input_bytes=4 * sum(values.values()))
   resumable.write_json(a.results / "memory_accounting.json", result)
