@@ -22,131 +22,20 @@ bounds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.lib import metadata
+from experiments.lib import metadata, timing
+from experiments.lib.kernel_cases import CASES, MB, Case, nbytes_of
 from jact import kernels
 from jact.core.persample import per_sample_capacity
-from jact.core.quantize import effective_group_size
-from jact.kernels.quantize.reference import quantize_reference
 
-__all__ = ["CASES", "Case", "time_call", "main"]
-
-MB = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """One kernel configuration.
-
-  Attributes:
-    op: the `jact.kernels` op.
-    label: its configuration ("2 bit f32", ...).
-    make: (input bytes, key) -> the positional arguments of the op's implementations.
-    kwargs: keyword arguments of the implementations.
-    traffic: (args, outputs) -> minimal bytes read + written.
-  """
-  op: str
-  label: str
-  make: Callable[[int, jax.Array], tuple]
-  kwargs: dict
-  traffic: Callable[[tuple, Any], int]
-
-
-def _nbytes(tree) -> int:
-  return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
-
-
-def _activation(nbytes: int, key, dtype=jnp.float32, row: int = 16384):
-  """Real-valued data (normal, with a ReLU-like zero half) of about `nbytes`, rows of `row` values."""
-  n = max(1, nbytes // (jnp.dtype(dtype).itemsize * row))
-  x = jax.random.normal(key, (n, row), jnp.float32)
-  return jnp.where(x > -0.1, x, 0.5 * x).astype(dtype)
-
-
-def _map(nbytes: int, key, hw: int = 64, c: int = 64):
-  """A channels-last activation map (N, hw, hw, c) of about `nbytes` float32."""
-  n = max(1, nbytes // (4 * hw * hw * c))
-  return jax.random.normal(key, (n, hw, hw, c), jnp.float32)
-
-
-def _seed(key):
-  return jax.random.bits(key, (), jnp.uint32)
-
-
-def _quantize_case(bits: int, dtype=jnp.float32) -> Case:
-  def make(nbytes, key):
-    x = _activation(nbytes, key, dtype)
-    return (x, _seed(key))
-  g = effective_group_size(16384, 256)
-  return Case("quantize", f"{bits} bit {jnp.dtype(dtype).name}", make,
-              dict(bits=bits, group_size=g, stochastic=True),
-              lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-def _dequantize_case(bits: int) -> Case:
-  def make(nbytes, key):
-    x = _activation(nbytes, key)
-    return (quantize_reference(x, _seed(key), bits=bits, group_size=256),)
-  return Case("dequantize", f"{bits} bit f32", make, dict(dtype=jnp.float32),
-              lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-def _relu_case() -> Case:
-  return Case("relu_mask", "relu f32", lambda nbytes, key: (_activation(nbytes, key),),
-              dict(negative_slope=None), lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-def _per_sample_widths(n: int):
-  """Widths 1/2/4 (probabilities 1/4, 1/2, 1/4): 2.25 bits a value on average."""
-  return jnp.asarray(np.random.default_rng(0).choice([1, 2, 4], size=n, p=[0.25, 0.5, 0.25]),
-                     jnp.int32)
-
-
-def _quantize_per_sample_case() -> Case:
-  def make(nbytes, key):
-    x = _activation(nbytes, key, row=4096)
-    return (x, _per_sample_widths(x.shape[0]))
-
-  return Case("quantize_per_sample", "mixed 1/2/4 bit f32", make,
-              dict(group_size=256, seed=jnp.uint32(7)),
-              lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-def _dequantize_per_sample_case() -> Case:
-  def make(nbytes, key):
-    x, widths = _quantize_per_sample_case().make(nbytes, key)
-    capacity = per_sample_capacity(x.shape, 4.0)
-    fn = kernels.available("quantize_per_sample")["xla"].fn
-    return (fn(x, widths, capacity_bytes=capacity, group_size=256, seed=jnp.uint32(7)),)
-  return Case("dequantize_per_sample", "mixed 1/2/4 bit f32", make, dict(dtype=jnp.float32),
-              lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-def _division_case(bits: int = 2, block: int = 8) -> Case:
-  return Case("division_compress", f"B={block} Q={bits} f32 64x64x64",
-              lambda nbytes, key: (_map(nbytes, key), _seed(key)),
-              dict(block=block, bits=bits, group_size=256, lfc_dtype=jnp.dtype(jnp.bfloat16)),
-              lambda args, out: _nbytes(args[0]) + _nbytes(out))
-
-
-CASES = {
-    "quantize": [_quantize_case(b) for b in (1, 2, 4, 8)] + [_quantize_case(2, jnp.bfloat16)],
-    "dequantize": [_dequantize_case(b) for b in (2, 4, 8)],
-    "relu_mask": [_relu_case()],
-    "quantize_per_sample": [_quantize_per_sample_case()],
-    "dequantize_per_sample": [_dequantize_per_sample_case()],
-    "division_compress": [_division_case()],
-}
-
+__all__ = ["CASES", "Case", "main"]
 
 def _bind(case: Case, impl: str, args: tuple) -> Callable:
   fn = kernels.available(case.op)[impl].fn
@@ -154,20 +43,6 @@ def _bind(case: Case, impl: str, args: tuple) -> Callable:
   if case.op == "quantize_per_sample":
     kwargs["capacity_bytes"] = per_sample_capacity(args[0].shape, 4.0)
   return jax.jit(lambda *a: fn(*a, **kwargs))
-
-
-def time_call(fn: Callable, inputs: list[tuple], reps: int, blocks: int = 5) -> list[float]:
-  """Seconds per call for `blocks` blocks of `reps` back-to-back calls over rotating inputs."""
-  jax.block_until_ready(fn(*inputs[0]))
-  jax.block_until_ready([fn(*a) for a in inputs])  # warm every buffer
-  times = []
-  for _ in range(blocks):
-    t0 = time.perf_counter()
-    outs = [fn(*inputs[i % len(inputs)]) for i in range(reps)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / reps)
-    del outs
-  return times
 
 
 def _same_bits(a, b) -> bool:
@@ -191,8 +66,8 @@ def _copy_gbps(nbytes: int, reps: int, rotate: int) -> dict:
             for i in range(count)]
   out = {}
   for name, fn in (("copy", jax.jit(jnp.copy)), ("negate", jax.jit(jnp.negative))):
-    t = statistics.median(time_call(fn, inputs, reps))
-    out[name] = 2 * _nbytes(inputs[0]) / t / 1e9
+    t = statistics.median(timing.time_call(fn, inputs, reps))
+    out[name] = 2 * nbytes_of(inputs[0]) / t / 1e9
   return out
 
 
@@ -208,7 +83,7 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
     for op in ops:
       for case in CASES[op]:
         base = case.make(nbytes, jax.random.key(0))
-        count = max(1, -(-rotate // max(1, _nbytes(base))))
+        count = max(1, -(-rotate // max(1, nbytes_of(base))))
         inputs = [base] + [case.make(nbytes, jax.random.key(i + 1)) for i in range(count - 1)]
         reference = _bind(case, "xla", base)(*base)
         cpu_ref = None
@@ -228,18 +103,18 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
             if impl == "xla":
               raise
             rows.append({"op": op, "config": case.label, "impl": impl,
-                         "input_bytes": _nbytes(base[0]), "error": f"{type(e).__name__}: {e}"[:500]})
+                         "input_bytes": nbytes_of(base[0]), "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB failed: {rows[-1]['error']}",
                   flush=True)
             continue
           same = _same_bits(out, reference)
           same_cpu = None if cpu_ref is None else _same_bits(jax.device_get(out), cpu_ref)
-          times = time_call(fn, inputs, reps)
+          times = timing.time_call(fn, inputs, reps)
           t = statistics.median(times)
           traffic = case.traffic(base, out)
           gbps = traffic / t / 1e9
           xla_time = t if impl == "xla" else xla_time
-          row = {"op": op, "config": case.label, "impl": impl, "input_bytes": _nbytes(base[0]),
+          row = {"op": op, "config": case.label, "impl": impl, "input_bytes": nbytes_of(base[0]),
                  "traffic_bytes": traffic, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                  "ms_max": max(times) * 1e3, "gbps": gbps, "copy_gbps": copy_gbps,
                  "copy_gbps_by_method": copy, "fraction_of_copy": gbps / copy_gbps,

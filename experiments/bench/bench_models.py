@@ -34,26 +34,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jact
-from experiments.lib import metadata, paths
+from experiments.lib import metadata, paths, timing
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import flat, variant_fns
 
 RESULTS = paths.RESULTS
 TARGET_MODELS = ("resnet18", "bilstm_sst2", "transformer_lm")
 ERROR_MODELS = ("resnet18", "transformer_lm")
-
-
-def _median_time(fn, args, steps):
-  jax.block_until_ready(fn(*args))  # warm-up
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _unnamed_bytes(report) -> int:
@@ -78,7 +67,7 @@ def measure(case, variant, bits, batch, key, steps, reference=None) -> dict:
       row["compile_s"] = time.perf_counter() - start
       row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
       grad = flat(compiled(*args)[0])
-      row["step_s"] = _median_time(compiled, args, steps)
+      row["step_s"] = timing.median_seconds(compiled, *args, calls=steps)
       row["finite"] = bool(jnp.all(jnp.isfinite(grad)))
       if reference is not None:
         ref_logits, ref_grad = reference

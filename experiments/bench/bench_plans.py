@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.lib import data, metadata
+from experiments.lib import data, metadata, timing
 
 # ----------------------------------------------------------------------------- models
 
@@ -109,27 +108,19 @@ def mc_variance(grad, params, batch, plan, keys):
   return float(gs.var(axis=0, ddof=1).sum())
 
 
-def timed(fn, *args, repeats=3):
-  jax.block_until_ready(fn(*args))  # compile
-  start = time.perf_counter()
-  for _ in range(repeats):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / repeats
-
-
 def run_model(name, setup, bits_list, errors, keys):
   params, batch, loss = setup
   grad = jax.jit(jact.planned(jax.grad(loss)), static_argnames="plan")
   sites = jact.sensitivity.find_residuals(loss, params, batch, jax.random.key(1))
   sizes = {n: s.size for n, s in sites.items()}
   rows = []
-  step_time = timed(lambda k: grad(params, batch, k, plan=None), jax.random.key(0))
+  step_time = timing.time_call(lambda k: grad(params, batch, k, plan=None), [(jax.random.key(0),)], reps=3, blocks=1)[0]
   estimators = {}
   for kind in ("numeric", "analytic"):
     est = getattr(jact.sensitivity, kind)(loss)
     state = est.init(params, batch, jax.random.key(1))
-    cost = timed(lambda k: est.update(state, params, batch, k).sensitivity, jax.random.key(2))
+    cost = timing.time_call(lambda k: est.update(state, params, batch, k).sensitivity,
+                            [(jax.random.key(2),)], reps=3, blocks=1)[0]
     state = est.update(state, params, batch, jax.random.key(3))
     estimators[kind] = (state, cost)
   sampling = float(jact.sensitivity.sampling_variance(loss, params, batch, jax.random.key(4)))

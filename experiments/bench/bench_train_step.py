@@ -50,22 +50,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jact.kernels
+from experiments.lib import batch_search, metadata, models
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, models
-from jact.report import CompiledMemory
 
-__all__ = ["Bench", "largest_batch", "main"]
+__all__ = ["Bench", "main"]
 
 POOL = 256          # real images kept on the device; batches repeat them
 REPEATS = 3         # timed blocks per config (median reported)
-TOLERANCE = 0.05    # resolution of the largest-batch search
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile times
 LEARNING_RATE = 1e-3  # small: the same batch is stepped on repeatedly, values stay finite
-MIB = 2.0 ** 20
 KERNEL_OPS = ("quantize", "dequantize", "relu_mask")
 ENV_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
             "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS", "JACT_DATA")
@@ -73,45 +69,6 @@ ENV_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
 
 def config_name(bits) -> str:
   return "plain" if bits is None else f"jact{bits}"
-
-
-def is_oom(e: BaseException) -> bool:
-  """An XLA out-of-memory error (raised by compiling or running)."""
-  text = str(e)
-  return isinstance(e, RuntimeError) and (  # jax.errors.JaxRuntimeError is one
-      "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
-
-
-def device_memory() -> dict | None:
-  """The allocator's counters of the first device (None on CPU)."""
-  stats = jax.devices()[0].memory_stats()
-  if not stats:
-    return None
-  return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
-
-
-def compiled_memory_of(compiled) -> CompiledMemory:
-  """XLA's memory analysis of a compiled function as a `CompiledMemory`."""
-  s = compiled.memory_analysis()
-  return CompiledMemory(int(s.temp_size_in_bytes), int(s.argument_size_in_bytes),
-                        int(s.output_size_in_bytes), int(s.alias_size_in_bytes),
-                        int(s.generated_code_size_in_bytes))
-
-
-def needed_bytes(mem: CompiledMemory) -> int:
-  """Device memory a compiled step needs: temp + arguments + outputs - aliased."""
-  return mem.temp_bytes + mem.argument_bytes + mem.output_bytes - mem.alias_bytes
-
-
-def load_pool(dataset: str, image: int, dtype):
-  """(dataset name, images [POOL, image, image, 3] standardized, labels int32) on the device."""
-  name = data_lib.resolve_dataset(dataset)
-  x, y, _, _ = data_lib.load_image_dataset(name, train_size=POOL, test_size=1)
-  if x.shape[-1] == 1:
-    x = np.repeat(x, 3, axis=-1)
-  x = (x - x.mean((0, 1, 2))) / (x.std((0, 1, 2)) + 1e-6)
-  x = jax.image.resize(jnp.asarray(x), (len(x), image, image, 3), "bilinear")
-  return name, x.astype(dtype), jnp.asarray(y, jnp.int32)
 
 
 class Bench:
@@ -124,7 +81,7 @@ class Bench:
       self.arch["stage_sizes"] = tuple(args.stage_sizes)
     self.dtype = jnp.dtype(args.dtype)
     self.tx = optax.sgd(LEARNING_RATE, momentum=0.9)
-    self.dataset, self.pool_x, self.pool_y = load_pool(args.dataset, args.image, self.dtype)
+    self.dataset, self.pool_x, self.pool_y = data_lib.load_pool(args.dataset, args.image, self.dtype, POOL)
     self.key = jax.random.key(1)  # the 'jact' stream; the step counter is folded in
     self.compiler_options = FAST_COMPILE if args.fast_compile else None
     self.host_state = self._init_state()
@@ -176,7 +133,7 @@ class Bench:
     compiled = jax.jit(self.step_fn(bits), donate_argnums=0).lower(
         self.state_spec, x, y, self.key).compile(self.compiler_options)
     seconds = time.perf_counter() - t0
-    return compiled, compiled_memory_of(compiled), seconds
+    return compiled, batch_search.compiled_memory_of(compiled), seconds
 
   def batch(self, batch: int):
     """Real images and labels repeated to `batch` examples, on the device."""
@@ -215,25 +172,25 @@ def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
   try:
     compiled, mem, row["compile_s"] = bench.compile(bits, batch)
   except Exception as e:  # noqa: BLE001 - only out-of-memory is recorded, the rest re-raised
-    if not is_oom(e):
+    if not batch_search.is_oom(e):
       raise
     row["oom"] = True
     return row
   row.update(temp_bytes=mem.temp_bytes, argument_bytes=mem.argument_bytes,
              output_bytes=mem.output_bytes, alias_bytes=mem.alias_bytes,
-             needed_bytes=needed_bytes(mem))
-  before = device_memory()
+             needed_bytes=batch_search.needed_bytes(mem))
+  before = batch_search.device_memory()
   try:
     times, row["loss"] = bench.run(compiled, batch, args.warmup, args.steps, REPEATS)
   except Exception as e:  # noqa: BLE001
-    if not is_oom(e):
+    if not batch_search.is_oom(e):
       raise
     row["oom"] = True
     return row
   finally:
     del compiled
     gc.collect()
-  after = device_memory()
+  after = batch_search.device_memory()
   med = statistics.median(times)
   row.update(step_ms=1e3 * med, step_ms_min=1e3 * min(times), step_ms_max=1e3 * max(times),
              step_ms_repeats=[1e3 * t for t in times], images_per_s=batch / med, oom=False,
@@ -242,57 +199,6 @@ def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
     row.update(peak_bytes_before=before["peak_bytes_in_use"],
                peak_bytes_after=after["peak_bytes_in_use"], bytes_in_use_after=after["bytes_in_use"])
   return row
-
-
-def largest_batch(fits, start: int, upper: int, tol: float = TOLERANCE, need=None) -> int:
-  """Largest batch b <= upper with fits(b) (0 if none), assuming fits is monotone.
-
-  Powers of two from the largest one <= start (up, or down when it does not
-  fit), then bisection until the bracket is within `tol`; with `need(b)` ->
-  (bytes, limit) the split point is the linear interpolation of the compiled
-  sizes (memory is nearly affine in the batch), kept inside the bracket.
-
-  >>> need = lambda b: (3 * b + 10, 1000)     # exact fit: b = 330
-  >>> fits = lambda b: need(b)[0] <= 1000
-  >>> largest_batch(fits, start=64, upper=4096), largest_batch(fits, 64, 4096, need=need)
-  (320, 330)
-  >>> largest_batch(lambda b: True, 64, 100), largest_batch(lambda b: False, 64, 100)
-  (100, 0)
-  """
-  b = 2 ** int(math.log2(max(1, min(start, upper))))
-  if fits(b):
-    lo = b
-    while True:
-      nxt = min(2 * lo, upper)
-      if nxt == lo:
-        return lo
-      if not fits(nxt):
-        hi = nxt
-        break
-      lo = nxt
-  else:
-    hi = b
-    while True:
-      b //= 2
-      if b < 1:
-        return 0
-      if fits(b):
-        lo = b
-        break
-      hi = b
-  while hi - lo > max(1, tol * lo):
-    margin = max(1, int(tol * lo / 2))
-    mid = (lo + hi) // 2
-    if need is not None:
-      (n_lo, limit), (n_hi, _) = need(lo), need(hi)
-      if math.isfinite(n_hi) and n_hi > n_lo:
-        mid = lo + int((limit - n_lo) * (hi - lo) / (n_hi - n_lo))
-    mid = min(max(mid, lo + margin), hi - margin)
-    if fits(mid):
-      lo = mid
-    else:
-      hi = mid
-  return lo
 
 
 def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
@@ -309,22 +215,22 @@ def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
       compiles += 1
       try:
         compiled, mem, _ = bench.compile(bits, b)
-        cache[b] = float(needed_bytes(mem))
+        cache[b] = float(batch_search.needed_bytes(mem))
         if cache[b] <= limit and b > max(kept, default=0):
           kept.clear()
           kept[b] = compiled
         del compiled
       except Exception as e:  # noqa: BLE001
-        if not is_oom(e):
+        if not batch_search.is_oom(e):
           raise
         cache[b] = math.inf
-      print(f"  {config_name(bits)} batch {b}: needs {cache[b] / MIB:.0f} MiB "
-            f"(limit {limit / MIB:.0f} MiB)", flush=True)
+      print(f"  {config_name(bits)} batch {b}: needs {cache[b] / batch_search.MIB:.0f} MiB "
+            f"(limit {limit / batch_search.MIB:.0f} MiB)", flush=True)
     return cache[b], limit
 
   fits = lambda b: need(b)[0] <= limit
   start = args.search_start or (max(args.batches) if args.batches else 64)
-  predicted = largest_batch(fits, start, args.max_batch_search, need=need)
+  predicted = batch_search.largest_batch(fits, start, args.max_batch_search, need=need)
   row = {"config": config_name(bits), "bits": bits, "kernel": kernel_name(bits),
          "image": args.image, "dtype": args.dtype, "limit_bytes": limit,
          "upper_bound": args.max_batch_search, "predicted_batch": predicted,
@@ -347,11 +253,11 @@ def verify(bench: Bench, bits, batch: int, compiled=None) -> dict:
       return {"verified_batch": batch, "oom_batches": failed, "loss": loss,
               "step_ms_rough": 1e3 * times[0], "images_per_s_rough": batch / times[0]}
     except Exception as e:  # noqa: BLE001
-      if not is_oom(e):
+      if not batch_search.is_oom(e):
         raise
       failed.append(batch)
       print(f"  {config_name(bits)} batch {batch}: out of memory when run", flush=True)
-      batch = min(batch - 1, int(batch * (1 - TOLERANCE)))
+      batch = min(batch - 1, int(batch * (1 - batch_search.TOLERANCE)))
     finally:
       compiled = None
       gc.collect()
@@ -363,7 +269,7 @@ def memory_limit(args) -> int | None:
   if args.memory_limit_gb is not None:
     return int(args.memory_limit_gb * 2 ** 30)
   gc.collect()
-  mem = device_memory()
+  mem = batch_search.device_memory()
   if not mem or not mem.get("bytes_limit"):
     return None
   return int(mem["bytes_limit"] - (mem["bytes_in_use"] or 0))
@@ -383,7 +289,7 @@ def progress_line(row: dict) -> str:
   if row.get("oom"):
     return f"{row['config']:8s} batch {row['batch']}: out of memory"
   return (f"{row['config']:8s} batch {row['batch']}: {row['step_ms']:.1f} ms/step, "
-          f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / MIB:.1f} MiB, "
+          f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / batch_search.MIB:.1f} MiB, "
           f"loss {row['loss'] if row['loss'] is None else round(row['loss'], 3)}, "
           f"compiled in {row['compile_s']:.0f} s")
 
@@ -399,14 +305,14 @@ def table(rows: list[dict], searches: list[dict]) -> str:
     spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
     lines.append(f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d} "
                  f"{r['step_ms']:9.1f} {spread:>15s} {r['images_per_s']:9.1f} {ratio:>6s} "
-                 f"{r['temp_bytes'] / MIB:9.1f}")
+                 f"{r['temp_bytes'] / batch_search.MIB:9.1f}")
   if searches:
     lines += [""] * bool(rows) + [f"{'config':8s} {'predicted':>10s} {'verified':>9s} {'img/s':>9s} "
               f"{'limit MiB':>10s} {'compiles':>9s}"]
     for s in searches:
       rate = f"{s['images_per_s_rough']:.1f}" if "images_per_s_rough" in s else "-"
       lines.append(f"{s['config']:8s} {s['predicted_batch']:10d} {s['verified_batch']:9d} "
-                   f"{rate:>9s} {s['limit_bytes'] / MIB:10.0f} {s['compiles']:9d}")
+                   f"{rate:>9s} {s['limit_bytes'] / batch_search.MIB:10.0f} {s['compiles']:9d}")
   return "\n".join(lines)
 
 
@@ -420,7 +326,7 @@ def meta_block(args, argv, bench: Bench, limit) -> dict:
       "dtype": args.dtype, "dataset": bench.dataset, "pool_images": int(bench.pool_x.shape[0]),
       "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)", "steps": args.steps,
       "warmup": args.warmup, "repeats": REPEATS, "compiler_options": bench.compiler_options,
-      "search_limit_bytes": limit, "device_memory": device_memory(),
+      "search_limit_bytes": limit, "device_memory": batch_search.device_memory(),
       "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
       "note": ("step time: median of the repeats of `steps` back-to-back steps (compile "
                "excluded); temp/needed bytes: XLA memory analysis of the donated step; "

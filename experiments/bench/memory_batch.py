@@ -42,7 +42,7 @@ RSS follows the live buffers. Recorded per probe, in MiB:
 
 Batches are multiples of `--granularity`, searched by doubling from `--start`
 (halving if it does not fit), then by bisection steered by linear
-interpolation of the measured memory (`experiments.bench.bench_train_step.largest_batch`),
+interpolation of the measured memory (`experiments.lib.batch_search.largest_batch`),
 until the answer b ran within the cap and b + granularity did not
 (`check_search` records whether that, and monotonicity, hold).
 
@@ -61,16 +61,16 @@ under `--results`.
 
 A rerun keeps the models already measured with the same settings (see `run`).
 
-`--small` (tiny ResNet, plain and jact2, a 40 MiB cap, `FAST_COMPILE_FLAGS`)
+`--small` (tiny ResNet, plain and jact2, a 40 MiB cap, `fresh_process.FAST_COMPILE_FLAGS`)
 is a quick check of the whole pipeline.
 
 The search, on a pretend step of 3 MiB per example over 10 MiB:
 
 >>> probe = lambda b: {"batch": b, "step_mib": 10.0 + 3.0 * b}
->>> best, probes = search_batch(probe, cap_mib=400, start=16, granularity=8, upper=1024)
+>>> best, probes = batch_search.search_batch(probe, cap_mib=400, start=16, granularity=8, upper=1024)
 >>> best, [p["batch"] for p in probes]
 (128, [16, 32, 64, 128, 136, 256])
->>> check_search(best, probes, cap_mib=400, granularity=8, upper=1024)
+>>> batch_search.check_search(best, probes, cap_mib=400, granularity=8, upper=1024)
 {'consistent': True, 'monotone': True}
 """
 
@@ -79,73 +79,61 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import functools
 import gc
-import importlib
 import json
 import math
-import multiprocessing
-import os
 import re
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 import jact
-from experiments.bench import bench_train_step
-from experiments.lib import data, metadata, paths, preact, resumable, zoo
+from experiments.lib import (
+  batch_search,
+  fresh_process,
+  metadata,
+  notebook_support,
+  paths,
+  resumable,
+)
+from experiments.lib.blockwise import (
+  CHECKPOINT_BITS,
+  FULL,
+  LEARNING_RATE,
+  METHODS,
+  MODELS,
+  SMALL,
+  SMALL_METHODS,
+  SMALL_MODELS,
+  Config,
+  block_method,
+  init_params,
+  lm_blockwise_logits,
+  loss_fn,
+  on_device,
+  optimizer,
+  real_batch,
+  resnet_blockwise_logits,
+  train_step,
+)
 
 __all__ = ["MODELS", "METHODS", "MEASURES", "Config", "FULL", "SMALL", "block_method",
            "resnet_blockwise_logits", "lm_blockwise_logits", "init_params", "real_batch",
-           "loss_fn", "train_step", "measure_probe", "time_methods", "in_fresh_process",
-           "search_batch", "check_search", "offload_support", "describe", "run", "plot",
+           "loss_fn", "train_step", "measure_probe", "time_methods",
+           "offload_support", "describe", "run",
            "summary", "main"]
 
 MODULE = "experiments.bench.memory_batch"
 ROOT = paths.ROOT
 RESULTS = ROOT / "experiments" / "results"
-MODELS = ("resnet20", "transformer_lm")
-METHODS = ("plain", "remat", "jact4", "jact2", "jact_checkpoint", "offload")
-CHECKPOINT_BITS = 4      # width of jact_checkpoint's and offload's compressed copies
 STEPS = 2                # train steps per memory probe
-LEARNING_RATE = 1e-3     # the same batch is stepped on repeatedly: keep values finite
-MIB = bench_train_step.MIB
+MIB = batch_search.MIB
 MEASURES = ("step_mib", "with_program_mib")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """Model sizes and search settings of a run (`FULL`, `SMALL`)."""
-  widths: tuple[int, ...]     # ResNet stage widths
-  blocks: int                 # ResNet residual blocks per stage
-  lm: zoo.LMConfig            # the LM; its max_len is the sequence length trained on
-  cap_mib: float              # the memory cap
-  start: int                  # first batch of the doubling
-  granularity: int            # the search's resolution: batches are its multiples
-  upper: int                  # largest batch tried
-  time_batch: int             # largest batch the timing uses
-  time_steps: int             # timed rounds (one step per method each)
-  measure: str = "step_mib"   # what the cap limits: one of MEASURES
-  fast_compile: bool = False  # compile every step with FAST_COMPILE_FLAGS
-
-
-FULL = Config(widths=(16, 32, 64), blocks=3, lm=zoo.LMConfig(max_len=128), cap_mib=512,
-              start=64, granularity=16, upper=4096, time_batch=64, time_steps=20)
-SMALL = Config(widths=(8, 16), blocks=1,
-               lm=zoo.LMConfig(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32),
-               cap_mib=40, start=32, granularity=32, upper=64, time_batch=32, time_steps=10,
-               fast_compile=True)
-SMALL_MODELS = ("resnet20",)
-SMALL_METHODS = ("plain", "jact2")
 
 
 # ----------------------------------------------------------------------------- memory readings
@@ -178,192 +166,6 @@ def _device_bytes(key: str) -> int | None:
   return None if not stats else stats.get(key)
 
 
-# ----------------------------------------------------------------------------- methods
-
-
-def block_method(method: str, plain_block: Callable, jact_block: Callable, name: str) -> Callable:
-  """One residual block `(params, x, key) -> y` trained the way `method` says.
-
-  `plain_block(params, x)` is the block as written; `jact_block(params, x, key)`
-  the same block keeping 4-bit residuals (offload's policy selects them).
-  """
-  if method == "plain":
-    return lambda p, x, key: plain_block(p, x)
-  if method == "remat":
-    remat = jax.checkpoint(plain_block)
-    return lambda p, x, key: remat(p, x)
-  if method == "jact_checkpoint":
-    ckpt = jact.checkpoint(plain_block, bits=CHECKPOINT_BITS, compress_argnums=(1,), name=name)
-    return lambda p, x, key: ckpt(p, x, key=key)
-  if method == "offload":
-    return jax.checkpoint(jact_block, policy=jact.offload_compressed())
-  raise ValueError(f"no block form for method {method!r}")
-
-
-# ----------------------------------------------------------------------------- ResNet-20
-
-
-def _resnet_block(pair, h, key, *, stride, form, name):
-  """Two preact units and the parameter-free shortcut: one residual block."""
-  rounding = {} if form == "plain" else dict(bits=CHECKPOINT_BITS)
-  k1, k2 = jax.random.split(key)
-  width = pair[1]["kernel"].shape[-1]
-  r = preact._unit(h, pair[0], stride, f"{name}.a", form, rounding, k1)
-  r = preact._unit(r, pair[1], 1, f"{name}.b", form, rounding, k2)
-  return preact._shortcut(h, width, stride) + r
-
-
-def resnet_blockwise_logits(params, x, key, method: str = "plain"):
-  """preact.apply's network with each residual block trained by `method`."""
-  units, width = params["units"], params["stem"].shape[-1]
-  h = preact._conv(x, params["stem"], 1)
-  for i in range(0, len(units), 2):
-    pair, name = (units[i], units[i + 1]), f"block{i // 2}"
-    stride = 2 if pair[1]["kernel"].shape[-1] > width else 1
-    plain = functools.partial(_resnet_block, key=jax.random.key(0), stride=stride, form="plain",
-                              name=name)
-    compressed = functools.partial(_resnet_block, stride=stride, form="layers", name=name)
-    block = block_method(method, lambda p, h, plain=plain: plain(p, h),
-                         lambda p, h, k, compressed=compressed: compressed(p, h, key=k), name)
-    h = block(pair, h, jax.random.fold_in(key, i))
-    width = pair[1]["kernel"].shape[-1]
-  head = params["head"]
-  h = jnp.mean(jax.nn.relu(preact._plain_bn(h, head["scale"], head["bias"])), axis=(1, 2))
-  return h @ head["kernel"]
-
-
-def _xent(logits, labels):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def resnet_loss(method: str) -> Callable:
-  """`loss(params, (images, labels), key)` of the ResNet trained by `method`."""
-  if method == "plain":
-    return functools.partial(preact.loss, form="plain")
-  if method in ("jact4", "jact2"):
-    return functools.partial(preact.loss, form="layers", bits=int(method[-1]))
-  return lambda params, batch, key: _xent(resnet_blockwise_logits(params, batch[0], key, method),
-                                          batch[1])
-
-
-@functools.lru_cache(maxsize=1)
-def cifar_pool() -> tuple[np.ndarray, np.ndarray]:
-  """256 standardized CIFAR-10 training images and their labels (numpy)."""
-  _, pool_x, pool_y = bench_train_step.load_pool("cifar10", 32, jnp.float32)
-  return np.asarray(pool_x), np.asarray(pool_y)
-
-
-def cifar_batch(batch: int) -> tuple[np.ndarray, np.ndarray]:
-  """`batch` training images (the pool repeated) and their labels (numpy)."""
-  pool_x, pool_y = cifar_pool()
-  idx = np.arange(batch) % len(pool_x)
-  return pool_x[idx], pool_y[idx]
-
-
-# ----------------------------------------------------------------------------- decoder LM
-
-
-def lm_blockwise_logits(params, tokens, key, cfg: zoo.LMConfig, method: str = "plain"):
-  """zoo.TransformerLM's forward pass with each decoder block trained by `method`."""
-  x = nn.Embed(cfg.vocab_size, cfg.emb_dim).apply({"params": params["Embed_0"]}, tokens)
-  x = x + params["pos_embedding"][:, :tokens.shape[1]]
-  mask = nn.make_causal_mask(tokens)
-  block = zoo.DecoderBlock(cfg)
-  jact_block = jact.convert(block, bits=CHECKPOINT_BITS)
-  for i in range(cfg.num_layers):
-    fn = block_method(
-        method, lambda p, x: block.apply({"params": p}, x, mask),
-        lambda p, x, k: jact_block.apply({"params": p}, x, mask, rngs={"jact": k}), f"block{i}")
-    x = fn(params[f"decoderblock_{i}"], x, jax.random.fold_in(key, i))
-  x = nn.LayerNorm().apply({"params": params["encoderdecoder_norm"]}, x)
-  return nn.Dense(cfg.vocab_size).apply({"params": params["logitdense"]}, x)
-
-
-def lm_loss(method: str, cfg: zoo.LMConfig) -> Callable:
-  """`loss(params, (tokens, next tokens), key)` of the LM trained by `method`."""
-  if method == "plain":
-    model = zoo.TransformerLM(cfg)
-    return lambda params, batch, key: _xent(model.apply({"params": params}, batch[0]), batch[1])
-  if method.removeprefix("jact").isdigit():  # jact4, jact2, ... (gpu_lm adds jact8)
-    model = jact.convert(zoo.TransformerLM(cfg), bits=int(method.removeprefix("jact")))
-    return lambda params, batch, key: _xent(
-        model.apply({"params": params}, batch[0], rngs={"jact": key}), batch[1])
-  return lambda params, batch, key: _xent(
-      lm_blockwise_logits(params, batch[0], key, cfg, method), batch[1])
-
-
-@functools.lru_cache(maxsize=1)
-def shakespeare_ids() -> np.ndarray:
-  """Tiny Shakespeare as character ids (the sorted characters: 65, the LM's vocabulary)."""
-  text = data._data_file("tinyshakespeare/input.txt").read_text(encoding="utf-8")
-  vocab = np.array(sorted(set(text)))
-  return np.searchsorted(vocab, np.array(list(text))).astype(np.int32)
-
-
-def shakespeare_batch(batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-  """`batch` random windows of tiny Shakespeare character ids and their next characters."""
-  ids = shakespeare_ids()
-  starts = np.random.default_rng(0).integers(0, len(ids) - length - 1, batch)
-  windows = ids[starts[:, None] + np.arange(length + 1)]
-  return windows[:, :-1], windows[:, 1:]
-
-
-# ----------------------------------------------------------------------------- train step
-
-
-@functools.lru_cache(maxsize=4)
-def init_params(model: str, config: Config):
-  """The model's initial parameters (numpy; the same for every method and batch)."""
-  if model == "resnet20":
-    params = preact.init(jax.random.key(0), widths=config.widths, blocks=config.blocks)
-  elif model == "transformer_lm":
-    tokens = jnp.zeros((1, config.lm.max_len), jnp.int32)
-    key = jax.random.key(0, impl="unsafe_rbg")  # compiles in 2 s, threefry in 10
-    params = jax.jit(zoo.TransformerLM(config.lm).init)(key, tokens)["params"]
-  else:
-    raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-  return jax.device_get(params)
-
-
-def real_batch(model: str, batch: int, config: Config) -> tuple[np.ndarray, np.ndarray]:
-  """`batch` real training examples of `model`'s data set (numpy)."""
-  if model == "resnet20":
-    return cifar_batch(batch)
-  return shakespeare_batch(batch, config.lm.max_len)
-
-
-def loss_fn(model: str, method: str, config: Config) -> Callable:
-  """`loss(params, batch, key)` of `model` trained by `method`."""
-  if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  if model == "resnet20":
-    return resnet_loss(method)
-  if model == "transformer_lm":
-    return lm_loss(method, config.lm)
-  raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-
-
-def train_step(loss: Callable, tx) -> Callable:
-  """`(params, opt_state, batch, key) -> (params, opt_state, loss)`: gradient and update."""
-  def step(params, opt_state, batch, key):
-    value, grads = jax.value_and_grad(loss)(params, batch, key)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-  return step
-
-
-def _optimizer():
-  return optax.sgd(LEARNING_RATE, momentum=0.9)
-
-
-def _on_device(params, batch):
-  """(params, optimizer state, batch) on the device, ready."""
-  tx = _optimizer()
-  params, batch = jax.device_put(params), jax.device_put(tuple(batch))
-  opt_state = tx.init(params)
-  return jax.block_until_ready((params, opt_state, batch))
-
-
 def _run_steps(step, params, opt_state, batch, steps: int, first: int = 0):
   """Runs `steps` steps (a fresh key each), each waited for: (params, opt_state, last loss)."""
   value = None
@@ -378,9 +180,9 @@ def measure_probe(model: str, method: str, params, batch, config: Config,
   """Step memory of `steps` train steps of `model` under `method` on `batch`
   (numpy arrays), measured in this process: run it in a fresh one."""
   t0 = time.perf_counter()
-  params, opt_state, batch = _on_device(params, batch)
+  params, opt_state, batch = on_device(params, batch)
   rss_before = _settle_rss()
-  step = train_step(loss_fn(model, method, config), _optimizer())
+  step = train_step(loss_fn(model, method, config), optimizer())
   key = jax.random.key(0)
   estimate = jact.compiled_memory(step, params, opt_state, batch, key)
   compiled = jax.jit(step).lower(params, opt_state, batch, key).compile()  # jit's cache: no recompile
@@ -398,7 +200,7 @@ def measure_probe(model: str, method: str, params, batch, config: Config,
          "rss_before_compile_mib": rss_before, "rss_after_compile_mib": rss_compiled,
          "compiled_step_mib": (estimate.temp_bytes + estimate.output_bytes) / MIB,
          "compiled_temp_mib": estimate.temp_bytes / MIB,
-         "compiled_needed_mib": bench_train_step.needed_bytes(estimate) / MIB,
+         "compiled_needed_mib": batch_search.needed_bytes(estimate) / MIB,
          "loss": loss if math.isfinite(loss) else None,
          "compile_s": compile_s, "run_s": run_s}
   device_peak = _device_bytes("peak_bytes_in_use")
@@ -415,8 +217,8 @@ def time_methods(model: str, methods, params, batch, config: Config, steps: int,
   runs, compile_s = {}, {}
   for method in methods:
     t0 = time.perf_counter()
-    p, o, b = _on_device(params, batch)
-    step = jax.jit(train_step(loss_fn(model, method, config), _optimizer()))
+    p, o, b = on_device(params, batch)
+    step = jax.jit(train_step(loss_fn(model, method, config), optimizer()))
     p, o, _ = _run_steps(step, p, o, b, warmup)
     runs[method] = [step, p, o, b]
     compile_s[method] = time.perf_counter() - t0
@@ -436,139 +238,7 @@ def time_methods(model: str, methods, params, batch, config: Config, steps: int,
   return {"batch": len(batch[0]), "steps": steps, "warmup": warmup, "methods": rows}
 
 
-# ----------------------------------------------------------------------------- fresh processes
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _return_freed_memory() -> None:
-  """glibc: blocks over 64 KiB are mmapped and unmapped when freed (no dynamic
-  threshold), and the heap is trimmed above 64 KiB free, so RSS follows the live buffers."""
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(_M_MMAP_THRESHOLD, 65536)
-    libc.mallopt(_M_TRIM_THRESHOLD, 65536)
-  except (OSError, AttributeError):
-    pass
-
-
-def _use_compilation_cache(path: str) -> None:
-  """Shares compiled steps between a run's processes (the timing reuses the probes' compiles)."""
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-# Halve XLA:CPU's compile times, to the same buffers; the code runs ~2x slower.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
-def _child(conn, target: str, args: tuple, memory: bool, cache_dir: str | None,
-           xla_flags: str) -> None:
-  """Entry point of a fresh process: runs `target(*args)`, sends ("ok", result) or ("error", text)."""
-  try:
-    if memory:
-      _return_freed_memory()
-    if cache_dir:
-      _use_compilation_cache(cache_dir)
-    if xla_flags:  # read when the backend starts, which this process has not done yet
-      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    t0 = time.perf_counter()
-    result = globals()[target](*args)
-    conn.send(("ok", {**result, "process_s": time.perf_counter() - t0}))
-  except Exception as e:  # noqa: BLE001 - reported to the parent, which records it
-    conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"))
-  finally:
-    conn.close()
-
-
-_CONTEXT = None
-
-
-def _context():
-  """A forkserver that imported this module (not jax's backend): children start in
-  well under a second instead of importing jax, flax and jact again."""
-  global _CONTEXT
-  if _CONTEXT is None:
-    _CONTEXT = multiprocessing.get_context("forkserver")
-    _CONTEXT.set_forkserver_preload([MODULE])
-  return _CONTEXT
-
-
-def in_fresh_process(target: str, *args, memory: bool = False, cache_dir: str | None = None,
-                     xla_flags: str = "",
-                     timeout_s: float = 3600) -> dict:
-  """`target(*args)` (a function of this module, by name) in a fresh process;
-  its result, or {"error": ...} if it raised, died or timed out."""
-  ctx = _context()
-  receive, send = ctx.Pipe(duplex=False)
-  child = importlib.import_module(MODULE)._child  # not __main__'s copy: the server imported MODULE
-  proc = ctx.Process(target=child, args=(send, target, args, memory, cache_dir, xla_flags), daemon=True)
-  proc.start()
-  send.close()
-  try:
-    if not receive.poll(timeout_s):
-      proc.kill()
-      return {"error": f"timed out after {timeout_s} s"}
-    status, value = receive.recv()
-  except EOFError:
-    value, status = None, "died"
-  finally:
-    proc.join()
-    receive.close()
-  if status == "ok":
-    return value
-  if status == "died":
-    return {"error": f"the process died (exit code {proc.exitcode})"}
-  return {"error": value}
-
-
 # ----------------------------------------------------------------------------- search
-
-
-def search_batch(probe: Callable[[int], dict], cap_mib: float, start: int, granularity: int,
-                 upper: int, measure: str = "step_mib") -> tuple[int, list[dict]]:
-  """Largest multiple of `granularity` <= `upper` whose `probe(batch)[measure]`
-  is within `cap_mib` (0 if none), and every probe made, by batch.
-
-  Doubling from `start` (down when it does not fit), then bisection steered by
-  linear interpolation of the measured memory
-  (`experiments.bench.bench_train_step.largest_batch` on batch / granularity), until
-  the answer fits and the answer + granularity does not. A probe without the
-  measure (an error) does not fit.
-  """
-  probes: dict[int, dict] = {}
-
-  def measured(units: int) -> dict:
-    batch = units * granularity
-    if batch not in probes:
-      probes[batch] = probe(batch)
-    return probes[batch]
-
-  def need(units: int):
-    mib = measured(units).get(measure)
-    return (math.inf if mib is None else mib), cap_mib
-
-  fits = lambda units: need(units)[0] <= cap_mib
-  units = bench_train_step.largest_batch(fits, max(1, start // granularity),
-                                         max(1, upper // granularity), tol=0.0, need=need)
-  return units * granularity, [probes[b] for b in sorted(probes)]
-
-
-def check_search(best: int, probes: list[dict], cap_mib: float, granularity: int,
-                 upper: int, measure: str = "step_mib") -> dict:
-  """Whether the answer is backed by the probes: it ran within the cap and the
-  next multiple of the granularity did not (or is past `upper`), and the probes
-  are monotone (every fitting batch below every failing one)."""
-  fit = {p["batch"]: p.get(measure) is not None and p[measure] <= cap_mib for p in probes}
-  above = best + granularity
-  consistent = (best == 0 or fit.get(best, False)) and (above > upper or fit.get(above) is False)
-  order = [fit[b] for b in sorted(fit)]
-  monotone = order == sorted(order, reverse=True)
-  return {"consistent": consistent, "monotone": monotone}
-
-
-# ----------------------------------------------------------------------------- offload
 
 
 def offload_support() -> dict:
@@ -608,7 +278,7 @@ def describe(model: str, config: Config) -> str:
 
 
 def _xla_flags(config: Config) -> str:
-  return FAST_COMPILE_FLAGS if config.fast_compile else ""
+  return fresh_process.FAST_COMPILE_FLAGS if config.fast_compile else ""
 
 
 def _probe_fn(model: str, method: str, config: Config, cache_dir, log) -> Callable:
@@ -617,7 +287,7 @@ def _probe_fn(model: str, method: str, config: Config, cache_dir, log) -> Callab
 
   def probe(batch: int) -> dict:
     t0 = time.perf_counter()
-    row = in_fresh_process("measure_probe", model, method, params,
+    row = fresh_process.run(MODULE, "measure_probe", model, method, params,
                            real_batch(model, batch, config), config, memory=True,
                            cache_dir=cache_dir, xla_flags=_xla_flags(config))
     row = {"batch": batch, **row, "wall_s": time.perf_counter() - t0}
@@ -636,9 +306,9 @@ def search_method(model: str, method: str, config: Config, cache_dir, log) -> di
   """Largest batch of one method within the cap, with its probes and checks."""
   probe = _probe_fn(model, method, config, cache_dir, log)
   search = (config.cap_mib, config.start, config.granularity, config.upper)
-  best, probes = search_batch(probe, *search, measure=config.measure)
+  best, probes = batch_search.search_batch(probe, *search, measure=config.measure)
   row = {"status": "measured", "largest_batch": best,
-         **check_search(best, probes, config.cap_mib, config.granularity, config.upper,
+         **batch_search.check_search(best, probes, config.cap_mib, config.granularity, config.upper,
                         config.measure),
          "probes": probes}
   at_best = [p for p in probes if p["batch"] == best]
@@ -656,7 +326,7 @@ def time_model(model: str, methods, largest: dict, config: Config, cache_dir, lo
   if batch <= 0:
     return {"skipped": "a method fits no batch"}
   log(f"{model}: timing {', '.join(methods)} at batch {batch} ({config.time_steps} rounds)")
-  result = in_fresh_process("time_methods", model, list(methods), init_params(model, config),
+  result = fresh_process.run(MODULE, "time_methods", model, list(methods), init_params(model, config),
                             real_batch(model, batch, config), config, config.time_steps,
                             cache_dir=cache_dir, xla_flags=_xla_flags(config))
   for method, row in result.get("methods", {}).items():
@@ -683,49 +353,6 @@ def measure_model(model: str, methods, config: Config, offload: dict | None, cac
       rows[m]["batch_vs_plain"] = largest[m] / largest["plain"]
   timing = time_model(model, measured, largest, config, cache_dir, log) if measured else {}
   return {"description": describe(model, config), "methods": rows, "timing": timing}
-
-
-COLORS = {"plain": "black", "remat": "tab:gray", "jact4": "tab:blue", "jact2": "tab:green",
-          "jact_checkpoint": "tab:orange", "offload": "tab:purple"}
-
-
-def plot(model: str, result: dict, config: Config, path) -> str:
-  """The capped memory (solid) and XLA's estimate of the step's buffers (dashed)
-  vs batch per method, the cap, and each method's largest batch (star), as a PNG."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  import matplotlib.ticker
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for method, row in result["methods"].items():
-    probes = [p for p in row.get("probes", []) if p.get(config.measure) is not None]
-    if not probes:
-      continue
-    color = COLORS.get(method)
-    batches = [p["batch"] for p in probes]
-    ax.plot(batches, [p[config.measure] for p in probes], "o-", color=color,
-            label=f"{method} (largest {row['largest_batch']})")
-    ax.plot(batches, [p["compiled_step_mib"] for p in probes], "--", color=color, alpha=0.5)
-    for p in probes:
-      if p["batch"] == row["largest_batch"]:
-        ax.plot(p["batch"], p[config.measure], "*", color=color, markersize=14)
-  ax.axhline(config.cap_mib, color="red", linestyle=":", label=f"cap {config.cap_mib:g} MiB")
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log", base=2)
-  for axis in (ax.xaxis, ax.yaxis):
-    axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-  ax.set_xlabel("batch")
-  ax.set_ylabel("MiB")
-  what = {"step_mib": "peak RSS the step adds", "with_program_mib": "peak RSS over pre-compile"}
-  ax.set_title(f"{result['description']}\n{what[config.measure]} (solid), XLA temp + outputs "
-               "(dashed)", fontsize=7.5)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  Path(path).parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return str(path)
 
 
 def settings(config: Config, models, methods) -> dict:
@@ -776,7 +403,7 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
         out["models"][model] = earlier["models"][model]
         continue
       result = measure_model(model, methods, config, offload, cache_dir, log)
-      result["plot"] = plot(model, result, config, results / f"memory_batch{suffix}_{model}.png")
+      result["plot"] = notebook_support.memory_batch_plot(model, result, config, results / f"memory_batch{suffix}_{model}.png")
       out["models"][model] = result
       out["wall_s"] = time.perf_counter() - t0
       resumable.write_json(path, out)
@@ -822,7 +449,7 @@ def main(argv=None):
                       help="largest batch of the timing (it uses one every method fits)")
   parser.add_argument("--time-steps", type=int, default=None, help="timed rounds")
   parser.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=None,
-                      help=f"compile with {FAST_COMPILE_FLAGS} (same buffers, slower code; "
+                      help=f"compile with {fresh_process.FAST_COMPILE_FLAGS} (same buffers, slower code; "
                            "default: with --small only)")
   parser.add_argument("--results", type=Path, default=RESULTS)
   parser.add_argument("--fresh", action="store_true",

@@ -2,7 +2,7 @@
 
 The decoder LM of `experiments.lib.zoo` (pre-LayerNorm blocks, causal attention,
 gelu MLP) on windows of tiny Shakespeare characters, trained five ways
-(`experiments.bench.memory_batch`'s loss functions): `plain`, `jact8`/`jact4`/
+(`experiments.lib.blockwise`'s loss functions): `plain`, `jact8`/`jact4`/
 `jact2` (`jact.convert(model, bits=)`) and `jact_checkpoint` (each block in
 `jact.checkpoint(bits=4)`: a 4-bit copy of its input, the block recomputed).
 For each: seconds to lower and compile the jitted step, XLA's compiled temp
@@ -23,8 +23,7 @@ import time
 
 import jax
 
-from experiments.bench import bench_train_step, memory_batch
-from experiments.lib import metadata, resumable, zoo
+from experiments.lib import batch_search, blockwise, metadata, resumable, zoo
 
 __all__ = ["METHODS", "measure", "main"]
 
@@ -33,15 +32,15 @@ METHODS = ("plain", "jact8", "jact4", "jact2", "jact_checkpoint")
 
 def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: int) -> dict:
   """One method's compile seconds, compiled memory, step time and allocator peak."""
-  step = memory_batch.train_step(memory_batch.lm_loss(method, cfg), memory_batch._optimizer())  # noqa: SLF001
-  params, opt_state, batch = memory_batch._on_device(params, batch)  # noqa: SLF001
+  step = blockwise.train_step(blockwise.lm_loss(method, cfg), blockwise.optimizer())
+  params, opt_state, batch = blockwise.on_device(params, batch)
   key = jax.random.key(0)
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, key).compile()
   compile_s = time.perf_counter() - t0
-  mem = bench_train_step.compiled_memory_of(compiled)
+  mem = batch_search.compiled_memory_of(compiled)
   row = {"method": method, "compile_s": round(compile_s, 2), "temp_bytes": mem.temp_bytes,
-         "needed_bytes": bench_train_step.needed_bytes(mem)}
+         "needed_bytes": batch_search.needed_bytes(mem)}
   params, opt_state, loss = compiled(params, opt_state, batch, key)  # warm-up
   jax.block_until_ready(loss)
   times = []
@@ -51,7 +50,7 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
       params, opt_state, loss = compiled(params, opt_state, batch, jax.random.key(1 + r * steps + i))
     jax.block_until_ready((params, loss))
     times.append((time.perf_counter() - t0) / steps)
-  device = bench_train_step.device_memory()  # None on CPU
+  device = batch_search.device_memory()  # None on CPU
   row.update(step_ms=round(1e3 * statistics.median(times), 3), loss=float(loss),
              peak_bytes_in_use=None if device is None else device["peak_bytes_in_use"])
   return row
@@ -73,10 +72,10 @@ def main(argv=None) -> int:
     a.layers, a.width, a.length, a.batch, a.steps, a.repeats = 1, 16, 16, 2, 1, 1
   cfg = zoo.LMConfig(emb_dim=a.width, num_heads=max(1, a.width // 64), num_layers=a.layers,
                      mlp_dim=4 * a.width, max_len=a.length)
-  config = memory_batch.Config(widths=(8,), blocks=1, lm=cfg, cap_mib=0, start=1, granularity=1,
+  config = blockwise.Config(widths=(8,), blocks=1, lm=cfg, cap_mib=0, start=1, granularity=1,
                                upper=1, time_batch=a.batch, time_steps=a.steps)
-  params = memory_batch.init_params("transformer_lm", config)
-  batch = memory_batch.shakespeare_batch(a.batch, a.length)
+  params = blockwise.init_params("transformer_lm", config)
+  batch = blockwise.shakespeare_batch(a.batch, a.length)
   out = {"meta": metadata.run_metadata("experiments.gpu.gpu_lm", argv),
          "config": {"layers": a.layers, "width": a.width, "heads": cfg.num_heads,
                     "length": a.length, "batch": a.batch, "steps": a.steps,

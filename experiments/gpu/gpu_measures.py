@@ -60,8 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.bench import bench_kernels, memory_scaling
-from experiments.lib import metadata, models, resumable
+from experiments.bench import memory_scaling
+from experiments.lib import metadata, models, resumable, timing
 from jact import compressors, kernels
 
 __all__ = ["MEASURES", "ORDERING_MODES", "ordering_ties", "failures", "main"]
@@ -88,7 +88,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def _median_s(fn: Callable, inputs: list[tuple], reps: int) -> dict:
-  times = bench_kernels.time_call(fn, inputs, reps, blocks=3)
+  times = timing.time_call(fn, inputs, reps, blocks=3)
   return {"ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
           "ms_max": 1e3 * max(times)}
 
@@ -121,7 +121,7 @@ def _compile_and_time(fn: Callable, args: tuple, reps: int) -> dict:
 
 
 def _copy_gbps(x, reps: int) -> float:
-  t = statistics.median(bench_kernels.time_call(jax.jit(jnp.copy), [(x,)], reps, blocks=3))
+  t = statistics.median(timing.time_call(jax.jit(jnp.copy), [(x,)], reps, blocks=3))
   return 2 * _nbytes(x) / t / 1e9
 
 

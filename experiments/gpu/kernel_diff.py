@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import bench_kernels
+from experiments.lib import kernel_cases
 from jact import kernels
 
 __all__ = ["main", "compare"]
@@ -34,8 +34,8 @@ def _arrays(packed) -> dict[str, np.ndarray]:
 
 def compare(bits: int, dtype: str, size_mb: float, key: int = 0) -> tuple[dict, dict]:
   """(summary, arrays) of every quantize implementation against the XLA reference on the CPU."""
-  case = bench_kernels._quantize_case(bits, jnp.dtype(dtype))
-  x, seed = case.make(int(size_mb * bench_kernels.MB), jax.random.key(key))
+  case = kernel_cases.quantize_case(bits, jnp.dtype(dtype))
+  x, seed = case.make(int(size_mb * kernel_cases.MB), jax.random.key(key))
   cpu = jax.devices("cpu")[0]
   x_host, seed_host = jax.device_put((x, seed), cpu)
   reference = kernels.available("quantize")["xla"].fn

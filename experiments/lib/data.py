@@ -28,12 +28,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "DATASETS", "DataKitMissing", "data_dir", "cache_dir", "load_cifar10", "load_mnist",
     "load_digits_csv", "load_sklearn_digits", "resolve_dataset", "load_image_dataset", "batches",
-    "Planetoid", "load_planetoid", "load_cora", "normalized_adjacency",
+    "Planetoid", "load_planetoid", "load_cora", "normalized_adjacency", "load_pool",
 ]
 
 DATA_ENV = "JACT_DATA"
@@ -443,3 +445,14 @@ def load_planetoid(name: str = "cora", *, root=None) -> Planetoid:
 def load_cora(*, root=None) -> Planetoid:
   """`load_planetoid("cora")`: 2708 nodes, 1433 features, 7 classes, 140/500/1000 split."""
   return load_planetoid("cora", root=root)
+
+
+def load_pool(dataset: str, image: int, dtype, size: int = 256):
+  """(dataset name, images [size, image, image, 3] standardized, labels int32) on the device."""
+  name = resolve_dataset(dataset)
+  x, y, _, _ = load_image_dataset(name, train_size=size, test_size=1)
+  if x.shape[-1] == 1:
+    x = np.repeat(x, 3, axis=-1)
+  x = (x - x.mean((0, 1, 2))) / (x.std((0, 1, 2)) + 1e-6)
+  x = jax.image.resize(jnp.asarray(x), (len(x), image, image, 3), "bilinear")
+  return name, x.astype(dtype), jnp.asarray(y, jnp.int32)

@@ -242,3 +242,46 @@ def loss_curves(tasks: dict, title: str):
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   return axes
+
+
+METHOD_COLORS = {"plain": "black", "remat": "tab:gray", "jact4": "tab:blue", "jact2": "tab:green",
+          "jact_checkpoint": "tab:orange", "offload": "tab:purple"}
+
+
+def memory_batch_plot(model: str, result: dict, config, path) -> str:
+  """`experiments.bench.memory_batch`: the capped memory (solid) and XLA's estimate of the step's buffers (dashed)
+  vs batch per method, the cap, and each method's largest batch (star), as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for method, row in result["methods"].items():
+    probes = [p for p in row.get("probes", []) if p.get(config.measure) is not None]
+    if not probes:
+      continue
+    color = METHOD_COLORS.get(method)
+    batches = [p["batch"] for p in probes]
+    ax.plot(batches, [p[config.measure] for p in probes], "o-", color=color,
+            label=f"{method} (largest {row['largest_batch']})")
+    ax.plot(batches, [p["compiled_step_mib"] for p in probes], "--", color=color, alpha=0.5)
+    for p in probes:
+      if p["batch"] == row["largest_batch"]:
+        ax.plot(p["batch"], p[config.measure], "*", color=color, markersize=14)
+  ax.axhline(config.cap_mib, color="red", linestyle=":", label=f"cap {config.cap_mib:g} MiB")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log", base=2)
+  for axis in (ax.xaxis, ax.yaxis):
+    axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  ax.set_xlabel("batch")
+  ax.set_ylabel("MiB")
+  what = {"step_mib": "peak RSS the step adds", "with_program_mib": "peak RSS over pre-compile"}
+  ax.set_title(f"{result['description']}\n{what[config.measure]} (solid), XLA temp + outputs "
+               "(dashed)", fontsize=7.5)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  Path(path).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return str(path)

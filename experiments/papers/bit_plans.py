@@ -38,23 +38,13 @@ import optax
 import jact
 from experiments.bench import bench_plans
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable, timing
 from experiments.papers import actnn_cifar
 
 __all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "check_plans",
            "heat_map", "main"]
 
 ESTIMATORS = ("analytic", "numeric")
-
-
-def _median_seconds(fn, repeats=3) -> float:
-  jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def estimator_plan(controller, params, batch, *, updates: int, seed: int = 0):
@@ -76,7 +66,7 @@ def estimator_plan(controller, params, batch, *, updates: int, seed: int = 0):
 def cost_in_steps(loss_fn, params, batch, update_seconds: dict) -> dict:
   """Estimator updates (`update_seconds`: kind -> seconds, compiled) in jitted gradient steps."""
   grad = jax.jit(jax.grad(loss_fn))
-  step = _median_seconds(lambda: grad(params, batch, jax.random.key(0)))
+  step = timing.median_seconds(lambda: grad(params, batch, jax.random.key(0)))
   out = dict(step_s=step)
   for kind, seconds in update_seconds.items():
     out[f"{kind}_s"], out[f"{kind}_in_steps"] = seconds, seconds / step

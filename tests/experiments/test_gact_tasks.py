@@ -35,7 +35,7 @@ def run(tmp_path_factory):
   """The run as a user starts it, in its own process with XLA:CPU's quick-compile flags (LLVM
   code generation only; the run is mostly compilation: 54 -> 43 CPU-s measured); the results
   are its JSON files, one per task found."""
-  from experiments.bench.memory_batch import FAST_COMPILE_FLAGS
+  from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
   out = tmp_path_factory.mktemp("gact")
   env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
   done = subprocess.run([sys.executable, "-m", "experiments.papers.gact_tasks", "--small", "--quiet",

@@ -82,7 +82,7 @@ def test_smoke_run_on_cpu(tmp_path):
     raise data.DataKitMissing("cifar10/cifar10_jpeg_q75_10k_2k.npz")
   # XLA:CPU's quick-compile flags (LLVM code generation only; the chunks' programs, commands and
   # JSON are the same): the smoke run's chunks are mostly compilation, 69 -> 54 CPU-s measured
-  from experiments.bench.memory_batch import FAST_COMPILE_FLAGS
+  from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
   run = subprocess.run([sys.executable, "-m", "experiments.gpu_campaign", "--smoke", "--out",

@@ -13,7 +13,7 @@ import pytest
 
 import jact
 from experiments.bench import memory_batch as mb
-from experiments.lib import preact, zoo
+from experiments.lib import batch_search, preact, zoo
 
 
 def affine_probe(per_example: float, fixed: float, calls: list):
@@ -28,29 +28,29 @@ def affine_probe(per_example: float, fixed: float, calls: list):
 def test_search_finds_the_last_batch_within_the_cap(per_example, fixed, start):
   calls = []
   cap, granularity, upper = 400.0, 8, 1024
-  best, probes = mb.search_batch(affine_probe(per_example, fixed, calls), cap, start,
+  best, probes = batch_search.search_batch(affine_probe(per_example, fixed, calls), cap, start,
                                  granularity, upper)
   exact = min(upper, int((cap - fixed) / per_example) // granularity * granularity)
   assert best == exact
   assert len(calls) == len(set(calls))  # each batch measured once
   assert [p["batch"] for p in probes] == sorted(calls)
   assert all(b % granularity == 0 and b <= upper for b in calls)
-  assert mb.check_search(best, probes, cap, granularity, upper) == {
+  assert batch_search.check_search(best, probes, cap, granularity, upper) == {
       "consistent": True, "monotone": True}
 
 
 def test_search_when_nothing_or_everything_fits():
-  assert mb.search_batch(lambda b: {"batch": b, "step_mib": 1e9}, 10, 64, 16, 256)[0] == 0
-  assert mb.search_batch(lambda b: {"batch": b, "step_mib": 0.0}, 10, 64, 16, 256)[0] == 256
+  assert batch_search.search_batch(lambda b: {"batch": b, "step_mib": 1e9}, 10, 64, 16, 256)[0] == 0
+  assert batch_search.search_batch(lambda b: {"batch": b, "step_mib": 0.0}, 10, 64, 16, 256)[0] == 256
   errors = lambda b: {"batch": b, "error": "boom"} if b > 32 else {"batch": b, "step_mib": 1.0}
-  assert mb.search_batch(errors, 10, 64, 16, 256)[0] == 32  # an error does not fit
+  assert batch_search.search_batch(errors, 10, 64, 16, 256)[0] == 32  # an error does not fit
 
 
 def test_check_search_flags_an_unbacked_answer():
   fits, over = {"step_mib": 1.0}, {"step_mib": 99.0}
   probes = [{"batch": 16, **fits}, {"batch": 32, **over}, {"batch": 48, **fits}]
-  assert mb.check_search(16, probes, 10, 16, 256) == {"consistent": True, "monotone": False}
-  assert not mb.check_search(48, probes, 10, 16, 256)["consistent"]  # 64 never measured
+  assert batch_search.check_search(16, probes, 10, 16, 256) == {"consistent": True, "monotone": False}
+  assert not batch_search.check_search(48, probes, 10, 16, 256)["consistent"]  # 64 never measured
 
 
 @pytest.mark.slow
