@@ -277,8 +277,8 @@ def _figures(results: str) -> dict:
   path = Path(results)
   for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc):
     part(path, out)
-  from experiments.bench import summary
   from experiments.lib import notebook_support  # the key table, as summary prints it
+  from experiments.lib import summary_table as summary
   out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
                                        notebook_support.load_variants(path / "gact"),
                                        summary.layer_input_bytes(path))

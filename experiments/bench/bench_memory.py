@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from experiments.bench import memory_scaling
-from experiments.lib import metadata, models
+from experiments.lib import blocks, metadata, models
 from jact.report import compiled_memory, residual_report
 
 __all__ = ["MODELS", "measure", "main"]
@@ -91,10 +90,10 @@ STACK_MODES = (("ops", None), ("remat", None), ("compressed", 4), ("compressed",
 
 def measure_stack(mode: str, bits, depth: int = 8, x_shape=(16, 256, 256)) -> dict:
   """Residual bytes and compiled temp memory of the train step (gradient) of a
-  stack of `depth` transformer blocks in one mode (see `memory_scaling.MODES`)."""
-  block, make_params, _ = memory_scaling.BLOCKS["transformer"]
-  loss = lambda params, x, key: memory_scaling._loss(
-      params, x, key, block=memory_scaling.wrap_block(block, bits, mode))
+  stack of `depth` transformer blocks in one mode (see `blocks.MODES`)."""
+  block, make_params, _ = blocks.BLOCKS["transformer"]
+  loss = lambda params, x, key: blocks.stack_loss(
+      params, x, key, block=blocks.wrap_block(block, bits, mode))
   params = [make_params()] * depth
   key = jax.random.key(0, impl="rbg")
   t0 = time.perf_counter()

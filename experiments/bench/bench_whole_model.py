@@ -29,8 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.memory_scaling import BLOCKS, wrap_block
-from experiments.lib import metadata
+from experiments.lib import blocks, metadata
 from jact.transforms.compressed import compressed
 
 __all__ = ["measure", "main"]
@@ -40,9 +39,9 @@ SHAPES = {"relu_cnn": ((8, 16, 16, 32), dict(channels=32)),
 
 
 def _losses(name: str, bits: int, depth: int, scanned: bool = False):
-  block, _, _ = BLOCKS[name]
+  block, _, _ = blocks.BLOCKS[name]
   plain_block = lambda p, x: block(p, x, jax.random.key(0), None)
-  per_block = wrap_block(block, bits, "compressed")
+  per_block = blocks.wrap_block(block, bits, "compressed")
 
   if scanned:  # params: one pytree with the layers stacked in front
     def stack(params, x):
@@ -73,7 +72,7 @@ def measure(name: str, bits: int = 2, depth: int = 8, scanned: bool = False) -> 
   """One row per wrapping of the `name` stack (`scanned`: run by `lax.scan`):
   temp bytes and compile seconds."""
   x_shape, kwargs = SHAPES[name]
-  params = [BLOCKS[name][1](**kwargs) for _ in range(depth)]
+  params = [blocks.BLOCKS[name][1](**kwargs) for _ in range(depth)]
   if scanned:
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct((depth, *s.shape), s.dtype), params[0])
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32)

@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import metadata, paths
+from experiments.lib import blocks, metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 
@@ -121,8 +121,7 @@ def stack_programs(bits: int, depth: int = 8) -> dict:
   around each block ("per_block") and around the whole stack ("compressed").
   Compile-only: arguments are ShapeDtypeStructs."""
   import jact
-  from experiments.bench import memory_scaling
-  block, make_params, shape = memory_scaling.BLOCKS["transformer"]
+  block, make_params, shape = blocks.BLOCKS["transformer"]
   params = [make_params() for _ in range(depth)]
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   key = jax.random.key(1)
@@ -138,7 +137,7 @@ def stack_programs(bits: int, depth: int = 8) -> dict:
   whole = jact.compressed(lambda params, x: stack(plain_block)(params, x, key), bits=bits,
                           name="stack", compress_argnums=(1,))
   losses = {"plain": stack(plain_block),
-            "per_block": stack(memory_scaling.wrap_block(block, bits, "compressed")),
+            "per_block": stack(blocks.wrap_block(block, bits, "compressed")),
             "compressed": lambda params, x, key: whole(params, x, key=key)}
   return {name: (jax.grad(loss), (params, x, key)) for name, loss in losses.items()}
 

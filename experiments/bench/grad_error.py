@@ -34,8 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.bench.train_zoo import DATA
-from experiments.lib import metadata, paths
+from experiments.lib import metadata, paths, zoo_data
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import flat, variant_fns
 
@@ -104,7 +103,7 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=["resnet18", "transformer_lm"],
-                      choices=sorted(DATA))
+                      choices=sorted(zoo_data.DATA))
   parser.add_argument("--variants", nargs="+", default=["compressed", "convert"],
                       choices=["compressed", "convert"])
   parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 2])
@@ -116,7 +115,7 @@ def main(argv=None):
   rows = []
   for name in args.models:
     case = CASES[name]
-    batch = next(DATA[name](0)[0])
+    batch = next(zoo_data.DATA[name](0)[0])
     exact = exact_gradient(case, batch)
     for variant in args.variants:
       for bits in args.bits:

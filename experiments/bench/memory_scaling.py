@@ -25,108 +25,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import metadata
-from jact import ops
+from experiments.lib import blocks, metadata
 from jact.report import compiled_memory, residual_report
-from jact.transforms.checkpoint import checkpoint
-from jact.transforms.compressed import compressed
 
-__all__ = ["BLOCKS", "scaling", "main"]
-
-_NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def _relu(x, bits):
-  return jax.nn.relu(x) if bits is None else ops.relu(x)
-
-
-def relu_cnn_block(p, x, key, bits):
-  k1, k2 = jax.random.split(key)
-  if bits is None:
-    conv = lambda h, w: jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=_NHWC)
-  else:
-    conv = lambda h, w, k: ops.conv(h, w, key=k, bits=bits)
-  h = _relu(conv(x, p["w1"]) if bits is None else conv(x, p["w1"], k1), bits)
-  h = conv(h, p["w2"]) if bits is None else conv(h, p["w2"], k2)
-  return _relu(h + x, bits)
-
-
-def relu_cnn_params(channels=64):
-  w = jax.ShapeDtypeStruct((3, 3, channels, channels), jnp.float32)
-  return {"w1": w, "w2": w}
-
-
-def transformer_block(p, x, key, bits, heads=4):
-  b, s, d = x.shape
-  ks = jax.random.split(key, 8)
-  if bits is None:
-    ln = lambda h, sc: (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-6) * sc
-    dense = lambda h, w, k: h @ w
-    attn = lambda q, kk, v, k: _plain_attention(q, kk, v)
-    gelu = lambda h, k: jax.nn.gelu(h)
-  else:
-    ln = None
-    dense = lambda h, w, k: ops.dense(h, w, key=k, bits=bits)
-    attn = lambda q, kk, v, k: ops.dot_product_attention(q, kk, v, key=k, bits=bits)
-    gelu = lambda h, k: ops.gelu(h, key=k, bits=bits)
-  norm = (lambda h, sc, k: ln(h, sc)) if bits is None else (
-      lambda h, sc, k: ops.layer_norm(h, sc, key=k, bits=bits))
-  h = norm(x, p["ln1"], ks[0])
-  qkv = dense(h, p["wqkv"], ks[1]).reshape(b, s, 3, heads, d // heads)
-  a = attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ks[2]).reshape(b, s, d)
-  x = x + dense(a, p["wo"], ks[3])
-  h = norm(x, p["ln2"], ks[4])
-  h = gelu(dense(h, p["w1"], ks[5]), ks[6])
-  return x + dense(h, p["w2"], ks[7])
-
-
-def _plain_attention(q, k, v):
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
-
-
-def transformer_params(dim=256, mlp=1024):
-  f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  return {"ln1": f(dim), "ln2": f(dim), "wqkv": f(dim, 3 * dim), "wo": f(dim, dim),
-          "w1": f(dim, mlp), "w2": f(mlp, dim)}
-
-
-BLOCKS = {
-    "relu_cnn": (relu_cnn_block, relu_cnn_params, (32, 32, 32, 64)),
-    "transformer": (transformer_block, transformer_params, (16, 256, 256)),
-}
-
-
-MODES = ("ops", "compressed", "checkpoint", "remat")
-
-
-def wrap_block(block, bits, mode: str):
-  """`(p, x, key) -> y` for one block in the given mode."""
-  if mode == "ops":
-    return lambda p, x, key: block(p, x, key, bits)
-  plain = lambda p, x: block(p, x, jax.random.key(0), None)
-  if mode == "compressed":
-    c = compressed(plain, bits=bits, name="block", compress_argnums=(1,))
-    return lambda p, x, key: c(p, x, key=key)
-  if mode == "checkpoint":
-    c = checkpoint(plain, bits=bits, name="block", compress_argnums=(1,))
-    return lambda p, x, key: c(p, x, key=key)
-  if mode == "remat":
-    c = jax.checkpoint(plain)
-    return lambda p, x, key: c(p, x)
-  raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-
-
-def _loss(params, x, key, *, block):
-  for i, p in enumerate(params):
-    x = block(p, x, jax.random.fold_in(key, i))
-  return jnp.mean(x)
-
+__all__ = ["scaling", "main"]
 
 def _zeros(tree):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
@@ -140,11 +46,11 @@ def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, mode: str = "
 
   `x_shape` and `param_kwargs` (channels=, or dim=/mlp=) shrink the block for tests.
   """
-  block, make_params, default_shape = BLOCKS[name]
+  block, make_params, default_shape = blocks.BLOCKS[name]
   x_shape = tuple(x_shape or default_shape)
   if param_kwargs:
     make_params = functools.partial(make_params, **param_kwargs)
-  loss = functools.partial(_loss, block=wrap_block(block, bits, mode))
+  loss = functools.partial(blocks.stack_loss, block=blocks.wrap_block(block, bits, mode))
   step = jax.grad(loss)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
   key = jax.random.key(0)
@@ -164,8 +70,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", help="write the rows to this file")
   parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
-  parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-  parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
+  parser.add_argument("--modes", nargs="+", default=list(blocks.MODES), choices=blocks.MODES)
+  parser.add_argument("--blocks", nargs="+", default=list(blocks.BLOCKS), choices=list(blocks.BLOCKS))
   parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                       help="stack sizes (>= 2 of them; the slope is taken between the last two)")
   args = parser.parse_args(argv)

@@ -13,108 +13,31 @@ last epoch, one not run yet says so) and writes
 under `experiments/results/`, each plot titled with its scale and hardware.
 
     python -m experiments.bench.summary
-
->>> print(key_table({}, {}).splitlines()[2])
-| CIFAR-10, pre-act ResNet-20 | fp | not run yet |  |  |  |  |  |
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from experiments.lib import notebook_support as support
-from experiments.lib import paths
+from experiments.lib import paths, summary_table
 
-__all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "layer_input_bytes", "accuracy_plot",
-           "tradeoff_plot", "main"]
+__all__ = ["accuracy_plot", "tradeoff_plot", "main"]
 
 RESULTS = paths.RESULTS
-ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
-                  "acgc_scale"]
-GACT_TASKS = {"sst2": "SST-2, transformer classifier", "shakespeare": "tiny Shakespeare, char LM",
-              "cora_gcn": "Cora, GCN", "cora_gat": "Cora, GAT"}
-ACTNN_TASK = "CIFAR-10, pre-act ResNet-20"
-HARDWARE = "2-core x86 CPU (XLA:CPU)"
 
-
-def _ratio(saved, fp_saved) -> str:
-  return "" if saved is None or not fp_saved else f"{fp_saved / saved:.1f}x"
-
-
-def _actnn_rows(runs: dict, layer_bytes: int | None = None) -> list:
-  fp_saved = (runs.get("fp") or {}).get("memory", {}).get("saved_bytes")
-  rows = []
-  for name in ACTNN_VARIANTS:
-    r = runs.get(name)
-    if r is None:
-      rows.append([ACTNN_TASK, name, "not run yet", "", "", "", "", ""])
-      continue
-    memory = r.get("memory", {})
-    if r["complete"]:
-      metric = f"test accuracy **{r['final_test_accuracy']:.3f}**"
-    elif r["history"]:
-      last = r["history"][-1]
-      metric = f"test accuracy {last['test_accuracy']:.3f} after epoch {last['epoch']}/{r['epochs']} (running)"
-    else:
-      metric = "running"
-    bits = r.get("final_average_bits")
-    rows.append([ACTNN_TASK, name, metric, support.mib(memory.get("saved_bytes")),
-                 _ratio(memory.get("saved_bytes"), fp_saved),
-                 _ratio(memory.get("saved_bytes"), layer_bytes),
-                 support.mib(memory.get("temp_bytes")), "" if bits is None else f"{bits:.2f}"])
-  return rows
-
-
-def _metric(variant: dict) -> str:
-  """The held-out figure shown: test accuracy where the task has a test split, else the
-  metric the task selects by (the LM's held-out loss)."""
-  return "test_accuracy" if "test_accuracy" in variant["final"] else variant["best_by"]
-
-
-def _gact_rows(tasks: dict) -> list:
-  rows = []
-  for task, title in GACT_TASKS.items():
-    result = tasks.get(task)
-    if result is None:
-      rows.append([title, "all", "not run yet", "", "", "", "", ""])
-      continue
-    variants = result["variants"]
-    fp_saved = variants.get("fp", {}).get("saved_bytes")
-    for name, v in variants.items():
-      metric = _metric(v)
-      final = v["final"].get(metric)
-      label = metric.replace("_", " ")
-      shown = (f"{label} **{final:.3f}**" if final is not None
-               else f"best {label} {v['best'][metric]:.3f}")
-      bits = v["average_bits"]
-      rows.append([title, name, shown, support.mib(v["saved_bytes"]),
-                   _ratio(v["saved_bytes"], fp_saved), "", support.mib(v["temp_bytes"]),
-                   "" if bits is None else f"{bits:.2f}"])
-  return rows
-
-
-def key_table(actnn_runs: dict, gact_tasks: dict, layer_bytes: int | None = None) -> str:
-  """One row per task and method: final held-out metric, bytes saved for backward
-  (plain JAX's over them, and -- the papers' baseline, ResNet-20 -- one float32 copy
-  per layer input, `layer_bytes`, over them), the train step's compiled temp, average
-  bits of adaptive plans."""
-  return support.markdown_table(
-      ["task", "method", "final held-out metric", "saved for backward", "fp / saved",
-       "f32 layer inputs / saved", "compiled temp", "avg bits"],
-      _actnn_rows(actnn_runs, layer_bytes) + _gact_rows(gact_tasks))
 
 
 def accuracy_plot(actnn_runs: dict, path: Path):
   """ResNet-20 test accuracy by epoch, per variant, titled with scale and hardware."""
   import matplotlib.pyplot as plt
   from matplotlib.ticker import MaxNLocator
-  ax = support.accuracy_curves(actnn_runs, ACTNN_VARIANTS, title="")
+  ax = support.accuracy_curves(actnn_runs, summary_table.ACTNN_VARIANTS, title="")
   fp = actnn_runs.get("fp") or {}
   scale = (f"{fp.get('train_size', 50000)} images, batch {fp.get('batch_size', 128)}, "
            f"{fp.get('epochs', 3)} epochs")
-  ax.set_title(f"{ACTNN_TASK}: test accuracy by variant\n{scale}, {HARDWARE}", fontsize=9)
+  ax.set_title(f"{summary_table.ACTNN_TASK}: test accuracy by variant\n{scale}, {summary_table.HARDWARE}", fontsize=9)
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.figure.tight_layout()
   ax.figure.savefig(path, dpi=110)
@@ -140,15 +63,15 @@ def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
   points = [(name, r["memory"]["saved_bytes"], r["final_test_accuracy"])
             for name, r in actnn_runs.items() if r.get("complete") and "memory" in r]
   if "memory" in fp and points:
-    panels.append((f"{ACTNN_TASK}\n{fp['epochs']} epochs of {fp['train_size']}",
+    panels.append((f"{summary_table.ACTNN_TASK}\n{fp['epochs']} epochs of {fp['train_size']}",
                    "test accuracy", fp["memory"]["saved_bytes"], fp["final_test_accuracy"],
                    points))
-  for task, title in GACT_TASKS.items():
+  for task, title in summary_table.GACT_TASKS.items():
     result = gact_tasks.get(task)
     if result is None or "fp" not in result["variants"]:
       continue
     variants = result["variants"]
-    metric = _metric(variants["fp"])
+    metric = summary_table.metric_text(variants["fp"])
     points = [(name, v["saved_bytes"], v["final"][metric]) for name, v in variants.items()
               if metric in v["final"]]
     unit = "epochs" if task.startswith("cora") else "steps"
@@ -176,17 +99,11 @@ def tradeoff_plot(actnn_runs: dict, gact_tasks: dict, path: Path):
     ax.set(xlabel="saved for backward / fp", ylabel=ylabel)
     ax.set_title(title, fontsize=8)
   fig.suptitle("Held-out metric vs memory kept for the backward pass (dotted: fp); "
-               f"full runs on a {HARDWARE}", fontsize=9)
+               f"full runs on a {summary_table.HARDWARE}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
-
-
-def layer_input_bytes(results: Path = RESULTS) -> int | None:
-  """The papers' ResNet-20 baseline (`experiments.papers.memory_accounting`), if measured."""
-  path = Path(results) / "memory_accounting.json"
-  return json.loads(path.read_text())["float32_layer_input_bytes"] if path.exists() else None
 
 
 def main(argv=None) -> str:
@@ -198,7 +115,7 @@ def main(argv=None) -> str:
   matplotlib.use("Agg")  # files only (the plot functions themselves leave a notebook's backend)
   actnn_runs = support.load_variants(a.results / "actnn_cifar")
   gact_tasks = support.load_variants(a.results / "gact")
-  table = key_table(actnn_runs, gact_tasks, layer_input_bytes(a.results))
+  table = summary_table.key_table(actnn_runs, gact_tasks, summary_table.layer_input_bytes(a.results))
   (a.results / "summary.md").write_text(table + "\n")
   accuracy_plot(actnn_runs, a.results / "summary_accuracy.png")
   tradeoff_plot(actnn_runs, gact_tasks, a.results / "summary_tradeoff.png")

@@ -43,8 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jact
-from experiments.bench.train_zoo import shakespeare_batches
-from experiments.lib import metadata, paths
+from experiments.lib import metadata, paths, zoo_data
 from experiments.lib.zoo import LM_CONFIG, TransformerLM
 
 RESULTS = paths.RESULTS
@@ -100,7 +99,7 @@ def variant_apply(variant: str):
 def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> dict:
   apply = variant_apply(variant)
   # the zoo's loader in windows of 16 (its held-out windows fit the split at that size)
-  windows, held = shakespeare_batches(0, batch_size=16)
+  windows, held = zoo_data.shakespeare_batches(0, batch_size=16)
   group = lambda batches: jax.tree.map(lambda *a: jnp.concatenate(a), *batches)  # noqa: E731
   train_it = (group([next(windows) for _ in range(batch_size // 16)]) for _ in iter(int, 1))
   test = [group(held[i:i + batch_size // 16]) for i in range(0, len(held), batch_size // 16)]

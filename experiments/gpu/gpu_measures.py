@@ -40,7 +40,7 @@ sizes, for a smoke run on CPU (the figures then mean nothing).
 
 Timing: compiled once, warmed up, then `reps` back-to-back calls (rotating
 inputs where given) synchronised once, median of 3 such blocks
-(`experiments.bench.bench_kernels.time_call`); compile excluded.
+(`experiments.lib.timing.time_call`); compile excluded.
 """
 
 from __future__ import annotations
@@ -60,19 +60,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact
-from experiments.bench import memory_scaling
-from experiments.lib import metadata, models, resumable, timing
+from experiments.lib import blocks, kernel_cases, metadata, models, resumable, timing
 from jact import compressors, kernels
 
 __all__ = ["MEASURES", "ORDERING_MODES", "ordering_ties", "failures", "main"]
 
-MB = 2**20
+MB = kernel_cases.MB
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # --small on CPU: quicker XLA:CPU compiles
 _compiler_options: dict | None = None  # set by `main`
-
-
-def _nbytes(tree) -> int:
-  return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
 
 
 def _same_bits(a, b) -> bool:
@@ -122,7 +117,7 @@ def _compile_and_time(fn: Callable, args: tuple, reps: int) -> dict:
 
 def _copy_gbps(x, reps: int) -> float:
   t = statistics.median(timing.time_call(jax.jit(jnp.copy), [(x,)], reps, blocks=3))
-  return 2 * _nbytes(x) / t / 1e9
+  return 2 * kernel_cases.nbytes_of(x) / t / 1e9
 
 
 def _print_rows(rows: list[dict], keys: tuple[str, ...]) -> None:
@@ -165,7 +160,7 @@ def _relu_row(fn, x, reference, reps: int, copy) -> dict:
   row = {"bit_exact_vs_xla": _same_bits(out, reference)}
   if x.size:
     row.update(_median_s(fn, [(x,)], reps))
-    traffic = _nbytes(x) + _nbytes(out)
+    traffic = kernel_cases.nbytes_of(x) + kernel_cases.nbytes_of(out)
     row.update(traffic_bytes=traffic, gbps=traffic / (row["ms"] / 1e3) / 1e9, copy_gbps=copy,
                fraction_of_copy=traffic / (row["ms"] / 1e3) / 1e9 / copy)
   return row
@@ -225,16 +220,16 @@ def measure_compressors(small: bool, reps: int) -> list[dict]:
     decompress = jax.jit(c.decompress)
     stored = compress(x, seed)
     x_hat = decompress(stored)
-    stored_bytes = _nbytes(stored)
+    stored_bytes = kernel_cases.nbytes_of(stored)
     row = {"compressor": label, "config": c.to_dict(), "shape": list(shape),
-           "input_bytes": _nbytes(x), "stored_bytes": stored_bytes,
-           "ratio": _nbytes(x) / stored_bytes, "copy_gbps": copy,
+           "input_bytes": kernel_cases.nbytes_of(x), "stored_bytes": stored_bytes,
+           "ratio": kernel_cases.nbytes_of(x) / stored_bytes, "copy_gbps": copy,
            "rel_error": float(jnp.linalg.norm(x_hat - x) / jnp.linalg.norm(x))}
     for name, fn, args, out in (("compress", compress, (x, seed), stored),
                                 ("decompress", decompress, (stored,), x_hat)):
       t = _median_s(fn, [args], reps)
       row[f"{name}_ms"] = t["ms"]
-      row[f"{name}_gbps"] = (_nbytes(args[0]) + _nbytes(out)) / (t["ms"] / 1e3) / 1e9
+      row[f"{name}_gbps"] = (kernel_cases.nbytes_of(args[0]) + kernel_cases.nbytes_of(out)) / (t["ms"] / 1e3) / 1e9
     rows.append(row)
   _print_rows(rows, ("compressor", "ratio", "compress_ms", "compress_gbps", "decompress_ms",
                      "decompress_gbps", "rel_error"))
@@ -267,7 +262,7 @@ def _mlp_block(p, x):
 
 
 def _offload_variants(small: bool) -> dict[str, Callable]:
-  block = memory_scaling.transformer_block
+  block = blocks.transformer_block
   plain = _mlp_block if small else (lambda p, x: block(p, x, jax.random.key(0), None))
   c = jact.compressed(plain, bits=2, name="block", compress_argnums=(1,))
   saved = jax.checkpoint(lambda p, x, k: c(p, x, key=k), policy=jact.save_compressed("block"))
@@ -286,7 +281,7 @@ def measure_offload(small: bool, reps: int) -> list[dict]:
             "w2": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
   else:
     depth, x_shape = 8, (16, 1024, 512)
-    spec = memory_scaling.transformer_params(dim=512, mlp=2048)
+    spec = blocks.transformer_params(dim=512, mlp=2048)
   params = [_random_params(spec, jax.random.key(i)) for i in range(depth)]
   x = jax.random.normal(jax.random.key(99), x_shape, jnp.float32)
   key = jax.random.key(7)
@@ -414,16 +409,16 @@ def _stack_workloads(small: bool) -> dict[str, tuple]:
   kwargs = {"relu_cnn": dict(channels=8) if small else {},
             "transformer": dict(dim=32, mlp=64) if small else {}}
   out = {}
-  blocks = ["relu_cnn"] if small else list(memory_scaling.BLOCKS)
+  names = ["relu_cnn"] if small else list(blocks.BLOCKS)
   variants = [("plain", None, "ops"), ("ops 2 bit", 2, "ops")] + (
       [] if small else [("compressed 2 bit", 2, "compressed")])
-  for name in blocks:
-    block, make_params, _ = memory_scaling.BLOCKS[name]
+  for name in names:
+    block, make_params, _ = blocks.BLOCKS[name]
     params = [_random_params(make_params(**kwargs[name]), jax.random.key(i)) for i in range(depth)]
     x = jax.random.normal(jax.random.key(5), shapes[name], jnp.float32)
     for label, bits, mode in ((f"{name} x{depth} {v}", b, m) for v, b, m in variants):
       make = lambda block=block, bits=bits, mode=mode: _stack_loss(
-          memory_scaling.wrap_block(block, bits, mode))
+          blocks.wrap_block(block, bits, mode))
       out[label] = (make, params, x)
   if not small:
     for label, bits in (("ResNet-18 CIFAR b128 plain", None), ("ResNet-18 CIFAR b128 jact 2 bit", 2)):

@@ -4,3 +4,4 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 RUNS = ROOT / "runs"
+ACTNN_CIFAR_RUNS = RUNS / "actnn_cifar"  # checkpoints of experiments.papers.actnn_cifar

@@ -53,7 +53,7 @@ __all__ = ["VARIANTS", "variant_settings", "augment", "train_variant", "main"]
 VARIANTS = ("fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
             "acgc_scale")
 RESULTS = paths.RESULTS / "actnn_cifar"
-RUNS = paths.RUNS / "actnn_cifar"
+RUNS = paths.ACTNN_CIFAR_RUNS
 ACGC_ERROR = 0.5  # AC-GC's e^2 (the paper: "e^2 > 0.5 decreases accuracy"); `--acgc-error`
 
 

@@ -36,10 +36,8 @@ import numpy as np
 import optax
 
 import jact
-from experiments.bench import bench_plans
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, paths, preact, resumable, timing
-from experiments.papers import actnn_cifar
+from experiments.lib import metadata, paths, plan_models, preact, resumable, timing
 
 __all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "check_plans",
            "heat_map", "main"]
@@ -141,8 +139,8 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
   """Numeric-controller training of the character transformer; plans at every re-plan."""
   stream = _text_batches(batch_size, length)
   vocab, batch = next(stream)
-  loss_fn = functools.partial(bench_plans.transformer_loss)
-  params = bench_plans.transformer_params(jax.random.key(0), vocab, d=d, blocks=blocks,
+  loss_fn = functools.partial(plan_models.transformer_loss)
+  params = plan_models.transformer_params(jax.random.key(0), vocab, d=d, blocks=blocks,
                                           length=length)
   tx = optax.adam(3e-3)
   opt_state = tx.init(params)
@@ -220,7 +218,7 @@ def main(argv=None) -> dict:
   p.add_argument("--updates", type=int, default=3)
   p.add_argument("--lm-steps", type=int, default=600)
   p.add_argument("--adapt-interval", type=int, default=100)
-  p.add_argument("--runs", type=Path, default=actnn_cifar.RUNS)
+  p.add_argument("--runs", type=Path, default=paths.ACTNN_CIFAR_RUNS)
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   p.add_argument("--small", action="store_true")
   a = p.parse_args(argv)

@@ -91,9 +91,8 @@ import numpy as np
 import optax
 
 import jact
-from experiments.bench.train_zoo import _sst2_split  # pylint: disable=protected-access
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, paths, resumable, zoo
+from experiments.lib import metadata, paths, resumable, zoo, zoo_data
 from experiments.lib.gcn import Graph, graph_arrays
 
 __all__ = ["TASKS", "SMALL", "VARIANTS", "EncoderBlock", "SST2Transformer", "BlockFieldLM",
@@ -377,8 +376,8 @@ def _predict_in_chunks(logits_fn, params, x, chunk: int = 256) -> np.ndarray:
 def _sst2(cfg: dict, seed: int, steps: int) -> TaskSetup:
   """Word ids (0 padding, 1 unknown, the rest the most frequent training words),
   sentences clipped to `length` words; dev and test accuracy."""
-  train, y_train = _sst2_split("train")
-  splits = {name: _sst2_split(name) for name in ("dev", "test")}
+  train, y_train = zoo_data.sst2_split("train")
+  splits = {name: zoo_data.sst2_split(name) for name in ("dev", "test")}
   counts = collections.Counter(w for s in train for w in s)
   ids = {w: i + 2 for i, (w, _) in enumerate(counts.most_common(cfg["vocab"] - 2))}
   x_train = _sst2_encode(train, ids, cfg["length"])

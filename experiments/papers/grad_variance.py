@@ -41,7 +41,6 @@ import numpy as np
 import jact
 from experiments.lib import data as data_lib
 from experiments.lib import metadata, paths, preact, resumable
-from experiments.papers import actnn_cifar
 
 __all__ = ["flat_gradient", "sampling_variance", "compression_variance", "adaptive_plan",
            "estimator_rows",
@@ -166,7 +165,7 @@ def main(argv=None) -> dict:
   p.add_argument("--keys", type=int, default=8)
   p.add_argument("--sampling-batches", type=int, default=16)
   p.add_argument("--avg-bits", type=float, default=2.0)
-  p.add_argument("--runs", type=Path, default=actnn_cifar.RUNS)
+  p.add_argument("--runs", type=Path, default=paths.ACTNN_CIFAR_RUNS)
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   p.add_argument("--small", action="store_true",
                  help="small ResNet (widths 8/16/32, 1 block), batch 32, initialization only")

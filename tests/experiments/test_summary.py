@@ -9,6 +9,7 @@ both plots written.
 import json
 
 from experiments.bench import summary
+from experiments.lib import summary_table
 
 MIB = 2**20
 
@@ -44,11 +45,11 @@ def test_table_and_plots(tmp_path):
 
   table = summary.main(["--results", str(tmp_path)]).splitlines()
   rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in table[2:]}
-  assert len(rows) == len(summary.ACTNN_VARIANTS) + 3 + 2  # 3 GACT tasks not run, Cora GAT x2
-  l3 = rows[(summary.ACTNN_TASK, "actnn_l3")]
+  assert len(rows) == len(summary_table.ACTNN_VARIANTS) + 3 + 2  # 3 GACT tasks not run, Cora GAT x2
+  l3 = rows[(summary_table.ACTNN_TASK, "actnn_l3")]
   assert "**0.690**" in l3 and "30.0 MiB" in l3 and "16.0x" in l3 and "2.00" in l3
-  assert "after epoch 1/3 (running)" in rows[(summary.ACTNN_TASK, "blpa2")]
-  assert "not run yet" in rows[(summary.ACTNN_TASK, "division")]
+  assert "after epoch 1/3 (running)" in rows[(summary_table.ACTNN_TASK, "blpa2")]
+  assert "not run yet" in rows[(summary_table.ACTNN_TASK, "division")]
   assert "8.0x" in rows[("Cora, GAT", "adaptive2")] and "**0.790**" in rows[("Cora, GAT",
                                                                               "adaptive2")]
   assert "not run yet" in rows[("SST-2, transformer classifier", "all")]
