@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from experiments.lib import data as data_lib
-from experiments.lib import metadata
+from experiments.lib import memory, metadata
 from experiments.lib.models import SmallCNN, jact_layers, plain_layers
 from jact.compressors import PerGroup
 
@@ -138,8 +138,7 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
     t0 = time.perf_counter()
     compiled = jax.jit(step_fn).lower(state, x0, y0, jnp.int32(0), rng_key).compile()
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
+    temp_bytes = memory.compiled_memory_of(compiled).temp_bytes
     loss_fn = _loss_fn(model)
     loss_only = lambda *a: loss_fn(*a)[0]
     saved = residual_bytes(loss_only, params, batch_stats, x0, y0, jnp.int32(0), rng_key)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import jact
-from experiments.lib import metadata, paths, timing
+from experiments.lib import memory, metadata, paths, timing
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import flat, variant_fns
 
@@ -65,7 +65,7 @@ def measure(case, variant, bits, batch, key, steps, reference=None) -> dict:
       start = time.perf_counter()
       compiled = jax.jit(jax.grad(fns.loss, has_aux=True)).lower(*args).compile()
       row["compile_s"] = time.perf_counter() - start
-      row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+      row["temp_bytes"] = memory.compiled_memory_of(compiled).temp_bytes
       grad = flat(compiled(*args)[0])
       row["step_s"] = timing.median_seconds(compiled, *args, calls=steps)
       row["finite"] = bool(jnp.all(jnp.isfinite(grad)))

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 
 import jact.kernels
-from experiments.lib import batch_search, metadata, models
+from experiments.lib import batch_search, memory, metadata, models
 from experiments.lib import data as data_lib
 
 __all__ = ["Bench", "main"]
@@ -133,7 +133,7 @@ class Bench:
     compiled = jax.jit(self.step_fn(bits), donate_argnums=0).lower(
         self.state_spec, x, y, self.key).compile(self.compiler_options)
     seconds = time.perf_counter() - t0
-    return compiled, batch_search.compiled_memory_of(compiled), seconds
+    return compiled, memory.compiled_memory_of(compiled), seconds
 
   def batch(self, batch: int):
     """Real images and labels repeated to `batch` examples, on the device."""
@@ -172,25 +172,25 @@ def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
   try:
     compiled, mem, row["compile_s"] = bench.compile(bits, batch)
   except Exception as e:  # noqa: BLE001 - only out-of-memory is recorded, the rest re-raised
-    if not batch_search.is_oom(e):
+    if not memory.is_oom(e):
       raise
     row["oom"] = True
     return row
   row.update(temp_bytes=mem.temp_bytes, argument_bytes=mem.argument_bytes,
              output_bytes=mem.output_bytes, alias_bytes=mem.alias_bytes,
-             needed_bytes=batch_search.needed_bytes(mem))
-  before = batch_search.device_memory()
+             needed_bytes=memory.needed_bytes(mem))
+  before = memory.device_memory()
   try:
     times, row["loss"] = bench.run(compiled, batch, args.warmup, args.steps, REPEATS)
   except Exception as e:  # noqa: BLE001
-    if not batch_search.is_oom(e):
+    if not memory.is_oom(e):
       raise
     row["oom"] = True
     return row
   finally:
     del compiled
     gc.collect()
-  after = batch_search.device_memory()
+  after = memory.device_memory()
   med = statistics.median(times)
   row.update(step_ms=1e3 * med, step_ms_min=1e3 * min(times), step_ms_max=1e3 * max(times),
              step_ms_repeats=[1e3 * t for t in times], images_per_s=batch / med, oom=False,
@@ -215,17 +215,17 @@ def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
       compiles += 1
       try:
         compiled, mem, _ = bench.compile(bits, b)
-        cache[b] = float(batch_search.needed_bytes(mem))
+        cache[b] = float(memory.needed_bytes(mem))
         if cache[b] <= limit and b > max(kept, default=0):
           kept.clear()
           kept[b] = compiled
         del compiled
       except Exception as e:  # noqa: BLE001
-        if not batch_search.is_oom(e):
+        if not memory.is_oom(e):
           raise
         cache[b] = math.inf
-      print(f"  {config_name(bits)} batch {b}: needs {cache[b] / batch_search.MIB:.0f} MiB "
-            f"(limit {limit / batch_search.MIB:.0f} MiB)", flush=True)
+      print(f"  {config_name(bits)} batch {b}: needs {cache[b] / memory.MIB:.0f} MiB "
+            f"(limit {limit / memory.MIB:.0f} MiB)", flush=True)
     return cache[b], limit
 
   fits = lambda b: need(b)[0] <= limit
@@ -253,7 +253,7 @@ def verify(bench: Bench, bits, batch: int, compiled=None) -> dict:
       return {"verified_batch": batch, "oom_batches": failed, "loss": loss,
               "step_ms_rough": 1e3 * times[0], "images_per_s_rough": batch / times[0]}
     except Exception as e:  # noqa: BLE001
-      if not batch_search.is_oom(e):
+      if not memory.is_oom(e):
         raise
       failed.append(batch)
       print(f"  {config_name(bits)} batch {batch}: out of memory when run", flush=True)
@@ -269,7 +269,7 @@ def memory_limit(args) -> int | None:
   if args.memory_limit_gb is not None:
     return int(args.memory_limit_gb * 2 ** 30)
   gc.collect()
-  mem = batch_search.device_memory()
+  mem = memory.device_memory()
   if not mem or not mem.get("bytes_limit"):
     return None
   return int(mem["bytes_limit"] - (mem["bytes_in_use"] or 0))
@@ -289,7 +289,7 @@ def progress_line(row: dict) -> str:
   if row.get("oom"):
     return f"{row['config']:8s} batch {row['batch']}: out of memory"
   return (f"{row['config']:8s} batch {row['batch']}: {row['step_ms']:.1f} ms/step, "
-          f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / batch_search.MIB:.1f} MiB, "
+          f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / memory.MIB:.1f} MiB, "
           f"loss {row['loss'] if row['loss'] is None else round(row['loss'], 3)}, "
           f"compiled in {row['compile_s']:.0f} s")
 
@@ -305,14 +305,14 @@ def table(rows: list[dict], searches: list[dict]) -> str:
     spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
     lines.append(f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d} "
                  f"{r['step_ms']:9.1f} {spread:>15s} {r['images_per_s']:9.1f} {ratio:>6s} "
-                 f"{r['temp_bytes'] / batch_search.MIB:9.1f}")
+                 f"{r['temp_bytes'] / memory.MIB:9.1f}")
   if searches:
     lines += [""] * bool(rows) + [f"{'config':8s} {'predicted':>10s} {'verified':>9s} {'img/s':>9s} "
               f"{'limit MiB':>10s} {'compiles':>9s}"]
     for s in searches:
       rate = f"{s['images_per_s_rough']:.1f}" if "images_per_s_rough" in s else "-"
       lines.append(f"{s['config']:8s} {s['predicted_batch']:10d} {s['verified_batch']:9d} "
-                   f"{rate:>9s} {s['limit_bytes'] / batch_search.MIB:10.0f} {s['compiles']:9d}")
+                   f"{rate:>9s} {s['limit_bytes'] / memory.MIB:10.0f} {s['compiles']:9d}")
   return "\n".join(lines)
 
 
@@ -326,7 +326,7 @@ def meta_block(args, argv, bench: Bench, limit) -> dict:
       "dtype": args.dtype, "dataset": bench.dataset, "pool_images": int(bench.pool_x.shape[0]),
       "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)", "steps": args.steps,
       "warmup": args.warmup, "repeats": REPEATS, "compiler_options": bench.compiler_options,
-      "search_limit_bytes": limit, "device_memory": batch_search.device_memory(),
+      "search_limit_bytes": limit, "device_memory": memory.device_memory(),
       "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
       "note": ("step time: median of the repeats of `steps` back-to-back steps (compile "
                "excluded); temp/needed bytes: XLA memory analysis of the donated step; "

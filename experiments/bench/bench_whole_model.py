@@ -29,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import jact
 from experiments.lib import blocks, metadata
 from jact.transforms.compressed import compressed
 
@@ -80,11 +81,11 @@ def measure(name: str, bits: int = 2, depth: int = 8, scanned: bool = False) -> 
   rows = []
   for mode, loss in _losses(name, bits, depth, scanned).items():
     start = time.perf_counter()
-    compiled = jax.jit(jax.grad(loss)).lower(params, x, key).compile()
+    temp_bytes = jact.compiled_memory(jax.grad(loss), params, x, key).temp_bytes
     rows.append({"stack": f"{name} {'scan' if scanned else 'x'}{depth}", "mode": mode,
                  "bits": None if mode == "plain" else bits,
                  "input_shape": list(x_shape),
-                 "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                 "temp_bytes": temp_bytes,
                  "compile_seconds": round(time.perf_counter() - start, 1)})
   by_mode = {r["mode"]: r["temp_bytes"] for r in rows}
   for r in rows:

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jact.kernels
-from experiments.lib import metadata, paths
+from experiments.lib import memory, metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 from jact.core import rng, xla_cpu
@@ -83,7 +83,7 @@ def compile_row(fn, args) -> dict:
   return {"compile_cpu_s": seconds,
           "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
           "fusions": hlo.count(" fusion("), "distinct_fusions": distinct_fusions(hlo),
-          "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
+          "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes}
 
 
 @contextlib.contextmanager

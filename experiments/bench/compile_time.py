@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import blocks, metadata, paths
+from experiments.lib import blocks, memory, metadata, paths
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 
@@ -80,7 +80,7 @@ def measure_program(fn, args, step: bool = False) -> dict:
          "stablehlo_lines": lowered.as_text().count("\n"),
          "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
          "fusions": hlo.count(" fusion("),
-         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
+         "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes}
   if step:
     jax.block_until_ready(compiled(*args))
     times = []

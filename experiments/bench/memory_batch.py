@@ -96,6 +96,7 @@ import jact
 from experiments.lib import (
   batch_search,
   fresh_process,
+  memory,
   metadata,
   notebook_support,
   paths,
@@ -132,7 +133,7 @@ MODULE = "experiments.bench.memory_batch"
 ROOT = paths.ROOT
 RESULTS = ROOT / "experiments" / "results"
 STEPS = 2                # train steps per memory probe
-MIB = batch_search.MIB
+MIB = memory.MIB
 MEASURES = ("step_mib", "with_program_mib")
 
 
@@ -200,7 +201,7 @@ def measure_probe(model: str, method: str, params, batch, config: Config,
          "rss_before_compile_mib": rss_before, "rss_after_compile_mib": rss_compiled,
          "compiled_step_mib": (estimate.temp_bytes + estimate.output_bytes) / MIB,
          "compiled_temp_mib": estimate.temp_bytes / MIB,
-         "compiled_needed_mib": batch_search.needed_bytes(estimate) / MIB,
+         "compiled_needed_mib": memory.needed_bytes(estimate) / MIB,
          "loss": loss if math.isfinite(loss) else None,
          "compile_s": compile_s, "run_s": run_s}
   device_peak = _device_bytes("peak_bytes_in_use")

@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jact
-from experiments.lib import metadata, paths, zoo_data
+from experiments.lib import memory, metadata, paths, zoo_data
 from experiments.lib.zoo import LM_CONFIG, TransformerLM
 
 RESULTS = paths.RESULTS
@@ -127,7 +127,7 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, put(first), key).compile()
     compile_seconds = time.perf_counter() - start
-  memory = compiled.memory_analysis()
+  step_memory = memory.compiled_memory_of(compiled)
   losses, batch = [], first
   for i in range(steps):
     if i == 1:
@@ -139,9 +139,9 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
   evaluate = jax.jit(lambda p, b: loss_fn(variant_apply("plain"), p, b, None))
   held_out = float(np.mean([evaluate(params, put(b)) for b in test]))
   return {"variant": variant, "steps": steps, "batch": batch_size,
-          "per_device_bytes": {"temp": int(memory.temp_size_in_bytes),
-                               "arguments": int(memory.argument_size_in_bytes),
-                               "outputs": int(memory.output_size_in_bytes)},
+          "per_device_bytes": {"temp": step_memory.temp_bytes,
+                               "arguments": step_memory.argument_bytes,
+                               "outputs": step_memory.output_bytes},
           "collectives": collectives(compiled.as_text()),
           "compile_seconds": compile_seconds, "seconds_per_step": seconds,
           "first_loss": losses[0], "final_loss": float(np.mean(losses[-20:])),

@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from experiments.lib import batch_search, blockwise, metadata, resumable, zoo
+from experiments.lib import blockwise, memory, metadata, resumable, zoo
 
 __all__ = ["METHODS", "measure", "main"]
 
@@ -38,9 +38,9 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
   t0 = time.perf_counter()
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, key).compile()
   compile_s = time.perf_counter() - t0
-  mem = batch_search.compiled_memory_of(compiled)
+  mem = memory.compiled_memory_of(compiled)
   row = {"method": method, "compile_s": round(compile_s, 2), "temp_bytes": mem.temp_bytes,
-         "needed_bytes": batch_search.needed_bytes(mem)}
+         "needed_bytes": memory.needed_bytes(mem)}
   params, opt_state, loss = compiled(params, opt_state, batch, key)  # warm-up
   jax.block_until_ready(loss)
   times = []
@@ -50,7 +50,7 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
       params, opt_state, loss = compiled(params, opt_state, batch, jax.random.key(1 + r * steps + i))
     jax.block_until_ready((params, loss))
     times.append((time.perf_counter() - t0) / steps)
-  device = batch_search.device_memory()  # None on CPU
+  device = memory.device_memory()  # None on CPU
   row.update(step_ms=round(1e3 * statistics.median(times), 3), loss=float(loss),
              peak_bytes_in_use=None if device is None else device["peak_bytes_in_use"])
   return row

@@ -89,7 +89,7 @@ def _median_s(fn: Callable, inputs: list[tuple], reps: int) -> dict:
 
 
 def _memory(compiled) -> dict:
-  m = compiled.memory_analysis()
+  m = compiled.memory_analysis()  # not jact.compiled_memory: the offload rows need the host_* sizes
   fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
             "alias_size_in_bytes", "host_temp_size_in_bytes", "host_argument_size_in_bytes",
             "host_output_size_in_bytes")

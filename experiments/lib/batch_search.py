@@ -1,52 +1,13 @@
-"""Device memory of compiled steps and the search for the largest batch that fits.
-
-`compiled_memory_of` reads an executable the caller already compiled (to run or time it), as
-`jact.compiled_memory` reads one it compiles itself; the two give the same `CompiledMemory`.
-"""
+"""The search for the largest batch that fits: doubling, then bisection (`largest_batch`), or
+multiples of a granularity against a cap (`search_batch`, checked by `check_search`)."""
 from __future__ import annotations
 
 import math
 from typing import Callable
 
-import jax
+__all__ = ["TOLERANCE", "check_search", "largest_batch", "search_batch"]
 
-from jact.report import CompiledMemory
-
-__all__ = ["MIB", "TOLERANCE", "check_search", "compiled_memory_of", "device_memory", "is_oom",
-           "largest_batch", "search_batch",
-           "needed_bytes"]
-
-MIB = 2.0 ** 20
 TOLERANCE = 0.05    # resolution of the largest-batch search
-
-
-def is_oom(e: BaseException) -> bool:
-  """An XLA out-of-memory error (raised by compiling or running)."""
-  text = str(e)
-  return isinstance(e, RuntimeError) and (  # jax.errors.JaxRuntimeError is one
-      "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower())
-
-
-def device_memory() -> dict | None:
-  """The allocator's counters of the first device (None on CPU)."""
-  stats = jax.devices()[0].memory_stats()
-  if not stats:
-    return None
-  return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
-
-
-def compiled_memory_of(compiled) -> CompiledMemory:
-  """`jact.compiled_memory`'s figures for an executable already compiled (the caller runs or
-  times it too; compiling it again to measure would double the compile time)."""
-  s = compiled.memory_analysis()
-  return CompiledMemory(int(s.temp_size_in_bytes), int(s.argument_size_in_bytes),
-                        int(s.output_size_in_bytes), int(s.alias_size_in_bytes),
-                        int(s.generated_code_size_in_bytes))
-
-
-def needed_bytes(mem: CompiledMemory) -> int:
-  """Device memory a compiled step needs: temp + arguments + outputs - aliased."""
-  return mem.temp_bytes + mem.argument_bytes + mem.output_bytes - mem.alias_bytes
 
 
 def largest_batch(fits, start: int, upper: int, tol: float = TOLERANCE, need=None) -> int:

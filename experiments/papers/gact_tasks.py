@@ -92,7 +92,7 @@ import optax
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, paths, resumable, zoo, zoo_data
+from experiments.lib import memory, metadata, paths, resumable, zoo, zoo_data
 from experiments.lib.gcn import Graph, graph_arrays
 
 __all__ = ["TASKS", "SMALL", "VARIANTS", "EncoderBlock", "SST2Transformer", "BlockFieldLM",
@@ -522,7 +522,7 @@ def _step_memory(step_fn, loss_fn, args, plan) -> dict:
     saved = jact.residual_report(lambda p: loss_fn(p, batch, key, *extra), params)
   compiled = step_fn.lower(*args, plan=plan).compile()
   return dict(saved_bytes=int(saved.total_bytes),
-              temp_bytes=int(compiled.memory_analysis().temp_size_in_bytes))
+              temp_bytes=memory.compiled_memory_of(compiled).temp_bytes)
 
 
 def _mean_windows(losses: list[float], every: int) -> list[dict]:
@@ -588,13 +588,13 @@ def train_variant(setup: TaskSetup, variant: str, *, steps: int, log_every: int,
             f"({seconds[-1]:.3f} s/step)" + (f" {history[-1]}" if history and
                                               history[-1]["step"] == step + 1 else ""), flush=True)
   timed = [s for i, s in enumerate(seconds) if i not in compiled_steps]
-  memory = _step_memory(step_fn, loss_fn, (params, opt_state, setup.batch(0), base_key,
+  step_memory = _step_memory(step_fn, loss_fn, (params, opt_state, setup.batch(0), base_key,
                                            *setup.extra), plan)
   return dict(
       variant=variant, steps=len(losses), finite=bool(np.all(np.isfinite(losses))),
       first_loss=losses[0], final_loss=float(np.mean(losses[-log_every:])),
       losses=_mean_windows(losses, log_every), history=history, final=history[-1] if history
-      else None, best=best, best_by=setup.metric, **memory,
+      else None, best=best, best_by=setup.metric, **step_memory,
       average_bits=None if plan is None else float(plan.average_bits()),
       plans=plans, variance_alerts=alerts,
       controller=setup.controllers.get(variant), controller_seconds=controller_seconds,
