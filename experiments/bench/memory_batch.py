@@ -98,7 +98,6 @@ from experiments.lib import (
   fresh_process,
   memory,
   metadata,
-  notebook_support,
   paths,
   resumable,
 )
@@ -122,11 +121,12 @@ from experiments.lib.blockwise import (
   resnet_blockwise_logits,
   train_step,
 )
+from experiments.lib.notebook_support import memory_batch_plot as plot
 
 __all__ = ["MODELS", "METHODS", "MEASURES", "Config", "FULL", "SMALL", "block_method",
            "resnet_blockwise_logits", "lm_blockwise_logits", "init_params", "real_batch",
            "loss_fn", "train_step", "measure_probe", "time_methods",
-           "offload_support", "describe", "run",
+           "offload_support", "describe", "run", "plot",
            "summary", "main"]
 
 MODULE = "experiments.bench.memory_batch"
@@ -404,7 +404,7 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
         out["models"][model] = earlier["models"][model]
         continue
       result = measure_model(model, methods, config, offload, cache_dir, log)
-      result["plot"] = notebook_support.memory_batch_plot(model, result, config, results / f"memory_batch{suffix}_{model}.png")
+      result["plot"] = plot(model, result, config, results / f"memory_batch{suffix}_{model}.png")
       out["models"][model] = result
       out["wall_s"] = time.perf_counter() - t0
       resumable.write_json(path, out)
