@@ -4,7 +4,7 @@ Every function reads result JSON written by an experiment CLI and tolerates
 missing or partial results (a variant still running, a run not made yet): it
 says what is missing instead of failing, so a notebook renders at any stage.
 
->>> print(actnn_table({}, ["fp"]))
+>>> print(actnn_table({}, ["fp"]))  # doctest: +NORMALIZE_WHITESPACE
 | variant | epochs | test accuracy by epoch | final | saved for backward | compiled temp | avg bits |
 |---|---|---|---|---|---|---|
 | fp | not run yet | | | | | |
