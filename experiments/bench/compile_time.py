@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import blocks, memory, metadata, paths
+from experiments.lib import blocks, memory, metadata, paths, timing
 from experiments.lib.zoo import CASES
 from experiments.lib.zoo_harness import variant_fns
 
@@ -82,13 +82,7 @@ def measure_program(fn, args, step: bool = False) -> dict:
          "fusions": hlo.count(" fusion("),
          "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes}
   if step:
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(5):
-      t0 = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      times.append(time.perf_counter() - t0)
-    row["step_s"] = sorted(times)[2]
+    row["step_s"] = timing.median_seconds(compiled, *args, calls=5)
   return row
 
 
