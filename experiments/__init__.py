@@ -1,2 +1,4 @@
-"""Experiments for jact: real-data loaders, Flax models written once for plain
-and compressed layers, and the main comparison job (`python -m experiments.compare`)."""
+"""Experiments for jact, in four rooms: `lib/` (data, models, the zoo, run metadata, timing,
+resumable runs: what several experiments share), `papers/` (the papers' reproductions),
+`bench/` (measurements of jact itself) and `gpu/` (checks that need a GPU). Entry points:
+`python -m experiments.compare` (the main job) and `python -m experiments.gpu_campaign`."""

@@ -377,7 +377,8 @@ def _figures(results: str) -> dict:
   path = Path(results)
   for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc, _tables):
     part(path, out)
-  from experiments import notebook_support, summary  # the key table, as summary prints it
+  from experiments.lib import notebook_support  # the key table, as summary prints it
+  from experiments.lib import summary_table as summary
   out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
                                        notebook_support.load_variants(path / "gact"),
                                        summary.layer_input_bytes(path))

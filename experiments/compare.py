@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Any, Sequence
 
 import jax
@@ -33,11 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.lib import data as data_lib
+from experiments.lib import memory, metadata, timing
+from experiments.lib.models import SmallCNN, jact_layers, plain_layers
 from jact.compressors import PerGroup
-
-from experiments import data as data_lib
-from experiments import resumable
-from experiments.models import SmallCNN, jact_layers, plain_layers
 
 __all__ = ["run_comparison", "format_table", "residual_bytes", "main"]
 
@@ -136,11 +134,10 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
     step_fn = _train_step(model, tx)
     state = (params, batch_stats, jax.jit(tx.init)(params))
     y0 = jnp.asarray(ytr[:batch_size])
-    t0 = time.perf_counter()
-    compiled = jax.jit(step_fn).lower(state, x0, y0, jnp.int32(0), rng_key).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp_bytes = int(mem.temp_size_in_bytes) if mem is not None else None
+    with timing.Stopwatch() as compiling:
+      compiled = jax.jit(step_fn).lower(state, x0, y0, jnp.int32(0), rng_key).compile()
+    compile_s = compiling.seconds
+    temp_bytes = memory.compiled_memory_of(compiled).temp_bytes
     loss_fn = _loss_fn(model)
     loss_only = lambda *a: loss_fn(*a)[0]
     saved = residual_bytes(loss_only, params, batch_stats, x0, y0, jnp.int32(0), rng_key)
@@ -150,10 +147,10 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
     bar = _progress(range(steps), variant, progress)
     for step in bar:
       xb, yb = next(it)
-      t0 = time.perf_counter()
-      state, loss = compiled(state, jnp.asarray(xb), jnp.asarray(yb), jnp.int32(step), rng_key)
-      loss = float(loss)
-      times.append(time.perf_counter() - t0)
+      with timing.Stopwatch() as stepping:  # float(loss) waits for the step
+        state, loss = compiled(state, jnp.asarray(xb), jnp.asarray(yb), jnp.int32(step), rng_key)
+        loss = float(loss)
+      times.append(stepping.seconds)
       losses.append(loss)
       if progress and step % 10 == 0:
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -205,7 +202,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def run_metadata(argv=None) -> dict:
   """Device, versions, date and command of a run, stored with its results."""
-  return resumable.run_metadata("experiments.compare", argv)
+  return metadata.run_metadata("experiments.compare", argv)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

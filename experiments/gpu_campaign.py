@@ -53,7 +53,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.resumable import write_json
+from experiments.lib.resumable import write_json
 
 __all__ = ["CHUNKS", "STAGES", "Chunk", "select", "command", "probe", "run_chunk", "main"]
 
@@ -104,42 +104,42 @@ _FIDELITY_SMOKE = ("--variants", "fp", "blpa2", "--epochs", "1", "--dataset", "c
 
 # In order of value: what a GPU minute buys first. `budget_s` caps a chunk on a GPU.
 CHUNKS = (
-    Chunk("checks", "i", "gpu_checks", (), (), 30,
+    Chunk("checks", "i", "gpu.gpu_checks", (), (), 30,
           "versions, device, every jact._compat probe (JAX and Flax), kernels chosen"),
-    Chunk("kernels_exact", "i", "bench_kernels",
+    Chunk("kernels_exact", "i", "bench.bench_kernels",
           ("--sizes-mb", "1", "16", "--reps", "3", "--rotate-mb", "32", "--check-cpu"),
           ("--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0", "--ops", "relu_mask",
            "quantize", "--impls", "xla", "pallas_triton", "jax_triton", "--check-cpu"),
           45, "every registered kernel's bits vs the XLA reference on the GPU and on the CPU"),
-    Chunk("kernels_bandwidth", "ii", "bench_kernels",
+    Chunk("kernels_bandwidth", "ii", "bench.bench_kernels",
           ("--sizes-mb", "4", "64", "512", "--reps", "10", "--rotate-mb", "256"),
           ("--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5", "--ops", "relu_mask",
            "--impls", "xla"),
           60, "every registered kernel's GB/s (XLA, Pallas/Triton, jax-triton) vs a same-run device copy"),
-    Chunk("resnet50", "iii", "bench_train_step",
+    Chunk("resnet50", "iii", "bench.bench_train_step",
           ("--image", "224", "--batches", "128", "--bits", "2", "4", "8", "--steps", "5",
            "--warmup", "1", "--max-batch-search", "0"),
           _TINY_RESNET + ("--batches", "2", "--steps", "1", "--warmup", "0", "--max-batch-search",
                           "0", "--bits", "2"),
           110, "ResNet-50 224x224 train step (batch 128): plain vs jact 2/4/8 bits: step time, "
                "compile seconds, compiled and peak memory"),
-    Chunk("lm", "iii", "gpu_lm", ("--layers", "6", "--width", "512", "--length", "512", "--batch",
+    Chunk("lm", "iii", "gpu.gpu_lm", ("--layers", "6", "--width", "512", "--length", "512", "--batch",
                                   "32"),
           # smoke: one width of jact.convert (8 and 4 bits run the same code as 2 bits
           # with another integer; a compile of the tiny LM each, ~5 s of CPU)
           ("--small", "--methods", "plain", "jact2", "jact_checkpoint"),
           60, "transformer LM train step: plain vs jact 8/4/2 bits vs jact.checkpoint: step time, "
               "compile seconds, compiled and peak memory"),
-    Chunk("largest_batch", "iv", "bench_train_step",
+    Chunk("largest_batch", "iv", "bench.bench_train_step",
           ("--image", "224", "--batches", "--bits", "2", "--max-batch-search", "4096",
            "--search-start", "512"),
           _SEARCH_SMOKE + ("--bits", "2"),
           75, "largest ResNet-50 224x224 batch that fits, plain Flax vs jact 2 bits"),
-    Chunk("fidelity_seed0", "v", "actnn_cifar", _FIDELITY + ("--seed", "0"),
+    Chunk("fidelity_seed0", "v", "papers.actnn_cifar", _FIDELITY + ("--seed", "0"),
           _FIDELITY_SMOKE + ("--seed", "0"),
           None, "pre-act ResNet-20 on full CIFAR-10: FP vs 2-bit vs ActNN L3 vs BLPA 2-bit, "
                 "10 epochs or what the time left allows (needs the CIFAR-10 data kit)"),
-    Chunk("fidelity_seed1", "v", "actnn_cifar", _FIDELITY + ("--seed", "1"),
+    Chunk("fidelity_seed1", "v", "papers.actnn_cifar", _FIDELITY + ("--seed", "1"),
           _FIDELITY_SMOKE + ("--seed", "1"),
           None, "the same with a second seed"),
 )
@@ -180,7 +180,7 @@ def _shown(cmd: list[str]) -> str:
   return shlex.join(["python", *cmd[1:]])
 
 
-_PROBE = ("import json, sys; from experiments.resumable import run_metadata; "
+_PROBE = ("import json, sys; from experiments.lib.metadata import run_metadata; "
           "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))")
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import matplotlib.pyplot as plt
 from IPython.display import Image, Markdown, display
 
-from experiments import notebook_support as ns
+from experiments.lib import notebook_support as ns
 
 RESULTS = ROOT / "experiments" / "results"
 SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into the repo'''
@@ -48,7 +48,7 @@ def _small_actnn_run(*variants: str) -> str:
   """The live cell of notebooks 02 and 04: `variants` of actnn_cifar at small size."""
   names = ", ".join(f'"{v}"' for v in variants)
   return f"""\
-from experiments import actnn_cifar
+from experiments.papers import actnn_cifar
 actnn_cifar.main(["--variants", {names}, "--dataset", "cifar10", "--epochs", "1",
                   "--batch", "64", "--train-size", "512", "--test-size", "500", "--widths", "8",
                   "--blocks", "1", "--runs", str(SMALL / "runs"), "--results", str(SMALL)])
@@ -65,7 +65,7 @@ rounding trains a CIFAR ResNet to the accuracy of full precision, and the adapti
 average, per-layer and per-sample widths) does at least as well. Its theory says why: the gradient
 stays unbiased and the added variance is small next to minibatch sampling noise (Fig. 5).
 
-**What ran here.** `python -m experiments.actnn_cifar --epochs 3`: the pre-activation ResNet-20
+**What ran here.** `python -m experiments.papers.actnn_cifar --epochs 3`: the pre-activation ResNet-20
 (16/32/64 channels) on the full 50k CIFAR-10 training set, SGD with Nesterov momentum, warm-up and
 cosine schedule, batch 128, random crops and flips, **3 epochs per variant** (about an hour each on
 the 2-core CPU this project runs on), every variant from the same initialization with the same
@@ -80,7 +80,7 @@ ns.accuracy_curves(runs, ns.ACTNN_MAIN, "ResNet-20, CIFAR-10 (full runs, CPU)");
         ("markdown", """\
 ## Gradient variance against bits (ActNN Fig. 5)
 
-`python -m experiments.grad_variance`: at the full-precision run's parameters after each epoch,
+`python -m experiments.papers.grad_variance`: at the full-precision run's parameters after each epoch,
 the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sampling noise) and
 the variance the compression adds for one fixed minibatch over 8 rounding seeds."""),
         ("code", 'ns.show_figure(RESULTS / "grad_variance.png")\ndisplay(Markdown(ns.variance_table(RESULTS / "grad_variance.json")))'),
@@ -117,7 +117,7 @@ memory columns, do."""),
 adaptive per-tensor widths as well as full precision; fixed low widths can hurt some layers (GAT),
 and the adaptive plan recovers.
 
-**What ran here.** `python -m experiments.gact_tasks`: a small transformer classifier on SST-2, a
+**What ran here.** `python -m experiments.papers.gact_tasks`: a small transformer classifier on SST-2, a
 character-level LM on tiny Shakespeare, and a GCN and a GAT on Cora, ordinary Flax code with jact
 applied from outside. The scale (steps, widths) is in each task's record below; CPU only."""),
         ("code", SETUP),
@@ -143,10 +143,10 @@ degrade GAT" is not reproduced at 4 fixed bits. One seed each."""),
 ## Re-run a small version live
 
 The GCN on Cora, plain and with every residual at 4 bits, for a few epochs (`--small` sizes): the
-same code path as the full run. `python -m experiments.gact_tasks --small` runs every task and
+same code path as the full run. `python -m experiments.papers.gact_tasks --small` runs every task and
 variant small (a few minutes: each adaptive variant compiles the numeric estimator)."""),
         ("code", """\
-from experiments import gact_tasks
+from experiments.papers import gact_tasks
 gact_tasks.main(["--small", "--tasks", "cora_gcn", "--variants", "fp", "fixed4",
                  "--results", str(SMALL)])
 small = ns.load_variants(SMALL)
@@ -162,11 +162,11 @@ reports no accuracy loss at 4 bits but a drop below. DIVISION (Wang et al. 2022)
 8x8-block low-pass part plus a 2-bit high-frequency part and matches full precision. AC-GC (Evans &
 Aamodt 2021) derives each layer's width from an allowed loss increase e^2.
 
-**What ran here.** The same `experiments.actnn_cifar` runs as notebook 02 (ResNet-20, full
+**What ran here.** The same `experiments.papers.actnn_cifar` runs as notebook 02 (ResNet-20, full
 CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division`, `acgc` (AC-GC's
 AutoQuant: round-to-nearest fixed point at the widths of its Table 1 bounds, e^2 =
 {{acgc.paper_error}}), `acgc_scale` (the same with the batch norms' scale gradients bounded too),
-and `python -m experiments.acgc_sweep`: the widths and compression the
+and `python -m experiments.papers.acgc_sweep`: the widths and compression the
 bounds give for every e^2, at initialization and after 3 epochs."""),
         ("code", SETUP),
         ("markdown", "## Test accuracy and memory (full runs)"),
@@ -175,7 +175,7 @@ runs = ns.load_variants(RESULTS / "actnn_cifar")
 display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
 ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
         ("markdown", """\
-## AC-GC: what each e^2 asks for (`python -m experiments.acgc_sweep`)
+## AC-GC: what each e^2 asks for (`python -m experiments.papers.acgc_sweep`)
 
 Widths from Table 1's bounds (statistics averaged over ten minibatches of 128), at the
 initialization and at a full-precision run's parameters after 3 epochs; compression against
@@ -209,7 +209,7 @@ leaves the batch norms' scale gradients unbounded; `acgc_scale` bounds them too
 **Claim (all five papers).** With activations stored at 2-4 bits the same device fits a several
 times larger batch, for a modest step-time cost.
 
-**What ran here.** `python -m experiments.memory_batch`: for the ResNet-20 and the zoo's
+**What ran here.** `python -m experiments.bench.memory_batch`: for the ResNet-20 and the zoo's
 transformer LM, the largest batch whose real train step stays under a fixed cap (512 MiB) on the
 peak RSS the running step adds on this CPU (each probe a fresh process), for plain JAX,
 `jax.checkpoint`, jact 4 and 2 bits and `jact.checkpoint` (host offload: unsupported on CPU, where
@@ -228,7 +228,7 @@ for png in sorted(RESULTS.glob("memory_batch_*.png")):
 
 The cap above counts the memory the running step adds; the compiled program (code and constants)
 comes on top, and jact's programs are larger. The same search capping the step plus the program
-(`python -m experiments.memory_batch --cap-on with_program_mib`):"""),
+(`python -m experiments.bench.memory_batch --cap-on with_program_mib`):"""),
         ("code", '''display(Markdown(ns.both_caps_table(
     RESULTS / "memory_batch.json", RESULTS / "memory_batch_program" / "memory_batch.json")))'''),
         ("markdown", """\
@@ -256,7 +256,7 @@ A tiny ResNet under a 40 MiB cap, compiled with LLVM's optimizations off (`--sma
 compiles, slower code), so its step-time ratio says nothing about the full run's above; it checks
 that the search and the measurements run."""),
         ("code", """\
-from experiments import memory_batch
+from experiments.bench import memory_batch
 memory_batch.main(["--small", "--results", str(SMALL)])
 display(Markdown(ns.memory_batch_table(SMALL / "memory_batch_small.json")))
 for png in sorted(SMALL.glob("memory_batch_small_*.png")):
@@ -270,9 +270,9 @@ for png in sorted(SMALL.glob("memory_batch_small_*.png")):
 numeric, from gradient differences) lets an allocator give more bits where the gradient is
 sensitive and fewer elsewhere, at a fixed average, for a fraction of a training step.
 
-**What ran here.** `python -m experiments.bit_plans`: the widths both estimators choose at 2 bits
+**What ran here.** `python -m experiments.papers.bit_plans`: the widths both estimators choose at 2 bits
 average on the ResNet-20 (at the full-precision run's epoch snapshots) and on a character
-transformer while it trains, and each estimator's cost in train steps. `experiments.bench_plans`
+transformer while it trains, and each estimator's cost in train steps. `experiments.bench.bench_plans`
 measures the variance each plan gives."""),
         ("code", SETUP),
         ("markdown", "## Widths per residual over training (full run)"),
@@ -297,7 +297,7 @@ update costs {{bp.cifar_cnn.analytic_cost}} (CNN) and {{bp.shakespeare_transform
 measured with other jobs on the cores), so the numeric one wants infrequent re-plans on CPU."""),
         ("markdown", "## Re-run a small version live"),
         ("code", """\
-from experiments import bit_plans
+from experiments.papers import bit_plans
 bit_plans.main(["--small", "--models", "transformer", "--results", str(SMALL)])
 ns.show_figure(SMALL / "bit_plans_small_transformer.png")"""),
     ],

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from experiments.data import DataKitMissing
+from experiments.lib.data import DataKitMissing
 
 # XLA:CPU's experimental YNN fusion in jaxlib 0.10.2 miscompiles a row
 # reduction whose operand is broadcast along a leading batch axis -- exactly

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.compile_time import count_eqns
+from experiments.bench.compile_time import count_eqns
 from jact._core import rng
 from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 

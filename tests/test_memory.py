@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jact
-from experiments.memory_scaling import scaling
+from experiments.bench.memory_scaling import scaling
 
 pytestmark = pytest.mark.slow  # every test compiles whole train steps (a minute per fixture on a CPU core)
 

@@ -21,7 +21,7 @@ EXPERIMENT_NOTEBOOKS = sorted(p.name for p in NOTEBOOKS.glob("0[2-9]_*.ipynb"))
 @pytest.fixture
 def quick_compiles(monkeypatch):
   """Kernels started in the test inherit the quick-compile XLA flags."""
-  from experiments.memory_batch import FAST_COMPILE_FLAGS
+  from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
   monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
 
 

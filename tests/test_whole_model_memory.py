@@ -9,7 +9,7 @@ be alive at full precision at once and the peak would not move.
 
 import pytest
 
-from experiments.bench_whole_model import measure
+from experiments.bench.bench_whole_model import measure
 
 pytestmark = pytest.mark.slow  # three compilations of an 8-block stack's gradient (~15 s)
 

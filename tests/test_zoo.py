@@ -1,10 +1,10 @@
-"""jact.convert on unmodified Flax example-style models (experiments/zoo.py).
+"""jact.convert on unmodified Flax example-style models (experiments/lib/zoo.py).
 
 Each zoo model, its code untouched, converted with `jact.convert`: the
 training forward pass gives the plain model's output, the bytes saved for the
 backward pass at 2 bits are at least `MIN_CUT[name]` times fewer than plain
 (each floor is about half of the cut measured on a batch of 4 with the
-library of the commit that set it; `python -m experiments.bench_models`
+library of the commit that set it; `python -m experiments.bench.bench_models`
 gives the full-batch figures), and one 8-bit draw of the gradient is within
 `GRAD_TOL` of the exact one. Batches are cut to 4 examples to keep compiles
 small.
@@ -25,9 +25,9 @@ import pytest
 from flax import nnx
 
 import jact
-from experiments import zoo
-from experiments.zoo import CASES
-from experiments.zoo_harness import flat, variant_fns
+from experiments.lib import zoo
+from experiments.lib.zoo import CASES
+from experiments.lib.zoo_harness import flat, variant_fns
 
 pytestmark = pytest.mark.slow
 

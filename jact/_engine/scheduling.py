@@ -140,7 +140,7 @@ def kept_until_cotangent(values, cotangent):
   kernel of a convolution's input gradient, a transposed weight -- depends
   on nothing the forward pass computes, and XLA:CPU schedules it at the
   start of the program, where it stays alive through the whole forward pass
-  (ResNet-18 of experiments/zoo.py, `jact.convert` at 2 bits: 5 MiB of
+  (ResNet-18 of experiments/lib/zoo.py, `jact.convert` at 2 bits: 5 MiB of
   flipped kernels, temp 3.6 -> 1.7 MiB without them). Each floating-point
   array is selected by the always-true flag `barrier` uses, reduced over
   the cotangent's rows (kept values are parameters, not rows of the batch:

@@ -11,7 +11,7 @@ import pytest
 import jact
 from jact import _compat
 from jact import compressors as C
-from experiments import data, preact
+from experiments.lib import data, preact
 
 ALL = [
     C.PerGroup(2), C.PerGroup(4, stochastic=False), C.Division(), C.Division(block=4, bits=4),

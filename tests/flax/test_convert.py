@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import jact
-from experiments.data import batches, load_image_dataset
+from experiments.lib.data import batches, load_image_dataset
 from stats import assert_same_tree, tree_rel_err
 from jact import nnx as jnnx
 from jact.compressors import PerGroup

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jact
-from experiments.data import batches, load_image_dataset
+from experiments.lib.data import batches, load_image_dataset
 from jact._flax import compressed as flax_compressed
 from jact._transforms.compressed import ResidualConfig
 from stats import assert_same_tree, tree_rel_err

@@ -453,7 +453,7 @@ def _lowers_jax_triton_kernel(op, case):
   cannot load jax-triton, whose lowering builds a CUDA jaxlib object): PTX with
   no fused multiply-add and no approximate division, which would break
   bit-exactness on the device."""
-  from experiments.compile_kernels import ptx_facts
+  from experiments.bench.compile_kernels import ptx_facts
   compile_for_cuda = _jax_triton_ptx().get(op)
   if compile_for_cuda is None:
     pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to _jax_triton_ptx", pytrace=False)

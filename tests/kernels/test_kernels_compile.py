@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 pytest.importorskip("triton", reason="the test extras install triton; pip install -e '.[test]'")
 
-from experiments import compile_kernels as ck  # noqa: E402
+from experiments.bench import compile_kernels as ck  # noqa: E402
 from jact.kernels import _triton as T  # noqa: E402
 
 # Contiguous values: the global loads must be 16-byte vector accesses. Per-group planes

@@ -13,7 +13,7 @@ import pytest
 from scipy.stats import spearmanr
 
 import jact
-from experiments.data import load_image_dataset
+from experiments.lib.data import load_image_dataset
 
 NAMES = ("bn1.xhat", "conv1.lhs", "conv2.lhs", "fc1.lhs", "fc2.lhs")
 

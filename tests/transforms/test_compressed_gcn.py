@@ -1,7 +1,7 @@
-"""`jact.compressed` on a two-layer GCN (experiments/gcn.py) on real Cora.
+"""`jact.compressed` on a two-layer GCN (experiments/lib/gcn.py) on real Cora.
 
 Properties checked, with stated tolerances:
-  * the Cora loader (experiments/data.py `load_cora`): the published sizes,
+  * the Cora loader (experiments/lib/data.py `load_cora`): the published sizes,
     the standard Planetoid split, row-normalized features, a symmetric
     D^-1/2 (A + I) D^-1/2, and a missing file named in the error;
   * the edge-list product (gather + segment_sum, custom VJP) equals the
@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import jact
-from experiments import data, gcn
+from experiments.lib import data, gcn
 from stats import assert_unbiased, over_keys
 
 N_DRAWS = 128

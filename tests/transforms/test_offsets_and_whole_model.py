@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 
 import jact
-from experiments.whole_model_error import rows_off
-from experiments.zoo_harness import flat
-from experiments.zoo_thirdparty import ViT
+from experiments.bench.whole_model_error import rows_off
+from experiments.lib.zoo_harness import flat
+from experiments.lib.zoo_thirdparty import ViT
 from jact.compressors import PerGroup
 from jact._engine.rows import store_rows
 from jact._transforms._rows import normalization_rows

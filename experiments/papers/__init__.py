@@ -1,0 +1,2 @@
+"""The papers' reproductions: ActNN (actnn_cifar, grad_variance, bit_plans), GACT (gact_tasks)
+and AC-GC (acgc_sweep, memory_accounting); BLPA and DIVISION run as variants of actnn_cifar."""

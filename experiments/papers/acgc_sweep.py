@@ -1,0 +1,171 @@
+"""AC-GC's e^2 -> widths and compression on the CIFAR ResNet-20 (AutoQuant, Table 1).
+
+AC-GC (Sec. 5-6) turns an allowed loss increase (1 + e^2) into a tolerance per
+stored value and a fixed-point width per layer; at its e^2 = 0.5 the paper
+reports 7.5x average compression for AutoQuantZ (fixed point + zero-value
+compression; 4.2x on a CIFAR ResNet-50). This measures, on
+`experiments.papers.actnn_cifar`'s pre-activation ResNet-20, what the same bounds ask
+for: `jact.acgc.error_bounded` with the round-to-nearest `Fixpoint` compressor,
+statistics from `--batches` minibatches summarized by their mean (the paper's
+ten-entry window), at the initialization and, when `--snapshot` names a saved
+run, at trained parameters. The tolerance is linear in e^2 (every Table 1 row
+is e^2 times a statistic), so one estimation gives every e^2 of the sweep:
+needed levels = measured levels at e^2 = 1, divided by e^2.
+
+Per e^2 the result lists the widths and three compression ratios against
+float32: jact's (Fixpoint widths 2, 4, 8; a residual needing more is kept
+exact), any width up to 16 bits (the paper's fixpoint; beyond 16: exact) and
+AutoQuantZ's accounting (a 1-bit zero mask plus the non-zero values at the
+needed width, with the measured exact-zero fraction of each residual: the ReLU
+outputs the convolutions store). Per residual at the paper's e^2 = 0.5: the
+needed bits with Table 1's bounds and with jact's optional batch-norm scale
+bound (`scale_bound=True`), which shows which bound binds.
+
+    python -m experiments.papers.acgc_sweep --snapshot runs/actnn_cifar/fp_seed1/snapshots/epoch3
+    python -m experiments.papers.acgc_sweep --small        # seconds: small net, 2 batches
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jact
+from experiments.lib import data as data_lib
+from experiments.lib import metadata, paths, preact, resumable
+
+__all__ = ["ERRORS", "needed_levels", "needed_bits", "sweep", "main"]
+
+ERRORS = (0.05, 0.125, 0.5, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
+PAPER_ERROR = 0.5
+MAX_BITS = 16  # widest fixpoint the sweep's "any width" column allows
+
+
+def needed_bits(levels_sq: float, widest: int = MAX_BITS) -> int | None:
+  """The smallest signed fixed-point width b >= 2 with 2^(b-1) - 1 >= sqrt(levels_sq);
+  None when wider than `widest` (kept exact).
+
+  >>> needed_bits(1.0), needed_bits(9.0), needed_bits(1e12)
+  (2, 3, None)
+  """
+  need = math.sqrt(max(float(levels_sq), 0.0))
+  for b in range(2, widest + 1):
+    if (1 << (b - 1)) - 1 >= need:
+      return b
+  return None
+
+
+def needed_levels(loss_fn, params, batches, key, *, scale_bound: bool = False) -> dict:
+  """name -> squared fixed-point levels each residual needs at e^2 = 1 (mean over batches)."""
+  bounds = jact.acgc.error_bounded(loss_fn, error=1.0, window=len(batches),
+                                   compressor=jact.compressors.Fixpoint(8),
+                                   scale_bound=scale_bound)
+  state = bounds.init(params, batches[0], key)
+  for i, batch in enumerate(batches):
+    state = bounds.update(state, params, batch, jax.random.fold_in(key, i))
+  levels = np.nanmean(np.asarray(state.levels_sq, np.float64), axis=0)
+  return dict(zip(state.names, levels.tolist()))
+
+
+def _densities(params, batches) -> dict:
+  """name -> mean fraction of non-zero values (conv inputs: the ReLU outputs)."""
+  apply = jax.jit(lambda p, x: _collect(p, x))
+  per_batch = [apply(params, b[0]) for b in batches]
+  return {n: float(np.mean([float(d[n]) for d in per_batch])) for n in per_batch[0]}
+
+
+def _collect(params, x):
+  densities = {}
+  preact.apply(params, x, form="plain", densities=densities)
+  return densities
+
+
+def _ratio(sizes: dict, bits_per_value: dict) -> float:
+  total = sum(sizes.values())
+  return 32.0 * total / sum(sizes[n] * bits_per_value[n] for n in sizes)
+
+
+def sweep(levels: dict, sizes: dict, densities: dict, errors=ERRORS) -> list[dict]:
+  """Rows per e^2: widths, bits per value and compression (jact / any width / AutoQuantZ)."""
+  rows = []
+  for e2 in errors:
+    jact_bits = {n: jact.acgc.bits_for_levels(levels[n] / e2, signed=True) for n in sizes}
+    jact_bits = {n: 32 if b is None else b for n, b in jact_bits.items()}
+    any_bits = {n: needed_bits(levels[n] / e2) or 32 for n in sizes}
+    zvc = {n: 1.0 + densities.get(n, 1.0) * any_bits[n] for n in sizes}
+    rows.append(dict(
+        error=e2, jact_bits=jact_bits, any_bits=any_bits,
+        jact_average_bits=sum(sizes[n] * jact_bits[n] for n in sizes) / sum(sizes.values()),
+        any_average_bits=sum(sizes[n] * any_bits[n] for n in sizes) / sum(sizes.values()),
+        compression_jact=_ratio(sizes, jact_bits), compression_any_width=_ratio(sizes, any_bits),
+        compression_autoquantz=_ratio(sizes, zvc),
+        kept_exact_jact=sum(b == 32 for b in jact_bits.values())))
+  return rows
+
+
+def measure(params, batches, key, errors=ERRORS) -> dict:
+  loss_fn = functools.partial(preact.loss, form="layers",
+                              compressor=jact.compressors.Fixpoint(8))
+  sites = jact.sensitivity.find_residuals(loss_fn, params, batches[0], key)
+  sizes = {n: s.size for n, s in sites.items()}
+  table1 = needed_levels(loss_fn, params, batches, key)
+  with_scale = needed_levels(loss_fn, params, batches, key, scale_bound=True)
+  densities = _densities(params, batches)
+  layers = {n: dict(size=sizes[n], density=densities.get(n, 1.0),
+                    levels_sq_at_1=table1[n],
+                    bits_at_paper_error=needed_bits(table1[n] / PAPER_ERROR) or 32,
+                    bits_with_scale_bound=needed_bits(with_scale[n] / PAPER_ERROR) or 32)
+            for n in sorted(sizes)}
+  return dict(layers=layers, rows=sweep(table1, sizes, densities, errors),
+              rows_with_scale_bound=sweep(with_scale, sizes, densities, errors))
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(prog="python -m experiments.papers.acgc_sweep",
+                              description=__doc__.split("\n")[0])
+  p.add_argument("--batches", type=int, default=10)
+  p.add_argument("--batch", type=int, default=128)
+  p.add_argument("--snapshot", type=Path, default=None,
+                 help="a saved run's snapshot folder (experiments.papers.actnn_cifar) for trained "
+                      "parameters, beside the initialization")
+  p.add_argument("--small", action="store_true")
+  p.add_argument("--results", type=Path, default=paths.RESULTS)
+  a = p.parse_args(argv)
+  widths, blocks = ((8, 16), 1) if a.small else ((16, 32, 64), 3)
+  if a.small:
+    a.batches, a.batch = 2, 16
+  x, y, _, _ = data_lib.load_image_dataset("cifar10_full", train_size=a.batch * a.batches,
+                                           test_size=1)
+  batches = [(jnp.asarray(x[i * a.batch:(i + 1) * a.batch]),
+              jnp.asarray(y[i * a.batch:(i + 1) * a.batch])) for i in range(a.batches)]
+  init = preact.init(jax.random.key(0), widths=widths, blocks=blocks)
+  checkpoints = {"init": init}
+  if a.snapshot is not None:
+    restored = resumable.restore(a.snapshot, dict(params=init))
+    if restored is None:
+      raise SystemExit(f"no snapshot under {a.snapshot}")
+    checkpoints["trained"] = restored[0]["params"]
+  result = dict(meta=metadata.run_metadata("experiments.papers.acgc_sweep", argv),
+                batches=a.batches, batch=a.batch, widths=list(widths), blocks=blocks,
+                paper_error=PAPER_ERROR, snapshot=None if a.snapshot is None else str(a.snapshot),
+                checkpoints={})
+  for name, params in checkpoints.items():
+    result["checkpoints"][name] = measure(params, batches, jax.random.key(1))
+    for r in result["checkpoints"][name]["rows"]:
+      print(f"{name} e2 {r['error']:>7g}: jact {r['jact_average_bits']:5.2f} bits "
+            f"{r['compression_jact']:5.2f}x ({r['kept_exact_jact']} exact) | any width "
+            f"{r['compression_any_width']:5.2f}x | AutoQuantZ {r['compression_autoquantz']:5.2f}x",
+            flush=True)
+  out = a.results / ("acgc_sweep_small.json" if a.small else "acgc_sweep.json")
+  resumable.write_json(out, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
