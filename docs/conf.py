@@ -15,10 +15,10 @@ author = "the jact authors"
 copyright = "the jact authors, Apache-2.0"
 
 extensions = [
-    "myst_nb",
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",
+  "myst_nb",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
 ]
 
 # The notebooks are rendered from the outputs saved in notebooks/*.ipynb; nothing runs at build.
@@ -41,8 +41,8 @@ html_theme_options = {"show_toc_level": 2}
 
 exclude_patterns = ["_build", "jupyter_execute", "Thumbs.db", ".DS_Store"]
 suppress_warnings = [
-    # notebooks open with a title and jump to "##" after code cells: intended
-    "myst.header",
+  # notebooks open with a title and jump to "##" after code cells: intended
+  "myst.header",
 ]
 
 # Sphinx reads documents only from this folder. The notebooks live in notebooks/ (their one

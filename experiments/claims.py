@@ -31,8 +31,21 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RESULTS", "TEMPLATE", "README", "PAGES", "PAPER", "figures", "render", "placeholders",
-           "typed_figures", "readme_section", "render_blocks", "stale", "main"]
+__all__ = [
+  "RESULTS",
+  "TEMPLATE",
+  "README",
+  "PAGES",
+  "PAPER",
+  "figures",
+  "render",
+  "placeholders",
+  "typed_figures",
+  "readme_section",
+  "render_blocks",
+  "stale",
+  "main",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -40,12 +53,13 @@ TEMPLATE = ROOT / "experiments" / "results_template.md"
 README = ROOT / "README.md"
 # Generated docs pages: the page -> its template (the whole page is generated).
 PAGES = {
-    ROOT / "docs" / "results.md": ROOT / "experiments" / "results_page_template.md",
+  ROOT / "docs" / "results.md": ROOT / "experiments" / "results_page_template.md",
 }
 # A generated block inside a hand-written docs page: `<!-- claims:NAME -->`, the rendered
 # `{{NAME}}`, `<!-- claims:end -->` (the prose around it is typed by hand).
-_BLOCK = re.compile(r"^([ \t]*)(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)^([ \t]*<!-- claims:end -->)",
-                    re.S | re.M)
+_BLOCK = re.compile(
+  r"^([ \t]*)(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)^([ \t]*<!-- claims:end -->)", re.S | re.M
+)
 DOCS = ROOT / "docs"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
@@ -66,7 +80,7 @@ def _ratio(value, digits: int = 1) -> str:
 
 
 def _span(values) -> str:
-  """"lo-hi" (or the one value) of integers."""
+  """ "lo-hi" (or the one value) of integers."""
   lo, hi = min(values), max(values)
   return str(lo) if lo == hi else f"{lo}-{hi}"
 
@@ -107,8 +121,9 @@ def _actnn(results: Path, out: dict) -> None:
     if r.get("losses"):
       # paired: every variant sees the same batches, so the last epoch's mean training loss
       # compares variants on identical data
-      last = [x["loss"] for x in r["losses"]
-              if x["step"] > r["total_steps"] * (1 - 1 / r["epochs"])]
+      last = [
+        x["loss"] for x in r["losses"] if x["step"] > r["total_steps"] * (1 - 1 / r["epochs"])
+      ]
       last_loss[name] = float(np.mean(last))
       out[f"{key}.last_epoch_loss"] = _f(last_loss[name], 3)
   for name, loss in last_loss.items():
@@ -146,8 +161,11 @@ def _seeds(runs: dict, out: dict) -> None:
     for name, r in runs.items():
       if r.get("complete") and "_seed" not in name:
         out[f"actnn.{name}.below_fp_points"] = _f(100 * (fp_mean - r["final_test_accuracy"]), 1)
-  if "fp" in by_variant and "pergroup2" in by_variant and min(
-      len(by_variant["fp"]), len(by_variant["pergroup2"])) >= 2:
+  if (
+    "fp" in by_variant
+    and "pergroup2" in by_variant
+    and min(len(by_variant["fp"]), len(by_variant["pergroup2"])) >= 2
+  ):
     gap = 100 * (np.mean(by_variant["fp"]) - np.mean(by_variant["pergroup2"]))
     out["seeds.gap_points"] = _f(gap, 1)
     spread = 100 * max(np.std(by_variant["fp"], ddof=1), np.std(by_variant["pergroup2"], ddof=1))
@@ -191,7 +209,8 @@ def _variance_rows(gv: dict, prefix: str, out: dict) -> None:
       if r.get("plan"):
         widths = _plan_widths(r["plan"])
         out[f"{key}.{r['method']}.at_budget"] = (
-            f"{sum(w == round(r['avg_bits']) for w in widths)} of {len(widths)}")
+          f"{sum(w == round(r['avg_bits']) for w in widths)} of {len(widths)}"
+        )
       if r["method"] in ("actnn_l3", "gact_numeric") and 2 in uniform:
         out[f"{key}.{r['method']}.over_uniform2"] = _ratio(r["variance"] / uniform[2], 2)
         out[f"{key}.{r['method']}.variance"] = _f(r["variance"], 3)
@@ -200,8 +219,10 @@ def _variance_rows(gv: dict, prefix: str, out: dict) -> None:
 
 
 def _memory_batch(results: Path, out: dict) -> None:
-  for path, prefix in ((results / "memory_batch.json", "mb"),
-                       (results / "memory_batch_program" / "memory_batch.json", "mbp")):
+  for path, prefix in (
+    (results / "memory_batch.json", "mb"),
+    (results / "memory_batch_program" / "memory_batch.json", "mbp"),
+  ):
     mb = _load(path)
     if mb is not None:
       _batch_rows(mb, prefix, out)
@@ -267,19 +288,32 @@ def _acgc(results: Path, out: dict) -> None:
     out[f"acgc.{name}.conv_density"] = f"{min(density):.2f}-{max(density):.2f}"
 
 
-_MEMORY_MODELS = {"resnet18_cifar": "ResNet-18, CIFAR", "resnet50_cifar": "ResNet-50, CIFAR",
-                  "resnet18_224": "ResNet-18, 224²", "resnet50_224": "ResNet-50, 224²",
-                  "transformer": "transformer, 8 blocks"}
+_MEMORY_MODELS = {
+  "resnet18_cifar": "ResNet-18, CIFAR",
+  "resnet50_cifar": "ResNet-50, CIFAR",
+  "resnet18_224": "ResNet-18, 224²",
+  "resnet50_224": "ResNet-50, 224²",
+  "transformer": "transformer, 8 blocks",
+}
 
-_ZOO_MODELS = {"resnet18": "ResNet-18 (CIFAR, batch 32)", "bilstm_sst2": "SST-2 BiLSTM",
-               "transformer_lm": "LM1B-style decoder", "gemma_nnx": "Gemma-like nnx transformer",
-               "seq2seq": "LSTM seq2seq", "scan_mlp_nnx": "nnx scan over `nnx.vmap`-built blocks",
-               "mnist_cnn": "nnx MNIST CNN"}
+_ZOO_MODELS = {
+  "resnet18": "ResNet-18 (CIFAR, batch 32)",
+  "bilstm_sst2": "SST-2 BiLSTM",
+  "transformer_lm": "LM1B-style decoder",
+  "gemma_nnx": "Gemma-like nnx transformer",
+  "seq2seq": "LSTM seq2seq",
+  "scan_mlp_nnx": "nnx scan over `nnx.vmap`-built blocks",
+  "mnist_cnn": "nnx MNIST CNN",
+}
 
-_WHOLE_MODELS = {"vit": "ViT (class token, pre-LN)", "mixer": "MLP-Mixer", "convnext_nnx": "nnx ConvNeXt",
-                 "gn_resnet": "GroupNorm + StdConv ResNet",
-                 "offset_norms": "offset input into LN/RMSNorm/GN",
-                 "norm_chain": "rsqrt / division / L2-norm chain"}
+_WHOLE_MODELS = {
+  "vit": "ViT (class token, pre-LN)",
+  "mixer": "MLP-Mixer",
+  "convnext_nnx": "nnx ConvNeXt",
+  "gn_resnet": "GroupNorm + StdConv ResNet",
+  "offset_norms": "offset input into LN/RMSNorm/GN",
+  "norm_chain": "rsqrt / division / L2-norm chain",
+}
 
 
 def _sig3(value: float) -> str:
@@ -300,19 +334,42 @@ def _tables(results: Path, out: dict) -> None:
   """Whole tables of the docs pages' generated blocks (`<!-- claims:table.NAME -->`)."""
   bc = _load(results / "bench_compressors.json")
   if bc is not None:
-    rows = [[r["method"].replace(" e2=", ", e²="), f"{r['unit_bytes'] / 1e6:.1f} MB",
-             _ratio(r["unit_ratio"]), _f(r["rel_error"], 3), _f(r["bias"], 3)]
-            for r in bc["rows"] if not r["method"].startswith("exact")]
+    rows = [
+      [
+        r["method"].replace(" e2=", ", e²="),
+        f"{r['unit_bytes'] / 1e6:.1f} MB",
+        _ratio(r["unit_ratio"]),
+        _f(r["rel_error"], 3),
+        _f(r["bias"], 3),
+      ]
+      for r in bc["rows"]
+      if not r["method"].startswith("exact")
+    ]
     out["table.bench_compressors"] = _table(
-        ["method", "unit residual bytes", "vs exact units", "gradient rel. error",
-         "error of the 8-key mean"], rows)
+      [
+        "method",
+        "unit residual bytes",
+        "vs exact units",
+        "gradient rel. error",
+        "error of the 8-key mean",
+      ],
+      rows,
+    )
   bm = _load(results / "bench_memory.json")
   if bm is not None:
-    rows = [[f"{_MEMORY_MODELS.get(r['model'], r['model'])} "
-             f"({'x'.join(map(str, r['input_shape'])) if r['model'] == 'transformer' else r['input_shape'][0]})",
-             _ratio(r["residual_reduction"]), _ratio(r["temp_reduction"])]
-            for r in bm["rows"] if r["bits"] == 2]
-    out["table.bench_memory"] = _table(["model (batch)", "saved for backward", "compiled temp"], rows)
+    rows = [
+      [
+        f"{_MEMORY_MODELS.get(r['model'], r['model'])} "
+        f"({'x'.join(map(str, r['input_shape'])) if r['model'] == 'transformer' else r['input_shape'][0]})",
+        _ratio(r["residual_reduction"]),
+        _ratio(r["temp_reduction"]),
+      ]
+      for r in bm["rows"]
+      if r["bits"] == 2
+    ]
+    out["table.bench_memory"] = _table(
+      ["model (batch)", "saved for backward", "compiled temp"], rows
+    )
   bmo = _load(results / "bench_models.json")
   if bmo is not None:
     by = {(r["model"], r["variant"], r["bits"]): r for r in bmo["rows"]}
@@ -321,11 +378,18 @@ def _tables(results: Path, out: dict) -> None:
       plain = by.get((model, "plain", None))
       cells = [by.get((model, v, 2)) for v in ("convert", "compressed")]
       if plain and all(cells):
-        rows.append([label] + [f"{plain['saved_bytes'] / c['saved_bytes']:.0f}x / "
-                               f"{plain['temp_bytes'] / c['temp_bytes']:.1f}x" for c in cells])
+        rows.append(
+          [label]
+          + [
+            f"{plain['saved_bytes'] / c['saved_bytes']:.0f}x / "
+            f"{plain['temp_bytes'] / c['temp_bytes']:.1f}x"
+            for c in cells
+          ]
+        )
     out["table.bench_models"] = _table(
-        ["model", "convert: saved / compiled temp", "whole-model compressed: saved / compiled temp"],
-        rows)
+      ["model", "convert: saved / compiled temp", "whole-model compressed: saved / compiled temp"],
+      rows,
+    )
   wm = _load(results / "whole_model_error.json")
   if wm is not None:
     by = {r["model"]: r for r in wm["rows"]}
@@ -334,33 +398,64 @@ def _tables(results: Path, out: dict) -> None:
       r = by.get(model)
       if r is None:
         continue
-      errors = [" / ".join(_sig3(100 * r[f"{kind}_{b}"]["mean_error"]) for b in (8, 4, 2))
-                for kind in ("convert", "compressed", "rows_off")]
+      errors = [
+        " / ".join(_sig3(100 * r[f"{kind}_{b}"]["mean_error"]) for b in (8, 4, 2))
+        for kind in ("convert", "compressed", "rows_off")
+      ]
       temp = [r["plain_temp_bytes"], r["convert_2"]["temp_bytes"], r["compressed_2"]["temp_bytes"]]
-      rows.append([label, *errors, f"{r['ratio_4']:.2f}, {r['ratio_2']:.2f}",
-                   " / ".join(f"{b / 1000:.0f}" for b in temp) + " kB"])
+      rows.append(
+        [
+          label,
+          *errors,
+          f"{r['ratio_4']:.2f}, {r['ratio_2']:.2f}",
+          " / ".join(f"{b / 1000:.0f}" for b in temp) + " kB",
+        ]
+      )
     out["table.whole_model_error"] = _table(
-        ["model", "convert 8 / 4 / 2 bits (%)", "whole-model 8 / 4 / 2", "rows off 8 / 4 / 2",
-         "whole ÷ convert at 4, 2 bits", "temp"], rows)
+      [
+        "model",
+        "convert 8 / 4 / 2 bits (%)",
+        "whole-model 8 / 4 / 2",
+        "rows off 8 / 4 / 2",
+        "whole ÷ convert at 4, 2 bits",
+        "temp",
+      ],
+      rows,
+    )
   ts = _load(results / "train_sharded.json")
   if ts is not None:
     rows = []
     for r in ts["runs"]:
       kinds = ", ".join(f"{k} {c['count']}" for k, c in r["collectives"].items())
       received = sum(c["bytes"] for c in r["collectives"].values()) / 2**20
-      rows.append([r["variant"], f"{r['per_device_bytes']['temp'] / 2**20:.1f} MiB",
-                   f"{kinds}: {received:.1f} MiB", _f(r["seconds_per_step"], 2),
-                   _f(r["final_loss"], 3), _f(r["held_out_loss"], 3)])
+      rows.append(
+        [
+          r["variant"],
+          f"{r['per_device_bytes']['temp'] / 2**20:.1f} MiB",
+          f"{kinds}: {received:.1f} MiB",
+          _f(r["seconds_per_step"], 2),
+          _f(r["final_loss"], 3),
+          _f(r["held_out_loss"], 3),
+        ]
+      )
     out["table.train_sharded"] = _table(
-        ["variant", "per-device temp", "collectives (count: bytes a device receives)", "s/step",
-         "loss, last 20 steps", "held-out loss"], rows)
+      [
+        "variant",
+        "per-device temp",
+        "collectives (count: bytes a device receives)",
+        "s/step",
+        "loss, last 20 steps",
+        "held-out loss",
+      ],
+      rows,
+    )
 
 
 # Figures the papers report (quoted, with where): not computed here, but named so that a
 # template never types a number.
 PAPER = {
-    "paper.acgc.autoquantz_average": ("7.5x", "AC-GC Table 2, AutoQuantZ, average over tasks"),
-    "paper.acgc.autoquantz_cifar_resnet50": ("4.2x", "AC-GC Table 2, CIFAR-10 ResNet-50"),
+  "paper.acgc.autoquantz_average": ("7.5x", "AC-GC Table 2, AutoQuantZ, average over tasks"),
+  "paper.acgc.autoquantz_cifar_resnet50": ("4.2x", "AC-GC Table 2, CIFAR-10 ResNet-50"),
 }
 
 
@@ -379,9 +474,12 @@ def _figures(results: str) -> dict:
     part(path, out)
   from experiments.lib import notebook_support  # the key table, as summary prints it
   from experiments.lib import summary_table as summary
-  out["key_table"] = summary.key_table(notebook_support.load_variants(path / "actnn_cifar"),
-                                       notebook_support.load_variants(path / "gact"),
-                                       summary.layer_input_bytes(path))
+
+  out["key_table"] = summary.key_table(
+    notebook_support.load_variants(path / "actnn_cifar"),
+    notebook_support.load_variants(path / "gact"),
+    summary.layer_input_bytes(path),
+  )
   return out
 
 
@@ -400,8 +498,10 @@ def render(text: str, values: dict[str, str] | None = None) -> str:
   values = figures() if values is None else values
   missing = [n for n in placeholders(text) if n not in values]
   if missing:
-    raise KeyError(f"no figure for {missing}: add it to experiments/claims.py or run the "
-                   "experiment that writes it")
+    raise KeyError(
+      f"no figure for {missing}: add it to experiments/claims.py or run the "
+      "experiment that writes it"
+    )
   return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
@@ -445,22 +545,31 @@ def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
   def fill(m):  # the block keeps its indentation (a table inside a list item)
     indent = m.group(1)
     body = render("{{" + m.group(3) + "}}", values)
-    return (indent + m.group(2) + "".join(indent + line + "\n" for line in body.split("\n"))
-            + m.group(5))
+    return (
+      indent + m.group(2) + "".join(indent + line + "\n" for line in body.split("\n")) + m.group(5)
+    )
+
   return _BLOCK.sub(fill, text)
 
 
 def stale() -> list[str]:
   """The generated files whose text differs from what the data renders (repo-relative)."""
-  return [str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-          for path, text in _rendered().items() if not path.exists() or path.read_text() != text]
+  return [
+    str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    for path, text in _rendered().items()
+    if not path.exists() or path.read_text() != text
+  ]
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m experiments.claims",
-                              description=__doc__.split("\n")[0])
-  p.add_argument("--check", action="store_true",
-                 help="only say whether the README and the generated pages are up to date")
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.claims", description=__doc__.split("\n")[0]
+  )
+  p.add_argument(
+    "--check",
+    action="store_true",
+    help="only say whether the README and the generated pages are up to date",
+  )
   a = p.parse_args(argv)
   if a.check:
     old = stale()

@@ -46,6 +46,7 @@ def residual_bytes(fn, *args) -> int:
   """Bytes saved for `fn`'s backward pass, not counting `fn`'s own arguments
   (`jact.residual_report`)."""
   from jact._report import residual_report
+
   return int(residual_report(fn, *args).total_bytes)
 
 
@@ -60,9 +61,14 @@ def _make_optimizer(name: str, learning_rate: float | None):
 def _loss_fn(model):
   def loss(params, batch_stats, x, y, step, key):
     logits, updates = model.apply(
-        {"params": params, "batch_stats": batch_stats}, x, train=True,
-        rngs={"jact": jax.random.fold_in(key, step)}, mutable=["batch_stats"])
+      {"params": params, "batch_stats": batch_stats},
+      x,
+      train=True,
+      rngs={"jact": jax.random.fold_in(key, step)},
+      mutable=["batch_stats"],
+    )
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
+
   return loss
 
 
@@ -72,17 +78,19 @@ def _train_step(model, tx):
   def step_fn(state, x, y, step, key):
     params, batch_stats, opt_state = state
     (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch_stats, x, y, step, key)
+      params, batch_stats, x, y, step, key
+    )
     deltas, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, deltas), updates["batch_stats"], opt_state), loss
+
   return step_fn
 
 
 def _accuracy(predict, variables, x, y, batch_size=500) -> float:
   correct = 0
   for start in range(0, len(x), batch_size):
-    pred = predict(variables, jnp.asarray(x[start:start + batch_size]))
-    correct += int(np.sum(np.asarray(pred) == y[start:start + batch_size]))
+    pred = predict(variables, jnp.asarray(x[start : start + batch_size]))
+    correct += int(np.sum(np.asarray(pred) == y[start : start + batch_size]))
   return correct / len(x)
 
 
@@ -90,14 +98,25 @@ def _progress(iterable, desc, enabled):
   if not enabled:
     return iterable
   from tqdm import tqdm
+
   return tqdm(iterable, desc=desc, leave=False, file=sys.stderr)
 
 
-def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int] = (8, 4, 2),
-                   dataset: str = "auto", widths: Sequence[int] = (32, 64, 128),
-                   optimizer: str = "momentum", learning_rate: float | None = None,
-                   group_size: int = 256, seed: int = 0, train_size: int | None = None,
-                   test_size: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+def run_comparison(
+  *,
+  steps: int = 300,
+  batch_size: int = 64,
+  bits: Sequence[int] = (8, 4, 2),
+  dataset: str = "auto",
+  widths: Sequence[int] = (32, 64, 128),
+  optimizer: str = "momentum",
+  learning_rate: float | None = None,
+  group_size: int = 256,
+  seed: int = 0,
+  train_size: int | None = None,
+  test_size: int | None = None,
+  progress: bool = True,
+) -> list[dict[str, Any]]:
   """Trains SmallCNN plain and with jact twins at each of `bits`; one row per variant.
 
   All variants start from the same parameters (the plain model's init with
@@ -110,8 +129,7 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
     raise ValueError(f"steps must be >= 1, got {steps}")
   tx = _make_optimizer(optimizer, learning_rate)
   name = data_lib.resolve_dataset(dataset)
-  xtr, ytr, xte, yte = data_lib.load_image_dataset(name, train_size=train_size,
-                                                   test_size=test_size)
+  xtr, ytr, xte, yte = data_lib.load_image_dataset(name, train_size=train_size, test_size=test_size)
   num_classes = int(max(ytr.max(), yte.max())) + 1
   widths = tuple(int(w) for w in widths)
   # Parameters are drawn with the 'rbg' PRNG: on XLA:CPU compiling threefry draws
@@ -126,8 +144,9 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
   predict = jax.jit(lambda v, xb: jnp.argmax(plain.apply(v, xb, train=False), -1))
 
   variants = [("plain", None, plain_layers())]
-  variants += [(f"jact{b}", int(b), jact_layers(int(b), PerGroup(int(b), group_size=group_size)))
-               for b in bits]
+  variants += [
+    (f"jact{b}", int(b), jact_layers(int(b), PerGroup(int(b), group_size=group_size))) for b in bits
+  ]
   rows = []
   for variant, b, layers in variants:
     model = SmallCNN(num_classes, widths, layers)
@@ -155,16 +174,30 @@ def run_comparison(*, steps: int = 300, batch_size: int = 64, bits: Sequence[int
       if progress and step % 10 == 0:
         bar.set_postfix(loss=f"{loss:.3f}")
     acc = _accuracy(predict, {"params": state[0], "batch_stats": state[1]}, xte, yte)
-    rows.append(dict(variant=variant, bits=b, dataset=name, steps=steps,
-                     batch_size=batch_size, final_loss=float(np.mean(losses[-_LAST:])),
-                     test_accuracy=acc, residual_bytes=saved, temp_bytes=temp_bytes,
-                     step_time_s=statistics.median(times), compile_s=compile_s,
-                     losses=losses))
+    rows.append(
+      dict(
+        variant=variant,
+        bits=b,
+        dataset=name,
+        steps=steps,
+        batch_size=batch_size,
+        final_loss=float(np.mean(losses[-_LAST:])),
+        test_accuracy=acc,
+        residual_bytes=saved,
+        temp_bytes=temp_bytes,
+        step_time_s=statistics.median(times),
+        compile_s=compile_s,
+        losses=losses,
+      )
+    )
   base = rows[0]
   for row in rows:
     row["residual_ratio"] = row["residual_bytes"] / base["residual_bytes"]
-    row["temp_ratio"] = (row["temp_bytes"] / base["temp_bytes"]
-                         if row["temp_bytes"] is not None and base["temp_bytes"] else None)
+    row["temp_ratio"] = (
+      row["temp_bytes"] / base["temp_bytes"]
+      if row["temp_bytes"] is not None and base["temp_bytes"]
+      else None
+    )
     row["time_ratio"] = row["step_time_s"] / base["step_time_s"]
   return rows
 
@@ -184,19 +217,40 @@ def _ratio(r):
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
   """A fixed-width text table of `run_comparison` rows."""
-  header = ("variant", "final loss", "test acc", "residual", "x plain", "temp",
-            "x plain", "step ms", "x plain")
-  body = [(r["variant"], f"{r['final_loss']:.4f}", f"{r['test_accuracy']:.4f}",
-           _bytes(r["residual_bytes"]), _ratio(r["residual_ratio"]), _bytes(r["temp_bytes"]),
-           _ratio(r["temp_ratio"]), f"{1e3 * r['step_time_s']:.1f}", _ratio(r["time_ratio"]))
-          for r in rows]
+  header = (
+    "variant",
+    "final loss",
+    "test acc",
+    "residual",
+    "x plain",
+    "temp",
+    "x plain",
+    "step ms",
+    "x plain",
+  )
+  body = [
+    (
+      r["variant"],
+      f"{r['final_loss']:.4f}",
+      f"{r['test_accuracy']:.4f}",
+      _bytes(r["residual_bytes"]),
+      _ratio(r["residual_ratio"]),
+      _bytes(r["temp_bytes"]),
+      _ratio(r["temp_ratio"]),
+      f"{1e3 * r['step_time_s']:.1f}",
+      _ratio(r["time_ratio"]),
+    )
+    for r in rows
+  ]
   widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
   fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
   lines = [fmt(header), "  ".join("-" * w for w in widths)] + [fmt(b) for b in body]
   if rows:
     r = rows[0]
-    lines.append(f"dataset={r['dataset']} steps={r['steps']} batch={r['batch_size']} "
-                 f"backend={jax.default_backend()}")
+    lines.append(
+      f"dataset={r['dataset']} steps={r['steps']} batch={r['batch_size']} "
+      f"backend={jax.default_backend()}"
+    )
   return "\n".join(lines)
 
 
@@ -206,8 +260,11 @@ def run_metadata(argv=None) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  p = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__.split(
-      "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.compare",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
@@ -222,10 +279,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--no-progress", action="store_true")
   p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
   a = p.parse_args(argv)
-  rows = run_comparison(steps=a.steps, batch_size=a.batch, bits=a.bits, dataset=a.dataset,
-                        widths=a.widths, optimizer=a.optimizer, learning_rate=a.lr,
-                        group_size=a.group_size, seed=a.seed, train_size=a.train_size,
-                        test_size=a.test_size, progress=not a.no_progress)
+  rows = run_comparison(
+    steps=a.steps,
+    batch_size=a.batch,
+    bits=a.bits,
+    dataset=a.dataset,
+    widths=a.widths,
+    optimizer=a.optimizer,
+    learning_rate=a.lr,
+    group_size=a.group_size,
+    seed=a.seed,
+    train_size=a.train_size,
+    test_size=a.test_size,
+    progress=not a.no_progress,
+  )
   print(format_table(rows))
   if a.json:
     with open(a.json, "w") as f:

@@ -64,10 +64,27 @@ MIN_START_S = 60  # a chunk is not started with less time than this left before 
 GPU_DEADLINE_S = 470.0  # one device call: 8 minutes, the jax import and device probe included
 SMOKE_TIMEOUT_S = 300.0  # per chunk in a smoke run
 
-_TINY_RESNET = ("--image", "16", "--classes", "10", "--stage-sizes", "1", "--width", "4",
-                "--dataset", "sklearn_digits")  # one bottleneck block: the plumbing only
-_SEARCH_SMOKE = _TINY_RESNET + ("--batches", "--max-batch-search", "2", "--search-start", "2",
-                                "--memory-limit-gb", "1")
+_TINY_RESNET = (
+  "--image",
+  "16",
+  "--classes",
+  "10",
+  "--stage-sizes",
+  "1",
+  "--width",
+  "4",
+  "--dataset",
+  "sklearn_digits",
+)  # one bottleneck block: the plumbing only
+_SEARCH_SMOKE = _TINY_RESNET + (
+  "--batches",
+  "--max-batch-search",
+  "2",
+  "--search-start",
+  "2",
+  "--memory-limit-gb",
+  "1",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +104,7 @@ class Chunk:
   (the chunk's timeout, less a minute for start-up, shared among its
   `--variants`), filled in when it runs.
   """
+
   name: str
   stage: str
   module: str
@@ -96,52 +114,176 @@ class Chunk:
   measures: str
 
 
-_FIDELITY = ("--variants", "fp", "pergroup2", "actnn_l3", "blpa2", "--epochs", "10",
-             "--runs", "{out}/runs", "--results", "{out}/actnn_cifar", "--stop-after", "{per_variant_s}")
-_FIDELITY_SMOKE = ("--variants", "fp", "blpa2", "--epochs", "1", "--dataset", "cifar10",
-                   "--train-size", "128", "--test-size", "100", "--widths", "4", "--blocks", "1",
-                   "--batch", "32", "--runs", "{out}/runs", "--results", "{out}/actnn_cifar")
+_FIDELITY = (
+  "--variants",
+  "fp",
+  "pergroup2",
+  "actnn_l3",
+  "blpa2",
+  "--epochs",
+  "10",
+  "--runs",
+  "{out}/runs",
+  "--results",
+  "{out}/actnn_cifar",
+  "--stop-after",
+  "{per_variant_s}",
+)
+_FIDELITY_SMOKE = (
+  "--variants",
+  "fp",
+  "blpa2",
+  "--epochs",
+  "1",
+  "--dataset",
+  "cifar10",
+  "--train-size",
+  "128",
+  "--test-size",
+  "100",
+  "--widths",
+  "4",
+  "--blocks",
+  "1",
+  "--batch",
+  "32",
+  "--runs",
+  "{out}/runs",
+  "--results",
+  "{out}/actnn_cifar",
+)
 
 # In order of value: what a GPU minute buys first. `budget_s` caps a chunk on a GPU.
 CHUNKS = (
-    Chunk("checks", "i", "gpu.gpu_checks", (), (), 30,
-          "versions, device, every jact._compat probe (JAX and Flax), kernels chosen"),
-    Chunk("kernels_exact", "i", "bench.bench_kernels",
-          ("--sizes-mb", "1", "16", "--reps", "3", "--rotate-mb", "32", "--check-cpu"),
-          ("--sizes-mb", "0.0625", "--reps", "1", "--rotate-mb", "0", "--ops", "relu_mask",
-           "quantize", "--impls", "xla", "pallas_triton", "jax_triton", "--check-cpu"),
-          45, "every registered kernel's bits vs the XLA reference on the GPU and on the CPU"),
-    Chunk("kernels_bandwidth", "ii", "bench.bench_kernels",
-          ("--sizes-mb", "4", "64", "512", "--reps", "10", "--rotate-mb", "256"),
-          ("--sizes-mb", "0.25", "--reps", "2", "--rotate-mb", "0.5", "--ops", "relu_mask",
-           "--impls", "xla"),
-          60, "every registered kernel's GB/s (XLA, Pallas/Triton, jax-triton) vs a same-run device copy"),
-    Chunk("resnet50", "iii", "bench.bench_train_step",
-          ("--image", "224", "--batches", "128", "--bits", "2", "4", "8", "--steps", "5",
-           "--warmup", "1", "--max-batch-search", "0"),
-          _TINY_RESNET + ("--batches", "2", "--steps", "1", "--warmup", "0", "--max-batch-search",
-                          "0", "--bits", "2"),
-          110, "ResNet-50 224x224 train step (batch 128): plain vs jact 2/4/8 bits: step time, "
-               "compile seconds, compiled and peak memory"),
-    Chunk("lm", "iii", "gpu.gpu_lm", ("--layers", "6", "--width", "512", "--length", "512", "--batch",
-                                  "32"),
-          # smoke: one width of jact.convert (8 and 4 bits run the same code as 2 bits
-          # with another integer; a compile of the tiny LM each, ~5 s of CPU)
-          ("--small", "--methods", "plain", "jact2", "jact_checkpoint"),
-          60, "transformer LM train step: plain vs jact 8/4/2 bits vs jact.checkpoint: step time, "
-              "compile seconds, compiled and peak memory"),
-    Chunk("largest_batch", "iv", "bench.bench_train_step",
-          ("--image", "224", "--batches", "--bits", "2", "--max-batch-search", "4096",
-           "--search-start", "512"),
-          _SEARCH_SMOKE + ("--bits", "2"),
-          75, "largest ResNet-50 224x224 batch that fits, plain Flax vs jact 2 bits"),
-    Chunk("fidelity_seed0", "v", "papers.actnn_cifar", _FIDELITY + ("--seed", "0"),
-          _FIDELITY_SMOKE + ("--seed", "0"),
-          None, "pre-act ResNet-20 on full CIFAR-10: FP vs 2-bit vs ActNN L3 vs BLPA 2-bit, "
-                "10 epochs or what the time left allows (needs the CIFAR-10 data kit)"),
-    Chunk("fidelity_seed1", "v", "papers.actnn_cifar", _FIDELITY + ("--seed", "1"),
-          _FIDELITY_SMOKE + ("--seed", "1"),
-          None, "the same with a second seed"),
+  Chunk(
+    "checks",
+    "i",
+    "gpu.gpu_checks",
+    (),
+    (),
+    30,
+    "versions, device, every jact._compat probe (JAX and Flax), kernels chosen",
+  ),
+  Chunk(
+    "kernels_exact",
+    "i",
+    "bench.bench_kernels",
+    ("--sizes-mb", "1", "16", "--reps", "3", "--rotate-mb", "32", "--check-cpu"),
+    (
+      "--sizes-mb",
+      "0.0625",
+      "--reps",
+      "1",
+      "--rotate-mb",
+      "0",
+      "--ops",
+      "relu_mask",
+      "quantize",
+      "--impls",
+      "xla",
+      "pallas_triton",
+      "jax_triton",
+      "--check-cpu",
+    ),
+    45,
+    "every registered kernel's bits vs the XLA reference on the GPU and on the CPU",
+  ),
+  Chunk(
+    "kernels_bandwidth",
+    "ii",
+    "bench.bench_kernels",
+    ("--sizes-mb", "4", "64", "512", "--reps", "10", "--rotate-mb", "256"),
+    (
+      "--sizes-mb",
+      "0.25",
+      "--reps",
+      "2",
+      "--rotate-mb",
+      "0.5",
+      "--ops",
+      "relu_mask",
+      "--impls",
+      "xla",
+    ),
+    60,
+    "every registered kernel's GB/s (XLA, Pallas/Triton, jax-triton) vs a same-run device copy",
+  ),
+  Chunk(
+    "resnet50",
+    "iii",
+    "bench.bench_train_step",
+    (
+      "--image",
+      "224",
+      "--batches",
+      "128",
+      "--bits",
+      "2",
+      "4",
+      "8",
+      "--steps",
+      "5",
+      "--warmup",
+      "1",
+      "--max-batch-search",
+      "0",
+    ),
+    _TINY_RESNET
+    + ("--batches", "2", "--steps", "1", "--warmup", "0", "--max-batch-search", "0", "--bits", "2"),
+    110,
+    "ResNet-50 224x224 train step (batch 128): plain vs jact 2/4/8 bits: step time, "
+    "compile seconds, compiled and peak memory",
+  ),
+  Chunk(
+    "lm",
+    "iii",
+    "gpu.gpu_lm",
+    ("--layers", "6", "--width", "512", "--length", "512", "--batch", "32"),
+    # smoke: one width of jact.convert (8 and 4 bits run the same code as 2 bits
+    # with another integer; a compile of the tiny LM each, ~5 s of CPU)
+    ("--small", "--methods", "plain", "jact2", "jact_checkpoint"),
+    60,
+    "transformer LM train step: plain vs jact 8/4/2 bits vs jact.checkpoint: step time, "
+    "compile seconds, compiled and peak memory",
+  ),
+  Chunk(
+    "largest_batch",
+    "iv",
+    "bench.bench_train_step",
+    (
+      "--image",
+      "224",
+      "--batches",
+      "--bits",
+      "2",
+      "--max-batch-search",
+      "4096",
+      "--search-start",
+      "512",
+    ),
+    _SEARCH_SMOKE + ("--bits", "2"),
+    75,
+    "largest ResNet-50 224x224 batch that fits, plain Flax vs jact 2 bits",
+  ),
+  Chunk(
+    "fidelity_seed0",
+    "v",
+    "papers.actnn_cifar",
+    _FIDELITY + ("--seed", "0"),
+    _FIDELITY_SMOKE + ("--seed", "0"),
+    None,
+    "pre-act ResNet-20 on full CIFAR-10: FP vs 2-bit vs ActNN L3 vs BLPA 2-bit, "
+    "10 epochs or what the time left allows (needs the CIFAR-10 data kit)",
+  ),
+  Chunk(
+    "fidelity_seed1",
+    "v",
+    "papers.actnn_cifar",
+    _FIDELITY + ("--seed", "1"),
+    _FIDELITY_SMOKE + ("--seed", "1"),
+    None,
+    "the same with a second seed",
+  ),
 )
 
 STAGES = tuple(dict.fromkeys(c.stage for c in CHUNKS))
@@ -154,13 +296,20 @@ def select(names: list[str] | None) -> list[Chunk]:
   known = {c.name for c in CHUNKS} | set(STAGES)
   unknown = [n for n in names if n not in known]
   if unknown:
-    raise ValueError(f"unknown chunks {unknown}; chunks: {[c.name for c in CHUNKS]}, "
-                     f"stages: {list(STAGES)}, or all")
+    raise ValueError(
+      f"unknown chunks {unknown}; chunks: {[c.name for c in CHUNKS]}, "
+      f"stages: {list(STAGES)}, or all"
+    )
   return [c for c in CHUNKS if c.name in names or c.stage in names]
 
 
-def command(chunk: Chunk, smoke: bool, json_path: str | os.PathLike, out: str | os.PathLike = "DIR",
-            timeout_s: float | None = None) -> list[str]:
+def command(
+  chunk: Chunk,
+  smoke: bool,
+  json_path: str | os.PathLike,
+  out: str | os.PathLike = "DIR",
+  timeout_s: float | None = None,
+) -> list[str]:
   """The chunk's command line, `{out}` and `{per_variant_s}` filled in."""
   args = chunk.smoke_args if smoke else chunk.gpu_args
   variants = _count_variants(args)
@@ -172,7 +321,7 @@ def command(chunk: Chunk, smoke: bool, json_path: str | os.PathLike, out: str | 
 def _count_variants(args) -> int:
   if "--variants" not in args:
     return 1
-  rest = args[args.index("--variants") + 1:]
+  rest = args[args.index("--variants") + 1 :]
   return max(1, next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest)))
 
 
@@ -180,21 +329,29 @@ def _shown(cmd: list[str]) -> str:
   return shlex.join(["python", *cmd[1:]])
 
 
-_PROBE = ("import json, sys; from experiments.lib.metadata import run_metadata; "
-          "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))")
+_PROBE = (
+  "import json, sys; from experiments.lib.metadata import run_metadata; "
+  "print('JACT_PROBE ' + json.dumps(run_metadata('experiments.gpu_campaign', sys.argv[1:])))"
+)
 
 
 def probe(argv: list[str], timeout: float = 300) -> dict:
   """Device, backend and versions, read in a subprocess (so this process never
   holds GPU memory while the chunks run)."""
   try:
-    run = subprocess.run([sys.executable, "-c", _PROBE, *argv], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, check=False)
+    run = subprocess.run(
+      [sys.executable, "-c", _PROBE, *argv],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      check=False,
+    )
   except subprocess.TimeoutExpired:
     return {"backend": "unknown", "error": f"device probe timed out after {timeout} s"}
   for line in run.stdout.splitlines():
     if line.startswith("JACT_PROBE "):
-      return json.loads(line[len("JACT_PROBE "):])
+      return json.loads(line[len("JACT_PROBE ") :])
   return {"backend": "unknown", "error": (run.stdout + run.stderr)[-2000:]}
 
 
@@ -216,8 +373,9 @@ def _children_cpu_s() -> float:
   return usage.ru_utime + usage.ru_stime
 
 
-def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None,
-              out: str | os.PathLike = "DIR") -> dict:
+def run_chunk(
+  chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None, out: str | os.PathLike = "DIR"
+) -> dict:
   """Runs one chunk (with `env` added to the environment); its record (exit
   code, seconds, timed out, output tail, its JSON)."""
   with tempfile.TemporaryDirectory(prefix="jact_campaign_") as tmp:
@@ -227,9 +385,16 @@ def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     # Its own process group (same session: whoever ends this run's session ends it too).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            process_group=0)
+    proc = subprocess.Popen(
+      cmd,
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      errors="replace",
+      process_group=0,
+    )
     tail: list[str] = []
     reader = threading.Thread(target=_pump, args=(proc.stdout, chunk.name, tail), daemon=True)
     reader.start()
@@ -246,22 +411,43 @@ def run_chunk(chunk: Chunk, smoke: bool, timeout: float, env: dict | None = None
     reader.join(timeout=30)
     seconds, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     result = json.loads(json_path.read_text()) if json_path.exists() else None
-  return {"command": _shown(cmd), "started": started, "exit_code": code,
-          "seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "timed_out": timed_out, "timeout_s": round(timeout, 1),
-          "output_tail": "".join(tail), "result": result}
+  return {
+    "command": _shown(cmd),
+    "started": started,
+    "exit_code": code,
+    "seconds": round(seconds, 1),
+    "cpu_s": round(cpu, 1),
+    "timed_out": timed_out,
+    "timeout_s": round(timeout, 1),
+    "output_tail": "".join(tail),
+    "result": result,
+  }
 
 
 def _entry(chunk: Chunk, record: dict, meta: dict, smoke: bool) -> dict:
   """The chunk's line in the summary."""
   on_gpu = meta.get("backend") == "gpu"
-  return {"chunk": chunk.name, "stage": chunk.stage, "measures": chunk.measures,
-          "command": record["command"], "exit_code": record["exit_code"],
-          "seconds": record["seconds"], "cpu_s": record.get("cpu_s"),
-          "timed_out": record["timed_out"],
-          "skipped": record.get("skipped", False), "json": f"{chunk.name}.json",
-          "date": record["started"], "device": meta.get("device"), "backend": meta.get("backend"),
-          "jax": meta.get("jax"), "jaxlib": meta.get("jaxlib"), "on_gpu": on_gpu, "smoke": smoke,
-          "gpu_figure": on_gpu and not smoke, "budget_s": chunk.budget_s}
+  return {
+    "chunk": chunk.name,
+    "stage": chunk.stage,
+    "measures": chunk.measures,
+    "command": record["command"],
+    "exit_code": record["exit_code"],
+    "seconds": record["seconds"],
+    "cpu_s": record.get("cpu_s"),
+    "timed_out": record["timed_out"],
+    "skipped": record.get("skipped", False),
+    "json": f"{chunk.name}.json",
+    "date": record["started"],
+    "device": meta.get("device"),
+    "backend": meta.get("backend"),
+    "jax": meta.get("jax"),
+    "jaxlib": meta.get("jaxlib"),
+    "on_gpu": on_gpu,
+    "smoke": smoke,
+    "gpu_figure": on_gpu and not smoke,
+    "budget_s": chunk.budget_s,
+  }
 
 
 def _note(meta: dict, smoke: bool) -> str:
@@ -281,14 +467,21 @@ def _write_summary(out: Path, meta: dict, smoke: bool, entries: dict, argv: list
     except (json.JSONDecodeError, AttributeError):
       previous = {}
   chunks = {**previous, **entries}
-  summary = {"campaign": "experiments.gpu_campaign", "command": _shown([sys.executable, "-m",
-                                                                      "experiments.gpu_campaign",
-                                                                      *argv]),
-             "smoke": smoke, "on_gpu": meta.get("backend") == "gpu", "note": _note(meta, smoke),
-             "device": meta.get("device"), "backend": meta.get("backend"), "jax": meta.get("jax"),
-             "jaxlib": meta.get("jaxlib"), "date": meta.get("date"), "probe": meta,
-             "all_exit_zero": all(e["exit_code"] == 0 for e in chunks.values()),
-             "chunks": {c.name: chunks[c.name] for c in CHUNKS if c.name in chunks}}
+  summary = {
+    "campaign": "experiments.gpu_campaign",
+    "command": _shown([sys.executable, "-m", "experiments.gpu_campaign", *argv]),
+    "smoke": smoke,
+    "on_gpu": meta.get("backend") == "gpu",
+    "note": _note(meta, smoke),
+    "device": meta.get("device"),
+    "backend": meta.get("backend"),
+    "jax": meta.get("jax"),
+    "jaxlib": meta.get("jaxlib"),
+    "date": meta.get("date"),
+    "probe": meta,
+    "all_exit_zero": all(e["exit_code"] == 0 for e in chunks.values()),
+    "chunks": {c.name: chunks[c.name] for c in CHUNKS if c.name in chunks},
+  }
   write_json(path, summary)
   return summary
 
@@ -322,14 +515,25 @@ def _smoke_env(cache_dir: str) -> dict:
   GPU run, whose compile times are reported."""
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return {}
-  return {"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+  return {
+    "JAX_COMPILATION_CACHE_DIR": cache_dir,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+  }
 
 
 def _skipped(chunk: Chunk, smoke: bool, left: float, deadline: float) -> dict:
-  return {"command": _shown(command(chunk, smoke, f"{chunk.name}.json")), "exit_code": None,
-          "seconds": 0.0, "timed_out": False, "skipped": True, "output_tail": "", "result": None,
-          "started": None, "reason": f"deadline: {max(left, 0):.0f} s left of --deadline-s {deadline:g}"}
+  return {
+    "command": _shown(command(chunk, smoke, f"{chunk.name}.json")),
+    "exit_code": None,
+    "seconds": 0.0,
+    "timed_out": False,
+    "skipped": True,
+    "output_tail": "",
+    "result": None,
+    "started": None,
+    "reason": f"deadline: {max(left, 0):.0f} s left of --deadline-s {deadline:g}",
+  }
 
 
 def chunk_timeout(chunk: Chunk, smoke: bool, left: float | None, timeout_s: float | None) -> float:
@@ -342,8 +546,17 @@ def chunk_timeout(chunk: Chunk, smoke: bool, left: float | None, timeout_s: floa
   return min(limits) if limits else SMOKE_TIMEOUT_S
 
 
-def _run_all(chunks: list[Chunk], args, argv: list[str], meta: dict, smoke: bool, out: Path,
-             t_start: float, env: dict, deadline: float | None) -> tuple[dict, dict]:
+def _run_all(
+  chunks: list[Chunk],
+  args,
+  argv: list[str],
+  meta: dict,
+  smoke: bool,
+  out: Path,
+  t_start: float,
+  env: dict,
+  deadline: float | None,
+) -> tuple[dict, dict]:
   """Runs the chunks in order, writing each one's JSON and the summary after each."""
   entries, summary = {}, {}
   for chunk in chunks:
@@ -353,14 +566,19 @@ def _run_all(chunks: list[Chunk], args, argv: list[str], meta: dict, smoke: bool
       print(f"--- {chunk.name}: skipped ({record['reason']})", flush=True)
     else:
       timeout = chunk_timeout(chunk, smoke, left, args.timeout_s)
-      print(f"--- {chunk.name} (stage {chunk.stage}, timeout {timeout:.0f} s): "
-            f"{_shown(command(chunk, smoke, f'{chunk.name}.json', out, timeout))}", flush=True)
+      print(
+        f"--- {chunk.name} (stage {chunk.stage}, timeout {timeout:.0f} s): "
+        f"{_shown(command(chunk, smoke, f'{chunk.name}.json', out, timeout))}",
+        flush=True,
+      )
       record = run_chunk(chunk, smoke, timeout, env, out)
       status = "timed out" if record["timed_out"] else f"exit {record['exit_code']}"
       print(f"--- {chunk.name}: {status} after {record['seconds']:.1f} s", flush=True)
     entries[chunk.name] = _entry(chunk, record, meta, smoke)
-    write_json(out / f"{chunk.name}.json", {**entries[chunk.name], **record,
-                                             "note": _note(meta, smoke), "probe": meta})
+    write_json(
+      out / f"{chunk.name}.json",
+      {**entries[chunk.name], **record, "note": _note(meta, smoke), "probe": meta},
+    )
     summary = _write_summary(out, meta, smoke, entries, argv)
   return entries, summary
 
@@ -381,17 +599,28 @@ def _report(entries: dict, summary: dict, smoke: bool, out: Path, total: float) 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", help="folder for <chunk>.json and summary.json")
-  parser.add_argument("--chunks", nargs="+", default=None,
-                      help=f"chunk or stage names ({', '.join(STAGES)}) or all (default)")
+  parser.add_argument(
+    "--chunks",
+    nargs="+",
+    default=None,
+    help=f"chunk or stage names ({', '.join(STAGES)}) or all (default)",
+  )
   parser.add_argument("--list", action="store_true", help="print the chunks and their commands")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes even on a GPU")
-  parser.add_argument("--timeout-s", type=float, default=None,
-                      help="per chunk (default: its GPU budget; smoke run: "
-                           f"{SMOKE_TIMEOUT_S:g})")
-  parser.add_argument("--deadline-s", type=float, default=None,
-                      help="wall-clock limit of this whole invocation (default on a GPU: "
-                           f"{GPU_DEADLINE_S:g}; chunks' timeouts are cut to it; chunks that "
-                           "would start with under a minute left are skipped)")
+  parser.add_argument(
+    "--timeout-s",
+    type=float,
+    default=None,
+    help=f"per chunk (default: its GPU budget; smoke run: {SMOKE_TIMEOUT_S:g})",
+  )
+  parser.add_argument(
+    "--deadline-s",
+    type=float,
+    default=None,
+    help="wall-clock limit of this whole invocation (default on a GPU: "
+    f"{GPU_DEADLINE_S:g}; chunks' timeouts are cut to it; chunks that "
+    "would start with under a minute left are skipped)",
+  )
   args = parser.parse_args(argv)
   argv = list(sys.argv[1:] if argv is None else argv)
   if args.list:
@@ -417,14 +646,17 @@ def _campaign(chunks: list[Chunk], args, argv: list[str]) -> int:
   meta = probe(argv)
   smoke = args.smoke or meta.get("backend") != "gpu"
   if smoke:
-    _banner(SMOKE_NOTE.format(backend=meta.get("backend", "unknown")) +
-            " -- tiny sizes, every number below is meaningless")
+    _banner(
+      SMOKE_NOTE.format(backend=meta.get("backend", "unknown"))
+      + " -- tiny sizes, every number below is meaningless"
+    )
   else:
     _banner(f"GPU campaign on {meta.get('device')} (jax {meta.get('jax')})")
   deadline = args.deadline_s if args.deadline_s is not None or smoke else GPU_DEADLINE_S
   with tempfile.TemporaryDirectory(prefix="jact_campaign_cache_") as cache:
-    entries, summary = _run_all(chunks, args, argv, meta, smoke, out, t_start,
-                                _smoke_env(cache) if smoke else {}, deadline)
+    entries, summary = _run_all(
+      chunks, args, argv, meta, smoke, out, t_start, _smoke_env(cache) if smoke else {}, deadline
+    )
   return _report(entries, summary, smoke, out, time.perf_counter() - t_start)
 
 

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from experiments import claims  # noqa: E402  (prose figures come from the results JSON)
 
-SETUP = '''\
+SETUP = """\
 import json, sys, tempfile
 from pathlib import Path
 
@@ -40,8 +40,7 @@ from IPython.display import Image, Markdown, display
 from experiments.lib import notebook_support as ns
 
 RESULTS = ROOT / "experiments" / "results"
-SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into the repo'''
-
+SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into the repo"""
 
 
 def _small_actnn_run(*variants: str) -> str:
@@ -56,8 +55,10 @@ display(Markdown(ns.actnn_table(ns.load_variants(SMALL), [{names}])))"""
 
 
 NOTEBOOKS = {
-    "02_actnn_cifar": [
-        ("markdown", """\
+  "02_actnn_cifar": [
+    (
+      "markdown",
+      """\
 # ActNN on CIFAR-10: does 2-bit training match full precision?
 
 **Claim (ActNN, Chen et al. 2021).** Storing every activation at 2 bits with per-group stochastic
@@ -70,21 +71,33 @@ stays unbiased and the added variance is small next to minibatch sampling noise 
 cosine schedule, batch 128, random crops and flips, **3 epochs per variant** (about an hour each on
 the 2-core CPU this project runs on), every variant from the same initialization with the same
 batches. ActNN trains 200 epochs on a GPU: this is a short-schedule check, not the paper's
-accuracy."""),
-        ("code", SETUP),
-        ("markdown", "## Test accuracy and memory per variant (full runs)"),
-        ("code", """\
+accuracy.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Test accuracy and memory per variant (full runs)"),
+    (
+      "code",
+      """\
 runs = ns.load_variants(RESULTS / "actnn_cifar")
 display(Markdown(ns.actnn_table(runs, ns.ACTNN_MAIN)))
-ns.accuracy_curves(runs, ns.ACTNN_MAIN, "ResNet-20, CIFAR-10 (full runs, CPU)");"""),
-        ("markdown", """\
+ns.accuracy_curves(runs, ns.ACTNN_MAIN, "ResNet-20, CIFAR-10 (full runs, CPU)");""",
+    ),
+    (
+      "markdown",
+      """\
 ## Gradient variance against bits (ActNN Fig. 5)
 
 `python -m experiments.papers.grad_variance`: at the full-precision run's parameters after each epoch,
 the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sampling noise) and
-the variance the compression adds for one fixed minibatch over 8 rounding seeds."""),
-        ("code", 'ns.show_figure(RESULTS / "grad_variance.png")\ndisplay(Markdown(ns.variance_table(RESULTS / "grad_variance.json")))'),
-        ("markdown", """\
+the variance the compression adds for one fixed minibatch over 8 rounding seeds.""",
+    ),
+    (
+      "code",
+      'ns.show_figure(RESULTS / "grad_variance.png")\ndisplay(Markdown(ns.variance_table(RESULTS / "grad_variance.json")))',
+    ),
+    (
+      "markdown",
+      """\
 **What the runs say.** Over {{seeds.fp.n}} seeds full precision reaches {{seeds.fp.mean}} ±
 {{seeds.fp.std}} test accuracy and uniform 2 bits {{seeds.pergroup2.mean}} ±
 {{seeds.pergroup2.std}} (a {{seeds.gap_points}}-point gap; the largest seed-to-seed standard
@@ -99,17 +112,23 @@ norm takes the width of the conv before it, gives {{gv.0.actnn_l3.over_uniform2}
 {{gv.1.actnn_l3.over_uniform2}} and {{gv.3.actnn_l3.over_uniform2}} of uniform 2 bits'
 compression variance and reaches {{actnn.actnn_l3.accuracy}} (last-epoch training loss
 {{actnn.actnn_l3.last_epoch_loss}} vs {{actnn.pergroup2.last_epoch_loss}} for uniform 2 bits on
-the same batches)."""),
-        ("markdown", """\
+the same batches).""",
+    ),
+    (
+      "markdown",
+      """\
 ## Re-run a small version live
 
 A tiny ResNet (one stage of 8 channels, one block) for one epoch of 512 images of the kit's
 CIFAR-10 subset: the same code path as the full run, a minute instead of hours. Its accuracy means nothing; that it runs, and the
-memory columns, do."""),
-        ("code", _small_actnn_run("fp", "actnn_l3")),
-    ],
-    "03_gact_transformer_gnn": [
-        ("markdown", """\
+memory columns, do.""",
+    ),
+    ("code", _small_actnn_run("fp", "actnn_l3")),
+  ],
+  "03_gact_transformer_gnn": [
+    (
+      "markdown",
+      """\
 # GACT on a transformer and a GNN, with no layer rewrite
 
 **Claim (GACT, Liu et al. 2022).** Compression applied to an unmodified model by tracing it
@@ -119,14 +138,20 @@ and the adaptive plan recovers.
 
 **What ran here.** `python -m experiments.papers.gact_tasks`: a small transformer classifier on SST-2, a
 character-level LM on tiny Shakespeare, and a GCN and a GAT on Cora, ordinary Flax code with jact
-applied from outside. The scale (steps, widths) is in each task's record below; CPU only."""),
-        ("code", SETUP),
-        ("markdown", "## Results per task (full runs)"),
-        ("code", """\
+applied from outside. The scale (steps, widths) is in each task's record below; CPU only.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Results per task (full runs)"),
+    (
+      "code",
+      """\
 tasks = ns.load_variants(RESULTS / "gact")
 display(Markdown(ns.gact_table(tasks)))
-ns.loss_curves(tasks, "GACT tasks (full runs, CPU)");"""),
-        ("markdown", """\
+ns.loss_curves(tasks, "GACT tasks (full runs, CPU)");""",
+    ),
+    (
+      "markdown",
+      """\
 **What the runs say.** GACT's "4 bits adaptive ≈ full precision" holds on every task: SST-2 final
 test accuracy (the table's "final test accuracy"; "best held-out" is the dev set's)
 {{gact.sst2.gact_l1.metric}} (L1, {{gact.sst2.gact_l1.bits}} bits on average) and
@@ -138,23 +163,32 @@ at the same average: fixed 4 bits {{gact.sst2.fixed4.metric}} (SST-2) and
 {{gact.shakespeare.fixed2.metric}} against adaptive 2 bits {{gact.sst2.adaptive2.metric}} and
 {{gact.shakespeare.adaptive2.metric}}. On Cora every variant is close to full precision (GAT
 {{gact.cora_gat.fp.metric}} / {{gact.cora_gat.fixed4.metric}} fixed 4 bits), so "fixed low bits
-degrade GAT" is not reproduced at 4 fixed bits. One seed each."""),
-        ("markdown", """\
+degrade GAT" is not reproduced at 4 fixed bits. One seed each.""",
+    ),
+    (
+      "markdown",
+      """\
 ## Re-run a small version live
 
 The GCN on Cora, plain and with every residual at 4 bits, for a few epochs (`--small` sizes): the
 same code path as the full run. `python -m experiments.papers.gact_tasks --small` runs every task and
-variant small (a few minutes: each adaptive variant compiles the numeric estimator)."""),
-        ("code", """\
+variant small (a few minutes: each adaptive variant compiles the numeric estimator).""",
+    ),
+    (
+      "code",
+      """\
 from experiments.papers import gact_tasks
 gact_tasks.main(["--small", "--tasks", "cora_gcn", "--variants", "fp", "fixed4",
                  "--results", str(SMALL)])
 small = ns.load_variants(SMALL)
 display(Markdown(ns.gact_table(small)))
-ns.loss_curves(small, "Cora GCN, small live run");"""),
-    ],
-    "04_blpa_division_acgc": [
-        ("markdown", """\
+ns.loss_curves(small, "Cora GCN, small live run");""",
+    ),
+  ],
+  "04_blpa_division_acgc": [
+    (
+      "markdown",
+      """\
 # BLPA, DIVISION and AC-GC on the same ResNet
 
 **Claims.** BLPA (Chakrabarti & Moseley 2019) keeps a 4-bit pre-ReLU copy per BN-ReLU-conv unit and
@@ -167,22 +201,31 @@ CIFAR-10, 3 epochs, same init and batches), variants `blpa4`, `blpa2`, `division
 AutoQuant: round-to-nearest fixed point at the widths of its Table 1 bounds, e^2 =
 {{acgc.paper_error}}), `acgc_scale` (the same with the batch norms' scale gradients bounded too),
 and `python -m experiments.papers.acgc_sweep`: the widths and compression the
-bounds give for every e^2, at initialization and after 3 epochs."""),
-        ("code", SETUP),
-        ("markdown", "## Test accuracy and memory (full runs)"),
-        ("code", """\
+bounds give for every e^2, at initialization and after 3 epochs.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Test accuracy and memory (full runs)"),
+    (
+      "code",
+      """\
 runs = ns.load_variants(RESULTS / "actnn_cifar")
 display(Markdown(ns.actnn_table(runs, ns.OTHER_METHODS)))
-ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");"""),
-        ("markdown", """\
+ns.accuracy_curves(runs, ns.OTHER_METHODS, "BLPA / DIVISION / AC-GC vs FP (full runs, CPU)");""",
+    ),
+    (
+      "markdown",
+      """\
 ## AC-GC: what each e^2 asks for (`python -m experiments.papers.acgc_sweep`)
 
 Widths from Table 1's bounds (statistics averaged over ten minibatches of 128), at the
 initialization and at a full-precision run's parameters after 3 epochs; compression against
 float32 with jact's fixed-point widths (2, 4, 8; wider needs kept exact), with any width up to 16
-bits, and with the paper's AutoQuantZ accounting (a 1-bit zero mask plus the non-zeros)."""),
-        ("code", 'display(Markdown(ns.acgc_sweep_table(RESULTS / "acgc_sweep.json")))'),
-        ("markdown", """\
+bits, and with the paper's AutoQuantZ accounting (a 1-bit zero mask plus the non-zeros).""",
+    ),
+    ("code", 'display(Markdown(ns.acgc_sweep_table(RESULTS / "acgc_sweep.json")))'),
+    (
+      "markdown",
+      """\
 **What the runs say** (one seed each; FP reaches {{actnn.fp.accuracy}}, and {{seeds.fp.mean}} ±
 {{seeds.fp.std}} over {{seeds.fp.n}} seeds). BLPA at 4 bits reaches {{actnn.blpa4.accuracy}}
 keeping {{actnn.blpa4.fewer_than_layers}} fewer bytes than float32 layer inputs; at 2 bits it
@@ -198,12 +241,15 @@ AutoQuantZ), {{acgc.init.e0.5.zvc}}: next to the paper's {{paper.acgc.autoquantz
 run reaches {{actnn.acgc.accuracy}} keeping {{actnn.acgc.fewer_than_layers}} fewer bytes. Table 1
 leaves the batch norms' scale gradients unbounded; `acgc_scale` bounds them too
 (`scale_bound=True`) and reaches {{actnn.acgc_scale.accuracy}} keeping
-{{actnn.acgc_scale.fewer_than_layers}} fewer bytes."""),
-        ("markdown", "## Re-run a small version live"),
-        ("code", _small_actnn_run("blpa2", "division")),
-    ],
-    "05_memory_and_speed": [
-        ("markdown", """\
+{{actnn.acgc_scale.fewer_than_layers}} fewer bytes.""",
+    ),
+    ("markdown", "## Re-run a small version live"),
+    ("code", _small_actnn_run("blpa2", "division")),
+  ],
+  "05_memory_and_speed": [
+    (
+      "markdown",
+      """\
 # What memory buys: batch size and step time
 
 **Claim (all five papers).** With activations stored at 2-4 bits the same device fits a several
@@ -215,23 +261,35 @@ peak RSS the running step adds on this CPU (each probe a fresh process), for pla
 `jax.checkpoint`, jact 4 and 2 bits and `jact.checkpoint` (host offload: unsupported on CPU, where
 every memory kind is the same RAM); and step time vs plain at equal batch (median of 20
 interleaved steps, same run). `experiments/results/bench_memory.json` adds
-compiled-memory figures for larger models."""),
-        ("code", SETUP),
-        ("markdown", "## Largest batch under the cap, and step time (full run)"),
-        ("code", """\
+compiled-memory figures for larger models.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Largest batch under the cap, and step time (full run)"),
+    (
+      "code",
+      """\
 display(Markdown(ns.memory_batch_table(RESULTS / "memory_batch.json")))
 for png in sorted(RESULTS.glob("memory_batch_*.png")):
     if "small" not in png.name:
-        ns.show_figure(png)"""),
-        ("markdown", """\
+        ns.show_figure(png)""",
+    ),
+    (
+      "markdown",
+      """\
 ## Both caps: the step alone, and the step plus its compiled program
 
 The cap above counts the memory the running step adds; the compiled program (code and constants)
 comes on top, and jact's programs are larger. The same search capping the step plus the program
-(`python -m experiments.bench.memory_batch --cap-on with_program_mib`):"""),
-        ("code", '''display(Markdown(ns.both_caps_table(
-    RESULTS / "memory_batch.json", RESULTS / "memory_batch_program" / "memory_batch.json")))'''),
-        ("markdown", """\
+(`python -m experiments.bench.memory_batch --cap-on with_program_mib`):""",
+    ),
+    (
+      "code",
+      """display(Markdown(ns.both_caps_table(
+    RESULTS / "memory_batch.json", RESULTS / "memory_batch_program" / "memory_batch.json")))""",
+    ),
+    (
+      "markdown",
+      """\
 **What the run says.** Under the same {{mb.cap_mib}} MiB cap the ResNet-20 trains at batch
 {{mb.resnet20.jact4.batch}} with 4-bit residuals and {{mb.resnet20.jact2.batch}} with 2-bit ones,
 against {{mb.resnet20.plain.batch}} plain ({{mb.resnet20.jact4.times}},
@@ -246,24 +304,33 @@ cap. Two bits buy little over four because the backward pass's working
 memory (one layer's decompressed activation and its gradients at a time) is not compressed. At
 equal batch the jact step costs {{mb.resnet20.jact4.step_ratio}} (ResNet) and
 {{mb.transformer_lm.jact4.step_ratio}} (LM) of plain at 4 bits on this CPU, measured with other
-runs in the background."""),
-        ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
-        ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
-        ("markdown", """\
+runs in the background.""",
+    ),
+    ("markdown", "## Compiled memory of larger models (earlier benchmark)"),
+    ("code", 'display(Markdown(ns.bench_memory_table(RESULTS / "bench_memory.json")))'),
+    (
+      "markdown",
+      """\
 ## Re-run a small version live
 
 A tiny ResNet under a 40 MiB cap, compiled with LLVM's optimizations off (`--small`: quick
 compiles, slower code), so its step-time ratio says nothing about the full run's above; it checks
-that the search and the measurements run."""),
-        ("code", """\
+that the search and the measurements run.""",
+    ),
+    (
+      "code",
+      """\
 from experiments.bench import memory_batch
 memory_batch.main(["--small", "--results", str(SMALL)])
 display(Markdown(ns.memory_batch_table(SMALL / "memory_batch_small.json")))
 for png in sorted(SMALL.glob("memory_batch_small_*.png")):
-    ns.show_figure(png)"""),
-    ],
-    "06_bit_plans": [
-        ("markdown", """\
+    ns.show_figure(png)""",
+    ),
+  ],
+  "06_bit_plans": [
+    (
+      "markdown",
+      """\
 # Bit plans at work
 
 **Claim (ActNN Sec. 4, GACT Sec. 4).** A sensitivity estimate per layer (ActNN: closed form; GACT:
@@ -273,17 +340,23 @@ sensitive and fewer elsewhere, at a fixed average, for a fraction of a training 
 **What ran here.** `python -m experiments.papers.bit_plans`: the widths both estimators choose at 2 bits
 average on the ResNet-20 (at the full-precision run's epoch snapshots) and on a character
 transformer while it trains, and each estimator's cost in train steps. `experiments.bench.bench_plans`
-measures the variance each plan gives."""),
-        ("code", SETUP),
-        ("markdown", "## Widths per residual over training (full run)"),
-        ("code", """\
+measures the variance each plan gives.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Widths per residual over training (full run)"),
+    (
+      "code",
+      """\
 for png in sorted(RESULTS.glob("bit_plans_*.png")):
     if "small" not in png.name:
         ns.show_figure(png)
-display(Markdown(ns.plan_cost_table(RESULTS / "bit_plans.json")))"""),
-        ("markdown", "## Variance each plan gives (bench_plans)"),
-        ("code", 'display(Markdown(ns.bench_plans_table(RESULTS / "bench_plans.json")))'),
-        ("markdown", """\
+display(Markdown(ns.plan_cost_table(RESULTS / "bit_plans.json")))""",
+    ),
+    ("markdown", "## Variance each plan gives (bench_plans)"),
+    ("code", 'display(Markdown(ns.bench_plans_table(RESULTS / "bench_plans.json")))'),
+    (
+      "markdown",
+      """\
 **What the runs say.** Adaptive plans pay off where residuals differ a lot in sensitivity: on the
 small CNN at 2 bits the numeric and analytic plans give {{bp.cifar_cnn.gact_numeric2.variance}}
 and {{bp.cifar_cnn.actnn_analytic2.variance}} against {{bp.cifar_cnn.uniform2.variance}} for
@@ -294,13 +367,17 @@ epoch 3) the numeric estimator gives {{gv.3.gact_numeric.at_budget}} residuals t
 update costs {{bp.cifar_cnn.analytic_cost}} (CNN) and {{bp.shakespeare_transformer.analytic_cost}}
 (transformer) train steps for the analytic estimator and {{bp.cifar_cnn.numeric_cost}} and
 {{bp.shakespeare_transformer.numeric_cost}} for the numeric one (one gradient per residual;
-measured with other jobs on the cores), so the numeric one wants infrequent re-plans on CPU."""),
-        ("markdown", "## Re-run a small version live"),
-        ("code", """\
+measured with other jobs on the cores), so the numeric one wants infrequent re-plans on CPU.""",
+    ),
+    ("markdown", "## Re-run a small version live"),
+    (
+      "code",
+      """\
 from experiments.papers import bit_plans
 bit_plans.main(["--small", "--models", "transformer", "--results", str(SMALL)])
-ns.show_figure(SMALL / "bit_plans_small_transformer.png")"""),
-    ],
+ns.show_figure(SMALL / "bit_plans_small_transformer.png")""",
+    ),
+  ],
 }
 
 
@@ -308,8 +385,10 @@ def write(name: str, cells) -> Path:
   nb = nbformat.v4.new_notebook()
   nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
   nb.metadata["language_info"] = {"name": "python"}
-  make = {"markdown": lambda text: nbformat.v4.new_markdown_cell(claims.render(text)),
-          "code": nbformat.v4.new_code_cell}
+  make = {
+    "markdown": lambda text: nbformat.v4.new_markdown_cell(claims.render(text)),
+    "code": nbformat.v4.new_code_cell,
+  }
   nb.cells = [make[kind](source) for kind, source in cells]
   path = HERE / f"{name}.ipynb"
   nbformat.write(nb, path)
@@ -318,8 +397,9 @@ def write(name: str, cells) -> Path:
 
 def execute(path: Path, timeout: int = 1800) -> None:
   nb = nbformat.read(path, as_version=4)
-  NotebookClient(nb, kernel_name="python3", timeout=timeout,
-                 resources={"metadata": {"path": str(HERE)}}).execute()
+  NotebookClient(
+    nb, kernel_name="python3", timeout=timeout, resources={"metadata": {"path": str(HERE)}}
+  ).execute()
   nbformat.write(nb, path)
 
 

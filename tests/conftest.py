@@ -23,8 +23,13 @@ def xla_flag_supported(flag: str, timeout: float = 120.0) -> bool:
   subprocess, so an unknown flag cannot abort this process)."""
   env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
   try:
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
-                           capture_output=True, timeout=timeout, check=False)
+    probe = subprocess.run(
+      [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+      env=env,
+      capture_output=True,
+      timeout=timeout,
+      check=False,
+    )
   except subprocess.TimeoutExpired:
     return False
   return probe.returncode == 0
@@ -85,8 +90,11 @@ def pytest_collection_modifyitems(config, items):
   """
   del config
   for item in items:
-    if isinstance(item, pytest.DoctestItem) and item.nodeid.startswith("jact/kernels/") and \
-        item.nodeid.split("::")[0].endswith(("/pallas_triton.py", "/jax_triton.py")):
+    if (
+      isinstance(item, pytest.DoctestItem)
+      and item.nodeid.startswith("jact/kernels/")
+      and item.nodeid.split("::")[0].endswith(("/pallas_triton.py", "/jax_triton.py"))
+    ):
       item.add_marker(pytest.mark.slow)
     group = shared_fixture(item)
     if group is not None:
@@ -102,8 +110,9 @@ def skip_without_data_kit(who: str = "this test"):
   try:
     yield
   except DataKitMissing as err:
-    pytest.skip(f"{who} needs {err.relative!r} from the data kit: set JACT_DATA=/path/to/data "
-                f"(the data kit)")
+    pytest.skip(
+      f"{who} needs {err.relative!r} from the data kit: set JACT_DATA=/path/to/data (the data kit)"
+    )
 
 
 @pytest.hookimpl(wrapper=True)

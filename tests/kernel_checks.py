@@ -29,7 +29,12 @@ def assert_same_packed(p, r):
   for field in ("data", "minimum", "scale"):
     assert_same_bits(getattr(p, field), getattr(r, field))
   assert (p.shape, p.dtype, p.bits, p.group_size, p.view_shape) == (
-      r.shape, r.dtype, r.bits, r.group_size, r.view_shape)
+    r.shape,
+    r.dtype,
+    r.bits,
+    r.group_size,
+    r.view_shape,
+  )
 
 
 class Poisoned:
@@ -52,17 +57,29 @@ class Poisoned:
     def run(*args):
       self.calls += 1
       int_fill, float_fill = self.fills()
-      garbage = [jnp.full(o.shape, jnp.asarray(
-          int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill).astype(o.dtype))
-                 for o in outs]
+      garbage = [
+        jnp.full(
+          o.shape,
+          jnp.asarray(int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill).astype(
+            o.dtype
+          ),
+        )
+        for o in outs
+      ]
 
       def body(*refs):  # drop the aliased inputs
-        kernel(*refs[:len(args)], *refs[len(args) + len(outs):])
-      return pl.pallas_call(body, out_shape=out_shape,
-                            grid=grid if isinstance(grid, tuple) else (grid,), interpret=interpret,
-                            name=name, compiler_params=T.compiler_params(num_warps, num_stages),
-                            input_output_aliases={len(args) + i: i for i in range(len(outs))})(
-                                *args, *garbage)
+        kernel(*refs[: len(args)], *refs[len(args) + len(outs) :])
+
+      return pl.pallas_call(
+        body,
+        out_shape=out_shape,
+        grid=grid if isinstance(grid, tuple) else (grid,),
+        interpret=interpret,
+        name=name,
+        compiler_params=T.compiler_params(num_warps, num_stages),
+        input_output_aliases={len(args) + i: i for i in range(len(outs))},
+      )(*args, *garbage)
+
     return run
 
 
@@ -79,8 +96,10 @@ class PoisonedTriton:
   def __call__(self, kernel, *args, out_shape, **kwargs):
     self.calls += 1
     int_fill, float_fill = self.fills()
-    initial = [jnp.asarray(int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill)
-               for o in out_shape]
+    initial = [
+      jnp.asarray(int_fill if jnp.issubdtype(o.dtype, jnp.integer) else float_fill)
+      for o in out_shape
+    ]
     return self.call(kernel, *args, out_shape=out_shape, **{**kwargs, "initial": initial})
 
 
@@ -93,18 +112,21 @@ def assert_same_tree(got, want, what="output"):
   """`got` and `want` are the same pytree (static fields included) whose array
   leaves have the same shapes, dtypes and bits (-0.0 != 0.0, NaN payloads count)."""
   assert jax.tree.structure(got) == jax.tree.structure(want), (
-      f"{what}: structure or static fields differ:\n{jax.tree.structure(got)}\n"
-      f"{jax.tree.structure(want)}")
+    f"{what}: structure or static fields differ:\n{jax.tree.structure(got)}\n"
+    f"{jax.tree.structure(want)}"
+  )
   for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
     a, b = np.asarray(a), np.asarray(b)
     assert (a.shape, a.dtype) == (b.shape, b.dtype), (
-        f"{what} leaf {i}: shape/dtype {a.shape} {a.dtype}, reference {b.shape} {b.dtype}")
+      f"{what} leaf {i}: shape/dtype {a.shape} {a.dtype}, reference {b.shape} {b.dtype}"
+    )
     wrong = bits_of(a) != bits_of(b)
     if wrong.any():
       first = tuple(int(k) for k in np.argwhere(wrong)[0])
       raise AssertionError(
-          f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {int(wrong.sum())} of {a.size} elements "
-          f"differ from the reference; first at {first}: {a[first]!r} != {b[first]!r}")
+        f"{what} leaf {i} ({a.dtype}{list(a.shape)}): {int(wrong.sum())} of {a.size} elements "
+        f"differ from the reference; first at {first}: {a[first]!r} != {b[first]!r}"
+      )
 
 
 def cuda_kernels(fn, reference, *args):

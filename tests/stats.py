@@ -34,8 +34,16 @@ DRAWS = 2048
 """Draws per unbiasedness test: enough to detect a bias of 1% of a rounding step."""
 
 
-def assert_unbiased(samples, exact, *, max_pooled_z: float = 4.0, max_mean_z2: float = 1.6,
-                    rel_floor: float = 1e-6, atol: float = 1e-5, correlated: bool = False) -> dict:
+def assert_unbiased(
+  samples,
+  exact,
+  *,
+  max_pooled_z: float = 4.0,
+  max_mean_z2: float = 1.6,
+  rel_floor: float = 1e-6,
+  atol: float = 1e-5,
+  correlated: bool = False,
+) -> dict:
   """Checks that `samples` (K draws stacked on axis 0) average to `exact`.
 
   Three checks, each a stated tolerance:
@@ -94,23 +102,31 @@ def over_keys(one, keys):
   while chunk > 1 and chunk * size > 2**16:
     chunk //= 2
   run = jax.jit(jax.vmap(one))
-  outs = [run(keys[i:i + chunk]) for i in range(0, len(keys), chunk)]
+  outs = [run(keys[i : i + chunk]) for i in range(0, len(keys), chunk)]
   return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
 def residual_bytes(f, *args):
   """Bytes saved for the backward pass, excluding the function's own arguments."""
-  return sum(a.size * a.dtype.itemsize for a, d in saved_residuals(f, *args)
-             if not d.startswith("from the argument"))
+  return sum(
+    a.size * a.dtype.itemsize
+    for a, d in saved_residuals(f, *args)
+    if not d.startswith("from the argument")
+  )
 
 
 def saved_under_names(f, names, *args):
   """(names, bytes) of what `jax.checkpoint` saves under save_only_these_names(*names)."""
   pol = jax.checkpoint_policies.save_only_these_names(*names)
-  res = [(a, d) for a, d in saved_residuals(jax.checkpoint(f, policy=pol), *args)
-         if not d.startswith("from the argument")]
-  return ({d.split("'")[1] for _, d in res if d.startswith("named")},
-          sum(a.size * a.dtype.itemsize for a, _ in res))
+  res = [
+    (a, d)
+    for a, d in saved_residuals(jax.checkpoint(f, policy=pol), *args)
+    if not d.startswith("from the argument")
+  ]
+  return (
+    {d.split("'")[1] for _, d in res if d.startswith("named")},
+    sum(a.size * a.dtype.itemsize for a, _ in res),
+  )
 
 
 def assert_same_tree(a, b):
@@ -125,6 +141,8 @@ def tree_rel_err(a, b):
   """Largest per-leaf relative L2 error of `a` against `b`; leaves whose exact
   value is ~0 (attention's key bias gradient) are measured against 5% of the
   whole tree's norm."""
-  total = float(jnp.sqrt(sum(jnp.sum(v ** 2) for v in jax.tree.leaves(b))))
-  return max(float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
-             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  total = float(jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(b))))
+  return max(
+    float(jnp.linalg.norm(u - v)) / max(float(jnp.linalg.norm(v)), 5e-2 * total)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )

@@ -26,12 +26,38 @@ LINEN_KEYS = {"params": KEY, "jact": jax.random.key(1)}
 
 # The public names of jact before the package was split into layers; each stays public.
 PUBLIC = [
-    "quantize", "dequantize", "Packed", "PackedBits", "pack_codes", "unpack_codes",
-    "ops", "nn", "nnx", "rng", "compressors", "sensitivity", "acgc", "allocate", "levels",
-    "Controller", "ControllerState", "CompressionVarianceWarning",
-    "residual_report", "compiled_memory", "ResidualReport", "CompiledMemory",
-    "compressed", "checkpoint", "convert", "save_compressed", "offload_compressed",
-    "save_inputs_only", "BitPlan", "use_plan", "planned", "UnknownResidualWarning",
+  "quantize",
+  "dequantize",
+  "Packed",
+  "PackedBits",
+  "pack_codes",
+  "unpack_codes",
+  "ops",
+  "nn",
+  "nnx",
+  "rng",
+  "compressors",
+  "sensitivity",
+  "acgc",
+  "allocate",
+  "levels",
+  "Controller",
+  "ControllerState",
+  "CompressionVarianceWarning",
+  "residual_report",
+  "compiled_memory",
+  "ResidualReport",
+  "CompiledMemory",
+  "compressed",
+  "checkpoint",
+  "convert",
+  "save_compressed",
+  "offload_compressed",
+  "save_inputs_only",
+  "BitPlan",
+  "use_plan",
+  "planned",
+  "UnknownResidualWarning",
 ]
 
 
@@ -44,8 +70,16 @@ def test_every_name_in_all_exists_once():
 def test_earlier_public_names_stay_public():
   assert set(PUBLIC) <= set(jact.__all__), sorted(set(PUBLIC) - set(jact.__all__))
   assert callable(jact.quantize) and callable(jact.dequantize)  # the functions, not modules
-  for module in ("rng", "allocate", "acgc", "sensitivity", "levels", "compressors", "ops",
-                 "kernels"):
+  for module in (
+    "rng",
+    "allocate",
+    "acgc",
+    "sensitivity",
+    "levels",
+    "compressors",
+    "ops",
+    "kernels",
+  ):
     assert type(getattr(jact, module)).__name__ == "module", module
 
 
@@ -75,60 +109,90 @@ def _linen(model, x):
 # name -> (call with the rounding keywords, a compressor the entry point takes)
 FIXPOINT = C.Fixpoint(8)
 ENTRY_POINTS = {
-    "ops.dense": (lambda **kw: jact.ops.dense(X, W, key=KEY, **kw), FIXPOINT),
-    "ops.dot_general": (lambda **kw: jact.ops.dot_general(
-        X, W, (((1,), (0,)), ((), ())), key=KEY, **kw), FIXPOINT),
-    "ops.einsum": (lambda **kw: jact.ops.einsum("ij,jk->ik", X, W, key=KEY, **kw), FIXPOINT),
-    "ops.conv": (lambda **kw: jact.ops.conv(IMG, KERN, key=KEY, **kw), FIXPOINT),
-    "ops.conv_general_dilated": (lambda **kw: jact.ops.conv_general_dilated(
-        IMG, KERN, (1, 1), "SAME", dimension_numbers=NHWC, key=KEY, **kw), FIXPOINT),
-    "ops.conv_transpose": (lambda **kw: jact.ops.conv_transpose(
-        IMG, KERN, (1, 1), "SAME", key=KEY, **kw), FIXPOINT),
-    "ops.gelu": (lambda **kw: jact.ops.gelu(X, key=KEY, **kw), FIXPOINT),
-    "ops.silu": (lambda **kw: jact.ops.silu(X, key=KEY, **kw), FIXPOINT),
-    "ops.tanh": (lambda **kw: jact.ops.tanh(X, key=KEY, **kw), FIXPOINT),
-    "ops.sigmoid": (lambda **kw: jact.ops.sigmoid(X, key=KEY, **kw), FIXPOINT),
-    "ops.softmax": (lambda **kw: jact.ops.softmax(X, key=KEY, **kw), FIXPOINT),
-    "ops.batch_norm": (lambda **kw: jact.ops.batch_norm(X, key=KEY, **kw), FIXPOINT),
-    "ops.layer_norm": (lambda **kw: jact.ops.layer_norm(X, key=KEY, **kw), FIXPOINT),
-    "ops.rms_norm": (lambda **kw: jact.ops.rms_norm(X, key=KEY, **kw), FIXPOINT),
-    "ops.dot_product_attention": (lambda **kw: jact.ops.dot_product_attention(
-        Q, Q, Q, key=KEY, **kw), FIXPOINT),
-    "ops.chunked_attention": (lambda **kw: jact.ops.chunked_attention(
-        Q, Q, Q, key=KEY, query_chunk=4, key_chunk=4, **kw), FIXPOINT),
-    "ops.blpa_block": (lambda **kw: jact.ops.blpa_block(
-        IMG, jnp.ones(4), jnp.zeros(4), KERN, **kw), C.BLPA(4)),
-    "compressed": (lambda **kw: jact.compressed(_mlp, compress_argnums=(1,), **kw)(
-        W, X, key=KEY), FIXPOINT),
-    "checkpoint": (lambda **kw: jact.checkpoint(_mlp, compress_argnums=(1,), **kw)(
-        W, X, key=KEY), FIXPOINT),
-    "levels.compress_convolutions": (lambda **kw: jact.levels.compress_convolutions(
-        _conv_block, compress_argnums=(1,), **kw)(KERN, IMG, key=KEY), FIXPOINT),
-    "nn.Dense": (lambda **kw: _linen(jact.nn.Dense(3, **kw), X), FIXPOINT),
-    "nn.Conv": (lambda **kw: _linen(jact.nn.Conv(3, (3, 3), **kw), IMG), FIXPOINT),
-    "nn.BatchNorm": (lambda **kw: _linen(jact.nn.BatchNorm(use_running_average=False, **kw), X),
-                     FIXPOINT),
-    "nn.LayerNorm": (lambda **kw: _linen(jact.nn.LayerNorm(**kw), X), FIXPOINT),
-    "nn.RMSNorm": (lambda **kw: _linen(jact.nn.RMSNorm(**kw), X), FIXPOINT),
-    "nn.MultiHeadDotProductAttention": (lambda **kw: _linen(
-        jact.nn.MultiHeadDotProductAttention(num_heads=2, **kw), SEQ), FIXPOINT),
-    "nn.GELU": (lambda **kw: _linen(jact.nn.GELU(**kw), X), FIXPOINT),
-    "nn.Softmax": (lambda **kw: _linen(jact.nn.Softmax(**kw), X), FIXPOINT),
-    "nnx.Linear": (lambda **kw: jact.nnx.Linear(256, 3, rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
-    "nnx.Conv": (lambda **kw: jact.nnx.Conv(4, 3, (3, 3), rngs=nnx.Rngs(0), **kw)(IMG),
-                 FIXPOINT),
-    "nnx.BatchNorm": (lambda **kw: jact.nnx.BatchNorm(256, use_running_average=False,
-                                                      rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
-    "nnx.LayerNorm": (lambda **kw: jact.nnx.LayerNorm(256, rngs=nnx.Rngs(0), **kw)(X),
-                      FIXPOINT),
-    "nnx.RMSNorm": (lambda **kw: jact.nnx.RMSNorm(256, rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
-    "nnx.MultiHeadAttention": (lambda **kw: jact.nnx.MultiHeadAttention(
-        2, 32, decode=False, rngs=nnx.Rngs(0), **kw)(SEQ), FIXPOINT),
-    "nnx.GELU": (lambda **kw: jact.nnx.GELU(rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
-    "nnx.Softmax": (lambda **kw: jact.nnx.Softmax(rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
-    "convert.linen": (lambda **kw: _linen(jact.convert(nn.Dense(3), **kw), X), FIXPOINT),
-    "convert.nnx": (lambda **kw: jact.convert(nnx.Linear(256, 3, rngs=nnx.Rngs(0)),
-                                              rngs=nnx.Rngs(jact=1), **kw)(X), FIXPOINT),
+  "ops.dense": (lambda **kw: jact.ops.dense(X, W, key=KEY, **kw), FIXPOINT),
+  "ops.dot_general": (
+    lambda **kw: jact.ops.dot_general(X, W, (((1,), (0,)), ((), ())), key=KEY, **kw),
+    FIXPOINT,
+  ),
+  "ops.einsum": (lambda **kw: jact.ops.einsum("ij,jk->ik", X, W, key=KEY, **kw), FIXPOINT),
+  "ops.conv": (lambda **kw: jact.ops.conv(IMG, KERN, key=KEY, **kw), FIXPOINT),
+  "ops.conv_general_dilated": (
+    lambda **kw: jact.ops.conv_general_dilated(
+      IMG, KERN, (1, 1), "SAME", dimension_numbers=NHWC, key=KEY, **kw
+    ),
+    FIXPOINT,
+  ),
+  "ops.conv_transpose": (
+    lambda **kw: jact.ops.conv_transpose(IMG, KERN, (1, 1), "SAME", key=KEY, **kw),
+    FIXPOINT,
+  ),
+  "ops.gelu": (lambda **kw: jact.ops.gelu(X, key=KEY, **kw), FIXPOINT),
+  "ops.silu": (lambda **kw: jact.ops.silu(X, key=KEY, **kw), FIXPOINT),
+  "ops.tanh": (lambda **kw: jact.ops.tanh(X, key=KEY, **kw), FIXPOINT),
+  "ops.sigmoid": (lambda **kw: jact.ops.sigmoid(X, key=KEY, **kw), FIXPOINT),
+  "ops.softmax": (lambda **kw: jact.ops.softmax(X, key=KEY, **kw), FIXPOINT),
+  "ops.batch_norm": (lambda **kw: jact.ops.batch_norm(X, key=KEY, **kw), FIXPOINT),
+  "ops.layer_norm": (lambda **kw: jact.ops.layer_norm(X, key=KEY, **kw), FIXPOINT),
+  "ops.rms_norm": (lambda **kw: jact.ops.rms_norm(X, key=KEY, **kw), FIXPOINT),
+  "ops.dot_product_attention": (
+    lambda **kw: jact.ops.dot_product_attention(Q, Q, Q, key=KEY, **kw),
+    FIXPOINT,
+  ),
+  "ops.chunked_attention": (
+    lambda **kw: jact.ops.chunked_attention(Q, Q, Q, key=KEY, query_chunk=4, key_chunk=4, **kw),
+    FIXPOINT,
+  ),
+  "ops.blpa_block": (
+    lambda **kw: jact.ops.blpa_block(IMG, jnp.ones(4), jnp.zeros(4), KERN, **kw),
+    C.BLPA(4),
+  ),
+  "compressed": (
+    lambda **kw: jact.compressed(_mlp, compress_argnums=(1,), **kw)(W, X, key=KEY),
+    FIXPOINT,
+  ),
+  "checkpoint": (
+    lambda **kw: jact.checkpoint(_mlp, compress_argnums=(1,), **kw)(W, X, key=KEY),
+    FIXPOINT,
+  ),
+  "levels.compress_convolutions": (
+    lambda **kw: jact.levels.compress_convolutions(_conv_block, compress_argnums=(1,), **kw)(
+      KERN, IMG, key=KEY
+    ),
+    FIXPOINT,
+  ),
+  "nn.Dense": (lambda **kw: _linen(jact.nn.Dense(3, **kw), X), FIXPOINT),
+  "nn.Conv": (lambda **kw: _linen(jact.nn.Conv(3, (3, 3), **kw), IMG), FIXPOINT),
+  "nn.BatchNorm": (
+    lambda **kw: _linen(jact.nn.BatchNorm(use_running_average=False, **kw), X),
+    FIXPOINT,
+  ),
+  "nn.LayerNorm": (lambda **kw: _linen(jact.nn.LayerNorm(**kw), X), FIXPOINT),
+  "nn.RMSNorm": (lambda **kw: _linen(jact.nn.RMSNorm(**kw), X), FIXPOINT),
+  "nn.MultiHeadDotProductAttention": (
+    lambda **kw: _linen(jact.nn.MultiHeadDotProductAttention(num_heads=2, **kw), SEQ),
+    FIXPOINT,
+  ),
+  "nn.GELU": (lambda **kw: _linen(jact.nn.GELU(**kw), X), FIXPOINT),
+  "nn.Softmax": (lambda **kw: _linen(jact.nn.Softmax(**kw), X), FIXPOINT),
+  "nnx.Linear": (lambda **kw: jact.nnx.Linear(256, 3, rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
+  "nnx.Conv": (lambda **kw: jact.nnx.Conv(4, 3, (3, 3), rngs=nnx.Rngs(0), **kw)(IMG), FIXPOINT),
+  "nnx.BatchNorm": (
+    lambda **kw: jact.nnx.BatchNorm(256, use_running_average=False, rngs=nnx.Rngs(0), **kw)(X),
+    FIXPOINT,
+  ),
+  "nnx.LayerNorm": (lambda **kw: jact.nnx.LayerNorm(256, rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
+  "nnx.RMSNorm": (lambda **kw: jact.nnx.RMSNorm(256, rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
+  "nnx.MultiHeadAttention": (
+    lambda **kw: jact.nnx.MultiHeadAttention(2, 32, decode=False, rngs=nnx.Rngs(0), **kw)(SEQ),
+    FIXPOINT,
+  ),
+  "nnx.GELU": (lambda **kw: jact.nnx.GELU(rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
+  "nnx.Softmax": (lambda **kw: jact.nnx.Softmax(rngs=nnx.Rngs(0), **kw)(X), FIXPOINT),
+  "convert.linen": (lambda **kw: _linen(jact.convert(nn.Dense(3), **kw), X), FIXPOINT),
+  "convert.nnx": (
+    lambda **kw: jact.convert(nnx.Linear(256, 3, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(jact=1), **kw)(X),
+    FIXPOINT,
+  ),
 }
 
 
@@ -175,12 +239,12 @@ def _nnx_loss(layer):
 
 # name -> (loss of the layer's state, the state), a layer storing its input with FIXPOINT
 STORED = {
-    "nn.Dense": lambda: _linen_loss(jact.nn.Dense(3, compressor=FIXPOINT)),
-    "nnx.Linear": lambda: _nnx_loss(jact.nnx.Linear(256, 3, compressor=FIXPOINT,
-                                                    rngs=nnx.Rngs(0))),
-    "convert.linen": lambda: _linen_loss(jact.convert(nn.Dense(3), compressor=FIXPOINT)),
-    "convert.nnx": lambda: _nnx_loss(jact.convert(nnx.Linear(256, 3, rngs=nnx.Rngs(0)),
-                                                  compressor=FIXPOINT)),
+  "nn.Dense": lambda: _linen_loss(jact.nn.Dense(3, compressor=FIXPOINT)),
+  "nnx.Linear": lambda: _nnx_loss(jact.nnx.Linear(256, 3, compressor=FIXPOINT, rngs=nnx.Rngs(0))),
+  "convert.linen": lambda: _linen_loss(jact.convert(nn.Dense(3), compressor=FIXPOINT)),
+  "convert.nnx": lambda: _nnx_loss(
+    jact.convert(nnx.Linear(256, 3, rngs=nnx.Rngs(0)), compressor=FIXPOINT)
+  ),
 }
 
 
@@ -194,11 +258,12 @@ def test_the_layer_stores_its_input_with_the_compressor(name):
 
 # name -> function of (input, weight) through the entry point with the rounding keywords
 GRADIENTS = {
-    "ops.dense": lambda x, w, **kw: jact.ops.dense(x, w, key=KEY, **kw),
-    "ops.gelu": lambda x, w, **kw: jact.ops.gelu(x @ w, key=KEY, **kw),
-    "ops.layer_norm": lambda x, w, **kw: jact.ops.layer_norm(x @ w, key=KEY, **kw),
-    "compressed": lambda x, w, **kw: jact.compressed(_mlp, compress_argnums=(1,), **kw)(
-        w, x, key=KEY),
+  "ops.dense": lambda x, w, **kw: jact.ops.dense(x, w, key=KEY, **kw),
+  "ops.gelu": lambda x, w, **kw: jact.ops.gelu(x @ w, key=KEY, **kw),
+  "ops.layer_norm": lambda x, w, **kw: jact.ops.layer_norm(x @ w, key=KEY, **kw),
+  "compressed": lambda x, w, **kw: jact.compressed(_mlp, compress_argnums=(1,), **kw)(
+    w, x, key=KEY
+  ),
 }
 
 

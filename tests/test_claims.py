@@ -31,13 +31,20 @@ def test_templates_quote_figures_instead_of_typing_them():
   for page, template in claims.PAGES.items():
     typed[page.name] = claims.typed_figures(template.read_text())
   for name, cells in NOTEBOOKS.items():
-    typed[name] = [f for kind, text in cells if kind == "markdown"
-                   for f in claims.typed_figures(text)]
+    typed[name] = [
+      f for kind, text in cells if kind == "markdown" for f in claims.typed_figures(text)
+    ]
   assert not any(typed.values()), {k: v for k, v in typed.items() if v}
 
 
 def test_typed_figures_finds_decimals_ratios_and_percents():
-  assert claims.typed_figures("0.698, 20.6x, 3x, 5 %, 12%") == ["0.698", "20.6x", "3x", "5 %", "12%"]
+  assert claims.typed_figures("0.698, 20.6x, 3x, 5 %, 12%") == [
+    "0.698",
+    "20.6x",
+    "3x",
+    "5 %",
+    "12%",
+  ]
   assert claims.typed_figures("ResNet-20, 8x8 blocks, 3 epochs, e^2, {{a.b}}") == []
 
 
@@ -46,14 +53,16 @@ def test_readme_results_are_rendered_from_the_committed_data():
   start, end = claims.readme_section(readme)
   expected = "\n" + claims.render(claims.TEMPLATE.read_text()) + "\n"
   assert readme[start:end] == expected, (
-      "README's Results differ from the data: run python -m experiments.claims")
+    "README's Results differ from the data: run python -m experiments.claims"
+  )
 
 
 @pytest.mark.parametrize("page", sorted(claims.PAGES), ids=lambda p: p.name)
 def test_generated_docs_pages_are_rendered_from_the_committed_data(page):
   expected = claims.render(claims.PAGES[page].read_text())
   assert page.read_text() == expected, (
-      f"{page.relative_to(ROOT)} differs from the data: run python -m experiments.claims")
+    f"{page.relative_to(ROOT)} differs from the data: run python -m experiments.claims"
+  )
 
 
 def test_stale_names_a_page_edited_by_hand(tmp_path, monkeypatch):
@@ -81,7 +90,8 @@ def test_notebook_prose_is_rendered_from_the_committed_data(name):
   committed = [c.source for c in notebook.cells if c.cell_type == "markdown"]
   expected = [claims.render(text) for kind, text in NOTEBOOKS[name] if kind == "markdown"]
   assert committed == expected, (
-      f"{name}'s prose differs from the data: run python notebooks/build.py --only {name[:2]}")
+    f"{name}'s prose differs from the data: run python notebooks/build.py --only {name[:2]}"
+  )
 
 
 def test_render_names_a_missing_figure():
@@ -92,14 +102,24 @@ def test_render_names_a_missing_figure():
 def test_figures_follow_the_json(tmp_path):
   """A figure is computed, not stored: change the JSON and the figure changes."""
   (tmp_path / "actnn_cifar").mkdir()
-  run = dict(complete=True, final_test_accuracy=0.5, epochs=1, total_steps=10,
-             memory=dict(saved_bytes=2**20, temp_bytes=2**21), history=[], losses=[],
-             plans=[])
+  run = dict(
+    complete=True,
+    final_test_accuracy=0.5,
+    epochs=1,
+    total_steps=10,
+    memory=dict(saved_bytes=2**20, temp_bytes=2**21),
+    history=[],
+    losses=[],
+    plans=[],
+  )
   import json
+
   (tmp_path / "actnn_cifar" / "fp.json").write_text(json.dumps(run))
   (tmp_path / "actnn_cifar" / "pergroup2.json").write_text(
-      json.dumps(dict(run, final_test_accuracy=0.25, memory=dict(saved_bytes=2**18,
-                                                                 temp_bytes=2**20))))
+    json.dumps(
+      dict(run, final_test_accuracy=0.25, memory=dict(saved_bytes=2**18, temp_bytes=2**20))
+    )
+  )
   f = claims.figures(tmp_path)
   assert f["actnn.fp.accuracy"] == "0.500" and f["actnn.pergroup2.accuracy"] == "0.250"
   assert f["actnn.pergroup2.fewer"] == "4.0x" and f["actnn.pergroup2.saved_mib"] == "0.2"
@@ -112,11 +132,21 @@ def test_every_generated_file_is_up_to_date():
 
 def test_a_generated_block_is_filled_from_the_data(tmp_path):
   import json
-  rows = [dict(model="resnet18_cifar", bits=b, input_shape=[8, 32, 32, 3], residual_reduction=r,
-               temp_reduction=r / 2) for b, r in ((None, 1.0), (2, 12.34))]
+
+  rows = [
+    dict(
+      model="resnet18_cifar",
+      bits=b,
+      input_shape=[8, 32, 32, 3],
+      residual_reduction=r,
+      temp_reduction=r / 2,
+    )
+    for b, r in ((None, 1.0), (2, 12.34))
+  ]
   (tmp_path / "bench_memory.json").write_text(json.dumps(dict(rows=rows)))
   table = claims.figures(tmp_path)["table.bench_memory"]
   assert "| ResNet-18, CIFAR (8) | 12.3x | 6.2x |" in table.splitlines()
   page = "x\n<!-- claims:table.bench_memory -->\n| typed | by hand |\n<!-- claims:end -->\n"
   assert claims.render_blocks(page, {"table.bench_memory": table}) == (
-      f"x\n<!-- claims:table.bench_memory -->\n{table}\n<!-- claims:end -->\n")
+    f"x\n<!-- claims:table.bench_memory -->\n{table}\n<!-- claims:end -->\n"
+  )

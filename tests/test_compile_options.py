@@ -30,8 +30,12 @@ def _both(fn, *args):
   """(default outputs, quick outputs, default temp bytes, quick temp bytes) of one lowering."""
   lowered = jax.jit(fn).lower(*args)
   default, quick = lowered.compile(), lowered.compile(QUICK)
-  return (default(*args), quick(*args), default.memory_analysis().temp_size_in_bytes,
-          quick.memory_analysis().temp_size_in_bytes)
+  return (
+    default(*args),
+    quick(*args),
+    default.memory_analysis().temp_size_in_bytes,
+    quick.memory_analysis().temp_size_in_bytes,
+  )
 
 
 def _assert_same_bits(a, b):
@@ -56,19 +60,20 @@ def test_quantize_and_dequantize_compute_the_same_bits_unoptimized(dtype):
     out = []
     for bits in (1, 2, 4, 8):
       for stochastic in (True, False):
-        packed = jact.quantize(x, bits=bits, group_size=64, stochastic=stochastic,
-                               seed=seed if stochastic else None)
+        packed = jact.quantize(
+          x, bits=bits, group_size=64, stochastic=stochastic, seed=seed if stochastic else None
+        )
         out.append((packed.data, packed.minimum, packed.scale, jact.dequantize(packed)))
     return out
 
   default, quick, temp_default, temp_quick = _both(
-      roundtrip, x, rng.seed_from_key(jax.random.key(3)))
+    roundtrip, x, rng.seed_from_key(jax.random.key(3))
+  )
   _assert_same_bits(default, quick)
   assert temp_default == temp_quick
 
 
 class _Net(nn.Module):
-
   @nn.compact
   def __call__(self, x, train: bool = True):
     x = nn.Conv(8, (3, 3))(x)
@@ -86,12 +91,14 @@ def test_model_gradients_keep_their_buffers_and_agree_to_rounding_unoptimized():
   variables = _Net().init(jax.random.key(2), x)
 
   def loss(params, key):
-    y, _ = model.apply({**variables, "params": params}, x, rngs={"jact": key},
-                       mutable=["batch_stats"])
-    return jnp.sum(y ** 2)
+    y, _ = model.apply(
+      {**variables, "params": params}, x, rngs={"jact": key}, mutable=["batch_stats"]
+    )
+    return jnp.sum(y**2)
 
   default, quick, temp_default, temp_quick = _both(
-      jax.value_and_grad(loss), variables["params"], jax.random.key(4))
+    jax.value_and_grad(loss), variables["params"], jax.random.key(4)
+  )
   assert temp_default == temp_quick
   for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(quick), strict=True):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)

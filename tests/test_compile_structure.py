@@ -26,6 +26,7 @@ def test_constant_residual_is_quantized_at_run_time_not_folded():
   """A residual that is a constant (the zeros a JVP instantiates) keeps its
   statistics reduce in the optimized HLO: XLA's constant folder interprets
   such a reduce at tens of microseconds per value."""
+
   def quantize_constant(seed):
     return quantize_reference(jnp.ones((4, 1024), jnp.float32), seed, bits=2, group_size=256)
 
@@ -58,5 +59,6 @@ def test_seed_from_key_takes_traced_sites_and_vmaps_over_keys():
 def test_quantizer_size_is_bounded():
   x = jnp.ones((16, 64, 128), jnp.float32)
   jaxpr = jax.make_jaxpr(
-      lambda x, s: quantize_reference(x.reshape(16, -1), s, bits=2, group_size=256))(x, jnp.uint32(1))
+    lambda x, s: quantize_reference(x.reshape(16, -1), s, bits=2, group_size=256)
+  )(x, jnp.uint32(1))
   assert count_eqns(jaxpr.jaxpr) <= MAX_QUANTIZE_EQNS

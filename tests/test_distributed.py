@@ -29,7 +29,7 @@ import pytest
 
 # Both processes: the dense+ReLU stack plain, with jact.ops and under one jact.compressed
 # (2 bits), and the collectives of an optimized HLO text.
-_STACK = r'''
+_STACK = r"""
 import collections, json, re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -57,9 +57,11 @@ def collectives(hlo):
   found = re.findall(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
                      r"(?:-start)?\(", hlo)
   return dict(collections.Counter(found))
-'''
+"""
 
-_SCRIPT = _STACK + r'''
+_SCRIPT = (
+  _STACK
+  + r'''
 LAYERS, WIDTH, BATCH = 3, 256, 16384  # activations dominate the per-device memory
 mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 replicated, batch_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -260,9 +262,12 @@ noise = {"same_key": noise_variance(False), "folded": noise_variance(True)}
 print(json.dumps({"devices": jax.device_count(), "variants": out, "shard_map": in_shard_map,
                   "noise": noise, "explicit": explicit, "flax_dp": flax_dp}))
 '''
+)
 
 
-_SHARDED_WEIGHTS_SCRIPT = _STACK + r"""
+_SHARDED_WEIGHTS_SCRIPT = (
+  _STACK
+  + r"""
 import flax.linen as nn
 
 LAYERS, WIDTH, BATCH = 4, 256, 4096
@@ -392,18 +397,25 @@ report["totals"] = [inside.total_bytes, one.total_bytes, inside.argument_bytes, 
 print(json.dumps({"devices": jax.device_count(), "runs": runs, "batch_norm": norm,
                   "report": report, "small_samples": small_samples}))
 """
+)
 
 
 def _run_on_eight_devices(script_text, directory):
   script = directory / "script.py"
   script.write_text(script_text)
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                    " --xla_force_host_platform_device_count=8").strip(),
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip(),
+    JAX_PLATFORMS="cpu",
+  )
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(pathlib.Path(__file__).parents[1])] + env.get("PYTHONPATH", "").split(os.pathsep))
-  done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                        timeout=900, check=False)
+    [str(pathlib.Path(__file__).parents[1])] + env.get("PYTHONPATH", "").split(os.pathsep)
+  )
+  done = subprocess.run(
+    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900, check=False
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(done.stdout.strip().splitlines()[-1])
   assert result["devices"] == 8
@@ -582,8 +594,9 @@ def test_batch_norm_with_axis_name_under_shard_map_equals_flax(sharded_weights, 
   devices (check_vma=True): jact's twin and `jact.convert` (8 bits) give Flax's
   output and running statistics (1e-5) and its parameter gradients within 5%."""
   r = sharded_weights["batch_norm"][model]
-  assert "error" not in r and "error" not in sharded_weights["batch_norm"]["flax"], \
-      sharded_weights["batch_norm"]
+  assert "error" not in r and "error" not in sharded_weights["batch_norm"]["flax"], sharded_weights[
+    "batch_norm"
+  ]
   assert r["y_error"] < 1e-5 and r["stats_error"] < 1e-5, r
   assert r["grad_errors"] and max(r["grad_errors"]) < 0.05, r
 

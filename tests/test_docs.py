@@ -30,10 +30,13 @@ def test_readme_is_at_most_200_lines():
   assert len(README.read_text().splitlines()) <= 200
 
 
-@pytest.mark.parametrize("command", [
+@pytest.mark.parametrize(
+  "command",
+  [
     'pip install -e ".[experiments]" && python -m experiments.compare',
     'pip install -e ".[test]" && python -m pytest -q -n 2',
-])
+  ],
+)
 def test_readme_keeps_the_two_commands(command):
   assert f"```bash\n{command}\n```" in README.read_text()
 
@@ -48,8 +51,9 @@ def test_every_docs_page_is_in_the_index_or_a_toctree():
   listed = set()
   for page in DOCS.glob("*.md"):
     for block in re.findall(r"```\{toctree\}\n(.*?)```", page.read_text(), re.S):
-      listed |= {line.strip() for line in block.splitlines()
-                 if line.strip() and not line.startswith(":")}
+      listed |= {
+        line.strip() for line in block.splitlines() if line.strip() and not line.startswith(":")
+      }
   pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
   assert pages <= listed, sorted(pages - listed)
 
@@ -61,13 +65,24 @@ def test_a_missing_link_target_is_found(tmp_path):
   assert not (tmp_path / "nope.md").exists()
 
 
-NAMESPACES = ("ops", "compressors", "kernels", "nn", "nnx", "sensitivity", "acgc", "levels",
-              "allocate", "rng")
+NAMESPACES = (
+  "ops",
+  "compressors",
+  "kernels",
+  "nn",
+  "nnx",
+  "sensitivity",
+  "acgc",
+  "levels",
+  "allocate",
+  "rng",
+)
 
 
 def test_the_api_page_lists_every_public_name():
   """docs/api.md names each `__all__` entry of `jact` and its public namespaces, and nothing else."""
   import jact
+
   listed = set(re.findall(r"^   (jact\.[\w.]+)$", (DOCS / "api.md").read_text(), re.M))
   public = {f"jact.{n}" for n in jact.__all__ if n not in NAMESPACES}
   for space in NAMESPACES:

@@ -18,26 +18,49 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jact"
 
 # The first prefix that matches names the layer: `jact._flax.convert` (it maps Flax's layers
 # to the twins of `jact.nn` / `jact.nnx`) sits above them, the rest of `jact._flax` below.
-LAYERS = [("jact._compat", -1), ("jact._core", 0), ("jact.kernels", 1),
-          ("jact.compressors", 2), ("jact._engine", 3), ("jact.ops", 4), ("jact._transforms", 5),
-          ("jact._planning", 6), ("jact._flax.convert", 8), ("jact._flax", 6), ("jact.nn", 7),
-          ("jact.nnx", 7), ("jact._report", 7), ("jact", 9)]
+LAYERS = [
+  ("jact._compat", -1),
+  ("jact._core", 0),
+  ("jact.kernels", 1),
+  ("jact.compressors", 2),
+  ("jact._engine", 3),
+  ("jact.ops", 4),
+  ("jact._transforms", 5),
+  ("jact._planning", 6),
+  ("jact._flax.convert", 8),
+  ("jact._flax", 6),
+  ("jact.nn", 7),
+  ("jact.nnx", 7),
+  ("jact._report", 7),
+  ("jact", 9),
+]
 
 # The public API: these modules and what their `__all__` lists. Every other module is internal
 # and says so with an underscore in its path (equinox's and optax's rule: private unless
 # re-exported by a public module).
-PUBLIC = {"jact", "jact.ops", "jact.compressors", "jact.kernels", "jact.nn", "jact.nnx",
-          "jact.sensitivity", "jact.acgc", "jact.levels", "jact.allocate", "jact.rng"}
+PUBLIC = {
+  "jact",
+  "jact.ops",
+  "jact.compressors",
+  "jact.kernels",
+  "jact.nn",
+  "jact.nnx",
+  "jact.sensitivity",
+  "jact.acgc",
+  "jact.levels",
+  "jact.allocate",
+  "jact.rng",
+}
 
 # Imports inside functions, each with the reason it cannot sit at the top of its module.
 LAZY_ALLOWED = {
-    # the Pallas kernels are registered only when this jax has Pallas' Triton backend
-    ("jact.kernels", "jact.kernels._division.pallas_triton"),
-    ("jact.kernels", "jact.kernels._quantize.pallas_triton"),
-    ("jact.kernels", "jact.kernels._per_sample.pallas_triton"),
-    ("jact.kernels", "jact.kernels._relu_mask.pallas_triton"),
-    # the jax-triton kernel imports `triton`: only when it is first called
-    ("jact.kernels", "jact.kernels._quantize.jax_triton"),
+  # the Pallas kernels are registered only when this jax has Pallas' Triton backend
+  ("jact.kernels", "jact.kernels._division.pallas_triton"),
+  ("jact.kernels", "jact.kernels._quantize.pallas_triton"),
+  ("jact.kernels", "jact.kernels._per_sample.pallas_triton"),
+  ("jact.kernels", "jact.kernels._relu_mask.pallas_triton"),
+  # the jax-triton kernel imports `triton`: only when it is first called
+  ("jact.kernels", "jact.kernels._quantize.jax_triton"),
 }
 
 
@@ -54,9 +77,12 @@ def _module_names() -> dict[str, pathlib.Path]:
 def _imports(name: str, path: pathlib.Path, modules) -> list[tuple[str, int, bool]]:
   """(imported jact module, line, inside a function) for every import in the file."""
   tree = ast.parse(path.read_text())
-  lazy_nodes = {id(inner) for node in ast.walk(tree)
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                for inner in ast.walk(node)}
+  lazy_nodes = {
+    id(inner)
+    for node in ast.walk(tree)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    for inner in ast.walk(node)
+  }
   package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
   found = []
   for node in ast.walk(tree):
@@ -65,13 +91,18 @@ def _imports(name: str, path: pathlib.Path, modules) -> list[tuple[str, int, boo
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
       if node.level:
-        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-      targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                 for alias in node.names]
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+      targets = [
+        f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+        for alias in node.names
+      ]
     else:
       continue
-    found += [(t, node.lineno, id(node) in lazy_nodes) for t in targets
-              if t == "jact" or t.startswith("jact.")]
+    found += [
+      (t, node.lineno, id(node) in lazy_nodes)
+      for t in targets
+      if t == "jact" or t.startswith("jact.")
+    ]
   return found
 
 
@@ -87,9 +118,12 @@ EDGES = {name: _imports(name, path, MODULES) for name, path in MODULES.items()}
 
 
 def test_the_import_reader_sees_imports():
-  assert ("jact._core.packing", False) in [(t, lazy) for t, _, lazy in EDGES["jact.ops._activation"]]
+  assert ("jact._core.packing", False) in [
+    (t, lazy) for t, _, lazy in EDGES["jact.ops._activation"]
+  ]
   assert ("jact.kernels._quantize.pallas_triton", True) in [
-      (t, lazy) for t, _, lazy in EDGES["jact.kernels"]]
+    (t, lazy) for t, _, lazy in EDGES["jact.kernels"]
+  ]
   assert len(MODULES) > 50
 
 
@@ -103,17 +137,23 @@ def test_imports_flow_down_the_layers(name):
       continue
     target_level, target_prefix = _layer(target)
     if target_prefix != prefix and target_level >= level and name != "jact":
-      wrong.append(f"{MODULES[name]}:{line}: {prefix} (layer {level}) imports {target} "
-                   f"(layer {target_level})")
+      wrong.append(
+        f"{MODULES[name]}:{line}: {prefix} (layer {level}) imports {target} (layer {target_level})"
+      )
   assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_unexplained_lazy_imports(name):
-  lazy = [f"{MODULES[name]}:{line}: {target}" for target, line, is_lazy in EDGES[name]
-          if is_lazy and (name, target) not in LAZY_ALLOWED]
-  assert not lazy, ("imports inside functions (move them to the top of the module, or add the "
-                    "pair to LAZY_ALLOWED with the reason):\n" + "\n".join(lazy))
+  lazy = [
+    f"{MODULES[name]}:{line}: {target}"
+    for target, line, is_lazy in EDGES[name]
+    if is_lazy and (name, target) not in LAZY_ALLOWED
+  ]
+  assert not lazy, (
+    "imports inside functions (move them to the top of the module, or add the "
+    "pair to LAZY_ALLOWED with the reason):\n" + "\n".join(lazy)
+  )
 
 
 def test_the_kernel_registry_imports_nothing_from_jact():
@@ -121,9 +161,9 @@ def test_the_kernel_registry_imports_nothing_from_jact():
 
 
 def test_no_import_cycles():
-  graph = {name: {t for t, _, lazy in EDGES[name]
-                  if t in MODULES and t != name}
-           for name in MODULES}
+  graph = {
+    name: {t for t, _, lazy in EDGES[name] if t in MODULES and t != name} for name in MODULES
+  }
   # a package imports its submodules; a submodule importing its package's __init__ is a cycle
   state, stack, cycles = {}, [], []
 
@@ -132,7 +172,7 @@ def test_no_import_cycles():
     stack.append(node)
     for nxt in sorted(graph[node]):
       if state.get(nxt) == "open":
-        cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+        cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
       elif nxt not in state:
         visit(nxt)
     stack.pop()
@@ -145,8 +185,9 @@ def test_no_import_cycles():
 
 
 def test_every_module_outside_the_public_api_is_underscore_private():
-  public_paths = [name for name in MODULES
-                  if not any(part.startswith("_") for part in name.split("."))]
+  public_paths = [
+    name for name in MODULES if not any(part.startswith("_") for part in name.split("."))
+  ]
   assert sorted(set(public_paths) - PUBLIC) == []
 
 
@@ -169,8 +210,7 @@ def test_compat_test_helpers_and_flax_accessors_are_imported_only_where_they_bel
   wrong = []
   for name, edges in EDGES.items():
     for target, line, _ in edges:
-      flax_outside = (target.startswith("jact._compat.flax")
-                      and not name.startswith(FLAX_PACKAGES))
+      flax_outside = target.startswith("jact._compat.flax") and not name.startswith(FLAX_PACKAGES)
       if target.startswith("jact._compat.testing") or flax_outside:
         wrong.append(f"{MODULES[name]}:{line}: {name} imports {target}")
   assert not wrong, "\n".join(wrong)

@@ -17,19 +17,35 @@ PATHS = ["jact", "tests", "experiments", "notebooks/build.py", "docs/conf.py"]
 
 def test_ruff_check_reports_nothing():
   run = subprocess.run(
-      [sys.executable, "-m", "ruff", "check", "--no-cache", *PATHS],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    [sys.executable, "-m", "ruff", "check", "--no-cache", *PATHS],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   if run.returncode != 0:
     pytest.fail(
-        f"`ruff check {' '.join(PATHS)}` failed (exit {run.returncode}): fix what it reports "
-        "below (`ruff check --fix FILE` fixes some); without ruff, `pip install -e '.[test]'`.\n"
-        + run.stdout + run.stderr, pytrace=False)
+      f"`ruff check {' '.join(PATHS)}` failed (exit {run.returncode}): fix what it reports "
+      "below (`ruff check --fix FILE` fixes some); without ruff, `pip install -e '.[test]'`.\n"
+      + run.stdout
+      + run.stderr,
+      pytrace=False,
+    )
 
 
 def test_ruff_format_changes_nothing():
-  run = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "--no-cache", *PATHS],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  run = subprocess.run(
+    [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", *PATHS],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   if run.returncode != 0:
     pytest.fail(
-        f"`ruff format --check {' '.join(PATHS)}` would reformat files (exit {run.returncode}): "
-        f"run `ruff format FILE` on them.\n" + run.stdout + run.stderr, pytrace=False)
+      f"`ruff format --check {' '.join(PATHS)}` would reformat files (exit {run.returncode}): "
+      f"run `ruff format FILE` on them.\n" + run.stdout + run.stderr,
+      pytrace=False,
+    )

@@ -13,22 +13,25 @@ import pytest
 import jact
 from experiments.bench.memory_scaling import scaling
 
-pytestmark = pytest.mark.slow  # every test compiles whole train steps (a minute per fixture on a CPU core)
+pytestmark = (
+  pytest.mark.slow
+)  # every test compiles whole train steps (a minute per fixture on a CPU core)
 
 # Stack sizes per block: the slope is taken between the last two. The CNN
 # needs 5 blocks for its deepest-stack saving to clear 3x (its fixed overhead
 # is large: 2.9x at 3 blocks); the transformer clears it at 3 (6x), and its
 # 2-bit stacks compile superlinearly in depth, so it stops there.
 CASES = {
-    "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
-    "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 128, 128), dim=128, mlp=512),
+  "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
+  "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 128, 128), dim=128, mlp=512),
 }
 
 
 @pytest.fixture(scope="module")
 def series():
-  return {(name, bits): scaling(name, bits, **kw) for name, kw in CASES.items()
-          for bits in (None, 2)}
+  return {
+    (name, bits): scaling(name, bits, **kw) for name, kw in CASES.items() for bits in (None, 2)
+  }
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -65,8 +68,8 @@ def test_temp_memory_added_per_block_follows_residual_bytes(series, name):
 # (the transformer's compressed stacks compile superlinearly in depth: 5, 10,
 # 17 and 29 s for 1-4 blocks on one CPU core, so they stop at 3)
 GENERIC_CASES = {
-    "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
-    "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 64, 64), dim=64, mlp=256),
+  "relu_cnn": dict(sizes=(1, 3, 5), x_shape=(16, 16, 16, 64), channels=64),
+  "transformer": dict(sizes=(1, 2, 3), x_shape=(8, 64, 64), dim=64, mlp=256),
 }
 
 
@@ -74,13 +77,18 @@ GENERIC_CASES = {
 def generic_series(series):
   def plain(name, kw):  # the CNN's plain series is the very same measurement as `series`' own
     return series[name, None] if kw == CASES[name] else scaling(name, None, mode="ops", **kw)
-  return {(name, mode): plain(name, kw) if mode == "plain" else scaling(name, 2, mode=mode, **kw)
-          for name, kw in GENERIC_CASES.items() for mode in ("plain", "compressed")}
+
+  return {
+    (name, mode): plain(name, kw) if mode == "plain" else scaling(name, 2, mode=mode, **kw)
+    for name, kw in GENERIC_CASES.items()
+    for mode in ("plain", "compressed")
+  }
 
 
 @pytest.mark.parametrize("name", GENERIC_CASES)
-def test_compressed_blocks_temp_memory_follows_compressed_residual_bytes(series, generic_series,
-                                                                          name):
+def test_compressed_blocks_temp_memory_follows_compressed_residual_bytes(
+  series, generic_series, name
+):
   # `series` first: tests/conftest.py groups tests by their first module-scoped fixture, so
   # these run on the worker that measured `series` and generic_series reuses its plain CNN
   del series

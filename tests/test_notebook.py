@@ -22,13 +22,15 @@ EXPERIMENT_NOTEBOOKS = sorted(p.name for p in NOTEBOOKS.glob("0[2-9]_*.ipynb"))
 def quick_compiles(monkeypatch):
   """Kernels started in the test inherit the quick-compile XLA flags."""
   from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
+
   monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
 
 
 def _execute(path: Path) -> nbformat.NotebookNode:
   nb = nbformat.read(path, as_version=4)
-  client = NotebookClient(nb, kernel_name="python3", timeout=300,
-                          resources={"metadata": {"path": str(path.parent)}})
+  client = NotebookClient(
+    nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(path.parent)}}
+  )
   try:
     client.execute()  # raises CellExecutionError on the first failing cell
   except CellExecutionError as err:
@@ -74,8 +76,11 @@ def test_committed_with_outputs(name):
   at least one is a figure, and none is an error."""
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   code = [c for c in nb.cells if c.cell_type == "code"]
-  silent = [c.source.splitlines()[0] for c in code if not c.get("outputs")
-            and not c.source.lstrip().startswith(("import", "from", "#"))]
+  silent = [
+    c.source.splitlines()[0]
+    for c in code
+    if not c.get("outputs") and not c.source.lstrip().startswith(("import", "from", "#"))
+  ]
   assert not silent, f"{name}: cells committed without outputs: {silent}"
   assert any("image/png" in o.get("data", {}) for o in _outputs(nb)), f"{name}: no figure"
   assert not any(o.get("output_type") == "error" for o in _outputs(nb)), f"{name}: error output"

@@ -10,8 +10,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jact._report
 from jact.ops._linear import dense
-from jact._report import (CompiledMemory, Residual, ResidualReport, compiled_memory, format_bytes,
-                         residual_report)
+from jact._report import (
+  CompiledMemory,
+  Residual,
+  ResidualReport,
+  compiled_memory,
+  format_bytes,
+  residual_report,
+)
 
 
 def test_doctests():
@@ -209,6 +215,7 @@ def test_residuals_inside_shard_map_keep_their_names_and_arguments():
   the body's residuals keep their names and the replicated weight stays an
   argument, as without the shard_map."""
   from jax.sharding import PartitionSpec as P
+
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   x, w = jnp.ones((8, 512)), jnp.ones((512, 512))
 
@@ -218,8 +225,9 @@ def test_residuals_inside_shard_map_keep_their_names_and_arguments():
 
   mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
   inside = jact.residual_report(mapped, w, x)
-  plain = jact.residual_report(lambda w, x: jnp.sum(
-      jact.ops.relu(jact.ops.dense(x, w, key=jax.random.key(0), bits=2))), w, x)
+  plain = jact.residual_report(
+    lambda w, x: jnp.sum(jact.ops.relu(jact.ops.dense(x, w, key=jax.random.key(0), bits=2))), w, x
+  )
   rows = lambda r: sorted((str(q.name), q.shape, q.bytes, q.is_argument) for q in r.residuals)  # noqa: E731
   assert rows(inside) == rows(plain)
   assert set(inside.by_name()) >= {"dense.lhs", "relu.mask"}

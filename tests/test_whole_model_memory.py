@@ -77,8 +77,11 @@ def _rel_error(a, b) -> float:
 
 def _lstm_inputs():
   k = jax.random.split(jax.random.key(0), 4)
-  params = (jax.random.normal(k[0], (D, 4 * H)) / 8, jax.random.normal(k[1], (H, 4 * H)) / 11,
-            jax.random.normal(k[2], (H, 8)) / 11)
+  params = (
+    jax.random.normal(k[0], (D, 4 * H)) / 8,
+    jax.random.normal(k[1], (H, 4 * H)) / 11,
+    jax.random.normal(k[2], (H, 8)) / 11,
+  )
   return params, jax.random.normal(k[3], (T, B, D))
 
 
@@ -99,7 +102,6 @@ def test_whole_model_wrap_cuts_memory_of_an_lstm_scanned_over_time():
 
 
 class _Block(nnx.Module):
-
   def __init__(self, dim: int, *, rngs: nnx.Rngs):
     self.linear1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
     self.linear2 = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -135,7 +137,7 @@ def _stack_loss(model, key=None):
   def loss(params, x):
     m = nnx.merge(graphdef, params, rest)
     y = m(x) if key is None else m(x, key=key)
-    return jnp.mean(y ** 2)
+    return jnp.mean(y**2)
 
   return loss, params
 
@@ -171,22 +173,30 @@ def test_scans_inside_calls_nests_and_remat_are_stored_per_iteration(wrap):
     step = jax.checkpoint(step) if remat else step
     return jax.lax.scan(step, jnp.zeros((b, h)), xs, reverse=reverse)[1]
 
-  fn = {"jit": lambda w, xs: jax.jit(rnn)(w, xs),
-        "nested": lambda w, xs: jax.lax.scan(lambda c, x: (c, rnn(w, x)), 0.0,
-                                             xs.reshape(4, 4, b, h))[1].reshape(t, b, h),
-        "remat": lambda w, xs: rnn(w, xs, remat=True),
-        "reverse": lambda w, xs: rnn(w, xs, reverse=True)}[wrap]
+  fn = {
+    "jit": lambda w, xs: jax.jit(rnn)(w, xs),
+    "nested": lambda w, xs: jax.lax.scan(lambda c, x: (c, rnn(w, x)), 0.0, xs.reshape(4, 4, b, h))[
+      1
+    ].reshape(t, b, h),
+    "remat": lambda w, xs: rnn(w, xs, remat=True),
+    "reverse": lambda w, xs: rnn(w, xs, reverse=True),
+  }[wrap]
   key = jax.random.key(2)
   plain = lambda w, xs: jnp.sum(fn(w, xs) ** 2)
   eight = jact.compressed(fn, bits=8, name="rnn")
   loss = lambda w, xs: jnp.sum(eight(w, xs, key=key) ** 2)
   assert bool(jnp.all(eight(w, xs, key=key) == fn(w, xs)))
-  assert _rel_error(jax.jit(jax.grad(loss, argnums=(0, 1)))(w, xs),
-                    jax.grad(plain, argnums=(0, 1))(w, xs)) < 0.03  # exact stacks: same error
+  assert (
+    _rel_error(
+      jax.jit(jax.grad(loss, argnums=(0, 1)))(w, xs), jax.grad(plain, argnums=(0, 1))(w, xs)
+    )
+    < 0.03
+  )  # exact stacks: same error
   # A packed tensor's codes are uint8[rows, groups, bytes]; stacked per
   # iteration they get the loop's length in front (twice for a nested loop).
   report = jact.residual_report(loss, w, xs)
   packed = [r for r in report.residuals if str(r.dtype) == "uint8"]
   lengths = (4, 4) if wrap == "nested" else (t,)
-  assert packed and all(tuple(r.shape[:-3]) == lengths and r.name.startswith("rnn.")
-                        for r in packed), report
+  assert packed and all(
+    tuple(r.shape[:-3]) == lengths and r.name.startswith("rnn.") for r in packed
+  ), report

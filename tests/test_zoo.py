@@ -33,13 +33,20 @@ pytestmark = pytest.mark.slow
 
 KEY = jax.random.key(1)
 GRAD_TOL = 0.02
-MIN_CUT = {"resnet18": 2, "bilstm_sst2": 8, "transformer_lm": 8, "gemma_nnx": 7, "seq2seq": 5,
-           "scan_mlp_nnx": 7, "mnist_cnn": 1.8}
+MIN_CUT = {
+  "resnet18": 2,
+  "bilstm_sst2": 8,
+  "transformer_lm": 8,
+  "gemma_nnx": 7,
+  "seq2seq": 5,
+  "scan_mlp_nnx": 7,
+  "mnist_cnn": 1.8,
+}
 # Shallower instances of the zoo's deep models (same classes; depth is structural here).
 TEST_BUILDS = {
-    "resnet18": lambda: zoo.ResNet(stage_sizes=(1, 1, 1, 1), num_filters=16),
-    "transformer_lm": lambda: zoo.TransformerLM(dataclasses.replace(zoo.LM_CONFIG, num_layers=1)),
-    "gemma_nnx": lambda: zoo.GemmaLike(num_layers=1, rngs=nnx.Rngs(0)),
+  "resnet18": lambda: zoo.ResNet(stage_sizes=(1, 1, 1, 1), num_filters=16),
+  "transformer_lm": lambda: zoo.TransformerLM(dataclasses.replace(zoo.LM_CONFIG, num_layers=1)),
+  "gemma_nnx": lambda: zoo.GemmaLike(num_layers=1, rngs=nnx.Rngs(0)),
 }
 # Programs compiled without LLVM's optimizations (XLA's HLO passes still run):
 # what is checked is values, not speed.
@@ -108,8 +115,9 @@ def _trained(name, variant, bits=None):
 
 
 def saved_bytes(fns, batch):
-  return jact.residual_report(lambda p, s, b: fns.loss(p, s, b, KEY)[0], fns.params, fns.state,
-                              batch).total_bytes
+  return jact.residual_report(
+    lambda p, s, b: fns.loss(p, s, b, KEY)[0], fns.params, fns.state, batch
+  ).total_bytes
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -71,16 +71,16 @@ def pretrain(params, train, steps: int, batch: int, lr: float = 0.05):
   losses = []
   for i in range(steps):
     j = (i * batch) % (len(x) - batch)
-    params, state, value = step(params, state, jnp.asarray(x[j:j + batch]),
-                                jnp.asarray(y[j:j + batch]))
+    params, state, value = step(
+      params, state, jnp.asarray(x[j : j + batch]), jnp.asarray(y[j : j + batch])
+    )
     losses.append(float(value))
   return params, losses
 
 
 def acgc_plan(params, batch, error: float, updates: int, compressor):
   """AC-GC bound -> plan of `compressor` widths (statistics from `updates` keys)."""
-  loss = lambda p, b, k: preact.loss(p, b, k, form="layers",
-                                       compressor=compressors.Fixpoint(8))
+  loss = lambda p, b, k: preact.loss(p, b, k, form="layers", compressor=compressors.Fixpoint(8))
   bounds = jact.acgc.error_bounded(loss, error=error, compressor=compressor)
   state = bounds.init(params, batch, jax.random.key(0))
   for i in range(updates):
@@ -114,10 +114,15 @@ def measure(name, params, batch, keys: int, form: str, bits=None, compressor=Non
   rel = [float(np.linalg.norm(d - exact) / norm) for d in draws]
   report = jact.residual_report(loss, params, jax.random.key(0))
   units = sum(g.bytes for n, g in report.by_name().items() if n and n.startswith("unit"))
-  return dict(method=name, residual_bytes=int(report.total_bytes), unit_bytes=int(units),
-              rel_error=float(np.mean(rel)), rel_error_max=float(np.max(rel)),
-              bias=float(np.linalg.norm(draws.mean(0) - exact) / norm),
-              seconds_per_gradient=seconds / keys)
+  return dict(
+    method=name,
+    residual_bytes=int(report.total_bytes),
+    unit_bytes=int(units),
+    rel_error=float(np.mean(rel)),
+    rel_error_max=float(np.max(rel)),
+    bias=float(np.linalg.norm(draws.mean(0) - exact) / norm),
+    seconds_per_gradient=seconds / keys,
+  )
 
 
 def run(args):
@@ -128,44 +133,62 @@ def run(args):
   preact.apply(params, batch[0], form="plain", densities=densities)
   densities = {k: float(v) for k, v in densities.items()}
   plain_bytes = jact.residual_report(
-      lambda p: preact.loss(p, batch, form="plain"), params).total_bytes
+    lambda p: preact.loss(p, batch, form="plain"), params
+  ).total_bytes
 
   methods = [
-      ("exact (jact ops, bits=None)", dict(form="layers", bits=None)),
-      ("ActNN 2-bit", dict(form="layers", compressor=compressors.PerGroup(2))),
-      ("ActNN 4-bit", dict(form="layers", compressor=compressors.PerGroup(4))),
-      ("BLPA 4-bit", dict(form="blpa", bits=4)),
-      ("BLPA 8-bit", dict(form="blpa", bits=8)),
-      ("DIVISION B=8 Q=2", dict(form="layers", compressor=compressors.Division(block=8, bits=2))),
+    ("exact (jact ops, bits=None)", dict(form="layers", bits=None)),
+    ("ActNN 2-bit", dict(form="layers", compressor=compressors.PerGroup(2))),
+    ("ActNN 4-bit", dict(form="layers", compressor=compressors.PerGroup(4))),
+    ("BLPA 4-bit", dict(form="blpa", bits=4)),
+    ("BLPA 8-bit", dict(form="blpa", bits=8)),
+    ("DIVISION B=8 Q=2", dict(form="layers", compressor=compressors.Division(block=8, bits=2))),
   ]
-  wanted = lambda name: not args.methods or any(
-      name.lower().startswith(m.lower()) for m in args.methods)
+  wanted = lambda name: (
+    not args.methods or any(name.lower().startswith(m.lower()) for m in args.methods)
+  )
   acgc_plans = {}
   for error in args.errors if wanted("AC-GC") else ():
     plan = acgc_plan(params, batch, error, args.acgc_updates, compressors.Fixpoint())
     acgc_plans[error] = json.loads(plan.to_json())
     methods += [
-        (f"AC-GC fixpoint e2={error:g}",
-         dict(form="layers", compressor=compressors.Fixpoint(8), plan=plan)),
-        (f"AC-GC fixpoint + ZVC e2={error:g}",
-         dict(form="layers", compressor=compressors.Fixpoint(8),
-              plan=zvc_on_conv_inputs(plan, args.capacity))),
+      (
+        f"AC-GC fixpoint e2={error:g}",
+        dict(form="layers", compressor=compressors.Fixpoint(8), plan=plan),
+      ),
+      (
+        f"AC-GC fixpoint + ZVC e2={error:g}",
+        dict(
+          form="layers",
+          compressor=compressors.Fixpoint(8),
+          plan=zvc_on_conv_inputs(plan, args.capacity),
+        ),
+      ),
     ]
   methods = [m for m in methods if wanted(m[0])]
   rows = []
-  print(f"{'method':<36} {'unit bytes':>11} {'ratio':>6} {'all bytes':>11} {'vs plain':>8} "
-        f"{'rel.err':>8} {'bias':>8}")
+  print(
+    f"{'method':<36} {'unit bytes':>11} {'ratio':>6} {'all bytes':>11} {'vs plain':>8} "
+    f"{'rel.err':>8} {'bias':>8}"
+  )
   for name, kw in methods:
     row = measure(name, params, batch, args.keys, **kw)
     row["ratio_to_plain"] = plain_bytes / row["residual_bytes"]
     row["unit_ratio"] = rows[0]["unit_bytes"] / row["unit_bytes"] if rows else 1.0
     rows.append(row)
-    print(f"{name:<36} {row['unit_bytes']:>11} {row['unit_ratio']:>6.1f} "
-          f"{row['residual_bytes']:>11} {row['ratio_to_plain']:>8.1f} "
-          f"{row['rel_error']:>8.4f} {row['bias']:>8.4f}", flush=True)
-  return dict(rows=rows, plain_bytes=int(plain_bytes), relu_density=densities,
-              acgc_plans=acgc_plans,
-              pretrain_loss=[losses[0], losses[-1]] if losses else None)
+    print(
+      f"{name:<36} {row['unit_bytes']:>11} {row['unit_ratio']:>6.1f} "
+      f"{row['residual_bytes']:>11} {row['ratio_to_plain']:>8.1f} "
+      f"{row['rel_error']:>8.4f} {row['bias']:>8.4f}",
+      flush=True,
+    )
+  return dict(
+    rows=rows,
+    plain_bytes=int(plain_bytes),
+    relu_density=densities,
+    acgc_plans=acgc_plans,
+    pretrain_loss=[losses[0], losses[-1]] if losses else None,
+  )
 
 
 def main(argv=None):
@@ -179,14 +202,20 @@ def main(argv=None):
   parser.add_argument("--errors", type=float, nargs="+", default=[0.5, 4.0], help="AC-GC e^2")
   parser.add_argument("--acgc-updates", type=int, default=3)
   parser.add_argument("--capacity", type=float, default=0.6, help="ZVC capacity")
-  parser.add_argument("--methods", nargs="+", default=None,
-                      help="only the methods whose names start with one of these (case-insensitive: "
-                           "exact, ActNN, BLPA, DIVISION, AC-GC); unit ratios are then to the first")
+  parser.add_argument(
+    "--methods",
+    nargs="+",
+    default=None,
+    help="only the methods whose names start with one of these (case-insensitive: "
+    "exact, ActNN, BLPA, DIVISION, AC-GC); unit ratios are then to the first",
+  )
   parser.add_argument("--json")
   args = parser.parse_args(argv)
   result = run(args)
-  print(f"plain JAX residuals: {result['plain_bytes']} B; ReLU densities "
-        f"{min(result['relu_density'].values()):.2f}..{max(result['relu_density'].values()):.2f}")
+  print(
+    f"plain JAX residuals: {result['plain_bytes']} B; ReLU densities "
+    f"{min(result['relu_density'].values()):.2f}..{max(result['relu_density'].values()):.2f}"
+  )
   for error, plan in result["acgc_plans"].items():
     widths = [v["bits"] if isinstance(v, dict) else 32 for v in plan["bits"].values()]
     print(f"AC-GC e2={error:g}: widths {sorted(widths)}")

@@ -37,6 +37,7 @@ from jact._core.persample import per_sample_capacity
 
 __all__ = ["CASES", "Case", "main"]
 
+
 def _bind(case: Case, impl: str, args: tuple) -> Callable:
   fn = kernels.available(case.op)[impl].fn
   kwargs = dict(case.kwargs)
@@ -62,8 +63,10 @@ def _copy_gbps(nbytes: int, reps: int, rotate: int) -> dict:
   """Device-to-device copy (read + write) bandwidth at this size, two ways."""
   key = jax.random.key(1)
   count = max(1, -(-rotate // nbytes))
-  inputs = [(jax.random.normal(jax.random.fold_in(key, i), (max(1, nbytes // 4),), jnp.float32),)
-            for i in range(count)]
+  inputs = [
+    (jax.random.normal(jax.random.fold_in(key, i), (max(1, nbytes // 4),), jnp.float32),)
+    for i in range(count)
+  ]
   out = {}
   for name, fn in (("copy", jax.jit(jnp.copy)), ("negate", jax.jit(jnp.negative))):
     t = statistics.median(timing.time_call(fn, inputs, reps))
@@ -71,15 +74,24 @@ def _copy_gbps(nbytes: int, reps: int, rotate: int) -> dict:
   return out
 
 
-def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rotate_mb: float,
-        check_cpu: bool) -> list[dict]:
+def run(
+  sizes_mb: list[float],
+  impls: list[str],
+  ops: list[str],
+  reps: int,
+  rotate_mb: float,
+  check_cpu: bool,
+) -> list[dict]:
   rows = []
   rotate = int(rotate_mb * MB)
   for size_mb in sizes_mb:
     nbytes = int(size_mb * MB)
     copy = _copy_gbps(nbytes, reps, rotate)
     copy_gbps = max(copy.values())
-    print(f"-- {size_mb:g} MB: copy {copy['copy']:.0f} GB/s, negate {copy['negate']:.0f} GB/s", flush=True)
+    print(
+      f"-- {size_mb:g} MB: copy {copy['copy']:.0f} GB/s, negate {copy['negate']:.0f} GB/s",
+      flush=True,
+    )
     for op in ops:
       for case in CASES[op]:
         base = case.make(nbytes, jax.random.key(0))
@@ -102,10 +114,19 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
           except Exception as e:  # noqa: BLE001 - a kernel that fails here is recorded; xla re-raises
             if impl == "xla":
               raise
-            rows.append({"op": op, "config": case.label, "impl": impl,
-                         "input_bytes": nbytes_of(base[0]), "error": f"{type(e).__name__}: {e}"[:500]})
-            print(f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB failed: {rows[-1]['error']}",
-                  flush=True)
+            rows.append(
+              {
+                "op": op,
+                "config": case.label,
+                "impl": impl,
+                "input_bytes": nbytes_of(base[0]),
+                "error": f"{type(e).__name__}: {e}"[:500],
+              }
+            )
+            print(
+              f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB failed: {rows[-1]['error']}",
+              flush=True,
+            )
             continue
           same = _same_bits(out, reference)
           same_cpu = None if cpu_ref is None else _same_bits(jax.device_get(out), cpu_ref)
@@ -114,18 +135,32 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
           traffic = case.traffic(base, out)
           gbps = traffic / t / 1e9
           xla_time = t if impl == "xla" else xla_time
-          row = {"op": op, "config": case.label, "impl": impl, "input_bytes": nbytes_of(base[0]),
-                 "traffic_bytes": traffic, "ms": t * 1e3, "ms_min": min(times) * 1e3,
-                 "ms_max": max(times) * 1e3, "gbps": gbps, "copy_gbps": copy_gbps,
-                 "copy_gbps_by_method": copy, "fraction_of_copy": gbps / copy_gbps,
-                 "bit_exact_vs_xla_on_device": same, "bit_exact_vs_xla_on_cpu": same_cpu,
-                 "speedup_vs_xla": (xla_time / t) if xla_time else None}
+          row = {
+            "op": op,
+            "config": case.label,
+            "impl": impl,
+            "input_bytes": nbytes_of(base[0]),
+            "traffic_bytes": traffic,
+            "ms": t * 1e3,
+            "ms_min": min(times) * 1e3,
+            "ms_max": max(times) * 1e3,
+            "gbps": gbps,
+            "copy_gbps": copy_gbps,
+            "copy_gbps_by_method": copy,
+            "fraction_of_copy": gbps / copy_gbps,
+            "bit_exact_vs_xla_on_device": same,
+            "bit_exact_vs_xla_on_cpu": same_cpu,
+            "speedup_vs_xla": (xla_time / t) if xla_time else None,
+          }
           rows.append(row)
           speedup = row["speedup_vs_xla"]
-          print(f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB {t * 1e3:9.3f} ms "
-                f"{gbps:8.1f} GB/s {gbps / copy_gbps:6.1%} of copy"
-                f"{'' if speedup is None else f'  x{speedup:.2f} vs xla'}  exact={same}"
-                f"{'' if same_cpu is None else f' exact_vs_cpu={same_cpu}'}", flush=True)
+          print(
+            f"{op:22s} {case.label:22s} {impl:14s} {size_mb:7g} MB {t * 1e3:9.3f} ms "
+            f"{gbps:8.1f} GB/s {gbps / copy_gbps:6.1%} of copy"
+            f"{'' if speedup is None else f'  x{speedup:.2f} vs xla'}  exact={same}"
+            f"{'' if same_cpu is None else f' exact_vs_cpu={same_cpu}'}",
+            flush=True,
+          )
         del inputs
   return rows
 
@@ -133,28 +168,38 @@ def run(sizes_mb: list[float], impls: list[str], ops: list[str], reps: int, rota
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 4, 16, 64, 256, 1024])
-  parser.add_argument("--impls", nargs="+", default=None,
-                      help="default: xla, plus every registered kernel on GPU")
+  parser.add_argument(
+    "--impls", nargs="+", default=None, help="default: xla, plus every registered kernel on GPU"
+  )
   parser.add_argument("--ops", nargs="+", default=list(CASES), choices=list(CASES))
   parser.add_argument("--reps", type=int, default=20)
   parser.add_argument("--rotate-mb", type=float, default=256.0)
-  parser.add_argument("--check-cpu", action="store_true",
-                      help="also compare the on-device reference with the CPU reference")
+  parser.add_argument(
+    "--check-cpu",
+    action="store_true",
+    help="also compare the on-device reference with the CPU reference",
+  )
   parser.add_argument("--json", default="experiments/results/bench_kernels.json")
   args = parser.parse_args(argv)
   every = sorted({name for op in args.ops for name in kernels.available(op)})  # jax_triton too
   impls = args.impls or (every if jax.default_backend() == "gpu" else ["xla"])
   rows = run(args.sizes_mb, impls, args.ops, args.reps, args.rotate_mb, args.check_cpu)
   meta = metadata.run_metadata(
-      "experiments.bench.bench_kernels", argv,
-      traffic="minimal bytes: every input read once, every output written once",
-      timing="median of 5 blocks of back-to-back calls over rotating inputs")
-  print(f"\n{'op':22s} {'config':22s} {'impl':14s} {'MB':>7s} {'GB/s':>8s} {'of copy':>8s} {'vs xla':>7s} exact")
+    "experiments.bench.bench_kernels",
+    argv,
+    traffic="minimal bytes: every input read once, every output written once",
+    timing="median of 5 blocks of back-to-back calls over rotating inputs",
+  )
+  print(
+    f"\n{'op':22s} {'config':22s} {'impl':14s} {'MB':>7s} {'GB/s':>8s} {'of copy':>8s} {'vs xla':>7s} exact"
+  )
   for r in (r for r in rows if "error" not in r):
-    print(f"{r['op']:22s} {r['config']:22s} {r['impl']:14s} {r['input_bytes'] / MB:7.1f} "
-          f"{r['gbps']:8.1f} {r['fraction_of_copy']:8.1%} "
-          f"{'' if r['speedup_vs_xla'] is None else format(r['speedup_vs_xla'], '.2f'):>7s} "
-          f"{r['bit_exact_vs_xla_on_device']}")
+    print(
+      f"{r['op']:22s} {r['config']:22s} {r['impl']:14s} {r['input_bytes'] / MB:7.1f} "
+      f"{r['gbps']:8.1f} {r['fraction_of_copy']:8.1%} "
+      f"{'' if r['speedup_vs_xla'] is None else format(r['speedup_vs_xla'], '.2f'):>7s} "
+      f"{r['bit_exact_vs_xla_on_device']}"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)

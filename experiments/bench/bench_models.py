@@ -58,8 +58,9 @@ def measure(case, variant, bits, batch, key, steps, reference=None) -> dict:
       fns = variant_fns(case, variant, bits)
       args = (fns.params, fns.state, batch, key)
       logits = jax.jit(fns.forward)(*args)[0]
-      report = jact.residual_report(lambda p, s, b: fns.loss(p, s, b, key)[0], fns.params,
-                                    fns.state, batch)
+      report = jact.residual_report(
+        lambda p, s, b: fns.loss(p, s, b, key)[0], fns.params, fns.state, batch
+      )
       row["saved_bytes"] = report.total_bytes
       row["unnamed_bytes"] = _unnamed_bytes(report)
       start = time.perf_counter()
@@ -118,13 +119,17 @@ def format_row(r) -> str:
   ratio = lambda k: f"{r[k]:5.2f}x" if k in r else "     -"
   err = f"{r['grad_err']:.2e}" if "grad_err" in r else "       -"
   fwd = f"{r['fwd_diff']:.1e}" if "fwd_diff" in r else "      -"
-  return (f"{head} {fwd} {_mb(r['saved_bytes'])} ({ratio('saved_ratio')}) unnamed {_mb(r['unnamed_bytes'])}"
-          f" {_mb(r['temp_bytes'])} ({ratio('temp_ratio')}) {r['compile_s']:6.1f}s ({ratio('compile_ratio')})"
-          f" {r['step_s'] * 1e3:7.1f}ms ({ratio('step_ratio')}) {err}{'' if r['finite'] else ' NaN'}")
+  return (
+    f"{head} {fwd} {_mb(r['saved_bytes'])} ({ratio('saved_ratio')}) unnamed {_mb(r['unnamed_bytes'])}"
+    f" {_mb(r['temp_bytes'])} ({ratio('temp_ratio')}) {r['compile_s']:6.1f}s ({ratio('compile_ratio')})"
+    f" {r['step_s'] * 1e3:7.1f}ms ({ratio('step_ratio')}) {err}{'' if r['finite'] else ' NaN'}"
+  )
 
 
-HEADER = ("model           variant    bits fwd_diff saved MiB (ratio)  unnamed MiB temp MiB (ratio)"
-          "  compile (ratio)  step (ratio)  grad_err")
+HEADER = (
+  "model           variant    bits fwd_diff saved MiB (ratio)  unnamed MiB temp MiB (ratio)"
+  "  compile (ratio)  step (ratio)  grad_err"
+)
 
 
 def _row(rows, model, variant, bits):
@@ -143,8 +148,17 @@ def targets(rows) -> list[dict]:
     if r is None or (key == "finite" and "error" in r):  # a failed row is listed by its error
       return
     value = r.get(key)
-    out.append({"target": what, "model": model, "variant": variant, "bits": bits, key: value,
-                "met": bool(value is not None and test(value)), **({"error": r["error"]} if "error" in r else {})})
+    out.append(
+      {
+        "target": what,
+        "model": model,
+        "variant": variant,
+        "bits": bits,
+        key: value,
+        "met": bool(value is not None and test(value)),
+        **({"error": r["error"]} if "error" in r else {}),
+      }
+    )
 
   for model in TARGET_MODELS:
     for variant in ("convert", "compressed"):
@@ -155,10 +169,22 @@ def targets(rows) -> list[dict]:
       add("gradient error < 5% at 4 bits", model, variant, 4, "grad_err", lambda v: v < 5e-2)
   for r in rows:
     if r["variant"] != "plain":
-      add("compile time within 2x of plain", r["model"], r["variant"], r["bits"], "compile_ratio",
-          lambda v: v <= 2)
-      add("no NaN at any bit width where plain is finite", r["model"], r["variant"], r["bits"],
-          "finite", lambda v: v)
+      add(
+        "compile time within 2x of plain",
+        r["model"],
+        r["variant"],
+        r["bits"],
+        "compile_ratio",
+        lambda v: v <= 2,
+      )
+      add(
+        "no NaN at any bit width where plain is finite",
+        r["model"],
+        r["variant"],
+        r["bits"],
+        "finite",
+        lambda v: v,
+      )
   return out
 
 
@@ -169,7 +195,9 @@ def main(argv=None):
   parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
   parser.add_argument("--json", default=str(RESULTS / "bench_models.json"))
   args = parser.parse_args(argv)
-  run_meta = metadata.run_metadata("experiments.bench.bench_models", argv)  # the library as the run starts
+  run_meta = metadata.run_metadata(
+    "experiments.bench.bench_models", argv
+  )  # the library as the run starts
   bits_list = (8, 2) if args.quick else (8, 4, 2)
   steps = 1 if args.quick else 3
   print(HEADER, flush=True)
@@ -179,9 +207,13 @@ def main(argv=None):
   checks = targets(rows)
   print("\ntargets:")
   for t in checks:
-    value = {k: v for k, v in t.items() if k not in ("target", "model", "variant", "bits", "met", "error")}
-    print(f"  {'MET ' if t['met'] else 'MISS'} {t['target']:<48} {t['model']:<15} {t['variant']:<10} "
-          f"bits={t['bits']} {value}{' ' + t['error'][:80] if 'error' in t else ''}")
+    value = {
+      k: v for k, v in t.items() if k not in ("target", "model", "variant", "bits", "met", "error")
+    }
+    print(
+      f"  {'MET ' if t['met'] else 'MISS'} {t['target']:<48} {t['model']:<15} {t['variant']:<10} "
+      f"bits={t['bits']} {value}{' ' + t['error'][:80] if 'error' in t else ''}"
+    )
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps({"meta": run_meta, "rows": rows, "targets": checks}, indent=1) + "\n")

@@ -58,13 +58,18 @@ from experiments.lib import data as data_lib
 
 __all__ = ["Bench", "main"]
 
-POOL = 256          # real images kept on the device; batches repeat them
-REPEATS = 3         # timed blocks per config (median reported)
+POOL = 256  # real images kept on the device; batches repeat them
+REPEATS = 3  # timed blocks per config (median reported)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile times
 LEARNING_RATE = 1e-3  # small: the same batch is stepped on repeatedly, values stay finite
 KERNEL_OPS = ("quantize", "dequantize", "relu_mask")
-ENV_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-            "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_FLAGS", "JACT_DATA")
+ENV_VARS = (
+  "XLA_PYTHON_CLIENT_PREALLOCATE",
+  "XLA_PYTHON_CLIENT_MEM_FRACTION",
+  "XLA_PYTHON_CLIENT_ALLOCATOR",
+  "XLA_FLAGS",
+  "JACT_DATA",
+)
 
 
 def config_name(bits) -> str:
@@ -81,12 +86,15 @@ class Bench:
       self.arch["stage_sizes"] = tuple(args.stage_sizes)
     self.dtype = jnp.dtype(args.dtype)
     self.tx = optax.sgd(LEARNING_RATE, momentum=0.9)
-    self.dataset, self.pool_x, self.pool_y = data_lib.load_pool(args.dataset, args.image, self.dtype, POOL)
+    self.dataset, self.pool_x, self.pool_y = data_lib.load_pool(
+      args.dataset, args.image, self.dtype, POOL
+    )
     self.key = jax.random.key(1)  # the 'jact' stream; the step counter is folded in
     self.compiler_options = FAST_COMPILE if args.fast_compile else None
     self.host_state = self._init_state()
-    self.state_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                   self.host_state)
+    self.state_spec = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.host_state
+    )
 
   def model(self, bits):
     layers = models.plain_layers() if bits is None else models.jact_layers(bits)
@@ -97,8 +105,11 @@ class Bench:
     model = self.model(None)
     init = jax.jit(lambda k, x: model.init({"params": k}, x, train=False))
     variables = init(jax.random.key(0, impl="rbg"), self.pool_x[:1].astype(jnp.float32))
-    state = {"variables": variables, "opt": self.tx.init(variables["params"]),
-             "step": jnp.zeros((), jnp.int32)}
+    state = {
+      "variables": variables,
+      "opt": self.tx.init(variables["params"]),
+      "step": jnp.zeros((), jnp.int32),
+    }
     return jax.device_get(state)
 
   def step_fn(self, bits):
@@ -111,15 +122,21 @@ class Bench:
 
       def loss(params):
         params = jax.tree.map(lambda p: p.astype(dtype), params)
-        logits, updates = model.apply({**variables, "params": params}, x, train=True,
-                                      rngs={"jact": key}, mutable=["batch_stats"])
+        logits, updates = model.apply(
+          {**variables, "params": params},
+          x,
+          train=True,
+          rngs={"jact": key},
+          mutable=["batch_stats"],
+        )
         logits = logits.astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
 
       (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"])
       changes, opt = tx.update(grads, state["opt"], variables["params"])
-      stats = jax.tree.map(lambda new, old: new.astype(old.dtype), updates["batch_stats"],
-                           variables["batch_stats"])
+      stats = jax.tree.map(
+        lambda new, old: new.astype(old.dtype), updates["batch_stats"], variables["batch_stats"]
+      )
       new = {"params": optax.apply_updates(variables["params"], changes), "batch_stats": stats}
       return {"variables": new, "opt": opt, "step": state["step"] + 1}, value
 
@@ -130,8 +147,11 @@ class Bench:
     x = jax.ShapeDtypeStruct((batch, self.image, self.image, 3), self.dtype)
     y = jax.ShapeDtypeStruct((batch,), jnp.int32)
     t0 = time.perf_counter()
-    compiled = jax.jit(self.step_fn(bits), donate_argnums=0).lower(
-        self.state_spec, x, y, self.key).compile(self.compiler_options)
+    compiled = (
+      jax.jit(self.step_fn(bits), donate_argnums=0)
+      .lower(self.state_spec, x, y, self.key)
+      .compile(self.compiler_options)
+    )
     seconds = time.perf_counter() - t0
     return compiled, memory.compiled_memory_of(compiled), seconds
 
@@ -142,7 +162,7 @@ class Bench:
 
   def run(self, compiled, batch: int, warmup: int, steps: int, repeats: int):
     """Per-step seconds of `repeats` timed blocks of `steps` steps, and the last
-  loss (None when not finite)."""
+    loss (None when not finite)."""
     state = jax.device_put(self.host_state)
     x, y = self.batch(batch)
     loss = None
@@ -167,8 +187,14 @@ def kernel_name(bits) -> str | None:
 
 def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
   """Step time, images/s and memory of one model at one batch."""
-  row = {"config": config_name(bits), "bits": bits, "kernel": kernel_name(bits), "batch": batch,
-         "image": args.image, "dtype": args.dtype}
+  row = {
+    "config": config_name(bits),
+    "bits": bits,
+    "kernel": kernel_name(bits),
+    "batch": batch,
+    "image": args.image,
+    "dtype": args.dtype,
+  }
   try:
     compiled, mem, row["compile_s"] = bench.compile(bits, batch)
   except Exception as e:  # noqa: BLE001 - only out-of-memory is recorded, the rest re-raised
@@ -176,9 +202,13 @@ def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
       raise
     row["oom"] = True
     return row
-  row.update(temp_bytes=mem.temp_bytes, argument_bytes=mem.argument_bytes,
-             output_bytes=mem.output_bytes, alias_bytes=mem.alias_bytes,
-             needed_bytes=memory.needed_bytes(mem))
+  row.update(
+    temp_bytes=mem.temp_bytes,
+    argument_bytes=mem.argument_bytes,
+    output_bytes=mem.output_bytes,
+    alias_bytes=mem.alias_bytes,
+    needed_bytes=memory.needed_bytes(mem),
+  )
   before = memory.device_memory()
   try:
     times, row["loss"] = bench.run(compiled, batch, args.warmup, args.steps, REPEATS)
@@ -192,12 +222,21 @@ def throughput_row(bench: Bench, bits, batch: int, args) -> dict:
     gc.collect()
   after = memory.device_memory()
   med = statistics.median(times)
-  row.update(step_ms=1e3 * med, step_ms_min=1e3 * min(times), step_ms_max=1e3 * max(times),
-             step_ms_repeats=[1e3 * t for t in times], images_per_s=batch / med, oom=False,
-             loss_finite=row["loss"] is not None)
+  row.update(
+    step_ms=1e3 * med,
+    step_ms_min=1e3 * min(times),
+    step_ms_max=1e3 * max(times),
+    step_ms_repeats=[1e3 * t for t in times],
+    images_per_s=batch / med,
+    oom=False,
+    loss_finite=row["loss"] is not None,
+  )
   if after is not None:
-    row.update(peak_bytes_before=before["peak_bytes_in_use"],
-               peak_bytes_after=after["peak_bytes_in_use"], bytes_in_use_after=after["bytes_in_use"])
+    row.update(
+      peak_bytes_before=before["peak_bytes_in_use"],
+      peak_bytes_after=after["peak_bytes_in_use"],
+      bytes_in_use_after=after["bytes_in_use"],
+    )
   return row
 
 
@@ -205,8 +244,9 @@ def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
   """Predicted (compiled memory) and verified (run) largest batch of one model;
   `rows` (timed configs) give the compiled sizes of batches already compiled."""
   t0 = time.perf_counter()
-  cache = {r["batch"]: float(r["needed_bytes"]) for r in rows
-           if r["bits"] == bits and "needed_bytes" in r}
+  cache = {
+    r["batch"]: float(r["needed_bytes"]) for r in rows if r["bits"] == bits and "needed_bytes" in r
+  }
   compiles, kept = 0, {}  # kept: the executable of the largest fitting batch, reused to verify
 
   def need(b):
@@ -224,17 +264,28 @@ def search_row(bench: Bench, bits, args, limit: int, rows=()) -> dict:
         if not memory.is_oom(e):
           raise
         cache[b] = math.inf
-      print(f"  {config_name(bits)} batch {b}: needs {cache[b] / memory.MIB:.0f} MiB "
-            f"(limit {limit / memory.MIB:.0f} MiB)", flush=True)
+      print(
+        f"  {config_name(bits)} batch {b}: needs {cache[b] / memory.MIB:.0f} MiB "
+        f"(limit {limit / memory.MIB:.0f} MiB)",
+        flush=True,
+      )
     return cache[b], limit
 
   fits = lambda b: need(b)[0] <= limit
   start = args.search_start or (max(args.batches) if args.batches else 64)
   predicted = batch_search.largest_batch(fits, start, args.max_batch_search, need=need)
-  row = {"config": config_name(bits), "bits": bits, "kernel": kernel_name(bits),
-         "image": args.image, "dtype": args.dtype, "limit_bytes": limit,
-         "upper_bound": args.max_batch_search, "predicted_batch": predicted,
-         "predicted_needed_bytes": cache.get(predicted), "compiles": compiles}
+  row = {
+    "config": config_name(bits),
+    "bits": bits,
+    "kernel": kernel_name(bits),
+    "image": args.image,
+    "dtype": args.dtype,
+    "limit_bytes": limit,
+    "upper_bound": args.max_batch_search,
+    "predicted_batch": predicted,
+    "predicted_needed_bytes": cache.get(predicted),
+    "compiles": compiles,
+  }
   row.update(verify(bench, bits, predicted, kept.pop(predicted, None)))
   kept.clear()
   row["seconds"] = time.perf_counter() - t0
@@ -250,8 +301,13 @@ def verify(bench: Bench, bits, batch: int, compiled=None) -> dict:
       if compiled is None:
         compiled = bench.compile(bits, batch)[0]
       times, loss = bench.run(compiled, batch, warmup=1, steps=2, repeats=1)
-      return {"verified_batch": batch, "oom_batches": failed, "loss": loss,
-              "step_ms_rough": 1e3 * times[0], "images_per_s_rough": batch / times[0]}
+      return {
+        "verified_batch": batch,
+        "oom_batches": failed,
+        "loss": loss,
+        "step_ms_rough": 1e3 * times[0],
+        "images_per_s_rough": batch / times[0],
+      }
     except Exception as e:  # noqa: BLE001
       if not memory.is_oom(e):
         raise
@@ -267,7 +323,7 @@ def verify(bench: Bench, bits, batch: int, compiled=None) -> dict:
 def memory_limit(args) -> int | None:
   """Bytes the search may use: --memory-limit-gb, else the device's limit less what is in use."""
   if args.memory_limit_gb is not None:
-    return int(args.memory_limit_gb * 2 ** 30)
+    return int(args.memory_limit_gb * 2**30)
   gc.collect()
   mem = memory.device_memory()
   if not mem or not mem.get("bytes_limit"):
@@ -288,49 +344,82 @@ def add_ratios(rows: list[dict]) -> None:
 def progress_line(row: dict) -> str:
   if row.get("oom"):
     return f"{row['config']:8s} batch {row['batch']}: out of memory"
-  return (f"{row['config']:8s} batch {row['batch']}: {row['step_ms']:.1f} ms/step, "
-          f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / memory.MIB:.1f} MiB, "
-          f"loss {row['loss'] if row['loss'] is None else round(row['loss'], 3)}, "
-          f"compiled in {row['compile_s']:.0f} s")
+  return (
+    f"{row['config']:8s} batch {row['batch']}: {row['step_ms']:.1f} ms/step, "
+    f"{row['images_per_s']:.1f} img/s, temp {row['temp_bytes'] / memory.MIB:.1f} MiB, "
+    f"loss {row['loss'] if row['loss'] is None else round(row['loss'], 3)}, "
+    f"compiled in {row['compile_s']:.0f} s"
+  )
 
 
 def table(rows: list[dict], searches: list[dict]) -> str:
-  lines = [f"{'config':8s} {'kernel':>13s} {'batch':>6s} {'step ms':>9s} {'spread':>15s} "
-           f"{'img/s':>9s} {'ratio':>6s} {'temp MiB':>9s}"] if rows else []
+  lines = (
+    [
+      f"{'config':8s} {'kernel':>13s} {'batch':>6s} {'step ms':>9s} {'spread':>15s} "
+      f"{'img/s':>9s} {'ratio':>6s} {'temp MiB':>9s}"
+    ]
+    if rows
+    else []
+  )
   for r in rows:
     if r.get("oom"):
-      lines.append(f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d}  out of memory")
+      lines.append(
+        f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d}  out of memory"
+      )
       continue
     ratio = f"{r['throughput_ratio']:.2f}" if "throughput_ratio" in r else "-"
     spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
-    lines.append(f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d} "
-                 f"{r['step_ms']:9.1f} {spread:>15s} {r['images_per_s']:9.1f} {ratio:>6s} "
-                 f"{r['temp_bytes'] / memory.MIB:9.1f}")
+    lines.append(
+      f"{r['config']:8s} {str(r['kernel'] or '-'):>13s} {r['batch']:6d} "
+      f"{r['step_ms']:9.1f} {spread:>15s} {r['images_per_s']:9.1f} {ratio:>6s} "
+      f"{r['temp_bytes'] / memory.MIB:9.1f}"
+    )
   if searches:
-    lines += [""] * bool(rows) + [f"{'config':8s} {'predicted':>10s} {'verified':>9s} {'img/s':>9s} "
-              f"{'limit MiB':>10s} {'compiles':>9s}"]
+    lines += [""] * bool(rows) + [
+      f"{'config':8s} {'predicted':>10s} {'verified':>9s} {'img/s':>9s} "
+      f"{'limit MiB':>10s} {'compiles':>9s}"
+    ]
     for s in searches:
       rate = f"{s['images_per_s_rough']:.1f}" if "images_per_s_rough" in s else "-"
-      lines.append(f"{s['config']:8s} {s['predicted_batch']:10d} {s['verified_batch']:9d} "
-                   f"{rate:>9s} {s['limit_bytes'] / memory.MIB:10.0f} {s['compiles']:9d}")
+      lines.append(
+        f"{s['config']:8s} {s['predicted_batch']:10d} {s['verified_batch']:9d} "
+        f"{rate:>9s} {s['limit_bytes'] / memory.MIB:10.0f} {s['compiles']:9d}"
+      )
   return "\n".join(lines)
 
 
 def meta_block(args, argv, bench: Bench, limit) -> dict:
   return metadata.run_metadata(
-      "experiments.bench.bench_train_step", argv,
-      kernels={op: jact.kernels.select(op).name for op in KERNEL_OPS}, **{
-      "model": f"ResNet50 ({args.stem} stem)" + (
-          f", stages {args.stage_sizes}, width {args.width}"
-          if args.stage_sizes or args.width != 64 else ""), "image": args.image, "classes": args.classes,
-      "dtype": args.dtype, "dataset": bench.dataset, "pool_images": int(bench.pool_x.shape[0]),
-      "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)", "steps": args.steps,
-      "warmup": args.warmup, "repeats": REPEATS, "compiler_options": bench.compiler_options,
-      "search_limit_bytes": limit, "device_memory": memory.device_memory(),
+    "experiments.bench.bench_train_step",
+    argv,
+    kernels={op: jact.kernels.select(op).name for op in KERNEL_OPS},
+    **{
+      "model": f"ResNet50 ({args.stem} stem)"
+      + (
+        f", stages {args.stage_sizes}, width {args.width}"
+        if args.stage_sizes or args.width != 64
+        else ""
+      ),
+      "image": args.image,
+      "classes": args.classes,
+      "dtype": args.dtype,
+      "dataset": bench.dataset,
+      "pool_images": int(bench.pool_x.shape[0]),
+      "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)",
+      "steps": args.steps,
+      "warmup": args.warmup,
+      "repeats": REPEATS,
+      "compiler_options": bench.compiler_options,
+      "search_limit_bytes": limit,
+      "device_memory": memory.device_memory(),
       "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
-      "note": ("step time: median of the repeats of `steps` back-to-back steps (compile "
-               "excluded); temp/needed bytes: XLA memory analysis of the donated step; "
-               "peak_bytes_*: allocator peak over the whole process (cumulative)")})
+      "note": (
+        "step time: median of the repeats of `steps` back-to-back steps (compile "
+        "excluded); temp/needed bytes: XLA memory analysis of the donated step; "
+        "peak_bytes_*: allocator peak over the whole process (cumulative)"
+      ),
+    },
+  )
 
 
 def main(argv=None):
@@ -338,26 +427,56 @@ def main(argv=None):
   parser.add_argument("--image", type=int, default=224)
   parser.add_argument("--classes", type=int, default=1000)
   parser.add_argument("--stem", default="imagenet", choices=["imagenet", "cifar"])
-  parser.add_argument("--batches", nargs="*", type=int, default=[64, 128, 256],
-                      help="batch sizes to time (none: skip the timing)")
+  parser.add_argument(
+    "--batches",
+    nargs="*",
+    type=int,
+    default=[64, 128, 256],
+    help="batch sizes to time (none: skip the timing)",
+  )
   parser.add_argument("--bits", nargs="*", type=int, default=[4, 2])
-  parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
-                      help="include the plain Flax model")
+  parser.add_argument(
+    "--plain",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="include the plain Flax model",
+  )
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--max-batch-search", type=int, default=4096,
-                      help="upper bound of the largest-batch search (0: no search)")
-  parser.add_argument("--memory-limit-gb", type=float, default=None,
-                      help="memory limit for the search (default: the device's; required on CPU)")
-  parser.add_argument("--search-start", type=int, default=None,
-                      help="first batch the search tries (default: the largest timed batch, or 64)")
-  parser.add_argument("--stage-sizes", nargs="+", type=int, default=None,
-                      help="bottleneck blocks per stage (default ResNet-50's 3 4 6 3; smoke tests)")
+  parser.add_argument(
+    "--max-batch-search",
+    type=int,
+    default=4096,
+    help="upper bound of the largest-batch search (0: no search)",
+  )
+  parser.add_argument(
+    "--memory-limit-gb",
+    type=float,
+    default=None,
+    help="memory limit for the search (default: the device's; required on CPU)",
+  )
+  parser.add_argument(
+    "--search-start",
+    type=int,
+    default=None,
+    help="first batch the search tries (default: the largest timed batch, or 64)",
+  )
+  parser.add_argument(
+    "--stage-sizes",
+    nargs="+",
+    type=int,
+    default=None,
+    help="bottleneck blocks per stage (default ResNet-50's 3 4 6 3; smoke tests)",
+  )
   parser.add_argument("--width", type=int, default=64, help="channels of the first stage")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--dataset", default="auto", choices=list(data_lib.DATASETS))
-  parser.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=None,
-                      help=f"compile with {FAST_COMPILE} (default: on CPU only, for smoke tests)")
+  parser.add_argument(
+    "--fast-compile",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help=f"compile with {FAST_COMPILE} (default: on CPU only, for smoke tests)",
+  )
   parser.add_argument("--json", default="experiments/results/bench_train_step.json")
   args = parser.parse_args(argv)
   if args.steps < 1 or args.warmup < 0:

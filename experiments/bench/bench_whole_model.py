@@ -35,8 +35,10 @@ from jact._transforms.compressed import compressed
 
 __all__ = ["measure", "main"]
 
-SHAPES = {"relu_cnn": ((8, 16, 16, 32), dict(channels=32)),
-          "transformer": ((4, 128, 128), dict(dim=128, mlp=512))}
+SHAPES = {
+  "relu_cnn": ((8, 16, 16, 32), dict(channels=32)),
+  "transformer": ((4, 128, 128), dict(dim=128, mlp=512)),
+}
 
 
 def _losses(name: str, bits: int, depth: int, scanned: bool = False):
@@ -45,6 +47,7 @@ def _losses(name: str, bits: int, depth: int, scanned: bool = False):
   per_block = blocks.wrap_block(block, bits, "compressed")
 
   if scanned:  # params: one pytree with the layers stacked in front
+
     def stack(params, x):
       return jax.lax.scan(lambda x, p: (plain_block(p, x), None), x, params)[0]
 
@@ -52,6 +55,7 @@ def _losses(name: str, bits: int, depth: int, scanned: bool = False):
       step = lambda x, pi: (per_block(pi[0], x, jax.random.fold_in(key, pi[1])), None)
       return jnp.mean(jax.lax.scan(step, x, (params, jnp.arange(depth)))[0])
   else:
+
     def stack(params, x):
       for p in params:
         x = plain_block(p, x)
@@ -64,9 +68,11 @@ def _losses(name: str, bits: int, depth: int, scanned: bool = False):
 
   whole = compressed(stack, bits=bits, name="model")
 
-  return {"plain": lambda params, x, key: jnp.mean(stack(params, x)),
-          "whole": lambda params, x, key: jnp.mean(whole(params, x, key=key)),
-          "per_block": loss_per_block}
+  return {
+    "plain": lambda params, x, key: jnp.mean(stack(params, x)),
+    "whole": lambda params, x, key: jnp.mean(whole(params, x, key=key)),
+    "per_block": loss_per_block,
+  }
 
 
 def measure(name: str, bits: int = 2, depth: int = 8, scanned: bool = False) -> list[dict]:
@@ -82,11 +88,16 @@ def measure(name: str, bits: int = 2, depth: int = 8, scanned: bool = False) -> 
   for mode, loss in _losses(name, bits, depth, scanned).items():
     start = time.perf_counter()
     temp_bytes = jact.compiled_memory(jax.grad(loss), params, x, key).temp_bytes
-    rows.append({"stack": f"{name} {'scan' if scanned else 'x'}{depth}", "mode": mode,
-                 "bits": None if mode == "plain" else bits,
-                 "input_shape": list(x_shape),
-                 "temp_bytes": temp_bytes,
-                 "compile_seconds": round(time.perf_counter() - start, 1)})
+    rows.append(
+      {
+        "stack": f"{name} {'scan' if scanned else 'x'}{depth}",
+        "mode": mode,
+        "bits": None if mode == "plain" else bits,
+        "input_shape": list(x_shape),
+        "temp_bytes": temp_bytes,
+        "compile_seconds": round(time.perf_counter() - start, 1),
+      }
+    )
   by_mode = {r["mode"]: r["temp_bytes"] for r in rows}
   for r in rows:
     r["temp_reduction_vs_plain"] = round(by_mode["plain"] / max(r["temp_bytes"], 1), 2)
@@ -99,21 +110,28 @@ def main(argv=None):
   parser.add_argument("--bits", type=int, default=2)
   parser.add_argument("--stacks", nargs="+", default=list(SHAPES))
   parser.add_argument("--json", default=None)
-  parser.add_argument("--layouts", nargs="+", default=["unrolled", "scanned"],
-                      choices=["unrolled", "scanned"])
+  parser.add_argument(
+    "--layouts", nargs="+", default=["unrolled", "scanned"], choices=["unrolled", "scanned"]
+  )
   args = parser.parse_args(argv)
   rows = []
   for name in args.stacks:
-    for row in (r for layout in args.layouts
-                for r in measure(name, args.bits, scanned=layout == "scanned")):
-      print(f"{row['stack']:16s} {row['mode']:10s} temp {row['temp_bytes'] / 2**20:8.2f} MiB  "
-            f"x{row['temp_reduction_vs_plain']:5.2f} below plain  "
-            f"{row['temp_vs_per_block']:5.2f}x per-block  compile {row['compile_seconds']} s",
-            flush=True)
+    for row in (
+      r for layout in args.layouts for r in measure(name, args.bits, scanned=layout == "scanned")
+    ):
+      print(
+        f"{row['stack']:16s} {row['mode']:10s} temp {row['temp_bytes'] / 2**20:8.2f} MiB  "
+        f"x{row['temp_reduction_vs_plain']:5.2f} below plain  "
+        f"{row['temp_vs_per_block']:5.2f}x per-block  compile {row['compile_seconds']} s",
+        flush=True,
+      )
       rows.append(row)
   if args.json:
-    meta = metadata.run_metadata("experiments.bench.bench_whole_model", argv,
-                                  note="compile-only: temp bytes from XLA's memory analysis")
+    meta = metadata.run_metadata(
+      "experiments.bench.bench_whole_model",
+      argv,
+      note="compile-only: temp bytes from XLA's memory analysis",
+    )
     with open(args.json, "w") as f:
       json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -80,10 +80,13 @@ def compile_row(fn, args) -> dict:
   compiled = lowered.compile()
   seconds = time.process_time() - start
   hlo = compiled.as_text()
-  return {"compile_cpu_s": seconds,
-          "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
-          "fusions": hlo.count(" fusion("), "distinct_fusions": distinct_fusions(hlo),
-          "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes}
+  return {
+    "compile_cpu_s": seconds,
+    "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
+    "fusions": hlo.count(" fusion("),
+    "distinct_fusions": distinct_fusions(hlo),
+    "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes,
+  }
 
 
 @contextlib.contextmanager
@@ -101,8 +104,12 @@ def exact_residuals():
   """Every jact module's `compress_residual` returns the residual unchanged."""
   original = store.compress_residual
   keep = lambda x, *args, **kwargs: x
-  owners = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("jact")
-            and getattr(m, "compress_residual", None) is original]
+  owners = [
+    m
+    for m in list(sys.modules.values())
+    if getattr(m, "__name__", "").startswith("jact")
+    and getattr(m, "compress_residual", None) is original
+  ]
   with contextlib.ExitStack() as stack:
     for module in owners:
       stack.enter_context(patched(module, "compress_residual", keep))
@@ -126,6 +133,7 @@ def recording_quantize_calls(calls: list):
     def call(x, seed, *, bits, group_size, stochastic):
       calls.append((tuple(x.shape), jnp.dtype(x.dtype).name, bits, group_size, stochastic))
       return fn(x, seed, bits=bits, group_size=group_size, stochastic=stochastic)
+
     return call
 
   with patched(jact.kernels, "dispatch", recording):
@@ -136,9 +144,11 @@ def opaque_quantize(x, seed, *, bits, group_size, stochastic):
   """A `Packed` of the right shapes from an opaque host call (zeros)."""
   n = x.shape[0] if x.ndim else 1
   groups = -(-(x.size // max(n, 1)) // group_size)
-  shapes = (jax.ShapeDtypeStruct((n, groups, group_size * bits // 8), jnp.uint8),
-            jax.ShapeDtypeStruct((n, groups), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n, groups), jnp.bfloat16))
+  shapes = (
+    jax.ShapeDtypeStruct((n, groups, group_size * bits // 8), jnp.uint8),
+    jax.ShapeDtypeStruct((n, groups), jnp.bfloat16),
+    jax.ShapeDtypeStruct((n, groups), jnp.bfloat16),
+  )
   zeros = lambda *_: tuple(np.zeros(s.shape, s.dtype) for s in shapes)
   seed = jnp.uint32(0) if seed is None else seed
   data, minimum, scale = jax.pure_callback(zeros, shapes, x, seed)
@@ -156,8 +166,11 @@ def opaque_quantizers():
   """jact's quantize / dequantize kernels replaced by opaque host calls."""
   dispatch = jact.kernels.dispatch
   opaque = {"quantize": opaque_quantize, "dequantize": opaque_dequantize}
-  return patched(jact.kernels, "dispatch",
-                 lambda op, implementation=None, **kw: opaque.get(op) or dispatch(op, implementation, **kw))
+  return patched(
+    jact.kernels,
+    "dispatch",
+    lambda op, implementation=None, **kw: opaque.get(op) or dispatch(op, implementation, **kw),
+  )
 
 
 def gradient_program(case, bits: int):
@@ -182,19 +195,25 @@ def quantizer_programs(calls):
   one_seed = jax.ShapeDtypeStruct((), jnp.uint32)
 
   def constant_seeds(xs, seed):
-    return [quantize(x, rng.split_seed(seed, i), bits=b, group_size=g, stochastic=s)
-            for i, (x, (_, _, b, g, s)) in enumerate(zip(xs, calls))]
+    return [
+      quantize(x, rng.split_seed(seed, i), bits=b, group_size=g, stochastic=s)
+      for i, (x, (_, _, b, g, s)) in enumerate(zip(xs, calls))
+    ]
 
   def seed_parameters(xs, seeds):
-    return [quantize(x, seed, bits=b, group_size=g, stochastic=s)
-            for x, seed, (_, _, b, g, s) in zip(xs, seeds, calls)]
+    return [
+      quantize(x, seed, bits=b, group_size=g, stochastic=s)
+      for x, seed, (_, _, b, g, s) in zip(xs, seeds, calls)
+    ]
 
   def minimal(xs, seeds):
     return [minimal_quantize(x, seed, b, g) for x, seed, (_, _, b, g, _) in zip(xs, seeds, calls)]
 
-  return [("quantizers alone, constant seeds", constant_seeds, (inputs, one_seed)),
-          ("quantizers alone, seeds as parameters", seed_parameters, (inputs, [one_seed] * len(calls))),
-          ("minimal quantizers, seeds as parameters", minimal, (inputs, [one_seed] * len(calls)))]
+  return [
+    ("quantizers alone, constant seeds", constant_seeds, (inputs, one_seed)),
+    ("quantizers alone, seeds as parameters", seed_parameters, (inputs, [one_seed] * len(calls))),
+    ("minimal quantizers, seeds as parameters", minimal, (inputs, [one_seed] * len(calls))),
+  ]
 
 
 def main(argv=None):
@@ -204,7 +223,13 @@ def main(argv=None):
   parser.add_argument("--bits", type=int, default=4)
   parser.add_argument("--json", type=Path, default=paths.RESULTS / "compile_anatomy.json")
   args = parser.parse_args(argv)
-  case, info, rows = CASES[args.model], metadata.run_metadata("experiments.bench.compile_anatomy", argv, load_average_start=os.getloadavg()), []
+  case, info, rows = (
+    CASES[args.model],
+    metadata.run_metadata(
+      "experiments.bench.compile_anatomy", argv, load_average_start=os.getloadavg()
+    ),
+    [],
+  )
 
   def add(name, make, *contexts):
     with contextlib.ExitStack() as stack:
@@ -213,24 +238,40 @@ def main(argv=None):
       fn, fn_args = make()
       row = {"program": name, **compile_row(fn, fn_args)}
     rows.append(row)
-    print(f"{name:42s} compile {row['compile_cpu_s']:6.2f} CPU-s  HLO {row['hlo_instructions']:6d}"
-          f"  fusions {row['fusions']:4d} ({row['distinct_fusions']:4d} distinct)"
-          f"  temp {row['temp_bytes'] / 2**20:8.1f} MiB", flush=True)
+    print(
+      f"{name:42s} compile {row['compile_cpu_s']:6.2f} CPU-s  HLO {row['hlo_instructions']:6d}"
+      f"  fusions {row['fusions']:4d} ({row['distinct_fusions']:4d} distinct)"
+      f"  temp {row['temp_bytes'] / 2**20:8.1f} MiB",
+      flush=True,
+    )
 
   calls = []
   add("plain", lambda: gradient_program(case, None))
   add("jact", lambda: gradient_program(case, args.bits), recording_quantize_calls(calls))
   add("jact, exact residuals", lambda: gradient_program(case, args.bits), exact_residuals())
   add("jact, no CPU ordering", lambda: gradient_program(case, args.bits), no_cpu_ordering())
-  add("jact, exact residuals, no CPU ordering", lambda: gradient_program(case, args.bits),
-      exact_residuals(), no_cpu_ordering())
+  add(
+    "jact, exact residuals, no CPU ordering",
+    lambda: gradient_program(case, args.bits),
+    exact_residuals(),
+    no_cpu_ordering(),
+  )
   add("jact, opaque quantizers", lambda: gradient_program(case, args.bits), opaque_quantizers())
-  add("jact, opaque quantizers, no CPU ordering", lambda: gradient_program(case, args.bits),
-      opaque_quantizers(), no_cpu_ordering())
+  add(
+    "jact, opaque quantizers, no CPU ordering",
+    lambda: gradient_program(case, args.bits),
+    opaque_quantizers(),
+    no_cpu_ordering(),
+  )
   for name, fn, fn_args in quantizer_programs(calls):
     add(name, lambda fn=fn, fn_args=fn_args: (fn, fn_args))
-  info.update(model=args.model, bits=args.bits, quantize_calls=len(calls),
-              distinct_quantize_calls=len(set(calls)), load_average_end=os.getloadavg())
+  info.update(
+    model=args.model,
+    bits=args.bits,
+    quantize_calls=len(calls),
+    distinct_quantize_calls=len(set(calls)),
+    load_average_end=os.getloadavg(),
+  )
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps({"meta": info, "rows": rows}, indent=1) + "\n")
   print(f"{len(calls)} quantize calls ({len(set(calls))} distinct); wrote {args.json}")

@@ -49,13 +49,22 @@ from jact.kernels._quantize import pallas_triton as pergroup
 from jact.kernels._quantize.reference import quantize_reference
 from jact.kernels._relu_mask import pallas_triton as relu
 
-__all__ = ["TritonModule", "CompiledKernel", "KERNELS", "triton_modules", "compile_module",
-           "ptx_facts", "compile_kernel", "main"]
+__all__ = [
+  "TritonModule",
+  "CompiledKernel",
+  "KERNELS",
+  "triton_modules",
+  "compile_module",
+  "ptx_facts",
+  "compile_kernel",
+  "main",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonModule:
   """One `pallas_call`'s Triton IR (text) with its launch parameters."""
+
   name: str
   ir: str
   num_warps: int
@@ -65,12 +74,13 @@ class TritonModule:
 @dataclasses.dataclass(frozen=True)
 class CompiledKernel:
   """Static facts about one kernel compiled for the GPU."""
+
   name: str
   num_warps: int
   registers: int
   spill_bytes: int
   shared_bytes: int
-  loads: dict[str, int]    # PTX global load instruction -> count, e.g. {"ld.global.v4.b32": 8}
+  loads: dict[str, int]  # PTX global load instruction -> count, e.g. {"ld.global.v4.b32": 8}
   stores: dict[str, int]
   fused_multiply_adds: int  # float FMAs in the PTX plus multiply-add pairs ptxas may fuse
   approximate_divisions: int
@@ -81,7 +91,9 @@ class CompiledKernel:
     total = vector = 0
     for op, count in self.loads.items():
       lanes = re.search(r"\.v(\d)\.", op)
-      nbytes = count * (int(lanes.group(1)) if lanes else 1) * int(re.search(r"(\d+)$", op).group(1)) // 8
+      nbytes = (
+        count * (int(lanes.group(1)) if lanes else 1) * int(re.search(r"(\d+)$", op).group(1)) // 8
+      )
       total += nbytes
       vector += nbytes if lanes else 0
     return vector / total if total else 0.0
@@ -91,6 +103,7 @@ class CompiledKernel:
 def _capturing():
   """Collects the Triton module text of every pallas_call lowered inside."""
   from jax._src.pallas.triton import pallas_call_registration as registration
+
   lowering = registration.lowering
   original = lowering.lower_jaxpr_to_triton_module
   texts = []
@@ -121,10 +134,14 @@ def triton_modules(fn: Callable, *args) -> list[TritonModule]:
     hlo = _compat.lower_for_cuda(fn, *args).as_text()
   launches = _LAUNCH.findall(hlo)
   if len(launches) != len(texts):
-    raise RuntimeError(f"found {len(texts)} Triton modules but {len(launches)} launch configs; "
-                       "the pallas_call lowering changed, update `_LAUNCH`")
-  return [TritonModule(name, ir, int(warps), int(stages))
-          for ir, (name, stages, warps) in zip(texts, launches)]
+    raise RuntimeError(
+      f"found {len(texts)} Triton modules but {len(launches)} launch configs; "
+      "the pallas_call lowering changed, update `_LAUNCH`"
+    )
+  return [
+    TritonModule(name, ir, int(warps), int(stages))
+    for ir, (name, stages, warps) in zip(texts, launches)
+  ]
 
 
 _REG = r"(%[a-z]+\d+)"
@@ -146,12 +163,17 @@ def ptx_facts(ptx: str) -> dict:
     pairs += a in products or b in products
   pairs += len(re.findall(r"\bfma\.[\w.]*f32", ptx))
   approximate = len(re.findall(r"\bdiv\.(?:approx|full)[\w.]*f32", ptx))
-  return {"loads": dict(loads), "stores": dict(stores), "fused_multiply_adds": pairs,
-          "approximate_divisions": approximate}
+  return {
+    "loads": dict(loads),
+    "stores": dict(stores),
+    "fused_multiply_adds": pairs,
+    "approximate_divisions": approximate,
+  }
 
 
 def _cuobjdump() -> str:
   import triton
+
   path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
   if not os.path.exists(path):
     raise FileNotFoundError(f"no cuobjdump bundled with triton at {path}")
@@ -165,23 +187,35 @@ def compile_module(module: TritonModule, arch: int = 90) -> CompiledKernel:
   """
   import triton
   from triton.backends.compiler import GPUTarget
+
   with tempfile.TemporaryDirectory() as tmp:
     source = os.path.join(tmp, f"{module.name}.ttir")
     with open(source, "w") as f:
       f.write(module.ir)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": module.num_warps,
-                                       "num_stages": module.num_stages,
-                                       "enable_fp_fusion": True})
+    compiled = triton.compile(
+      source,
+      target=GPUTarget("cuda", arch, 32),
+      options={
+        "num_warps": module.num_warps,
+        "num_stages": module.num_stages,
+        "enable_fp_fusion": True,
+      },
+    )
     cubin = os.path.join(tmp, "kernel.cubin")
     with open(cubin, "wb") as f:
       f.write(compiled.asm["cubin"])
-    usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin],
-                           capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run(
+      [_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True, text=True, check=True
+    ).stdout
   resources = dict(re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", usage))
-  return CompiledKernel(module.name, module.num_warps, int(resources["REG"]),
-                        int(resources["LOCAL"]) + int(resources["STACK"]),
-                        int(resources["SHARED"]), **ptx_facts(compiled.asm["ptx"]))
+  return CompiledKernel(
+    module.name,
+    module.num_warps,
+    int(resources["REG"]),
+    int(resources["LOCAL"]) + int(resources["STACK"]),
+    int(resources["SHARED"]),
+    **ptx_facts(compiled.asm["ptx"]),
+  )
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -194,21 +228,26 @@ def _spec(shape, dtype=jnp.float32):
 
 
 def _quantize(bits, dtype=jnp.float32, shape=(256, 12544), group=256, stochastic=True):
-  fn = functools.partial(pergroup.quantize, bits=bits, group_size=group, stochastic=stochastic,
-                         interpret=False)
+  fn = functools.partial(
+    pergroup.quantize, bits=bits, group_size=group, stochastic=stochastic, interpret=False
+  )
   return (lambda x, s: fn(x, s)) if stochastic else (lambda x: fn(x, None)), (
-      (_spec(shape, dtype), _SEED) if stochastic else (_spec(shape, dtype),))
+    (_spec(shape, dtype), _SEED) if stochastic else (_spec(shape, dtype),)
+  )
 
 
 def _dequantize(bits, dtype=jnp.float32, shape=(256, 12544), group=256):
-  packed = jax.eval_shape(lambda x: quantize_reference(x, jnp.uint32(0), bits=bits,
-                                                       group_size=group), _spec(shape, dtype))
+  packed = jax.eval_shape(
+    lambda x: quantize_reference(x, jnp.uint32(0), bits=bits, group_size=group), _spec(shape, dtype)
+  )
   return lambda p: pergroup.dequantize(p, dtype, interpret=False), (packed,)
 
 
 def _relu(dtype=jnp.float32, slope=None):
-  return (lambda x: relu.relu_mask(x, negative_slope=slope, interpret=False),
-          (_spec((64, 56, 56, 64), dtype),))
+  return (
+    lambda x: relu.relu_mask(x, negative_slope=slope, interpret=False),
+    (_spec((64, 56, 56, 64), dtype),),
+  )
 
 
 _PER_SAMPLE = dict(shape=(64, 50176), group=256)
@@ -217,40 +256,52 @@ _PER_SAMPLE = dict(shape=(64, 50176), group=256)
 def _quantize_per_sample(dtype=jnp.float32):
   n, d = _PER_SAMPLE["shape"]
   kw = dict(capacity_bytes=n * d // 2, group_size=_PER_SAMPLE["group"], interpret=False)
-  return (lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw),
-          (_spec((n, d), dtype), _spec((n,), jnp.int32), _SEED))
+  return (
+    lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw),
+    (_spec((n, d), dtype), _spec((n,), jnp.int32), _SEED),
+  )
 
 
 def _dequantize_per_sample(dtype=jnp.float32):
   n, d = _PER_SAMPLE["shape"]
-  packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(
-      x, b, capacity_bytes=n * d // 2, group_size=_PER_SAMPLE["group"], seed=None),
-      _spec((n, d), dtype), _spec((n,), jnp.int32))
+  packed = jax.eval_shape(
+    lambda x, b: quantize_per_sample_reference(
+      x, b, capacity_bytes=n * d // 2, group_size=_PER_SAMPLE["group"], seed=None
+    ),
+    _spec((n, d), dtype),
+    _spec((n,), jnp.int32),
+  )
   return lambda p: persample.dequantize_per_sample(p, dtype, interpret=False), (packed,)
 
 
 def _division(shape, block=8, bits=2, group=256, dtype=jnp.float32):
-  fn = functools.partial(division.division_compress, block=block, bits=bits, group_size=group,
-                         lfc_dtype=jnp.bfloat16, interpret=False)
+  fn = functools.partial(
+    division.division_compress,
+    block=block,
+    bits=bits,
+    group_size=group,
+    lfc_dtype=jnp.bfloat16,
+    interpret=False,
+  )
   return (lambda x, s: fn(x, s)), (_spec(shape, dtype), _SEED)
 
 
 KERNELS: dict[str, Callable[[], tuple[Callable, tuple]]] = {
-    **{f"quantize {b}-bit f32": functools.partial(_quantize, b) for b in (1, 2, 4, 8)},
-    "quantize 2-bit bf16": functools.partial(_quantize, 2, jnp.bfloat16),
-    "quantize 2-bit f32 nearest": functools.partial(_quantize, 2, stochastic=False),
-    "quantize 2-bit f32 group 112": functools.partial(_quantize, 2, shape=(256, 784), group=112),
-    "quantize 2-bit f32 group 100": functools.partial(_quantize, 2, shape=(256, 3000), group=100),
-    **{f"dequantize {b}-bit f32": functools.partial(_dequantize, b) for b in (1, 2, 4, 8)},
-    "dequantize 2-bit bf16": functools.partial(_dequantize, 2, jnp.bfloat16),
-    "relu mask f32": _relu,
-    "relu mask bf16": functools.partial(_relu, jnp.bfloat16),
-    "leaky relu mask f32": functools.partial(_relu, slope=0.2),
-    "quantize per sample f32": _quantize_per_sample,
-    "quantize per sample bf16": functools.partial(_quantize_per_sample, jnp.bfloat16),
-    "dequantize per sample f32": _dequantize_per_sample,
-    "division fused 2-bit": functools.partial(_division, (64, 56, 56, 64)),
-    "division pool + residual 2-bit 3-D": functools.partial(_division, (8, 8, 16, 16, 32), block=4),
+  **{f"quantize {b}-bit f32": functools.partial(_quantize, b) for b in (1, 2, 4, 8)},
+  "quantize 2-bit bf16": functools.partial(_quantize, 2, jnp.bfloat16),
+  "quantize 2-bit f32 nearest": functools.partial(_quantize, 2, stochastic=False),
+  "quantize 2-bit f32 group 112": functools.partial(_quantize, 2, shape=(256, 784), group=112),
+  "quantize 2-bit f32 group 100": functools.partial(_quantize, 2, shape=(256, 3000), group=100),
+  **{f"dequantize {b}-bit f32": functools.partial(_dequantize, b) for b in (1, 2, 4, 8)},
+  "dequantize 2-bit bf16": functools.partial(_dequantize, 2, jnp.bfloat16),
+  "relu mask f32": _relu,
+  "relu mask bf16": functools.partial(_relu, jnp.bfloat16),
+  "leaky relu mask f32": functools.partial(_relu, slope=0.2),
+  "quantize per sample f32": _quantize_per_sample,
+  "quantize per sample bf16": functools.partial(_quantize_per_sample, jnp.bfloat16),
+  "dequantize per sample f32": _dequantize_per_sample,
+  "division fused 2-bit": functools.partial(_division, (64, 56, 56, 64)),
+  "division pool + residual 2-bit 3-D": functools.partial(_division, (8, 8, 16, 16, 32), block=4),
 }
 
 
@@ -262,8 +313,10 @@ def compile_kernel(kernel: str, arch: int = 90) -> list[CompiledKernel]:
 
 def _row(kernel: str, c: CompiledKernel) -> str:
   loads = " ".join(f"{k.removeprefix('ld.global.')}x{v}" for k, v in sorted(c.loads.items()))
-  return (f"{kernel:34s} {c.name:28s} {c.registers:5d} {c.spill_bytes:6d} {c.shared_bytes:7d}  "
-          f"{c.fused_multiply_adds:3d} {c.approximate_divisions:3d}  {loads}")
+  return (
+    f"{kernel:34s} {c.name:28s} {c.registers:5d} {c.spill_bytes:6d} {c.shared_bytes:7d}  "
+    f"{c.fused_multiply_adds:3d} {c.approximate_divisions:3d}  {loads}"
+  )
 
 
 def main(argv=None):
@@ -272,15 +325,19 @@ def main(argv=None):
   parser.add_argument("--json", default="experiments/results/compile_kernels.json")
   args = parser.parse_args(argv)
   import triton
+
   rows = []
-  print(f"{'kernel':34s} {'pallas_call':28s} {'regs':>5s} {'spill':>6s} {'shared':>7s}  "
-        f"fma div  global loads (PTX, per thread)")
+  print(
+    f"{'kernel':34s} {'pallas_call':28s} {'regs':>5s} {'spill':>6s} {'shared':>7s}  "
+    f"fma div  global loads (PTX, per thread)"
+  )
   for kernel in KERNELS:
     for c in compile_kernel(kernel, args.arch):
       print(_row(kernel, c), flush=True)
       rows.append({"kernel": kernel, **dataclasses.asdict(c)})
-  meta = metadata.run_metadata("experiments.bench.compile_kernels", argv,
-                                target=f"sm_{args.arch}a", triton=triton.__version__)
+  meta = metadata.run_metadata(
+    "experiments.bench.compile_kernels", argv, target=f"sm_{args.arch}a", triton=triton.__version__
+  )
   if args.json:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

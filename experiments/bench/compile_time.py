@@ -74,13 +74,17 @@ def measure_program(fn, args, step: bool = False) -> dict:
   compiled = lowered.compile()
   done, cpu_done = time.perf_counter(), time.process_time()
   hlo = compiled.as_text()
-  row = {"trace_s": traced_at - start, "lower_s": lowered_at - traced_at,
-         "compile_s": done - lowered_at, "compile_cpu_s": cpu_done - cpu_start,
-         "jaxpr_eqns": count_eqns(traced.jaxpr.jaxpr),
-         "stablehlo_lines": lowered.as_text().count("\n"),
-         "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
-         "fusions": hlo.count(" fusion("),
-         "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes}
+  row = {
+    "trace_s": traced_at - start,
+    "lower_s": lowered_at - traced_at,
+    "compile_s": done - lowered_at,
+    "compile_cpu_s": cpu_done - cpu_start,
+    "jaxpr_eqns": count_eqns(traced.jaxpr.jaxpr),
+    "stablehlo_lines": lowered.as_text().count("\n"),
+    "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
+    "fusions": hlo.count(" fusion("),
+    "temp_bytes": memory.compiled_memory_of(compiled).temp_bytes,
+  }
   if step:
     row["step_s"] = timing.median_seconds(compiled, *args, calls=5)
   return row
@@ -88,7 +92,9 @@ def measure_program(fn, args, step: bool = False) -> dict:
 
 def measure_once(case, variant: str, bits: int | None, batch, key, step: bool = False) -> dict:
   fns = variant_fns(case, variant, bits)
-  return measure_program(jax.grad(fns.loss, has_aux=True), (fns.params, fns.state, batch, key), step)
+  return measure_program(
+    jax.grad(fns.loss, has_aux=True), (fns.params, fns.state, batch, key), step
+  )
 
 
 def _rows_of(label: dict, run, repeat: int) -> dict:
@@ -105,8 +111,11 @@ def _rows_of(label: dict, run, repeat: int) -> dict:
 
 def measure(case, variant: str, bits: int | None, repeat: int, step: bool = False) -> dict:
   batch, key = case.batch(0), jax.random.key(1)
-  return _rows_of({"model": case.name, "framework": case.framework, "variant": variant, "bits": bits},
-                  lambda: measure_once(case, variant, bits, batch, key, step), repeat)
+  return _rows_of(
+    {"model": case.name, "framework": case.framework, "variant": variant, "bits": bits},
+    lambda: measure_once(case, variant, bits, batch, key, step),
+    repeat,
+  )
 
 
 def stack_programs(bits: int, depth: int = 8) -> dict:
@@ -115,6 +124,7 @@ def stack_programs(bits: int, depth: int = 8) -> dict:
   around each block ("per_block") and around the whole stack ("compressed").
   Compile-only: arguments are ShapeDtypeStructs."""
   import jact
+
   block, make_params, shape = blocks.BLOCKS["transformer"]
   params = [make_params() for _ in range(depth)]
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -126,13 +136,20 @@ def stack_programs(bits: int, depth: int = 8) -> dict:
       for i, p in enumerate(params):
         x = block_fn(p, x, jax.random.fold_in(key, i))
       return jnp.mean(x * x)
+
     return loss
 
-  whole = jact.compressed(lambda params, x: stack(plain_block)(params, x, key), bits=bits,
-                          name="stack", compress_argnums=(1,))
-  losses = {"plain": stack(plain_block),
-            "per_block": stack(blocks.wrap_block(block, bits, "compressed")),
-            "compressed": lambda params, x, key: whole(params, x, key=key)}
+  whole = jact.compressed(
+    lambda params, x: stack(plain_block)(params, x, key),
+    bits=bits,
+    name="stack",
+    compress_argnums=(1,),
+  )
+  losses = {
+    "plain": stack(plain_block),
+    "per_block": stack(blocks.wrap_block(block, bits, "compressed")),
+    "compressed": lambda params, x, key: whole(params, x, key=key),
+  }
   return {name: (jax.grad(loss), (params, x, key)) for name, loss in losses.items()}
 
 
@@ -144,38 +161,65 @@ def resnet50_programs(bits: int, batch: int = 8, image: int = 224) -> dict:
 
   import jact
   from experiments.lib import models
+
   model = models.ResNet50(num_classes=1000, layers=models.plain_layers())
   x = jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32)
   y = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, image, image, 3)),
-                                                train=False))
+  variables = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), jnp.zeros((1, image, image, 3)), train=False)
+  )
 
   def loss_of(net):
     def loss(params, batch_stats, x, y, key):
-      logits, _ = net.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                            rngs={"jact": key}, mutable=["batch_stats"])
+      logits, _ = net.apply(
+        {"params": params, "batch_stats": batch_stats},
+        x,
+        train=True,
+        rngs={"jact": key},
+        mutable=["batch_stats"],
+      )
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
     return jax.grad(loss)
 
   args = (variables["params"], variables["batch_stats"], x, y, jax.random.key(1))
-  return {"plain": (loss_of(model), args), "convert": (loss_of(jact.convert(model, bits=bits)), args)}
+  return {
+    "plain": (loss_of(model), args),
+    "convert": (loss_of(jact.convert(model, bits=bits)), args),
+  }
 
 
 def with_ratios(row, plain) -> dict:
   if "error" not in row and "error" not in plain:
-    for k in ("trace_s", "lower_s", "compile_s", "compile_cpu_s", "fusions", "stablehlo_lines",
-              "hlo_instructions", "jaxpr_eqns", "step_s"):
+    for k in (
+      "trace_s",
+      "lower_s",
+      "compile_s",
+      "compile_cpu_s",
+      "fusions",
+      "stablehlo_lines",
+      "hlo_instructions",
+      "jaxpr_eqns",
+      "step_s",
+    ):
       if k in row and k in plain:
         row[k.removesuffix("_s") + "_ratio"] = row[k] / max(plain[k], 1e-9)
   return row
 
 
 def _print(r) -> None:
-  figures = ("error: " + r["error"]) if "error" in r else (
+  figures = (
+    ("error: " + r["error"])
+    if "error" in r
+    else (
       f"trace {r['trace_s']:6.2f}s lower {r['lower_s']:5.2f}s compile {r['compile_s']:6.2f}s"
       f" (cpu {r['compile_cpu_s']:6.2f}s, x{r.get('compile_cpu_ratio', 1):.1f})"
       f" fusions {r['fusions']:5d} eqns {r['jaxpr_eqns']:6d}"
-      + (f" step {r['step_s'] * 1e3:8.1f}ms (x{r.get('step_ratio', 1):.2f})" if "step_s" in r else ""))
+      + (
+        f" step {r['step_s'] * 1e3:8.1f}ms (x{r.get('step_ratio', 1):.2f})" if "step_s" in r else ""
+      )
+    )
+  )
   print(f"{r['model']:15s} {r['variant']:10s} {figures}", flush=True)
 
 
@@ -183,20 +227,35 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS), choices=sorted(CASES))
-  parser.add_argument("--variants", nargs="+", default=["convert", "compressed"],
-                      choices=["convert", "compressed"])
+  parser.add_argument(
+    "--variants", nargs="+", default=["convert", "compressed"], choices=["convert", "compressed"]
+  )
   parser.add_argument("--bits", type=int, default=2)
   parser.add_argument("--repeat", type=int, default=1)
-  parser.add_argument("--step", action="store_true",
-                      help="also time the compiled gradient on the zoo models' real batches")
-  parser.add_argument("--stack", action="store_true",
-                      help="add the 8-block transformer stack: plain, per-block and whole "
-                           "jact.compressed (compile-only)")
-  parser.add_argument("--resnet50", action="store_true",
-                      help="add ResNet-50 at 224x224, batch 8: plain and jact.convert (compile-only)")
+  parser.add_argument(
+    "--step",
+    action="store_true",
+    help="also time the compiled gradient on the zoo models' real batches",
+  )
+  parser.add_argument(
+    "--stack",
+    action="store_true",
+    help="add the 8-block transformer stack: plain, per-block and whole "
+    "jact.compressed (compile-only)",
+  )
+  parser.add_argument(
+    "--resnet50",
+    action="store_true",
+    help="add ResNet-50 at 224x224, batch 8: plain and jact.convert (compile-only)",
+  )
   parser.add_argument("--json", type=Path, default=RESULTS / "compile_time.json")
   args = parser.parse_args(argv)
-  info, rows = metadata.run_metadata("experiments.bench.compile_time", argv, load_average_start=os.getloadavg()), []
+  info, rows = (
+    metadata.run_metadata(
+      "experiments.bench.compile_time", argv, load_average_start=os.getloadavg()
+    ),
+    [],
+  )
   for name in args.models:
     case = CASES[name]
     plain = measure(case, "plain", None, args.repeat, args.step)
@@ -206,13 +265,21 @@ def main(argv=None):
       rows.append(with_ratios(measure(case, variant, args.bits, args.repeat, args.step), plain))
       _print(rows[-1])
   groups = ([("transformer_stack_x8", stack_programs)] if args.stack else []) + (
-      [("resnet50_224", resnet50_programs)] if args.resnet50 else [])
+    [("resnet50_224", resnet50_programs)] if args.resnet50 else []
+  )
   for model, programs in groups:
     plain = None
     for variant, (fn, fn_args) in programs(args.bits).items():
-      row = _rows_of({"model": model, "framework": "jax" if "stack" in model else "linen",
-                      "variant": variant, "bits": None if variant == "plain" else args.bits},
-                     lambda fn=fn, fn_args=fn_args: measure_program(fn, fn_args), args.repeat)
+      row = _rows_of(
+        {
+          "model": model,
+          "framework": "jax" if "stack" in model else "linen",
+          "variant": variant,
+          "bits": None if variant == "plain" else args.bits,
+        },
+        lambda fn=fn, fn_args=fn_args: measure_program(fn, fn_args),
+        args.repeat,
+      )
       plain = row if plain is None else plain
       rows.append(row if row is plain else with_ratios(row, plain))
       _print(rows[-1])

@@ -55,12 +55,18 @@ def largest_errors(params, error, exact, top: int = 4) -> list[dict]:
   rows, start = [], 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     stop = start + leaf.size
-    rows.append({"param": jax.tree_util.keystr(path),
-                 "error_share": float(jnp.sum(error[start:stop]**2)) / total_error,
-                 "gradient_share": float(jnp.sum(exact[start:stop]**2)) / total_exact})
+    rows.append(
+      {
+        "param": jax.tree_util.keystr(path),
+        "error_share": float(jnp.sum(error[start:stop] ** 2)) / total_error,
+        "gradient_share": float(jnp.sum(exact[start:stop] ** 2)) / total_exact,
+      }
+    )
     start = stop
   rows.sort(key=lambda r: -r["error_share"])
-  return [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:top]]
+  return [
+    {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:top]
+  ]
 
 
 def measure(case, variant: str, bits: int, batch, exact, draws: int) -> dict:
@@ -91,21 +97,29 @@ def format_row(r: dict) -> str:
   head = f"{r['model']:15s} {r['variant']:10s} {r['bits']:>2} bits"
   if "error" in r:
     return f"{head}  FAILED {r['error'][:100]}"
-  met = "" if "met" not in r else ("  target met" if r["met"] else f"  target {r['target']:.1%} NOT met")
+  met = (
+    ""
+    if "met" not in r
+    else ("  target met" if r["met"] else f"  target {r['target']:.1%} NOT met")
+  )
   top = r["largest_errors"][0]
-  return (f"{head}  single {r['single']:7.2%}  mean of {r['draws']} {r['mean']:7.2%}  "
-          f"finite {r['finite']}  compile {r['compile_s']:.0f}s{met}\n"
-          f"{'':26s}largest error: {top['param']} ({top['error_share']:.0%} of the error, "
-          f"{top['gradient_share']:.0%} of the gradient)")
+  return (
+    f"{head}  single {r['single']:7.2%}  mean of {r['draws']} {r['mean']:7.2%}  "
+    f"finite {r['finite']}  compile {r['compile_s']:.0f}s{met}\n"
+    f"{'':26s}largest error: {top['param']} ({top['error_share']:.0%} of the error, "
+    f"{top['gradient_share']:.0%} of the gradient)"
+  )
 
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--models", nargs="+", default=["resnet18", "transformer_lm"],
-                      choices=sorted(zoo_data.DATA))
-  parser.add_argument("--variants", nargs="+", default=["compressed", "convert"],
-                      choices=["compressed", "convert"])
+  parser.add_argument(
+    "--models", nargs="+", default=["resnet18", "transformer_lm"], choices=sorted(zoo_data.DATA)
+  )
+  parser.add_argument(
+    "--variants", nargs="+", default=["compressed", "convert"], choices=["compressed", "convert"]
+  )
   parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 2])
   parser.add_argument("--draws", type=int, default=8)
   parser.add_argument("--json", default=str(RESULTS / "grad_error.json"))

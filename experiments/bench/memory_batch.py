@@ -123,16 +123,34 @@ from experiments.lib.blockwise import (
 )
 from experiments.lib.notebook_support import memory_batch_plot as plot
 
-__all__ = ["MODELS", "METHODS", "MEASURES", "Config", "FULL", "SMALL", "block_method",
-           "resnet_blockwise_logits", "lm_blockwise_logits", "init_params", "real_batch",
-           "loss_fn", "train_step", "measure_probe", "time_methods",
-           "offload_support", "describe", "run", "plot",
-           "summary", "main"]
+__all__ = [
+  "MODELS",
+  "METHODS",
+  "MEASURES",
+  "Config",
+  "FULL",
+  "SMALL",
+  "block_method",
+  "resnet_blockwise_logits",
+  "lm_blockwise_logits",
+  "init_params",
+  "real_batch",
+  "loss_fn",
+  "train_step",
+  "measure_probe",
+  "time_methods",
+  "offload_support",
+  "describe",
+  "run",
+  "plot",
+  "summary",
+  "main",
+]
 
 MODULE = "experiments.bench.memory_batch"
 ROOT = paths.ROOT
 RESULTS = ROOT / "experiments" / "results"
-STEPS = 2                # train steps per memory probe
+STEPS = 2  # train steps per memory probe
 MIB = memory.MIB
 MEASURES = ("step_mib", "with_program_mib")
 
@@ -176,8 +194,9 @@ def _run_steps(step, params, opt_state, batch, steps: int, first: int = 0):
   return params, opt_state, value
 
 
-def measure_probe(model: str, method: str, params, batch, config: Config,
-                  steps: int = STEPS) -> dict:
+def measure_probe(
+  model: str, method: str, params, batch, config: Config, steps: int = STEPS
+) -> dict:
   """Step memory of `steps` train steps of `model` under `method` on `batch`
   (numpy arrays), measured in this process: run it in a fresh one."""
   t0 = time.perf_counter()
@@ -186,7 +205,9 @@ def measure_probe(model: str, method: str, params, batch, config: Config,
   step = train_step(loss_fn(model, method, config), optimizer())
   key = jax.random.key(0)
   estimate = jact.compiled_memory(step, params, opt_state, batch, key)
-  compiled = jax.jit(step).lower(params, opt_state, batch, key).compile()  # jit's cache: no recompile
+  compiled = (
+    jax.jit(step).lower(params, opt_state, batch, key).compile()
+  )  # jit's cache: no recompile
   rss_compiled = _settle_rss()
   device_compiled = _device_bytes("bytes_in_use")
   compile_s = time.perf_counter() - t0
@@ -195,24 +216,37 @@ def measure_probe(model: str, method: str, params, batch, config: Config,
   loss = float(_run_steps(compiled, params, opt_state, batch, steps)[2])
   run_s = time.perf_counter() - t1
   peak = _proc_status_mib("VmHWM")
-  row = {"batch": len(batch[0]), "steps": steps, "measure": "rss",
-         "step_mib": peak - rss_compiled, "with_program_mib": peak - rss_before,
-         "program_mib": rss_compiled - rss_before, "peak_rss_steps_mib": peak,
-         "rss_before_compile_mib": rss_before, "rss_after_compile_mib": rss_compiled,
-         "compiled_step_mib": (estimate.temp_bytes + estimate.output_bytes) / MIB,
-         "compiled_temp_mib": estimate.temp_bytes / MIB,
-         "compiled_needed_mib": memory.needed_bytes(estimate) / MIB,
-         "loss": loss if math.isfinite(loss) else None,
-         "compile_s": compile_s, "run_s": run_s}
+  row = {
+    "batch": len(batch[0]),
+    "steps": steps,
+    "measure": "rss",
+    "step_mib": peak - rss_compiled,
+    "with_program_mib": peak - rss_before,
+    "program_mib": rss_compiled - rss_before,
+    "peak_rss_steps_mib": peak,
+    "rss_before_compile_mib": rss_before,
+    "rss_after_compile_mib": rss_compiled,
+    "compiled_step_mib": (estimate.temp_bytes + estimate.output_bytes) / MIB,
+    "compiled_temp_mib": estimate.temp_bytes / MIB,
+    "compiled_needed_mib": memory.needed_bytes(estimate) / MIB,
+    "loss": loss if math.isfinite(loss) else None,
+    "compile_s": compile_s,
+    "run_s": run_s,
+  }
   device_peak = _device_bytes("peak_bytes_in_use")
   if device_peak is not None:  # an accelerator: its allocator, not the host's RSS, holds the step
-    row.update(measure="device", step_mib=(device_peak - (device_compiled or 0)) / MIB,
-               device_peak_mib=device_peak / MIB, with_program_mib=None)
+    row.update(
+      measure="device",
+      step_mib=(device_peak - (device_compiled or 0)) / MIB,
+      device_peak_mib=device_peak / MIB,
+      with_program_mib=None,
+    )
   return row
 
 
-def time_methods(model: str, methods, params, batch, config: Config, steps: int,
-                 warmup: int = 2) -> dict:
+def time_methods(
+  model: str, methods, params, batch, config: Config, steps: int, warmup: int = 2
+) -> dict:
   """Per-step seconds of each method on the same batch, in this process: every
   method compiled and warmed up, then `steps` rounds of one step per method."""
   runs, compile_s = {}, {}
@@ -230,9 +264,15 @@ def time_methods(model: str, methods, params, batch, config: Config, steps: int,
       t0 = time.perf_counter()
       runs[method][1:3] = _run_steps(step, p, o, b, 1, first=warmup + i)[:2]
       times[method].append(time.perf_counter() - t0)
-  rows = {m: {"median_ms": 1e3 * statistics.median(t), "min_ms": 1e3 * min(t),
-              "max_ms": 1e3 * max(t), "compile_and_warmup_s": compile_s[m]}
-          for m, t in times.items()}
+  rows = {
+    m: {
+      "median_ms": 1e3 * statistics.median(t),
+      "min_ms": 1e3 * min(t),
+      "max_ms": 1e3 * max(t),
+      "compile_and_warmup_s": compile_s[m],
+    }
+    for m, t in times.items()
+  }
   if "plain" in rows:
     for row in rows.values():
       row["ratio_vs_plain"] = row["median_ms"] / rows["plain"]["median_ms"]
@@ -247,20 +287,29 @@ def offload_support() -> dict:
   block under the policy is compiled and differentiated; on CPU, where
   'pinned_host' is the same RAM as the device, it is unsupported either way."""
   backend = jax.default_backend()
-  block = jax.checkpoint(jact.compressed(lambda w, x: jnp.tanh(x @ w), bits=CHECKPOINT_BITS,
-                                         name="probe"), policy=jact.offload_compressed())
+  block = jax.checkpoint(
+    jact.compressed(lambda w, x: jnp.tanh(x @ w), bits=CHECKPOINT_BITS, name="probe"),
+    policy=jact.offload_compressed(),
+  )
   loss = lambda w, x: block(w, x, key=jax.random.key(0)).sum()
   try:
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=1))(jnp.eye(64), jnp.ones((8, 64))))
   except Exception as e:  # noqa: BLE001 - the platform's answer is the result
-    return {"supported": False,
-            "reason": f"unsupported on {backend}: {type(e).__name__}: {str(e).splitlines()[0]}"}
+    return {
+      "supported": False,
+      "reason": f"unsupported on {backend}: {type(e).__name__}: {str(e).splitlines()[0]}",
+    }
   if backend == "cpu":
     kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
-    return {"supported": False, "probe": "compiled and ran",
-            "reason": (f"unsupported on cpu: the policy compiles and runs, but the CPU device's "
-                       f"memories {kinds} are all the same RAM, so offloading cannot lower the "
-                       "memory measured here (not measured rather than shown as a fake saving)")}
+    return {
+      "supported": False,
+      "probe": "compiled and ran",
+      "reason": (
+        f"unsupported on cpu: the policy compiles and runs, but the CPU device's "
+        f"memories {kinds} are all the same RAM, so offloading cannot lower the "
+        "memory measured here (not measured rather than shown as a fake saving)"
+      ),
+    }
   return {"supported": True, "probe": "compiled and ran"}
 
 
@@ -270,12 +319,16 @@ def offload_support() -> dict:
 def describe(model: str, config: Config) -> str:
   if model == "resnet20":
     depth = 2 + 2 * config.blocks * len(config.widths)
-    return (f"pre-activation ResNet-{depth} (experiments.lib.preact, widths {list(config.widths)}, "
-            f"{config.blocks} blocks per stage) on CIFAR-10 32x32 training images")
+    return (
+      f"pre-activation ResNet-{depth} (experiments.lib.preact, widths {list(config.widths)}, "
+      f"{config.blocks} blocks per stage) on CIFAR-10 32x32 training images"
+    )
   lm = config.lm
-  return (f"experiments.lib.zoo.TransformerLM ({lm.num_layers} layers, width {lm.emb_dim}, "
-          f"{lm.num_heads} heads, MLP {lm.mlp_dim}) on {lm.max_len}-character windows of "
-          "tiny Shakespeare")
+  return (
+    f"experiments.lib.zoo.TransformerLM ({lm.num_layers} layers, width {lm.emb_dim}, "
+    f"{lm.num_heads} heads, MLP {lm.mlp_dim}) on {lm.max_len}-character windows of "
+    "tiny Shakespeare"
+  )
 
 
 def _xla_flags(config: Config) -> str:
@@ -288,16 +341,27 @@ def _probe_fn(model: str, method: str, config: Config, cache_dir, log) -> Callab
 
   def probe(batch: int) -> dict:
     t0 = time.perf_counter()
-    row = fresh_process.run(MODULE, "measure_probe", model, method, params,
-                           real_batch(model, batch, config), config, memory=True,
-                           cache_dir=cache_dir, xla_flags=_xla_flags(config))
+    row = fresh_process.run(
+      MODULE,
+      "measure_probe",
+      model,
+      method,
+      params,
+      real_batch(model, batch, config),
+      config,
+      memory=True,
+      cache_dir=cache_dir,
+      xla_flags=_xla_flags(config),
+    )
     row = {"batch": batch, **row, "wall_s": time.perf_counter() - t0}
     if "error" in row:
       log(f"  {model} {method} batch {batch}: error {row['error'].splitlines()[0]}")
     else:
-      log(f"  {model} {method} batch {batch}: step {row['step_mib']:.1f} MiB, with program "
-          f"{row['with_program_mib']:.1f} MiB (XLA: {row['compiled_step_mib']:.1f} MiB), "
-          f"{row['wall_s']:.0f} s")
+      log(
+        f"  {model} {method} batch {batch}: step {row['step_mib']:.1f} MiB, with program "
+        f"{row['with_program_mib']:.1f} MiB (XLA: {row['compiled_step_mib']:.1f} MiB), "
+        f"{row['wall_s']:.0f} s"
+      )
     return row
 
   return probe
@@ -308,16 +372,30 @@ def search_method(model: str, method: str, config: Config, cache_dir, log) -> di
   probe = _probe_fn(model, method, config, cache_dir, log)
   search = (config.cap_mib, config.start, config.granularity, config.upper)
   best, probes = batch_search.search_batch(probe, *search, measure=config.measure)
-  row = {"status": "measured", "largest_batch": best,
-         **batch_search.check_search(best, probes, config.cap_mib, config.granularity, config.upper,
-                        config.measure),
-         "probes": probes}
+  row = {
+    "status": "measured",
+    "largest_batch": best,
+    **batch_search.check_search(
+      best, probes, config.cap_mib, config.granularity, config.upper, config.measure
+    ),
+    "probes": probes,
+  }
   at_best = [p for p in probes if p["batch"] == best]
   if at_best:
-    row["at_largest"] = {k: at_best[0].get(k) for k in (
-        "step_mib", "with_program_mib", "program_mib", "compiled_step_mib", "compiled_needed_mib")}
-  log(f"{model} {method}: largest batch {best} within {config.cap_mib:g} MiB of {config.measure} "
-      f"({len(probes)} probes, consistent={row['consistent']}, monotone={row['monotone']})")
+    row["at_largest"] = {
+      k: at_best[0].get(k)
+      for k in (
+        "step_mib",
+        "with_program_mib",
+        "program_mib",
+        "compiled_step_mib",
+        "compiled_needed_mib",
+      )
+    }
+  log(
+    f"{model} {method}: largest batch {best} within {config.cap_mib:g} MiB of {config.measure} "
+    f"({len(probes)} probes, consistent={row['consistent']}, monotone={row['monotone']})"
+  )
   return row
 
 
@@ -327,18 +405,30 @@ def time_model(model: str, methods, largest: dict, config: Config, cache_dir, lo
   if batch <= 0:
     return {"skipped": "a method fits no batch"}
   log(f"{model}: timing {', '.join(methods)} at batch {batch} ({config.time_steps} rounds)")
-  result = fresh_process.run(MODULE, "time_methods", model, list(methods), init_params(model, config),
-                            real_batch(model, batch, config), config, config.time_steps,
-                            cache_dir=cache_dir, xla_flags=_xla_flags(config))
+  result = fresh_process.run(
+    MODULE,
+    "time_methods",
+    model,
+    list(methods),
+    init_params(model, config),
+    real_batch(model, batch, config),
+    config,
+    config.time_steps,
+    cache_dir=cache_dir,
+    xla_flags=_xla_flags(config),
+  )
   for method, row in result.get("methods", {}).items():
     ratio = row.get("ratio_vs_plain")
-    log(f"  {method:16s} {row['median_ms']:9.1f} ms/step" +
-        ("" if ratio is None else f"  {ratio:.2f}x plain"))
+    log(
+      f"  {method:16s} {row['median_ms']:9.1f} ms/step"
+      + ("" if ratio is None else f"  {ratio:.2f}x plain")
+    )
   return result
 
 
-def measure_model(model: str, methods, config: Config, offload: dict | None, cache_dir,
-                  log) -> dict:
+def measure_model(
+  model: str, methods, config: Config, offload: dict | None, cache_dir, log
+) -> dict:
   """Every method's largest batch under the cap, and the step times at a common batch."""
   rows = {}
   for method in methods:
@@ -357,19 +447,26 @@ def measure_model(model: str, methods, config: Config, offload: dict | None, cac
 
 
 def settings(config: Config, models, methods) -> dict:
-  return {"models": list(models), "methods": list(methods), **dataclasses.asdict(config),
-          "checkpoint_bits": CHECKPOINT_BITS, "steps_per_probe": STEPS,
-          "xla_flags_added": _xla_flags(config),
-          "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)",
-          "step_mib": ("peak RSS (VmHWM, reset after compiling) during the probe's steps minus the "
-                       "RSS after compiling: the buffers the running step adds (parameters, "
-                       "batch, optimizer state and compiled program already resident; malloc "
-                       "returns freed blocks at once); on an accelerator, the allocator's peak "
-                       "minus its bytes in use after compiling"),
-          "with_program_mib": "the same peak minus the RSS before compiling",
-          "program_mib": "RSS after compiling minus before: the executable and jax's caches",
-          "compiled_step_mib": "jact.compiled_memory of the step: temp + outputs",
-          "compiled_needed_mib": "jact.compiled_memory: temp + arguments + outputs - aliased"}
+  return {
+    "models": list(models),
+    "methods": list(methods),
+    **dataclasses.asdict(config),
+    "checkpoint_bits": CHECKPOINT_BITS,
+    "steps_per_probe": STEPS,
+    "xla_flags_added": _xla_flags(config),
+    "optimizer": f"sgd({LEARNING_RATE}, momentum=0.9)",
+    "step_mib": (
+      "peak RSS (VmHWM, reset after compiling) during the probe's steps minus the "
+      "RSS after compiling: the buffers the running step adds (parameters, "
+      "batch, optimizer state and compiled program already resident; malloc "
+      "returns freed blocks at once); on an accelerator, the allocator's peak "
+      "minus its bytes in use after compiling"
+    ),
+    "with_program_mib": "the same peak minus the RSS before compiling",
+    "program_mib": "RSS after compiling minus before: the executable and jax's caches",
+    "compiled_step_mib": "jact.compiled_memory of the step: temp + outputs",
+    "compiled_needed_mib": "jact.compiled_memory: temp + arguments + outputs - aliased",
+  }
 
 
 def _same_settings(a: dict, b: dict) -> bool:
@@ -378,8 +475,16 @@ def _same_settings(a: dict, b: dict) -> bool:
   return comparable(a) == comparable(b)
 
 
-def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, argv=None,
-        suffix: str = "", log=print, fresh: bool = False) -> dict:
+def run(
+  models=MODELS,
+  methods=METHODS,
+  config: Config = FULL,
+  results=RESULTS,
+  argv=None,
+  suffix: str = "",
+  log=print,
+  fresh: bool = False,
+) -> dict:
   """The whole experiment; writes `memory_batch{suffix}.json` (after each model)
   and `memory_batch{suffix}_{model}.png` under `results`.
 
@@ -390,10 +495,14 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
   t0 = time.perf_counter()
   results = Path(results)
   path = results / f"memory_batch{suffix}.json"
-  out = {"meta": metadata.run_metadata(MODULE, argv),
-         "settings": settings(config, models, methods), "models": {}}
+  out = {
+    "meta": metadata.run_metadata(MODULE, argv),
+    "settings": settings(config, models, methods),
+    "models": {},
+  }
   earlier = resumable.earlier_result(
-      path, lambda e: _same_settings(e["settings"], out["settings"]), fresh, log)
+    path, lambda e: _same_settings(e["settings"], out["settings"]), fresh, log
+  )
   offload = offload_support() if "offload" in methods else None
   if offload is not None:
     out["offload"] = offload
@@ -414,8 +523,10 @@ def run(models=MODELS, methods=METHODS, config: Config = FULL, results=RESULTS, 
 
 def summary(out: dict) -> str:
   """One line per (model, method): largest batch, its ratio to plain's, memory there, time ratio."""
-  lines = [f"{'model':15s} {'method':16s} {'largest':>8s} {'x plain':>8s} {'step MiB':>9s} "
-           f"{'+program':>9s} {'XLA MiB':>8s} {'time x plain':>13s}"]
+  lines = [
+    f"{'model':15s} {'method':16s} {'largest':>8s} {'x plain':>8s} {'step MiB':>9s} "
+    f"{'+program':>9s} {'XLA MiB':>8s} {'time x plain':>13s}"
+  ]
   for model, result in out["models"].items():
     times = result.get("timing", {}).get("methods", {})
     for method, row in result["methods"].items():
@@ -426,10 +537,11 @@ def summary(out: dict) -> str:
       ratio = times.get(method, {}).get("ratio_vs_plain")
       number = lambda v, width: f"{v:{width}.1f}" if v is not None else f"{'-':>{width}s}"
       lines.append(
-          f"{model:15s} {method:16s} {row['largest_batch']:8d} "
-          f"{number(row.get('batch_vs_plain'), 8)} {number(at.get('step_mib'), 9)} "
-          f"{number(at.get('with_program_mib'), 9)} {number(at.get('compiled_step_mib'), 8)} "
-          f"{'-' if ratio is None else f'{ratio:.2f}':>13s}")
+        f"{model:15s} {method:16s} {row['largest_batch']:8d} "
+        f"{number(row.get('batch_vs_plain'), 8)} {number(at.get('step_mib'), 9)} "
+        f"{number(at.get('with_program_mib'), 9)} {number(at.get('compiled_step_mib'), 8)} "
+        f"{'-' if ratio is None else f'{ratio:.2f}':>13s}"
+      )
   return "\n".join(lines)
 
 
@@ -437,34 +549,66 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", choices=MODELS, default=None)
   parser.add_argument("--methods", nargs="+", choices=METHODS, default=None)
-  parser.add_argument("--small", action="store_true",
-                      help=f"tiny models, a tiny cap, {' and '.join(SMALL_METHODS)} on "
-                           f"{' and '.join(SMALL_MODELS)} by default: a quick check")
+  parser.add_argument(
+    "--small",
+    action="store_true",
+    help=f"tiny models, a tiny cap, {' and '.join(SMALL_METHODS)} on "
+    f"{' and '.join(SMALL_MODELS)} by default: a quick check",
+  )
   parser.add_argument("--cap-mib", type=float, default=None, help="the memory cap (MiB)")
-  parser.add_argument("--cap-on", choices=MEASURES, default=None,
-                      help="what the cap limits (default step_mib: the running step's buffers)")
+  parser.add_argument(
+    "--cap-on",
+    choices=MEASURES,
+    default=None,
+    help="what the cap limits (default step_mib: the running step's buffers)",
+  )
   parser.add_argument("--granularity", type=int, default=None)
   parser.add_argument("--start", type=int, default=None, help="first batch of the doubling")
   parser.add_argument("--max-batch", type=int, default=None, help="largest batch tried")
-  parser.add_argument("--time-batch", type=int, default=None,
-                      help="largest batch of the timing (it uses one every method fits)")
+  parser.add_argument(
+    "--time-batch",
+    type=int,
+    default=None,
+    help="largest batch of the timing (it uses one every method fits)",
+  )
   parser.add_argument("--time-steps", type=int, default=None, help="timed rounds")
-  parser.add_argument("--fast-compile", action=argparse.BooleanOptionalAction, default=None,
-                      help=f"compile with {fresh_process.FAST_COMPILE_FLAGS} (same buffers, slower code; "
-                           "default: with --small only)")
+  parser.add_argument(
+    "--fast-compile",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help=f"compile with {fresh_process.FAST_COMPILE_FLAGS} (same buffers, slower code; "
+    "default: with --small only)",
+  )
   parser.add_argument("--results", type=Path, default=RESULTS)
-  parser.add_argument("--fresh", action="store_true",
-                      help="measure every model again, even those already in the results JSON")
+  parser.add_argument(
+    "--fresh",
+    action="store_true",
+    help="measure every model again, even those already in the results JSON",
+  )
   args = parser.parse_args(argv)
   config = SMALL if args.small else FULL
-  overrides = {"cap_mib": args.cap_mib, "measure": args.cap_on, "granularity": args.granularity,
-               "start": args.start, "upper": args.max_batch, "time_batch": args.time_batch,
-               "time_steps": args.time_steps, "fast_compile": args.fast_compile}
+  overrides = {
+    "cap_mib": args.cap_mib,
+    "measure": args.cap_on,
+    "granularity": args.granularity,
+    "start": args.start,
+    "upper": args.max_batch,
+    "time_batch": args.time_batch,
+    "time_steps": args.time_steps,
+    "fast_compile": args.fast_compile,
+  }
   config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
   models = args.models or (SMALL_MODELS if args.small else MODELS)
   methods = args.methods or (SMALL_METHODS if args.small else METHODS)
-  return run(models, methods, config, args.results, argv, suffix="_small" if args.small else "",
-             fresh=args.fresh)
+  return run(
+    models,
+    methods,
+    config,
+    args.results,
+    argv,
+    suffix="_small" if args.small else "",
+    fresh=args.fresh,
+  )
 
 
 if __name__ == "__main__":

@@ -34,12 +34,14 @@ from jact._report import compiled_memory, residual_report
 
 __all__ = ["scaling", "main"]
 
+
 def _zeros(tree):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, mode: str = "ops",
-            **param_kwargs) -> dict:
+def scaling(
+  name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, mode: str = "ops", **param_kwargs
+) -> dict:
   """Compiled temp memory of the train step for each stack size, and the
   residual bytes of one block (measured on a 2-block stack minus a 1-block
   stack, so the loss's own residuals cancel).
@@ -60,9 +62,15 @@ def scaling(name: str, bits, sizes=(1, 2, 4, 8, 16), x_shape=None, mode: str = "
   per_block_residual = res[1] - res[0]
   slope = (temps[-1] - temps[-2]) / (sizes[-1] - sizes[-2])
   return {
-      "block": name, "mode": mode, "bits": bits, "sizes": list(sizes), "temp_bytes": temps,
-      "temp_per_block": slope, "residual_per_block": per_block_residual,
-      "slope_over_residual": slope / per_block_residual, "fixed_overhead": temps[0],
+    "block": name,
+    "mode": mode,
+    "bits": bits,
+    "sizes": list(sizes),
+    "temp_bytes": temps,
+    "temp_per_block": slope,
+    "residual_per_block": per_block_residual,
+    "slope_over_residual": slope / per_block_residual,
+    "fixed_overhead": temps[0],
   }
 
 
@@ -71,24 +79,37 @@ def main(argv=None):
   parser.add_argument("--json", help="write the rows to this file")
   parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
   parser.add_argument("--modes", nargs="+", default=list(blocks.MODES), choices=blocks.MODES)
-  parser.add_argument("--blocks", nargs="+", default=list(blocks.BLOCKS), choices=list(blocks.BLOCKS))
-  parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16],
-                      help="stack sizes (>= 2 of them; the slope is taken between the last two)")
+  parser.add_argument(
+    "--blocks", nargs="+", default=list(blocks.BLOCKS), choices=list(blocks.BLOCKS)
+  )
+  parser.add_argument(
+    "--sizes",
+    type=int,
+    nargs="+",
+    default=[1, 2, 4, 8, 16],
+    help="stack sizes (>= 2 of them; the slope is taken between the last two)",
+  )
   args = parser.parse_args(argv)
   if len(args.sizes) < 2:
     parser.error("--sizes needs at least two stack sizes")
   rows = []
-  mib = 2.0 ** 20
-  runs = [(m, b) for m in args.modes for b in ([None, *args.bits] if m == "ops" else
-                                                [None] if m == "remat" else args.bits)]
+  mib = 2.0**20
+  runs = [
+    (m, b)
+    for m in args.modes
+    for b in ([None, *args.bits] if m == "ops" else [None] if m == "remat" else args.bits)
+  ]
   for name in args.blocks:
     for mode, bits in runs:
       r = scaling(name, bits, sizes=tuple(args.sizes), mode=mode)
       rows.append(r)
       temps = " ".join(f"{t / mib:7.1f}" for t in r["temp_bytes"])
-      print(f"{name:12s} {mode:10s} bits={str(bits):4s} temp MiB [{temps}]  per block: temp "
-            f"{r['temp_per_block'] / mib:6.2f} MiB, residual {r['residual_per_block'] / mib:6.2f} MiB, "
-            f"ratio {r['slope_over_residual']:.2f}", flush=True)
+      print(
+        f"{name:12s} {mode:10s} bits={str(bits):4s} temp MiB [{temps}]  per block: temp "
+        f"{r['temp_per_block'] / mib:6.2f} MiB, residual {r['residual_per_block'] / mib:6.2f} MiB, "
+        f"ratio {r['slope_over_residual']:.2f}",
+        flush=True,
+      )
   if args.json:
     meta = metadata.run_metadata("experiments.bench.memory_scaling", argv, compile_only=True)
     with open(args.json, "w") as f:

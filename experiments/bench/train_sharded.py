@@ -24,8 +24,9 @@ import os
 import sys
 
 if "jax" not in sys.modules:  # the device count is fixed when jax starts
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 # pylint: disable=wrong-import-position
 import argparse
@@ -48,10 +49,22 @@ from experiments.lib.zoo import LM_CONFIG, TransformerLM
 
 RESULTS = paths.RESULTS
 DEVICES = 8
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "u8": 1, "s8": 1, "pred": 1,
-          "f64": 8, "s64": 8, "u64": 8}
+_BYTES = {
+  "f32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "u8": 1,
+  "s8": 1,
+  "pred": 1,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+}
 _COLLECTIVE = re.compile(  # the result type (an array, or a tuple of arrays), then the kind
-    r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(")
+  r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
@@ -92,8 +105,7 @@ def variant_apply(variant: str):
     return lambda params, tokens, key: model.apply({"params": params}, tokens)
   bits = int(variant.split("_")[1])
   converted = jact.convert(model, bits=bits)
-  return lambda params, tokens, key: converted.apply({"params": params}, tokens,
-                                                      rngs={"jact": key})
+  return lambda params, tokens, key: converted.apply({"params": params}, tokens, rngs={"jact": key})
 
 
 def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> dict:
@@ -102,7 +114,7 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
   windows, held = zoo_data.shakespeare_batches(0, batch_size=16)
   group = lambda batches: jax.tree.map(lambda *a: jnp.concatenate(a), *batches)  # noqa: E731
   train_it = (group([next(windows) for _ in range(batch_size // 16)]) for _ in iter(int, 1))
-  test = [group(held[i:i + batch_size // 16]) for i in range(0, len(held), batch_size // 16)]
+  test = [group(held[i : i + batch_size // 16]) for i in range(0, len(held), batch_size // 16)]
   first = next(train_it)
   params = TransformerLM(LM_CONFIG).init(jax.random.key(0), first["inputs"][0][:1])["params"]
   param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, fsdp_spec(p.shape)), params)
@@ -110,8 +122,10 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
   opt = optax.adam(lr)
   params = jax.device_put(params, param_shardings)
   opt_state = opt.init(params)  # moments sharded like their parameters, the count replicated
-  opt_shardings = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding)
-                               else NamedSharding(mesh, P()), opt_state)
+  opt_shardings = jax.tree.map(
+    lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, P()),
+    opt_state,
+  )
   opt_state = jax.device_put(opt_state, opt_shardings)
 
   def step(params, opt_state, batch, key):
@@ -119,8 +133,7 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  step = jax.jit(step, out_shardings=(param_shardings, opt_shardings, None),
-                 donate_argnums=(0, 1))
+  step = jax.jit(step, out_shardings=(param_shardings, opt_shardings, None), donate_argnums=(0, 1))
   put = lambda b: jax.device_put(b, batch_sharding)  # noqa: E731
   key = jax.random.key(1000)
   with jact.sharded_batch("data", mesh):
@@ -138,15 +151,24 @@ def run(variant: str, steps: int, batch_size: int, mesh, lr: float = 1e-3) -> di
   seconds = (time.perf_counter() - start) / max(steps - 1, 1)
   evaluate = jax.jit(lambda p, b: loss_fn(variant_apply("plain"), p, b, None))
   held_out = float(np.mean([evaluate(params, put(b)) for b in test]))
-  return {"variant": variant, "steps": steps, "batch": batch_size,
-          "per_device_bytes": {"temp": step_memory.temp_bytes,
-                               "arguments": step_memory.argument_bytes,
-                               "outputs": step_memory.output_bytes},
-          "collectives": collectives(compiled.as_text()),
-          "compile_seconds": compile_seconds, "seconds_per_step": seconds,
-          "first_loss": losses[0], "final_loss": float(np.mean(losses[-20:])),
-          "held_out_loss": held_out, "any_nan": bool(not np.all(np.isfinite(losses))),
-          "losses_every_10": losses[::10]}
+  return {
+    "variant": variant,
+    "steps": steps,
+    "batch": batch_size,
+    "per_device_bytes": {
+      "temp": step_memory.temp_bytes,
+      "arguments": step_memory.argument_bytes,
+      "outputs": step_memory.output_bytes,
+    },
+    "collectives": collectives(compiled.as_text()),
+    "compile_seconds": compile_seconds,
+    "seconds_per_step": seconds,
+    "first_loss": losses[0],
+    "final_loss": float(np.mean(losses[-20:])),
+    "held_out_loss": held_out,
+    "any_nan": bool(not np.all(np.isfinite(losses))),
+    "losses_every_10": losses[::10],
+  }
 
 
 def main(argv=None):
@@ -160,10 +182,13 @@ def main(argv=None):
   if args.batch % 16 or args.batch // 16 > 32:
     raise SystemExit("--batch: a multiple of 16, at most 512")
   if jax.device_count() < DEVICES:
-    raise SystemExit(f"needs {DEVICES} devices, found {jax.device_count()}: run it as "
-                     "`python -m experiments.bench.train_sharded` (it sets XLA_FLAGS before jax starts)")
-  mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:DEVICES])
+    raise SystemExit(
+      f"needs {DEVICES} devices, found {jax.device_count()}: run it as "
+      "`python -m experiments.bench.train_sharded` (it sets XLA_FLAGS before jax starts)"
+    )
+  mesh = jax.make_mesh(
+    (DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:DEVICES]
+  )
   runs = []
   for variant in args.variants:
     r = run(variant, args.steps, args.batch, mesh)
@@ -173,18 +198,31 @@ def main(argv=None):
   summary = []
   if plain is not None:
     for r in runs:
-      summary.append({
+      summary.append(
+        {
           "variant": r["variant"],
           "temp_vs_plain": r["per_device_bytes"]["temp"] / plain["per_device_bytes"]["temp"],
           "collective_bytes": sum(c["bytes"] for c in r["collectives"].values()),
           "collective_bytes_plain": sum(c["bytes"] for c in plain["collectives"].values()),
-          "final_loss": r["final_loss"], "held_out_loss": r["held_out_loss"],
-          "step_time_vs_plain": r["seconds_per_step"] / plain["seconds_per_step"]})
+          "final_loss": r["final_loss"],
+          "held_out_loss": r["held_out_loss"],
+          "step_time_vs_plain": r["seconds_per_step"] / plain["seconds_per_step"],
+        }
+      )
       print(summary[-1], flush=True)
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps({"meta": metadata.run_metadata("experiments.bench.train_sharded", argv),
-                              "summary": summary, "runs": runs}, indent=1) + "\n")
+  path.write_text(
+    json.dumps(
+      {
+        "meta": metadata.run_metadata("experiments.bench.train_sharded", argv),
+        "summary": summary,
+        "runs": runs,
+      },
+      indent=1,
+    )
+    + "\n"
+  )
   print(f"wrote {path}")
 
 

@@ -55,15 +55,27 @@ def train(case, variant, bits, seed, steps, lr=1e-3):
   for i in range(steps):
     if i == 1:
       start = time.perf_counter()  # after the first step, which compiles
-    params, state, opt_state, loss = step(params, state, opt_state, next(train_it),
-                                          jax.random.fold_in(key, i))
+    params, state, opt_state, loss = step(
+      params, state, opt_state, next(train_it), jax.random.fold_in(key, i)
+    )
     losses.append(float(loss))
   seconds = (time.perf_counter() - start) / max(steps - 1, 1)
-  held_out = float(np.mean([eval_loss(params, state, b, jax.random.fold_in(key, steps)) for b in test]))
-  return {"model": case.name, "variant": variant, "bits": bits, "seed": seed, "steps": steps,
-          "final_loss": float(np.mean(losses[-30:])), "held_out_loss": held_out,
-          "first_loss": losses[0], "any_nan": bool(not np.all(np.isfinite(losses))),
-          "seconds_per_step": seconds, "losses_every_10": losses[::10]}
+  held_out = float(
+    np.mean([eval_loss(params, state, b, jax.random.fold_in(key, steps)) for b in test])
+  )
+  return {
+    "model": case.name,
+    "variant": variant,
+    "bits": bits,
+    "seed": seed,
+    "steps": steps,
+    "final_loss": float(np.mean(losses[-30:])),
+    "held_out_loss": held_out,
+    "first_loss": losses[0],
+    "any_nan": bool(not np.all(np.isfinite(losses))),
+    "seconds_per_step": seconds,
+    "losses_every_10": losses[::10],
+  }
 
 
 def main(argv=None):
@@ -81,20 +93,32 @@ def main(argv=None):
       try:
         run = train(case, variant, bits, seed, args.steps)
       except Exception as e:  # pylint: disable=broad-except  # recorded; the others still run
-        run = {"model": name, "variant": variant, "bits": bits, "seed": seed,
-               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        run = {
+          "model": name,
+          "variant": variant,
+          "bits": bits,
+          "seed": seed,
+          "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+        }
       runs.append(run)
       print({k: v for k, v in run.items() if k != "losses_every_10"}, flush=True)
     plain0, plain1, conv = runs[-3:]
     if all("error" not in r for r in (plain0, plain1, conv)):
       noise = abs(plain0["final_loss"] - plain1["final_loss"])
       gap = abs(conv["final_loss"] - plain0["final_loss"])
-      summary.append({"model": name, "plain_seed0": plain0["final_loss"],
-                      "plain_seed1": plain1["final_loss"], "convert": conv["final_loss"],
-                      "noise": noise, "gap": gap, "within_noise": gap <= max(noise, 1e-3),
-                      "held_out": [plain0["held_out_loss"], plain1["held_out_loss"],
-                                   conv["held_out_loss"]],
-                      "nan": conv["any_nan"]})
+      summary.append(
+        {
+          "model": name,
+          "plain_seed0": plain0["final_loss"],
+          "plain_seed1": plain1["final_loss"],
+          "convert": conv["final_loss"],
+          "noise": noise,
+          "gap": gap,
+          "within_noise": gap <= max(noise, 1e-3),
+          "held_out": [plain0["held_out_loss"], plain1["held_out_loss"], conv["held_out_loss"]],
+          "nan": conv["any_nan"],
+        }
+      )
       print(summary[-1], flush=True)
   path = Path(args.json)
   path.parent.mkdir(parents=True, exist_ok=True)

@@ -73,8 +73,9 @@ def gradient_errors(case, variant: str, bits: int, seeds, batch, exact) -> dict:
   fns = variant_fns(case, variant, bits)
   grad = _grad_fn(fns, batch)
   norm = float(jnp.linalg.norm(exact))
-  errors = [float(jnp.linalg.norm(flat(grad(fns.params, jax.random.key(s))) - exact)) / norm
-            for s in seeds]
+  errors = [
+    float(jnp.linalg.norm(flat(grad(fns.params, jax.random.key(s))) - exact)) / norm for s in seeds
+  ]
   row = {"errors": [round(e, 5) for e in errors], "mean_error": round(float(np.mean(errors)), 5)}
   plain = variant_fns(case, "plain")
   out = fns.forward(fns.params, fns.state, batch, jax.random.key(seeds[0]))[0]
@@ -82,8 +83,8 @@ def gradient_errors(case, variant: str, bits: int, seeds, batch, exact) -> dict:
   row["forward_max_diff"] = float(jnp.max(jnp.abs(out - ref)))
   if bits == 2:
     row["temp_bytes"] = jact.compiled_memory(
-        jax.grad(lambda p, k: fns.loss(p, fns.state, batch, k)[0]), fns.params,
-        jax.random.key(0)).temp_bytes
+      jax.grad(lambda p, k: fns.loss(p, fns.state, batch, k)[0]), fns.params, jax.random.key(0)
+    ).temp_bytes
   return row
 
 
@@ -96,12 +97,18 @@ def offset_layer_norm_error(bits: int = 8, seeds=(1, 2, 3)) -> dict:
   variables = model.init(jax.random.key(2), x)
   converted = jact.convert(model, bits=bits)
   exact = jax.grad(lambda x: jnp.sum(model.apply(variables, x) * w))(x)
-  grad = jax.jit(jax.grad(lambda x, k: jnp.sum(
-      converted.apply(variables, x, rngs={"jact": k}) * w)))
-  errors = [float(jnp.linalg.norm(grad(x, jax.random.key(s)) - exact) / jnp.linalg.norm(exact))
-            for s in seeds]
-  return {"case": "LayerNorm(1000 + 0.01 noise), input gradient", "bits": bits,
-          "errors": [round(e, 5) for e in errors]}
+  grad = jax.jit(
+    jax.grad(lambda x, k: jnp.sum(converted.apply(variables, x, rngs={"jact": k}) * w))
+  )
+  errors = [
+    float(jnp.linalg.norm(grad(x, jax.random.key(s)) - exact) / jnp.linalg.norm(exact))
+    for s in seeds
+  ]
+  return {
+    "case": "LayerNorm(1000 + 0.01 noise), input gradient",
+    "bits": bits,
+    "errors": [round(e, 5) for e in errors],
+  }
 
 
 def measure(name: str, seeds, baseline: bool) -> dict:
@@ -109,9 +116,14 @@ def measure(name: str, seeds, baseline: bool) -> dict:
   batch = case.batch(0)
   plain = variant_fns(case, "plain")
   exact = flat(_grad_fn(plain, batch)(plain.params, jax.random.key(0)))
-  row = {"model": name, "plain_temp_bytes": jact.compiled_memory(
-      jax.grad(lambda p, k: plain.loss(p, plain.state, batch, k)[0]), plain.params,
-      jax.random.key(0)).temp_bytes}
+  row = {
+    "model": name,
+    "plain_temp_bytes": jact.compiled_memory(
+      jax.grad(lambda p, k: plain.loss(p, plain.state, batch, k)[0]),
+      plain.params,
+      jax.random.key(0),
+    ).temp_bytes,
+  }
   for variant in ("convert", "compressed"):
     for bits in BITS:
       row[f"{variant}_{bits}"] = gradient_errors(case, variant, bits, seeds, batch, exact)
@@ -119,16 +131,18 @@ def measure(name: str, seeds, baseline: bool) -> dict:
         with rows_off():
           row[f"rows_off_{bits}"] = gradient_errors(case, variant, bits, seeds, batch, exact)
   for bits in (4, 2):
-    row[f"ratio_{bits}"] = round(row[f"compressed_{bits}"]["mean_error"]
-                                 / row[f"convert_{bits}"]["mean_error"], 3)
+    row[f"ratio_{bits}"] = round(
+      row[f"compressed_{bits}"]["mean_error"] / row[f"convert_{bits}"]["mean_error"], 3
+    )
   return row
 
 
 def format_row(r: dict) -> str:
   cells = [f"{r['model']:13s}"]
   for variant in ("convert", "compressed") + (("rows_off",) if "rows_off_8" in r else ()):
-    cells.append(variant + " " + " ".join(f"{r[f'{variant}_{b}']['mean_error']:8.2%}"
-                                          for b in BITS))
+    cells.append(
+      variant + " " + " ".join(f"{r[f'{variant}_{b}']['mean_error']:8.2%}" for b in BITS)
+    )
   cells.append(f"ratio 4b {r['ratio_4']:.2f} 2b {r['ratio_2']:.2f}")
   temps = [f"{v} {r[f'{v}_2']['temp_bytes'] / 2**20:.2f}" for v in ("convert", "compressed")]
   if "rows_off_2" in r:
@@ -142,8 +156,11 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=sorted(CASES), choices=sorted(CASES))
   parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-  parser.add_argument("--baseline", action="store_true",
-                      help="also measure the whole-model wrap without normalization rows")
+  parser.add_argument(
+    "--baseline",
+    action="store_true",
+    help="also measure the whole-model wrap without normalization rows",
+  )
   parser.add_argument("--json", default=str(RESULTS / "whole_model_error.json"))
   args = parser.parse_args(argv)
   info = metadata.run_metadata("experiments.bench.whole_model_error", argv)
@@ -155,9 +172,12 @@ def main(argv=None):
     print(format_row(rows[-1]), flush=True)
   targets = {"error_8bit": 0.01, "ratio_whole_to_convert_4_and_2_bits": 1.5}
   Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.json).write_text(json.dumps(
-      {"meta": info, "targets": targets, "offset_layer_norm": offset, "rows": rows},
-      indent=1) + "\n")
+  Path(args.json).write_text(
+    json.dumps(
+      {"meta": info, "targets": targets, "offset_layer_norm": offset, "rows": rows}, indent=1
+    )
+    + "\n"
+  )
   print(f"wrote {args.json}")
 
 

@@ -50,10 +50,12 @@ def live_at_peak(dump_dir: str, module: str | None = None):
   inner = [(n, s, e) for n, s, e in ranges if not (s == 0 and e >= end_time - 1)]
   usage = np.zeros(end_time)
   for name, start, end in inner:
-    usage[start:end + 1] += sizes.get(name, 0)
+    usage[start : end + 1] += sizes.get(name, 0)
   peak = int(usage.argmax())
-  alive = sorted(((sizes.get(n, 0), n, shapes.get(n, ""), s, e) for n, s, e in inner if s <= peak <= e),
-                 reverse=True)
+  alive = sorted(
+    ((sizes.get(n, 0), n, shapes.get(n, ""), s, e) for n, s, e in inner if s <= peak <= e),
+    reverse=True,
+  )
   return sequence.get(peak), float(usage[peak]), alive
 
 
@@ -65,7 +67,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   instruction, total, alive = live_at_peak(args.dump_dir, args.module)
   print(f"peak at {instruction}: {total / 2**20:.1f} MiB alive (values, before buffer reuse)")
-  for size, name, shape, start, end in alive[:args.top]:
+  for size, name, shape, start, end in alive[: args.top]:
     print(f"{size / 2**20:8.2f} MiB  {name:45s} {shape:30s} {start}-{end}")
 
 

@@ -39,25 +39,36 @@ def measure(method: str, cfg: zoo.LMConfig, params, batch, steps: int, repeats: 
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, key).compile()
   compile_s = time.perf_counter() - t0
   mem = memory.compiled_memory_of(compiled)
-  row = {"method": method, "compile_s": round(compile_s, 2), "temp_bytes": mem.temp_bytes,
-         "needed_bytes": memory.needed_bytes(mem)}
+  row = {
+    "method": method,
+    "compile_s": round(compile_s, 2),
+    "temp_bytes": mem.temp_bytes,
+    "needed_bytes": memory.needed_bytes(mem),
+  }
   params, opt_state, loss = compiled(params, opt_state, batch, key)  # warm-up
   jax.block_until_ready(loss)
   times = []
   for r in range(repeats):
     t0 = time.perf_counter()
     for i in range(steps):
-      params, opt_state, loss = compiled(params, opt_state, batch, jax.random.key(1 + r * steps + i))
+      params, opt_state, loss = compiled(
+        params, opt_state, batch, jax.random.key(1 + r * steps + i)
+      )
     jax.block_until_ready((params, loss))
     times.append((time.perf_counter() - t0) / steps)
   device = memory.device_memory()  # None on CPU
-  row.update(step_ms=round(1e3 * statistics.median(times), 3), loss=float(loss),
-             peak_bytes_in_use=None if device is None else device["peak_bytes_in_use"])
+  row.update(
+    step_ms=round(1e3 * statistics.median(times), 3),
+    loss=float(loss),
+    peak_bytes_in_use=None if device is None else device["peak_bytes_in_use"],
+  )
   return row
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m experiments.gpu.gpu_lm", description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.gpu.gpu_lm", description=__doc__.splitlines()[0]
+  )
   p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
   p.add_argument("--layers", type=int, default=6)
   p.add_argument("--width", type=int, default=512)
@@ -70,17 +81,40 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   if a.small:
     a.layers, a.width, a.length, a.batch, a.steps, a.repeats = 1, 16, 16, 2, 1, 1
-  cfg = zoo.LMConfig(emb_dim=a.width, num_heads=max(1, a.width // 64), num_layers=a.layers,
-                     mlp_dim=4 * a.width, max_len=a.length)
-  config = blockwise.Config(widths=(8,), blocks=1, lm=cfg, cap_mib=0, start=1, granularity=1,
-                               upper=1, time_batch=a.batch, time_steps=a.steps)
+  cfg = zoo.LMConfig(
+    emb_dim=a.width,
+    num_heads=max(1, a.width // 64),
+    num_layers=a.layers,
+    mlp_dim=4 * a.width,
+    max_len=a.length,
+  )
+  config = blockwise.Config(
+    widths=(8,),
+    blocks=1,
+    lm=cfg,
+    cap_mib=0,
+    start=1,
+    granularity=1,
+    upper=1,
+    time_batch=a.batch,
+    time_steps=a.steps,
+  )
   params = blockwise.init_params("transformer_lm", config)
   batch = blockwise.shakespeare_batch(a.batch, a.length)
-  out = {"meta": metadata.run_metadata("experiments.gpu.gpu_lm", argv),
-         "config": {"layers": a.layers, "width": a.width, "heads": cfg.num_heads,
-                    "length": a.length, "batch": a.batch, "steps": a.steps,
-                    "repeats": a.repeats, "data": "tiny Shakespeare characters"},
-         "rows": []}
+  out = {
+    "meta": metadata.run_metadata("experiments.gpu.gpu_lm", argv),
+    "config": {
+      "layers": a.layers,
+      "width": a.width,
+      "heads": cfg.num_heads,
+      "length": a.length,
+      "batch": a.batch,
+      "steps": a.steps,
+      "repeats": a.repeats,
+      "data": "tiny Shakespeare characters",
+    },
+    "rows": [],
+  }
   for method in a.methods:
     try:
       row = measure(method, cfg, params, batch, a.steps, a.repeats)

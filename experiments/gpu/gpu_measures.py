@@ -79,19 +79,22 @@ def _relu_shapes(small: bool) -> list[tuple[str, tuple[int, ...], str]]:
 
   def rows(d, itemsize=4):
     return max(1, min(1 << 20, target // (itemsize * d)))
-  return [("1 value a row", (rows(1), 1), "float32"),
-          ("partial byte", (rows(9), 9), "float32"),
-          ("125 bytes", (rows(1000), 1000), "float32"),
-          ("one tile", (rows(8192), 8192), "float32"),
-          ("tile + 1 byte", (rows(8200), 8200), "float32"),
-          ("2 tiles", (rows(16384), 16384), "float32"),
-          ("ResNet 56x56x256", (64, 56, 56, 256), "float32"),
-          ("ResNet 112x112x64", (128, 112, 112, 64), "float32"),
-          ("ResNet 7x7x2048", (256, 7, 7, 2048), "float32"),
-          ("1-D", (16 * MB,), "float32"),
-          ("bf16 56x56x256", (64, 56, 56, 256), "bfloat16"),
-          # the registry sends empty inputs to the reference; the kernel alone runs idle programs
-          ("empty batch", (0, 4096), "float32")]
+
+  return [
+    ("1 value a row", (rows(1), 1), "float32"),
+    ("partial byte", (rows(9), 9), "float32"),
+    ("125 bytes", (rows(1000), 1000), "float32"),
+    ("one tile", (rows(8192), 8192), "float32"),
+    ("tile + 1 byte", (rows(8200), 8200), "float32"),
+    ("2 tiles", (rows(16384), 16384), "float32"),
+    ("ResNet 56x56x256", (64, 56, 56, 256), "float32"),
+    ("ResNet 112x112x64", (128, 112, 112, 64), "float32"),
+    ("ResNet 7x7x2048", (256, 7, 7, 2048), "float32"),
+    ("1-D", (16 * MB,), "float32"),
+    ("bf16 56x56x256", (64, 56, 56, 256), "bfloat16"),
+    # the registry sends empty inputs to the reference; the kernel alone runs idle programs
+    ("empty batch", (0, 4096), "float32"),
+  ]
 
 
 def _relu_row(fn, x, reference, reps: int, copy) -> dict:
@@ -101,8 +104,12 @@ def _relu_row(fn, x, reference, reps: int, copy) -> dict:
   if x.size:
     row.update(kit.median_s(fn, [(x,)], reps))
     traffic = kernel_cases.nbytes_of(x) + kernel_cases.nbytes_of(out)
-    row.update(traffic_bytes=traffic, gbps=traffic / (row["ms"] / 1e3) / 1e9, copy_gbps=copy,
-               fraction_of_copy=traffic / (row["ms"] / 1e3) / 1e9 / copy)
+    row.update(
+      traffic_bytes=traffic,
+      gbps=traffic / (row["ms"] / 1e3) / 1e9,
+      copy_gbps=copy,
+      fraction_of_copy=traffic / (row["ms"] / 1e3) / 1e9 / copy,
+    )
   return row
 
 
@@ -120,16 +127,32 @@ def measure_relu_grid(small: bool, reps: int) -> list[dict]:
       fns = {i: _relu_fn(kernels.available("relu_mask")[i].fn, slope) for i in impls}
       reference = fns["xla"](x)
       for impl, fn in fns.items():
-        row = {"case": label, "shape": list(shape), "dtype": dtype, "negative_slope": slope,
-               "impl": impl}
+        row = {
+          "case": label,
+          "shape": list(shape),
+          "dtype": dtype,
+          "negative_slope": slope,
+          "impl": impl,
+        }
         try:
           row.update(_relu_row(fn, x, reference, reps, copy))
         except Exception as e:  # noqa: BLE001 - recorded; the other shapes still run
           row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
           print(f"   {label} {impl} failed: {row['error']}", flush=True)
         rows.append(row)
-  kit.print_rows(rows, ("case", "dtype", "negative_slope", "impl", "ms", "gbps", "fraction_of_copy",
-                     "bit_exact_vs_xla"))
+  kit.print_rows(
+    rows,
+    (
+      "case",
+      "dtype",
+      "negative_slope",
+      "impl",
+      "ms",
+      "gbps",
+      "fraction_of_copy",
+      "bit_exact_vs_xla",
+    ),
+  )
   return rows
 
 
@@ -138,19 +161,25 @@ def measure_relu_grid(small: bool, reps: int) -> list[dict]:
 
 
 def _compressor_list() -> list[tuple[str, compressors.Compressor]]:
-  return [("PerGroup 2", compressors.PerGroup(2)), ("PerGroup 4", compressors.PerGroup(4)),
-          ("PerGroup 8", compressors.PerGroup(8)),
-          ("Division B=8 Q=2", compressors.Division(block=8, bits=2)),
-          ("BLPA 4", compressors.BLPA(4)), ("Fixpoint 8", compressors.Fixpoint(8)),
-          ("ZeroValue lossless", compressors.ZeroValue(None, capacity=0.6)),
-          ("ZeroValue Fixpoint 8", compressors.ZeroValue(compressors.Fixpoint(8), capacity=0.6))]
+  return [
+    ("PerGroup 2", compressors.PerGroup(2)),
+    ("PerGroup 4", compressors.PerGroup(4)),
+    ("PerGroup 8", compressors.PerGroup(8)),
+    ("Division B=8 Q=2", compressors.Division(block=8, bits=2)),
+    ("BLPA 4", compressors.BLPA(4)),
+    ("Fixpoint 8", compressors.Fixpoint(8)),
+    ("ZeroValue lossless", compressors.ZeroValue(None, capacity=0.6)),
+    ("ZeroValue Fixpoint 8", compressors.ZeroValue(compressors.Fixpoint(8), capacity=0.6)),
+  ]
 
 
 def measure_compressors(small: bool, reps: int) -> list[dict]:
   shape = (2, 8, 8, 32) if small else (64, 56, 56, 256)
   methods = _compressor_list()
   if small:  # one of each stored form: Packed, Compressed with a kernel, Compressed by XLA alone
-    methods = [m for m in methods if m[0] in ("PerGroup 2", "Division B=8 Q=2", "ZeroValue Fixpoint 8")]
+    methods = [
+      m for m in methods if m[0] in ("PerGroup 2", "Division B=8 Q=2", "ZeroValue Fixpoint 8")
+    ]
   x = jax.nn.relu(jax.random.normal(jax.random.key(0), shape, jnp.float32) + 0.1)  # ~54% non-zero
   seed = jax.random.bits(jax.random.key(1), (), jnp.uint32)
   copy = kit.copy_gbps(x, reps)
@@ -161,18 +190,38 @@ def measure_compressors(small: bool, reps: int) -> list[dict]:
     stored = compress(x, seed)
     x_hat = decompress(stored)
     stored_bytes = kernel_cases.nbytes_of(stored)
-    row = {"compressor": label, "config": c.to_dict(), "shape": list(shape),
-           "input_bytes": kernel_cases.nbytes_of(x), "stored_bytes": stored_bytes,
-           "ratio": kernel_cases.nbytes_of(x) / stored_bytes, "copy_gbps": copy,
-           "rel_error": float(jnp.linalg.norm(x_hat - x) / jnp.linalg.norm(x))}
-    for name, fn, args, out in (("compress", compress, (x, seed), stored),
-                                ("decompress", decompress, (stored,), x_hat)):
+    row = {
+      "compressor": label,
+      "config": c.to_dict(),
+      "shape": list(shape),
+      "input_bytes": kernel_cases.nbytes_of(x),
+      "stored_bytes": stored_bytes,
+      "ratio": kernel_cases.nbytes_of(x) / stored_bytes,
+      "copy_gbps": copy,
+      "rel_error": float(jnp.linalg.norm(x_hat - x) / jnp.linalg.norm(x)),
+    }
+    for name, fn, args, out in (
+      ("compress", compress, (x, seed), stored),
+      ("decompress", decompress, (stored,), x_hat),
+    ):
       t = kit.median_s(fn, [args], reps)
       row[f"{name}_ms"] = t["ms"]
-      row[f"{name}_gbps"] = (kernel_cases.nbytes_of(args[0]) + kernel_cases.nbytes_of(out)) / (t["ms"] / 1e3) / 1e9
+      row[f"{name}_gbps"] = (
+        (kernel_cases.nbytes_of(args[0]) + kernel_cases.nbytes_of(out)) / (t["ms"] / 1e3) / 1e9
+      )
     rows.append(row)
-  kit.print_rows(rows, ("compressor", "ratio", "compress_ms", "compress_gbps", "decompress_ms",
-                     "decompress_gbps", "rel_error"))
+  kit.print_rows(
+    rows,
+    (
+      "compressor",
+      "ratio",
+      "compress_ms",
+      "compress_gbps",
+      "decompress_ms",
+      "decompress_gbps",
+      "rel_error",
+    ),
+  )
   return rows
 
 
@@ -190,19 +239,25 @@ def _offload_variants(small: bool) -> dict[str, Callable]:
   plain = _mlp_block if small else (lambda p, x: block(p, x, jax.random.key(0), None))
   c = jact.compressed(plain, bits=2, name="block", compress_argnums=(1,))
   saved = jax.checkpoint(lambda p, x, k: c(p, x, key=k), policy=jact.save_compressed("block"))
-  offloaded = jax.checkpoint(lambda p, x, k: c(p, x, key=k), policy=jact.offload_compressed("block"))
-  return {"plain": lambda p, x, k: plain(p, x),
-          "remat": lambda p, x, k: jax.checkpoint(plain)(p, x),
-          "compressed 2 bit": lambda p, x, k: c(p, x, key=k),
-          "compressed 2 bit + save_compressed": saved,
-          "compressed 2 bit + offload_compressed": offloaded}
+  offloaded = jax.checkpoint(
+    lambda p, x, k: c(p, x, key=k), policy=jact.offload_compressed("block")
+  )
+  return {
+    "plain": lambda p, x, k: plain(p, x),
+    "remat": lambda p, x, k: jax.checkpoint(plain)(p, x),
+    "compressed 2 bit": lambda p, x, k: c(p, x, key=k),
+    "compressed 2 bit + save_compressed": saved,
+    "compressed 2 bit + offload_compressed": offloaded,
+  }
 
 
 def measure_offload(small: bool, reps: int) -> list[dict]:
   if small:  # the policies' plumbing only, on an MLP block
     depth, x_shape = 1, (4, 16, 32)
-    spec = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
-            "w2": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
+    spec = {
+      "w1": jax.ShapeDtypeStruct((32, 64), jnp.float32),
+      "w2": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+    }
   else:
     depth, x_shape = 8, (16, 1024, 512)
     spec = blocks.transformer_params(dim=512, mlp=2048)
@@ -215,14 +270,20 @@ def measure_offload(small: bool, reps: int) -> list[dict]:
     variants = {k: v for k, v in variants.items() if "_compressed" in k}
   for name, block_fn in variants.items():
     grad = jax.grad(kit.stack_loss(block_fn))
-    row = {"variant": name, "depth": depth, "input_shape": list(x_shape),
-           **kit.compile_and_time(grad, (params, x, key), reps)}
+    row = {
+      "variant": name,
+      "depth": depth,
+      "input_shape": list(x_shape),
+      **kit.compile_and_time(grad, (params, x, key), reps),
+    }
     rows.append(row)
   base = next((r for r in rows if r["variant"] == "compressed 2 bit + save_compressed"), None)
   for r in rows:
     if base and "error" not in r and "error" not in base:
       r["time_vs_save_compressed"] = r["ms"] / base["ms"]
-  kit.print_rows(rows, ("variant", "ms", "temp_bytes", "host_temp_bytes", "time_vs_save_compressed"))
+  kit.print_rows(
+    rows, ("variant", "ms", "temp_bytes", "host_temp_bytes", "time_vs_save_compressed")
+  )
   return rows
 
 
@@ -241,13 +302,19 @@ def _plain_attention(q, k, v):
 def _attention_variants(chunk: int, small: bool) -> dict[str, Callable]:
   def chunked(bits, c=chunk):
     return lambda q, k, v, key: jact.ops.chunked_attention(
-        q, k, v, causal=True, query_chunk=c, key_chunk=c, bits=bits,
-        key=None if bits is None else key)
-  variants = {"plain (einsum)": lambda q, k, v, key: _plain_attention(q, k, v),
-              "jax.nn.dot_product_attention": lambda q, k, v, key: jax.nn.dot_product_attention(
-                  q, k, v, is_causal=True),
-              "chunked": chunked(None), f"chunked, chunks {4 * chunk}": chunked(None, 4 * chunk),
-              "chunked 8 bit": chunked(8), "chunked 4 bit": chunked(4)}
+      q, k, v, causal=True, query_chunk=c, key_chunk=c, bits=bits, key=None if bits is None else key
+    )
+
+  variants = {
+    "plain (einsum)": lambda q, k, v, key: _plain_attention(q, k, v),
+    "jax.nn.dot_product_attention": lambda q, k, v, key: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True
+    ),
+    "chunked": chunked(None),
+    f"chunked, chunks {4 * chunk}": chunked(None, 4 * chunk),
+    "chunked 8 bit": chunked(8),
+    "chunked 4 bit": chunked(4),
+  }
   if small:
     variants = {k: variants[k] for k in ("plain (einsum)", "chunked", "chunked 4 bit")}
   return variants
@@ -262,11 +329,19 @@ def measure_attention(small: bool, reps: int) -> list[dict]:
     q, k, v, ct = (jax.random.normal(kk, (batch, length, heads, depth), jnp.float32) for kk in ks)
     key = jax.random.key(3)
     for name, attend in _attention_variants(chunk, small).items():
+
       def step(q, k, v, key, ct, attend=attend):
         out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, key), q, k, v)
         return vjp(ct)
-      rows.append({"variant": name, "length": length, "shape": [batch, length, heads, depth],
-                   **kit.compile_and_time(step, (q, k, v, key, ct), reps)})
+
+      rows.append(
+        {
+          "variant": name,
+          "length": length,
+          "shape": [batch, length, heads, depth],
+          **kit.compile_and_time(step, (q, k, v, key, ct), reps),
+        }
+      )
     del q, k, v, ct
   for r in rows:
     base = next(b for b in rows if b["length"] == r["length"] and b["variant"] == "chunked")
@@ -276,15 +351,22 @@ def measure_attention(small: bool, reps: int) -> list[dict]:
   return rows
 
 
-MEASURES = {"relu_grid": measure_relu_grid, "compressors": measure_compressors,
-            "offload": measure_offload, "attention": measure_attention,
-            "ordering": measure_ordering}
+MEASURES = {
+  "relu_grid": measure_relu_grid,
+  "compressors": measure_compressors,
+  "offload": measure_offload,
+  "attention": measure_attention,
+  "ordering": measure_ordering,
+}
 
 
 def failures(result: dict) -> list[str]:
   """Measures that raised, and rows that failed other than by running out of memory."""
-  out = [f"{name}: {rows['error']}" for name, rows in result.items()
-         if isinstance(rows, dict) and "error" in rows and name != "meta"]
+  out = [
+    f"{name}: {rows['error']}"
+    for name, rows in result.items()
+    if isinstance(rows, dict) and "error" in rows and name != "meta"
+  ]
   for name, rows in result.items():
     if isinstance(rows, list):
       out += [f"{name}: {r['error']}" for r in rows if "error" in r and not r.get("oom")]
@@ -295,24 +377,44 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("measures", nargs="+", choices=list(MEASURES))
   parser.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
-  parser.add_argument("--reps", type=int, default=None, help="calls per timed block (default 20, small 2)")
+  parser.add_argument(
+    "--reps", type=int, default=None, help="calls per timed block (default 20, small 2)"
+  )
   parser.add_argument("--json", help="write the rows to this file")
-  parser.add_argument("--ordering-modes", nargs="+", choices=ORDERING_MODES, default=ORDERING_MODES,
-                      help="ordering: the modes to compare (plain workloads run shipped only)")
-  parser.add_argument("--ordering-workloads", nargs="+", default=None,
-                      help="ordering: only workloads whose name holds one of these")
+  parser.add_argument(
+    "--ordering-modes",
+    nargs="+",
+    choices=ORDERING_MODES,
+    default=ORDERING_MODES,
+    help="ordering: the modes to compare (plain workloads run shipped only)",
+  )
+  parser.add_argument(
+    "--ordering-workloads",
+    nargs="+",
+    default=None,
+    help="ordering: only workloads whose name holds one of these",
+  )
   args = parser.parse_args(argv)
   reps = args.reps or (2 if args.small else 20)
   kit.COMPILER_OPTIONS = FAST_COMPILE if args.small and jax.default_backend() == "cpu" else None
-  result = {"meta": {**metadata.run_metadata("experiments.gpu.gpu_measures", argv),
-                     "small": args.small, "reps": reps, "compiler_options": kit.COMPILER_OPTIONS,
-                     "kernels": {op: kernels.select(op).name for op in ("quantize", "relu_mask")}}}
+  result = {
+    "meta": {
+      **metadata.run_metadata("experiments.gpu.gpu_measures", argv),
+      "small": args.small,
+      "reps": reps,
+      "compiler_options": kit.COMPILER_OPTIONS,
+      "kernels": {op: kernels.select(op).name for op in ("quantize", "relu_mask")},
+    }
+  }
   for name in args.measures:
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     try:
-      extra = (dict(modes=tuple(args.ordering_modes), workloads=args.ordering_workloads)
-               if name == "ordering" else {})
+      extra = (
+        dict(modes=tuple(args.ordering_modes), workloads=args.ordering_workloads)
+        if name == "ordering"
+        else {}
+      )
       result[name] = MEASURES[name](args.small, reps, **extra)
     except Exception as e:  # noqa: BLE001 - the other measures still run; the exit status says so
       traceback.print_exc()

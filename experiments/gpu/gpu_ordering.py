@@ -14,7 +14,6 @@ from experiments.lib import blocks, models
 __all__ = ["ORDERING_MODES", "measure_ordering", "ordering_ties"]
 
 
-
 ORDERING_MODES = ("shipped", "ties", "no_ties", "no_ties_no_barriers")
 
 
@@ -39,6 +38,7 @@ def ordering_ties(mode: str):
     raise ValueError(f"mode must be one of {ORDERING_MODES}, got {mode!r}")
   from jact._core import xla_cpu
   from jact._engine import scheduling
+
   patches = []
   if mode == "ties":
     patches.append((xla_cpu, "on_cpu", _ties_everywhere))
@@ -64,24 +64,35 @@ def _stack_workloads(small: bool) -> dict[str, tuple]:
   jact.compressed at 2 bits, and a CIFAR ResNet-18 (small: the ReLU CNN stack
   plain and with jact.ops only)."""
   depth = 2 if small else 8
-  shapes = {"relu_cnn": (2, 8, 8, 8) if small else (32, 32, 32, 64),
-            "transformer": (2, 16, 32) if small else (16, 256, 256)}
-  kwargs = {"relu_cnn": dict(channels=8) if small else {},
-            "transformer": dict(dim=32, mlp=64) if small else {}}
+  shapes = {
+    "relu_cnn": (2, 8, 8, 8) if small else (32, 32, 32, 64),
+    "transformer": (2, 16, 32) if small else (16, 256, 256),
+  }
+  kwargs = {
+    "relu_cnn": dict(channels=8) if small else {},
+    "transformer": dict(dim=32, mlp=64) if small else {},
+  }
   out = {}
   names = ["relu_cnn"] if small else list(blocks.BLOCKS)
   variants = [("plain", None, "ops"), ("ops 2 bit", 2, "ops")] + (
-      [] if small else [("compressed 2 bit", 2, "compressed")])
+    [] if small else [("compressed 2 bit", 2, "compressed")]
+  )
   for name in names:
     block, make_params, _ = blocks.BLOCKS[name]
-    params = [kit.random_params(make_params(**kwargs[name]), jax.random.key(i)) for i in range(depth)]
+    params = [
+      kit.random_params(make_params(**kwargs[name]), jax.random.key(i)) for i in range(depth)
+    ]
     x = jax.random.normal(jax.random.key(5), shapes[name], jnp.float32)
     for label, bits, mode in ((f"{name} x{depth} {v}", b, m) for v, b, m in variants):
       make = lambda block=block, bits=bits, mode=mode: kit.stack_loss(
-          blocks.wrap_block(block, bits, mode))
+        blocks.wrap_block(block, bits, mode)
+      )
       out[label] = (make, params, x)
   if not small:
-    for label, bits in (("ResNet-18 CIFAR b128 plain", None), ("ResNet-18 CIFAR b128 jact 2 bit", 2)):
+    for label, bits in (
+      ("ResNet-18 CIFAR b128 plain", None),
+      ("ResNet-18 CIFAR b128 jact 2 bit", 2),
+    ):
       out[label] = _resnet_workload(bits)
   return out
 
@@ -97,10 +108,15 @@ def _resnet_workload(bits):
     model = models.ResNet18(num_classes=10, stem="cifar", layers=layers)
 
     def loss(params, x, key):
-      logits, _ = model.apply({**variables, "params": params}, x, train=True, rngs={"jact": key},
-                              mutable=["batch_stats"])
-      return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[:, None], -1)[:, 0])
+      logits, _ = model.apply(
+        {**variables, "params": params}, x, train=True, rngs={"jact": key}, mutable=["batch_stats"]
+      )
+      return jnp.mean(
+        jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, y[:, None], -1)[:, 0]
+      )
+
     return loss
+
   return make, variables["params"], x
 
 
@@ -112,15 +128,23 @@ def measure_ordering(small: bool, reps: int, modes=ORDERING_MODES, workloads=Non
     for mode in ("shipped",) if "plain" in name else modes:
       with ordering_ties(mode):
         grad = jax.grad(make_loss())  # a fresh function: traced in this mode
-        row = {"workload": name, "mode": mode,
-               **kit.compile_and_time(grad, (params, x, jax.random.key(1)), reps)}
+        row = {
+          "workload": name,
+          "mode": mode,
+          **kit.compile_and_time(grad, (params, x, jax.random.key(1)), reps),
+        }
       rows.append(row)
-      print(f"   {name} [{mode}]: " + ", ".join(f"{k} {row[k]}" for k in ("temp_bytes", "ms", "error")
-                                               if k in row), flush=True)
+      print(
+        f"   {name} [{mode}]: "
+        + ", ".join(f"{k} {row[k]}" for k in ("temp_bytes", "ms", "error") if k in row),
+        flush=True,
+      )
   for r in rows:
     base = next(b for b in rows if b["workload"] == r["workload"] and b["mode"] == "shipped")
     if "error" not in r and "error" not in base:
       r["temp_vs_shipped"] = r["temp_bytes"] / base["temp_bytes"]
       r["time_vs_shipped"] = r["ms"] / base["ms"]
-  kit.print_rows(rows, ("workload", "mode", "temp_bytes", "temp_vs_shipped", "ms", "time_vs_shipped"))
+  kit.print_rows(
+    rows, ("workload", "mode", "temp_bytes", "temp_vs_shipped", "ms", "time_vs_shipped")
+  )
   return rows

@@ -28,8 +28,11 @@ __all__ = ["main", "compare"]
 
 
 def _arrays(packed) -> dict[str, np.ndarray]:
-  return {"data": np.asarray(packed.data), "minimum": np.asarray(packed.minimum).view(np.uint16),
-          "scale": np.asarray(packed.scale).view(np.uint16)}
+  return {
+    "data": np.asarray(packed.data),
+    "minimum": np.asarray(packed.minimum).view(np.uint16),
+    "scale": np.asarray(packed.scale).view(np.uint16),
+  }
 
 
 def compare(bits: int, dtype: str, size_mb: float, key: int = 0) -> tuple[dict, dict]:
@@ -41,10 +44,19 @@ def compare(bits: int, dtype: str, size_mb: float, key: int = 0) -> tuple[dict, 
   reference = kernels.available("quantize")["xla"].fn
   with jax.default_device(cpu):
     expected = _arrays(jax.jit(lambda a, s: reference(a, s, **case.kwargs))(x_host, seed_host))
-  arrays = {"x": np.asarray(x).view(np.uint16 if x.dtype == jnp.bfloat16 else np.uint32),
-            "seed": np.asarray(seed), **{f"cpu_{k}": v for k, v in expected.items()}}
-  summary = {"bits": bits, "dtype": dtype, "shape": list(x.shape), "kwargs": case.kwargs,
-             "device": jax.devices()[0].device_kind, "impls": {}}
+  arrays = {
+    "x": np.asarray(x).view(np.uint16 if x.dtype == jnp.bfloat16 else np.uint32),
+    "seed": np.asarray(seed),
+    **{f"cpu_{k}": v for k, v in expected.items()},
+  }
+  summary = {
+    "bits": bits,
+    "dtype": dtype,
+    "shape": list(x.shape),
+    "kwargs": case.kwargs,
+    "device": jax.devices()[0].device_kind,
+    "impls": {},
+  }
   for name, impl in kernels.available("quantize").items():
     try:
       got = _arrays(jax.jit(lambda a, s, f=impl.fn: f(a, s, **case.kwargs))(x, seed))
@@ -58,8 +70,12 @@ def compare(bits: int, dtype: str, size_mb: float, key: int = 0) -> tuple[dict, 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--configs", nargs="+", default=["8:float32", "2:bfloat16"],
-                      help="bits:dtype of each configuration")
+  parser.add_argument(
+    "--configs",
+    nargs="+",
+    default=["8:float32", "2:bfloat16"],
+    help="bits:dtype of each configuration",
+  )
   parser.add_argument("--size-mb", type=float, default=4.0)
   parser.add_argument("--out", required=True, help="folder for <bits>_<dtype>.npz and diff.json")
   args = parser.parse_args(argv)
@@ -72,8 +88,16 @@ def main(argv=None) -> None:
     results.append(summary)
     print(json.dumps(summary, default=str), flush=True)
   with open(os.path.join(args.out, "diff.json"), "w") as f:
-    json.dump({"command": "python -m experiments.gpu.kernel_diff " + " ".join(argv or []),
-               "jax": jax.__version__, "results": results}, f, indent=1, default=str)
+    json.dump(
+      {
+        "command": "python -m experiments.gpu.kernel_diff " + " ".join(argv or []),
+        "jax": jax.__version__,
+        "results": results,
+      },
+      f,
+      indent=1,
+      default=str,
+    )
 
 
 if __name__ == "__main__":

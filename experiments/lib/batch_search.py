@@ -1,5 +1,6 @@
 """The search for the largest batch that fits: doubling, then bisection (`largest_batch`), or
 multiples of a granularity against a cap (`search_batch`, checked by `check_search`)."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ from typing import Callable
 
 __all__ = ["TOLERANCE", "check_search", "largest_batch", "search_batch"]
 
-TOLERANCE = 0.05    # resolution of the largest-batch search
+TOLERANCE = 0.05  # resolution of the largest-batch search
 
 
 def largest_batch(fits, start: int, upper: int, tol: float = TOLERANCE, need=None) -> int:
@@ -61,8 +62,14 @@ def largest_batch(fits, start: int, upper: int, tol: float = TOLERANCE, need=Non
   return lo
 
 
-def search_batch(probe: Callable[[int], dict], cap_mib: float, start: int, granularity: int,
-                 upper: int, measure: str = "step_mib") -> tuple[int, list[dict]]:
+def search_batch(
+  probe: Callable[[int], dict],
+  cap_mib: float,
+  start: int,
+  granularity: int,
+  upper: int,
+  measure: str = "step_mib",
+) -> tuple[int, list[dict]]:
   """Largest multiple of `granularity` <= `upper` whose `probe(batch)[measure]`
   is within `cap_mib` (0 if none), and every probe made, by batch.
 
@@ -85,13 +92,20 @@ def search_batch(probe: Callable[[int], dict], cap_mib: float, start: int, granu
     return (math.inf if mib is None else mib), cap_mib
 
   fits = lambda units: need(units)[0] <= cap_mib
-  units = largest_batch(fits, max(1, start // granularity),
-                                         max(1, upper // granularity), tol=0.0, need=need)
+  units = largest_batch(
+    fits, max(1, start // granularity), max(1, upper // granularity), tol=0.0, need=need
+  )
   return units * granularity, [probes[b] for b in sorted(probes)]
 
 
-def check_search(best: int, probes: list[dict], cap_mib: float, granularity: int,
-                 upper: int, measure: str = "step_mib") -> dict:
+def check_search(
+  best: int,
+  probes: list[dict],
+  cap_mib: float,
+  granularity: int,
+  upper: int,
+  measure: str = "step_mib",
+) -> dict:
   """Whether the answer is backed by the probes: it ran within the cap and the
   next multiple of the granularity did not (or is past `upper`), and the probes
   are monotone (every fitting batch below every failing one)."""

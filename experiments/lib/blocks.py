@@ -47,7 +47,9 @@ def transformer_block(p, x, key, bits, heads=4):
   b, s, d = x.shape
   ks = jax.random.split(key, 8)
   if bits is None:
-    ln = lambda h, sc: (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-6) * sc
+    ln = lambda h, sc: (
+      (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-6) * sc
+    )
     dense = lambda h, w, k: h @ w
     attn = lambda q, kk, v, k: _plain_attention(q, kk, v)
     gelu = lambda h, k: jax.nn.gelu(h)
@@ -56,8 +58,11 @@ def transformer_block(p, x, key, bits, heads=4):
     dense = lambda h, w, k: ops.dense(h, w, key=k, bits=bits)
     attn = lambda q, kk, v, k: ops.dot_product_attention(q, kk, v, key=k, bits=bits)
     gelu = lambda h, k: ops.gelu(h, key=k, bits=bits)
-  norm = (lambda h, sc, k: ln(h, sc)) if bits is None else (
-      lambda h, sc, k: ops.layer_norm(h, sc, key=k, bits=bits))
+  norm = (
+    (lambda h, sc, k: ln(h, sc))
+    if bits is None
+    else (lambda h, sc, k: ops.layer_norm(h, sc, key=k, bits=bits))
+  )
   h = norm(x, p["ln1"], ks[0])
   qkv = dense(h, p["wqkv"], ks[1]).reshape(b, s, 3, heads, d // heads)
   a = attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ks[2]).reshape(b, s, d)
@@ -74,13 +79,19 @@ def _plain_attention(q, k, v):
 
 def transformer_params(dim=256, mlp=1024):
   f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  return {"ln1": f(dim), "ln2": f(dim), "wqkv": f(dim, 3 * dim), "wo": f(dim, dim),
-          "w1": f(dim, mlp), "w2": f(mlp, dim)}
+  return {
+    "ln1": f(dim),
+    "ln2": f(dim),
+    "wqkv": f(dim, 3 * dim),
+    "wo": f(dim, dim),
+    "w1": f(dim, mlp),
+    "w2": f(mlp, dim),
+  }
 
 
 BLOCKS = {
-    "relu_cnn": (relu_cnn_block, relu_cnn_params, (32, 32, 32, 64)),
-    "transformer": (transformer_block, transformer_params, (16, 256, 256)),
+  "relu_cnn": (relu_cnn_block, relu_cnn_params, (32, 32, 32, 64)),
+  "transformer": (transformer_block, transformer_params, (16, 256, 256)),
 }
 
 

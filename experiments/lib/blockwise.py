@@ -16,40 +16,69 @@ import optax
 import jact
 from experiments.lib import data, preact, zoo
 
-__all__ = ["Config", "FULL", "SMALL", "block_method", "resnet_blockwise_logits", "lm_blockwise_logits",
-           "init_params", "real_batch", "loss_fn", "train_step", "optimizer", "on_device"]
+__all__ = [
+  "Config",
+  "FULL",
+  "SMALL",
+  "block_method",
+  "resnet_blockwise_logits",
+  "lm_blockwise_logits",
+  "init_params",
+  "real_batch",
+  "loss_fn",
+  "train_step",
+  "optimizer",
+  "on_device",
+]
 
 MODELS = ("resnet20", "transformer_lm")
 METHODS = ("plain", "remat", "jact4", "jact2", "jact_checkpoint", "offload")
-CHECKPOINT_BITS = 4      # width of jact_checkpoint's and offload's compressed copies
-LEARNING_RATE = 1e-3     # the same batch is stepped on repeatedly: keep values finite
+CHECKPOINT_BITS = 4  # width of jact_checkpoint's and offload's compressed copies
+LEARNING_RATE = 1e-3  # the same batch is stepped on repeatedly: keep values finite
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Model sizes and search settings of a run (`FULL`, `SMALL`)."""
-  widths: tuple[int, ...]     # ResNet stage widths
-  blocks: int                 # ResNet residual blocks per stage
-  lm: zoo.LMConfig            # the LM; its max_len is the sequence length trained on
-  cap_mib: float              # the memory cap
-  start: int                  # first batch of the doubling
-  granularity: int            # the search's resolution: batches are its multiples
-  upper: int                  # largest batch tried
-  time_batch: int             # largest batch the timing uses
-  time_steps: int             # timed rounds (one step per method each)
-  measure: str = "step_mib"   # what the cap limits: one of MEASURES
+
+  widths: tuple[int, ...]  # ResNet stage widths
+  blocks: int  # ResNet residual blocks per stage
+  lm: zoo.LMConfig  # the LM; its max_len is the sequence length trained on
+  cap_mib: float  # the memory cap
+  start: int  # first batch of the doubling
+  granularity: int  # the search's resolution: batches are its multiples
+  upper: int  # largest batch tried
+  time_batch: int  # largest batch the timing uses
+  time_steps: int  # timed rounds (one step per method each)
+  measure: str = "step_mib"  # what the cap limits: one of MEASURES
   fast_compile: bool = False  # compile every step with FAST_COMPILE_FLAGS
 
 
-FULL = Config(widths=(16, 32, 64), blocks=3, lm=zoo.LMConfig(max_len=128), cap_mib=512,
-              start=64, granularity=16, upper=4096, time_batch=64, time_steps=20)
-SMALL = Config(widths=(8, 16), blocks=1,
-               lm=zoo.LMConfig(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32),
-               cap_mib=40, start=32, granularity=32, upper=64, time_batch=32, time_steps=10,
-               fast_compile=True)
+FULL = Config(
+  widths=(16, 32, 64),
+  blocks=3,
+  lm=zoo.LMConfig(max_len=128),
+  cap_mib=512,
+  start=64,
+  granularity=16,
+  upper=4096,
+  time_batch=64,
+  time_steps=20,
+)
+SMALL = Config(
+  widths=(8, 16),
+  blocks=1,
+  lm=zoo.LMConfig(emb_dim=32, num_heads=2, num_layers=2, mlp_dim=64, max_len=32),
+  cap_mib=40,
+  start=32,
+  granularity=32,
+  upper=64,
+  time_batch=32,
+  time_steps=10,
+  fast_compile=True,
+)
 SMALL_MODELS = ("resnet20",)
 SMALL_METHODS = ("plain", "jact2")
-
 
 
 # ----------------------------------------------------------------------------- methods
@@ -94,11 +123,16 @@ def resnet_blockwise_logits(params, x, key, method: str = "plain"):
   for i in range(0, len(units), 2):
     pair, name = (units[i], units[i + 1]), f"block{i // 2}"
     stride = 2 if pair[1]["kernel"].shape[-1] > width else 1
-    plain = functools.partial(_resnet_block, key=jax.random.key(0), stride=stride, form="plain",
-                              name=name)
+    plain = functools.partial(
+      _resnet_block, key=jax.random.key(0), stride=stride, form="plain", name=name
+    )
     compressed = functools.partial(_resnet_block, stride=stride, form="layers", name=name)
-    block = block_method(method, lambda p, h, plain=plain: plain(p, h),
-                         lambda p, h, k, compressed=compressed: compressed(p, h, key=k), name)
+    block = block_method(
+      method,
+      lambda p, h, plain=plain: plain(p, h),
+      lambda p, h, k, compressed=compressed: compressed(p, h, key=k),
+      name,
+    )
     h = block(pair, h, jax.random.fold_in(key, i))
     width = pair[1]["kernel"].shape[-1]
   head = params["head"]
@@ -116,8 +150,9 @@ def resnet_loss(method: str) -> Callable:
     return functools.partial(preact.loss, form="plain")
   if method in ("jact4", "jact2"):
     return functools.partial(preact.loss, form="layers", bits=int(method[-1]))
-  return lambda params, batch, key: _xent(resnet_blockwise_logits(params, batch[0], key, method),
-                                          batch[1])
+  return lambda params, batch, key: _xent(
+    resnet_blockwise_logits(params, batch[0], key, method), batch[1]
+  )
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,14 +175,17 @@ def cifar_batch(batch: int) -> tuple[np.ndarray, np.ndarray]:
 def lm_blockwise_logits(params, tokens, key, cfg: zoo.LMConfig, method: str = "plain"):
   """zoo.TransformerLM's forward pass with each decoder block trained by `method`."""
   x = nn.Embed(cfg.vocab_size, cfg.emb_dim).apply({"params": params["Embed_0"]}, tokens)
-  x = x + params["pos_embedding"][:, :tokens.shape[1]]
+  x = x + params["pos_embedding"][:, : tokens.shape[1]]
   mask = nn.make_causal_mask(tokens)
   block = zoo.DecoderBlock(cfg)
   jact_block = jact.convert(block, bits=CHECKPOINT_BITS)
   for i in range(cfg.num_layers):
     fn = block_method(
-        method, lambda p, x: block.apply({"params": p}, x, mask),
-        lambda p, x, k: jact_block.apply({"params": p}, x, mask, rngs={"jact": k}), f"block{i}")
+      method,
+      lambda p, x: block.apply({"params": p}, x, mask),
+      lambda p, x, k: jact_block.apply({"params": p}, x, mask, rngs={"jact": k}),
+      f"block{i}",
+    )
     x = fn(params[f"decoderblock_{i}"], x, jax.random.fold_in(key, i))
   x = nn.LayerNorm().apply({"params": params["encoderdecoder_norm"]}, x)
   return nn.Dense(cfg.vocab_size).apply({"params": params["logitdense"]}, x)
@@ -161,9 +199,11 @@ def lm_loss(method: str, cfg: zoo.LMConfig) -> Callable:
   if method.removeprefix("jact").isdigit():  # jact4, jact2, ... (gpu_lm adds jact8)
     model = jact.convert(zoo.TransformerLM(cfg), bits=int(method.removeprefix("jact")))
     return lambda params, batch, key: _xent(
-        model.apply({"params": params}, batch[0], rngs={"jact": key}), batch[1])
+      model.apply({"params": params}, batch[0], rngs={"jact": key}), batch[1]
+    )
   return lambda params, batch, key: _xent(
-      lm_blockwise_logits(params, batch[0], key, cfg, method), batch[1])
+    lm_blockwise_logits(params, batch[0], key, cfg, method), batch[1]
+  )
 
 
 @functools.lru_cache(maxsize=1)
@@ -219,10 +259,12 @@ def loss_fn(model: str, method: str, config: Config) -> Callable:
 
 def train_step(loss: Callable, tx) -> Callable:
   """`(params, opt_state, batch, key) -> (params, opt_state, loss)`: gradient and update."""
+
   def step(params, opt_state, batch, key):
     value, grads = jax.value_and_grad(loss)(params, batch, key)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
+
   return step
 
 

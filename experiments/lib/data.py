@@ -33,20 +33,37 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "DATASETS", "DataKitMissing", "data_dir", "cache_dir", "load_cifar10", "load_mnist",
-    "load_digits_csv", "load_sklearn_digits", "resolve_dataset", "load_image_dataset", "batches",
-    "Planetoid", "load_planetoid", "load_cora", "normalized_adjacency", "load_pool",
+  "DATASETS",
+  "DataKitMissing",
+  "data_dir",
+  "cache_dir",
+  "load_cifar10",
+  "load_mnist",
+  "load_digits_csv",
+  "load_sklearn_digits",
+  "resolve_dataset",
+  "load_image_dataset",
+  "batches",
+  "Planetoid",
+  "load_planetoid",
+  "load_cora",
+  "normalized_adjacency",
+  "load_pool",
 ]
 
 DATA_ENV = "JACT_DATA"
 CACHE_ENV = "JACT_CACHE"
 DATASETS = ("auto", "cifar10", "cifar10_full", "mnist", "digits", "sklearn_digits")
-_CIFAR_FILES = {"10k_2k": "cifar10/cifar10_jpeg_q75_10k_2k.npz",
-                "full": "cifar10/cifar10_jpeg_q75_full.npz"}
-_MNIST_FILES = {"x_train": "mnist/train-images-idx3-ubyte.gz",
-                "y_train": "mnist/train-labels-idx1-ubyte.gz",
-                "x_test": "mnist/t10k-images-idx3-ubyte.gz",
-                "y_test": "mnist/t10k-labels-idx1-ubyte.gz"}
+_CIFAR_FILES = {
+  "10k_2k": "cifar10/cifar10_jpeg_q75_10k_2k.npz",
+  "full": "cifar10/cifar10_jpeg_q75_full.npz",
+}
+_MNIST_FILES = {
+  "x_train": "mnist/train-images-idx3-ubyte.gz",
+  "y_train": "mnist/train-labels-idx1-ubyte.gz",
+  "x_test": "mnist/t10k-images-idx3-ubyte.gz",
+  "y_test": "mnist/t10k-labels-idx1-ubyte.gz",
+}
 _DIGITS_FILE = "sklearn_digits/digits.csv.gz"
 _PLANETOID_PARTS = ("x", "y", "tx", "ty", "allx", "ally", "graph", "test.index")
 
@@ -61,8 +78,10 @@ class DataKitMissing(FileNotFoundError):
 
   def __init__(self, relative: str):
     looked = ", ".join(str(p) for p in _candidates())
-    super().__init__(f"data file {relative!r} not found: no data folder (looked in {looked}). "
-                     f"Set {DATA_ENV}=/path/to/shared/data.")
+    super().__init__(
+      f"data file {relative!r} not found: no data folder (looked in {looked}). "
+      f"Set {DATA_ENV}=/path/to/shared/data."
+    )
     self.relative = relative
 
 
@@ -97,8 +116,9 @@ def _data_file(relative: str, root: str | os.PathLike | None = None) -> Path:
   path = base / relative
   if not path.is_file():
     raise FileNotFoundError(
-        f"data file {relative!r} not found: {path} does not exist. Point {DATA_ENV} at the "
-        f"folder that holds {relative!r} (currently {base}).")
+      f"data file {relative!r} not found: {path} does not exist. Point {DATA_ENV} at the "
+      f"folder that holds {relative!r} (currently {base})."
+    )
   return path
 
 
@@ -112,9 +132,12 @@ def _file_digest(path: Path) -> str:
 
 def _decode_jpegs(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
   from PIL import Image  # optional dependency, only needed to decode CIFAR-10
+
   data = blob.tobytes()
-  images = [np.asarray(Image.open(io.BytesIO(data[offsets[i]:offsets[i + 1]])).convert("RGB"))
-            for i in range(len(offsets) - 1)]
+  images = [
+    np.asarray(Image.open(io.BytesIO(data[offsets[i] : offsets[i + 1]])).convert("RGB"))
+    for i in range(len(offsets) - 1)
+  ]
   return np.stack(images).astype(np.uint8)
 
 
@@ -150,10 +173,12 @@ def load_cifar10(subset: str = "10k_2k", *, root=None, use_cache: bool = True):
     with np.load(cached) as z:
       return z["x_train"], z["y_train"], z["x_test"], z["y_test"]
   with np.load(path) as z:
-    out = dict(x_train=_decode_jpegs(z["train_jpeg"], z["train_offsets"]),
-               y_train=z["y_train"].astype(np.uint8),
-               x_test=_decode_jpegs(z["test_jpeg"], z["test_offsets"]),
-               y_test=z["y_test"].astype(np.uint8))
+    out = dict(
+      x_train=_decode_jpegs(z["train_jpeg"], z["train_offsets"]),
+      y_train=z["y_train"].astype(np.uint8),
+      x_test=_decode_jpegs(z["test_jpeg"], z["test_offsets"]),
+      y_test=z["y_test"].astype(np.uint8),
+    )
   if cached is not None:
     try:
       _save_atomic(cached, **out)
@@ -169,7 +194,7 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
   if found != magic:
     raise ValueError(f"{path} is not an IDX file with magic {magic} (found {found})")
   ndim = raw[3]
-  dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+  dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
   return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
@@ -181,8 +206,12 @@ def load_mnist(*, root=None):
     (60000 train, 10000 test).
   """
   paths = {k: _data_file(v, root) for k, v in _MNIST_FILES.items()}
-  return (_read_idx(paths["x_train"], 2051), _read_idx(paths["y_train"], 2049),
-          _read_idx(paths["x_test"], 2051), _read_idx(paths["y_test"], 2049))
+  return (
+    _read_idx(paths["x_train"], 2051),
+    _read_idx(paths["y_train"], 2049),
+    _read_idx(paths["x_test"], 2051),
+    _read_idx(paths["y_test"], 2049),
+  )
 
 
 def load_digits_csv(*, root=None):
@@ -203,6 +232,7 @@ def load_sklearn_digits():
     (x, y): images uint8 [1797, 8, 8] with values 0..16, labels uint8 [1797].
   """
   from sklearn.datasets import load_digits
+
   d = load_digits()
   return d.images.astype(np.uint8), d.target.astype(np.uint8)
 
@@ -231,8 +261,9 @@ def _split_digits(x, y, test_fraction=0.2, seed=0):
   return x[tr], y[tr], x[te], y[te]
 
 
-def load_image_dataset(name: str = "auto", *, root=None, train_size: int | None = None,
-                       test_size: int | None = None):
+def load_image_dataset(
+  name: str = "auto", *, root=None, train_size: int | None = None, test_size: int | None = None
+):
   """An image classification dataset as float32 NHWC in [0, 1] with int32 labels.
 
   Args:
@@ -261,13 +292,20 @@ def load_image_dataset(name: str = "auto", *, root=None, train_size: int | None 
     scale = 16.0
   xtr, ytr = xtr[:train_size], ytr[:train_size]
   xte, yte = xte[:test_size], yte[:test_size]
-  as_float = lambda a: (a.astype(np.float32) / np.float32(scale))
+  as_float = lambda a: a.astype(np.float32) / np.float32(scale)
   return as_float(xtr), ytr.astype(np.int32), as_float(xte), yte.astype(np.int32)
 
 
-def batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, seed: int = 0,
-            shuffle: bool = True, drop_last: bool = True,
-            epochs: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def batches(
+  x: np.ndarray,
+  y: np.ndarray,
+  batch_size: int,
+  *,
+  seed: int = 0,
+  shuffle: bool = True,
+  drop_last: bool = True,
+  epochs: int | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields (x_batch, y_batch); reshuffles every epoch with a seeded generator.
 
   Runs forever when `epochs` is None. With `drop_last`, every batch has
@@ -284,7 +322,7 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, *, seed: int = 0,
     order = rng.permutation(n) if shuffle else np.arange(n)
     stop = n - n % batch_size if drop_last else n
     for start in range(0, stop, batch_size):
-      idx = order[start:start + batch_size]
+      idx = order[start : start + batch_size]
       yield x[idx], y[idx]
     epoch += 1
 
@@ -312,6 +350,7 @@ class Planetoid:
       `(A_hat @ h)[r] = sum over k with adj_index[0, k] == r of
       adj_weight[k] * h[adj_index[1, k]]`.
   """
+
   name: str
   x: np.ndarray
   y: np.ndarray
@@ -368,6 +407,7 @@ def normalized_adjacency(edges: np.ndarray, num_nodes: int) -> tuple[np.ndarray,
 def _load_pickle(path: Path):
   import pickle
   import warnings
+
   try:
     import scipy.sparse  # noqa: F401  (the feature matrices are pickled scipy matrices)
   except ImportError as e:  # pragma: no cover
@@ -398,6 +438,7 @@ def load_planetoid(name: str = "cora", *, root=None) -> Planetoid:
     raise ValueError(f"unknown Planetoid dataset {name!r}; choose 'cora' or 'citeseer'")
   paths = {part: _data_file(f"planetoid/ind.{name}.{part}", root) for part in _PLANETOID_PARTS}
   import scipy.sparse as sp
+
   x, y, tx, ty, allx, ally, graph = (_load_pickle(paths[p]) for p in _PLANETOID_PARTS[:-1])
   test_index = np.loadtxt(paths["test.index"], dtype=np.int64).reshape(-1)
   test_sorted = np.sort(test_index)
@@ -435,11 +476,17 @@ def load_planetoid(name: str = "cora", *, root=None) -> Planetoid:
     return m
 
   n_train = y.shape[0]
-  return Planetoid(name=name, x=features, y=labels,
-                   train_mask=mask(np.arange(n_train)),
-                   val_mask=mask(np.arange(n_train, n_train + 500)),
-                   test_mask=mask(test_sorted), edges=edges,
-                   adj_index=adj_index, adj_weight=adj_weight)
+  return Planetoid(
+    name=name,
+    x=features,
+    y=labels,
+    train_mask=mask(np.arange(n_train)),
+    val_mask=mask(np.arange(n_train, n_train + 500)),
+    test_mask=mask(test_sorted),
+    edges=edges,
+    adj_index=adj_index,
+    adj_weight=adj_weight,
+  )
 
 
 def load_cora(*, root=None) -> Planetoid:

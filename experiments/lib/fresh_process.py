@@ -40,8 +40,9 @@ def _use_compilation_cache(path: str) -> None:
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
-def _child(conn, module: str, target: str, args: tuple, memory: bool, cache_dir: str | None,
-           xla_flags: str) -> None:
+def _child(
+  conn, module: str, target: str, args: tuple, memory: bool, cache_dir: str | None, xla_flags: str
+) -> None:
   """Entry point of a fresh process: runs `target(*args)`, sends ("ok", result) or ("error", text)."""
   try:
     if memory:
@@ -71,14 +72,22 @@ def _context(module: str):
   return _CONTEXTS[module]
 
 
-def run(module: str, target: str, *args, memory: bool = False, cache_dir: str | None = None,
-                     xla_flags: str = "",
-                     timeout_s: float = 3600) -> dict:
+def run(
+  module: str,
+  target: str,
+  *args,
+  memory: bool = False,
+  cache_dir: str | None = None,
+  xla_flags: str = "",
+  timeout_s: float = 3600,
+) -> dict:
   """`target(*args)` (`module`'s function named `target`) in a fresh process;
   its result, or {"error": ...} if it raised, died or timed out."""
   ctx = _context(module)
   receive, send = ctx.Pipe(duplex=False)
-  proc = ctx.Process(target=_child, args=(send, module, target, args, memory, cache_dir, xla_flags), daemon=True)
+  proc = ctx.Process(
+    target=_child, args=(send, module, target, args, memory, cache_dir, xla_flags), daemon=True
+  )
   proc.start()
   send.close()
   try:

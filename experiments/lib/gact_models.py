@@ -14,12 +14,21 @@ import jact
 from experiments.lib import zoo
 from experiments.lib.gcn import Graph
 
-__all__ = ["EncoderBlock", "SST2Transformer", "BlockFieldLM", "checkpointed_block", "GCN", "GAT",
-           "propagate", "cross_entropy"]
+__all__ = [
+  "EncoderBlock",
+  "SST2Transformer",
+  "BlockFieldLM",
+  "checkpointed_block",
+  "GCN",
+  "GAT",
+  "propagate",
+  "cross_entropy",
+]
 
 
 class EncoderBlock(nn.Module):
   """Pre-LayerNorm encoder block: padded self-attention, then a gelu MLP."""
+
   num_heads: int
   mlp_dim: int
 
@@ -42,6 +51,7 @@ class SST2Transformer(nn.Module):
   >>> model.apply(model.init(jax.random.key(0), tokens), tokens).shape
   (2, 2)
   """
+
   vocab_size: int
   dim: int = 128
   num_heads: int = 4
@@ -55,9 +65,10 @@ class SST2Transformer(nn.Module):
   def __call__(self, tokens):
     words = tokens > 0
     x = nn.Embed(self.vocab_size, self.dim)(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                     (1, self.max_len, self.dim))
-    x = x + pos[:, :tokens.shape[1]]
+    pos = self.param(
+      "pos_embedding", nn.initializers.normal(stddev=0.02), (1, self.max_len, self.dim)
+    )
+    x = x + pos[:, : tokens.shape[1]]
     mask = nn.make_attention_mask(words, words)
     for i in range(self.num_blocks):
       x = self.block(self.num_heads, self.mlp_dim, name=f"block_{i}")(x, mask)
@@ -70,16 +81,19 @@ class SST2Transformer(nn.Module):
 class BlockFieldLM(zoo.TransformerLM):
   """`experiments.lib.zoo.TransformerLM` with its block class as a field (nothing else
   changes: same computation, same parameter names and values)."""
+
   block: Any = zoo.DecoderBlock
 
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.emb_dim,
-                 embedding_init=nn.initializers.normal(stddev=1.0))(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                     (1, cfg.max_len, cfg.emb_dim))
-    x = x + pos[:, :tokens.shape[1]]
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=nn.initializers.normal(stddev=1.0))(
+      tokens
+    )
+    pos = self.param(
+      "pos_embedding", nn.initializers.normal(stddev=0.02), (1, cfg.max_len, cfg.emb_dim)
+    )
+    x = x + pos[:, : tokens.shape[1]]
     decoder_mask = nn.make_causal_mask(tokens)
     for i in range(cfg.num_layers):
       x = self.block(cfg, name=f"decoderblock_{i}")(x, decoder_mask)
@@ -91,8 +105,9 @@ def checkpointed_block(block_class, bits: int = 4):
   """`block_class` as a GACT CB1 segment: a compressed copy of its input (the first
   argument of `__call__`) is all the forward pass keeps; the backward pass
   recomputes the block from it (`jact.save_inputs_only()`: nothing else saved)."""
-  return jact.compressed(block_class, bits=bits, policy=jact.save_inputs_only(),
-                         compress_argnums=(0,))
+  return jact.compressed(
+    block_class, bits=bits, policy=jact.save_inputs_only(), compress_argnums=(0,)
+  )
 
 
 def propagate(graph: Graph, h):
@@ -106,6 +121,7 @@ def propagate(graph: Graph, h):
 class GCN(nn.Module):
   """Kipf & Welling's two-layer GCN, A drop(relu(A drop(x) W1 + b1)) W2 + b2, where
   A = D^-1/2 (A + I) D^-1/2 is the data kit's normalized adjacency."""
+
   num_classes: int
   hidden: int = 16
   dropout: float = 0.5
@@ -122,6 +138,7 @@ class GCN(nn.Module):
 class GATLayer(nn.Module):
   """Graph attention (Velickovic et al.): per head, softmax over each node's incoming
   edges (self loop included) of leaky_relu(a_src . W h_j + a_dst . W h_i)."""
+
   features: int
   heads: int
   dropout: float
@@ -145,6 +162,7 @@ class GATLayer(nn.Module):
 
 class GAT(nn.Module):
   """Two GAT layers: `heads` heads of `hidden` features (ELU), then one head of classes."""
+
   num_classes: int
   hidden: int = 8
   heads: int = 8

@@ -47,8 +47,19 @@ from jact._core import rng as jact_rng
 from jact.ops._dropout import keep_mask
 
 __all__ = [
-    "Graph", "graph_arrays", "propagate", "relu", "dropout", "gcn_layer", "init_gcn", "gcn_apply",
-    "cross_entropy", "gcn_loss", "l2_penalty", "accuracy", "train_gcn",
+  "Graph",
+  "graph_arrays",
+  "propagate",
+  "relu",
+  "dropout",
+  "gcn_layer",
+  "init_gcn",
+  "gcn_apply",
+  "cross_entropy",
+  "gcn_loss",
+  "l2_penalty",
+  "accuracy",
+  "train_gcn",
 ]
 
 
@@ -57,16 +68,19 @@ class Graph(NamedTuple):
 
   `(A_hat @ h)[receivers[k]] += weights[k] * h[senders[k]]`.
   """
-  senders: jax.Array    # int32 [E + N]
+
+  senders: jax.Array  # int32 [E + N]
   receivers: jax.Array  # int32 [E + N]
-  weights: jax.Array    # float32 [E + N]
+  weights: jax.Array  # float32 [E + N]
 
 
 def graph_arrays(data) -> Graph:
   """The `Graph` of a `experiments.lib.data.Planetoid` (rows receive, columns send)."""
-  return Graph(senders=jnp.asarray(data.adj_index[1], jnp.int32),
-               receivers=jnp.asarray(data.adj_index[0], jnp.int32),
-               weights=jnp.asarray(data.adj_weight, jnp.float32))
+  return Graph(
+    senders=jnp.asarray(data.adj_index[1], jnp.int32),
+    receivers=jnp.asarray(data.adj_index[0], jnp.int32),
+    weights=jnp.asarray(data.adj_weight, jnp.float32),
+  )
 
 
 def _spmm(senders, receivers, weights, h):
@@ -143,8 +157,16 @@ def dropout(x: jax.Array, key, rate: float) -> jax.Array:
   return _masked(x, keep, 1.0 / (1.0 - rate))
 
 
-def gcn_layer(params: dict, x: jax.Array, graph: Graph, dropout_key=None, *,
-              rate: float = 0.5, relu: bool = True, grad_input: bool = True) -> jax.Array:
+def gcn_layer(
+  params: dict,
+  x: jax.Array,
+  graph: Graph,
+  dropout_key=None,
+  *,
+  rate: float = 0.5,
+  relu: bool = True,
+  grad_input: bool = True,
+) -> jax.Array:
   """One GCN layer: `act(A_hat . dropout(x) @ w + b)`.
 
   Args:
@@ -173,13 +195,22 @@ def _glorot(key, shape):
 def init_gcn(key, in_features: int, hidden: int, classes: int) -> dict:
   """Glorot-uniform weights and zero biases, as in Kipf & Welling."""
   k1, k2 = jax.random.split(key)
-  return {"layer1": {"w": _glorot(k1, (in_features, hidden)), "b": jnp.zeros((hidden,))},
-          "layer2": {"w": _glorot(k2, (hidden, classes)), "b": jnp.zeros((classes,))}}
+  return {
+    "layer1": {"w": _glorot(k1, (in_features, hidden)), "b": jnp.zeros((hidden,))},
+    "layer2": {"w": _glorot(k2, (hidden, classes)), "b": jnp.zeros((classes,))},
+  }
 
 
-def gcn_apply(params: dict, x: jax.Array, graph: Graph, dropout_key=None, *,
-              rate: float = 0.5, layer: Callable[..., Any] | None = None,
-              key=None) -> jax.Array:
+def gcn_apply(
+  params: dict,
+  x: jax.Array,
+  graph: Graph,
+  dropout_key=None,
+  *,
+  rate: float = 0.5,
+  layer: Callable[..., Any] | None = None,
+  key=None,
+) -> jax.Array:
   """Logits [N, C] of the two-layer GCN.
 
   `layer` replaces `gcn_layer` (e.g. `jact.compressed(gcn_layer, bits=2)`);
@@ -204,8 +235,17 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.
   return -jnp.sum(jnp.where(mask, picked, 0.0)) / jnp.sum(mask)
 
 
-def gcn_loss(params: dict, x: jax.Array, graph: Graph, labels: jax.Array, mask: jax.Array,
-             dropout_key=None, *, rate: float = 0.5, **apply_kwargs) -> jax.Array:
+def gcn_loss(
+  params: dict,
+  x: jax.Array,
+  graph: Graph,
+  labels: jax.Array,
+  mask: jax.Array,
+  dropout_key=None,
+  *,
+  rate: float = 0.5,
+  **apply_kwargs,
+) -> jax.Array:
   """`cross_entropy` of `gcn_apply` (keywords such as `layer`, `key` go to it).
 
   Wrap the model (`gcn_apply` or `gcn_layer`) in `jact.compressed`, not this
@@ -228,9 +268,17 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> float:
   return float(jnp.sum(hit) / jnp.sum(mask))
 
 
-def train_gcn(data, *, steps: int = 50, bits: int | None = 2, hidden: int = 16,
-              learning_rate: float = 0.01, rate: float = 0.5, weight_decay: float = 5e-4,
-              seed: int = 0) -> dict:
+def train_gcn(
+  data,
+  *,
+  steps: int = 50,
+  bits: int | None = 2,
+  hidden: int = 16,
+  learning_rate: float = 0.01,
+  rate: float = 0.5,
+  weight_decay: float = 5e-4,
+  seed: int = 0,
+) -> dict:
   """Trains the GCN with optax Adam on the training nodes of a `Planetoid`.
 
   Args:
@@ -266,7 +314,8 @@ def train_gcn(data, *, steps: int = 50, bits: int | None = 2, hidden: int = 16,
   def step(params, state, step_key, x, graph, labels, mask):
     dropout_key, key = jax.random.split(step_key)
     (_, value), grads = jax.value_and_grad(objective, has_aux=True)(
-        params, x, graph, labels, mask, dropout_key, key)
+      params, x, graph, labels, mask, dropout_key, key
+    )
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, value
 
@@ -285,9 +334,12 @@ def train_gcn(data, *, steps: int = 50, bits: int | None = 2, hidden: int = 16,
 
 if __name__ == "__main__":
   from experiments.lib.data import load_cora
+
   cora = load_cora()
   for bits in (None, 8, 4, 2, 1):
     r = train_gcn(cora, steps=200, bits=bits)
-    print(f"bits={bits}: loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}, "
-          f"train {r['train_acc']:.3f} val {r['val_acc']:.3f} test {r['test_acc']:.3f} "
-          f"({r['seconds']:.1f} s)")
+    print(
+      f"bits={bits}: loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}, "
+      f"train {r['train_acc']:.3f} val {r['val_acc']:.3f} test {r['test_acc']:.3f} "
+      f"({r['seconds']:.1f} s)"
+    )

@@ -31,6 +31,7 @@ class Case:
     kwargs: keyword arguments of the implementations.
     traffic: (args, outputs) -> minimal bytes read + written.
   """
+
   op: str
   label: str
   make: Callable[[int, jax.Array], tuple]
@@ -63,29 +64,46 @@ def quantize_case(bits: int, dtype=jnp.float32) -> Case:
   def make(nbytes, key):
     x = _activation(nbytes, key, dtype)
     return (x, _seed(key))
+
   g = effective_group_size(16384, 256)
-  return Case("quantize", f"{bits} bit {jnp.dtype(dtype).name}", make,
-              dict(bits=bits, group_size=g, stochastic=True),
-              lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+  return Case(
+    "quantize",
+    f"{bits} bit {jnp.dtype(dtype).name}",
+    make,
+    dict(bits=bits, group_size=g, stochastic=True),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 def _dequantize_case(bits: int) -> Case:
   def make(nbytes, key):
     x = _activation(nbytes, key)
     return (quantize_reference(x, _seed(key), bits=bits, group_size=256),)
-  return Case("dequantize", f"{bits} bit f32", make, dict(dtype=jnp.float32),
-              lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+
+  return Case(
+    "dequantize",
+    f"{bits} bit f32",
+    make,
+    dict(dtype=jnp.float32),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 def _relu_case() -> Case:
-  return Case("relu_mask", "relu f32", lambda nbytes, key: (_activation(nbytes, key),),
-              dict(negative_slope=None), lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+  return Case(
+    "relu_mask",
+    "relu f32",
+    lambda nbytes, key: (_activation(nbytes, key),),
+    dict(negative_slope=None),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 def _per_sample_widths(n: int):
   """Widths 1/2/4 (probabilities 1/4, 1/2, 1/4): 2.25 bits a value on average."""
-  return jnp.asarray(np.random.default_rng(0).choice([1, 2, 4], size=n, p=[0.25, 0.5, 0.25]),
-                     jnp.int32)
+  return jnp.asarray(
+    np.random.default_rng(0).choice([1, 2, 4], size=n, p=[0.25, 0.5, 0.25]), jnp.int32
+  )
 
 
 def _quantize_per_sample_case() -> Case:
@@ -93,9 +111,13 @@ def _quantize_per_sample_case() -> Case:
     x = _activation(nbytes, key, row=4096)
     return (x, _per_sample_widths(x.shape[0]))
 
-  return Case("quantize_per_sample", "mixed 1/2/4 bit f32", make,
-              dict(group_size=256, seed=jnp.uint32(7)),
-              lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+  return Case(
+    "quantize_per_sample",
+    "mixed 1/2/4 bit f32",
+    make,
+    dict(group_size=256, seed=jnp.uint32(7)),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 def _dequantize_per_sample_case() -> Case:
@@ -104,22 +126,31 @@ def _dequantize_per_sample_case() -> Case:
     capacity = per_sample_capacity(x.shape, 4.0)
     fn = kernels.available("quantize_per_sample")["xla"].fn
     return (fn(x, widths, capacity_bytes=capacity, group_size=256, seed=jnp.uint32(7)),)
-  return Case("dequantize_per_sample", "mixed 1/2/4 bit f32", make, dict(dtype=jnp.float32),
-              lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+
+  return Case(
+    "dequantize_per_sample",
+    "mixed 1/2/4 bit f32",
+    make,
+    dict(dtype=jnp.float32),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 def _division_case(bits: int = 2, block: int = 8) -> Case:
-  return Case("division_compress", f"B={block} Q={bits} f32 64x64x64",
-              lambda nbytes, key: (_map(nbytes, key), _seed(key)),
-              dict(block=block, bits=bits, group_size=256, lfc_dtype=jnp.dtype(jnp.bfloat16)),
-              lambda args, out: nbytes_of(args[0]) + nbytes_of(out))
+  return Case(
+    "division_compress",
+    f"B={block} Q={bits} f32 64x64x64",
+    lambda nbytes, key: (_map(nbytes, key), _seed(key)),
+    dict(block=block, bits=bits, group_size=256, lfc_dtype=jnp.dtype(jnp.bfloat16)),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
 
 
 CASES = {
-    "quantize": [quantize_case(b) for b in (1, 2, 4, 8)] + [quantize_case(2, jnp.bfloat16)],
-    "dequantize": [_dequantize_case(b) for b in (2, 4, 8)],
-    "relu_mask": [_relu_case()],
-    "quantize_per_sample": [_quantize_per_sample_case()],
-    "dequantize_per_sample": [_dequantize_per_sample_case()],
-    "division_compress": [_division_case()],
+  "quantize": [quantize_case(b) for b in (1, 2, 4, 8)] + [quantize_case(2, jnp.bfloat16)],
+  "dequantize": [_dequantize_case(b) for b in (2, 4, 8)],
+  "relu_mask": [_relu_case()],
+  "quantize_per_sample": [_quantize_per_sample_case()],
+  "dequantize_per_sample": [_dequantize_per_sample_case()],
+  "division_compress": [_division_case()],
 }

@@ -23,14 +23,45 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 __all__ = [
-    "LayerSet", "plain_layers", "jact_layers", "ReLU", "LeakyReLU", "GELU", "SiLU", "Tanh",
-    "Sigmoid", "Softmax", "MaxPool", "AvgPool", "SmallCNN", "ResNet", "ResNet18", "ResNet50",
-    "TransformerEncoder",
+  "LayerSet",
+  "plain_layers",
+  "jact_layers",
+  "ReLU",
+  "LeakyReLU",
+  "GELU",
+  "SiLU",
+  "Tanh",
+  "Sigmoid",
+  "Softmax",
+  "MaxPool",
+  "AvgPool",
+  "SmallCNN",
+  "ResNet",
+  "ResNet18",
+  "ResNet50",
+  "TransformerEncoder",
 ]
 
-LAYER_NAMES = ("Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "Dropout", "Embed",
-               "MultiHeadDotProductAttention", "SelfAttention", "ReLU", "LeakyReLU", "GELU",
-               "SiLU", "Tanh", "Sigmoid", "Softmax", "MaxPool", "AvgPool")
+LAYER_NAMES = (
+  "Dense",
+  "Conv",
+  "BatchNorm",
+  "LayerNorm",
+  "RMSNorm",
+  "Dropout",
+  "Embed",
+  "MultiHeadDotProductAttention",
+  "SelfAttention",
+  "ReLU",
+  "LeakyReLU",
+  "GELU",
+  "SiLU",
+  "Tanh",
+  "Sigmoid",
+  "Softmax",
+  "MaxPool",
+  "AvgPool",
+)
 
 
 # ----------------------------------------------------------------------------
@@ -103,8 +134,13 @@ class AvgPool(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return nn.avg_pool(x, tuple(self.window_shape), self.strides, self.padding,
-                       count_include_pad=self.count_include_pad)
+    return nn.avg_pool(
+      x,
+      tuple(self.window_shape),
+      self.strides,
+      self.padding,
+      count_include_pad=self.count_include_pad,
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -114,6 +150,7 @@ class AvgPool(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class LayerSet:
   """The layer constructors a model is built from (one attribute per layer)."""
+
   kind: str
   Dense: Callable[..., nn.Module]
   Conv: Callable[..., nn.Module]
@@ -138,10 +175,20 @@ class LayerSet:
 @functools.lru_cache(maxsize=None)
 def plain_layers() -> LayerSet:
   """Flax's layers, with activations and pooling as parameter-free modules."""
-  local = {"ReLU": ReLU, "LeakyReLU": LeakyReLU, "GELU": GELU, "SiLU": SiLU, "Tanh": Tanh,
-           "Sigmoid": Sigmoid, "Softmax": Softmax, "MaxPool": MaxPool, "AvgPool": AvgPool}
-  return LayerSet(kind="plain", **{n: local[n] if n in local else getattr(nn, n)
-                                   for n in LAYER_NAMES})
+  local = {
+    "ReLU": ReLU,
+    "LeakyReLU": LeakyReLU,
+    "GELU": GELU,
+    "SiLU": SiLU,
+    "Tanh": Tanh,
+    "Sigmoid": Sigmoid,
+    "Softmax": Softmax,
+    "MaxPool": MaxPool,
+    "AvgPool": AvgPool,
+  }
+  return LayerSet(
+    kind="plain", **{n: local[n] if n in local else getattr(nn, n) for n in LAYER_NAMES}
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +200,7 @@ def jact_layers(bits: int | None, compressor=None) -> LayerSet:
   used as they are. Twins draw rounding noise from the RNG stream 'jact'.
   """
   from jact import nn as jl
+
   layers = {}
   for n in LAYER_NAMES:
     cls = getattr(jl, n)
@@ -174,6 +222,7 @@ def _layers(layers: LayerSet | None) -> LayerSet:
 class SmallCNN(nn.Module):
   """(conv3x3-BN-ReLU) x3 with 2x2 max pooling after the first two, global
   average pooling and a dense classifier."""
+
   num_classes: int = 10
   widths: Sequence[int] = (32, 64, 128)
   layers: LayerSet | None = None
@@ -237,6 +286,7 @@ class ResNet(nn.Module):
   stem="cifar": one 3x3 conv, no pooling (32x32 inputs); stem="imagenet": 7x7
   stride-2 conv and 3x3 stride-2 max pooling (224x224 inputs).
   """
+
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   block: str = "basic"
   num_classes: int = 10
@@ -255,8 +305,9 @@ class ResNet(nn.Module):
     if self.stem == "cifar":
       x = L.Conv(self.width, (3, 3), use_bias=False, name="stem_conv")(x)
     else:
-      x = L.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                 name="stem_conv")(x)
+      x = L.Conv(
+        self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, name="stem_conv"
+      )(x)
     x = L.BatchNorm(use_running_average=not train, momentum=0.9, name="stem_bn")(x)
     x = L.ReLU(name="stem_relu")(x)
     if self.stem == "imagenet":
@@ -264,8 +315,7 @@ class ResNet(nn.Module):
     for i, n_blocks in enumerate(self.stage_sizes):
       for j in range(n_blocks):
         strides = 2 if i > 0 and j == 0 else 1
-        x = block_cls(self.width * 2 ** i, strides, self.layers,
-                      name=f"stage{i}_block{j}")(x, train)
+        x = block_cls(self.width * 2**i, strides, self.layers, name=f"stage{i}_block{j}")(x, train)
     x = jnp.mean(x, axis=(1, 2))
     return L.Dense(self.num_classes, name="head")(x)
 
@@ -290,13 +340,19 @@ class EncoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x, mask=None, train: bool = True):
     L = _layers(self.layers)
-    drop = (lambda y, name: L.Dropout(self.dropout_rate, deterministic=not train,
-                                      name=name)(y)) if self.dropout_rate > 0 else (
-                                          lambda y, name: y)
+    drop = (
+      (lambda y, name: L.Dropout(self.dropout_rate, deterministic=not train, name=name)(y))
+      if self.dropout_rate > 0
+      else (lambda y, name: y)
+    )
     y = L.LayerNorm(name="ln1")(x)
-    y = L.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.dim,
-                                       dropout_rate=self.dropout_rate,
-                                       deterministic=not train, name="attn")(y, mask=mask)
+    y = L.MultiHeadDotProductAttention(
+      num_heads=self.heads,
+      qkv_features=self.dim,
+      dropout_rate=self.dropout_rate,
+      deterministic=not train,
+      name="attn",
+    )(y, mask=mask)
     x = x + drop(y, "drop1")
     y = L.LayerNorm(name="ln2")(x)
     y = L.Dense(self.mlp_dim, name="mlp_in")(y)
@@ -313,6 +369,7 @@ class TransformerEncoder(nn.Module):
   `vocab_size` is set (token + learned position embeddings). With `num_classes`
   the mean over positions feeds a dense classifier.
   """
+
   num_layers: int
   dim: int
   heads: int
@@ -330,14 +387,14 @@ class TransformerEncoder(nn.Module):
       if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError("with vocab_size set, inputs must be integer token ids")
       x = L.Embed(self.vocab_size, self.dim, name="embed")(x)
-      pos = self.param("pos_embedding", nn.initializers.normal(0.02),
-                       (1, self.max_len, self.dim))
-      x = x + pos[:, :x.shape[1]]
+      pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, self.max_len, self.dim))
+      x = x + pos[:, : x.shape[1]]
     if x.shape[-1] != self.dim:
       raise ValueError(f"inputs have {x.shape[-1]} features, the encoder expects dim={self.dim}")
     for i in range(self.num_layers):
-      x = EncoderBlock(self.dim, self.heads, self.mlp_dim, self.dropout_rate, self.layers,
-                       name=f"block{i}")(x, mask, train)
+      x = EncoderBlock(
+        self.dim, self.heads, self.mlp_dim, self.dropout_rate, self.layers, name=f"block{i}"
+      )(x, mask, train)
     x = L.LayerNorm(name="ln_out")(x)
     if self.num_classes is not None:
       x = L.Dense(self.num_classes, name="head")(jnp.mean(x, axis=1))

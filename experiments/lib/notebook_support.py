@@ -15,11 +15,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["ACTNN_MAIN", "OTHER_METHODS", "load_json", "load_variants", "mib", "markdown_table",
-           "actnn_table", "accuracy_curves", "variance_table", "show_figure", "bench_memory_table",
-           "plan_cost_table", "bench_plans_table", "memory_batch_table", "both_caps_table", "acgc_sweep_table",
-           "gact_table",
-           "loss_curves"]
+__all__ = [
+  "ACTNN_MAIN",
+  "OTHER_METHODS",
+  "load_json",
+  "load_variants",
+  "mib",
+  "markdown_table",
+  "actnn_table",
+  "accuracy_curves",
+  "variance_table",
+  "show_figure",
+  "bench_memory_table",
+  "plan_cost_table",
+  "bench_plans_table",
+  "memory_batch_table",
+  "both_caps_table",
+  "acgc_sweep_table",
+  "gact_table",
+  "loss_curves",
+]
 
 ACTNN_MAIN = ["fp", "actnn_l2", "pergroup2", "actnn_l3"]
 OTHER_METHODS = ["fp", "blpa4", "blpa2", "division", "acgc", "acgc_scale"]
@@ -61,22 +76,45 @@ def actnn_table(runs: dict, names) -> str:
     done = f"{len(r['history'])}/{r['epochs']}" + ("" if r["complete"] else " (running)")
     memory = r.get("memory", {})
     final = r.get("final_test_accuracy")
-    rows.append([name, done, accs, "" if final is None else f"**{final:.3f}**",
-                 mib(memory.get("saved_bytes")), mib(memory.get("temp_bytes")),
-                 "" if r.get("final_average_bits") is None else f"{r['final_average_bits']:.2f}"])
-  return markdown_table(["variant", "epochs", "test accuracy by epoch", "final",
-                         "saved for backward", "compiled temp", "avg bits"], rows)
+    rows.append(
+      [
+        name,
+        done,
+        accs,
+        "" if final is None else f"**{final:.3f}**",
+        mib(memory.get("saved_bytes")),
+        mib(memory.get("temp_bytes")),
+        "" if r.get("final_average_bits") is None else f"{r['final_average_bits']:.2f}",
+      ]
+    )
+  return markdown_table(
+    [
+      "variant",
+      "epochs",
+      "test accuracy by epoch",
+      "final",
+      "saved for backward",
+      "compiled temp",
+      "avg bits",
+    ],
+    rows,
+  )
 
 
 def accuracy_curves(runs: dict, names, title: str):
   """Test accuracy after each epoch, one line per variant that has any."""
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(6, 3.5))
   for name in names:
     r = runs.get(name)
     if r and r["history"]:
-      ax.plot([h["epoch"] for h in r["history"]], [h["test_accuracy"] for h in r["history"]],
-              "o-", label=name)
+      ax.plot(
+        [h["epoch"] for h in r["history"]],
+        [h["test_accuracy"] for h in r["history"]],
+        "o-",
+        label=name,
+      )
   ax.set(xlabel="epoch", ylabel="test accuracy", title=title)
   if ax.lines:
     ax.legend(fontsize=8)
@@ -102,6 +140,7 @@ def variance_table(path) -> str:
 def show_figure(path):
   """Displays the PNG at `path`, or says that it is not there yet."""
   from IPython.display import Image, Markdown, display
+
   path = Path(path)
   display(Image(filename=str(path)) if path.is_file() else Markdown(f"*{path.name}: not run yet*"))
 
@@ -111,10 +150,19 @@ def bench_memory_table(path) -> str:
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
-  rows = [[r["model"], r["bits"] or "plain", mib(r["residual_bytes"]), mib(r["temp_bytes"]),
-           f"{r['temp_reduction']:.1f}x"] for r in result["rows"]]
-  return markdown_table(["model", "bits", "saved for backward", "compiled temp",
-                         "temp reduction"], rows)
+  rows = [
+    [
+      r["model"],
+      r["bits"] or "plain",
+      mib(r["residual_bytes"]),
+      mib(r["temp_bytes"]),
+      f"{r['temp_reduction']:.1f}x",
+    ]
+    for r in result["rows"]
+  ]
+  return markdown_table(
+    ["model", "bits", "saved for backward", "compiled temp", "temp reduction"], rows
+  )
 
 
 def plan_cost_table(path) -> str:
@@ -126,10 +174,17 @@ def plan_cost_table(path) -> str:
   for model in ("resnet", "transformer"):
     if model in result:
       c = result[model]["cost"]
-      rows.append([model, f"{c['step_s']:.3f} s", f"{c['analytic_in_steps']:.2f}",
-                   f"{c['numeric_in_steps']:.2f}"])
-  return markdown_table(["model", "gradient step", "analytic update (steps)",
-                         "numeric update (steps)"], rows)
+      rows.append(
+        [
+          model,
+          f"{c['step_s']:.3f} s",
+          f"{c['analytic_in_steps']:.2f}",
+          f"{c['numeric_in_steps']:.2f}",
+        ]
+      )
+  return markdown_table(
+    ["model", "gradient step", "analytic update (steps)", "numeric update (steps)"], rows
+  )
 
 
 def bench_plans_table(path) -> str:
@@ -137,8 +192,16 @@ def bench_plans_table(path) -> str:
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
-  rows = [[r["model"], r["method"], f"{r['avg_bits']:.2f}", f"{r['variance']:.3g}",
-           f"{r['variance_over_sampling']:.3g}"] for r in result["rows"]]
+  rows = [
+    [
+      r["model"],
+      r["method"],
+      f"{r['avg_bits']:.2f}",
+      f"{r['variance']:.3g}",
+      f"{r['variance_over_sampling']:.3g}",
+    ]
+    for r in result["rows"]
+  ]
   return markdown_table(["model", "plan", "avg bits", "variance", "/ sampling"], rows)
 
 
@@ -158,12 +221,29 @@ def memory_batch_table(path) -> str:
       at = row.get("at_largest", {})
       ratio = times.get(method, {}).get("ratio_vs_plain")
       fmt = lambda v: "" if v is None else f"{v:.1f}"
-      rows.append([model, method, row["largest_batch"], fmt(row.get("batch_vs_plain")),
-                   fmt(at.get("step_mib")), fmt(at.get("compiled_step_mib")),
-                   "" if ratio is None else f"{ratio:.2f}"])
-  return (f"cap: {cap:g} MiB of `{result['settings']['measure']}`\n\n" + markdown_table(
-      ["model", "method", "largest batch", "x plain", "step MiB there", "XLA temp+out MiB",
-       "step time x plain"], rows))
+      rows.append(
+        [
+          model,
+          method,
+          row["largest_batch"],
+          fmt(row.get("batch_vs_plain")),
+          fmt(at.get("step_mib")),
+          fmt(at.get("compiled_step_mib")),
+          "" if ratio is None else f"{ratio:.2f}",
+        ]
+      )
+  return f"cap: {cap:g} MiB of `{result['settings']['measure']}`\n\n" + markdown_table(
+    [
+      "model",
+      "method",
+      "largest batch",
+      "x plain",
+      "step MiB there",
+      "XLA temp+out MiB",
+      "step time x plain",
+    ],
+    rows,
+  )
 
 
 def both_caps_table(step_path, program_path) -> str:
@@ -180,14 +260,32 @@ def both_caps_table(step_path, program_path) -> str:
       other = step["models"].get(model, {}).get("methods", {}).get(method, {})
       probes = [p for p in row.get("probes", []) if p.get("program_mib") is not None]
       at = row.get("at_largest") or (probes[0] if probes else {})
-      largest = row["largest_batch"] or f"none (batch {probes[0]['batch']}: " \
-          f"{probes[0]['with_program_mib']:.0f} MiB)" if probes else row["largest_batch"]
-      rows.append([model, method, other.get("largest_batch", ""), largest,
-                   f"{at['program_mib']:.0f}" if at else ""])
+      largest = (
+        row["largest_batch"]
+        or f"none (batch {probes[0]['batch']}: {probes[0]['with_program_mib']:.0f} MiB)"
+        if probes
+        else row["largest_batch"]
+      )
+      rows.append(
+        [
+          model,
+          method,
+          other.get("largest_batch", ""),
+          largest,
+          f"{at['program_mib']:.0f}" if at else "",
+        ]
+      )
   cap = program["settings"]["cap_mib"]
-  return (f"cap: {cap:g} MiB\n\n" + markdown_table(
-      ["model", "method", "largest batch, step RSS", "largest batch, step + program",
-       "program MiB there"], rows))
+  return f"cap: {cap:g} MiB\n\n" + markdown_table(
+    [
+      "model",
+      "method",
+      "largest batch, step RSS",
+      "largest batch, step + program",
+      "program MiB there",
+    ],
+    rows,
+  )
 
 
 def acgc_sweep_table(path) -> str:
@@ -198,12 +296,31 @@ def acgc_sweep_table(path) -> str:
   rows = []
   for name, c in result["checkpoints"].items():
     for r in c["rows"]:
-      rows.append([name, f"{r['error']:g}", f"{r['jact_average_bits']:.2f}", r["kept_exact_jact"],
-                   f"{r['compression_jact']:.2f}x", f"{r['any_average_bits']:.2f}",
-                   f"{r['compression_any_width']:.2f}x", f"{r['compression_autoquantz']:.2f}x"])
-  return markdown_table(["parameters", "e^2", "jact bits (2/4/8, else exact)", "kept exact",
-                         "jact compression", "bits, any width <= 16", "compression",
-                         "AutoQuantZ accounting"], rows)
+      rows.append(
+        [
+          name,
+          f"{r['error']:g}",
+          f"{r['jact_average_bits']:.2f}",
+          r["kept_exact_jact"],
+          f"{r['compression_jact']:.2f}x",
+          f"{r['any_average_bits']:.2f}",
+          f"{r['compression_any_width']:.2f}x",
+          f"{r['compression_autoquantz']:.2f}x",
+        ]
+      )
+  return markdown_table(
+    [
+      "parameters",
+      "e^2",
+      "jact bits (2/4/8, else exact)",
+      "kept exact",
+      "jact compression",
+      "bits, any width <= 16",
+      "compression",
+      "AutoQuantZ accounting",
+    ],
+    rows,
+  )
 
 
 def gact_table(tasks: dict) -> str:
@@ -214,19 +331,41 @@ def gact_table(tasks: dict) -> str:
   for task, result in tasks.items():
     for name, v in result["variants"].items():
       metric, final = v["best_by"], v["final"]
-      rows.append([task, name, f"{metric} {v['best'][metric]:.4f}",
-                   f"{final[metric]:.4f}" if metric in final else "",
-                   f"{final['test_accuracy']:.4f}" if "test_accuracy" in final else "",
-                   mib(v["saved_bytes"]), mib(v["temp_bytes"]),
-                   "" if v["average_bits"] is None else f"{v['average_bits']:.2f}",
-                   f"{v['steps']}", "yes" if v["finite"] else "**no**"])
-  return markdown_table(["task", "variant", "best held-out", "final held-out", "final test accuracy",
-                         "saved for backward", "compiled temp", "avg bits", "steps", "finite"], rows)
+      rows.append(
+        [
+          task,
+          name,
+          f"{metric} {v['best'][metric]:.4f}",
+          f"{final[metric]:.4f}" if metric in final else "",
+          f"{final['test_accuracy']:.4f}" if "test_accuracy" in final else "",
+          mib(v["saved_bytes"]),
+          mib(v["temp_bytes"]),
+          "" if v["average_bits"] is None else f"{v['average_bits']:.2f}",
+          f"{v['steps']}",
+          "yes" if v["finite"] else "**no**",
+        ]
+      )
+  return markdown_table(
+    [
+      "task",
+      "variant",
+      "best held-out",
+      "final held-out",
+      "final test accuracy",
+      "saved for backward",
+      "compiled temp",
+      "avg bits",
+      "steps",
+      "finite",
+    ],
+    rows,
+  )
 
 
 def loss_curves(tasks: dict, title: str):
   """Training loss per task (one panel each), one line per variant."""
   import matplotlib.pyplot as plt
+
   if not tasks:
     fig, ax = plt.subplots(figsize=(5, 2))
     ax.text(0.5, 0.5, "no full-run results yet", ha="center", transform=ax.transAxes)
@@ -244,17 +383,25 @@ def loss_curves(tasks: dict, title: str):
   return axes
 
 
-METHOD_COLORS = {"plain": "black", "remat": "tab:gray", "jact4": "tab:blue", "jact2": "tab:green",
-          "jact_checkpoint": "tab:orange", "offload": "tab:purple"}
+METHOD_COLORS = {
+  "plain": "black",
+  "remat": "tab:gray",
+  "jact4": "tab:blue",
+  "jact2": "tab:green",
+  "jact_checkpoint": "tab:orange",
+  "offload": "tab:purple",
+}
 
 
 def memory_batch_plot(model: str, result: dict, config, path) -> str:
   """`experiments.bench.memory_batch`: the capped memory (solid) and XLA's estimate of the step's buffers (dashed)
   vs batch per method, the cap, and each method's largest batch (star), as a PNG."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import matplotlib.ticker
+
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for method, row in result["methods"].items():
     probes = [p for p in row.get("probes", []) if p.get(config.measure) is not None]
@@ -262,8 +409,13 @@ def memory_batch_plot(model: str, result: dict, config, path) -> str:
       continue
     color = METHOD_COLORS.get(method)
     batches = [p["batch"] for p in probes]
-    ax.plot(batches, [p[config.measure] for p in probes], "o-", color=color,
-            label=f"{method} (largest {row['largest_batch']})")
+    ax.plot(
+      batches,
+      [p[config.measure] for p in probes],
+      "o-",
+      color=color,
+      label=f"{method} (largest {row['largest_batch']})",
+    )
     ax.plot(batches, [p["compiled_step_mib"] for p in probes], "--", color=color, alpha=0.5)
     for p in probes:
       if p["batch"] == row["largest_batch"]:
@@ -277,8 +429,10 @@ def memory_batch_plot(model: str, result: dict, config, path) -> str:
   ax.set_xlabel("batch")
   ax.set_ylabel("MiB")
   what = {"step_mib": "peak RSS the step adds", "with_program_mib": "peak RSS over pre-compile"}
-  ax.set_title(f"{result['description']}\n{what[config.measure]} (solid), XLA temp + outputs "
-               "(dashed)", fontsize=7.5)
+  ax.set_title(
+    f"{result['description']}\n{what[config.measure]} (solid), XLA temp + outputs (dashed)",
+    fontsize=7.5,
+  )
   ax.legend(fontsize=8)
   fig.tight_layout()
   Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 """Where experiments read and write: the repository root, `experiments/results/`, `runs/`."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,8 +37,14 @@ __all__ = ["init", "apply", "loss", "unit_names", "EPSILON"]
 EPSILON = 1e-5
 
 
-def init(key, *, widths: Sequence[int] = (16, 32, 64), blocks: int = 2, classes: int = 10,
-         channels: int = 3) -> dict:
+def init(
+  key,
+  *,
+  widths: Sequence[int] = (16, 32, 64),
+  blocks: int = 2,
+  classes: int = 10,
+  channels: int = 3,
+) -> dict:
   """He-initialized parameters: stem conv, units (scale, bias, kernel), head.
 
   Drawn by numpy from a generator seeded with the key's data: jax.random's
@@ -54,12 +60,15 @@ def init(key, *, widths: Sequence[int] = (16, 32, 64), blocks: int = 2, classes:
   for w in widths:
     for _ in range(blocks):
       for cin in (c, w):
-        params["units"].append(dict(scale=jnp.ones(cin), bias=jnp.zeros(cin),
-                                    kernel=he((3, 3, cin, w))))
+        params["units"].append(
+          dict(scale=jnp.ones(cin), bias=jnp.zeros(cin), kernel=he((3, 3, cin, w)))
+        )
       c = w
-  params["head"] = dict(scale=jnp.ones(c), bias=jnp.zeros(c),
-                        kernel=jnp.asarray(rng.standard_normal((c, classes), np.float32)
-                                           / np.sqrt(c)))
+  params["head"] = dict(
+    scale=jnp.ones(c),
+    bias=jnp.zeros(c),
+    kernel=jnp.asarray(rng.standard_normal((c, classes), np.float32) / np.sqrt(c)),
+  )
   return params
 
 
@@ -74,8 +83,9 @@ def _plain_bn(x, scale, bias):
 
 
 def _conv(x, kernel, stride):
-  return lax.conv_general_dilated(x, kernel, (stride, stride), "SAME",
-                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return lax.conv_general_dilated(
+    x, kernel, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def _rounding(bits, compressor) -> dict:
@@ -83,8 +93,9 @@ def _rounding(bits, compressor) -> dict:
   if compressor is None:
     return dict(bits=bits)
   if bits is not None:
-    raise ValueError(f"pass bits= or compressor=, not both (got bits={bits!r}, "
-                     f"compressor={compressor!r})")
+    raise ValueError(
+      f"pass bits= or compressor=, not both (got bits={bits!r}, compressor={compressor!r})"
+    )
   return dict(compressor=compressor)
 
 
@@ -95,13 +106,21 @@ def _unit(x, p, stride, name, form, rounding, key, densities=None):
       densities[f"{name}.conv.lhs"] = jnp.mean((a != 0).astype(jnp.float32))
     return _conv(a, p["kernel"], stride)
   if form == "blpa":
-    return jact.ops.blpa_block(x, p["scale"], p["bias"], p["kernel"], **rounding,
-                               strides=stride, epsilon=EPSILON, name=name)[0]
+    return jact.ops.blpa_block(
+      x, p["scale"], p["bias"], p["kernel"], **rounding, strides=stride, epsilon=EPSILON, name=name
+    )[0]
   k1, k2 = jax.random.split(key)
-  h = jact.ops.batch_norm(x, p["scale"], p["bias"], epsilon=EPSILON, key=k1, **rounding,
-                          name=f"{name}.bn")[0]
-  return jact.ops.conv(jact.ops.relu(h, name=f"{name}.relu"), p["kernel"], strides=stride,
-                       key=k2, **rounding, name=f"{name}.conv")
+  h = jact.ops.batch_norm(
+    x, p["scale"], p["bias"], epsilon=EPSILON, key=k1, **rounding, name=f"{name}.bn"
+  )[0]
+  return jact.ops.conv(
+    jact.ops.relu(h, name=f"{name}.relu"),
+    p["kernel"],
+    strides=stride,
+    key=k2,
+    **rounding,
+    name=f"{name}.conv",
+  )
 
 
 def _shortcut(x, width, stride):
@@ -112,8 +131,16 @@ def _shortcut(x, width, stride):
   return x
 
 
-def apply(params, x, key=None, *, form: str = "layers", bits: int | None = None,
-          compressor=None, densities: dict | None = None) -> jax.Array:
+def apply(
+  params,
+  x,
+  key=None,
+  *,
+  form: str = "layers",
+  bits: int | None = None,
+  compressor=None,
+  densities: dict | None = None,
+) -> jax.Array:
   """Logits. `form` is "plain", "layers" or "blpa"; `bits` the width or
   `compressor` the `jact.compressors` object of every unit; `key` the PRNG
   key for stochastic compressors.
@@ -144,8 +171,9 @@ def apply(params, x, key=None, *, form: str = "layers", bits: int | None = None,
   return h @ head["kernel"]
 
 
-def loss(params, batch, key=None, *, form: str = "layers", bits: int | None = None,
-         compressor=None) -> jax.Array:
+def loss(
+  params, batch, key=None, *, form: str = "layers", bits: int | None = None, compressor=None
+) -> jax.Array:
   """Mean cross-entropy of `apply` on batch = (images NHWC, int labels)."""
   x, y = batch
   logits = apply(params, x, key, form=form, bits=bits, compressor=compressor)

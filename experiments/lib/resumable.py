@@ -27,6 +27,7 @@ _CURRENT, _NEW, _OLD = "checkpoint", "checkpoint.new", "checkpoint.old"
 
 def _checkpointer():
   import orbax.checkpoint as ocp
+
   return ocp.StandardCheckpointer()
 
 

@@ -16,10 +16,23 @@ from experiments.lib import paths
 __all__ = ["ACTNN_VARIANTS", "GACT_TASKS", "key_table", "layer_input_bytes"]
 
 RESULTS = paths.RESULTS
-ACTNN_VARIANTS = ["fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
-                  "acgc_scale"]
-GACT_TASKS = {"sst2": "SST-2, transformer classifier", "shakespeare": "tiny Shakespeare, char LM",
-              "cora_gcn": "Cora, GCN", "cora_gat": "Cora, GAT"}
+ACTNN_VARIANTS = [
+  "fp",
+  "actnn_l2",
+  "pergroup2",
+  "actnn_l3",
+  "blpa4",
+  "blpa2",
+  "division",
+  "acgc",
+  "acgc_scale",
+]
+GACT_TASKS = {
+  "sst2": "SST-2, transformer classifier",
+  "shakespeare": "tiny Shakespeare, char LM",
+  "cora_gcn": "Cora, GCN",
+  "cora_gat": "Cora, GAT",
+}
 ACTNN_TASK = "CIFAR-10, pre-act ResNet-20"
 HARDWARE = "2-core x86 CPU (XLA:CPU)"
 
@@ -45,10 +58,18 @@ def _actnn_rows(runs: dict, layer_bytes: int | None = None) -> list:
     else:
       metric = "running"
     bits = r.get("final_average_bits")
-    rows.append([ACTNN_TASK, name, metric, support.mib(memory.get("saved_bytes")),
-                 _ratio(memory.get("saved_bytes"), fp_saved),
-                 _ratio(memory.get("saved_bytes"), layer_bytes),
-                 support.mib(memory.get("temp_bytes")), "" if bits is None else f"{bits:.2f}"])
+    rows.append(
+      [
+        ACTNN_TASK,
+        name,
+        metric,
+        support.mib(memory.get("saved_bytes")),
+        _ratio(memory.get("saved_bytes"), fp_saved),
+        _ratio(memory.get("saved_bytes"), layer_bytes),
+        support.mib(memory.get("temp_bytes")),
+        "" if bits is None else f"{bits:.2f}",
+      ]
+    )
   return rows
 
 
@@ -71,12 +92,22 @@ def _gact_rows(tasks: dict) -> list:
       metric = metric_text(v)
       final = v["final"].get(metric)
       label = metric.replace("_", " ")
-      shown = (f"{label} **{final:.3f}**" if final is not None
-               else f"best {label} {v['best'][metric]:.3f}")
+      shown = (
+        f"{label} **{final:.3f}**" if final is not None else f"best {label} {v['best'][metric]:.3f}"
+      )
       bits = v["average_bits"]
-      rows.append([title, name, shown, support.mib(v["saved_bytes"]),
-                   _ratio(v["saved_bytes"], fp_saved), "", support.mib(v["temp_bytes"]),
-                   "" if bits is None else f"{bits:.2f}"])
+      rows.append(
+        [
+          title,
+          name,
+          shown,
+          support.mib(v["saved_bytes"]),
+          _ratio(v["saved_bytes"], fp_saved),
+          "",
+          support.mib(v["temp_bytes"]),
+          "" if bits is None else f"{bits:.2f}",
+        ]
+      )
   return rows
 
 
@@ -86,9 +117,18 @@ def key_table(actnn_runs: dict, gact_tasks: dict, layer_bytes: int | None = None
   per layer input, `layer_bytes`, over them), the train step's compiled temp, average
   bits of adaptive plans."""
   return support.markdown_table(
-      ["task", "method", "final held-out metric", "saved for backward", "fp / saved",
-       "f32 layer inputs / saved", "compiled temp", "avg bits"],
-      _actnn_rows(actnn_runs, layer_bytes) + _gact_rows(gact_tasks))
+    [
+      "task",
+      "method",
+      "final held-out metric",
+      "saved for backward",
+      "fp / saved",
+      "f32 layer inputs / saved",
+      "compiled temp",
+      "avg bits",
+    ],
+    _actnn_rows(actnn_runs, layer_bytes) + _gact_rows(gact_tasks),
+  )
 
 
 def layer_input_bytes(results: Path = RESULTS) -> int | None:

@@ -1,5 +1,6 @@
 """The one way experiments time JAX calls: warm up, then wall time around blocks of
 back-to-back calls that end in `jax.block_until_ready` (dispatch is asynchronous)."""
+
 from __future__ import annotations
 
 import statistics
@@ -15,8 +16,10 @@ def time_call(fn: Callable, inputs: list[tuple], reps: int, blocks: int = 5) -> 
   """Seconds per call for `blocks` blocks of `reps` back-to-back calls over rotating inputs
   (each input is called once first, so that compiling and first touches are not timed)."""
   if reps < 1 or blocks < 1 or not inputs:
-    raise ValueError(f"time_call needs reps >= 1, blocks >= 1 and inputs; got reps={reps}, "
-                     f"blocks={blocks}, {len(inputs)} inputs")
+    raise ValueError(
+      f"time_call needs reps >= 1, blocks >= 1 and inputs; got reps={reps}, "
+      f"blocks={blocks}, {len(inputs)} inputs"
+    )
   jax.block_until_ready([fn(*a) for a in inputs])
   times = []
   for _ in range(blocks):

@@ -33,8 +33,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-__all__ = ["ResNet", "ResNet18", "SST2Classifier", "TransformerLM", "GemmaLike", "Seq2Seq",
-           "ScanMLP", "MnistCNN", "Case", "CASES"]
+__all__ = [
+  "ResNet",
+  "ResNet18",
+  "SST2Classifier",
+  "TransformerLM",
+  "GemmaLike",
+  "Seq2Seq",
+  "ScanMLP",
+  "MnistCNN",
+  "Case",
+  "CASES",
+]
 
 ModuleDef = Any
 
@@ -44,6 +54,7 @@ ModuleDef = Any
 
 class ResNetBlock(nn.Module):
   """Two 3x3 convolutions with a projection shortcut when the shape changes."""
+
   filters: int
   conv: ModuleDef
   norm: ModuleDef
@@ -66,6 +77,7 @@ class ResNetBlock(nn.Module):
 
 class ResNet(nn.Module):
   """ImageNet-style ResNet: 7x7 stem, max pool, four stages, global mean."""
+
   stage_sizes: Sequence[int]
   num_classes: int = 10
   num_filters: int = 64
@@ -74,8 +86,9 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     conv = functools.partial(nn.Conv, use_bias=False)
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, axis_name="batch")
+    norm = functools.partial(
+      nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5, axis_name="batch"
+    )
     x = conv(self.num_filters, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="conv_init")(x)
     x = norm(name="bn_init")(x)
     x = nn.relu(x)
@@ -83,8 +96,9 @@ class ResNet(nn.Module):
     for i, block_size in enumerate(self.stage_sizes):
       for j in range(block_size):
         strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-        x = ResNetBlock(self.num_filters * 2**i, strides=strides, conv=conv, norm=norm,
-                        act=self.act)(x)
+        x = ResNetBlock(
+          self.num_filters * 2**i, strides=strides, conv=conv, norm=norm, act=self.act
+        )(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes)(x)
 
@@ -97,6 +111,7 @@ ResNet18 = functools.partial(ResNet, stage_sizes=(2, 2, 2, 2))
 
 class SST2Classifier(nn.Module):
   """Embedding, a bidirectional LSTM, a masked mean over time, an MLP head."""
+
   vocab_size: int
   embedding_size: int = 64
   hidden_size: int = 64
@@ -105,8 +120,9 @@ class SST2Classifier(nn.Module):
   @nn.compact
   def __call__(self, tokens, lengths):
     x = nn.Embed(self.vocab_size, self.embedding_size)(tokens)
-    x = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(self.hidden_size)),
-                         nn.RNN(nn.OptimizedLSTMCell(self.hidden_size)))(x, seq_lengths=lengths)
+    x = nn.Bidirectional(
+      nn.RNN(nn.OptimizedLSTMCell(self.hidden_size)), nn.RNN(nn.OptimizedLSTMCell(self.hidden_size))
+    )(x, seq_lengths=lengths)
     mask = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     x = jnp.sum(x * mask[..., None], axis=1) / lengths[:, None]
     x = nn.tanh(nn.Dense(self.hidden_size)(x))
@@ -128,14 +144,16 @@ class LMConfig:
 
 class DecoderBlock(nn.Module):
   """Pre-LayerNorm block: causal self-attention, then a gelu MLP."""
+
   config: LMConfig
 
   @nn.compact
   def __call__(self, x, decoder_mask):
     cfg = self.config
     y = nn.LayerNorm()(x)
-    y = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, qkv_features=cfg.emb_dim,
-                                        use_bias=False, deterministic=True)(y, mask=decoder_mask)
+    y = nn.MultiHeadDotProductAttention(
+      num_heads=cfg.num_heads, qkv_features=cfg.emb_dim, use_bias=False, deterministic=True
+    )(y, mask=decoder_mask)
     x = x + y
     y = nn.LayerNorm()(x)
     y = nn.Dense(cfg.mlp_dim)(y)
@@ -146,16 +164,19 @@ class DecoderBlock(nn.Module):
 
 class TransformerLM(nn.Module):
   """Token + learned position embeddings, decoder blocks, final norm, logits."""
+
   config: LMConfig
 
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.emb_dim,
-                 embedding_init=nn.initializers.normal(stddev=1.0))(tokens)
-    pos = self.param("pos_embedding", nn.initializers.normal(stddev=0.02),
-                     (1, cfg.max_len, cfg.emb_dim))
-    x = x + pos[:, :tokens.shape[1]]
+    x = nn.Embed(cfg.vocab_size, cfg.emb_dim, embedding_init=nn.initializers.normal(stddev=1.0))(
+      tokens
+    )
+    pos = self.param(
+      "pos_embedding", nn.initializers.normal(stddev=0.02), (1, cfg.max_len, cfg.emb_dim)
+    )
+    x = x + pos[:, : tokens.shape[1]]
     decoder_mask = nn.make_causal_mask(tokens)
     for i in range(cfg.num_layers):
       x = DecoderBlock(cfg, name=f"decoderblock_{i}")(x, decoder_mask)
@@ -198,7 +219,6 @@ class GemmaMLP(nnx.Module):
 
 
 class GemmaBlock(nnx.Module):
-
   def __init__(self, dim, num_heads, head_dim, hidden, *, rngs):
     self.pre_attention_norm = nnx.RMSNorm(dim, rngs=rngs)
     self.attn = GemmaAttention(dim, num_heads, head_dim, rngs=rngs)
@@ -213,11 +233,21 @@ class GemmaBlock(nnx.Module):
 class GemmaLike(nnx.Module):
   """A small Gemma-shaped decoder (no rotary embedding, tied embedding)."""
 
-  def __init__(self, vocab_size=65, dim=128, num_layers=2, num_heads=4, head_dim=32,
-               hidden=256, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    vocab_size=65,
+    dim=128,
+    num_layers=2,
+    num_heads=4,
+    head_dim=32,
+    hidden=256,
+    *,
+    rngs: nnx.Rngs,
+  ):
     self.embedder = nnx.Embed(vocab_size, dim, rngs=rngs)
-    self.layers = nnx.List([GemmaBlock(dim, num_heads, head_dim, hidden, rngs=rngs)
-                            for _ in range(num_layers)])
+    self.layers = nnx.List(
+      [GemmaBlock(dim, num_heads, head_dim, hidden, rngs=rngs) for _ in range(num_layers)]
+    )
     self.final_norm = nnx.RMSNorm(dim, rngs=rngs)
     self.dim = dim
 
@@ -236,6 +266,7 @@ class GemmaLike(nnx.Module):
 
 class Seq2Seq(nn.Module):
   """LSTM encoder-decoder on one-hot characters, teacher forced."""
+
   vocab_size: int
   hidden_size: int = 64
 
@@ -252,7 +283,6 @@ class Seq2Seq(nn.Module):
 
 
 class MLPBlock(nnx.Module):
-
   def __init__(self, dim: int, *, rngs: nnx.Rngs):
     self.norm = nnx.LayerNorm(dim, rngs=rngs)
     self.linear1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
@@ -329,6 +359,7 @@ class Case:
     axis_name: the axis a training step binds (BatchNorm's `axis_name`):
       the step runs under `jax.shard_map` over one device naming it.
   """
+
   name: str
   framework: str
   build: Callable[[], Any]
@@ -356,23 +387,29 @@ class Case:
 
 def _images(seed, shape, batch_size, num_classes=10):
   rng = np.random.default_rng(seed)
-  return {"inputs": (jnp.asarray(rng.standard_normal((batch_size, *shape)), jnp.float32),),
-          "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)}
+  return {
+    "inputs": (jnp.asarray(rng.standard_normal((batch_size, *shape)), jnp.float32),),
+    "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32),
+  }
 
 
 def _tokens(seed, batch_size, length, vocab):
   rng = np.random.default_rng(seed)
   seq = rng.integers(0, vocab, (batch_size, length + 1))
-  return {"inputs": (jnp.asarray(seq[:, :-1], jnp.int32),),
-          "labels": jnp.asarray(seq[:, 1:], jnp.int32)}
+  return {
+    "inputs": (jnp.asarray(seq[:, :-1], jnp.int32),),
+    "labels": jnp.asarray(seq[:, 1:], jnp.int32),
+  }
 
 
 def _sentences(seed, batch_size=32, length=40, vocab=4000):
   rng = np.random.default_rng(seed)
   lengths = rng.integers(5, length + 1, batch_size)
   tokens = rng.integers(1, vocab, (batch_size, length)) * (np.arange(length) < lengths[:, None])
-  return {"inputs": (jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)),
-          "labels": jnp.asarray(rng.integers(0, 2, batch_size), jnp.int32)}
+  return {
+    "inputs": (jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)),
+    "labels": jnp.asarray(rng.integers(0, 2, batch_size), jnp.int32),
+  }
 
 
 def _addition(seed, batch_size=32, vocab=14, in_len=9, out_len=5):
@@ -380,25 +417,43 @@ def _addition(seed, batch_size=32, vocab=14, in_len=9, out_len=5):
   enc = rng.integers(0, vocab, (batch_size, in_len))
   dec = rng.integers(0, vocab, (batch_size, out_len + 1))
   one_hot = lambda a: jax.nn.one_hot(jnp.asarray(a), vocab)
-  return {"inputs": (one_hot(enc), one_hot(dec[:, :-1])),
-          "labels": jnp.asarray(dec[:, 1:], jnp.int32)}
+  return {
+    "inputs": (one_hot(enc), one_hot(dec[:, :-1])),
+    "labels": jnp.asarray(dec[:, 1:], jnp.int32),
+  }
 
 
 LM_CONFIG = LMConfig()
 
-CASES: dict[str, Case] = {c.name: c for c in [
-    Case("resnet18", "linen", lambda: ResNet18(num_filters=16),
-         lambda s: _images(s, (32, 32, 3), 32), train_kwargs={"train": True},
-         mutable=("batch_stats",), axis_name="batch"),
-    Case("bilstm_sst2", "linen", lambda: SST2Classifier(vocab_size=4000),
-         _sentences),
-    Case("transformer_lm", "linen", lambda: TransformerLM(LM_CONFIG),
-         lambda s: _tokens(s, 16, 64, LM_CONFIG.vocab_size)),
-    Case("gemma_nnx", "nnx", lambda: GemmaLike(rngs=nnx.Rngs(0)),
-         lambda s: _tokens(s, 16, 64, 65)),
+CASES: dict[str, Case] = {
+  c.name: c
+  for c in [
+    Case(
+      "resnet18",
+      "linen",
+      lambda: ResNet18(num_filters=16),
+      lambda s: _images(s, (32, 32, 3), 32),
+      train_kwargs={"train": True},
+      mutable=("batch_stats",),
+      axis_name="batch",
+    ),
+    Case("bilstm_sst2", "linen", lambda: SST2Classifier(vocab_size=4000), _sentences),
+    Case(
+      "transformer_lm",
+      "linen",
+      lambda: TransformerLM(LM_CONFIG),
+      lambda s: _tokens(s, 16, 64, LM_CONFIG.vocab_size),
+    ),
+    Case("gemma_nnx", "nnx", lambda: GemmaLike(rngs=nnx.Rngs(0)), lambda s: _tokens(s, 16, 64, 65)),
     Case("seq2seq", "linen", lambda: Seq2Seq(vocab_size=14), _addition),
-    Case("scan_mlp_nnx", "nnx", lambda: ScanMLP(128, 4, 10, rngs=nnx.Rngs(0)),
-         lambda s: {**_images(s, (64, 128), 16)}),
-    Case("mnist_cnn", "nnx", lambda: MnistCNN(rngs=nnx.Rngs(0)),
-         lambda s: _images(s, (28, 28, 1), 16)),
-]}
+    Case(
+      "scan_mlp_nnx",
+      "nnx",
+      lambda: ScanMLP(128, 4, 10, rngs=nnx.Rngs(0)),
+      lambda s: {**_images(s, (64, 128), 16)},
+    ),
+    Case(
+      "mnist_cnn", "nnx", lambda: MnistCNN(rngs=nnx.Rngs(0)), lambda s: _images(s, (28, 28, 1), 16)
+    ),
+  ]
+}

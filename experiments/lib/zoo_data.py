@@ -18,10 +18,14 @@ def cifar_batches(seed, batch_size=32):
   x, y, xte, yte = data.load_image_dataset("cifar10")
   mean, std = x.mean(axis=(0, 1, 2)), x.std(axis=(0, 1, 2))
   norm = lambda a: (a - mean) / std
-  train = ({"inputs": (jnp.asarray(norm(xb)),), "labels": jnp.asarray(yb)}
-           for xb, yb in data.batches(x, y, batch_size, seed=seed))
-  test = [{"inputs": (jnp.asarray(norm(xb)),), "labels": jnp.asarray(yb)}
-          for xb, yb in data.batches(xte[:512], yte[:512], batch_size, shuffle=False, epochs=1)]
+  train = (
+    {"inputs": (jnp.asarray(norm(xb)),), "labels": jnp.asarray(yb)}
+    for xb, yb in data.batches(x, y, batch_size, seed=seed)
+  )
+  test = [
+    {"inputs": (jnp.asarray(norm(xb)),), "labels": jnp.asarray(yb)}
+    for xb, yb in data.batches(xte[:512], yte[:512], batch_size, shuffle=False, epochs=1)
+  ]
   return train, test
 
 
@@ -48,14 +52,18 @@ def sst2_batches(seed, batch_size=32, length=40, vocab_size=4000):
     lengths = np.zeros(len(sentences), np.int32)
     for i, s in enumerate(sentences):
       s = [ids.get(w, 1) for w in s][:length] or [1]
-      tokens[i, :len(s)], lengths[i] = s, len(s)
+      tokens[i, : len(s)], lengths[i] = s, len(s)
     return np.concatenate([tokens, lengths[:, None]], axis=1)
 
-  as_batch = lambda xb, yb: {"inputs": (jnp.asarray(xb[:, :-1]), jnp.asarray(xb[:, -1])),
-                             "labels": jnp.asarray(yb)}
+  as_batch = lambda xb, yb: {
+    "inputs": (jnp.asarray(xb[:, :-1]), jnp.asarray(xb[:, -1])),
+    "labels": jnp.asarray(yb),
+  }
   train_it = (as_batch(xb, yb) for xb, yb in data.batches(encode(train), y, batch_size, seed=seed))
-  test_b = [as_batch(xb, yb) for xb, yb in
-            data.batches(encode(test[:512]), yte[:512], batch_size, shuffle=False, epochs=1)]
+  test_b = [
+    as_batch(xb, yb)
+    for xb, yb in data.batches(encode(test[:512]), yte[:512], batch_size, shuffle=False, epochs=1)
+  ]
   return train_it, test_b
 
 
@@ -70,7 +78,7 @@ def shakespeare_batches(seed, batch_size=16, length=64):
   split = int(0.9 * len(ids))
 
   def window(starts, source):
-    seq = np.stack([source[s:s + length + 1] for s in starts])
+    seq = np.stack([source[s : s + length + 1] for s in starts])
     return {"inputs": (jnp.asarray(seq[:, :-1]),), "labels": jnp.asarray(seq[:, 1:])}
 
   def train():
@@ -79,10 +87,15 @@ def shakespeare_batches(seed, batch_size=16, length=64):
       yield window(rng.integers(0, split - length - 1, batch_size), ids)
 
   held = ids[split:]
-  test = [window(np.arange(i, i + batch_size) * (length + 1), held)
-          for i in range(0, 32 * batch_size, batch_size)]
+  test = [
+    window(np.arange(i, i + batch_size) * (length + 1), held)
+    for i in range(0, 32 * batch_size, batch_size)
+  ]
   return train(), test
 
 
-DATA = {"resnet18": cifar_batches, "bilstm_sst2": sst2_batches,
-        "transformer_lm": shakespeare_batches}
+DATA = {
+  "resnet18": cifar_batches,
+  "bilstm_sst2": sst2_batches,
+  "transformer_lm": shakespeare_batches,
+}

@@ -82,10 +82,12 @@ def _linen(case, variant, bits, seed):
   if variant == "convert":
     model = jact.convert(model, bits=bits)
     apply = lambda variables, inputs, key: split(
-        model.apply(variables, *inputs, rngs={"jact": key}, **kwargs))
+      model.apply(variables, *inputs, rngs={"jact": key}, **kwargs)
+    )
   elif variant == "compressed":
-    whole = jact.compressed(lambda variables, *inputs: model.apply(variables, *inputs, **kwargs),
-                            bits=bits)
+    whole = jact.compressed(
+      lambda variables, *inputs: model.apply(variables, *inputs, **kwargs), bits=bits
+    )
     apply = lambda variables, inputs, key: split(whole(variables, *inputs, key=key))
   else:
     apply = lambda variables, inputs, key: split(model.apply(variables, *inputs, **kwargs))
@@ -95,8 +97,11 @@ def _linen(case, variant, bits, seed):
       return updated(state, apply({"params": params, **state}, batch["inputs"], key))
     mesh = jax.make_mesh((1,), (case.axis_name,), devices=jax.devices()[:1])
     one_device = jax.shard_map(
-        lambda variables, inputs, key: apply(variables, inputs, key), mesh=mesh,
-        in_specs=P(), out_specs=P())
+      lambda variables, inputs, key: apply(variables, inputs, key),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=P(),
+    )
     return updated(state, one_device({"params": params, **state}, batch["inputs"], key))
 
   return params, state, forward

@@ -35,8 +35,16 @@ from flax import nnx
 
 from experiments.lib.zoo import Case
 
-__all__ = ["ViT", "MlpMixer", "ConvNeXt", "GNResNet", "StdConv", "OffsetNormNet",
-           "NormChain", "CASES"]
+__all__ = [
+  "ViT",
+  "MlpMixer",
+  "ConvNeXt",
+  "GNResNet",
+  "StdConv",
+  "OffsetNormNet",
+  "NormChain",
+  "CASES",
+]
 
 
 # ----------------------------------------------------------------------------- ViT (linen)
@@ -44,28 +52,37 @@ __all__ = ["ViT", "MlpMixer", "ConvNeXt", "GNResNet", "StdConv", "OffsetNormNet"
 
 class MlpBlock(nn.Module):
   """Dense -> gelu -> Dense, the feed-forward of a transformer block."""
+
   mlp_dim: int
 
   @nn.compact
   def __call__(self, x):
     out_dim = x.shape[-1]
-    y = nn.Dense(self.mlp_dim, kernel_init=nn.initializers.xavier_uniform(),
-                 bias_init=nn.initializers.normal(stddev=1e-6))(x)
+    y = nn.Dense(
+      self.mlp_dim,
+      kernel_init=nn.initializers.xavier_uniform(),
+      bias_init=nn.initializers.normal(stddev=1e-6),
+    )(x)
     y = nn.gelu(y)
-    return nn.Dense(out_dim, kernel_init=nn.initializers.xavier_uniform(),
-                    bias_init=nn.initializers.normal(stddev=1e-6))(y)
+    return nn.Dense(
+      out_dim,
+      kernel_init=nn.initializers.xavier_uniform(),
+      bias_init=nn.initializers.normal(stddev=1e-6),
+    )(y)
 
 
 class Encoder1DBlock(nn.Module):
   """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x))."""
+
   mlp_dim: int
   num_heads: int
 
   @nn.compact
   def __call__(self, x):
     y = nn.LayerNorm()(x)
-    y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads,
-                                        kernel_init=nn.initializers.xavier_uniform())(y, y)
+    y = nn.MultiHeadDotProductAttention(
+      num_heads=self.num_heads, kernel_init=nn.initializers.xavier_uniform()
+    )(y, y)
     x = x + y
     y = nn.LayerNorm()(x)
     return x + MlpBlock(self.mlp_dim)(y)
@@ -73,6 +90,7 @@ class Encoder1DBlock(nn.Module):
 
 class ViT(nn.Module):
   """Vision Transformer: conv patches, class token, learned positions, pre-LN encoder."""
+
   num_classes: int = 10
   patch: int = 4
   hidden: int = 32
@@ -82,8 +100,13 @@ class ViT(nn.Module):
 
   @nn.compact
   def __call__(self, images):
-    x = nn.Conv(self.hidden, (self.patch, self.patch), strides=(self.patch, self.patch),
-                padding="VALID", name="embedding")(images)
+    x = nn.Conv(
+      self.hidden,
+      (self.patch, self.patch),
+      strides=(self.patch, self.patch),
+      padding="VALID",
+      name="embedding",
+    )(images)
     n, h, w, c = x.shape
     x = x.reshape(n, h * w, c)
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
@@ -101,6 +124,7 @@ class ViT(nn.Module):
 
 class MixerBlock(nn.Module):
   """Token mixing across patches, then channel mixing, each pre-LN and residual."""
+
   tokens_mlp_dim: int
   channels_mlp_dim: int
 
@@ -125,8 +149,9 @@ class MlpMixer(nn.Module):
 
   @nn.compact
   def __call__(self, images):
-    x = nn.Conv(self.hidden, (self.patch, self.patch), strides=(self.patch, self.patch),
-                name="stem")(images)
+    x = nn.Conv(
+      self.hidden, (self.patch, self.patch), strides=(self.patch, self.patch), name="stem"
+    )(images)
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     for _ in range(self.depth):
       x = MixerBlock(self.tokens_mlp_dim, self.channels_mlp_dim)(x)
@@ -142,8 +167,9 @@ class ConvNeXtBlock(nnx.Module):
   """Depthwise 7x7 conv, LayerNorm, pointwise MLP with gelu, layer scale, residual."""
 
   def __init__(self, dim: int, *, layer_scale: float = 1e-6, rngs: nnx.Rngs):
-    self.dwconv = nnx.Conv(dim, dim, kernel_size=(7, 7), padding=3, feature_group_count=dim,
-                           rngs=rngs)
+    self.dwconv = nnx.Conv(
+      dim, dim, kernel_size=(7, 7), padding=3, feature_group_count=dim, rngs=rngs
+    )
     self.norm = nnx.LayerNorm(dim, epsilon=1e-6, rngs=rngs)
     self.pwconv1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
     self.pwconv2 = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -159,17 +185,29 @@ class ConvNeXtBlock(nnx.Module):
 class ConvNeXt(nnx.Module):
   """A 4x4 patchify stem with LayerNorm, ConvNeXt blocks, a downsampling layer, a head."""
 
-  def __init__(self, dims=(16, 32), depths=(1, 1), num_classes: int = 10, *,
-               layer_scale: float = 1e-6, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    dims=(16, 32),
+    depths=(1, 1),
+    num_classes: int = 10,
+    *,
+    layer_scale: float = 1e-6,
+    rngs: nnx.Rngs,
+  ):
     self.stem = nnx.Conv(3, dims[0], kernel_size=(4, 4), strides=(4, 4), rngs=rngs)
     self.stem_norm = nnx.LayerNorm(dims[0], epsilon=1e-6, rngs=rngs)
     stages, downs = [], []
     for i, (dim, depth) in enumerate(zip(dims, depths)):
       if i > 0:
-        downs.append((nnx.LayerNorm(dims[i - 1], epsilon=1e-6, rngs=rngs),
-                      nnx.Conv(dims[i - 1], dim, kernel_size=(2, 2), strides=(2, 2), rngs=rngs)))
-      stages.append(nnx.List([ConvNeXtBlock(dim, layer_scale=layer_scale, rngs=rngs)
-                              for _ in range(depth)]))
+        downs.append(
+          (
+            nnx.LayerNorm(dims[i - 1], epsilon=1e-6, rngs=rngs),
+            nnx.Conv(dims[i - 1], dim, kernel_size=(2, 2), strides=(2, 2), rngs=rngs),
+          )
+        )
+      stages.append(
+        nnx.List([ConvNeXtBlock(dim, layer_scale=layer_scale, rngs=rngs) for _ in range(depth)])
+      )
     self.stages = nnx.List(stages)
     self.downsample = nnx.List([nnx.List(d) for d in downs])
     self.head_norm = nnx.LayerNorm(dims[-1], epsilon=1e-6, rngs=rngs)
@@ -207,6 +245,7 @@ class StdConv(nn.Conv):
 
 class ResidualUnit(nn.Module):
   """Pre-activation-free bottleneck unit: GN+relu after each StdConv, projection when needed."""
+
   features: int
   strides: tuple[int, int] = (1, 1)
 
@@ -226,6 +265,7 @@ class ResidualUnit(nn.Module):
 
 class GNResNet(nn.Module):
   """BiT-style ResNet: StdConv stem, GroupNorm, max pool, bottleneck units, global mean."""
+
   num_classes: int = 10
   width: int = 8
   units: tuple[int, ...] = (1, 1)
@@ -256,6 +296,7 @@ class OffsetNormNet(nn.Module):
   E[x^2] - E[x]^2 cancels to nothing in float32 on 1000 + 0.01 noise, so
   plain Flax's own forward is meaningless there (that case is checked on the
   layer alone, `experiments.bench.whole_model_error.offset_layer_norm_error`)."""
+
   hidden: int = 64
   num_classes: int = 10
 
@@ -275,6 +316,7 @@ class OffsetNormNet(nn.Module):
 class NormChain(nn.Module):
   """Hand-written statistics: RMS normalization, L2 normalization (cosine
   features) and a division chain x / (1 + |y|), as research code writes them."""
+
   hidden: int = 64
   num_classes: int = 10
 
@@ -295,29 +337,38 @@ class NormChain(nn.Module):
 
 def _images(seed, shape, batch_size, num_classes=10):
   rng = np.random.default_rng(seed)
-  return {"inputs": (jnp.asarray(rng.standard_normal((batch_size, *shape)), jnp.float32),),
-          "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)}
+  return {
+    "inputs": (jnp.asarray(rng.standard_normal((batch_size, *shape)), jnp.float32),),
+    "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32),
+  }
 
 
-def _offset_signals(seed, batch_size=8, length=16, channels=64, offset=1000.0, spread=0.01,
-                    num_classes=10):
+def _offset_signals(
+  seed, batch_size=8, length=16, channels=64, offset=1000.0, spread=0.01, num_classes=10
+):
   """Readings around `offset` varying by `spread` (a temperature or pressure sensor)."""
   rng = np.random.default_rng(seed)
   x = offset + spread * rng.standard_normal((batch_size, length, channels))
-  return {"inputs": (jnp.asarray(x, jnp.float32),),
-          "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)}
+  return {
+    "inputs": (jnp.asarray(x, jnp.float32),),
+    "labels": jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32),
+  }
 
 
 def _nnx_case(name: str, build: Callable[[], Any], batch) -> Case:
   return Case(name, "nnx", build, batch)
 
 
-CASES: dict[str, Case] = {c.name: c for c in [
+CASES: dict[str, Case] = {
+  c.name: c
+  for c in [
     Case("vit", "linen", ViT, lambda s: _images(s, (16, 16, 3), 8)),
     Case("mixer", "linen", MlpMixer, lambda s: _images(s, (16, 16, 3), 8)),
-    _nnx_case("convnext_nnx", lambda: ConvNeXt(rngs=nnx.Rngs(0)),
-              lambda s: _images(s, (32, 32, 3), 4)),
+    _nnx_case(
+      "convnext_nnx", lambda: ConvNeXt(rngs=nnx.Rngs(0)), lambda s: _images(s, (32, 32, 3), 4)
+    ),
     Case("gn_resnet", "linen", GNResNet, lambda s: _images(s, (16, 16, 3), 4)),
     Case("offset_norms", "linen", OffsetNormNet, _offset_signals),
     Case("norm_chain", "linen", NormChain, lambda s: _offset_signals(s, offset=0.0, spread=1.0)),
-]}
+  ]
+}

@@ -63,9 +63,13 @@ def needed_bits(levels_sq: float, widest: int = MAX_BITS) -> int | None:
 
 def needed_levels(loss_fn, params, batches, key, *, scale_bound: bool = False) -> dict:
   """name -> squared fixed-point levels each residual needs at e^2 = 1 (mean over batches)."""
-  bounds = jact.acgc.error_bounded(loss_fn, error=1.0, window=len(batches),
-                                   compressor=jact.compressors.Fixpoint(8),
-                                   scale_bound=scale_bound)
+  bounds = jact.acgc.error_bounded(
+    loss_fn,
+    error=1.0,
+    window=len(batches),
+    compressor=jact.compressors.Fixpoint(8),
+    scale_bound=scale_bound,
+  )
   state = bounds.init(params, batches[0], key)
   for i, batch in enumerate(batches):
     state = bounds.update(state, params, batch, jax.random.fold_in(key, i))
@@ -99,51 +103,75 @@ def sweep(levels: dict, sizes: dict, densities: dict, errors=ERRORS) -> list[dic
     jact_bits = {n: 32 if b is None else b for n, b in jact_bits.items()}
     any_bits = {n: needed_bits(levels[n] / e2) or 32 for n in sizes}
     zvc = {n: 1.0 + densities.get(n, 1.0) * any_bits[n] for n in sizes}
-    rows.append(dict(
-        error=e2, jact_bits=jact_bits, any_bits=any_bits,
+    rows.append(
+      dict(
+        error=e2,
+        jact_bits=jact_bits,
+        any_bits=any_bits,
         jact_average_bits=sum(sizes[n] * jact_bits[n] for n in sizes) / sum(sizes.values()),
         any_average_bits=sum(sizes[n] * any_bits[n] for n in sizes) / sum(sizes.values()),
-        compression_jact=_ratio(sizes, jact_bits), compression_any_width=_ratio(sizes, any_bits),
+        compression_jact=_ratio(sizes, jact_bits),
+        compression_any_width=_ratio(sizes, any_bits),
         compression_autoquantz=_ratio(sizes, zvc),
-        kept_exact_jact=sum(b == 32 for b in jact_bits.values())))
+        kept_exact_jact=sum(b == 32 for b in jact_bits.values()),
+      )
+    )
   return rows
 
 
 def measure(params, batches, key, errors=ERRORS) -> dict:
-  loss_fn = functools.partial(preact.loss, form="layers",
-                              compressor=jact.compressors.Fixpoint(8))
+  loss_fn = functools.partial(preact.loss, form="layers", compressor=jact.compressors.Fixpoint(8))
   sites = jact.sensitivity.find_residuals(loss_fn, params, batches[0], key)
   sizes = {n: s.size for n, s in sites.items()}
   table1 = needed_levels(loss_fn, params, batches, key)
   with_scale = needed_levels(loss_fn, params, batches, key, scale_bound=True)
   densities = _densities(params, batches)
-  layers = {n: dict(size=sizes[n], density=densities.get(n, 1.0),
-                    levels_sq_at_1=table1[n],
-                    bits_at_paper_error=needed_bits(table1[n] / PAPER_ERROR) or 32,
-                    bits_with_scale_bound=needed_bits(with_scale[n] / PAPER_ERROR) or 32)
-            for n in sorted(sizes)}
-  return dict(layers=layers, rows=sweep(table1, sizes, densities, errors),
-              rows_with_scale_bound=sweep(with_scale, sizes, densities, errors))
+  layers = {
+    n: dict(
+      size=sizes[n],
+      density=densities.get(n, 1.0),
+      levels_sq_at_1=table1[n],
+      bits_at_paper_error=needed_bits(table1[n] / PAPER_ERROR) or 32,
+      bits_with_scale_bound=needed_bits(with_scale[n] / PAPER_ERROR) or 32,
+    )
+    for n in sorted(sizes)
+  }
+  return dict(
+    layers=layers,
+    rows=sweep(table1, sizes, densities, errors),
+    rows_with_scale_bound=sweep(with_scale, sizes, densities, errors),
+  )
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(prog="python -m experiments.papers.acgc_sweep",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.papers.acgc_sweep", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--batches", type=int, default=10)
   p.add_argument("--batch", type=int, default=128)
-  p.add_argument("--snapshot", type=Path, default=None,
-                 help="a saved run's snapshot folder (experiments.papers.actnn_cifar) for trained "
-                      "parameters, beside the initialization")
+  p.add_argument(
+    "--snapshot",
+    type=Path,
+    default=None,
+    help="a saved run's snapshot folder (experiments.papers.actnn_cifar) for trained "
+    "parameters, beside the initialization",
+  )
   p.add_argument("--small", action="store_true")
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   a = p.parse_args(argv)
   widths, blocks = ((8, 16), 1) if a.small else ((16, 32, 64), 3)
   if a.small:
     a.batches, a.batch = 2, 16
-  x, y, _, _ = data_lib.load_image_dataset("cifar10_full", train_size=a.batch * a.batches,
-                                           test_size=1)
-  batches = [(jnp.asarray(x[i * a.batch:(i + 1) * a.batch]),
-              jnp.asarray(y[i * a.batch:(i + 1) * a.batch])) for i in range(a.batches)]
+  x, y, _, _ = data_lib.load_image_dataset(
+    "cifar10_full", train_size=a.batch * a.batches, test_size=1
+  )
+  batches = [
+    (
+      jnp.asarray(x[i * a.batch : (i + 1) * a.batch]),
+      jnp.asarray(y[i * a.batch : (i + 1) * a.batch]),
+    )
+    for i in range(a.batches)
+  ]
   init = preact.init(jax.random.key(0), widths=widths, blocks=blocks)
   checkpoints = {"init": init}
   if a.snapshot is not None:
@@ -151,17 +179,25 @@ def main(argv=None) -> dict:
     if restored is None:
       raise SystemExit(f"no snapshot under {a.snapshot}")
     checkpoints["trained"] = restored[0]["params"]
-  result = dict(meta=metadata.run_metadata("experiments.papers.acgc_sweep", argv),
-                batches=a.batches, batch=a.batch, widths=list(widths), blocks=blocks,
-                paper_error=PAPER_ERROR, snapshot=None if a.snapshot is None else str(a.snapshot),
-                checkpoints={})
+  result = dict(
+    meta=metadata.run_metadata("experiments.papers.acgc_sweep", argv),
+    batches=a.batches,
+    batch=a.batch,
+    widths=list(widths),
+    blocks=blocks,
+    paper_error=PAPER_ERROR,
+    snapshot=None if a.snapshot is None else str(a.snapshot),
+    checkpoints={},
+  )
   for name, params in checkpoints.items():
     result["checkpoints"][name] = measure(params, batches, jax.random.key(1))
     for r in result["checkpoints"][name]["rows"]:
-      print(f"{name} e2 {r['error']:>7g}: jact {r['jact_average_bits']:5.2f} bits "
-            f"{r['compression_jact']:5.2f}x ({r['kept_exact_jact']} exact) | any width "
-            f"{r['compression_any_width']:5.2f}x | AutoQuantZ {r['compression_autoquantz']:5.2f}x",
-            flush=True)
+      print(
+        f"{name} e2 {r['error']:>7g}: jact {r['jact_average_bits']:5.2f} bits "
+        f"{r['compression_jact']:5.2f}x ({r['kept_exact_jact']} exact) | any width "
+        f"{r['compression_any_width']:5.2f}x | AutoQuantZ {r['compression_autoquantz']:5.2f}x",
+        flush=True,
+      )
   out = a.results / ("acgc_sweep_small.json" if a.small else "acgc_sweep.json")
   resumable.write_json(out, result)
   return result

@@ -50,8 +50,17 @@ from experiments.lib import metadata, paths, preact, resumable
 
 __all__ = ["VARIANTS", "variant_settings", "augment", "train_variant", "main"]
 
-VARIANTS = ("fp", "actnn_l2", "pergroup2", "actnn_l3", "blpa4", "blpa2", "division", "acgc",
-            "acgc_scale")
+VARIANTS = (
+  "fp",
+  "actnn_l2",
+  "pergroup2",
+  "actnn_l3",
+  "blpa4",
+  "blpa2",
+  "division",
+  "acgc",
+  "acgc_scale",
+)
 RESULTS = paths.RESULTS / "actnn_cifar"
 RUNS = paths.ACTNN_CIFAR_RUNS
 ACGC_ERROR = 0.5  # AC-GC's e^2 (the paper: "e^2 > 0.5 decreases accuracy"); `--acgc-error`
@@ -60,21 +69,32 @@ ACGC_ERROR = 0.5  # AC-GC's e^2 (the paper: "e^2 > 0.5 decreases accuracy"); `--
 def variant_settings(name: str, acgc_error: float = ACGC_ERROR) -> dict:
   """The loss keywords (form, bits / compressor) and controller settings of a variant."""
   table = {
-      "fp": dict(form="plain"),
-      "actnn_l2": dict(form="layers", bits=4),
-      "pergroup2": dict(form="layers", bits=2),
-      "actnn_l3": dict(form="layers", bits=2, controller=dict(
-          estimator="analytic", avg_bits=2.0, per_sample=True)),
-      "blpa4": dict(form="blpa", bits=4),
-      "blpa2": dict(form="blpa", bits=2),
-      "division": dict(form="layers", compressor=jact.compressors.Division(block=8, bits=2)),
-      # AutoQuant: every bounded residual in Fixpoint(b) at the width its bound needs (wider
-      # than 8 bits: kept exact); the call sites' Fixpoint(8) stores the rest.
-      "acgc": dict(form="layers", compressor=jact.compressors.Fixpoint(8), controller=dict(
-          estimator="acgc", error=acgc_error, compressor=jact.compressors.Fixpoint(8))),
-      "acgc_scale": dict(form="layers", compressor=jact.compressors.Fixpoint(8), controller=dict(
-          estimator="acgc", error=acgc_error, compressor=jact.compressors.Fixpoint(8),
-          scale_bound=True)),
+    "fp": dict(form="plain"),
+    "actnn_l2": dict(form="layers", bits=4),
+    "pergroup2": dict(form="layers", bits=2),
+    "actnn_l3": dict(
+      form="layers", bits=2, controller=dict(estimator="analytic", avg_bits=2.0, per_sample=True)
+    ),
+    "blpa4": dict(form="blpa", bits=4),
+    "blpa2": dict(form="blpa", bits=2),
+    "division": dict(form="layers", compressor=jact.compressors.Division(block=8, bits=2)),
+    # AutoQuant: every bounded residual in Fixpoint(b) at the width its bound needs (wider
+    # than 8 bits: kept exact); the call sites' Fixpoint(8) stores the rest.
+    "acgc": dict(
+      form="layers",
+      compressor=jact.compressors.Fixpoint(8),
+      controller=dict(estimator="acgc", error=acgc_error, compressor=jact.compressors.Fixpoint(8)),
+    ),
+    "acgc_scale": dict(
+      form="layers",
+      compressor=jact.compressors.Fixpoint(8),
+      controller=dict(
+        estimator="acgc",
+        error=acgc_error,
+        compressor=jact.compressors.Fixpoint(8),
+        scale_bound=True,
+      ),
+    ),
   }
   if name not in table:
     raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
@@ -104,7 +124,7 @@ def _batch(x, y, step: int, batch_size: int, seed: int):
   per_epoch = len(x) // batch_size
   epoch, index = divmod(step, per_epoch)
   order = np.random.default_rng((seed, epoch)).permutation(len(x))
-  idx = order[index * batch_size:(index + 1) * batch_size]
+  idx = order[index * batch_size : (index + 1) * batch_size]
   return augment(x[idx], np.random.default_rng((seed, 1, step))), y[idx]
 
 
@@ -113,9 +133,15 @@ _logits = jax.jit(functools.partial(preact.apply, form="plain"))  # one compile 
 
 def _accuracy(params, x, y, batch_size=500) -> float:
   logits = _logits
-  hits = sum(int(jnp.sum(jnp.argmax(logits(params, jnp.asarray(x[i:i + batch_size])), -1)
-                         == jnp.asarray(y[i:i + batch_size])))
-             for i in range(0, len(x), batch_size))
+  hits = sum(
+    int(
+      jnp.sum(
+        jnp.argmax(logits(params, jnp.asarray(x[i : i + batch_size])), -1)
+        == jnp.asarray(y[i : i + batch_size])
+      )
+    )
+    for i in range(0, len(x), batch_size)
+  )
   return hits / len(x)
 
 
@@ -134,12 +160,26 @@ def run_name(variant: str, seed: int) -> str:
   return variant if seed == 0 else f"{variant}_seed{seed}"
 
 
-def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths=(16, 32, 64),
-                  blocks: int = 3, lr: float = 0.1, weight_decay: float = 5e-4, seed: int = 0,
-                  acgc_error: float = ACGC_ERROR, adapt_interval: int = 100,
-                  checkpoint_every: int = 100, runs: Path = RUNS, log_every: int = 50,
-                  stop_after_s: float | None = None, verbose: bool = True,
-                  on_epoch=None) -> dict:
+def train_variant(
+  name: str,
+  *,
+  data,
+  epochs: int,
+  batch_size: int = 128,
+  widths=(16, 32, 64),
+  blocks: int = 3,
+  lr: float = 0.1,
+  weight_decay: float = 5e-4,
+  seed: int = 0,
+  acgc_error: float = ACGC_ERROR,
+  adapt_interval: int = 100,
+  checkpoint_every: int = 100,
+  runs: Path = RUNS,
+  log_every: int = 50,
+  stop_after_s: float | None = None,
+  verbose: bool = True,
+  on_epoch=None,
+) -> dict:
   """Trains (or resumes) one variant; returns its result dict (complete or partial).
 
   `on_epoch(partial_result)`, if given, is called after every epoch's evaluation
@@ -152,8 +192,9 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
   per_epoch = len(x_train) // batch_size
   total = epochs * per_epoch
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, total // 10 + 1), total)
-  tx = optax.chain(optax.add_decayed_weights(weight_decay),
-                   optax.sgd(schedule, momentum=0.9, nesterov=True))
+  tx = optax.chain(
+    optax.add_decayed_weights(weight_decay), optax.sgd(schedule, momentum=0.9, nesterov=True)
+  )
 
   def train_step(params, opt_state, batch, key):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch, key)
@@ -182,9 +223,12 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
       print(f"[{name}] resumed at step {progress['step']} of {total}", flush=True)
 
   def checkpoint():
-    resumable.save(run_dir, dict(params=params, opt_state=opt_state), progress,
-                   None if controller is None else
-                   lambda folder: controller.save(cstate, folder / "controller"))
+    resumable.save(
+      run_dir,
+      dict(params=params, opt_state=opt_state),
+      progress,
+      None if controller is None else lambda folder: controller.save(cstate, folder / "controller"),
+    )
 
   started = time.perf_counter()
   window = []
@@ -210,18 +254,26 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
     if len(window) == log_every or progress["step"] == total:
       progress["losses"].append(dict(step=progress["step"], loss=float(np.mean(window))))
       if verbose:
-        print(f"[{name}] step {progress['step']}/{total} loss {np.mean(window):.4f} "
-              f"({np.median(progress['step_seconds'][-log_every:]):.2f} s/step)", flush=True)
+        print(
+          f"[{name}] step {progress['step']}/{total} loss {np.mean(window):.4f} "
+          f"({np.median(progress['step_seconds'][-log_every:]):.2f} s/step)",
+          flush=True,
+        )
       window = []
     if progress["step"] % per_epoch == 0:
       acc = _accuracy(params, x_test, y_test)
-      progress["history"].append(dict(epoch=progress["step"] // per_epoch, step=progress["step"],
-                                      test_accuracy=acc))
+      progress["history"].append(
+        dict(epoch=progress["step"] // per_epoch, step=progress["step"], test_accuracy=acc)
+      )
       if verbose:
-        print(f"[{name}] epoch {progress['step'] // per_epoch}: test accuracy {acc:.4f}",
-              flush=True)
-      resumable.save(run_dir / "snapshots" / f"epoch{progress['step'] // per_epoch}",
-                     dict(params=params), dict(step=progress["step"]))
+        print(
+          f"[{name}] epoch {progress['step'] // per_epoch}: test accuracy {acc:.4f}", flush=True
+        )
+      resumable.save(
+        run_dir / "snapshots" / f"epoch{progress['step'] // per_epoch}",
+        dict(params=params),
+        dict(step=progress["step"]),
+      )
       if on_epoch is not None and progress["step"] < total:
         on_epoch(_result(name, settings, control, epochs, batch_size, total, progress, cstate))
     if progress["step"] % checkpoint_every == 0 or progress["step"] == total:
@@ -229,22 +281,42 @@ def train_variant(name: str, *, data, epochs: int, batch_size: int = 128, widths
     if stop_after_s is not None and time.perf_counter() - started > stop_after_s:
       checkpoint()
       break
-  return _result(name, settings, control, epochs, batch_size, total, progress, cstate,
-                 loss_fn, params, first)
+  return _result(
+    name, settings, control, epochs, batch_size, total, progress, cstate, loss_fn, params, first
+  )
 
 
-def _result(name, settings, control, epochs, batch_size, total, progress, cstate, loss_fn=None,
-            params=None, first=None) -> dict:
+def _result(
+  name,
+  settings,
+  control,
+  epochs,
+  batch_size,
+  total,
+  progress,
+  cstate,
+  loss_fn=None,
+  params=None,
+  first=None,
+) -> dict:
   """The variant's result; memory and final figures once it is complete."""
   plan = cstate.plan if cstate is not None else None
-  result = dict(variant=name, settings={k: repr(v) for k, v in settings.items()},
-                controller=None if control is None else {
-                    k: v if isinstance(v, (bool, int, float, str)) else repr(v)
-                    for k, v in control.items()}, epochs=epochs, batch_size=batch_size, steps=progress["step"],
-                total_steps=total, complete=progress["step"] >= total,
-                history=progress["history"], losses=progress["losses"], plans=progress["plans"],
-                median_step_s=float(np.median(progress["step_seconds"]))
-                if progress["step_seconds"] else None)
+  result = dict(
+    variant=name,
+    settings={k: repr(v) for k, v in settings.items()},
+    controller=None
+    if control is None
+    else {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in control.items()},
+    epochs=epochs,
+    batch_size=batch_size,
+    steps=progress["step"],
+    total_steps=total,
+    complete=progress["step"] >= total,
+    history=progress["history"],
+    losses=progress["losses"],
+    plans=progress["plans"],
+    median_step_s=float(np.median(progress["step_seconds"])) if progress["step_seconds"] else None,
+  )
   if result["complete"] and params is not None:
     result["final_test_accuracy"] = progress["history"][-1]["test_accuracy"]
     result["memory"] = _memory(loss_fn, params, first, plan)
@@ -254,8 +326,9 @@ def _result(name, settings, control, epochs, batch_size, total, progress, cstate
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(prog="python -m experiments.papers.actnn_cifar",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.papers.actnn_cifar", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
   p.add_argument("--epochs", type=int, default=3)
   p.add_argument("--batch", type=int, default=128)
@@ -265,39 +338,75 @@ def main(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--acgc-error", type=float, default=ACGC_ERROR)
   p.add_argument("--adapt-interval", type=int, default=100)
-  p.add_argument("--dataset", default="cifar10_full", choices=["cifar10_full", "cifar10"],
-                 help="cifar10: the kit's 10k/2k subset (small runs)")
+  p.add_argument(
+    "--dataset",
+    default="cifar10_full",
+    choices=["cifar10_full", "cifar10"],
+    help="cifar10: the kit's 10k/2k subset (small runs)",
+  )
   p.add_argument("--train-size", type=int, default=None)
   p.add_argument("--test-size", type=int, default=None)
   p.add_argument("--checkpoint-every", type=int, default=100)
-  p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
-                 help="checkpoint and stop a variant after this long (resume later)")
+  p.add_argument(
+    "--stop-after",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="checkpoint and stop a variant after this long (resume later)",
+  )
   p.add_argument("--runs", type=Path, default=RUNS)
   p.add_argument("--results", type=Path, default=RESULTS)
-  p.add_argument("--json", type=Path, default=None,
-                 help="also write every variant's result into this one file (the GPU campaign)")
+  p.add_argument(
+    "--json",
+    type=Path,
+    default=None,
+    help="also write every variant's result into this one file (the GPU campaign)",
+  )
   a = p.parse_args(argv)
   x_tr, y_tr, x_te, y_te = data_lib.load_image_dataset(
-      a.dataset, train_size=a.train_size, test_size=a.test_size)
+    a.dataset, train_size=a.train_size, test_size=a.test_size
+  )
   meta = metadata.run_metadata("experiments.papers.actnn_cifar", argv)
   combined = {"meta": meta, "variants": {}}
   for name in a.variants:
+
     def write(result, name=name):
-      result.update(meta=meta, train_size=len(x_tr), test_size=len(x_te),
-                    widths=list(a.widths), blocks=a.blocks, lr=a.lr, seed=a.seed)
+      result.update(
+        meta=meta,
+        train_size=len(x_tr),
+        test_size=len(x_te),
+        widths=list(a.widths),
+        blocks=a.blocks,
+        lr=a.lr,
+        seed=a.seed,
+      )
       resumable.write_json(a.results / f"{run_name(name, a.seed)}.json", result)
       if a.json is not None:
         combined["variants"][name] = result
         resumable.write_json(a.json, combined)
 
-    result = train_variant(name, data=(x_tr, y_tr, x_te, y_te), epochs=a.epochs,
-                           batch_size=a.batch, widths=tuple(a.widths), blocks=a.blocks, lr=a.lr,
-                           seed=a.seed, acgc_error=a.acgc_error,
-                           adapt_interval=a.adapt_interval, checkpoint_every=a.checkpoint_every,
-                           runs=a.runs, stop_after_s=a.stop_after, on_epoch=write)
+    result = train_variant(
+      name,
+      data=(x_tr, y_tr, x_te, y_te),
+      epochs=a.epochs,
+      batch_size=a.batch,
+      widths=tuple(a.widths),
+      blocks=a.blocks,
+      lr=a.lr,
+      seed=a.seed,
+      acgc_error=a.acgc_error,
+      adapt_interval=a.adapt_interval,
+      checkpoint_every=a.checkpoint_every,
+      runs=a.runs,
+      stop_after_s=a.stop_after,
+      on_epoch=write,
+    )
     write(result)
-    print(f"[{name}] {'done' if result['complete'] else 'stopped'}: "
-          f"{result.get('final_test_accuracy')} {result.get('memory')}", flush=True)
+    print(
+      f"[{name}] {'done' if result['complete'] else 'stopped'}: "
+      f"{result.get('final_test_accuracy')} {result.get('memory')}",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,15 @@ import jact
 from experiments.lib import data as data_lib
 from experiments.lib import metadata, paths, plan_models, preact, resumable, timing
 
-__all__ = ["estimator_plan", "cost_in_steps", "resnet_plans", "transformer_plans", "check_plans",
-           "heat_map", "main"]
+__all__ = [
+  "estimator_plan",
+  "cost_in_steps",
+  "resnet_plans",
+  "transformer_plans",
+  "check_plans",
+  "heat_map",
+  "main",
+]
 
 ESTIMATORS = ("analytic", "numeric")
 
@@ -72,8 +79,10 @@ def cost_in_steps(loss_fn, params, batch, update_seconds: dict) -> dict:
 
 
 def _controllers(loss_fn, avg_bits: float) -> dict:
-  return {kind: jact.Controller(loss_fn, estimator=kind, avg_bits=avg_bits, adapt_interval=1)
-          for kind in ESTIMATORS}
+  return {
+    kind: jact.Controller(loss_fn, estimator=kind, avg_bits=avg_bits, adapt_interval=1)
+    for kind in ESTIMATORS
+  }
 
 
 def _widths(plan, names) -> list:
@@ -89,12 +98,22 @@ def check_plans(model: dict, label: str) -> None:
     raise ValueError(f"bit_plans {label}: residual names must be strings, got {bad[:3]}")
   widths = [b for kind in ESTIMATORS for plan in model[kind] for b in plan]
   if widths and all(b is None for b in widths):
-    raise ValueError(f"bit_plans {label}: every plan leaves every residual uncompressed; "
-                     "the names do not match the plans' residuals")
+    raise ValueError(
+      f"bit_plans {label}: every plan leaves every residual uncompressed; "
+      "the names do not match the plans' residuals"
+    )
 
 
-def resnet_plans(*, runs: Path, epochs, batch_size: int, avg_bits: float, updates: int,
-                 widths=(16, 32, 64), blocks: int = 3) -> dict:
+def resnet_plans(
+  *,
+  runs: Path,
+  epochs,
+  batch_size: int,
+  avg_bits: float,
+  updates: int,
+  widths=(16, 32, 64),
+  blocks: int = 3,
+) -> dict:
   """Plans of both estimators at each epoch snapshot of the fp run."""
   x, y, _, _ = data_lib.load_image_dataset("cifar10_full", train_size=batch_size, test_size=1)
   batch = (jnp.asarray(x), jnp.asarray(y))
@@ -113,8 +132,9 @@ def resnet_plans(*, runs: Path, epochs, batch_size: int, avg_bits: float, update
       params = restored[0]["params"]
     out["times"].append(f"epoch {epoch}")
     for kind in ESTIMATORS:
-      plan, seconds[kind] = estimator_plan(controllers[kind], params, batch,
-                                           updates=max(updates, 2))  # the last one: compiled
+      plan, seconds[kind] = estimator_plan(
+        controllers[kind], params, batch, updates=max(updates, 2)
+      )  # the last one: compiled
       out[kind].append(_widths(plan, names))
   out["cost"] = cost_in_steps(loss_fn, init, batch, seconds)
   return out
@@ -130,18 +150,27 @@ def _text_batches(batch_size: int, length: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   while True:
     starts = rng.integers(0, len(ids) - length - 1, batch_size)
-    seq = np.stack([ids[s:s + length + 1] for s in starts])
+    seq = np.stack([ids[s : s + length + 1] for s in starts])
     yield len(vocab), (jnp.asarray(seq[:, :-1]), jnp.asarray(seq[:, 1:]))
 
 
-def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, length: int,
-                      avg_bits: float, d: int = 64, blocks: int = 2) -> dict:
+def transformer_plans(
+  *,
+  steps: int,
+  adapt_interval: int,
+  batch_size: int,
+  length: int,
+  avg_bits: float,
+  d: int = 64,
+  blocks: int = 2,
+) -> dict:
   """Numeric-controller training of the character transformer; plans at every re-plan."""
   stream = _text_batches(batch_size, length)
   vocab, batch = next(stream)
   loss_fn = functools.partial(plan_models.transformer_loss)
-  params = plan_models.transformer_params(jax.random.key(0), vocab, d=d, blocks=blocks,
-                                          length=length)
+  params = plan_models.transformer_params(
+    jax.random.key(0), vocab, d=d, blocks=blocks, length=length
+  )
   tx = optax.adam(3e-3)
   opt_state = tx.init(params)
 
@@ -151,8 +180,9 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
     return optax.apply_updates(params, updates), opt_state, loss
 
   step_fn = jax.jit(jact.planned(train_step), static_argnames="plan")
-  controller = jact.Controller(loss_fn, estimator="numeric", avg_bits=avg_bits,
-                               adapt_interval=adapt_interval)
+  controller = jact.Controller(
+    loss_fn, estimator="numeric", avg_bits=avg_bits, adapt_interval=adapt_interval
+  )
   cstate = controller.init(params, batch, jax.random.key(1))
   analytic = jact.Controller(loss_fn, estimator="analytic", avg_bits=avg_bits, adapt_interval=1)
   astate = analytic.init(params, batch, jax.random.key(1))
@@ -178,22 +208,29 @@ def transformer_plans(*, steps: int, adapt_interval: int, batch_size: int, lengt
       params, opt_state, loss = step_fn(params, opt_state, batch, key, plan=cstate.plan)
       out["losses"].append(float(loss))
   # the first update of each compiled it: the cost is the median of the later ones
-  out["cost"] = cost_in_steps(loss_fn, params, batch,
-                              {k: float(np.median(v[1:] or v)) for k, v in seconds.items()})
+  out["cost"] = cost_in_steps(
+    loss_fn, params, batch, {k: float(np.median(v[1:] or v)) for k, v in seconds.items()}
+  )
   return out
 
 
 def heat_map(model: dict, title: str, path) -> None:
   """One panel per estimator: residuals (rows) x time (columns), colored by bits."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from matplotlib.colors import BoundaryNorm, ListedColormap
+
   names, times = model["names"], model["times"]
   cmap = ListedColormap(["#d73027", "#fc8d59", "#91bfdb", "#4575b4", "#dddddd"])
   norm = BoundaryNorm([0.5, 1.5, 3, 6, 12, 40], cmap.N)
-  fig, axes = plt.subplots(1, len(ESTIMATORS), figsize=(3 + 1.2 * len(times) * len(ESTIMATORS),
-                                                        1.5 + 0.18 * len(names)), squeeze=False)
+  fig, axes = plt.subplots(
+    1,
+    len(ESTIMATORS),
+    figsize=(3 + 1.2 * len(times) * len(ESTIMATORS), 1.5 + 0.18 * len(names)),
+    squeeze=False,
+  )
   for ax, kind in zip(axes[0], ESTIMATORS):
     grid = np.array([[32 if b is None else b for b in col] for col in model[kind]], float).T
     image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
@@ -208,10 +245,12 @@ def heat_map(model: dict, title: str, path) -> None:
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(prog="python -m experiments.papers.bit_plans",
-                              description=__doc__.split("\n")[0])
-  p.add_argument("--models", nargs="+", default=["resnet", "transformer"],
-                 choices=["resnet", "transformer"])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.papers.bit_plans", description=__doc__.split("\n")[0]
+  )
+  p.add_argument(
+    "--models", nargs="+", default=["resnet", "transformer"], choices=["resnet", "transformer"]
+  )
   p.add_argument("--avg-bits", type=float, default=2.0)
   p.add_argument("--epochs", type=int, nargs="+", default=[0, 1, 2, 3])
   p.add_argument("--batch", type=int, default=128)
@@ -222,17 +261,25 @@ def main(argv=None) -> dict:
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   p.add_argument("--small", action="store_true")
   a = p.parse_args(argv)
-  result = dict(meta=metadata.run_metadata("experiments.papers.bit_plans", argv),
-                avg_bits=a.avg_bits, small=a.small)
+  result = dict(
+    meta=metadata.run_metadata("experiments.papers.bit_plans", argv),
+    avg_bits=a.avg_bits,
+    small=a.small,
+  )
   if "resnet" in a.models:
-    sizes = dict(widths=(8, 16, 32), blocks=1, batch_size=32, epochs=[0], updates=1) \
-        if a.small else dict(batch_size=a.batch, epochs=a.epochs, updates=a.updates)
+    sizes = (
+      dict(widths=(8, 16, 32), blocks=1, batch_size=32, epochs=[0], updates=1)
+      if a.small
+      else dict(batch_size=a.batch, epochs=a.epochs, updates=a.updates)
+    )
     result["resnet"] = resnet_plans(runs=a.runs, avg_bits=a.avg_bits, **sizes)
     check_plans(result["resnet"], "resnet")
   if "transformer" in a.models:
-    sizes = dict(steps=5, adapt_interval=4, batch_size=8, length=32, d=32, blocks=1) \
-        if a.small else dict(steps=a.lm_steps, adapt_interval=a.adapt_interval, batch_size=32,
-                             length=64)
+    sizes = (
+      dict(steps=5, adapt_interval=4, batch_size=8, length=32, d=32, blocks=1)
+      if a.small
+      else dict(steps=a.lm_steps, adapt_interval=a.adapt_interval, batch_size=32, length=64)
+    )
     result["transformer"] = transformer_plans(avg_bits=a.avg_bits, **sizes)
     check_plans(result["transformer"], "transformer")
   name = "bit_plans_small" if a.small else "bit_plans"
@@ -247,11 +294,16 @@ def main(argv=None) -> dict:
   resumable.write_json(path, result)
   for model in ("resnet", "transformer"):
     if model in result and result[model]["times"]:
-      heat_map(result[model], f"{model}: bits per residual at {a.avg_bits:g} bits average",
-               a.results / f"{name}_{model}.png")
+      heat_map(
+        result[model],
+        f"{model}: bits per residual at {a.avg_bits:g} bits average",
+        a.results / f"{name}_{model}.png",
+      )
       cost = result[model]["cost"]
-      print(f"{model}: analytic update = {cost['analytic_in_steps']:.2f} steps, "
-            f"numeric update = {cost['numeric_in_steps']:.2f} steps")
+      print(
+        f"{model}: analytic update = {cost['analytic_in_steps']:.2f} steps, "
+        f"numeric update = {cost['numeric_in_steps']:.2f} steps"
+      )
   return result
 
 

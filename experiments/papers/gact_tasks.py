@@ -95,8 +95,16 @@ from experiments.papers.gact_setups import (
   setup_task,
 )
 
-__all__ = ["TASKS", "SMALL", "VARIANTS", "TaskSetup", "setup_task", "train_variant", "run_task",
-           "main"]
+__all__ = [
+  "TASKS",
+  "SMALL",
+  "VARIANTS",
+  "TaskSetup",
+  "setup_task",
+  "train_variant",
+  "run_task",
+  "main",
+]
 
 RESULTS = paths.RESULTS / "gact"
 # ----------------------------------------------------------------------------- training
@@ -109,17 +117,28 @@ def _step_memory(step_fn, loss_fn, args, plan) -> dict:
   with jact.use_plan(plan):
     saved = jact.residual_report(lambda p: loss_fn(p, batch, key, *extra), params)
   compiled = step_fn.lower(*args, plan=plan).compile()
-  return dict(saved_bytes=int(saved.total_bytes),
-              temp_bytes=memory.compiled_memory_of(compiled).temp_bytes)
+  return dict(
+    saved_bytes=int(saved.total_bytes), temp_bytes=memory.compiled_memory_of(compiled).temp_bytes
+  )
 
 
 def _mean_windows(losses: list[float], every: int) -> list[dict]:
-  return [dict(step=min(i + every, len(losses)), loss=float(np.mean(losses[i:i + every])))
-          for i in range(0, len(losses), every)]
+  return [
+    dict(step=min(i + every, len(losses)), loss=float(np.mean(losses[i : i + every])))
+    for i in range(0, len(losses), every)
+  ]
 
 
-def train_variant(setup: TaskSetup, variant: str, *, steps: int, log_every: int,
-                  eval_every: int, seed: int = 0, verbose: bool = True) -> dict:
+def train_variant(
+  setup: TaskSetup,
+  variant: str,
+  *,
+  steps: int,
+  log_every: int,
+  eval_every: int,
+  seed: int = 0,
+  verbose: bool = True,
+) -> dict:
   """Trains one variant from the task's initial parameters; returns its record."""
   loss_fn = setup.losses[variant]
   tx = setup.optimizer
@@ -168,25 +187,41 @@ def train_variant(setup: TaskSetup, variant: str, *, steps: int, log_every: int,
       metrics = dict(step=step + 1, **setup.evaluate(params))
       history.append(metrics)
       score = metrics[setup.metric]
-      if best is None or (score > best[setup.metric] if setup.higher_is_better
-                          else score < best[setup.metric]):
+      if best is None or (
+        score > best[setup.metric] if setup.higher_is_better else score < best[setup.metric]
+      ):
         best = metrics
     if verbose and ((step + 1) % log_every == 0 or step + 1 == steps):
-      print(f"  [{variant}] step {step + 1}/{steps} loss {np.mean(losses[-log_every:]):.4f} "
-            f"({seconds[-1]:.3f} s/step)" + (f" {history[-1]}" if history and
-                                              history[-1]["step"] == step + 1 else ""), flush=True)
+      print(
+        f"  [{variant}] step {step + 1}/{steps} loss {np.mean(losses[-log_every:]):.4f} "
+        f"({seconds[-1]:.3f} s/step)"
+        + (f" {history[-1]}" if history and history[-1]["step"] == step + 1 else ""),
+        flush=True,
+      )
   timed = [s for i, s in enumerate(seconds) if i not in compiled_steps]
-  step_memory = _step_memory(step_fn, loss_fn, (params, opt_state, setup.batch(0), base_key,
-                                           *setup.extra), plan)
+  step_memory = _step_memory(
+    step_fn, loss_fn, (params, opt_state, setup.batch(0), base_key, *setup.extra), plan
+  )
   return dict(
-      variant=variant, steps=len(losses), finite=bool(np.all(np.isfinite(losses))),
-      first_loss=losses[0], final_loss=float(np.mean(losses[-log_every:])),
-      losses=_mean_windows(losses, log_every), history=history, final=history[-1] if history
-      else None, best=best, best_by=setup.metric, **step_memory,
-      average_bits=None if plan is None else float(plan.average_bits()),
-      plans=plans, variance_alerts=alerts,
-      controller=setup.controllers.get(variant), controller_seconds=controller_seconds,
-      median_step_s=float(np.median(timed if timed else seconds)), compiled_at=compiled_steps)
+    variant=variant,
+    steps=len(losses),
+    finite=bool(np.all(np.isfinite(losses))),
+    first_loss=losses[0],
+    final_loss=float(np.mean(losses[-log_every:])),
+    losses=_mean_windows(losses, log_every),
+    history=history,
+    final=history[-1] if history else None,
+    best=best,
+    best_by=setup.metric,
+    **step_memory,
+    average_bits=None if plan is None else float(plan.average_bits()),
+    plans=plans,
+    variance_alerts=alerts,
+    controller=setup.controllers.get(variant),
+    controller_seconds=controller_seconds,
+    median_step_s=float(np.median(timed if timed else seconds)),
+    compiled_at=compiled_steps,
+  )
 
 
 def _earlier_variants(path: Path, config: dict, seed: int, rerun) -> dict:
@@ -197,29 +232,55 @@ def _earlier_variants(path: Path, config: dict, seed: int, rerun) -> dict:
   earlier = json.loads(path.read_text())
   if json.loads(json.dumps(config)) != earlier.get("config") or earlier.get("seed") != seed:
     return {}
-  return {name: dict(record, meta=record.get("meta", earlier.get("meta", {})))
-          for name, record in earlier["variants"].items() if name not in rerun}
+  return {
+    name: dict(record, meta=record.get("meta", earlier.get("meta", {})))
+    for name, record in earlier["variants"].items()
+    if name not in rerun
+  }
 
 
-def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
-             results: Path = RESULTS, meta: dict | None = None, seed: int = 0,
-             verbose: bool = True) -> dict:
+def run_task(
+  task: str,
+  cfg: dict,
+  *,
+  variants=None,
+  steps: int | None = None,
+  results: Path = RESULTS,
+  meta: dict | None = None,
+  seed: int = 0,
+  verbose: bool = True,
+) -> dict:
   """Trains every variant of `task`; writes `<results>/<task>.json` after each one."""
   variants = list(variants or VARIANTS[task])
   steps = cfg["steps"] if steps is None else steps
   started = time.perf_counter()
   setup = setup_task(task, cfg, seed, steps)
-  config = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
-            for k, v in cfg.items()}
-  out = dict(meta=meta or {}, task=task, config=dict(config, steps=steps), seed=seed,
-             data=setup.description, variants=_earlier_variants(
-                 Path(results) / f"{task}.json", dict(config, steps=steps), seed, variants))
+  config = {
+    k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in cfg.items()
+  }
+  out = dict(
+    meta=meta or {},
+    task=task,
+    config=dict(config, steps=steps),
+    seed=seed,
+    data=setup.description,
+    variants=_earlier_variants(
+      Path(results) / f"{task}.json", dict(config, steps=steps), seed, variants
+    ),
+  )
   for variant in variants:
     if verbose:
       print(f"[{task}] {variant}", flush=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    record = train_variant(setup, variant, steps=steps, log_every=cfg["log_every"],
-                           eval_every=cfg["eval_every"], seed=seed, verbose=verbose)
+    record = train_variant(
+      setup,
+      variant,
+      steps=steps,
+      log_every=cfg["log_every"],
+      eval_every=cfg["eval_every"],
+      seed=seed,
+      verbose=verbose,
+    )
     record["seconds"] = time.perf_counter() - t0
     record["cpu_seconds"] = time.process_time() - cpu0
     record["meta"] = meta or {}
@@ -228,21 +289,27 @@ def run_task(task: str, cfg: dict, *, variants=None, steps: int | None = None,
     resumable.write_json(Path(results) / f"{task}.json", out)
     if verbose:
       best = record["best"][record["best_by"]] if record["best"] else float("nan")
-      print(f"[{task}] {variant}: {record['best_by']} best {best:.4f}, saved "
-            f"{record['saved_bytes'] / 2**20:.2f} MiB, temp {record['temp_bytes'] / 2**20:.2f} MiB, "
-            f"bits {record['average_bits']}, {record['median_step_s']:.3f} s/step, "
-            f"{record['seconds']:.0f} s", flush=True)
+      print(
+        f"[{task}] {variant}: {record['best_by']} best {best:.4f}, saved "
+        f"{record['saved_bytes'] / 2**20:.2f} MiB, temp {record['temp_bytes'] / 2**20:.2f} MiB, "
+        f"bits {record['average_bits']}, {record['median_step_s']:.3f} s/step, "
+        f"{record['seconds']:.0f} s",
+        flush=True,
+      )
   return out
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(prog="python -m experiments.papers.gact_tasks",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.papers.gact_tasks", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-  p.add_argument("--variants", nargs="+", default=None,
-                 help="only these variants (of those each task has)")
-  p.add_argument("--steps", type=int, default=None,
-                 help="training steps (Cora: epochs) per variant")
+  p.add_argument(
+    "--variants", nargs="+", default=None, help="only these variants (of those each task has)"
+  )
+  p.add_argument(
+    "--steps", type=int, default=None, help="training steps (Cora: epochs) per variant"
+  )
   p.add_argument("--small", action="store_true", help="tiny models, a few steps (CI)")
   p.add_argument("--results", type=Path, default=RESULTS)
   p.add_argument("--seed", type=int, default=0)
@@ -253,8 +320,16 @@ def main(argv=None) -> dict:
   out = {}
   for task in a.tasks:
     variants = [v for v in VARIANTS[task] if a.variants is None or v in a.variants]
-    out[task] = run_task(task, sizes[task], variants=variants, steps=a.steps, results=a.results,
-                         meta=dict(meta, small=a.small), seed=a.seed, verbose=not a.quiet)
+    out[task] = run_task(
+      task,
+      sizes[task],
+      variants=variants,
+      steps=a.steps,
+      results=a.results,
+      meta=dict(meta, small=a.small),
+      seed=a.seed,
+      verbose=not a.quiet,
+    )
   return out
 
 

@@ -29,8 +29,9 @@ from experiments.lib import metadata, paths, preact, resumable
 __all__ = ["layer_inputs", "main"]
 
 
-def layer_inputs(batch: int = 128, widths=(16, 32, 64), blocks: int = 3,
-                 image=(32, 32, 3)) -> dict[str, int]:
+def layer_inputs(
+  batch: int = 128, widths=(16, 32, 64), blocks: int = 3, image=(32, 32, 3)
+) -> dict[str, int]:
   """name -> number of values of each layer's input (one stored copy per layer)."""
   params = preact.init(jax.random.key(0), widths=widths, blocks=blocks)
   x = jax.ShapeDtypeStruct((batch, *image), jnp.float32)
@@ -40,24 +41,36 @@ def layer_inputs(batch: int = 128, widths=(16, 32, 64), blocks: int = 3,
   values = {name: site.size for name, site in sites.items()}
   side = image[0] // 2 ** (len(widths) - 1)
   head = batch * side * side * widths[-1]
-  values.update({"stem.lhs": math.prod(x.shape), "head.bn.input": head,
-                 "head.pool.input": head, "head.dense.lhs": batch * widths[-1]})
+  values.update(
+    {
+      "stem.lhs": math.prod(x.shape),
+      "head.bn.input": head,
+      "head.pool.input": head,
+      "head.dense.lhs": batch * widths[-1],
+    }
+  )
   return values
 
 
 def main(argv=None) -> dict:
-  p = argparse.ArgumentParser(prog="python -m experiments.papers.memory_accounting",
-                              description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+    prog="python -m experiments.papers.memory_accounting", description=__doc__.split("\n")[0]
+  )
   p.add_argument("--batch", type=int, default=128)
   p.add_argument("--results", type=Path, default=paths.RESULTS)
   a = p.parse_args(argv)
   values = layer_inputs(a.batch)
-  result = dict(meta=metadata.run_metadata("experiments.papers.memory_accounting", argv),
-                batch=a.batch, model="pre-activation ResNet-20 (16/32/64, 3 blocks a stage)",
-                layer_inputs=values, float32_layer_input_bytes=4 * sum(values.values()))
+  result = dict(
+    meta=metadata.run_metadata("experiments.papers.memory_accounting", argv),
+    batch=a.batch,
+    model="pre-activation ResNet-20 (16/32/64, 3 blocks a stage)",
+    layer_inputs=values,
+    float32_layer_input_bytes=4 * sum(values.values()),
+  )
   resumable.write_json(a.results / "memory_accounting.json", result)
-  print(f"{len(values)} layer inputs, {result['float32_layer_input_bytes'] / 2**20:.1f} MiB "
-        "in float32")
+  print(
+    f"{len(values)} layer inputs, {result['float32_layer_input_bytes'] / 2**20:.1f} MiB in float32"
+  )
   return result
 
 

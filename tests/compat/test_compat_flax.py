@@ -55,8 +55,10 @@ def test_check_names_each_broken_access(monkeypatch):
   with pytest.raises(_compat.CompatError) as err:
     _compat.check(FLAX_PROBES)
   message = str(err.value)
-  assert ("jact._compat.flax.nnx.peek_stream_key (" in message
-          and "jact._compat.flax.linen.suppress_capture (" in message), message
+  assert (
+    "jact._compat.flax.nnx.peek_stream_key (" in message
+    and "jact._compat.flax.linen.suppress_capture (" in message
+  ), message
   assert "nnx_twin_of (" not in message and "lift_method_call (" not in message, message
   assert flax.__version__ in message
 
@@ -65,22 +67,29 @@ def test_check_names_each_broken_access(monkeypatch):
 
 # Private or internal Flax idioms, looked for in code (comments and docstrings removed).
 PATTERNS = {
-    "linen's private method dispatcher": r"\b_call_wrapped_method\b",
-    "linen's capture_intermediates stack": r"\bcapture_stack\b",
-    "nnx's private Pytree bookkeeping": r"_pytree__",
-    "object.__setattr__ past a class's own __setattr__": r"\bobject\.__setattr__\((?!\s*self\s*,)",
-    "flax.nnx.module.first_from (not exported)": r"\bfirst_from\b",
-    "flax.linen.transforms internals": r"\blinen\.transforms\b|\b(get|set)_module_scopes\b",
-    "flax.core.lift.pack": r"\blift\.pack\b",
-    "flax.nnx.rnglib (use nnx.Rngs / nnx.RngStream)": r"\brnglib\b",
-    "a linen Module's private _state": r"\._state\b",
-    "flax.core Scope.rewound": r"\.rewound\(",
-    "an RngStream's key derivation": r"\.(key|count)\[\.\.\.\]",
-    "construction without __init__": r"\.__new__\(",
+  "linen's private method dispatcher": r"\b_call_wrapped_method\b",
+  "linen's capture_intermediates stack": r"\bcapture_stack\b",
+  "nnx's private Pytree bookkeeping": r"_pytree__",
+  "object.__setattr__ past a class's own __setattr__": r"\bobject\.__setattr__\((?!\s*self\s*,)",
+  "flax.nnx.module.first_from (not exported)": r"\bfirst_from\b",
+  "flax.linen.transforms internals": r"\blinen\.transforms\b|\b(get|set)_module_scopes\b",
+  "flax.core.lift.pack": r"\blift\.pack\b",
+  "flax.nnx.rnglib (use nnx.Rngs / nnx.RngStream)": r"\brnglib\b",
+  "a linen Module's private _state": r"\._state\b",
+  "flax.core Scope.rewound": r"\.rewound\(",
+  "an RngStream's key derivation": r"\.(key|count)\[\.\.\.\]",
+  "construction without __init__": r"\.__new__\(",
 }
 # flax (sub)packages jact may name; any other flax module is internal.
-PUBLIC_MODULES = {"flax", "flax.linen", "flax.nnx", "flax.struct", "flax.serialization",
-                  "flax.traverse_util", "flax.training"}
+PUBLIC_MODULES = {
+  "flax",
+  "flax.linen",
+  "flax.nnx",
+  "flax.struct",
+  "flax.serialization",
+  "flax.traverse_util",
+  "flax.training",
+}
 PUBLIC_ATTRIBUTE_MODULES = {"initializers"}  # nn.initializers, nnx.initializers
 
 
@@ -93,9 +102,13 @@ def _code_lines(source: str) -> list[str]:
       lines[row - 1] = lines[row - 1][:col]
   for node in ast.walk(ast.parse(source)):
     body = getattr(node, "body", None)
-    if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)):
+    if (
+      isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+      and body
+      and isinstance(body[0], ast.Expr)
+      and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)
+    ):
       for row in range(body[0].lineno, body[0].end_lineno + 1):
         lines[row - 1] = ""
   return lines
@@ -118,8 +131,7 @@ def _ast_findings(tree: ast.AST) -> list[tuple[int, str]]:
         if a.name == "flax" or a.name.startswith("flax."):
           if a.name not in PUBLIC_MODULES:
             found.append((node.lineno, f"import of internal module {a.name}"))
-          aliases[a.asname or a.name.split(".")[0]] = _flax_module(
-              a.name if a.asname else "flax")
+          aliases[a.asname or a.name.split(".")[0]] = _flax_module(a.name if a.asname else "flax")
     elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "flax":
       if node.module not in PUBLIC_MODULES:
         found.append((node.lineno, f"import from internal module {node.module}"))
@@ -134,8 +146,9 @@ def _ast_findings(tree: ast.AST) -> list[tuple[int, str]]:
           found.append((node.lineno, f"import of internal module {full}"))
         aliases[a.asname or a.name] = value
   for node in ast.walk(tree):
-    if not isinstance(node, ast.Attribute) or isinstance(getattr(node, "_parent", None),
-                                                          ast.Attribute):
+    if not isinstance(node, ast.Attribute) or isinstance(
+      getattr(node, "_parent", None), ast.Attribute
+    ):
       continue
     chain, root = [], node
     while isinstance(root, ast.Attribute):
@@ -150,18 +163,24 @@ def _ast_findings(tree: ast.AST) -> list[tuple[int, str]]:
         found.append((node.lineno, f"private attribute {path}"))
         break
       obj = getattr(obj, attr, None)
-      if (inspect.ismodule(obj) and obj.__name__ not in PUBLIC_MODULES
-          and attr not in PUBLIC_ATTRIBUTE_MODULES):
+      if (
+        inspect.ismodule(obj)
+        and obj.__name__ not in PUBLIC_MODULES
+        and attr not in PUBLIC_ATTRIBUTE_MODULES
+      ):
         found.append((node.lineno, f"internal module {path}"))
         break
   return found
 
 
 def _scan(source: str, name: str) -> list[str]:
-  """"name:line: what" for every private or internal Flax access in `source`."""
-  hits = [f"{name}:{row}: {what}: {line.strip()}"
-          for row, line in enumerate(_code_lines(source), 1)
-          for what, pattern in PATTERNS.items() if re.search(pattern, line)]
+  """ "name:line: what" for every private or internal Flax access in `source`."""
+  hits = [
+    f"{name}:{row}: {what}: {line.strip()}"
+    for row, line in enumerate(_code_lines(source), 1)
+    for what, pattern in PATTERNS.items()
+    if re.search(pattern, line)
+  ]
   tree = ast.parse(source)
   for parent in ast.walk(tree):
     for child in ast.iter_child_nodes(parent):
@@ -206,17 +225,23 @@ def test_no_private_flax_access_outside_compat():
   for path in sorted((ROOT / "jact").rglob("*.py")):
     if COMPAT not in path.parents:
       hits += _scan(path.read_text(), str(path.relative_to(ROOT)))
-  assert not hits, ("private/internal Flax access outside jact/_compat/flax/; wrap it "
-                    "there (a named function with its public replacement):\n" + "\n".join(hits))
+  assert not hits, (
+    "private/internal Flax access outside jact/_compat/flax/; wrap it "
+    "there (a named function with its public replacement):\n" + "\n".join(hits)
+  )
 
 
 # ----------------------------------------------------------------------------- attention keywords
 
 FLAX_ATTENTION = {"linen": nn.dot_product_attention, "nnx": nnx.dot_product_attention}
-KEYWORDS = sorted({name for fn in FLAX_ATTENTION.values()
-                   for name in list(inspect.signature(fn).parameters)[3:]})
-DEFAULTS = [(name, p.default) for fn in FLAX_ATTENTION.values()
-            for name, p in list(inspect.signature(fn).parameters.items())[3:]]
+KEYWORDS = sorted(
+  {name for fn in FLAX_ATTENTION.values() for name in list(inspect.signature(fn).parameters)[3:]}
+)
+DEFAULTS = [
+  (name, p.default)
+  for fn in FLAX_ATTENTION.values()
+  for name, p in list(inspect.signature(fn).parameters.items())[3:]
+]
 ROUNDING = dict(bits=4, compressor=None)
 
 
@@ -227,9 +252,10 @@ def _qkv():
 
 def _twins():
   return {
-      "jact.nn.MultiHeadDotProductAttention": jnn.MultiHeadDotProductAttention(num_heads=2),
-      "jact.nnx.MultiHeadAttention": jnnx.MultiHeadAttention(
-          2, 16, decode=False, rngs=nnx.Rngs(params=0, jact=1)),
+    "jact.nn.MultiHeadDotProductAttention": jnn.MultiHeadDotProductAttention(num_heads=2),
+    "jact.nnx.MultiHeadAttention": jnnx.MultiHeadAttention(
+      2, 16, decode=False, rngs=nnx.Rngs(params=0, jact=1)
+    ),
   }
 
 
@@ -279,9 +305,11 @@ def test_linen_attention_twin_rejects_custom_weights_einsums_by_name():
   # linen passes qk_attn_weights_einsum to an attention_fn that declares it;
   # before, the twin did not, so a custom einsum was silently dropped
   x = jnp.ones((1, 3, 8))
-  layer = jnn.MultiHeadDotProductAttention(num_heads=2,
-                                           qk_attn_weights_einsum_cls=lambda: jnp.einsum,
-                                           attn_weights_value_einsum_cls=lambda: jnp.einsum)
+  layer = jnn.MultiHeadDotProductAttention(
+    num_heads=2,
+    qk_attn_weights_einsum_cls=lambda: jnp.einsum,
+    attn_weights_value_einsum_cls=lambda: jnp.einsum,
+  )
   variables = layer.init(jax.random.key(0), x)  # init without 'jact': Flax's own attention
   with pytest.raises(ValueError, match="qk_attn_weights_einsum"):
     layer.apply(variables, x, rngs={"jact": jax.random.key(1)})

@@ -39,8 +39,10 @@ def _compress(c, x):
 
 
 _decompress = jax.jit(lambda stored: stored.decompress())
-_roundtrip = jax.jit(lambda a, beta, gamma, bits: blpa_dequantize(blpa_quantize(a, beta, gamma, bits)),
-                     static_argnames="bits")
+_roundtrip = jax.jit(
+  lambda a, beta, gamma, bits: blpa_dequantize(blpa_quantize(a, beta, gamma, bits)),
+  static_argnames="bits",
+)
 
 
 def rel(a, b):
@@ -67,7 +69,11 @@ def test_compressor_stored_bytes(bits):
   assert stored.nbytes == c.stored_bytes(SHAPE, X.dtype) == n * bits // 8 + 8 * C
   assert stored.nbytes == X.nbytes * bits // 32 + 8 * C  # K/32 of float32 + step & start
   odd = jnp.ones((3, 5, 7))  # 3 rows of 35 values: each row's codes padded to whole bytes
-  assert _compress(c, odd).nbytes == c.stored_bytes(odd.shape, odd.dtype) == 3 * -(-35 * bits // 8) + 8 * 7
+  assert (
+    _compress(c, odd).nbytes
+    == c.stored_bytes(odd.shape, odd.dtype)
+    == 3 * -(-35 * bits // 8) + 8 * 7
+  )
   rec = _decompress(stored)
   assert rec.shape == SHAPE and rec.dtype == X.dtype
   assert not c.unbiased and not c.needs_key and c.bits == bits and c.average_bits == bits
@@ -99,7 +105,7 @@ def test_sign_exact_sweep(bits):
   # beta from -12 gamma to 12 gamma in fine steps: every window case (straddling 0,
   # all positive, all negative, and the boundaries between them); values on a fine
   # grid over [-20, 20] gamma that includes exact bin boundaries k * h and 0.
-  levels = 2 ** bits
+  levels = 2**bits
   beta = jnp.linspace(-12.0, 12.0, 193)
   h = 6.0 / levels
   a = jnp.concatenate([jnp.linspace(-20.0, 20.0, 801), h * jnp.arange(-40.0, 41.0)])
@@ -116,11 +122,11 @@ def test_unclipped_error_bound(bits):
   a2 = GAMMA * z + BETA
   a2_t = roundtrip(a2, BETA, GAMMA, bits)
   g = jnp.abs(GAMMA)
-  step = 6 * g / 2 ** bits
+  step = 6 * g / 2**bits
   inside = jnp.abs(a2 - BETA) < 3 * g - step
   err = jnp.abs(a2_t - a2)
   assert int(inside.sum()) > 0.9 * inside.size  # incl. channels 0/1: beta = +-10 gamma
-  bound = 3 * g / 2 ** bits * (1 + 1e-5) + 1e-6 * (1 + jnp.abs(a2))  # + float32 rounding
+  bound = 3 * g / 2**bits * (1 + 1e-5) + 1e-6 * (1 + jnp.abs(a2))  # + float32 rounding
   assert bool(jnp.all(jnp.where(inside, err <= bound, True)))
 
 
@@ -134,8 +140,9 @@ def loss_blpa(x, scale, bias, kernel, bits=4):
 def loss_exact(x, scale, bias, kernel):
   """BN -> relu -> conv written out with plain jnp, differentiated by jax."""
   a1, a2, _ = exact_a2(x, scale, bias)
-  y = jax.lax.conv_general_dilated(jax.nn.relu(a2), kernel, (1, 1), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = jax.lax.conv_general_dilated(
+    jax.nn.relu(a2), kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return jnp.sum(y * G)
 
 
@@ -153,7 +160,8 @@ def test_block_residual_bytes(bits):
   assert groups["blpa.a2"].bytes == X.size * bits // 8 and groups["blpa.inv"].bytes == 4 * C
   cb = jnp.ones(O)
   r2 = jact.residual_report(
-      lambda x, s, b, k, cb: blpa_block(x, s, b, k, cb, bits=bits, name="b")[0].sum(), *ARGS, cb)
+    lambda x, s, b, k, cb: blpa_block(x, s, b, k, cb, bits=bits, name="b")[0].sum(), *ARGS, cb
+  )
   assert r2.total_bytes == X.size * bits // 8 + 4 * C
 
 
@@ -215,8 +223,11 @@ def test_block_dense_and_conv_bias():
   r = lambda *a: jnp.sum(blpa_block_reference(*a) ** 2)
   got = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(x, GAMMA, BETA, w, cb)
   ref = jax.jit(jax.grad(r, argnums=(0, 1, 2, 3, 4)))(x, GAMMA, BETA, w, cb)
-  np.testing.assert_allclose(jax.jit(blpa_block)(x, GAMMA, BETA, w, cb)[0],
-                             jax.jit(blpa_block_reference)(x, GAMMA, BETA, w, cb), atol=1e-5)
+  np.testing.assert_allclose(
+    jax.jit(blpa_block)(x, GAMMA, BETA, w, cb)[0],
+    jax.jit(blpa_block_reference)(x, GAMMA, BETA, w, cb),
+    atol=1e-5,
+  )
   for a, e in zip(got, ref):
     assert rel(a, e) < 0.02
   np.testing.assert_allclose(got[4], ref[4], rtol=1e-5)  # conv bias: exact
@@ -227,12 +238,14 @@ def test_block_dense_and_conv_bias():
 
 class _PlainLinen(nn.Module):
   """Flax's own BatchNorm -> relu -> Conv with the block's variable names."""
+
   use_running_average: bool
 
   @nn.compact
   def __call__(self, x):
-    x = nn.BatchNorm(use_running_average=self.use_running_average, use_fast_variance=False,
-                     name="norm")(x)
+    x = nn.BatchNorm(
+      use_running_average=self.use_running_average, use_fast_variance=False, name="norm"
+    )(x)
     return nn.Conv(O, (3, 3), use_bias=False, name="conv")(nn.relu(x))
 
 
@@ -241,30 +254,47 @@ def test_linen_block():
   block = LinenBLPABlock(O, (3, 3), bits=4)
   v = jax.jit(lambda x: block.init(jax.random.key(0), x, use_running_average=False))(XS)
   assert jax.tree.map(jnp.shape, v) == {
-      "params": {"norm": {"scale": (C,), "bias": (C,)}, "conv": {"kernel": (3, 3, C, O)}},
-      "batch_stats": {"norm": {"mean": (C,), "var": (C,)}}}
-  v = {"params": {"norm": {"scale": GAMMA, "bias": BETA}, "conv": {"kernel": KERNEL}},
-       "batch_stats": v["batch_stats"]}
+    "params": {"norm": {"scale": (C,), "bias": (C,)}, "conv": {"kernel": (3, 3, C, O)}},
+    "batch_stats": {"norm": {"mean": (C,), "var": (C,)}},
+  }
+  v = {
+    "params": {"norm": {"scale": GAMMA, "bias": BETA}, "conv": {"kernel": KERNEL}},
+    "batch_stats": v["batch_stats"],
+  }
   g = G[:2, :4, :4]
 
   @jax.jit
   def train(v):
     (y, upd), grads = jax.value_and_grad(
-        lambda p: (lambda o: (jnp.sum(o[0] * g), o))(block.apply(
-            {"params": p, "batch_stats": v["batch_stats"]}, XS, use_running_average=False,
-            mutable=["batch_stats"])), has_aux=True)(v["params"])
+      lambda p: (lambda o: (jnp.sum(o[0] * g), o))(
+        block.apply(
+          {"params": p, "batch_stats": v["batch_stats"]},
+          XS,
+          use_running_average=False,
+          mutable=["batch_stats"],
+        )
+      ),
+      has_aux=True,
+    )(v["params"])
     (ref_y, ref_upd), ref_grads = jax.value_and_grad(
-        lambda p: (lambda o: (jnp.sum(o[0] * g), o))(_PlainLinen(False).apply(
-            {"params": p, "batch_stats": v["batch_stats"]}, XS, mutable=["batch_stats"])),
-        has_aux=True)(v["params"])
+      lambda p: (lambda o: (jnp.sum(o[0] * g), o))(
+        _PlainLinen(False).apply(
+          {"params": p, "batch_stats": v["batch_stats"]}, XS, mutable=["batch_stats"]
+        )
+      ),
+      has_aux=True,
+    )(v["params"])
     return upd, grads, ref_upd, ref_grads
 
   (y, upd), grads, (y_plain, upd_plain), ref = train(v)
   np.testing.assert_allclose(y, y_plain, atol=1e-5, rtol=1e-5)  # train forward: exact
-  np.testing.assert_allclose(upd["batch_stats"]["norm"]["mean"], 0.01 * XS.mean((0, 1, 2)), atol=1e-6)
+  np.testing.assert_allclose(
+    upd["batch_stats"]["norm"]["mean"], 0.01 * XS.mean((0, 1, 2)), atol=1e-6
+  )
   for k in ("mean", "var"):
-    np.testing.assert_allclose(upd["batch_stats"]["norm"][k], upd_plain["batch_stats"]["norm"][k],
-                               atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(
+      upd["batch_stats"]["norm"][k], upd_plain["batch_stats"]["norm"][k], atol=1e-6, rtol=1e-5
+    )
   assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(grads))
   assert rel(grads["conv"]["kernel"], ref["conv"]["kernel"]) < 0.1
   np.testing.assert_allclose(grads["norm"]["bias"], ref["norm"]["bias"], rtol=1e-4, atol=1e-4)

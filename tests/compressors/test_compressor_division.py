@@ -54,14 +54,14 @@ def randn(shape, seed=0, dtype=jnp.float32):
 
 
 SHAPES = [
-    (2, 20, 8),          # 1-D, 20 not divisible by 8
-    (2, 5, 16),          # 1-D map shorter than B
-    (2, 12, 6, 16),      # 2-D: H partial, W shorter than B
-    (2, 16, 16, 32),     # 2-D divisible
-    (1, 9, 4, 10, 8),    # 3-D mixed
-    (4, 3, 3, 8),        # sample shorter than a group (a group of its own)
-    (4, 1, 1, 4),        # samples of 4 values: one row
-    (3, 40),             # rank 2: no LFC
+  (2, 20, 8),  # 1-D, 20 not divisible by 8
+  (2, 5, 16),  # 1-D map shorter than B
+  (2, 12, 6, 16),  # 2-D: H partial, W shorter than B
+  (2, 16, 16, 32),  # 2-D divisible
+  (1, 9, 4, 10, 8),  # 3-D mixed
+  (4, 3, 3, 8),  # sample shorter than a group (a group of its own)
+  (4, 1, 1, 4),  # samples of 4 values: one row
+  (3, 40),  # rank 2: no LFC
 ]
 
 
@@ -88,8 +88,9 @@ def test_compression_ratio_matches_paper(block, bits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lfc_dtype,offset", [(jnp.bfloat16, False), (jnp.float32, False),
-                                               (jnp.bfloat16, True)])
+@pytest.mark.parametrize(
+  "lfc_dtype,offset", [(jnp.bfloat16, False), (jnp.float32, False), (jnp.bfloat16, True)]
+)
 def test_unbiased_and_lfc_deterministic(lfc_dtype, offset):
   c, k = Division(block=4, bits=2, lfc_dtype=lfc_dtype), DRAWS  # a 1% bias shows (stats.py)
   x = randn((2, 10, 12, 8), seed=1)
@@ -113,8 +114,12 @@ def test_unbiased_and_lfc_deterministic(lfc_dtype, offset):
   for a in (lfc, hfc.minimum, hfc.scale):
     a = np.asarray(a, np.float32)
     np.testing.assert_array_equal(a, np.broadcast_to(a[0], a.shape))
-  np.testing.assert_allclose(np.asarray(lfc[0], np.float64), ref_pool(x, 4),
-                             rtol=1e-2 if lfc_dtype == jnp.bfloat16 else 1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(lfc[0], np.float64),
+    ref_pool(x, 4),
+    rtol=1e-2 if lfc_dtype == jnp.bfloat16 else 1e-6,
+    atol=1e-6,
+  )
 
   # Unbiased (tests/stats.py tolerances: pooled |z| < 4, mean z^2 < 1.6). As in
   # test_quantize, HFC values whose rounding probability is below 10/K could show no spread
@@ -159,11 +164,14 @@ def test_blockwise_constant_is_exact(lfc_dtype):
   np.testing.assert_array_equal(out, x)
 
 
-@pytest.mark.parametrize("shape,lfc_shape", [
-    ((2, 13, 3), (2, 4, 3)),                 # 1-D: partial last block (13 = 3*4 + 1)
-    ((2, 5, 9, 3, 2), (2, 2, 3, 1, 2)),      # 3-D: partial, partial, shorter than B
-    ((3, 6, 7, 5), (3, 2, 2, 5)),            # 2-D: both partial
-])
+@pytest.mark.parametrize(
+  "shape,lfc_shape",
+  [
+    ((2, 13, 3), (2, 4, 3)),  # 1-D: partial last block (13 = 3*4 + 1)
+    ((2, 5, 9, 3, 2), (2, 2, 3, 1, 2)),  # 3-D: partial, partial, shorter than B
+    ((3, 6, 7, 5), (3, 2, 2, 5)),  # 2-D: both partial
+  ],
+)
 @pytest.mark.slow
 def test_layouts_and_partial_blocks(shape, lfc_shape):
   c = Division(block=4, lfc_dtype=jnp.float32)
@@ -185,7 +193,9 @@ def test_rank2_is_plain_per_group():
   stored, out = roundtrip(c, x, jnp.uint32(7))
   assert set(stored.arrays) == {"hfc"} and out.shape == x.shape
   ref = PerGroup(4, 256, True)
-  np.testing.assert_array_equal(out, jax.jit(lambda x: ref.decompress(ref.compress(x, jnp.uint32(7))))(x))
+  np.testing.assert_array_equal(
+    out, jax.jit(lambda x: ref.decompress(ref.compress(x, jnp.uint32(7))))(x)
+  )
   assert c.stored_bytes(x.shape, x.dtype) == ref.stored_bytes(x.shape, x.dtype) == stored.nbytes
 
 
@@ -219,7 +229,8 @@ def test_conv_grad_and_residual_report():
   gx, gk = np.asarray(gx), np.asarray(gk)
   assert np.isfinite(gx).all() and np.isfinite(gk).all()
   conv = lambda x, k: jax.lax.conv_general_dilated(
-      x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   # The kernel is kept exact, so the input gradient is the exact one; the
   # kernel gradient is the exact formula at the reconstruction x_hat (same
   # seed as the op), with the exact output's cotangent 2 y.
@@ -235,7 +246,9 @@ def test_conv_grad_and_residual_report():
   assert report.by_name()["c.lhs"].bytes == c.stored_bytes(x.shape, x.dtype)
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(block=0), "block must be a positive int"),
     (dict(block=2.5), "block must be a positive int"),
     (dict(block=True), "block must be a positive int"),
@@ -243,7 +256,8 @@ def test_conv_grad_and_residual_report():
     (dict(group_size=100), "multiple of 8"),
     (dict(lfc_dtype=jnp.int8), "lfc_dtype must be float32, bfloat16 or float16"),
     (dict(lfc_dtype="nonsense"), "lfc_dtype must be"),
-])
+  ],
+)
 def test_bad_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     Division(**kwargs)

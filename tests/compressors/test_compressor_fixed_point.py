@@ -65,7 +65,9 @@ def test_zvc_lossless_bytes_are_mask_plus_nonzeros(dtype):
   n = x.size
   k = math.ceil(0.5 * n)
   itemsize = jnp.dtype(dtype).itemsize
-  assert stored.nbytes == c.stored_bytes(x.shape, dtype) == math.ceil(n / 8) + k * itemsize + 4 * 16 + 4
+  assert (
+    stored.nbytes == c.stored_bytes(x.shape, dtype) == math.ceil(n / 8) + k * itemsize + 4 * 16 + 4
+  )
   assert int(nonzeros(stored)) == int(jnp.sum(x != 0)) <= k
   x_hat = jax.jit(c.decompress)(stored)
   assert x_hat.dtype == x.dtype and bool(jnp.array_equal(x_hat, x))
@@ -81,7 +83,9 @@ def test_zvc_over_fixpoint_equals_fixpoint_and_stores_fewer_bytes():
   assert stored.nbytes == c.stored_bytes(x.shape) == math.ceil(x.size / 8) + k + 4 * 16 + 4
   assert stored.nbytes < inner.stored_bytes(x.shape)
   np.testing.assert_array_equal(c.decompress(stored), inner.decompress(inner.compress(x)))
-  assert c.with_bits(4) == ZeroValue(Fixpoint(4), 0.5) and ZeroValue().with_bits(2).inner == Fixpoint(2)
+  assert c.with_bits(4) == ZeroValue(Fixpoint(4), 0.5) and ZeroValue().with_bits(
+    2
+  ).inner == Fixpoint(2)
 
 
 @pytest.mark.slow

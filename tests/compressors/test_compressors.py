@@ -14,8 +14,16 @@ from jact import compressors as C
 from experiments.lib import data, preact
 
 ALL = [
-    C.PerGroup(2), C.PerGroup(4, stochastic=False), C.Division(), C.Division(block=4, bits=4),
-    C.BLPA(4), C.BLPA(8), C.Fixpoint(8), C.Fixpoint(2), C.ZeroValue(), C.ZeroValue(C.Fixpoint(4)),
+  C.PerGroup(2),
+  C.PerGroup(4, stochastic=False),
+  C.Division(),
+  C.Division(block=4, bits=4),
+  C.BLPA(4),
+  C.BLPA(8),
+  C.Fixpoint(8),
+  C.Fixpoint(2),
+  C.ZeroValue(),
+  C.ZeroValue(C.Fixpoint(4)),
 ]
 
 
@@ -53,7 +61,9 @@ def test_interface_bytes_json_and_dense_op(c):
 
 
 def _conv(x, k):
-  return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.conv_general_dilated(
+    x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def _reconstruction(c, x, seed):
@@ -70,8 +80,9 @@ def _vjp_at_reconstruction(f, args, names, c, seed, prefix):
   for i, leaf in enumerate(leaves):
     name = f"{prefix}.{i}"
     if name in names:
-      leaves[i] = _reconstruction(c, leaf, jact._engine.rounding.site_seed(seed, i, name)
-                                  if c.needs_key else None)
+      leaves[i] = _reconstruction(
+        c, leaf, jact._engine.rounding.site_seed(seed, i, name) if c.needs_key else None
+      )
   return _compat.rebuild_vjp(layout, leaves)(jnp.float32(1))
 
 
@@ -129,8 +140,9 @@ def test_compressed_function_and_flax_layer_take_a_compressor(c):
   x_hat = _reconstruction(c, x, site if c.needs_key else None)
   _, vjp = jax.vjp(lambda w: _conv(x_hat, w), variables["params"]["Conv_0"]["kernel"])
   (want,) = vjp(jnp.ones((4, 8, 8, 8), jnp.float32))
-  np.testing.assert_allclose(grads["kernel"], want, rtol=1e-5,
-                             atol=1e-5 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(
+    grads["kernel"], want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max())
+  )
 
 
 def test_plan_entries_change_width_or_method_and_round_trip():
@@ -149,8 +161,9 @@ def test_plan_entries_change_width_or_method_and_round_trip():
   assert stored(jact.BitPlan({"c.lhs": 4})) == C.Division(bits=4).stored_bytes(x.shape)
   assert stored(jact.BitPlan({"c.lhs": C.Fixpoint(8)})) == C.Fixpoint(8).stored_bytes(x.shape)
   assert stored(jact.BitPlan({"c.lhs": None})) == x.nbytes
-  plan = jact.BitPlan({"c.lhs": C.ZeroValue(C.Fixpoint(4), capacity=0.6), "d": 2},
-                      default=C.Division(block=4))
+  plan = jact.BitPlan(
+    {"c.lhs": C.ZeroValue(C.Fixpoint(4), capacity=0.6), "d": 2}, default=C.Division(block=4)
+  )
   assert jact.BitPlan.from_json(plan.to_json()) == plan
   assert "zero_value" in plan.replace(sizes={"c.lhs": x.size}).summary()
 
@@ -161,8 +174,11 @@ def test_plan_entries_change_width_or_method_and_round_trip():
     return jax.grad(loss)(w, plan)
 
   jitted = jax.jit(step, static_argnames="plan")
-  for p in [jact.BitPlan({"c.lhs": C.Fixpoint(4)}), jact.BitPlan({"c.lhs": C.Fixpoint(4)}),
-            jact.BitPlan({"c.lhs": C.Fixpoint(8)})]:
+  for p in [
+    jact.BitPlan({"c.lhs": C.Fixpoint(4)}),
+    jact.BitPlan({"c.lhs": C.Fixpoint(4)}),
+    jact.BitPlan({"c.lhs": C.Fixpoint(8)}),
+  ]:
     jitted(w, p)
   assert len(traces) == 2
 
@@ -201,8 +217,9 @@ def cifar_net():
   x = x - x.mean(axis=(0, 1, 2))
   params = preact.init(jax.random.key(0), widths=(8, 16), blocks=1)
   batch = (jnp.asarray(x[:16]), jnp.asarray(y[:16]))
-  exact = jax.jit(jax.grad(preact.loss), static_argnames="form",
-                  compiler_options=FAST_COMPILE)(params, batch, form="plain")
+  exact = jax.jit(jax.grad(preact.loss), static_argnames="form", compiler_options=FAST_COMPILE)(
+    params, batch, form="plain"
+  )
   return params, batch, exact
 
 
@@ -217,12 +234,19 @@ def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
   HFC) hurts the gradient more than dropping the HFC (keeping a B=4 LFC); the
   full method is better than either."""
   params, batch, exact = cifar_net
-  grad = jax.jit(jax.grad(preact.loss, argnums=0), static_argnames=("form", "compressor"),
-                 compiler_options=FAST_COMPILE)
+  grad = jax.jit(
+    jax.grad(preact.loss, argnums=0),
+    static_argnames=("form", "compressor"),
+    compiler_options=FAST_COMPILE,
+  )
 
   def err(c, keys=4):
-    return np.mean([_rel_err(grad(params, batch, jax.random.key(i), form="layers", compressor=c),
-                             exact) for i in range(keys if c.needs_key else 1)])
+    return np.mean(
+      [
+        _rel_err(grad(params, batch, jax.random.key(i), form="layers", compressor=c), exact)
+        for i in range(keys if c.needs_key else 1)
+      ]
+    )
 
   without_hfc = err(C.Division(block=4, keep="lfc"))
   without_lfc = err(C.Division(block=4, bits=2, keep="hfc"))
@@ -243,14 +267,17 @@ def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
   widths = {}
   for e2 in (0.05, 2.0):
     paper = jact.acgc.error_bounded(loss, error=e2, compressor=C.Fixpoint())
-    paper_plan = paper.plan(paper.update(paper.init(params, batch, jax.random.key(0)), params,
-                                         batch, jax.random.key(1)))
+    paper_plan = paper.plan(
+      paper.update(paper.init(params, batch, jax.random.key(0)), params, batch, jax.random.key(1))
+    )
     bounds = jact.acgc.error_bounded(loss, error=e2, compressor=C.Fixpoint(), scale_bound=True)
-    state = bounds.update(bounds.init(params, batch, jax.random.key(0)), params, batch,
-                          jax.random.key(1))
+    state = bounds.update(
+      bounds.init(params, batch, jax.random.key(0)), params, batch, jax.random.key(1)
+    )
     plan = bounds.plan(state)
-    assert plan and all(isinstance(c, C.Fixpoint) and c.bits in (2, 4, 8)
-                        for c in plan.values() if c is not None), plan
+    assert plan and all(
+      isinstance(c, C.Fixpoint) and c.bits in (2, 4, 8) for c in plan.values() if c is not None
+    ), plan
 
     def planned(p):
       with jact.use_plan(plan):
@@ -273,7 +300,9 @@ def test_numeric_estimator_probes_deterministic_sites_with_the_per_group_quantiz
   w = jnp.asarray(np.random.default_rng(6).normal(size=(256, 8)).astype(np.float32)) / 16
 
   def loss(w, x, key):
-    return jnp.sum(jnp.tanh(jact.ops.dense(x, w, key=key, compressor=C.Fixpoint(8), name="fc")) ** 2)
+    return jnp.sum(
+      jnp.tanh(jact.ops.dense(x, w, key=key, compressor=C.Fixpoint(8), name="fc")) ** 2
+    )
 
   est = jact.sensitivity.numeric(loss)
   state = est.update(est.init(w, x, jax.random.key(0)), w, x, jax.random.key(1))

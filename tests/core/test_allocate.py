@@ -10,8 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact._core.allocate import (UNCOMPRESSED, allocate_per_sample, greedy_allocate,
-                                optimal_allocate, total_bits, total_variance, variance_factor)
+from jact._core.allocate import (
+  UNCOMPRESSED,
+  allocate_per_sample,
+  greedy_allocate,
+  optimal_allocate,
+  total_bits,
+  total_variance,
+  variance_factor,
+)
 
 ALLOWED = ((1, 2, 4, 8), (1, 2, 4, 8, 32), (2, 4, 8), (1, 8), (1, 2), (4,))
 
@@ -59,8 +66,11 @@ def test_dp_equals_brute_force():
     c = rng.lognormal(0.0, 2.0, length) * (rng.random(length) > 0.2)
     d = rng.integers(1, 7, length)
     budget = int(rng.integers(min(allowed) * d.sum(), max(allowed) * d.sum() + 1))
-    best = min(total_variance(c, b) for b in itertools.product(allowed, repeat=length)
-               if total_bits(d, b) <= budget)
+    best = min(
+      total_variance(c, b)
+      for b in itertools.product(allowed, repeat=length)
+      if total_bits(d, b) <= budget
+    )
     got = optimal_allocate(c, d, budget, allowed)
     assert total_bits(d, got) <= budget and set(got) <= set(allowed)
     assert total_variance(c, got) == pytest.approx(best, rel=1e-12, abs=0.0)
@@ -150,9 +160,13 @@ def test_greedy_errors():
 # ----------------------------------------------------------------------------- per sample
 
 
-@pytest.mark.parametrize("n,avg_bits,allowed", [
-    (24, 2.5, (1, 2, 4, 8)), (20, 1.3, (1, 4, 8)),
-])
+@pytest.mark.parametrize(
+  "n,avg_bits,allowed",
+  [
+    (24, 2.5, (1, 2, 4, 8)),
+    (20, 1.3, (1, 4, 8)),
+  ],
+)
 @pytest.mark.slow
 def test_per_sample_equals_host_greedy(n, avg_bits, allowed):
   traces = []
@@ -163,12 +177,14 @@ def test_per_sample_equals_host_greedy(n, avg_bits, allowed):
     return allocate_per_sample(w, avg_bits, allowed)
 
   rng = np.random.default_rng(n)
-  w = np.concatenate([
-      rng.lognormal(0.0, 3.0, (20, n)),                         # spread over decades
-      rng.integers(0, 4, (10, n)).astype(float),                # many exact ties and zeros
-      np.where(rng.random((10, n)) < 0.25, 100.0, 1.0),         # ties decided in the fill
+  w = np.concatenate(
+    [
+      rng.lognormal(0.0, 3.0, (20, n)),  # spread over decades
+      rng.integers(0, 4, (10, n)).astype(float),  # many exact ties and zeros
+      np.where(rng.random((10, n)) < 0.25, 100.0, 1.0),  # ties decided in the fill
       rng.lognormal(0.0, 2.0, (10, n)) * (rng.random((10, n)) > 0.3),
-  ]).astype(np.float32)
+    ]
+  ).astype(np.float32)
   w[-1, :3] = np.nan, -1.0, np.inf  # NaN and negative count as 0, +inf as the largest float32
   budget = math.floor(avg_bits * n)
   for row in w:

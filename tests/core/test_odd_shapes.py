@@ -25,7 +25,9 @@ from jact.compressors import PerGroup
 from jact._core import rng
 
 DRAWS = 3000
-Z_MAX = 4.5  # two-sided; 4.5 sigma over the ~100 (shape, dtype, bits) cells here: false alarms ~1e-3
+Z_MAX = (
+  4.5  # two-sided; 4.5 sigma over the ~100 (shape, dtype, bits) cells here: false alarms ~1e-3
+)
 SHAPES = [(3, 13), (5, 7), (1, 3), (7, 1), (2, 9, 3), (13,), (3, 2, 3)]
 
 
@@ -36,8 +38,9 @@ OUTS = (None, jnp.float32)  # decoded in the input's dtype, and in float32
 @functools.cache
 def _errors(shape, dtype):
   """Per-draw total errors [len(WIDTHS), len(OUTS), DRAWS] (one compilation)."""
-  x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape)
-                  .astype(np.float32)).astype(dtype)
+  x = jnp.asarray(
+    np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+  ).astype(dtype)
 
   @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
   def draw(keys):
@@ -47,9 +50,14 @@ def _errors(shape, dtype):
       for bits in WIDTHS:
         c = PerGroup(bits)
         stored = c.compress(x, jnp.uint32(bits) ^ seed)
-        out.append([jnp.sum(c.decompress(stored, o).astype(jnp.float32) - x.astype(jnp.float32))
-                    for o in OUTS])
+        out.append(
+          [
+            jnp.sum(c.decompress(stored, o).astype(jnp.float32) - x.astype(jnp.float32))
+            for o in OUTS
+          ]
+        )
       return jnp.asarray(out)
+
     return jnp.moveaxis(jax.vmap(one)(keys), 0, -1)
 
   return np.asarray(draw(jax.random.split(jax.random.key(len(shape)), DRAWS)), np.float64)
@@ -61,9 +69,16 @@ def _z(total):
 
 # One cell runs in the quick suite; the others compile a quantizer per width and
 # dtype (seconds each on XLA:CPU) and are marked slow.
-CELLS = [pytest.param(shape, dtype, id=f"{shape}-{jnp.dtype(dtype).name}",
-                      marks=() if (shape, dtype) == ((3, 13), jnp.float32) else pytest.mark.slow)
-         for shape in SHAPES for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)]
+CELLS = [
+  pytest.param(
+    shape,
+    dtype,
+    id=f"{shape}-{jnp.dtype(dtype).name}",
+    marks=() if (shape, dtype) == ((3, 13), jnp.float32) else pytest.mark.slow,
+  )
+  for shape in SHAPES
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+]
 
 
 @pytest.mark.parametrize("shape, dtype", CELLS)
@@ -94,9 +109,14 @@ def test_converted_conv_bn_on_an_empty_batch_matches_plain(bits):
 
   def run(m, rngs):
     def loss(params):
-      y, updates = m.apply({"params": params, "batch_stats": variables["batch_stats"]}, x,
-                           mutable=["batch_stats"], rngs=rngs)
+      y, updates = m.apply(
+        {"params": params, "batch_stats": variables["batch_stats"]},
+        x,
+        mutable=["batch_stats"],
+        rngs=rngs,
+      )
       return jnp.sum(y), (y, updates)
+
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
 
   want = run(model, {})

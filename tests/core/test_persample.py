@@ -28,13 +28,16 @@ def _roundtrip(x, bits, seed=None, *, capacity, stochastic=True):
 def _reference(x, *, bits):
   """For every sample n: dequantize(quantize(x[n:n+1], bits=bits[n])) and its
   codes packed planar over the whole sample at bits[n] (deterministic)."""
+
   def one(xn, b):
     q = jact.quantize(xn[None], bits=b, stochastic=False)
     return jact.dequantize(q)[0], pack_bits(unpack_bits(q.data, b).reshape(-1), b)
 
   out = {b: jax.vmap(functools.partial(one, b=b))(x) for b in set(bits)}
-  return (jnp.stack([out[b][0][n] for n, b in enumerate(bits)]),
-          jnp.concatenate([out[b][1][n] for n, b in enumerate(bits)]))
+  return (
+    jnp.stack([out[b][0][n] for n, b in enumerate(bits)]),
+    jnp.concatenate([out[b][1][n] for n, b in enumerate(bits)]),
+  )
 
 
 def _normal(shape, seed=0, dtype=jnp.float32):
@@ -66,7 +69,9 @@ def test_matches_quantize_per_sample(shape, dtype):
   want, data = _reference(x, bits=BITS)
   assert p.data.shape == (cap,) and y.dtype == x.dtype and y.shape == x.shape
   np.testing.assert_array_equal(p.bits, BITS)
-  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))  # bit-exact
+  np.testing.assert_array_equal(
+    np.asarray(y, np.float32), np.asarray(want, np.float32)
+  )  # bit-exact
   # Segments lie back to back, exactly filling the buffer here; within one,
   # byte j holds values j, j+Q, ... of the whole (padded) sample.
   np.testing.assert_array_equal(p.data, data)
@@ -116,8 +121,9 @@ def test_fallback_to_one_bit():
     p, y = _roundtrip(x, jnp.array(bits, jnp.int32), capacity=cap, stochastic=False)
     np.testing.assert_array_equal(p.bits, 1)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y1, np.float32))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(y, np.float32)),
-                                  np.isfinite(np.asarray(x, np.float32)))  # non-finite kept
+    np.testing.assert_array_equal(
+      np.isfinite(np.asarray(y, np.float32)), np.isfinite(np.asarray(x, np.float32))
+    )  # non-finite kept
   # Invalid widths round down to 1, 2, 4 or 8 (here 17 bits: they fit).
   p, _ = _roundtrip(x, jnp.array([0, 3, 2, 9, -7, 5], jnp.int32), capacity=cap, stochastic=False)
   np.testing.assert_array_equal(p.bits, [1, 2, 2, 8, 1, 4])

@@ -46,9 +46,11 @@ def _convert_case():
   variables = _ConvBN().init(jax.random.key(1), x)
 
   def loss(params, x, key):
-    out, _ = model.apply({**variables, "params": params}, x, rngs={"jact": key},
-                         mutable=["batch_stats"])
+    out, _ = model.apply(
+      {**variables, "params": params}, x, rngs={"jact": key}, mutable=["batch_stats"]
+    )
     return out
+
   return loss, variables["params"], x
 
 
@@ -56,8 +58,11 @@ def _cases():
   w = jax.random.normal(jax.random.key(2), (32, 32)) / 6
   x = jax.random.normal(jax.random.key(3), (16, 32))
   loss, params, image = _convert_case()
-  return {"ops": (_ops_loss, w, x), "compressed": (_compressed_loss, w, x),
-          "convert": (loss, params, image)}
+  return {
+    "ops": (_ops_loss, w, x),
+    "compressed": (_compressed_loss, w, x),
+    "convert": (loss, params, image),
+  }
 
 
 @pytest.mark.parametrize("case", ["ops", "compressed", "convert"])
@@ -108,6 +113,7 @@ def test_ties_under_vmap_keep_per_example_gradients():
 @pytest.mark.parametrize("platform, expected", [("cpu", 112), ("cuda", 256), ("tpu", 256)])
 def test_group_size_is_the_programs_platforms(platform, expected):
   x = jax.random.normal(jax.random.key(9), (4, 784))
+
   def round_trip(x):  # traced under the platform (a fresh function: no cached trace), one compile
     stored = PerGroup(bits=4, group_size=256).compress(x, rng.seed_from_key(jax.random.key(10)))
     return stored, PerGroup(bits=4, group_size=256).decompress(stored)

@@ -62,14 +62,18 @@ def _planar_reference(codes, bits):
   q = codes.shape[-1] // k
   out = np.zeros(codes.shape[:-1] + (q,), np.uint16)
   for i in range(k):
-    out |= codes[..., i * q:(i + 1) * q].astype(np.uint16) << (bits * i)
+    out |= codes[..., i * q : (i + 1) * q].astype(np.uint16) << (bits * i)
   return out.astype(np.uint8)
 
 
 @pytest.mark.slow
 @HYP
-@given(bits=st.sampled_from(BITS), lead=st.lists(st.integers(1, 4), max_size=2),
-       n_bytes=st.integers(1, 40), seed=st.integers(0, 2**31))
+@given(
+  bits=st.sampled_from(BITS),
+  lead=st.lists(st.integers(1, 4), max_size=2),
+  n_bytes=st.integers(1, 40),
+  seed=st.integers(0, 2**31),
+)
 def test_pack_bits_roundtrip_and_layout(bits, lead, n_bytes, seed):
   k = 8 // bits
   shape = tuple(lead) + (n_bytes * k,)
@@ -82,8 +86,11 @@ def test_pack_bits_roundtrip_and_layout(bits, lead, n_bytes, seed):
 
 @pytest.mark.slow
 @HYP
-@given(bits=st.sampled_from(BITS), shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
-       seed=st.integers(0, 2**31))
+@given(
+  bits=st.sampled_from(BITS),
+  shape=st.lists(st.integers(0, 9), min_size=0, max_size=3),
+  seed=st.integers(0, 2**31),
+)
 def test_pack_codes_roundtrip(bits, shape, seed):
   shape = tuple(shape)
   rng = np.random.default_rng(seed)
@@ -115,8 +122,13 @@ def test_pack_bits_rejects_ragged_axis():
 
 @pytest.mark.slow
 @settings(HYP, max_examples=8)  # each example compiles a new shape
-@given(bits=st.sampled_from(BITS), n=st.integers(1, 3), d=st.integers(1, 1200),
-       group_size=st.sampled_from([64, 256]), seed=st.integers(0, 2**31))
+@given(
+  bits=st.sampled_from(BITS),
+  n=st.integers(1, 3),
+  d=st.integers(1, 1200),
+  group_size=st.sampled_from([64, 256]),
+  seed=st.integers(0, 2**31),
+)
 def test_round_to_nearest_error_within_half_step(bits, n, d, group_size, seed):
   x = _normal((n, d), seed) * 3 + 1
   p, xh = _roundtrip(x, bits=bits, group_size=group_size, stochastic=False)
@@ -143,7 +155,9 @@ def test_round_to_nearest_error_within_half_step(bits, n, d, group_size, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits, stochastic", [(1, True), (2, True), (4, True), (8, True), (2, False)])
+@pytest.mark.parametrize(
+  "bits, stochastic", [(1, True), (2, True), (4, True), (8, True), (2, False)]
+)
 def test_constant_groups_are_exact(bits, stochastic):
   # Every group of 256 holds one bf16-representable value; a zero sample too.
   consts = np.asarray(jnp.asarray(_normal((3, 4), 1) * 10, jnp.bfloat16), np.float32)
@@ -185,12 +199,22 @@ def test_round_to_equals_the_dtype_conversion(dtype):
   precision) rounds as the conversion does: every finite value of the dtype, its float32
   neighbours, the midpoints between consecutive values (ties to even) and subnormals."""
   from jact._core.quantize import round_to
+
   v = np.asarray(jnp.asarray(np.arange(2**16, dtype=np.uint16).view(dtype)).astype(jnp.float32))
   v = np.sort(v[np.isfinite(v)])
   mid = ((v[:-1].astype(np.float64) + v[1:]) / 2).astype(np.float32)
   r = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
-  w = np.concatenate([v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(-np.inf)),
-                      mid, r, r * 1e-5, r * 1e-7])
+  w = np.concatenate(
+    [
+      v,
+      np.nextafter(v, np.float32(np.inf)),
+      np.nextafter(v, np.float32(-np.inf)),
+      mid,
+      r,
+      r * 1e-5,
+      r * 1e-7,
+    ]
+  )
   big = float(jnp.finfo(dtype).max)
   w = np.clip(w, -big, big)
   expected = np.asarray(jnp.asarray(w).astype(dtype).astype(jnp.float32))
@@ -205,6 +229,7 @@ def test_stochastic_codes_round_once_per_operation():
   differ: the test asserts that many of them do."""
   from jact._core import rng
   from jact.kernels._quantize.reference import quantize_reference
+
   n, groups, g, bits = 8, 16, 256, 8
   seed = jnp.uint32(77)
   quantize8 = jax.jit(lambda x: quantize_reference(x, seed, bits=bits, group_size=g))
@@ -243,8 +268,11 @@ def _draws(dtype):
     out = {}
     for bits in BITS:
       p = quantize(x, key, bits=bits)
-      out[bits] = (dequantize(p, jnp.float32), p.minimum.astype(jnp.float32),
-                   p.scale.astype(jnp.float32))
+      out[bits] = (
+        dequantize(p, jnp.float32),
+        p.minimum.astype(jnp.float32),
+        p.scale.astype(jnp.float32),
+      )
     return out
 
   out = _jit(jax.vmap(one_key))(keys)
@@ -313,26 +341,31 @@ def test_noise_depends_on_key_only_when_stochastic():
 # ----------------------------------------------------------------------------- dtypes, padding, sizes
 
 
-@pytest.mark.parametrize("d, group_size, expected", [
-    (10, 256, 16),          # shorter than a group: one group, rounded up to 8
+@pytest.mark.parametrize(
+  "d, group_size, expected",
+  [
+    (10, 256, 16),  # shorter than a group: one group, rounded up to 8
     (256, 256, 256),
-    (300, 256, 256),        # no multiple of 8 divides 300: padded to 512
-    (784, 256, 112),        # 784 = 7 * 112
-    (1001, 256, 256),       # odd: padded to 1024
-    (2000, 256, 200),       # 2000 = 10 * 200
+    (300, 256, 256),  # no multiple of 8 divides 300: padded to 512
+    (784, 256, 112),  # 784 = 7 * 112
+    (1001, 256, 256),  # odd: padded to 1024
+    (2000, 256, 200),  # 2000 = 10 * 200
     (65536, 256, 256),
-    (262016, 256, 184),     # 262016 = 2^7 * 23 * 89: 184 = 8 * 23 is the largest
-    (257, 256, 256),        # prime: padded
-    (100, 64, 64),          # 100 = 4 * 25: padded
+    (262016, 256, 184),  # 262016 = 2^7 * 23 * 89: 184 = 8 * 23 is the largest
+    (257, 256, 256),  # prime: padded
+    (100, 64, 64),  # 100 = 4 * 25: padded
     (24, 8, 8),
-])
+  ],
+)
 def test_effective_group_size(d, group_size, expected):
   assert effective_group_size(d, group_size) == expected
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, bits", [((4, 10), 1), ((3, 300), 4), ((2, 28, 28), 2),
-                                         ((2, 1001), 8), ((5,), 4), ((1, 7, 11, 13), 1)])
+@pytest.mark.parametrize(
+  "shape, bits",
+  [((4, 10), 1), ((3, 300), 4), ((2, 28, 28), 2), ((2, 1001), 8), ((5,), 4), ((1, 7, 11, 13), 1)],
+)
 def test_padding_shapes_and_stats_ignore_padding(shape, bits):
   # Values in [1, 2]: a zero from the padding would pull the last group's minimum to 0.
   x = jnp.asarray(1.0 + np.random.default_rng(0).random(shape), jnp.float32)
@@ -354,8 +387,11 @@ def test_padding_shapes_and_stats_ignore_padding(shape, bits):
 @pytest.mark.parametrize("shape", [(8, 1024), (4, 300), (2, 784), (64, 262016)])
 def test_nbytes(bits, shape):
   # Shapes only (jax.eval_shape): the sizes are static.
-  p = jax.eval_shape(functools.partial(quantize, bits=bits), jax.ShapeDtypeStruct(shape, jnp.float32),
-                     jax.random.key(0))
+  p = jax.eval_shape(
+    functools.partial(quantize, bits=bits),
+    jax.ShapeDtypeStruct(shape, jnp.float32),
+    jax.random.key(0),
+  )
   assert isinstance(p, Packed)
   assert p.nbytes == sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(p))
   n, d = shape
@@ -388,8 +424,8 @@ def test_non_finite_values_propagate_without_poisoning_their_group(stochastic):
   dirty = clean.copy()
   dirty[0, 10], dirty[0, 20], dirty[0, 30] = np.inf, -np.inf, np.nan  # group 0: mixed kinds
   dirty[1, 256:512] = np.nan  # group 1 of sample 1: nothing finite
-  dirty[1, 600] = np.inf     # group 2 of sample 1: one +inf
-  dirty[1, 800] = -np.inf    # group 3 of sample 1: one -inf
+  dirty[1, 600] = np.inf  # group 2 of sample 1: one +inf
+  dirty[1, 800] = -np.inf  # group 3 of sample 1: one -inf
   key = jax.random.key(7)
   p = _quantize(jnp.asarray(dirty), key, bits=4, stochastic=stochastic)
   p_clean = _quantize(jnp.asarray(clean), key, bits=4, stochastic=stochastic)

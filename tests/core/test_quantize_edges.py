@@ -47,8 +47,9 @@ def _jitted(fn, *args, fast=False, **static):
   """`fn(*args, **static)` compiled as one program (unoptimized with `fast`): op by
   op, the references and the interpret-mode kernels dispatch many small
   operations, each compiled on first use."""
-  return jax.jit(functools.partial(fn, **static),
-                 compiler_options=FAST_COMPILE if fast else None)(*args)
+  return jax.jit(functools.partial(fn, **static), compiler_options=FAST_COMPILE if fast else None)(
+    *args
+  )
 
 
 def _per_element(stat, packed):
@@ -78,10 +79,14 @@ def _check_grid(x, packed, y, stochastic):
 def _f16_extremes():
   """Rows (one group each) at and near float16's largest finite values."""
   rng = np.random.default_rng(0)
-  rows = [np.full(256, F16_MAX), np.full(256, -F16_MAX), np.tile([F16_MAX, -F16_MAX], 128),
-          np.concatenate([[F16_MAX, -F16_MAX], rng.uniform(-1.0, 1.0, 254)]),
-          np.concatenate([[F16_MAX], rng.uniform(60000.0, F16_MAX, 255)]),
-          np.concatenate([[-F16_MAX, F16_MAX], rng.uniform(-F16_MAX, F16_MAX, 254)])]
+  rows = [
+    np.full(256, F16_MAX),
+    np.full(256, -F16_MAX),
+    np.tile([F16_MAX, -F16_MAX], 128),
+    np.concatenate([[F16_MAX, -F16_MAX], rng.uniform(-1.0, 1.0, 254)]),
+    np.concatenate([[F16_MAX], rng.uniform(60000.0, F16_MAX, 255)]),
+    np.concatenate([[-F16_MAX, F16_MAX], rng.uniform(-F16_MAX, F16_MAX, 254)]),
+  ]
   return jnp.asarray(np.stack(rows), jnp.float16)
 
 
@@ -151,12 +156,14 @@ def _f32_wide():
   """Rows (one group each) whose range or step leaves float32's comfortable range."""
   rng = np.random.default_rng(4)
   u = lambda a, b: rng.uniform(a, b, 254)
-  rows = [np.concatenate([[-3e38, 3e38], u(-3e38, 3e38)]),      # range 6e38 > float32 max
-          np.concatenate([[-F32_MAX, F32_MAX], u(-F32_MAX, F32_MAX)]),
-          np.concatenate([[0.0, 3e38], u(0.0, 3e38)]),          # step > 8.5e37 at 1 and 2 bits
-          np.concatenate([[1e38, 3e38], u(1e38, 3e38)]),
-          np.concatenate([[-1e-30, 2e38], np.zeros(254)]),      # tiny values in a wide group
-          np.concatenate([[3e38, -3e38], rng.standard_normal(254)])]
+  rows = [
+    np.concatenate([[-3e38, 3e38], u(-3e38, 3e38)]),  # range 6e38 > float32 max
+    np.concatenate([[-F32_MAX, F32_MAX], u(-F32_MAX, F32_MAX)]),
+    np.concatenate([[0.0, 3e38], u(0.0, 3e38)]),  # step > 8.5e37 at 1 and 2 bits
+    np.concatenate([[1e38, 3e38], u(1e38, 3e38)]),
+    np.concatenate([[-1e-30, 2e38], np.zeros(254)]),  # tiny values in a wide group
+    np.concatenate([[3e38, -3e38], rng.standard_normal(254)]),
+  ]
   return jnp.asarray(np.stack(rows), jnp.float32)
 
 
@@ -195,8 +202,9 @@ def test_extreme_groups_kernels_are_bit_exact(bits):
   for x in (_f32_wide(), _f16_extremes()):
     seed = jnp.uint32(11)
     ref = _jitted(quantize_reference, x, seed, bits=bits, group_size=256)
-    got = _jitted(pergroup_kernels.quantize, x, seed, bits=bits, group_size=256, interpret=True,
-                  fast=True)
+    got = _jitted(
+      pergroup_kernels.quantize, x, seed, bits=bits, group_size=256, interpret=True, fast=True
+    )
     assert_same_packed(got, ref)
     y = _jitted(dequantize_reference, ref)
     assert_same_bits(_jitted(pergroup_kernels.dequantize, ref, interpret=True, fast=True), y)
@@ -210,27 +218,41 @@ def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
   from jact._core import persample
   from jact.kernels._per_sample import pallas_triton as persample_kernels
   from jact.kernels._per_sample import reference
+
   for x in (_f16_extremes(), _f32_wide()):
     widths = jnp.array([1, 2, 4, 8, 2, 1], jnp.int32)
     args = dict(capacity_bytes=persample.per_sample_capacity(x.shape, 4, 256), group_size=256)
     seed = jnp.uint32(5)
-    ref = _jitted(lambda x, w, seed: reference.quantize_per_sample_reference(x, w, seed=seed, **args),
-                  x, widths, seed)
+    ref = _jitted(
+      lambda x, w, seed: reference.quantize_per_sample_reference(x, w, seed=seed, **args),
+      x,
+      widths,
+      seed,
+    )
     y = _jitted(reference.dequantize_per_sample_reference, ref)
     assert y.dtype == x.dtype and bool(jnp.isfinite(y).all())
-    got = _jitted(lambda x, w, seed: persample_kernels.quantize_per_sample(
-        x, w, seed=seed, interpret=True, **args), x, widths, seed, fast=True)
+    got = _jitted(
+      lambda x, w, seed: persample_kernels.quantize_per_sample(
+        x, w, seed=seed, interpret=True, **args
+      ),
+      x,
+      widths,
+      seed,
+      fast=True,
+    )
     for field in ("data", "bits", "minimum", "scale"):
       assert_same_bits(getattr(got, field), getattr(ref, field))
-    assert_same_bits(_jitted(persample_kernels.dequantize_per_sample, ref, interpret=True,
-                             fast=True), y)
+    assert_same_bits(
+      _jitted(persample_kernels.dequantize_per_sample, ref, interpret=True, fast=True), y
+    )
 
 
 # ----------------------------------------------------------------------------- 5: dequantize a plain array
 
 
-@pytest.mark.parametrize("value", [jnp.ones((2, 8)), np.ones(3),
-                                   C.Fixpoint(8).compress(jnp.ones((2, 8)))])
+@pytest.mark.parametrize(
+  "value", [jnp.ones((2, 8)), np.ones(3), C.Fixpoint(8).compress(jnp.ones((2, 8)))]
+)
 def test_dequantize_names_the_expected_type(value):
   with pytest.raises(TypeError, match=r"jact\.dequantize takes the jact\.Packed .*jact\.quantize"):
     jact.dequantize(value)
@@ -286,11 +308,14 @@ def test_division_unbiased_around_a_nan():
   x[0, 2, 1, 0] = np.nan
   c = C.Division(block=4, bits=2)
   xj = jnp.asarray(x)
-  samples = over_keys(lambda k: c.decompress(c.compress(xj, jact.rng.seed_from_key(k))),
-                      jax.random.split(jax.random.key(8), 256))
+  samples = over_keys(
+    lambda k: c.decompress(c.compress(xj, jact.rng.seed_from_key(k))),
+    jax.random.split(jax.random.key(8), 256),
+  )
   finite = np.isfinite(x)
-  np.testing.assert_array_equal(np.isfinite(np.asarray(samples)),
-                                np.broadcast_to(finite, np.shape(samples)))
+  np.testing.assert_array_equal(
+    np.isfinite(np.asarray(samples)), np.broadcast_to(finite, np.shape(samples))
+  )
   step = float(_hfc_steps(jax.jit(c.compress)(xj, jnp.uint32(0))).max())
   assert_unbiased(np.asarray(samples)[:, finite], x[finite].astype(np.float64), atol=step)
 
@@ -304,8 +329,9 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   flat[100:116] = 3e38  # a block whose float32 sum overflows: its LFC is stored as 0
   args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.float16)
   x = jnp.asarray(x)
-  lfc, hfc = _jitted(division_kernels.division_compress, x, jnp.uint32(3), interpret=True,
-                     fast=True, **args)
+  lfc, hfc = _jitted(
+    division_kernels.division_compress, x, jnp.uint32(3), interpret=True, fast=True, **args
+  )
   ref_lfc, ref_hfc = _jitted(division_compress_reference, x, jnp.uint32(3), **args)
   assert_same_bits(lfc, ref_lfc)
   assert_same_packed(hfc, ref_hfc)
@@ -315,9 +341,16 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
 # ----------------------------------------------------------------------------- 4: zero-size compressors and ops
 
 
-COMPRESSORS = [C.PerGroup(2), C.Division(block=4, bits=2), C.Division(block=4, keep="lfc"),
-               C.Division(block=4, keep="hfc"), C.BLPA(4), C.Fixpoint(8), C.ZeroValue(),
-               C.ZeroValue(inner=C.Fixpoint(4))]
+COMPRESSORS = [
+  C.PerGroup(2),
+  C.Division(block=4, bits=2),
+  C.Division(block=4, keep="lfc"),
+  C.Division(block=4, keep="hfc"),
+  C.BLPA(4),
+  C.Fixpoint(8),
+  C.ZeroValue(),
+  C.ZeroValue(inner=C.Fixpoint(4)),
+]
 
 
 @pytest.mark.slow
@@ -341,25 +374,53 @@ def _layer_norm(x, scale, bias, eps=1e-6):
 _CONV = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 # name -> (jact op, plain JAX op, shapes of (input, parameter))
 OPS = {
-    "dense": (lambda x, w, k: ops.dense(x, w, key=k, bits=2), lambda x, w: x @ w,
-              ((0, 256), (256, 3))),
-    "dense_division": (lambda x, w, k: ops.dense(x, w, key=k, compressor=C.Division(block=4)),
-                       lambda x, w: x @ w, ((0, 256), (256, 3))),
-    "dense_fixpoint": (lambda x, w, k: ops.dense(x, w, compressor=C.Fixpoint(8)), lambda x, w: x @ w,
-                       ((0, 256), (256, 3))),
-    "conv": (lambda x, w, k: ops.conv(x, w, key=k, bits=2),
-             lambda x, w: lax.conv_general_dilated(x, w, **_CONV), ((0, 8, 8, 4), (3, 3, 4, 5))),
-    "conv_division": (lambda x, w, k: ops.conv(x, w, key=k, compressor=C.Division(block=4)),
-                      lambda x, w: lax.conv_general_dilated(x, w, **_CONV),
-                      ((0, 8, 8, 4), (3, 3, 4, 5))),
-    "gelu": (lambda x, w, k: ops.gelu(x, key=k, bits=2) * w, lambda x, w: jax.nn.gelu(x) * w,
-             ((0, 256), (256,))),
-    "softmax": (lambda x, w, k: ops.softmax(x, key=k, bits=2) * w,
-                lambda x, w: jax.nn.softmax(x) * w, ((0, 256), (256,))),
-    "layer_norm": (lambda x, w, k: ops.layer_norm(x, w, jnp.zeros(256), key=k, bits=2),
-                   lambda x, w: _layer_norm(x, w, 0.0), ((0, 256), (256,))),
-    "compressed": (lambda x, w, k: jact.compressed(lambda x, w: jnp.tanh(x @ w), bits=2, compress_argnums=(0,))(
-        x, w, key=k), lambda x, w: jnp.tanh(x @ w), ((0, 256), (256, 3))),
+  "dense": (
+    lambda x, w, k: ops.dense(x, w, key=k, bits=2),
+    lambda x, w: x @ w,
+    ((0, 256), (256, 3)),
+  ),
+  "dense_division": (
+    lambda x, w, k: ops.dense(x, w, key=k, compressor=C.Division(block=4)),
+    lambda x, w: x @ w,
+    ((0, 256), (256, 3)),
+  ),
+  "dense_fixpoint": (
+    lambda x, w, k: ops.dense(x, w, compressor=C.Fixpoint(8)),
+    lambda x, w: x @ w,
+    ((0, 256), (256, 3)),
+  ),
+  "conv": (
+    lambda x, w, k: ops.conv(x, w, key=k, bits=2),
+    lambda x, w: lax.conv_general_dilated(x, w, **_CONV),
+    ((0, 8, 8, 4), (3, 3, 4, 5)),
+  ),
+  "conv_division": (
+    lambda x, w, k: ops.conv(x, w, key=k, compressor=C.Division(block=4)),
+    lambda x, w: lax.conv_general_dilated(x, w, **_CONV),
+    ((0, 8, 8, 4), (3, 3, 4, 5)),
+  ),
+  "gelu": (
+    lambda x, w, k: ops.gelu(x, key=k, bits=2) * w,
+    lambda x, w: jax.nn.gelu(x) * w,
+    ((0, 256), (256,)),
+  ),
+  "softmax": (
+    lambda x, w, k: ops.softmax(x, key=k, bits=2) * w,
+    lambda x, w: jax.nn.softmax(x) * w,
+    ((0, 256), (256,)),
+  ),
+  "layer_norm": (
+    lambda x, w, k: ops.layer_norm(x, w, jnp.zeros(256), key=k, bits=2),
+    lambda x, w: _layer_norm(x, w, 0.0),
+    ((0, 256), (256,)),
+  ),
+  "compressed": (
+    lambda x, w, k: jact.compressed(lambda x, w: jnp.tanh(x @ w), bits=2, compress_argnums=(0,))(
+      x, w, key=k
+    ),
+    lambda x, w: jnp.tanh(x @ w),
+    ((0, 256), (256, 3)),
+  ),
 }
 
 
@@ -383,17 +444,20 @@ def test_ops_take_an_empty_batch(name):
 
 
 F64_OPS = {
-    "dense": lambda x, w, k: ops.dense(x, w, key=k, bits=2),
-    "dot_general": lambda x, w, k: ops.dot_general(x, w, (((1,), (0,)), ((), ())), key=k,
-                                                   bits=2, compress=(True, False)),
-    "einsum": lambda x, w, k: ops.einsum("nd,dk->nk", x, w, key=k, bits=2),
-    "conv": lambda x, w, k: ops.conv(x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), key=k,
-                                     bits=2),
-    "conv_transpose": lambda x, w, k: ops.conv_transpose(
-        x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), (1, 1), "SAME", key=k, bits=2),
-    "gelu": lambda x, w, k: ops.gelu(x, key=k, bits=2),
-    "softmax": lambda x, w, k: ops.softmax(x, key=k, bits=2),
-    "layer_norm": lambda x, w, k: ops.layer_norm(x, jnp.ones(256, x.dtype), None, key=k, bits=2),
+  "dense": lambda x, w, k: ops.dense(x, w, key=k, bits=2),
+  "dot_general": lambda x, w, k: ops.dot_general(
+    x, w, (((1,), (0,)), ((), ())), key=k, bits=2, compress=(True, False)
+  ),
+  "einsum": lambda x, w, k: ops.einsum("nd,dk->nk", x, w, key=k, bits=2),
+  "conv": lambda x, w, k: ops.conv(
+    x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), key=k, bits=2
+  ),
+  "conv_transpose": lambda x, w, k: ops.conv_transpose(
+    x.reshape(4, 8, 8, 4), w[:36].reshape(3, 3, 4, 3), (1, 1), "SAME", key=k, bits=2
+  ),
+  "gelu": lambda x, w, k: ops.gelu(x, key=k, bits=2),
+  "softmax": lambda x, w, k: ops.softmax(x, key=k, bits=2),
+  "layer_norm": lambda x, w, k: ops.layer_norm(x, jnp.ones(256, x.dtype), None, key=k, bits=2),
 }
 
 
@@ -403,8 +467,11 @@ def test_float64_is_rejected_at_the_op_call(name):
     x = jnp.ones((4, 256), jnp.float64)
     w = jnp.ones((256, 3), jnp.float64)
     assert x.dtype == jnp.float64
-    with pytest.raises(TypeError, match=r"jact\.ops\.\w+ .*float32, bfloat16 or float16.*"
-                                        r"got float64.*astype\(jnp\.float32\)"):
+    with pytest.raises(
+      TypeError,
+      match=r"jact\.ops\.\w+ .*float32, bfloat16 or float16.*"
+      r"got float64.*astype\(jnp\.float32\)",
+    ):
       F64_OPS[name](x, w, KEY)  # the forward call itself, no grad needed
 
 

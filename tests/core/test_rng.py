@@ -15,7 +15,9 @@ N = 1_000_000
 P_MIN = 1e-4  # chi-square p-value threshold (fixed seeds: a pass is reproducible)
 
 _bits = jax.jit(lambda seed: hash_uint32(seed, jnp.arange(N, dtype=jnp.uint32)))
-_uniform = jax.jit(lambda seed: uniform_from_bits(hash_uint32(seed, jnp.arange(N, dtype=jnp.uint32))))
+_uniform = jax.jit(
+  lambda seed: uniform_from_bits(hash_uint32(seed, jnp.arange(N, dtype=jnp.uint32)))
+)
 
 
 def test_doctests():
@@ -75,11 +77,11 @@ def test_streams_are_uncorrelated():
   bound = 5 / np.sqrt(N)
   key = jax.random.key(0)
   seeds = {
-      "adjacent seeds": (jnp.uint32(1000), jnp.uint32(1001)),
-      "sites 0 and 1": (seed_from_key(key, 0), seed_from_key(key, 1)),
-      "split sites": (split_seed(jnp.uint32(5), 0), split_seed(jnp.uint32(5), 1)),
-      "seed and its split": (jnp.uint32(5), split_seed(jnp.uint32(5), 0)),
-      "keys 0 and 1": (seed_from_key(jax.random.key(0)), seed_from_key(jax.random.key(1))),
+    "adjacent seeds": (jnp.uint32(1000), jnp.uint32(1001)),
+    "sites 0 and 1": (seed_from_key(key, 0), seed_from_key(key, 1)),
+    "split sites": (split_seed(jnp.uint32(5), 0), split_seed(jnp.uint32(5), 1)),
+    "seed and its split": (jnp.uint32(5), split_seed(jnp.uint32(5), 0)),
+    "keys 0 and 1": (seed_from_key(jax.random.key(0)), seed_from_key(jax.random.key(1))),
   }
   for what, (s1, s2) in seeds.items():
     assert int(s1) != int(s2), what
@@ -126,8 +128,10 @@ def test_missing_key_raises_documented_error():
     seed_from_key(None)
 
 
-@pytest.mark.parametrize("bad", [3, 1.5, jnp.zeros((2,), jnp.float32), jnp.zeros((3,), jnp.uint32),
-                                 np.zeros((2,), np.int32)])
+@pytest.mark.parametrize(
+  "bad",
+  [3, 1.5, jnp.zeros((2,), jnp.float32), jnp.zeros((3,), jnp.uint32), np.zeros((2,), np.int32)],
+)
 def test_invalid_key_raises_documented_error(bad):
   with pytest.raises(TypeError, match=r"expected a JAX PRNG key \(jax\.random\.key\(\.\.\.\)\)"):
     seed_from_key(bad)

@@ -50,8 +50,9 @@ def _ln(x, scale, bias):  # flax.linen.LayerNorm, fast variance
 
 
 def _conv(x, w):
-  return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.conv_general_dilated(
+    x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 _compressed_block = jact.compressed(_block, bits=4, min_size=64, name="edge_block")
@@ -59,17 +60,29 @@ _compressed_block = jact.compressed(_block, bits=4, min_size=64, name="edge_bloc
 # name: (jact op, the same function in plain JAX, arguments); the gradient is
 # taken with respect to every argument.
 CASES = {
-    "dense": (lambda x, w: ops.dense(x, w, key=KEY), lambda x, w: x @ w,
-              (_normal(0, (N, 64)), _normal(1, (64, 16), 0.1))),
-    "conv": (lambda x, w: ops.conv(x, w, key=KEY), _conv,
-             (_normal(2, (N, 6, 6, 8)), _normal(3, (3, 3, 8, 8), 0.2))),
-    "relu": (ops.relu, jax.nn.relu, (_normal(4, (N, 64)),)),
-    "tanh": (lambda x: ops.tanh(x, key=KEY), jnp.tanh, (_normal(5, (N, 256)),)),
-    "gelu": (lambda x: ops.gelu(x, key=KEY), jax.nn.gelu, (_normal(6, (N, 256)),)),
-    "layer_norm": (lambda x, s, b: ops.layer_norm(x, s, b, key=KEY), _ln,
-                   (_normal(7, (N, 64)), 1.0 + _normal(8, (64,), 0.1), _normal(9, (64,), 0.1))),
-    "compressed": (lambda w, x: _compressed_block(w, x, key=KEY), _block,
-                   (_normal(10, (64, 32), 0.1), _normal(11, (N, 64)))),
+  "dense": (
+    lambda x, w: ops.dense(x, w, key=KEY),
+    lambda x, w: x @ w,
+    (_normal(0, (N, 64)), _normal(1, (64, 16), 0.1)),
+  ),
+  "conv": (
+    lambda x, w: ops.conv(x, w, key=KEY),
+    _conv,
+    (_normal(2, (N, 6, 6, 8)), _normal(3, (3, 3, 8, 8), 0.2)),
+  ),
+  "relu": (ops.relu, jax.nn.relu, (_normal(4, (N, 64)),)),
+  "tanh": (lambda x: ops.tanh(x, key=KEY), jnp.tanh, (_normal(5, (N, 256)),)),
+  "gelu": (lambda x: ops.gelu(x, key=KEY), jax.nn.gelu, (_normal(6, (N, 256)),)),
+  "layer_norm": (
+    lambda x, s, b: ops.layer_norm(x, s, b, key=KEY),
+    _ln,
+    (_normal(7, (N, 64)), 1.0 + _normal(8, (64,), 0.1), _normal(9, (64,), 0.1)),
+  ),
+  "compressed": (
+    lambda w, x: _compressed_block(w, x, key=KEY),
+    _block,
+    (_normal(10, (64, 32), 0.1), _normal(11, (N, 64))),
+  ),
 }
 
 
@@ -188,23 +201,31 @@ def _mlp(w, x):
 
 # name: (x -> scalar through the jact op at `bits`, the same in plain JAX)
 SECOND_ORDER = {
-    "dense": (lambda x, bits: ops.dense(jnp.sin(x), W, key=KEY, bits=bits),
-              lambda x: jnp.sin(x) @ W),
-    "conv": (lambda x, bits: ops.conv(jnp.sin(x).reshape(1, 4, 4, 4), W[:4, :4].reshape(
-        1, 1, 4, 4), key=KEY, bits=bits), lambda x: _conv(jnp.sin(x).reshape(1, 4, 4, 4),
-                                                         W[:4, :4].reshape(1, 1, 4, 4))),
-    "tanh": (lambda x, bits: ops.tanh(x, key=KEY, bits=bits), jnp.tanh),
-    "gelu": (lambda x, bits: ops.gelu(x, key=KEY, bits=bits), jax.nn.gelu),
-    "softmax": (lambda x, bits: ops.softmax(x, key=KEY, bits=bits), jax.nn.softmax),
-    "layer_norm": (lambda x, bits: ops.layer_norm(x, S, B, key=KEY, bits=bits), _ln),
-    "chunked_attention": (
-        lambda x, bits: _attention(*(x.reshape(1, 4, 4, 4),) * 3, bits),
-        lambda x: _plain_attention(*(x.reshape(1, 4, 4, 4),) * 3)),
-    "compressed": (lambda x, bits: jact.compressed(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
-                   lambda x: _mlp(W, x)),
-    "checkpoint": (lambda x, bits: jact.checkpoint(_mlp, bits=bits, min_size=16,
-                                                   compress_argnums=(1,))(W, x, key=KEY),
-                   lambda x: _mlp(W, x)),
+  "dense": (lambda x, bits: ops.dense(jnp.sin(x), W, key=KEY, bits=bits), lambda x: jnp.sin(x) @ W),
+  "conv": (
+    lambda x, bits: ops.conv(
+      jnp.sin(x).reshape(1, 4, 4, 4), W[:4, :4].reshape(1, 1, 4, 4), key=KEY, bits=bits
+    ),
+    lambda x: _conv(jnp.sin(x).reshape(1, 4, 4, 4), W[:4, :4].reshape(1, 1, 4, 4)),
+  ),
+  "tanh": (lambda x, bits: ops.tanh(x, key=KEY, bits=bits), jnp.tanh),
+  "gelu": (lambda x, bits: ops.gelu(x, key=KEY, bits=bits), jax.nn.gelu),
+  "softmax": (lambda x, bits: ops.softmax(x, key=KEY, bits=bits), jax.nn.softmax),
+  "layer_norm": (lambda x, bits: ops.layer_norm(x, S, B, key=KEY, bits=bits), _ln),
+  "chunked_attention": (
+    lambda x, bits: _attention(*(x.reshape(1, 4, 4, 4),) * 3, bits),
+    lambda x: _plain_attention(*(x.reshape(1, 4, 4, 4),) * 3),
+  ),
+  "compressed": (
+    lambda x, bits: jact.compressed(_mlp, bits=bits, min_size=16)(W, x, key=KEY),
+    lambda x: _mlp(W, x),
+  ),
+  "checkpoint": (
+    lambda x, bits: jact.checkpoint(_mlp, bits=bits, min_size=16, compress_argnums=(1,))(
+      W, x, key=KEY
+    ),
+    lambda x: _mlp(W, x),
+  ),
 }
 # The plain layer norm takes its scale and bias as arguments.
 _PLAIN_ARGS = {"layer_norm": (S, B)}
@@ -216,9 +237,9 @@ def _scalar(f):
 
 
 SECOND_ORDER_MODES = {
-    "hessian": lambda f: jax.hessian(f),
-    "grad_of_grad": lambda f: jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2)),
-    "jvp_of_grad": lambda f: lambda x: jax.jvp(jax.grad(f), (x,), (jnp.cos(3.0 * x),))[1],
+  "hessian": lambda f: jax.hessian(f),
+  "grad_of_grad": lambda f: jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2)),
+  "jvp_of_grad": lambda f: lambda x: jax.jvp(jax.grad(f), (x,), (jnp.cos(3.0 * x),))[1],
 }
 
 
@@ -231,9 +252,11 @@ LOSSY_EAGER = ("tanh", "compressed", "checkpoint")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", SECOND_ORDER_MODES)
-@pytest.mark.parametrize("name,jit", [(n, True) for n in SECOND_ORDER] +
-                         [(n, False) for n in LOSSY_EAGER],
-                         ids=[f"{n}-jit" for n in SECOND_ORDER] + [f"{n}-eager" for n in LOSSY_EAGER])
+@pytest.mark.parametrize(
+  "name,jit",
+  [(n, True) for n in SECOND_ORDER] + [(n, False) for n in LOSSY_EAGER],
+  ids=[f"{n}-jit" for n in SECOND_ORDER] + [f"{n}-eager" for n in LOSSY_EAGER],
+)
 def test_second_order_through_a_lossy_residual_is_an_error(name, mode, jit):
   f = _scalar(functools.partial(SECOND_ORDER[name][0], bits=4))
   d2 = SECOND_ORDER_MODES[mode](f)
@@ -245,8 +268,9 @@ def test_second_order_through_a_lossy_residual_is_an_error(name, mode, jit):
 @pytest.mark.slow
 def test_second_order_through_blpa_codes_is_an_error():
   x = _normal(44, (2, 4, 4, 8))
-  f = lambda x: jnp.sum(ops.blpa_block(x, jnp.ones(8), jnp.zeros(8), W[:8, :8].reshape(
-      1, 1, 8, 8))[0] ** 2)
+  f = lambda x: jnp.sum(
+    ops.blpa_block(x, jnp.ones(8), jnp.zeros(8), W[:8, :8].reshape(1, 1, 8, 8))[0] ** 2
+  )
   with pytest.raises(TypeError, match=r"jact cannot differentiate residual 'blpa.a2'"):
     jax.hessian(f)(x)
 
@@ -281,39 +305,40 @@ def test_second_order_through_exact_residuals_matches_plain_jax(name, mode):
 IDS = jnp.array([[0, 3, 1], [2, 2, 5]])
 # name: a jact op (or transform) as a function of one float array
 FORWARD_MODE = {
-    "dense": lambda x: ops.dense(x, W, key=KEY),
-    "conv": lambda x: ops.conv(x.reshape(1, 4, 4, 4), W[:4, :4].reshape(1, 1, 4, 4), key=KEY),
-    "relu": ops.relu,
-    "leaky_relu": ops.leaky_relu,
-    "gelu": lambda x: ops.gelu(x, key=KEY),
-    "tanh_exact": lambda x: ops.tanh(x, bits=None),
-    "softmax": lambda x: ops.softmax(x, key=KEY),
-    "layer_norm": lambda x: ops.layer_norm(x, S, B, key=KEY),
-    "rms_norm": lambda x: ops.rms_norm(x, S, key=KEY),
-    "batch_norm": lambda x: ops.batch_norm(x, S, B, key=KEY),
-    "max_pool": lambda x: ops.max_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
-    "avg_pool": lambda x: ops.avg_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
-    "dropout": lambda x: ops.dropout(x, 0.5, key=KEY),
-    "embed": lambda x: ops.embed(IDS, x),
-    "blpa_block": lambda x: ops.blpa_block(x, S, B, W)[0],
-    "chunked_attention": lambda x: _attention(*(x.reshape(1, 4, 4, 4),) * 3, None),
-    "dot_product_attention": lambda x: ops.dot_product_attention(
-        *(x.reshape(1, 4, 4, 4),) * 3, key=KEY),
-    "compressed": lambda x: jact.compressed(_mlp, bits=None)(W, x),
-    "checkpoint": lambda x: jact.checkpoint(_mlp, bits=4, compress_argnums=(1,))(W, x, key=KEY),
-    "linen.Dense": lambda x: jnn.Dense(3, bits=None).apply(
-        nn.Dense(3).init(KEY, X), x),
-    "linen.compressed": lambda x: jact.compressed(nn.Dense(3), bits=None).apply(
-        nn.Dense(3).init(KEY, X), x),
-    "nnx.Linear": lambda x: jnnx.Linear(16, 3, bits=None, rngs=nnx.Rngs(0))(x),
+  "dense": lambda x: ops.dense(x, W, key=KEY),
+  "conv": lambda x: ops.conv(x.reshape(1, 4, 4, 4), W[:4, :4].reshape(1, 1, 4, 4), key=KEY),
+  "relu": ops.relu,
+  "leaky_relu": ops.leaky_relu,
+  "gelu": lambda x: ops.gelu(x, key=KEY),
+  "tanh_exact": lambda x: ops.tanh(x, bits=None),
+  "softmax": lambda x: ops.softmax(x, key=KEY),
+  "layer_norm": lambda x: ops.layer_norm(x, S, B, key=KEY),
+  "rms_norm": lambda x: ops.rms_norm(x, S, key=KEY),
+  "batch_norm": lambda x: ops.batch_norm(x, S, B, key=KEY),
+  "max_pool": lambda x: ops.max_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
+  "avg_pool": lambda x: ops.avg_pool(x.reshape(1, 4, 4, 4), (2, 2), (2, 2)),
+  "dropout": lambda x: ops.dropout(x, 0.5, key=KEY),
+  "embed": lambda x: ops.embed(IDS, x),
+  "blpa_block": lambda x: ops.blpa_block(x, S, B, W)[0],
+  "chunked_attention": lambda x: _attention(*(x.reshape(1, 4, 4, 4),) * 3, None),
+  "dot_product_attention": lambda x: ops.dot_product_attention(
+    *(x.reshape(1, 4, 4, 4),) * 3, key=KEY
+  ),
+  "compressed": lambda x: jact.compressed(_mlp, bits=None)(W, x),
+  "checkpoint": lambda x: jact.checkpoint(_mlp, bits=4, compress_argnums=(1,))(W, x, key=KEY),
+  "linen.Dense": lambda x: jnn.Dense(3, bits=None).apply(nn.Dense(3).init(KEY, X), x),
+  "linen.compressed": lambda x: jact.compressed(nn.Dense(3), bits=None).apply(
+    nn.Dense(3).init(KEY, X), x
+  ),
+  "nnx.Linear": lambda x: jnnx.Linear(16, 3, bits=None, rngs=nnx.Rngs(0))(x),
 }
 
 FORWARD_MODES = {
-    "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
-    "jit_jvp": lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
-    "jvp_of_jit": lambda f, x: jax.jvp(jax.jit(f), (x,), (x,)),
-    "jacfwd": lambda f, x: jax.jacfwd(f)(x),
-    "linearize": lambda f, x: jax.linearize(f, x)[1](x),
+  "jvp": lambda f, x: jax.jvp(f, (x,), (x,)),
+  "jit_jvp": lambda f, x: jax.jit(lambda x: jax.jvp(f, (x,), (x,)))(x),
+  "jvp_of_jit": lambda f, x: jax.jvp(jax.jit(f), (x,), (x,)),
+  "jacfwd": lambda f, x: jax.jacfwd(f)(x),
+  "linearize": lambda f, x: jax.linearize(f, x)[1](x),
 }
 
 
@@ -321,14 +346,29 @@ FORWARD_MODES = {
 # first use) before its linear function raises, in the same guard for every op
 # (`reverse_only` in jact/_engine/op.py); the four other modes check every name
 # is guarded. So these ops, whose forwards cost seconds op by op, skip linearize.
-LINEARIZE_SKIPS = ("dense", "conv", "blpa_block", "max_pool", "rms_norm", "batch_norm",
-                   "dropout", "dot_product_attention")
+LINEARIZE_SKIPS = (
+  "dense",
+  "conv",
+  "blpa_block",
+  "max_pool",
+  "rms_norm",
+  "batch_norm",
+  "dropout",
+  "dot_product_attention",
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", [(n, m) for n in FORWARD_MODE for m in FORWARD_MODES
-                                       if not (m == "linearize" and n in LINEARIZE_SKIPS)],
-                         ids=lambda v: v)
+@pytest.mark.parametrize(
+  "name,mode",
+  [
+    (n, m)
+    for n in FORWARD_MODE
+    for m in FORWARD_MODES
+    if not (m == "linearize" and n in LINEARIZE_SKIPS)
+  ],
+  ids=lambda v: v,
+)
 def test_forward_mode_names_jact_and_the_fix(name, mode):
   with pytest.raises(TypeError, match=r"jact.* reverse-mode differentiation only.*jax.jacrev"):
     FORWARD_MODES[mode](FORWARD_MODE[name], X)

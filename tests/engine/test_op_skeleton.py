@@ -27,18 +27,20 @@ X = jnp.linspace(-2.0, 2.0, 512).reshape(2, 256)
 
 def cube(x, *, key=None, bits=8, compressor=None, name="cube"):
   def forward(x):
-    return x ** 3, {"dydx": Store(3 * x ** 2, dtype=jnp.float32)}
+    return x**3, {"dydx": Store(3 * x**2, dtype=jnp.float32)}
 
   def backward(res, g):
     return (g * res["dydx"],)
 
   rounding = op_rounding("jact.ops.cube", bits, compressor, default_bits=8)
-  return compressed_op(forward, backward, op="cube", name=name, rounding=rounding, key=key,
-                       elementwise=True)(x)
+  return compressed_op(
+    forward, backward, op="cube", name=name, rounding=rounding, key=key, elementwise=True
+  )(x)
 
 
 def scaled_with_stats(x, w, *, name="scaled"):
   """y = x * w (w kept by reference), plus the batch mean of x as a statistic."""
+
   def forward(x, w):
     mean = jnp.mean(x, 0)
     return (x * w, mean), {"mean": Save(mean), "x": Keep(x), "w": Keep(w, tie=True)}
@@ -52,16 +54,17 @@ def scaled_with_stats(x, w, *, name="scaled"):
 
 def test_a_new_op_is_its_forward_and_backward():
   key = jax.random.key(0)
-  assert bool((jax.jit(cube)(X, key=key) == X ** 3).all())
+  assert bool((jax.jit(cube)(X, key=key) == X**3).all())
   exact = jax.jit(jax.grad(lambda x: cube(x, bits=None).sum()))(X)
-  np.testing.assert_array_equal(exact, 3 * X ** 2)
+  np.testing.assert_array_equal(exact, 3 * X**2)
   g8 = jax.jit(jax.grad(lambda x: cube(x, key=key).sum()))(X)
-  step = float(jnp.max(3 * X ** 2)) / 255
+  step = float(jnp.max(3 * X**2)) / 255
   assert float(jnp.max(jnp.abs(g8 - exact))) <= step
   assert not np.array_equal(g8, exact)  # the stored derivative was rounded
   # the residual is named `name.role`, and it is the only value saved
-  names, size = saved_under_names(lambda x: cube(x, key=key, name="c1").sum(),
-                                  ["c1.dydx", "c1.x"], X)
+  names, size = saved_under_names(
+    lambda x: cube(x, key=key, name="c1").sum(), ["c1.dydx", "c1.x"], X
+  )
   assert names == {"c1.dydx"} and size < X.nbytes // 2, (names, size)  # 8-bit codes + stats
 
 
@@ -85,8 +88,9 @@ def test_statistics_carry_no_gradient_and_kept_inputs_are_not_named():
   gx, gw = jax.grad(lambda x, w: jnp.sum(scaled_with_stats(x, w)[0]), argnums=(0, 1))(x, w)
   np.testing.assert_array_equal(gx, jnp.broadcast_to(w, x.shape))
   np.testing.assert_array_equal(gw, jnp.sum(x, 0))
-  names, _ = saved_under_names(lambda x, w: jnp.sum(scaled_with_stats(x, w)[0]),
-                               ["scaled.mean", "scaled.x", "scaled.w"], x, w)
+  names, _ = saved_under_names(
+    lambda x, w: jnp.sum(scaled_with_stats(x, w)[0]), ["scaled.mean", "scaled.x", "scaled.w"], x, w
+  )
   assert names == {"scaled.mean"}, names
 
 
@@ -102,6 +106,7 @@ def test_an_invariant_table_meets_varying_ids_under_shard_map():
   def grad_of(take):
     def step(table, ids):
       return jax.grad(lambda t: jnp.sum(jnp.sin(take(ids, t))))(table)
+
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
 
   plain = grad_of(lambda ids, t: jnp.take(t, ids, axis=0))(table, ids)
@@ -109,14 +114,25 @@ def test_an_invariant_table_meets_varying_ids_under_shard_map():
 
 
 def _public_ops_with_bits():
-  return sorted(n for n in ops.__all__ if inspect.isfunction(getattr(ops, n))
-                and "bits" in inspect.signature(getattr(ops, n)).parameters)
+  return sorted(
+    n
+    for n in ops.__all__
+    if inspect.isfunction(getattr(ops, n))
+    and "bits" in inspect.signature(getattr(ops, n)).parameters
+  )
 
 
 def test_public_ops_take_one_compressor_argument():
   names = _public_ops_with_bits()
-  assert {"dense", "conv", "gelu", "softmax", "layer_norm", "chunked_attention",
-          "dot_product_attention"} <= set(names)
+  assert {
+    "dense",
+    "conv",
+    "gelu",
+    "softmax",
+    "layer_norm",
+    "chunked_attention",
+    "dot_product_attention",
+  } <= set(names)
   for n in names:
     params = inspect.signature(getattr(ops, n)).parameters
     assert "compressor" in params and not {"group_size", "stochastic"} & set(params), n

@@ -41,6 +41,7 @@ def test_the_context_mesh_stands_in_for_the_mesh_argument():
 def test_the_constraint_is_in_the_program_only_inside_the_block():
   def text():
     return jax.jit(jax.grad(_loss)).lower(W, X).as_text()
+
   outside = text()
   with jact.sharded_batch("data", MESH):
     inside = text()

@@ -29,10 +29,15 @@ def test_needed_levels_scale_as_one_over_e2():
   params, batches, loss = _setup()
   at_one = acgc_sweep.needed_levels(loss, params, batches, jax.random.key(1))
   for e2 in (8.0,):
-    bounds = jact.acgc.error_bounded(loss, error=e2, window=1,
-                                     compressor=jact.compressors.Fixpoint(8))
-    state = bounds.update(bounds.init(params, batches[0], jax.random.key(1)), params,
-                          batches[0], jax.random.fold_in(jax.random.key(1), 0))
+    bounds = jact.acgc.error_bounded(
+      loss, error=e2, window=1, compressor=jact.compressors.Fixpoint(8)
+    )
+    state = bounds.update(
+      bounds.init(params, batches[0], jax.random.key(1)),
+      params,
+      batches[0],
+      jax.random.fold_in(jax.random.key(1), 0),
+    )
     direct = dict(zip(state.names, np.asarray(state.levels_sq[0], np.float64)))
     for name, levels in at_one.items():
       np.testing.assert_allclose(direct[name], levels / e2, rtol=1e-5, err_msg=name)
@@ -41,8 +46,9 @@ def test_needed_levels_scale_as_one_over_e2():
 def test_sweep_compresses_more_as_e2_grows():
   levels = {"a.conv.lhs": 4e4, "a.bn.xhat": 1.0, "b.conv.lhs": 1e2}
   sizes = {"a.conv.lhs": 100, "a.bn.xhat": 100, "b.conv.lhs": 50}
-  rows = acgc_sweep.sweep(levels, sizes, {"a.conv.lhs": 0.5, "b.conv.lhs": 0.5},
-                          errors=(0.5, 8.0, 512.0))
+  rows = acgc_sweep.sweep(
+    levels, sizes, {"a.conv.lhs": 0.5, "b.conv.lhs": 0.5}, errors=(0.5, 8.0, 512.0)
+  )
   for key in ("compression_jact", "compression_any_width"):
     assert [r[key] for r in rows] == sorted(r[key] for r in rows), key
   # at e^2 = 0.5 conv a needs sqrt(8e4) = 283 levels: 10 bits, kept exact by jact (widths <= 8)

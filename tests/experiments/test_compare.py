@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from experiments import compare
-from experiments.lib.models import (ResNet18, ResNet50, SmallCNN, TransformerEncoder, jact_layers,
-                                plain_layers)
+from experiments.lib.models import (
+  ResNet18,
+  ResNet50,
+  SmallCNN,
+  TransformerEncoder,
+  jact_layers,
+  plain_layers,
+)
 
 pytestmark = pytest.mark.slow  # the comparison job trains small models end to end
 
@@ -22,9 +28,26 @@ def run(tmp_path_factory):
   mp = pytest.MonkeyPatch()
   mp.setenv("JACT_DATA", str(empty))  # no data kit: "auto" falls back to sklearn digits
   try:
-    rows = compare.main(["--steps", "3", "--batch", "16", "--bits", "8", "2", "--dataset",
-                         "auto", "--widths", "4", "8", "8", "--no-progress", "--json",
-                         str(out)])
+    rows = compare.main(
+      [
+        "--steps",
+        "3",
+        "--batch",
+        "16",
+        "--bits",
+        "8",
+        "2",
+        "--dataset",
+        "auto",
+        "--widths",
+        "4",
+        "8",
+        "8",
+        "--no-progress",
+        "--json",
+        str(out),
+      ]
+    )
   finally:
     mp.undo()
   return rows, out
@@ -89,13 +112,18 @@ def test_bad_settings():
     compare.run_comparison(steps=1, dataset="imagenet")
 
 
-@pytest.mark.parametrize("make, x", [
+@pytest.mark.parametrize(
+  "make, x",
+  [
     (lambda L: SmallCNN(widths=(4, 8, 8), layers=L), jnp.zeros((2, 8, 8, 1))),
     (lambda L: ResNet18(width=4, layers=L), jnp.zeros((2, 16, 16, 3))),
     (lambda L: ResNet50(width=2, stem="imagenet", layers=L), jnp.zeros((1, 32, 32, 3))),
-    (lambda L: TransformerEncoder(2, 16, 4, 32, vocab_size=20, num_classes=3, layers=L),
-     jnp.zeros((2, 6), jnp.int32)),
-])
+    (
+      lambda L: TransformerEncoder(2, 16, 4, 32, vocab_size=20, num_classes=3, layers=L),
+      jnp.zeros((2, 6), jnp.int32),
+    ),
+  ],
+)
 def test_twin_models_share_the_plain_variables(make, x):
   # Shapes only (jax.eval_shape traces, nothing compiles).
   plain, twin = make(plain_layers()), make(jact_layers(4))
@@ -105,6 +133,7 @@ def test_twin_models_share_the_plain_variables(make, x):
   assert jax.tree.structure(v_plain) == jax.tree.structure(v_twin)
   assert jax.tree.leaves(v_plain) == jax.tree.leaves(v_twin)  # shapes and dtypes
   # The twin runs in training mode on the plain variables with a 'jact' stream.
-  out = jax.eval_shape(lambda v: twin.apply(v, x, train=True, mutable=["batch_stats"],
-                                            rngs={"jact": key})[0], v_plain)
+  out = jax.eval_shape(
+    lambda v: twin.apply(v, x, train=True, mutable=["batch_stats"], rngs={"jact": key})[0], v_plain
+  )
   assert out.shape == jax.eval_shape(lambda v: plain.apply(v, x, train=False), v_plain).shape

@@ -107,12 +107,15 @@ def test_a_file_missing_from_a_data_folder_fails(empty_data):
   assert not isinstance(err.value, data.DataKitMissing)
 
 
-@pytest.mark.parametrize("loader, missing", [
+@pytest.mark.parametrize(
+  "loader, missing",
+  [
     (lambda: data.load_cifar10("10k_2k", use_cache=False), "cifar10_jpeg_q75_10k_2k.npz"),
     (lambda: data.load_cifar10("full", use_cache=False), "cifar10_jpeg_q75_full.npz"),
     (data.load_mnist, "train-images-idx3-ubyte.gz"),
     (data.load_digits_csv, "digits.csv.gz"),
-])
+  ],
+)
 def test_missing_file_error_names_the_file(empty_data, loader, missing):
   with pytest.raises(FileNotFoundError, match=missing.replace(".", r"\.")) as err:
     loader()

@@ -36,11 +36,32 @@ def run(tmp_path_factory):
   code generation only; the run is mostly compilation: 54 -> 43 CPU-s measured); the results
   are its JSON files, one per task found."""
   from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
+
   out = tmp_path_factory.mktemp("gact")
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
-  done = subprocess.run([sys.executable, "-m", "experiments.papers.gact_tasks", "--small", "--quiet",
-                         "--tasks", *TESTED, "--variants", *TESTED_VARIANTS, "--results", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+  env = dict(
+    os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+  )
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.papers.gact_tasks",
+      "--small",
+      "--quiet",
+      "--tasks",
+      *TESTED,
+      "--variants",
+      *TESTED_VARIANTS,
+      "--results",
+      str(out),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
   return results, out

@@ -52,15 +52,16 @@ def test_stages_run_in_order_of_value_within_one_eight_minute_call():
 
 
 def test_fidelity_chunk_shares_its_time_among_its_variants():
-  chunk, = gpu_campaign.select(["fidelity_seed0"])
+  (chunk,) = gpu_campaign.select(["fidelity_seed0"])
   cmd = gpu_campaign.command(chunk, smoke=False, json_path="f.json", out="/o", timeout_s=300)
   assert cmd[cmd.index("--stop-after") + 1] == "60"  # (300 - 60) / 4 variants
   assert cmd[cmd.index("--runs") + 1] == "/o/runs"
   assert gpu_campaign.chunk_timeout(chunk, smoke=False, left=200.0, timeout_s=None) == 200.0
-  resnet, = gpu_campaign.select(["resnet50"])
+  (resnet,) = gpu_campaign.select(["resnet50"])
   assert gpu_campaign.chunk_timeout(resnet, smoke=False, left=400.0, timeout_s=None) == 110
   assert gpu_campaign.chunk_timeout(resnet, smoke=True, left=None, timeout_s=None) == (
-      gpu_campaign.SMOKE_TIMEOUT_S)
+    gpu_campaign.SMOKE_TIMEOUT_S
+  )
 
 
 @pytest.mark.slow
@@ -68,8 +69,7 @@ def test_a_chunk_past_its_timeout_or_the_deadline_is_recorded(tmp_path):
   assert gpu_campaign.main(["--out", str(tmp_path), "--chunks", "lm", "--timeout-s", "1"]) == 1
   entry = json.loads((tmp_path / "lm.json").read_text())
   assert entry["timed_out"] and entry["exit_code"] != 0 and entry["result"] is None
-  assert gpu_campaign.main(["--out", str(tmp_path), "--chunks", "checks",
-                            "--deadline-s", "1"]) == 1
+  assert gpu_campaign.main(["--out", str(tmp_path), "--chunks", "checks", "--deadline-s", "1"]) == 1
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert set(summary["chunks"]) == {"lm", "checks"}  # earlier entries kept
   assert summary["chunks"]["checks"]["skipped"] and not summary["all_exit_zero"]
@@ -83,11 +83,21 @@ def test_smoke_run_on_cpu(tmp_path):
   # XLA:CPU's quick-compile flags (LLVM code generation only; the chunks' programs, commands and
   # JSON are the same): the smoke run's chunks are mostly compilation, 69 -> 54 CPU-s measured
   from experiments.lib.fresh_process import FAST_COMPILE_FLAGS
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
-  run = subprocess.run([sys.executable, "-m", "experiments.gpu_campaign", "--smoke", "--out",
-                        str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
+
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip(),
+  )
+  run = subprocess.run(
+    [sys.executable, "-m", "experiments.gpu_campaign", "--smoke", "--out", str(tmp_path)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=1800,
+    check=False,
+  )
   assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-5000:]
   assert "SMOKE RUN ON CPU: NO GPU FIGURE" in run.stdout
   summary = json.loads((tmp_path / "summary.json").read_text())

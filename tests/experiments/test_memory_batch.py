@@ -20,28 +20,35 @@ def affine_probe(per_example: float, fixed: float, calls: list):
   def probe(batch):
     calls.append(batch)
     return {"batch": batch, "step_mib": fixed + per_example * batch}
+
   return probe
 
 
-@pytest.mark.parametrize("per_example,fixed,start", [(3.0, 10.0, 16), (0.7, 5.0, 64),
-                                                    (50.0, 0.0, 64), (1.0, 0.0, 8)])
+@pytest.mark.parametrize(
+  "per_example,fixed,start", [(3.0, 10.0, 16), (0.7, 5.0, 64), (50.0, 0.0, 64), (1.0, 0.0, 8)]
+)
 def test_search_finds_the_last_batch_within_the_cap(per_example, fixed, start):
   calls = []
   cap, granularity, upper = 400.0, 8, 1024
-  best, probes = batch_search.search_batch(affine_probe(per_example, fixed, calls), cap, start,
-                                 granularity, upper)
+  best, probes = batch_search.search_batch(
+    affine_probe(per_example, fixed, calls), cap, start, granularity, upper
+  )
   exact = min(upper, int((cap - fixed) / per_example) // granularity * granularity)
   assert best == exact
   assert len(calls) == len(set(calls))  # each batch measured once
   assert [p["batch"] for p in probes] == sorted(calls)
   assert all(b % granularity == 0 and b <= upper for b in calls)
   assert batch_search.check_search(best, probes, cap, granularity, upper) == {
-      "consistent": True, "monotone": True}
+    "consistent": True,
+    "monotone": True,
+  }
 
 
 def test_search_when_nothing_or_everything_fits():
   assert batch_search.search_batch(lambda b: {"batch": b, "step_mib": 1e9}, 10, 64, 16, 256)[0] == 0
-  assert batch_search.search_batch(lambda b: {"batch": b, "step_mib": 0.0}, 10, 64, 16, 256)[0] == 256
+  assert (
+    batch_search.search_batch(lambda b: {"batch": b, "step_mib": 0.0}, 10, 64, 16, 256)[0] == 256
+  )
   errors = lambda b: {"batch": b, "error": "boom"} if b > 32 else {"batch": b, "step_mib": 1.0}
   assert batch_search.search_batch(errors, 10, 64, 16, 256)[0] == 32  # an error does not fit
 
@@ -49,7 +56,10 @@ def test_search_when_nothing_or_everything_fits():
 def test_check_search_flags_an_unbacked_answer():
   fits, over = {"step_mib": 1.0}, {"step_mib": 99.0}
   probes = [{"batch": 16, **fits}, {"batch": 32, **over}, {"batch": 48, **fits}]
-  assert batch_search.check_search(16, probes, 10, 16, 256) == {"consistent": True, "monotone": False}
+  assert batch_search.check_search(16, probes, 10, 16, 256) == {
+    "consistent": True,
+    "monotone": False,
+  }
   assert not batch_search.check_search(48, probes, 10, 16, 256)["consistent"]  # 64 never measured
 
 
@@ -59,8 +69,9 @@ def test_blockwise_resnet_is_preacts_network():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 8, 3)), jnp.float32)
   want = jax.jit(functools.partial(preact.apply, form="plain"))(params, x)
   for method in ("plain", "remat", "jact_checkpoint", "offload"):
-    got = jax.jit(mb.resnet_blockwise_logits, static_argnums=3)(params, x, jax.random.key(1),
-                                                                method)
+    got = jax.jit(mb.resnet_blockwise_logits, static_argnums=3)(
+      params, x, jax.random.key(1), method
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=method)
 
 
@@ -71,8 +82,9 @@ def test_blockwise_lm_is_the_zoo_model():
   params = mb.init_params("transformer_lm", dataclasses.replace(mb.SMALL, lm=cfg))
   want = jax.jit(zoo.TransformerLM(cfg).apply)({"params": params}, tokens)
   for method in ("plain", "remat", "jact_checkpoint", "offload"):
-    got = jax.jit(mb.lm_blockwise_logits, static_argnums=(3, 4))(params, tokens,
-                                                                 jax.random.key(1), cfg, method)
+    got = jax.jit(mb.lm_blockwise_logits, static_argnums=(3, 4))(
+      params, tokens, jax.random.key(1), cfg, method
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=method)
 
 
@@ -98,8 +110,15 @@ def test_offload_is_reported_unsupported_on_cpu():
 def test_small_run(tmp_path):
   """The small mode end to end: every probe in its own process, real RSS."""
   config = mb.SMALL
-  out = mb.run(mb.SMALL_MODELS, mb.SMALL_METHODS, config, tmp_path, argv=["--small"],
-               suffix="_small", log=lambda line: None)
+  out = mb.run(
+    mb.SMALL_MODELS,
+    mb.SMALL_METHODS,
+    config,
+    tmp_path,
+    argv=["--small"],
+    suffix="_small",
+    log=lambda line: None,
+  )
   written = json.loads((tmp_path / "memory_batch_small.json").read_text())
   assert written["meta"]["command"] == "python -m experiments.bench.memory_batch --small"
   assert written["settings"]["cap_mib"] == config.cap_mib
@@ -143,9 +162,22 @@ def test_a_rerun_keeps_models_measured_with_the_same_settings(tmp_path, monkeypa
   written = json.loads((tmp_path / "memory_batch_t.json").read_text())
   assert set(written["models"]) == set(mb.MODELS)
 
-  mb.run(mb.MODELS, methods, dataclasses.replace(mb.SMALL, cap_mib=41), tmp_path, suffix="_t",
-         log=lambda line: None)
+  mb.run(
+    mb.MODELS,
+    methods,
+    dataclasses.replace(mb.SMALL, cap_mib=41),
+    tmp_path,
+    suffix="_t",
+    log=lambda line: None,
+  )
   assert measured[2:] == list(mb.MODELS)
-  mb.run(("resnet20",), methods, dataclasses.replace(mb.SMALL, cap_mib=41), tmp_path,
-         suffix="_t", log=lambda line: None, fresh=True)
+  mb.run(
+    ("resnet20",),
+    methods,
+    dataclasses.replace(mb.SMALL, cap_mib=41),
+    tmp_path,
+    suffix="_t",
+    log=lambda line: None,
+    fresh=True,
+  )
   assert measured[4:] == ["resnet20"]

@@ -15,32 +15,50 @@ MIB = 2**20
 
 
 def _actnn(name, history, complete, saved=None, bits=None):
-  result = dict(variant=name, epochs=3, batch_size=128, train_size=50000, complete=complete,
-                history=[dict(epoch=e, step=390 * e, test_accuracy=a) for e, a in history])
+  result = dict(
+    variant=name,
+    epochs=3,
+    batch_size=128,
+    train_size=50000,
+    complete=complete,
+    history=[dict(epoch=e, step=390 * e, test_accuracy=a) for e, a in history],
+  )
   if complete:
-    result.update(final_test_accuracy=history[-1][1],
-                  memory=dict(saved_bytes=saved, temp_bytes=saved // 2))
+    result.update(
+      final_test_accuracy=history[-1][1], memory=dict(saved_bytes=saved, temp_bytes=saved // 2)
+    )
     if bits is not None:
       result["final_average_bits"] = bits
   return result
 
 
 def _gact_variant(saved, accuracy, bits=None):
-  return dict(best_by="accuracy", best=dict(accuracy=accuracy), final=dict(accuracy=accuracy), steps=200,
-              saved_bytes=saved, temp_bytes=2 * saved, average_bits=bits)
+  return dict(
+    best_by="accuracy",
+    best=dict(accuracy=accuracy),
+    final=dict(accuracy=accuracy),
+    steps=200,
+    saved_bytes=saved,
+    temp_bytes=2 * saved,
+    average_bits=bits,
+  )
 
 
 def test_table_and_plots(tmp_path):
   (tmp_path / "actnn_cifar").mkdir()
   (tmp_path / "gact").mkdir()
-  runs = {"fp": _actnn("fp", [(1, 0.5), (2, 0.6), (3, 0.7)], True, saved=480 * MIB),
-          "actnn_l3": _actnn("actnn_l3", [(1, 0.55), (2, 0.65), (3, 0.69)], True,
-                             saved=30 * MIB, bits=2.0),
-          "blpa2": _actnn("blpa2", [(1, 0.4)], False)}
+  runs = {
+    "fp": _actnn("fp", [(1, 0.5), (2, 0.6), (3, 0.7)], True, saved=480 * MIB),
+    "actnn_l3": _actnn(
+      "actnn_l3", [(1, 0.55), (2, 0.65), (3, 0.69)], True, saved=30 * MIB, bits=2.0
+    ),
+    "blpa2": _actnn("blpa2", [(1, 0.4)], False),
+  }
   for name, result in runs.items():
     (tmp_path / "actnn_cifar" / f"{name}.json").write_text(json.dumps(result))
-  cora = dict(variants={"fp": _gact_variant(8 * MIB, 0.8), "adaptive2": _gact_variant(
-      MIB, 0.79, bits=2.0)})
+  cora = dict(
+    variants={"fp": _gact_variant(8 * MIB, 0.8), "adaptive2": _gact_variant(MIB, 0.79, bits=2.0)}
+  )
   (tmp_path / "gact" / "cora_gat.json").write_text(json.dumps(cora))
 
   table = summary.main(["--results", str(tmp_path)]).splitlines()
@@ -50,8 +68,9 @@ def test_table_and_plots(tmp_path):
   assert "**0.690**" in l3 and "30.0 MiB" in l3 and "16.0x" in l3 and "2.00" in l3
   assert "after epoch 1/3 (running)" in rows[(summary_table.ACTNN_TASK, "blpa2")]
   assert "not run yet" in rows[(summary_table.ACTNN_TASK, "division")]
-  assert "8.0x" in rows[("Cora, GAT", "adaptive2")] and "**0.790**" in rows[("Cora, GAT",
-                                                                              "adaptive2")]
+  assert (
+    "8.0x" in rows[("Cora, GAT", "adaptive2")] and "**0.790**" in rows[("Cora, GAT", "adaptive2")]
+  )
   assert "not run yet" in rows[("SST-2, transformer classifier", "all")]
   assert (tmp_path / "summary.md").read_text().splitlines() == table
   for png in ("summary_accuracy.png", "summary_tradeoff.png"):

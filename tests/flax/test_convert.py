@@ -31,8 +31,12 @@ JACT = {"jact": jax.random.key(7, impl="rbg")}
 
 
 def _rngs(params=0, **streams):
-  return nnx.Rngs(params=jax.random.key(params, impl="rbg"),
-                  **{k: jax.random.key(v, impl="rbg") for k, v in streams.items()})
+  return nnx.Rngs(
+    params=jax.random.key(params, impl="rbg"),
+    **{k: jax.random.key(v, impl="rbg") for k, v in streams.items()},
+  )
+
+
 # Every jitted function here runs once or a few times on tiny arrays: compile
 # with LLVM's optimizations off (halves XLA:CPU's compile time; same buffers, sums may round
 # differently: gradients here are compared with tolerances or with programs compiled alike).
@@ -99,11 +103,24 @@ TWINS = {"cnn": TwinCNN(), "block": TwinBlock()}
 
 # name -> (model, input, residual names the converted model must save)
 LINEN = {
-    "cnn": (CNN(), _normal((16, 8, 8, 1)),
-            {"Conv_0.lhs", "BatchNorm_0.xhat", "Conv_1.lhs", "Dense_0.lhs"}),
-    "block": (Block(), _normal((4, 6, 16)),
-              {"LayerNorm_0.xhat", "SelfAttention_0/query.lhs", "SelfAttention_0/attention.qk.lhs",
-               "SelfAttention_0/out.lhs", "LayerNorm_1.xhat", "Dense_0.lhs", "Dense_1.lhs"}),
+  "cnn": (
+    CNN(),
+    _normal((16, 8, 8, 1)),
+    {"Conv_0.lhs", "BatchNorm_0.xhat", "Conv_1.lhs", "Dense_0.lhs"},
+  ),
+  "block": (
+    Block(),
+    _normal((4, 6, 16)),
+    {
+      "LayerNorm_0.xhat",
+      "SelfAttention_0/query.lhs",
+      "SelfAttention_0/attention.qk.lhs",
+      "SelfAttention_0/out.lhs",
+      "LayerNorm_1.xhat",
+      "Dense_0.lhs",
+      "Dense_1.lhs",
+    },
+  ),
 }
 
 
@@ -166,14 +183,15 @@ def test_linen_residuals_are_compressed(name):
   # functions=False: the layers alone (the model's call through the engine,
   # the default, keeps the twins' pieces as they are under its own names)
   report = residual_report(
-      scalar(_linen_loss(convert(model, functions=False), variables, x, JACT)),
-      variables["params"], x)
+    scalar(_linen_loss(convert(model, functions=False), variables, x, JACT)), variables["params"], x
+  )
   assert names <= set(report.by_name()), set(report.by_name())
   # Exactly what the same model written by hand with jact's layers saves,
   # residual group by residual group (the plain relu/gelu functions' residuals
   # are in both); and less than the plain model.
-  twin = residual_report(scalar(_linen_loss(TWINS[name], variables, x, JACT)),
-                         variables["params"], x)
+  twin = residual_report(
+    scalar(_linen_loss(TWINS[name], variables, x, JACT)), variables["params"], x
+  )
   sizes = lambda r: {n: g.bytes for n, g in r.by_name().items()}
   assert sizes(report) == sizes(twin)
   assert report.total_bytes < plain.total_bytes
@@ -186,11 +204,15 @@ def test_linen_without_jact_stream_runs_plain_and_grad_is_a_clear_error():
   # inference, evaluation, decoding: no 'jact' stream, the plain model's outputs
   for train in (False, True):
     np.testing.assert_array_equal(
-        converted.apply(variables, x, train=train, mutable=["batch_stats"])[0],
-        model.apply(variables, x, train=train, mutable=["batch_stats"])[0])
+      converted.apply(variables, x, train=train, mutable=["batch_stats"])[0],
+      model.apply(variables, x, train=train, mutable=["batch_stats"])[0],
+    )
   loss = lambda m: lambda v: jnp.sum(m.apply(v, x, mutable=["batch_stats"])[0])
-  with pytest.raises(ValueError, match=r"'Conv_0' was differentiated without an RNG stream "
-                                       r"named 'jact'.*rngs=\{'jact'"):
+  with pytest.raises(
+    ValueError,
+    match=r"'Conv_0' was differentiated without an RNG stream "
+    r"named 'jact'.*rngs=\{'jact'",
+  ):
     jax.eval_shape(jax.grad(loss(converted)), variables)
   nearest = convert(model, compressor=PerGroup(4, stochastic=False))
   jax.eval_shape(jax.grad(loss(nearest)), variables)  # no key needed
@@ -202,8 +224,12 @@ def test_linen_inference_and_jit():
   converted = convert(model)
   variables = _plain_variables("cnn")
   apply = _jit(lambda v, x, key: converted.apply(v, x, train=False, rngs={"jact": key}))
-  np.testing.assert_allclose(apply(variables, x, jax.random.key(1)),
-                             model.apply(variables, x, train=False), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    apply(variables, x, jax.random.key(1)),
+    model.apply(variables, x, train=False),
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def test_linen_converted_module_is_the_model():
@@ -212,7 +238,11 @@ def test_linen_converted_module_is_the_model():
   assert isinstance(converted, CNN) and type(converted).__name__ == "CNN"
   assert type(model) is CNN  # the argument is left alone
   # a plain PerGroup is held as the twins' own fields
-  assert (converted.jact_bits, converted.jact_group_size, converted.jact_compressor) == (2, 64, None)
+  assert (converted.jact_bits, converted.jact_group_size, converted.jact_compressor) == (
+    2,
+    64,
+    None,
+  )
   # one class per model class: equal settings give equal (hashable) modules
   assert convert(model, compressor=PerGroup(2, group_size=64)) == converted
   assert hash(convert(model, compressor=PerGroup(2, group_size=64))) == hash(converted)
@@ -257,17 +287,24 @@ def test_linen_shared_layers_setup_methods_and_submodules():
   names = set(residual_report(loss(converted), variables["params"]).by_name())
   assert {"fc.lhs", "norm.xhat", "out.lhs"} <= names, names
   # other methods, method= callables and bound modules run converted too
-  assert "fc.lhs" in residual_report(loss(converted, method="encode"), variables["params"]).by_name()
-  assert "fc.lhs" in residual_report(loss(converted, method=lambda m, x: m.fc(x)),
-                                     variables["params"]).by_name()
+  assert (
+    "fc.lhs" in residual_report(loss(converted, method="encode"), variables["params"]).by_name()
+  )
+  assert (
+    "fc.lhs"
+    in residual_report(loss(converted, method=lambda m, x: m.fc(x)), variables["params"]).by_name()
+  )
   bound = converted.bind(variables, rngs=JACT)
   assert "out.lhs" in residual_report(lambda x: jnp.sum(bound(x)), x).by_name()
   # a converted model inside a plain one: its own layers are converted
   outer = Outer(inner=convert(Shared()))
   v_outer = outer.init(KEY, x)
   assert set(v_outer["params"]) == {"inner", "Dense_0"}
-  names = set(residual_report(lambda p: jnp.sum(outer.apply({"params": p}, x, rngs=JACT)),
-                              v_outer["params"]).by_name())
+  names = set(
+    residual_report(
+      lambda p: jnp.sum(outer.apply({"params": p}, x, rngs=JACT)), v_outer["params"]
+    ).by_name()
+  )
   assert "inner/fc.lhs" in names and "Dense_0.lhs" not in names
 
 
@@ -279,22 +316,27 @@ def test_linen_capture_intermediates_like_plain():
   _, ref = model.apply(variables, x, capture_intermediates=True)
   converted = convert(model)
   _, got = _jit(lambda v, x: converted.apply(v, x, capture_intermediates=True, rngs=JACT))(
-      variables, x)
+    variables, x
+  )
   assert jax.tree.structure(got) == jax.tree.structure(ref)
 
 
 @pytest.mark.slow
 def test_linen_bare_layers_and_attention_variants():
   x = _normal((2, 5, 8))
-  for layer in (nn.Dense(4), nn.MultiHeadDotProductAttention(num_heads=2),
-                nn.MultiHeadAttention(num_heads=2)):
+  for layer in (
+    nn.Dense(4),
+    nn.MultiHeadDotProductAttention(num_heads=2),
+    nn.MultiHeadAttention(num_heads=2),
+  ):
     variables = layer.init(KEY, x)
     converted = convert(layer)
     if isinstance(layer, nn.Dense):  # (attention's forward: see the block above)
       y = _jit(lambda v, x: converted.apply(v, x, rngs=JACT))(variables, x)
       np.testing.assert_allclose(y, layer.apply(variables, x), rtol=1e-5, atol=1e-6)
     report = residual_report(
-        lambda p: jnp.sum(converted.apply({"params": p}, x, rngs=JACT)), variables["params"])
+      lambda p: jnp.sum(converted.apply({"params": p}, x, rngs=JACT)), variables["params"]
+    )
     # a bare layer's residuals are named after its twin's class
     name = "Dense.lhs" if isinstance(layer, nn.Dense) else "MultiHeadDotProductAttention/query.lhs"
     assert name in report.by_name(), set(report.by_name())
@@ -318,7 +360,8 @@ def test_linen_embed_dropout_and_sequential():
   np.testing.assert_array_equal(converted.apply(variables, ids), model.apply(variables, ids))
   rngs = {"dropout": jax.random.key(1)}  # Embed and Dropout need no 'jact' stream
   report = residual_report(
-      lambda p: jnp.sum(converted.apply({"params": p}, ids, True, rngs=rngs)), variables["params"])
+    lambda p: jnp.sum(converted.apply({"params": p}, ids, True, rngs=rngs)), variables["params"]
+  )
   assert {"Embed_0.ids", "Dropout_0.seed"} <= set(report.by_name()), set(report.by_name())
   seq = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
   x = _normal((3, 5))
@@ -326,8 +369,9 @@ def test_linen_embed_dropout_and_sequential():
   # functions=False: the layers alone, whose residuals keep the twins' names
   # (under the model's call see test_linen_model_call_keeps_twins_names)
   report = residual_report(
-      lambda p: jnp.sum(convert(seq, functions=False).apply({"params": p}, x, rngs=JACT)),
-      variables["params"])
+    lambda p: jnp.sum(convert(seq, functions=False).apply({"params": p}, x, rngs=JACT)),
+    variables["params"],
+  )
   assert {"layers_0.lhs", "layers_2.lhs"} <= set(report.by_name()), set(report.by_name())
 
 
@@ -337,7 +381,8 @@ def test_linen_model_call_keeps_twins_names():
   x = _normal((3, 5))
   variables = seq.init(KEY, x)
   report = residual_report(
-      lambda p: jnp.sum(convert(seq).apply({"params": p}, x, rngs=JACT)), variables["params"])
+    lambda p: jnp.sum(convert(seq).apply({"params": p}, x, rngs=JACT)), variables["params"]
+  )
   assert {"layers_0.lhs", "layers_2.lhs"} <= set(report.by_name()), set(report.by_name())
 
 
@@ -368,8 +413,9 @@ def test_linen_call_time_options_fall_back():
   layer = nn.MultiHeadDotProductAttention(num_heads=2)
   variables = layer.init(KEY, x)
   with pytest.warns(ConversionWarning, match="sow_weights"):
-    y, state = convert(layer).apply(variables, x, sow_weights=True, rngs=JACT,
-                                    mutable=["intermediates"])
+    y, state = convert(layer).apply(
+      variables, x, sow_weights=True, rngs=JACT, mutable=["intermediates"]
+    )
   y_ref, state_ref = layer.apply(variables, x, sow_weights=True, mutable=["intermediates"])
   np.testing.assert_array_equal(y, y_ref)
   chex.assert_trees_all_equal(state, state_ref)
@@ -383,7 +429,9 @@ def test_convert_rejects_bad_arguments():
     convert(CNN(), bits=3)
   with pytest.raises(ValueError, match="group_size"):
     convert(CNN(), compressor=PerGroup(4, group_size=12))
-  with pytest.raises(TypeError, match=r"jact\.convert .*compressor=jact\.compressors\.PerGroup\(4, group_size=12"):
+  with pytest.raises(
+    TypeError, match=r"jact\.convert .*compressor=jact\.compressors\.PerGroup\(4, group_size=12"
+  ):
     convert(CNN(), group_size=12)
   with pytest.raises(TypeError, match="'jact' stream of apply"):
     convert(CNN(), rngs=nnx.Rngs(jact=0))
@@ -419,23 +467,45 @@ class NBlock(nnx.Module):
 
 # name -> (model class, input, converted layers by path, residual names)
 NNX = {
-    "cnn": (NCNN, _normal((16, 8, 8, 1)),
-            {("conv",): jnnx.Conv, ("bn",): jnnx.BatchNorm, ("fc",): jnnx.Linear},
-            {"conv.lhs", "bn.xhat", "fc.lhs"}),
-    "block": (NBlock, _normal((4, 6, 16)),
-              {("ln1",): jnnx.LayerNorm, ("attn",): jnnx.MultiHeadAttention,
-               ("attn", "query_ln"): jnnx.LayerNorm, ("attn", "key_ln"): jnnx.LayerNorm,
-               ("ln2",): jnnx.LayerNorm,
-               ("mlp", 0): jnnx.Linear, ("mlp", 1): jnnx.Linear},
-              {"ln1.xhat", "attn/query.lhs", "attn/query_ln.xhat", "attn/attention.qk.lhs",
-               "attn/out.lhs", "ln2.xhat", "mlp/0.lhs", "mlp/1.lhs"}),
+  "cnn": (
+    NCNN,
+    _normal((16, 8, 8, 1)),
+    {("conv",): jnnx.Conv, ("bn",): jnnx.BatchNorm, ("fc",): jnnx.Linear},
+    {"conv.lhs", "bn.xhat", "fc.lhs"},
+  ),
+  "block": (
+    NBlock,
+    _normal((4, 6, 16)),
+    {
+      ("ln1",): jnnx.LayerNorm,
+      ("attn",): jnnx.MultiHeadAttention,
+      ("attn", "query_ln"): jnnx.LayerNorm,
+      ("attn", "key_ln"): jnnx.LayerNorm,
+      ("ln2",): jnnx.LayerNorm,
+      ("mlp", 0): jnnx.Linear,
+      ("mlp", 1): jnnx.Linear,
+    },
+    {
+      "ln1.xhat",
+      "attn/query.lhs",
+      "attn/query_ln.xhat",
+      "attn/attention.qk.lhs",
+      "attn/out.lhs",
+      "ln2.xhat",
+      "mlp/0.lhs",
+      "mlp/1.lhs",
+    },
+  ),
 }
 STATE = (nnx.Param, nnx.BatchStat)
 
 
 def _variables(model):
-  return {id(v) for _, v in nnx.iter_graph(model)
-          if isinstance(v, nnx.Variable) and not isinstance(v, nnx.RngState)}
+  return {
+    id(v)
+    for _, v in nnx.iter_graph(model)
+    if isinstance(v, nnx.Variable) and not isinstance(v, nnx.RngState)
+  }
 
 
 def _nnx_forward(model, x):
@@ -479,17 +549,21 @@ def test_nnx_convert_in_place_keeps_state_and_forward(name):
   # (its call runs through the generic engine)
   assert _variables(model) == variables
   for kind in STATE:
-    assert_same_tree(nnx.to_pure_dict(nnx.state(model, kind)),
-                      nnx.to_pure_dict(nnx.state(plain, kind)))
+    assert_same_tree(
+      nnx.to_pure_dict(nnx.state(model, kind)), nnx.to_pure_dict(nnx.state(plain, kind))
+    )
   after = nnx.state(model, nnx.Not(nnx.RngState))
   assert jax.tree.structure(after) == jax.tree.structure(before)
   rng_paths = {p[:-2] for p, _ in nnx.to_flat_state(nnx.state(model, nnx.RngState))}
   assert rng_paths == set(layers) | {()}, rng_paths
   # same forward and same running statistics
   np.testing.assert_allclose(_nnx_forward(model, x), _nnx_forward(plain, x), rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)),
-                              nnx.to_pure_dict(nnx.state(plain, nnx.BatchStat)),
-                              rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(
+    nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)),
+    nnx.to_pure_dict(nnx.state(plain, nnx.BatchStat)),
+    rtol=1e-6,
+    atol=1e-7,
+  )
 
 
 @pytest.mark.slow
@@ -524,6 +598,7 @@ def test_nnx_jit_train_step_draws_fresh_keys():
   def step(model, optimizer):
     def loss_fn(model):
       return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
@@ -539,8 +614,9 @@ def test_nnx_rngs_shared_layers_and_bare_layers():
     convert(make(_rngs(0)), rngs=_rngs(0))  # rngs without a 'jact' or 'default' stream
   # round-to-nearest needs no stream; Embed and Dropout never do
   convert(make(_rngs(0)), compressor=PerGroup(4, stochastic=False))
-  seq = convert(nnx.Sequential(nnx.Embed(5, 4, rngs=_rngs(0)),
-                               nnx.Dropout(0.5, rngs=_rngs(dropout=1))))
+  seq = convert(
+    nnx.Sequential(nnx.Embed(5, 4, rngs=_rngs(0)), nnx.Dropout(0.5, rngs=_rngs(dropout=1)))
+  )
   assert [type(m) for m in seq.layers] == [jnnx.Embed, jnnx.Dropout]
   # a bare supported layer is returned as its twin, with the same Variables
   layer = nnx.Linear(3, 2, rngs=_rngs(0))
@@ -560,28 +636,33 @@ def test_nnx_without_rngs_state_is_the_plain_models_and_inference_needs_no_key(n
   plain, model = make(_rngs(0)), convert(make(_rngs(0)), bits=2)
   # the full state (every Variable, not only Param/BatchStat) is the plain model's
   assert_same_tree(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(plain)))
-  assert (jax.tree.structure(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable))
-          == jax.tree.structure(nnx.state(plain), is_leaf=lambda v: isinstance(v, nnx.Variable)))
+  assert jax.tree.structure(
+    nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable)
+  ) == jax.tree.structure(nnx.state(plain), is_leaf=lambda v: isinstance(v, nnx.Variable))
   # ... so it loads both ways: nnx.update, and nnx.merge of the other's graphdef
   other = make(_rngs(5))
   nnx.update(other, nnx.state(model))
   assert_same_tree(nnx.to_pure_dict(nnx.state(other)), nnx.to_pure_dict(nnx.state(plain)))
   converted_other = convert(make(_rngs(5)), bits=2)
   nnx.update(converted_other, nnx.state(plain))
-  assert_same_tree(nnx.to_pure_dict(nnx.state(converted_other)),
-                   nnx.to_pure_dict(nnx.state(plain)))
+  assert_same_tree(nnx.to_pure_dict(nnx.state(converted_other)), nnx.to_pure_dict(nnx.state(plain)))
   assert type(nnx.merge(nnx.graphdef(plain), nnx.state(model))) is type(plain)
   merged = nnx.merge(nnx.graphdef(model), nnx.state(plain))
   assert {type(m) for _, m in nnx.iter_modules(merged)} == {
-      type(m) for _, m in nnx.iter_modules(model)}
+    type(m) for _, m in nnx.iter_modules(model)
+  }
   # inference without a key: the plain model's output (and running statistics)
   np.testing.assert_array_equal(model(x), plain(x))
-  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)),
-                              nnx.to_pure_dict(nnx.state(plain)))
+  chex.assert_trees_all_equal(
+    nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(plain))
+  )
   # differentiating without a key names the fixes
   f, params = _split_loss(model, x)
-  with pytest.raises(ValueError, match=r"differentiated without a rounding key.*"
-                                       r"jact.nnx.use_key.*rngs=nnx.Rngs\(jact=0\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"differentiated without a rounding key.*"
+    r"jact.nnx.use_key.*rngs=nnx.Rngs\(jact=0\)",
+  ):
     jax.eval_shape(jax.grad(f), params, x)
 
 
@@ -622,9 +703,12 @@ def test_nnx_use_key_draws_one_key_per_layer_and_call():
   graphdef, state = nnx.split(layer)
 
   @_jit
-  def grads(state, key):  # the kernel's gradient reads the stored input: equal gradients, equal noise
+  def grads(
+    state, key
+  ):  # the kernel's gradient reads the stored input: equal gradients, equal noise
     grad = lambda: nnx.grad(lambda m: jnp.sum(m(x) * jnp.arange(8.0)))(
-        nnx.merge(graphdef, state)).kernel[...]
+      nnx.merge(graphdef, state)
+    ).kernel[...]
     with jact.nnx.use_key(key):
       return grad(), grad()  # the layer's second call inside the block: a new key
 
@@ -643,9 +727,11 @@ def test_nnx_use_key_draws_one_key_per_layer_and_call():
 
 def test_nnx_unsupported_layers_stay_plain():
   custom = lambda *a, **k: jax.lax.dot_general(*a, **k)
-  model = nnx.Sequential(nnx.Linear(3, 3, dot_general=custom, rngs=_rngs(0)),
-                         nnx.LayerNorm(3, reduction_axes=0, feature_axes=0, rngs=_rngs(0)),
-                         nnx.Linear(3, 3, rngs=_rngs(0)))
+  model = nnx.Sequential(
+    nnx.Linear(3, 3, dot_general=custom, rngs=_rngs(0)),
+    nnx.LayerNorm(3, reduction_axes=0, feature_axes=0, rngs=_rngs(0)),
+    nnx.Linear(3, 3, rngs=_rngs(0)),
+  )
   with pytest.raises(ValueError, match="layers/0 .*strict=True"):
     convert(model, strict=True, rngs=_rngs(jact=1))
   assert type(model.layers[2]) is nnx.Linear  # nothing converted on error
@@ -668,14 +754,16 @@ def test_linen_training_on_digits_lowers_the_loss():
   opt_state = tx.init(params)
 
   def loss_fn(params, batch_stats, x, y, key):
-    logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                                  rngs={"jact": key}, mutable=["batch_stats"])
+    logits, updates = model.apply(
+      {"params": params, "batch_stats": batch_stats}, x, rngs={"jact": key}, mutable=["batch_stats"]
+    )
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
 
   @_jit
   def step(params, batch_stats, opt_state, x, y, key):
     (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, batch_stats, x, y, key)
+      params, batch_stats, x, y, key
+    )
     change, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, change), updates["batch_stats"], opt_state, loss
 
@@ -683,8 +771,9 @@ def test_linen_training_on_digits_lowers_the_loss():
   losses = []
   for i in range(30):
     xb, yb = next(data)
-    params, batch_stats, opt_state, loss = step(params, batch_stats, opt_state, xb, yb,
-                                                jax.random.fold_in(KEY, i))
+    params, batch_stats, opt_state, loss = step(
+      params, batch_stats, opt_state, xb, yb, jax.random.fold_in(KEY, i)
+    )
     losses.append(float(loss))
   # the first loss is that of the initial parameters; measured: 2.49, and
   # 0.55 averaged over the last five steps

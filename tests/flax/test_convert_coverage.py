@@ -30,7 +30,7 @@ _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_le
 def _rel_err(a, b) -> float:
   a, b = jax.tree.leaves(a), jax.tree.leaves(b)
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b))
-  return (num / sum(float(jnp.sum(y ** 2)) for y in b)) ** 0.5
+  return (num / sum(float(jnp.sum(y**2)) for y in b)) ** 0.5
 
 
 # ----------------------------------------------------------------------------- linen models
@@ -50,8 +50,9 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scan = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
-                   in_axes=1, out_axes=1)
+    scan = nn.scan(
+      nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False}, in_axes=1, out_axes=1
+    )
     cell = scan(features=32)
     carry = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
     _, h = cell(carry, x)
@@ -74,9 +75,9 @@ class ConvNet(nn.Module):
 
 
 LINEN = {
-    "bilstm": (Classifier, (16, 8, 32)),
-    "scan": (Encoder, (16, 8, 32)),
-    "convnet": (ConvNet, (8, 16, 16, 8)),
+  "bilstm": (Classifier, (16, 8, 32)),
+  "scan": (Encoder, (16, 8, 32)),
+  "convnet": (ConvNet, (8, 16, 16, 8)),
 }
 
 
@@ -118,17 +119,21 @@ def test_linen_functions_opt_out_and_report():
   loss, layers_only = converted(bits=2), converted(bits=2, functions=False)
   report = jact.conversion_report(loss, variables, x)
   how = {r.path: r.how for r in report.rows}
-  assert how == {"ConvNet": "model", "Conv_0": "twin", "GroupNorm_0": "engine",
-                 "ConvTranspose_0": "engine", "DenseGeneral_0": "engine",
-                 "Einsum_0": "engine"}, how
+  assert how == {
+    "ConvNet": "model",
+    "Conv_0": "twin",
+    "GroupNorm_0": "engine",
+    "ConvTranspose_0": "engine",
+    "DenseGeneral_0": "engine",
+    "Einsum_0": "engine",
+  }, how
   engine = [r for r in report.rows if r.how == "engine"]
   assert all(r.saved_bytes < r.plain_bytes for r in engine if r.plain_bytes > 4096)
   # without the model's call through the engine, what gelu/silu/relu and the
   # pooling save stays: more bytes, fewer than the plain model
   saved = lambda f: jact.residual_report(f, variables, x).total_bytes
   assert saved(loss) < saved(layers_only) < saved(plain)
-  assert "ConvNet" not in {r.path for r in jact.conversion_report(layers_only, variables,
-                                                                  x).rows}
+  assert "ConvNet" not in {r.path for r in jact.conversion_report(layers_only, variables, x).rows}
 
 
 class OddNorm(nn.Module):
@@ -225,8 +230,7 @@ def test_nnx_forward_bytes_and_gradients(name):
 
   def saved(model):
     graphdef, state = nnx.split(model)
-    return jact.residual_report(lambda s, x: loss(nnx.merge(graphdef, s), x), state,
-                                x).total_bytes
+    return jact.residual_report(lambda s, x: loss(nnx.merge(graphdef, s), x), state, x).total_bytes
 
   model2 = jact.convert(cls(nnx.Rngs(0)), bits=2, rngs=nnx.Rngs(jact=1))
   forward = nnx.jit(lambda m, x: m(x))

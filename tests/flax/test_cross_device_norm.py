@@ -26,10 +26,12 @@ from jact._flax.convert import ConversionWarning, convert
 
 DEVICES, PER_DEVICE = 4, 2
 AXIS = "batch"
-X = jnp.asarray(np.random.default_rng(0).standard_normal((DEVICES, PER_DEVICE, 6, 6, 3)),
-                jnp.float32)
-COT = jnp.asarray(np.random.default_rng(1).standard_normal((DEVICES, PER_DEVICE, 6, 6, 8)),
-                  jnp.float32)
+X = jnp.asarray(
+  np.random.default_rng(0).standard_normal((DEVICES, PER_DEVICE, 6, 6, 3)), jnp.float32
+)
+COT = jnp.asarray(
+  np.random.default_rng(1).standard_normal((DEVICES, PER_DEVICE, 6, 6, 8)), jnp.float32
+)
 JACT_KEY = jax.random.key(7, impl="rbg")
 
 
@@ -40,6 +42,7 @@ def _rel_err(got, want) -> float:
 class ConvBN(nn.Module):
   """Plain Flax: Conv -> BatchNorm(axis_name) -> relu, nothing jact in it (`norm`: the
   BatchNorm class, or a function building jact's twin in the twin test)."""
+
   norm: Callable[..., nn.Module] = nn.BatchNorm
 
   @nn.compact
@@ -51,18 +54,20 @@ class ConvBN(nn.Module):
 
 def _linen_step(model, variables, rngs):
   """Per-device (params gradient, output, new batch_stats) under the named axis."""
+
   def local(params, x, cot):
-    y, state = model.apply({**variables, "params": params}, x, mutable=["batch_stats"],
-                           rngs=rngs)
+    y, state = model.apply({**variables, "params": params}, x, mutable=["batch_stats"], rngs=rngs)
     return jnp.sum(y * cot), (y, state["batch_stats"])
+
   grad = jax.grad(local, has_aux=True)
   step = jax.vmap(grad, in_axes=(None, 0, 0), axis_name=AXIS)
   return jax.jit(step)(variables["params"], X, COT)
 
 
 def _linen_variables():
-  return jax.jit(jax.vmap(lambda x: ConvBN().init(jax.random.key(0), x), axis_name=AXIS,
-                          out_axes=None))(X)
+  return jax.jit(
+    jax.vmap(lambda x: ConvBN().init(jax.random.key(0), x), axis_name=AXIS, out_axes=None)
+  )(X)
 
 
 def _check_against_plain(got, want, *, exact: bool):
@@ -100,10 +105,11 @@ def test_linen_convert_keeps_batch_norm_with_axis_name_compressed():
   def saved(model, rngs):
     def loss(params):
       def local(x):
-        y, _ = model.apply({**variables, "params": params}, x, mutable=["batch_stats"],
-                           rngs=rngs)
+        y, _ = model.apply({**variables, "params": params}, x, mutable=["batch_stats"], rngs=rngs)
         return jnp.sum(y)
+
       return jnp.sum(jax.vmap(local, axis_name=AXIS)(X))
+
     return jact.residual_report(loss, variables["params"])
 
   report = saved(convert(ConvBN(), bits=2), {"jact": JACT_KEY}).by_name()
@@ -114,8 +120,10 @@ def test_linen_convert_keeps_batch_norm_with_axis_name_compressed():
 
 
 def _nnx_model(convert_bits=None):
-  model = nnx.Sequential(nnx.Conv(3, 8, (3, 3), rngs=nnx.Rngs(0)),
-                         nnx.BatchNorm(8, momentum=0.9, axis_name=AXIS, rngs=nnx.Rngs(0)))
+  model = nnx.Sequential(
+    nnx.Conv(3, 8, (3, 3), rngs=nnx.Rngs(0)),
+    nnx.BatchNorm(8, momentum=0.9, axis_name=AXIS, rngs=nnx.Rngs(0)),
+  )
   if convert_bits is not None:
     with warnings.catch_warnings():
       warnings.simplefilter("error", ConversionWarning)
@@ -187,12 +195,22 @@ def test_converted_batch_norm_adds_no_collectives_on_8_devices(tmp_path):
   compiled train step of the converted model has exactly the plain model's collectives."""
   script = tmp_path / "collectives.py"
   script.write_text(_COLLECTIVES_SCRIPT)
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                    " --xla_force_host_platform_device_count=8").strip(),
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip(),
+    JAX_PLATFORMS="cpu",
+  )
   tests_dir = str(pathlib.Path(__file__).parents[1])
-  done = subprocess.run([sys.executable, str(script), tests_dir], env=env, capture_output=True,
-                        text=True, timeout=600, check=False)
+  done = subprocess.run(
+    [sys.executable, str(script), tests_dir],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(done.stdout.strip().splitlines()[-1])
   assert result["devices"] == 8

@@ -59,6 +59,7 @@ X = _normal((64, 16))
 
 class LinenBlock(nn.Module):
   """Residual MLP block, optionally with BatchNorm (mutable batch_stats)."""
+
   width: int = 256
   norm: bool = False
   act: Callable = nn.relu
@@ -85,9 +86,11 @@ def _linen_loss(net, batch_stats, rngs=None, *, has_aux=False):
   probe = _normal((X.shape[0], X.shape[1]), seed=3)
 
   def loss(params, x):
-    y, new = net.apply({"params": params, "batch_stats": batch_stats}, x,
-                       mutable=["batch_stats"], rngs=rngs)
+    y, new = net.apply(
+      {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"], rngs=rngs
+    )
     return (jnp.mean(y * probe), new) if has_aux else jnp.mean(y * probe)
+
   return loss
 
 
@@ -103,7 +106,8 @@ def test_linen_variables_equal_plain(linen_variables):
   # path; both give exactly the plain variables (autonames "LinenBlock_0", ...)
   assert_same_tree(jax.jit(decorated.init)(_key(0), X), linen_variables)
   assert_same_tree(
-      jax.jit(decorated.init)({"params": _key(0), "jact": _key(1)}, X), linen_variables)
+    jax.jit(decorated.init)({"params": _key(0), "jact": _key(1)}, X), linen_variables
+  )
   assert set(linen_variables["params"]) == {"LinenBlock_0", "LinenBlock_1"}
   top = jact.compressed(LinenBlock, bits=2)
   assert top.__name__ == "LinenBlock" and issubclass(top, LinenBlock)
@@ -128,17 +132,20 @@ def test_linen_forward_and_batch_stats_equal_plain(linen_variables):
 def test_linen_8bit_gradients_close_and_2bit_residuals_small(linen_variables):
   params, stats = linen_variables["params"], linen_variables["batch_stats"]
   plain = _linen_loss(LinenNet(), stats)
-  c8 = _linen_loss(LinenNet(block=jact.compressed(LinenBlock, bits=8)), stats,
-                   {"jact": _key(1)}, has_aux=True)
+  c8 = _linen_loss(
+    LinenNet(block=jact.compressed(LinenBlock, bits=8)), stats, {"jact": _key(1)}, has_aux=True
+  )
   g_ref, s_ref = jax.jit(jax.grad(_linen_loss(LinenNet(), stats, has_aux=True), has_aux=True))(
-      params, X)
+    params, X
+  )
   g, s = jax.jit(jax.grad(c8, has_aux=True))(params, X)
   assert tree_rel_err(g, g_ref) < GRAD_RTOL
   # batch statistics flow out of the compressed call under jit(grad)
   chex.assert_trees_all_close(s, s_ref, rtol=1e-6, atol=1e-7)
   plain = _linen_loss(LinenNet(act=nn.gelu), stats)
-  c2 = _linen_loss(LinenNet(block=jact.compressed(LinenBlock, bits=2), act=nn.gelu), stats,
-                   {"jact": _key(1)})
+  c2 = _linen_loss(
+    LinenNet(block=jact.compressed(LinenBlock, bits=2), act=nn.gelu), stats, {"jact": _key(1)}
+  )
   report = jact.residual_report(c2, params, X)
   assert _saved_bytes(plain, params, X) >= MIN_SAVING * report.total_bytes
   # residual names default to the block's module path
@@ -162,12 +169,14 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   shift = _normal(X.shape, seed=8)
   loss = lambda m, x: jnp.mean(m(2.0 * x + shift, key=_key(1)))  # the input: an activation
   default, compress = (
-      _saved_bytes(loss, flax_compressed.wrap(model, ResidualConfig(bits=2), None, argnums), X)
-      for argnums in ((), (0,)))
+    _saved_bytes(loss, flax_compressed.wrap(model, ResidualConfig(bits=2), None, argnums), X)
+    for argnums in ((), (0,))
+  )
   assert compress < default - X.nbytes // 2
   with pytest.raises(ValueError, match="compress_argnums"):
     flax_compressed.wrap(LinenBlock, ResidualConfig(bits=2), None, (3,))().init(
-        {"params": _key(0), "jact": _key(1)}, X)
+      {"params": _key(0), "jact": _key(1)}, X
+    )
 
 
 @pytest.mark.slow
@@ -177,12 +186,16 @@ def test_linen_missing_stream_explicit_key_and_instances(linen_variables):
   y_ref = LinenBlock(width=128).apply(variables, X)
   # no stream: inference runs the plain module; differentiating it names the fixes
   np.testing.assert_array_equal(block.apply(variables, X), y_ref)
-  with pytest.raises(ValueError, match=r"jact.compressed\(LinenBlock 'LinenBlock'\) was "
-                                       r"differentiated.*rngs=\{'jact': key\}.*key="):
+  with pytest.raises(
+    ValueError,
+    match=r"jact.compressed\(LinenBlock 'LinenBlock'\) was "
+    r"differentiated.*rngs=\{'jact': key\}.*key=",
+  ):
     jax.grad(lambda v: jnp.sum(block.apply(v, X)))(variables)
   # no key needed with round-to-nearest
   nearest = jact.compressed(LinenBlock, compressor=jact.compressors.PerGroup(2, stochastic=False))(
-      width=128)
+    width=128
+  )
   np.testing.assert_array_equal(nearest.apply(variables, X), y_ref)
   # an explicit key= instead of the stream
   np.testing.assert_array_equal(block.apply(variables, X, key=_key(2)), y_ref)
@@ -225,8 +238,7 @@ def test_linen_composes_with_remat_and_dropout():
 class NnxBlock(nnx.Module):
   """Residual MLP block, optionally with BatchNorm (nnx.BatchStat state)."""
 
-  def __init__(self, d: int, width: int, norm: bool = False, act=nnx.relu, *,
-               rngs: nnx.Rngs):
+  def __init__(self, d: int, width: int, norm: bool = False, act=nnx.relu, *, rngs: nnx.Rngs):
     self.act = act
     self.fc1 = nnx.Linear(d, width, rngs=rngs)
     self.bn = nnx.BatchNorm(width, momentum=0.9, rngs=rngs) if norm else None
@@ -261,12 +273,16 @@ def _nnx_loss_of_params(model):
     # fresh Variables inside the trace (merge reuses the State's Variable objects)
     m = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
     return jnp.mean(m(x) * probe)
+
   return loss, params
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rngs", [lambda: _rngs(default=0), lambda: _rngs(params=0, jact=1)],
-                         ids=["default-stream", "jact-stream"])
+@pytest.mark.parametrize(
+  "rngs",
+  [lambda: _rngs(default=0), lambda: _rngs(params=0, jact=1)],
+  ids=["default-stream", "jact-stream"],
+)
 def test_nnx_class_state_equals_plain(rngs):
   plain = NnxNet(NnxBlock, rngs=_rngs(default=0))
   model = NnxNet(jact.compressed(NnxBlock, bits=2), rngs=rngs())
@@ -289,12 +305,14 @@ def test_nnx_forward_and_batch_stats_equal_plain():
 def test_nnx_8bit_gradients_close_and_2bit_residuals_small():
   plain_loss, params = _nnx_loss_of_params(NnxNet(NnxBlock, rngs=_rngs(default=0)))
   loss8, params8 = _nnx_loss_of_params(
-      NnxNet(jact.compressed(NnxBlock, bits=8), rngs=_rngs(params=0, jact=1)))
+    NnxNet(jact.compressed(NnxBlock, bits=8), rngs=_rngs(params=0, jact=1))
+  )
   g_ref, g = jax.jit(jax.grad(plain_loss))(params, X), jax.jit(jax.grad(loss8))(params8, X)
   assert tree_rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref)) < GRAD_RTOL
   plain_loss, params = _nnx_loss_of_params(NnxNet(NnxBlock, nnx.gelu, rngs=_rngs(default=0)))
   loss2, params2 = _nnx_loss_of_params(
-      NnxNet(jact.compressed(NnxBlock, bits=2), nnx.gelu, rngs=_rngs(params=0, jact=1)))
+    NnxNet(jact.compressed(NnxBlock, bits=2), nnx.gelu, rngs=_rngs(params=0, jact=1))
+  )
   assert _saved_bytes(plain_loss, params, X) >= MIN_SAVING * _saved_bytes(loss2, params2, X)
 
 
@@ -338,8 +356,7 @@ def test_nnx_jit_grad_step_changes_params():
   losses = [float(step(model, optimizer, X)) for _ in range(3)]
   assert len(traces) == 1 and losses[-1] < losses[0]
   after = _pure(model, nnx.Param)
-  assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(after),
-                                                   jax.tree.leaves(before)))
+  assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
   assert int(model.jact_rngs.count[...]) == 3  # a fresh key every step
 
 
@@ -362,19 +379,22 @@ def test_nnx_scan_over_a_stack_of_blocks():
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
       return cls(d, 64, rngs=rngs)
+
     return make(rngs)
 
   def forward(blocks, x):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     def body(x, block):
       return block(x)
+
     return body(x, blocks)
 
   model = stack(jact.compressed(NnxBlock, bits=8), _rngs(params=0, jact=1))
   # the plain stack, with the same parameters (shapes only: no second initialization)
   abstract = nnx.eval_shape(lambda: stack(NnxBlock, _rngs(default=0)))
   assert jax.tree.map(jnp.shape, _pure(abstract, nnx.Param)) == jax.tree.map(
-      jnp.shape, _pure(model, nnx.Param))
+    jnp.shape, _pure(model, nnx.Param)
+  )
   plain = nnx.merge(nnx.graphdef(abstract), nnx.state(model, nnx.Param))
   loss = lambda m, x: jnp.mean(forward(m, x) * _normal((64, d), seed=6))
   value_and_grad = nnx.jit(nnx.value_and_grad(loss))
@@ -396,8 +416,9 @@ def test_nnx_call_function_writes_state_back():
   drop = nnx.Dropout(0.5)
   fn = lambda m, x, s, rngs: drop(m(x), rngs=rngs) * s
   rngs, rngs_ref = _rngs(dropout=2), _rngs(dropout=2)
-  y = flax_compressed.call_function(fn, (bn, x, 2.0, rngs), {}, key=_key(0),
-                                      config=ResidualConfig(bits=8))
+  y = flax_compressed.call_function(
+    fn, (bn, x, 2.0, rngs), {}, key=_key(0), config=ResidualConfig(bits=8)
+  )
   np.testing.assert_array_equal(y, fn(plain, x, 2.0, rngs_ref))
   assert_same_tree(_pure(bn, nnx.BatchStat), _pure(plain, nnx.BatchStat))
   assert int(rngs.dropout.count[...]) == 1  # an nnx.Rngs argument advances too
@@ -416,7 +437,9 @@ def test_is_flax():
 
 @pytest.fixture(scope="module")
 def digits():
-  x_train, y_train, _, _ = load_image_dataset("digits")  # real 8x8 handwritten digits, from the data kit
+  x_train, y_train, _, _ = load_image_dataset(
+    "digits"
+  )  # real 8x8 handwritten digits, from the data kit
   return x_train.reshape(len(x_train), -1), y_train
 
 
@@ -475,8 +498,10 @@ def test_nnx_training_on_digits_lowers_the_loss(digits):
     optimizer.update(model, grads)
     return loss
 
-  losses = [float(step(model, optimizer, xb, yb))
-            for _, (xb, yb) in zip(range(STEPS), batches(x_train, y_train, 128, seed=0))]
+  losses = [
+    float(step(model, optimizer, xb, yb))
+    for _, (xb, yb) in zip(range(STEPS), batches(x_train, y_train, 128, seed=0))
+  ]
   assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
   assert int(model.block.jact_rngs.count[...]) == STEPS
 

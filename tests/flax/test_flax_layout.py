@@ -17,14 +17,22 @@ FLAX_SIDE = [JACT / "_flax", JACT / "nn", JACT / "nnx"]
 def _context_vars_made(path: pathlib.Path) -> list[int]:
   """Lines of `path` that call `ContextVar(...)` (as `contextvars.ContextVar` or a bare name)."""
   tree = ast.parse(path.read_text())
-  return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-          and getattr(node.func, "attr", getattr(node.func, "id", None)) == "ContextVar"]
+  return [
+    node.lineno
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and getattr(node.func, "attr", getattr(node.func, "id", None)) == "ContextVar"
+  ]
 
 
 def test_every_flax_context_variable_is_made_in_the_context_module():
   made = {path: _context_vars_made(path) for root in FLAX_SIDE for path in root.rglob("*.py")}
-  elsewhere = [f"{path}:{line}" for path, lines in made.items() for line in lines
-               if path != JACT / "_flax" / "context.py"]
+  elsewhere = [
+    f"{path}:{line}"
+    for path, lines in made.items()
+    for line in lines
+    if path != JACT / "_flax" / "context.py"
+  ]
   assert not elsewhere, "make the ContextVar in jact/_flax/context.py:\n" + "\n".join(elsewhere)
   assert made[JACT / "_flax" / "context.py"], "the context module makes no ContextVar"
 
@@ -40,8 +48,16 @@ def test_bound_restores_the_outer_value_on_exit_and_on_error():
   assert context.LINEN_IN_MODEL.get() is False
 
 
-@pytest.mark.parametrize("old", ["jact.flax.linen", "jact.flax.nnx", "jact.flax.convert",
-                                 "jact.flax.conversion_report", "jact.flax.compressed_module"])
+@pytest.mark.parametrize(
+  "old",
+  [
+    "jact.flax.linen",
+    "jact.flax.nnx",
+    "jact.flax.convert",
+    "jact.flax.conversion_report",
+    "jact.flax.compressed_module",
+  ],
+)
 def test_one_namespace_per_concept_no_old_flax_paths(old):
   with pytest.raises(ModuleNotFoundError):
     importlib.import_module(old)
@@ -51,7 +67,10 @@ def test_one_namespace_per_concept_no_old_flax_paths(old):
 def test_the_twin_packages_are_jacts_attributes_and_keep_their_modules_private(package):
   module = importlib.import_module(package)
   assert getattr(jact, package.split(".")[1]) is module
-  homes = {getattr(module, name).__module__ for name in module.__all__
-           if hasattr(getattr(module, name), "__module__")}
+  homes = {
+    getattr(module, name).__module__
+    for name in module.__all__
+    if hasattr(getattr(module, name), "__module__")
+  }
   public = [home for home in homes if not any(part.startswith("_") for part in home.split("."))]
   assert not public, public

@@ -36,22 +36,33 @@ def _ids(shape, n, seed=0):
 
 # name -> (plain layer, twin layer, input, apply kwargs)
 LAYERS = {
-    "Dense": (nn.Dense(5), jnn.Dense(5, bits=8), _normal((6, 7)), {}),
-    "Conv": (nn.Conv(4, (3, 3), strides=2, padding="CIRCULAR"),
-             jnn.Conv(4, (3, 3), strides=2, padding="CIRCULAR", bits=8),
-             _normal((2, 6, 6, 3)), {}),
-    "BatchNorm": (nn.BatchNorm(use_running_average=False, momentum=0.9),
-                  jnn.BatchNorm(use_running_average=False, momentum=0.9, bits=8),
-                  _normal((8, 4, 4, 3)) * 2.0 + 1.0, {"mutable": ["batch_stats"]}),
-    "LayerNorm": (nn.LayerNorm(), jnn.LayerNorm(bits=8), _normal((6, 16)) + 0.5, {}),
-    "RMSNorm": (nn.RMSNorm(), jnn.RMSNorm(bits=8), _normal((6, 16)) + 0.5, {}),
-    "MultiHeadDotProductAttention": (
-        nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8),
-        jnn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, bits=8),
-        _normal((2, 5, 6)), {}),
-    "SelfAttention": (nn.SelfAttention(num_heads=2, qkv_features=8),
-                      jnn.SelfAttention(num_heads=2, qkv_features=8, bits=8),
-                      _normal((2, 5, 6)), {}),
+  "Dense": (nn.Dense(5), jnn.Dense(5, bits=8), _normal((6, 7)), {}),
+  "Conv": (
+    nn.Conv(4, (3, 3), strides=2, padding="CIRCULAR"),
+    jnn.Conv(4, (3, 3), strides=2, padding="CIRCULAR", bits=8),
+    _normal((2, 6, 6, 3)),
+    {},
+  ),
+  "BatchNorm": (
+    nn.BatchNorm(use_running_average=False, momentum=0.9),
+    jnn.BatchNorm(use_running_average=False, momentum=0.9, bits=8),
+    _normal((8, 4, 4, 3)) * 2.0 + 1.0,
+    {"mutable": ["batch_stats"]},
+  ),
+  "LayerNorm": (nn.LayerNorm(), jnn.LayerNorm(bits=8), _normal((6, 16)) + 0.5, {}),
+  "RMSNorm": (nn.RMSNorm(), jnn.RMSNorm(bits=8), _normal((6, 16)) + 0.5, {}),
+  "MultiHeadDotProductAttention": (
+    nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8),
+    jnn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, bits=8),
+    _normal((2, 5, 6)),
+    {},
+  ),
+  "SelfAttention": (
+    nn.SelfAttention(num_heads=2, qkv_features=8),
+    jnn.SelfAttention(num_heads=2, qkv_features=8, bits=8),
+    _normal((2, 5, 6)),
+    {},
+  ),
 }
 EMBED = (nn.Embed(11, 4), jnn.Embed(11, 4), _ids((3, 5), 11), {})
 
@@ -95,7 +106,8 @@ def test_batch_norm_running_stats_update_like_flax():
   infer = {**variables, **upd}
   y_ref = nn.BatchNorm(momentum=0.9).apply(infer, x, use_running_average=True)
   np.testing.assert_array_equal(
-      jnn.BatchNorm(momentum=0.9).apply(infer, x, use_running_average=True), y_ref)
+    jnn.BatchNorm(momentum=0.9).apply(infer, x, use_running_average=True), y_ref
+  )
 
 
 # SelfAttention runs the same code as MultiHeadDotProductAttention: forward only.
@@ -110,6 +122,7 @@ def test_8bit_gradients_close_to_plain(name):
   def loss(layer, rngs):
     def f(p, x):
       return jnp.sum(_apply(layer, {"params": p, **rest}, x, rngs=rngs, **kw) * probe)
+
     return jax.jit(jax.grad(f, argnums=(0, 1)))(params, x)
 
   g_ref = loss(plain, None)
@@ -133,13 +146,16 @@ def test_dense_weight_gradient_unbiased_at_2_bits():
 
   samples = over_keys(grad_kernel, jax.random.split(jax.random.key(11), DRAWS))  # stats.py
   exact = jax.grad(lambda p: jnp.sum(nn.Dense(3).apply({"params": p}, x) * probe))(
-      variables["params"])["kernel"]
+    variables["params"]
+  )["kernel"]
   assert_unbiased(samples, exact)
   # and the noise really changes with the key
   assert not np.allclose(samples[0], samples[1])
 
 
-@pytest.mark.parametrize("twin, fn", [
+@pytest.mark.parametrize(
+  "twin, fn",
+  [
     (jnn.ReLU(), jax.nn.relu),
     (jnn.LeakyReLU(0.1), lambda x: jax.nn.leaky_relu(x, 0.1)),
     (jnn.GELU(False, bits=8), lambda x: jax.nn.gelu(x, approximate=False)),
@@ -147,7 +163,8 @@ def test_dense_weight_gradient_unbiased_at_2_bits():
     (jnn.Tanh(bits=8), jnp.tanh),
     (jnn.Sigmoid(bits=8), jax.nn.sigmoid),
     (jnn.Softmax(0, bits=8), lambda x: jax.nn.softmax(x, axis=0)),
-])
+  ],
+)
 @pytest.mark.slow
 def test_activation_modules(twin, fn):
   x = _normal((8, 32))
@@ -166,13 +183,18 @@ def test_activation_modules(twin, fn):
     assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
-@pytest.mark.parametrize("twin, fn", [
+@pytest.mark.parametrize(
+  "twin, fn",
+  [
     (jnn.MaxPool((2, 2), (2, 2)), lambda x: nn.max_pool(x, (2, 2), (2, 2))),
     (jnn.MaxPool((3, 3), (1, 1), "SAME"), lambda x: nn.max_pool(x, (3, 3), (1, 1), "SAME")),
     (jnn.AvgPool((2, 2), (2, 2)), lambda x: nn.avg_pool(x, (2, 2), (2, 2))),
-    (jnn.AvgPool((3, 3), (1, 1), "SAME", count_include_pad=False),
-     lambda x: nn.avg_pool(x, (3, 3), (1, 1), "SAME", count_include_pad=False)),
-])
+    (
+      jnn.AvgPool((3, 3), (1, 1), "SAME", count_include_pad=False),
+      lambda x: nn.avg_pool(x, (3, 3), (1, 1), "SAME", count_include_pad=False),
+    ),
+  ],
+)
 @pytest.mark.slow
 def test_pooling_modules_exact(twin, fn):
   x = _normal((2, 6, 6, 3))
@@ -187,8 +209,9 @@ def test_dropout_twin():
   x = jnp.ones((64, 64))
   twin = jnn.Dropout(0.25)
   np.testing.assert_array_equal(twin.apply({}, x, deterministic=True), x)
-  apply = jax.jit(lambda x: twin.apply({}, x, deterministic=False,
-                                      rngs={"dropout": jax.random.key(3)}))
+  apply = jax.jit(
+    lambda x: twin.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+  )
   y = apply(x)
   kept = np.asarray(y != 0)
   np.testing.assert_allclose(np.asarray(y)[kept], 1 / 0.75)
@@ -206,8 +229,10 @@ def test_dropout_twin():
 @pytest.mark.slow
 def test_bfloat16_like_flax():
   x = _normal((4, 16)).astype(jnp.bfloat16)
-  pairs = [(nn.Dense(8, dtype=jnp.bfloat16), jnn.Dense(8, dtype=jnp.bfloat16)),
-           (nn.LayerNorm(), jnn.LayerNorm())]  # bf16 input, f32 params: f32 output
+  pairs = [
+    (nn.Dense(8, dtype=jnp.bfloat16), jnn.Dense(8, dtype=jnp.bfloat16)),
+    (nn.LayerNorm(), jnn.LayerNorm()),
+  ]  # bf16 input, f32 params: f32 output
   variables = [plain.init(KEY, x) for plain, _ in pairs]
 
   @jax.jit
@@ -227,16 +252,18 @@ def test_bfloat16_like_flax():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm",
-                                  "MultiHeadDotProductAttention"])
+@pytest.mark.parametrize(
+  "name", ["Dense", "Conv", "BatchNorm", "LayerNorm", "RMSNorm", "MultiHeadDotProductAttention"]
+)
 def test_without_stream_forward_is_plain_and_differentiating_is_a_clear_error(name):
   plain, twin, x, kw = LAYERS[name]
   variables = plain.init(KEY, x)
   # inference needs no 'jact' stream: the plain layer's output, bit for bit
-  np.testing.assert_array_equal(_apply(twin, variables, x, **kw),
-                                _apply(plain, variables, x, **kw))
+  np.testing.assert_array_equal(_apply(twin, variables, x, **kw), _apply(plain, variables, x, **kw))
   loss = lambda v, x: jnp.sum(_apply(twin, v, x, **kw))
-  message = rf"jact.nn.{name} .*differentiated without an RNG stream named 'jact'.*rngs=\{{'jact': key\}}"
+  message = (
+    rf"jact.nn.{name} .*differentiated without an RNG stream named 'jact'.*rngs=\{{'jact': key\}}"
+  )
   with pytest.raises(ValueError, match=message):
     jax.grad(loss)(variables, x)  # parameters only (the input is data)
   with pytest.raises(ValueError, match=message):
@@ -254,9 +281,12 @@ def test_decoding_without_stream_is_flax_decoding():
   variables = make(nn.SelfAttention).init(KEY, x)
   caches = [variables["cache"]] * 2
   for t in range(x.shape[1]):  # token by token, through the key/value cache
-    out = [make(cls).apply({"params": variables["params"], "cache": cache}, x[:, t:t + 1],
-                           mutable=["cache"])
-           for cls, cache in zip((nn.SelfAttention, jnn.SelfAttention), caches)]
+    out = [
+      make(cls).apply(
+        {"params": variables["params"], "cache": cache}, x[:, t : t + 1], mutable=["cache"]
+      )
+      for cls, cache in zip((nn.SelfAttention, jnn.SelfAttention), caches)
+    ]
     np.testing.assert_array_equal(out[1][0], out[0][0])
     caches = [o[1]["cache"] for o in out]
 
@@ -267,8 +297,9 @@ def test_no_stream_needed_without_stochastic_rounding():
   plain = nn.Dense(5).apply(variables, x)
   for twin in (jnn.Dense(5, compressor=PerGroup(4, stochastic=False)), jnn.Dense(5, bits=None)):
     np.testing.assert_array_equal(twin.apply(variables, x), plain)  # no rngs; exact forward
-  np.testing.assert_allclose(jnn.GELU(bits=None).apply({}, x), jax.nn.gelu(x, approximate=True),
-                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+    jnn.GELU(bits=None).apply({}, x), jax.nn.gelu(x, approximate=True), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_bad_settings_are_clear_errors():
@@ -336,7 +367,9 @@ class TwinCNN(nn.Module):
 def _random_like(shapes, seed=0):
   """Values for a variable tree (Flax's initializers are slow to compile on CPU)."""
   leaves, treedef = jax.tree.flatten(shapes)
-  return jax.tree.unflatten(treedef, [0.3 * _normal(s.shape, seed + i) for i, s in enumerate(leaves)])
+  return jax.tree.unflatten(
+    treedef, [0.3 * _normal(s.shape, seed + i) for i, s in enumerate(leaves)]
+  )
 
 
 @pytest.fixture(scope="module")
@@ -353,8 +386,9 @@ def test_plain_checkpoint_loads_into_twin_model(cnn_variables):
 
   @jax.jit
   def forward(variables, x):
-    return [m.apply(variables, x, rngs=JACT, mutable=["batch_stats"])
-            for m in (PlainCNN(), TwinCNN())]
+    return [
+      m.apply(variables, x, rngs=JACT, mutable=["batch_stats"]) for m in (PlainCNN(), TwinCNN())
+    ]
 
   (y_ref, stats_ref), (y, stats) = forward(cnn_variables, x)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -376,9 +410,14 @@ def test_jitted_train_step_traces_once(cnn_variables):
   @chex.assert_max_traces(n=1)
   def step(params, batch_stats, opt_state, key):
     def loss_fn(params):
-      logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x,
-                                rngs={"jact": key}, mutable=["batch_stats"])
+      logits, upd = model.apply(
+        {"params": params, "batch_stats": batch_stats},
+        x,
+        rngs={"jact": key},
+        mutable=["batch_stats"],
+      )
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), upd
+
     (loss, upd), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), upd["batch_stats"], opt_state, loss
@@ -390,13 +429,17 @@ def test_jitted_train_step_traces_once(cnn_variables):
     losses.append(float(loss))
   assert all(np.isfinite(losses))
   assert losses[-1] < losses[0]  # a few SGD steps on one batch reduce its loss
-  assert not jnp.allclose(stats["BatchNorm_0"]["mean"],
-                          variables["batch_stats"]["BatchNorm_0"]["mean"])
+  assert not jnp.allclose(
+    stats["BatchNorm_0"]["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
+  )
 
 
 def _residual_bytes(fn, *args):
-  return sum(np.prod(a.shape) * a.dtype.itemsize for a, d in saved_residuals(fn, *args)
-             if not d.startswith("from the argument"))
+  return sum(
+    np.prod(a.shape) * a.dtype.itemsize
+    for a, d in saved_residuals(fn, *args)
+    if not d.startswith("from the argument")
+  )
 
 
 def test_residual_bytes_at_2_bits_at_most_an_eighth():
@@ -407,9 +450,14 @@ def test_residual_bytes_at_2_bits_at_most_an_eighth():
 
   def loss(model, rngs):
     def f(params, x):
-      y, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x,
-                         rngs=rngs, mutable=["batch_stats"])
+      y, _ = model.apply(
+        {"params": params, "batch_stats": variables["batch_stats"]},
+        x,
+        rngs=rngs,
+        mutable=["batch_stats"],
+      )
       return y.sum()
+
     return f
 
   plain = _residual_bytes(loss(PlainCNN(), None), variables["params"], x)

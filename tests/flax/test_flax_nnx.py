@@ -34,24 +34,41 @@ def _rngs(seed=0):
 
 # name -> (plain factory, twin factory, input); factories take an Rngs
 LAYERS = {
-    "Linear": (lambda r: nnx.Linear(7, 5, rngs=r), lambda r: jnnx.Linear(7, 5, bits=8, rngs=r),
-               _normal((6, 7))),
-    "Conv": (lambda r: nnx.Conv(3, 4, (3, 3), strides=2, padding="CIRCULAR", rngs=r),
-             lambda r: jnnx.Conv(3, 4, (3, 3), strides=2, padding="CIRCULAR", bits=8, rngs=r),
-             _normal((2, 6, 6, 3))),
-    "BatchNorm": (lambda r: nnx.BatchNorm(3, momentum=0.9, rngs=r),
-                  lambda r: jnnx.BatchNorm(3, momentum=0.9, bits=8, rngs=r),
-                  _normal((8, 4, 4, 3)) * 2.0 + 1.0),
-    "LayerNorm": (lambda r: nnx.LayerNorm(16, rngs=r), lambda r: jnnx.LayerNorm(16, bits=8, rngs=r),
-                  _normal((6, 16)) + 0.5),
-    "RMSNorm": (lambda r: nnx.RMSNorm(16, rngs=r), lambda r: jnnx.RMSNorm(16, bits=8, rngs=r),
-                _normal((6, 16)) + 0.5),
-    "MultiHeadAttention": (
-        lambda r: nnx.MultiHeadAttention(2, 6, 8, decode=False, rngs=r),
-        lambda r: jnnx.MultiHeadAttention(2, 6, 8, decode=False, bits=8, rngs=r),
-        _normal((2, 5, 6))),
-    "Embed": (lambda r: nnx.Embed(11, 4, rngs=r), lambda r: jnnx.Embed(11, 4, rngs=r),
-              jnp.asarray(np.random.default_rng(0).integers(0, 11, (3, 5)), jnp.int32)),
+  "Linear": (
+    lambda r: nnx.Linear(7, 5, rngs=r),
+    lambda r: jnnx.Linear(7, 5, bits=8, rngs=r),
+    _normal((6, 7)),
+  ),
+  "Conv": (
+    lambda r: nnx.Conv(3, 4, (3, 3), strides=2, padding="CIRCULAR", rngs=r),
+    lambda r: jnnx.Conv(3, 4, (3, 3), strides=2, padding="CIRCULAR", bits=8, rngs=r),
+    _normal((2, 6, 6, 3)),
+  ),
+  "BatchNorm": (
+    lambda r: nnx.BatchNorm(3, momentum=0.9, rngs=r),
+    lambda r: jnnx.BatchNorm(3, momentum=0.9, bits=8, rngs=r),
+    _normal((8, 4, 4, 3)) * 2.0 + 1.0,
+  ),
+  "LayerNorm": (
+    lambda r: nnx.LayerNorm(16, rngs=r),
+    lambda r: jnnx.LayerNorm(16, bits=8, rngs=r),
+    _normal((6, 16)) + 0.5,
+  ),
+  "RMSNorm": (
+    lambda r: nnx.RMSNorm(16, rngs=r),
+    lambda r: jnnx.RMSNorm(16, bits=8, rngs=r),
+    _normal((6, 16)) + 0.5,
+  ),
+  "MultiHeadAttention": (
+    lambda r: nnx.MultiHeadAttention(2, 6, 8, decode=False, rngs=r),
+    lambda r: jnnx.MultiHeadAttention(2, 6, 8, decode=False, bits=8, rngs=r),
+    _normal((2, 5, 6)),
+  ),
+  "Embed": (
+    lambda r: nnx.Embed(11, 4, rngs=r),
+    lambda r: jnnx.Embed(11, 4, rngs=r),
+    jnp.asarray(np.random.default_rng(0).integers(0, 11, (3, 5)), jnp.int32),
+  ),
 }
 STATE = (nnx.Param, nnx.BatchStat)
 
@@ -106,8 +123,9 @@ def test_batch_norm_inference_path_is_flax():
   make_plain, make_twin, x = LAYERS["BatchNorm"]
   plain, twin = make_plain(nnx.Rngs(params=0)), make_twin(_rngs(0))
   plain(x), twin(x)  # one training step of statistics
-  np.testing.assert_array_equal(twin(x, use_running_average=True),
-                                plain(x, use_running_average=True))
+  np.testing.assert_array_equal(
+    twin(x, use_running_average=True), plain(x, use_running_average=True)
+  )
 
 
 @pytest.mark.slow
@@ -144,7 +162,9 @@ def test_fresh_key_per_call():
   assert int(layer.jact_rngs.count[...]) == 2
 
 
-@pytest.mark.parametrize("twin, fn", [
+@pytest.mark.parametrize(
+  "twin, fn",
+  [
     (jnnx.ReLU(), jax.nn.relu),
     (jnnx.LeakyReLU(0.1), lambda x: jax.nn.leaky_relu(x, 0.1)),
     (jnnx.GELU(False, bits=8, rngs=_rngs()), lambda x: jax.nn.gelu(x, approximate=False)),
@@ -152,7 +172,8 @@ def test_fresh_key_per_call():
     (jnnx.Tanh(bits=8, rngs=_rngs()), jnp.tanh),
     (jnnx.Sigmoid(bits=8, rngs=_rngs()), jax.nn.sigmoid),
     (jnnx.Softmax(axis=0, bits=8, rngs=_rngs()), lambda x: jax.nn.softmax(x, axis=0)),
-])
+  ],
+)
 @pytest.mark.slow
 def test_activation_modules(twin, fn):
   x = _normal((8, 32))
@@ -167,11 +188,14 @@ def test_activation_modules(twin, fn):
     assert tree_rel_err(g, g_ref) < GRAD_RTOL
 
 
-@pytest.mark.parametrize("twin, fn", [
+@pytest.mark.parametrize(
+  "twin, fn",
+  [
     (jnnx.MaxPool((2, 2), (2, 2)), lambda x: nnx.max_pool(x, (2, 2), (2, 2))),
     (jnnx.MaxPool((3, 3), (1, 1), "SAME"), lambda x: nnx.max_pool(x, (3, 3), (1, 1), "SAME")),
     (jnnx.AvgPool((2, 2), (2, 2)), lambda x: nnx.avg_pool(x, (2, 2), (2, 2))),
-])
+  ],
+)
 @pytest.mark.slow
 def test_pooling_modules_exact(twin, fn):
   x = _normal((2, 6, 6, 3))
@@ -209,18 +233,26 @@ def test_without_stream_forward_is_plain_and_differentiating_is_a_clear_error(na
   assert twin.jact_rngs is None
   assert_same_tree(nnx.to_pure_dict(nnx.state(twin)), nnx.to_pure_dict(nnx.state(plain)))
   np.testing.assert_array_equal(twin(x), plain(x))  # inference: Flax's own computation
-  with pytest.raises(ValueError, match=rf"jact.nnx.{name} '{name}' was differentiated without "
-                                       r"a rounding key.*jact.nnx.use_key"):
+  with pytest.raises(
+    ValueError,
+    match=rf"jact.nnx.{name} '{name}' was differentiated without "
+    r"a rounding key.*jact.nnx.use_key",
+  ):
     nnx.eval_shape(nnx.grad(lambda m: jnp.sum(m(x))), twin)  # raises while tracing
   with jnnx.use_key(jax.random.key(0)):  # the keys of a use_key block
     nnx.eval_shape(nnx.grad(lambda m: jnp.sum(m(x))), twin)
 
 
-@pytest.mark.parametrize("twin, fn", [
-    (jnnx.GELU(), lambda x: jax.nn.gelu(x, approximate=True)), (jnnx.SiLU(), jax.nn.silu),
-    (jnnx.Tanh(), jnp.tanh), (jnnx.Sigmoid(), jax.nn.sigmoid),
+@pytest.mark.parametrize(
+  "twin, fn",
+  [
+    (jnnx.GELU(), lambda x: jax.nn.gelu(x, approximate=True)),
+    (jnnx.SiLU(), jax.nn.silu),
+    (jnnx.Tanh(), jnp.tanh),
+    (jnnx.Sigmoid(), jax.nn.sigmoid),
     (jnnx.Softmax(0), lambda x: jax.nn.softmax(x, axis=0)),
-])
+  ],
+)
 def test_activations_without_stream(twin, fn):
   x = _normal((8, 32))
   np.testing.assert_array_equal(twin(x), fn(x))
@@ -236,7 +268,7 @@ def test_decoding_without_stream_is_flax_decoding():
   plain.init_cache(x.shape)
   twin.init_cache(x.shape)
   for t in range(x.shape[1]):  # token by token, through the key/value cache
-    np.testing.assert_array_equal(twin(x[:, t:t + 1]), plain(x[:, t:t + 1]))
+    np.testing.assert_array_equal(twin(x[:, t : t + 1]), plain(x[:, t : t + 1]))
 
 
 def test_use_key_replaces_the_layers_stream():
@@ -256,12 +288,14 @@ def test_use_key_replaces_the_layers_stream():
 def test_no_stream_needed_without_stochastic_rounding():
   x = _normal((6, 7))
   plain = nnx.Linear(7, 5, rngs=nnx.Rngs(params=0))(x)  # same init: same weights
-  for layer in (jnnx.Linear(7, 5, compressor=PerGroup(4, stochastic=False),
-                             rngs=nnx.Rngs(params=0)),
-                jnnx.Linear(7, 5, bits=None, rngs=nnx.Rngs(params=0))):
+  for layer in (
+    jnnx.Linear(7, 5, compressor=PerGroup(4, stochastic=False), rngs=nnx.Rngs(params=0)),
+    jnnx.Linear(7, 5, bits=None, rngs=nnx.Rngs(params=0)),
+  ):
     np.testing.assert_array_equal(layer(x), plain)  # the forward is exact
-  np.testing.assert_allclose(jnnx.GELU(bits=None)(x), jax.nn.gelu(x, approximate=True),
-                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+    jnnx.GELU(bits=None)(x), jax.nn.gelu(x, approximate=True), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_bad_settings_are_clear_errors():
@@ -349,6 +383,7 @@ def test_nnx_jit_train_step_traces_once():
     def loss_fn(model):
       logits = model(x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
@@ -360,8 +395,11 @@ def test_nnx_jit_train_step_traces_once():
 
 
 def _residual_bytes(f, *args):
-  return sum(np.prod(a.shape) * a.dtype.itemsize for a, d in saved_residuals(f, *args)
-             if not d.startswith("from the argument"))
+  return sum(
+    np.prod(a.shape) * a.dtype.itemsize
+    for a, d in saved_residuals(f, *args)
+    if not d.startswith("from the argument")
+  )
 
 
 @pytest.mark.slow

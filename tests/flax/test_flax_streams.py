@@ -44,7 +44,7 @@ def _normal(shape, seed=0):
 def _rel_err(a, b) -> float:
   a, b = jax.tree.leaves(a), jax.tree.leaves(b)
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b))
-  return (num / sum(float(jnp.sum(y ** 2)) for y in b)) ** 0.5
+  return (num / sum(float(jnp.sum(y**2)) for y in b)) ** 0.5
 
 
 def _assert_tree_equal(a, b):
@@ -63,8 +63,9 @@ def test_linen_dropout_twin_draws_flax_masks(rate, dims):
   y = run(twin, x)
   np.testing.assert_array_equal(y, run(plain, x))
   # an explicit rng= too, and the backward applies the very same mask
-  np.testing.assert_array_equal(twin.apply({}, x, False, jax.random.key(4)),
-                                plain.apply({}, x, False, jax.random.key(4)))
+  np.testing.assert_array_equal(
+    twin.apply({}, x, False, jax.random.key(4)), plain.apply({}, x, False, jax.random.key(4))
+  )
   probe = _normal(x.shape, 1)
   grad = lambda m: jax.grad(lambda x: jnp.sum(run(m, x) * probe))(x)
   np.testing.assert_array_equal(grad(twin), grad(plain))
@@ -79,8 +80,9 @@ def test_nnx_dropout_twin_draws_flax_masks():
     for _ in range(2):  # the stream advances alike
       np.testing.assert_array_equal(twin(x), plain(x))
     np.testing.assert_array_equal(twin(x, rngs=jax.random.key(2)), plain(x, rngs=jax.random.key(2)))
-    np.testing.assert_array_equal(twin(x, rngs=nnx.Rngs(dropout=4)),
-                                  plain(x, rngs=nnx.Rngs(dropout=4)))
+    np.testing.assert_array_equal(
+      twin(x, rngs=nnx.Rngs(dropout=4)), plain(x, rngs=nnx.Rngs(dropout=4))
+    )
     np.testing.assert_array_equal(twin(x, deterministic=True), x)
   with pytest.raises(TypeError, match=r"rngs must be an nnx.Rngs.*got int"):
     jnnx.Dropout(0.5)(x, rngs=3)
@@ -92,14 +94,18 @@ def test_dropout_op_flax_draw_keeps_only_the_key():
   y = jact.ops.dropout(x, 0.5, key=key, draw="flax")
   flax_dropout = nn.Dropout(0.5, deterministic=False)
   np.testing.assert_array_equal(y, flax_dropout.apply({}, x, rng=key))
-  report = jact.residual_report(lambda x: jnp.sum(jact.ops.dropout(x, 0.5, key=key, draw="flax",
-                                                                   name="d")), x)
+  report = jact.residual_report(
+    lambda x: jnp.sum(jact.ops.dropout(x, 0.5, key=key, draw="flax", name="d")), x
+  )
   assert report.by_name()["d.seed"].bytes == 8  # a threefry key's data, nothing tensor-sized
   assert report.total_bytes == 8
   legacy = jax.random.PRNGKey(9)  # a raw uint32[2] key works the same way
-  np.testing.assert_array_equal(jact.ops.dropout(x, 0.5, key=legacy, draw="flax"),
-                                flax_dropout.apply({}, x, rng=legacy))
-  with pytest.raises(ValueError, match=r"draw must be one of \('hash', 'flax', 'flax_attention'\), got 'numpy'"):
+  np.testing.assert_array_equal(
+    jact.ops.dropout(x, 0.5, key=legacy, draw="flax"), flax_dropout.apply({}, x, rng=legacy)
+  )
+  with pytest.raises(
+    ValueError, match=r"draw must be one of \('hash', 'flax', 'flax_attention'\), got 'numpy'"
+  ):
     jact.ops.dropout(x, 0.5, key=key, draw="numpy")
   with pytest.raises(ValueError, match=r"one PRNG key .*shape \(2,\)"):
     jact.ops.dropout(x, 0.5, key=jax.random.split(key), draw="flax")
@@ -111,23 +117,33 @@ def test_attention_dropout_draws_flax_masks(broadcast):
   """Attention-weight dropout of the converted attention layers (linen, nnx)
   is Flax's: the same training forward, gradients close at 8 bits."""
   x = _normal((2, 6, 16))
-  layer = nn.MultiHeadDotProductAttention(2, dropout_rate=0.3, broadcast_dropout=broadcast,
-                                          deterministic=False)
+  layer = nn.MultiHeadDotProductAttention(
+    2, dropout_rate=0.3, broadcast_dropout=broadcast, deterministic=False
+  )
   variables = layer.init(KEY, x)
   rngs = {"dropout": jax.random.key(2)}
   probe = _normal(x.shape, 3)
 
   def value_and_grad(m, rngs):
     return jax.jit(jax.value_and_grad(lambda v: jnp.sum(m.apply(v, x, rngs=rngs) * probe)))(
-        variables)
+      variables
+    )
 
-  (y, g), (y_ref, g_ref) = (value_and_grad(jact.convert(layer, bits=8), {**rngs, "jact": KEY}),
-                            value_and_grad(layer, rngs))
+  (y, g), (y_ref, g_ref) = (
+    value_and_grad(jact.convert(layer, bits=8), {**rngs, "jact": KEY}),
+    value_and_grad(layer, rngs),
+  )
   np.testing.assert_array_equal(y, y_ref)
   assert _rel_err(g, g_ref) < 0.03, _rel_err(g, g_ref)  # measured 1.1%
-  make = lambda: nnx.MultiHeadAttention(2, 16, dropout_rate=0.3, broadcast_dropout=broadcast,
-                                        decode=False, deterministic=False,
-                                        rngs=nnx.Rngs(0, dropout=4))
+  make = lambda: nnx.MultiHeadAttention(
+    2,
+    16,
+    dropout_rate=0.3,
+    broadcast_dropout=broadcast,
+    decode=False,
+    deterministic=False,
+    rngs=nnx.Rngs(0, dropout=4),
+  )
   plain, twin = make(), jact.convert(make(), bits=8, rngs=nnx.Rngs(jact=1))
   run = nnx.jit(lambda m: m(x))
   for _ in range(2):
@@ -158,18 +174,20 @@ def test_converted_linen_training_forward_is_plain():
   def loss_and_grad(m, v, rngs, train):
     return jax.value_and_grad(lambda v: jnp.sum(m.apply(v, x, train, rngs=rngs) ** 2))(v)
 
-  (loss, g), (loss_ref, g_ref) = (loss_and_grad(converted, variables, {**rngs, "jact": KEY}, True),
-                                  loss_and_grad(model, variables, rngs, True))
+  (loss, g), (loss_ref, g_ref) = (
+    loss_and_grad(converted, variables, {**rngs, "jact": KEY}, True),
+    loss_and_grad(model, variables, rngs, True),
+  )
   np.testing.assert_array_equal(loss, loss_ref)  # the same masks: the same training loss
   y = jax.jit(lambda v: converted.apply(v, x, rngs={**rngs, "jact": KEY}))(variables)
   np.testing.assert_array_equal(y, jax.jit(lambda v: model.apply(v, x, rngs=rngs))(variables))
-  np.testing.assert_array_equal(converted.apply(variables, x, False), model.apply(variables, x,
-                                                                                  False))
+  np.testing.assert_array_equal(
+    converted.apply(variables, x, False), model.apply(variables, x, False)
+  )
   assert _rel_err(g, g_ref) < 0.01, _rel_err(g, g_ref)  # measured 0.5%
 
 
 class NnxDropoutMLP(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.fc1 = nnx.Linear(32, 64, rngs=rngs)
     self.drop1 = nnx.Dropout(0.3, rngs=rngs)
@@ -219,6 +237,7 @@ class _nothing:
 class Block(nn.Module):
   """A pre-norm transformer block as big_vision writes it: attention and MLP,
   dropout after each, the carry API that `nn.scan` wants."""
+
   dim: int = 16
   heads: int = 2
   rate: float = 0.1
@@ -240,9 +259,13 @@ class ScanViT(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     x = nn.Dense(16)(x)
-    blocks = nn.scan(nn.remat(Block, static_argnums=(2,)), variable_axes={"params": 0},
-                     split_rngs={"params": True, "dropout": True}, length=self.depth,
-                     in_axes=nn.broadcast)
+    blocks = nn.scan(
+      nn.remat(Block, static_argnums=(2,)),
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "dropout": True},
+      length=self.depth,
+      in_axes=nn.broadcast,
+    )
     x, _ = blocks(name="encoder")(x, train)
     return nn.Dense(3)(nn.LayerNorm()(x).mean(axis=1))
 
@@ -267,17 +290,18 @@ def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
     g = grads(wrapped)
     assert _rel_err(g, g_ref) < 0.03, _rel_err(g, g_ref)  # measured 1.1% (convert), 0.9%
     np.testing.assert_array_equal(  # the same dropout masks: the same forward
-        wrapped.apply(variables, x, rngs=rngs), y_ref)
+      wrapped.apply(variables, x, rngs=rngs), y_ref
+    )
   # the report reads the scanned keys too: each scanned dropout keeps one key per layer
   converted = jact.convert(ScanViT(), bits=4)
   report = jact.conversion_report(lambda v: jnp.sum(converted.apply(v, x, rngs=rngs)), variables)
   drops = [r for r in report.rows if r.layer == "Dropout"]
-  assert len(drops) == 3 and all(r.how == "twin" and r.saved_bytes == 8 * ScanViT.depth
-                                 for r in drops), str(report)
+  assert len(drops) == 3 and all(
+    r.how == "twin" and r.saved_bytes == 8 * ScanViT.depth for r in drops
+  ), str(report)
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.norm = nnx.LayerNorm(16, rngs=rngs)
     self.fc = nnx.Linear(16, 16, rngs=rngs)
@@ -351,7 +375,7 @@ def test_key_residuals_pass_through_the_engine():
     h, _ = jax.lax.scan(jax.checkpoint(layer), x, (w, keys))
     h = head(h, jax.random.fold_in(rng, 2))
     pooled = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2), (1, 2), "VALID")
-    return jnp.sum(pooled ** 2)
+    return jnp.sum(pooled**2)
 
   rng = jax.random.key(3)
   g_ref = jax.jit(jax.grad(f))(w, x, rng)  # jitted: one compile, not op-by-op
@@ -362,7 +386,6 @@ def test_key_residuals_pass_through_the_engine():
 
 
 class DropoutLayer(nn.Module):
-
   @nn.compact
   def __call__(self, h, _):
     return nn.Dropout(0.4, deterministic=False)(nn.relu(nn.Dense(32)(h))), None
@@ -373,8 +396,12 @@ class ScannedDropout(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    stack = nn.scan(DropoutLayer, variable_axes={"params": 0},
-                    split_rngs={"params": True, "dropout": True}, length=3)
+    stack = nn.scan(
+      DropoutLayer,
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "dropout": True},
+      length=3,
+    )
     h, _ = stack(name="stack")(nn.Dense(32)(x), None)
     return nn.Dense(2)(h)
 
@@ -385,8 +412,9 @@ def test_converted_dropout_inside_nn_scan_is_plain():
   model, converted = ScannedDropout(), jact.convert(ScannedDropout(), bits=8)
   variables = model.init(KEY, x)
   rngs = {"dropout": jax.random.key(4)}
-  loss = lambda m, r: jax.jit(jax.value_and_grad(
-      lambda v: jnp.sum(m.apply(v, x, rngs=r) ** 2)))(variables)
+  loss = lambda m, r: jax.jit(jax.value_and_grad(lambda v: jnp.sum(m.apply(v, x, rngs=r) ** 2)))(
+    variables
+  )
   (value, g), (value_ref, g_ref) = loss(converted, {**rngs, "jact": KEY}), loss(model, rngs)
   np.testing.assert_array_equal(value, value_ref)
   assert _rel_err(g, g_ref) < 0.01, _rel_err(g, g_ref)
@@ -409,8 +437,11 @@ def test_use_key_entered_outside_a_jitted_step_raises():
     return nnx.grad(loss)(m)
 
   for key in (jax.random.key(0), nnx.Rngs(jact=0)):
-    with pytest.raises(ValueError, match=r"use_key block entered outside the jitted function.*"
-                                         r"baked.*pass the key \(or an nnx.Rngs\) as an argument"):
+    with pytest.raises(
+      ValueError,
+      match=r"use_key block entered outside the jitted function.*"
+      r"baked.*pass the key \(or an nnx.Rngs\) as an argument",
+    ):
       with jact.nnx.use_key(key):
         step(model)
   with pytest.raises(ValueError, match="baked"):  # jax.jit too
@@ -428,8 +459,11 @@ def test_use_key_inside_the_step_draws_fresh_noise_per_key():
     with jact.nnx.use_key(key):
       return nnx.grad(loss)(m).kernel[...]
 
-  a, b, again = step(model, jax.random.key(1)), step(model, jax.random.key(2)), step(
-      model, jax.random.key(1))
+  a, b, again = (
+    step(model, jax.random.key(1)),
+    step(model, jax.random.key(2)),
+    step(model, jax.random.key(1)),
+  )
   assert not np.array_equal(a, b)
   np.testing.assert_array_equal(a, again)
   fixed = jax.random.key(3)  # a constant written inside the step: the caller's choice
@@ -462,7 +496,8 @@ def test_linen_and_compressed_constant_keys_in_a_step_are_the_callers_constant()
   w = _normal((32, 64), 2)
   const = jax.jit(jax.grad(lambda w: jnp.sum(f(w, x, key=KEY))))(w)
   np.testing.assert_array_equal(
-      const, jax.jit(jax.grad(lambda w, k: jnp.sum(f(w, x, key=k))))(w, KEY))
+    const, jax.jit(jax.grad(lambda w, k: jnp.sum(f(w, x, key=k))))(w, KEY)
+  )
 
 
 # ----------------------------------------------------------------------------- reports
@@ -481,7 +516,6 @@ class StdConv(nn.Conv):
 
 
 class StdConvNet(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = StdConv(8, (3, 3), name="conv_root")(x)
@@ -498,19 +532,23 @@ def test_linen_report_lists_subclasses_of_supported_layers():
   report = jact.conversion_report(loss(jact.convert(StdConvNet(), bits=4)), variables, x)
   rows = {r.path: r for r in report.rows}
   assert {p: r.how for p, r in rows.items()} == {
-      "StdConvNet": "model", "conv_root": "model", "GroupNorm_0": "engine", "Conv_0": "twin",
-      "Dense_0": "twin"}, str(report)
+    "StdConvNet": "model",
+    "conv_root": "model",
+    "GroupNorm_0": "engine",
+    "Conv_0": "twin",
+    "Dense_0": "twin",
+  }, str(report)
   root = rows["conv_root"]
   assert root.layer == "StdConv" and "subclass of flax.linen.Conv" in root.reason
   assert root.plain_bytes > 0
   with pytest.warns(ConversionWarning, match=r"conv_root .*StdConv.*subclass of flax.linen.Conv"):
-    report = jact.conversion_report(loss(jact.convert(StdConvNet(), bits=4, functions=False)),
-                                    variables, x)
+    report = jact.conversion_report(
+      loss(jact.convert(StdConvNet(), bits=4, functions=False)), variables, x
+    )
   assert [r.path for r in report.plain()] == ["conv_root"]
 
 
 class NnxNet(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
     self.fc = nnx.Linear(16, 32, rngs=rngs)
     self.norm = nnx.LayerNorm(32, rngs=rngs)
@@ -525,16 +563,21 @@ class NnxNet(nnx.Module):
 @pytest.mark.parametrize("functions", [True, False])
 def test_nnx_report_lists_twins_engine_and_plain_layers(functions):
   with pytest.warns(ConversionWarning, match=r"odd .*reduction_axes"):
-    model = jact.convert(NnxNet(nnx.Rngs(0, dropout=1)), bits=4, rngs=nnx.Rngs(jact=2),
-                         functions=functions)
+    model = jact.convert(
+      NnxNet(nnx.Rngs(0, dropout=1)), bits=4, rngs=nnx.Rngs(jact=2), functions=functions
+    )
   x = _normal((2, 4, 16))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     report = jact.conversion_report(lambda m, x: jnp.sum(m(x)), model, x)
   how = {(r.path, r.layer): r.how for r in report.rows}
-  expected = {("fc", "Linear"): "twin", ("norm", "LayerNorm"): "twin",
-              ("drop", "Dropout"): "twin", ("proj", "LinearGeneral"): "engine",
-              ("odd", "LayerNorm"): "model" if functions else "plain"}
+  expected = {
+    ("fc", "Linear"): "twin",
+    ("norm", "LayerNorm"): "twin",
+    ("drop", "Dropout"): "twin",
+    ("proj", "LinearGeneral"): "engine",
+    ("odd", "LayerNorm"): "model" if functions else "plain",
+  }
   if functions:
     expected[("NnxNet", "NnxNet")] = "model"
   assert how == expected, str(report)

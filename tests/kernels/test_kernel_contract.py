@@ -60,6 +60,7 @@ class Case:
   Interpret mode compiles each kernel for seconds, so only one `quick` case an
   op is unmarked; the others are marked slow (`-m "not slow"` leaves them out).
   """
+
   name: str
   make: Callable[[], tuple[tuple, dict]]
   options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
@@ -86,9 +87,18 @@ def nonfinite_groups(dtype, seed, groups=3, group=16):
   constant, a wide range, +-0), in an order drawn from `seed`; made on the host."""
   rng = np.random.default_rng(seed)
   patterns = [
-      {}, {3: np.inf}, {0: -np.inf}, {7: np.nan}, {1: np.inf, 2: -np.inf},
-      "nan", "inf", ("const", 1.5, {4: np.inf}), ("const", 0.0, {5: np.nan}),
-      ("wide", {6: np.inf}), ("const", -2.0, {group - 1: -np.inf}), ("zeros", {0: np.inf}),
+    {},
+    {3: np.inf},
+    {0: -np.inf},
+    {7: np.nan},
+    {1: np.inf, 2: -np.inf},
+    "nan",
+    "inf",
+    ("const", 1.5, {4: np.inf}),
+    ("const", 0.0, {5: np.nan}),
+    ("wide", {6: np.inf}),
+    ("const", -2.0, {group - 1: -np.inf}),
+    ("zeros", {0: np.inf}),
   ]
   rows = []
   for pattern in [patterns[i] for i in rng.permutation(len(patterns))]:
@@ -100,8 +110,11 @@ def nonfinite_groups(dtype, seed, groups=3, group=16):
         v[i] = value
     else:
       kind, *rest = pattern
-      v = {"const": np.full(group, rest[0] if kind == "const" else 0.0),
-           "wide": rng.uniform(-3e38, 3e38, group), "zeros": np.array([0.0, -0.0] * (group // 2))}[kind]
+      v = {
+        "const": np.full(group, rest[0] if kind == "const" else 0.0),
+        "wide": rng.uniform(-3e38, 3e38, group),
+        "zeros": np.array([0.0, -0.0] * (group // 2)),
+      }[kind]
       for i, value in rest[-1].items():
         v[i] = value
     rows.append(v)
@@ -125,10 +138,16 @@ def at_code_boundaries(n, groups, group, bits, seed):
   levels = (1 << bits) - 1
   ends = np.zeros((n, groups, group), np.float32)
   ends[..., 1] = 3.9375
-  step = np.asarray(jitted(quantize_reference, jnp.asarray(ends.reshape(n, -1)), seed, bits=bits,
-                           group_size=group).scale, np.float32)[..., None]
-  u = np.asarray(jax.jit(lambda seed: rng.uniform_from_bits(rng.element_bits(
-      seed, (n, groups, group))))(seed), np.float64)
+  step = np.asarray(
+    jitted(
+      quantize_reference, jnp.asarray(ends.reshape(n, -1)), seed, bits=bits, group_size=group
+    ).scale,
+    np.float32,
+  )[..., None]
+  u = np.asarray(
+    jax.jit(lambda seed: rng.uniform_from_bits(rng.element_bits(seed, (n, groups, group))))(seed),
+    np.float64,
+  )
   k = np.random.default_rng(0).integers(1, levels, (n, groups, group))
   x = ((k - u - 2e-6) * step).astype(np.float32)
   x[..., :2] = ends[..., :2]
@@ -149,84 +168,125 @@ def quantize_cases():
 
     def make():
       seed = jnp.uint32(0xC0FFEE + bits) if stochastic else None
-      return ((activation(shape, dtype, seed=bits), seed),
-              dict(bits=bits, group_size=g, stochastic=stochastic))
-    return Case(name, make, {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)},
-                quick)
+      return (
+        (activation(shape, dtype, seed=bits), seed),
+        dict(bits=bits, group_size=g, stochastic=stochastic),
+      )
+
+    return Case(
+      name, make, {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)}, quick
+    )
 
   return [
-      case("b1-f32-group200", (4, 1000), F32, 1, 256, rows=4),  # groups of 200: not a power of two
-      case("b2-bf16-partial-group", (3, 7, 13), BF16, 2, 64, rows=2, quick=True),  # 64 + 27
-      case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
-      case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
-      boundary_case(8, rows=4),
-  ] + [nonfinite_case(bits, dtype, rows=2) for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32))]
+    case("b1-f32-group200", (4, 1000), F32, 1, 256, rows=4),  # groups of 200: not a power of two
+    case("b2-bf16-partial-group", (3, 7, 13), BF16, 2, 64, rows=2, quick=True),  # 64 + 27
+    case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
+    case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
+    boundary_case(8, rows=4),
+  ] + [
+    nonfinite_case(bits, dtype, rows=2) for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32))
+  ]
 
 
 def boundary_case(bits, rows):
   """Values just under code boundaries (`at_code_boundaries`): one rounding per operation."""
+
   def make():
     seed = jnp.uint32(0xB0B + bits)
-    return ((at_code_boundaries(4, 8, 256, bits, seed), seed),
-            dict(bits=bits, group_size=256, stochastic=True))
-  return Case(f"b{bits}-f32-at-code-boundaries", make,
-              {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)})
+    return (
+      (at_code_boundaries(4, 8, 256, bits, seed), seed),
+      dict(bits=bits, group_size=256, stochastic=True),
+    )
+
+  return Case(
+    f"b{bits}-f32-at-code-boundaries",
+    make,
+    {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)},
+  )
 
 
 def nonfinite_case(bits, dtype, rows):
   """Groups of 16 holding every pattern of `nonfinite_groups`."""
+
   def make():
-    return ((nonfinite_groups(dtype, seed=bits), jnp.uint32(0xF1A6 + bits)),
-            dict(bits=bits, group_size=16, stochastic=True))
-  return Case(f"b{bits}-{jnp.dtype(dtype).name}-nonfinite-kinds", make,
-              {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)})
+    return (
+      (nonfinite_groups(dtype, seed=bits), jnp.uint32(0xF1A6 + bits)),
+      dict(bits=bits, group_size=16, stochastic=True),
+    )
+
+  return Case(
+    f"b{bits}-{jnp.dtype(dtype).name}-nonfinite-kinds",
+    make,
+    {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)},
+  )
 
 
 def dequantize_cases():
-  def case(name, shape, dtype, bits, group_size, out, rows, scale=3.0, rows_view=False,
-           quick=False):
+  def case(
+    name, shape, dtype, bits, group_size, out, rows, scale=3.0, rows_view=False, quick=False
+  ):
     def make():
       x = activation(shape, dtype, seed=10 + bits, scale=scale)
       if rows_view:  # samples of < 8 values: one row, the shape kept as `view_shape`
-        packed = jitted(quantize_rows_reference, x, jnp.uint32(bits), bits=bits,
-                        group_size=group_size)
+        packed = jitted(
+          quantize_rows_reference, x, jnp.uint32(bits), bits=bits, group_size=group_size
+        )
       else:
-        packed = jitted(quantize_reference, x, jnp.uint32(bits), bits=bits, group_size=effective_group_size(
-            int(np.prod(shape[1:])), group_size))
+        packed = jitted(
+          quantize_reference,
+          x,
+          jnp.uint32(bits),
+          bits=bits,
+          group_size=effective_group_size(int(np.prod(shape[1:])), group_size),
+        )
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
       return (packed,), dict(dtype=out)
+
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick)
 
   return [
-      case("b1-f32", (4, 1000), F32, 1, 256, None, rows=4),
-      case("b2-bf16-to-f32-partial-group", (3, 7, 13), BF16, 2, 64, F32, rows=2),
-      case("b4-f32-to-f16-clamped", (2, 300), F32, 4, 256, F16, rows=1, scale=1e6, quick=True),
-      case("b8-f16-view-shape", (3, 2, 3), F16, 8, 256, None, rows=1, rows_view=True),
-  ] + [nonfinite_dequantize_case(bits, out) for bits, out in ((1, None), (2, F16), (4, None), (8, BF16))]
+    case("b1-f32", (4, 1000), F32, 1, 256, None, rows=4),
+    case("b2-bf16-to-f32-partial-group", (3, 7, 13), BF16, 2, 64, F32, rows=2),
+    case("b4-f32-to-f16-clamped", (2, 300), F32, 4, 256, F16, rows=1, scale=1e6, quick=True),
+    case("b8-f16-view-shape", (3, 2, 3), F16, 8, 256, None, rows=1, rows_view=True),
+  ] + [
+    nonfinite_dequantize_case(bits, out)
+    for bits, out in ((1, None), (2, F16), (4, None), (8, BF16))
+  ]
 
 
 def nonfinite_dequantize_case(bits, out):
   """Random codes in the flagged groups of `nonfinite_groups` (every code, the top one included)."""
+
   def make():
-    packed = jitted(quantize_reference, nonfinite_groups(F32, seed=20 + bits), jnp.uint32(bits),
-                    bits=bits, group_size=16)
+    packed = jitted(
+      quantize_reference,
+      nonfinite_groups(F32, seed=20 + bits),
+      jnp.uint32(bits),
+      bits=bits,
+      group_size=16,
+    )
     packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
     return (packed,), dict(dtype=out)
+
   return Case(f"b{bits}-nonfinite-kinds", make, {"pallas_triton": dict(rows=2)})
 
 
 def relu_mask_cases():
   def case(name, shape, dtype, slope, tile, quick=False):
-    return Case(name, lambda: ((activation(shape, dtype, seed=len(shape)),),
-                               dict(negative_slope=slope)),
-                {"pallas_triton": dict(tile=tile)}, quick)
+    return Case(
+      name,
+      lambda: ((activation(shape, dtype, seed=len(shape)),), dict(negative_slope=slope)),
+      {"pallas_triton": dict(tile=tile)},
+      quick,
+    )
 
   return [
-      case("f32", (3, 50), F32, None, 4, quick=True),
-      case("bf16-3d", (7, 13, 5), BF16, None, 16),
-      case("f16-leaky", (1000,), F16, 0.1, 32),
-      case("f32-leaky", (64, 33), F32, 0.01, 64),
-      case("f32-below-one-byte", (5,), F32, None, 1),  # fewer values than mask planes
+    case("f32", (3, 50), F32, None, 4, quick=True),
+    case("bf16-3d", (7, 13, 5), BF16, None, 16),
+    case("f16-leaky", (1000,), F16, 0.1, 32),
+    case("f32-leaky", (64, 33), F32, 0.01, 64),
+    case("f32-below-one-byte", (5,), F32, None, 1),  # fewer values than mask planes
   ]
 
 
@@ -237,20 +297,22 @@ def _per_sample_args(shape, dtype, widths, per_value, group_size, seed):
   bits = jnp.asarray(widths, jnp.int32)
   capacity = int(per_value * shape[0] * dp)
   assert sum(widths) * dp // 8 <= capacity
-  x = (nonfinite_groups(dtype, seed=len(widths)) if group_size == 16
-       else activation(shape, dtype, seed=len(widths)))
-  return x, bits, dict(
-      capacity_bytes=capacity, group_size=g, seed=seed)
+  x = (
+    nonfinite_groups(dtype, seed=len(widths))
+    if group_size == 16
+    else activation(shape, dtype, seed=len(widths))
+  )
+  return x, bits, dict(capacity_bytes=capacity, group_size=g, seed=seed)
 
 
 # (name, shape, dtype, widths, capacity in bytes per value, group size, stochastic, rows);
 # the first is the quick one
 PER_SAMPLE = [
-    ("widths-1248-f32-partial-group", (4, 300), F32, [1, 2, 4, 8], 1.0, 256, True, 2),
-    ("bf16-zero-only-programs", (5, 7, 13), BF16, [8, 1, 2, 4, 1], 64.0, 256, True, 1),
-    ("f16-nearest-group112", (6, 784), F16, [2, 8, 1, 4, 4, 1], 0.5, 256, False, 4),
-    ("f32-below-one-group", (3, 20), F32, [8, 2, 1], 1.0, 256, True, 1),
-    ("f32-nonfinite-kinds", (4, 48), F32, [1, 2, 4, 8], 1.0, 16, True, 2),
+  ("widths-1248-f32-partial-group", (4, 300), F32, [1, 2, 4, 8], 1.0, 256, True, 2),
+  ("bf16-zero-only-programs", (5, 7, 13), BF16, [8, 1, 2, 4, 1], 64.0, 256, True, 1),
+  ("f16-nearest-group112", (6, 784), F16, [2, 8, 1, 4, 4, 1], 0.5, 256, False, 4),
+  ("f32-below-one-group", (3, 20), F32, [8, 2, 1], 1.0, 256, True, 1),
+  ("f32-nonfinite-kinds", (4, 48), F32, [1, 2, 4, 8], 1.0, 16, True, 2),
 ]
 
 
@@ -264,6 +326,7 @@ def quantize_per_sample_cases():
       seed = jnp.uint32(1234) if stochastic else None
       x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size, seed)
       return (x, bits), kwargs
+
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
 
   return [case(*c) for c in PER_SAMPLE]
@@ -272,11 +335,13 @@ def quantize_per_sample_cases():
 def dequantize_per_sample_cases():
   def case(name, shape, dtype, widths, per_value, group_size, stochastic, rows, out):
     def make():
-      x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size,
-                                         jnp.uint32(77))
+      x, bits, kwargs = _per_sample_args(
+        shape, dtype, widths, per_value, group_size, jnp.uint32(77)
+      )
       packed = jitted(quantize_per_sample_reference, x, bits, **kwargs)
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=len(widths)))
       return (packed,), dict(dtype=out)
+
     return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
 
   return [case(*c, out=o) for c, o in zip(PER_SAMPLE, PER_SAMPLE_OUTS)]
@@ -284,27 +349,32 @@ def dequantize_per_sample_cases():
 
 def division_compress_cases():
   def case(name, shape, dtype, lfc_dtype, block, bits, group_size, rows, quick=False):
-    return Case(name, lambda: ((activation(shape, dtype, seed=bits), jnp.uint32(0xD1 + bits)),
-                               dict(block=block, bits=bits, group_size=group_size,
-                                    lfc_dtype=lfc_dtype)),
-                {"pallas_triton": dict(rows=rows)}, quick)
+    return Case(
+      name,
+      lambda: (
+        (activation(shape, dtype, seed=bits), jnp.uint32(0xD1 + bits)),
+        dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype),
+      ),
+      {"pallas_triton": dict(rows=rows)},
+      quick,
+    )
 
   return [
-      case("b2-f32-one-pass", (2, 8, 8, 16), F32, BF16, 4, 2, 256, None, quick=True),
-      case("b1-f16-groups-straddle-bands", (2, 10, 10, 8), F16, BF16, 4, 1, 256, 2),
-      case("b8-bf16-below-one-group", (4, 3, 3, 8), BF16, BF16, 4, 8, 256, 2),
-      case("b4-f32-rank3-two-kernels", (3, 13, 24), F32, F16, 4, 4, 256, 2),
-      case("b8-f32-rank5-one-pass", (1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None),
+    case("b2-f32-one-pass", (2, 8, 8, 16), F32, BF16, 4, 2, 256, None, quick=True),
+    case("b1-f16-groups-straddle-bands", (2, 10, 10, 8), F16, BF16, 4, 1, 256, 2),
+    case("b8-bf16-below-one-group", (4, 3, 3, 8), BF16, BF16, 4, 8, 256, 2),
+    case("b4-f32-rank3-two-kernels", (3, 13, 24), F32, F16, 4, 4, 256, 2),
+    case("b8-f32-rank5-one-pass", (1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None),
   ]
 
 
 CASES: dict[str, Callable[[], list[Case]]] = {
-    "quantize": quantize_cases,
-    "dequantize": dequantize_cases,
-    "relu_mask": relu_mask_cases,
-    "quantize_per_sample": quantize_per_sample_cases,
-    "dequantize_per_sample": dequantize_per_sample_cases,
-    "division_compress": division_compress_cases,
+  "quantize": quantize_cases,
+  "dequantize": dequantize_cases,
+  "relu_mask": relu_mask_cases,
+  "quantize_per_sample": quantize_per_sample_cases,
+  "dequantize_per_sample": dequantize_per_sample_cases,
+  "division_compress": division_compress_cases,
 }
 """A case generator per op: a few representative argument sets (bits 1/2/4/8,
 float32/bfloat16/float16, a partial last group, a sample smaller than one
@@ -323,8 +393,12 @@ def _params(implementations: Callable[[str], list[str]], per_case: bool):
       if op not in CASES:
         params.append(pytest.param(op, name, None, id=f"{op}-{name}-NO-CASE-GENERATOR"))
       elif per_case:
-        params += [pytest.param(op, name, c, id=f"{op}-{name}-{c.name}",
-                                marks=() if c.quick else pytest.mark.slow) for c in CASES[op]()]
+        params += [
+          pytest.param(
+            op, name, c, id=f"{op}-{name}-{c.name}", marks=() if c.quick else pytest.mark.slow
+          )
+          for c in CASES[op]()
+        ]
       else:
         params.append(pytest.param(op, name, _quick(op), id=f"{op}-{name}"))
   return params
@@ -345,8 +419,11 @@ def _every(op):
 
 def _require(op, case):
   if case is None:
-    pytest.fail(f"op {op!r} is registered in jact.kernels.REGISTRY but has no case generator: "
-                f"add one to CASES in tests/kernels/test_kernel_contract.py", pytrace=False)
+    pytest.fail(
+      f"op {op!r} is registered in jact.kernels.REGISTRY but has no case generator: "
+      f"add one to CASES in tests/kernels/test_kernel_contract.py",
+      pytrace=False,
+    )
 
 
 _REFERENCES: dict[tuple[str, str], tuple] = {}
@@ -428,23 +505,32 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
   for int_fill, float_fill in FILLS:  # one trace: the fills are arguments
     got = run(args, jnp.int32(int_fill), jnp.float32(float_fill))
     assert poisoned.calls or poisoned_triton.calls, (
-        f"{op}/{name} made no Pallas call through jact.kernels._triton.call nor Triton call "
-        f"through jact.kernels._jax_triton.call, so its outputs could not be pre-filled")
+      f"{op}/{name} made no Pallas call through jact.kernels._triton.call nor Triton call "
+      f"through jact.kernels._jax_triton.call, so its outputs could not be pre-filled"
+    )
     for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
       a, b = np.asarray(a), np.asarray(b)
       stale = (bits_of(a) != bits_of(b)) & (
-          bits_of(a) == bits_of(jnp.full((), int_fill if np.issubdtype(a.dtype, np.integer)
-                                         else float_fill, a.dtype)))
+        bits_of(a)
+        == bits_of(
+          jnp.full((), int_fill if np.issubdtype(a.dtype, np.integer) else float_fill, a.dtype)
+        )
+      )
       assert not stale.any(), (
-          f"{op}/{name}/{case.name}: output leaf {i} ({a.dtype}{list(a.shape)}) keeps the "
-          f"garbage it started with at {int(stale.sum())} elements, first at "
-          f"{tuple(int(k) for k in np.argwhere(stale)[0])}: the kernel does not write them")
-    assert_same_tree(got, want, f"{op}/{name}/{case.name} with outputs pre-filled with "
-                                f"{int_fill:#x} / {float_fill}")
+        f"{op}/{name}/{case.name}: output leaf {i} ({a.dtype}{list(a.shape)}) keeps the "
+        f"garbage it started with at {int(stale.sum())} elements, first at "
+        f"{tuple(int(k) for k in np.argwhere(stale)[0])}: the kernel does not write them"
+      )
+    assert_same_tree(
+      got,
+      want,
+      f"{op}/{name}/{case.name} with outputs pre-filled with {int_fill:#x} / {float_fill}",
+    )
 
 
 def _jax_triton_ptx():
   from jact.kernels._quantize import jax_triton
+
   return {"quantize": jax_triton.compile_for_cuda}
 
 
@@ -454,6 +540,7 @@ def _lowers_jax_triton_kernel(op, case):
   no fused multiply-add and no approximate division, which would break
   bit-exactness on the device."""
   from experiments.bench.compile_kernels import ptx_facts
+
   compile_for_cuda = _jax_triton_ptx().get(op)
   if compile_for_cuda is None:
     pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to _jax_triton_ptx", pytrace=False)
@@ -474,8 +561,11 @@ def test_lowers_for_cuda(op, name, case):
     return _lowers_jax_triton_kernel(op, case)
   impl = REGISTRY.available(op)[name]
   if impl.lowering_platforms and "cuda" not in impl.lowering_platforms:
-    pytest.fail(f"{op}/{name} lowers only for {impl.lowering_platforms}: extend this test to "
-                f"check its lowering there", pytrace=False)
+    pytest.fail(
+      f"{op}/{name} lowers only for {impl.lowering_platforms}: extend this test to "
+      f"check its lowering there",
+      pytrace=False,
+    )
   args, kwargs, _ = _reference(op, case)
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   extra = dict(interpret=False) if impl.lowering_platforms else {}

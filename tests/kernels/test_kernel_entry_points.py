@@ -20,10 +20,14 @@ from kernel_checks import assert_same_bits, assert_same_packed
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "jact"
 
-ENTRY_POINTS = {"quantize": quantize, "dequantize": dequantize, "relu_mask": relu_mask,
-                "quantize_per_sample": quantize_per_sample,
-                "dequantize_per_sample": dequantize_per_sample,
-                "division_compress": division_compress}
+ENTRY_POINTS = {
+  "quantize": quantize,
+  "dequantize": dequantize,
+  "relu_mask": relu_mask,
+  "quantize_per_sample": quantize_per_sample,
+  "dequantize_per_sample": dequantize_per_sample,
+  "division_compress": division_compress,
+}
 
 
 def _x(shape=(2, 8, 8, 16), seed=0):
@@ -36,7 +40,10 @@ def test_every_registered_op_has_one_entry_point_in_its_package():
     package = fn.__module__.split(".")
     assert package[:2] == ["jact", "kernels"] and package[-1] == "api", (op, fn.__module__)
     reference = kernels.available(op)["xla"].fn
-    assert reference.__module__ == ".".join(package[:-1] + ["reference"]), (op, reference.__module__)
+    assert reference.__module__ == ".".join(package[:-1] + ["reference"]), (
+      op,
+      reference.__module__,
+    )
 
 
 def test_no_call_site_picks_a_kernel_by_op_name():
@@ -54,12 +61,17 @@ def test_no_call_site_picks_a_kernel_by_op_name():
       if isinstance(f, ast.Name):
         picks = f.id == "dispatch"
       else:  # kernels.dispatch(...), REGISTRY.select(...); not jnp.select
-        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+        owner = (
+          f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+        )
         picks = isinstance(f, ast.Attribute) and (
-            f.attr == "dispatch" or (f.attr == "select" and owner in ("kernels", "REGISTRY")))
+          f.attr == "dispatch" or (f.attr == "select" and owner in ("kernels", "REGISTRY"))
+        )
       if picks:
         wrong.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-  assert not wrong, "call the op's entry point (jact.kernels.<op>.api) instead:\n" + "\n".join(wrong)
+  assert not wrong, "call the op's entry point (jact.kernels.<op>.api) instead:\n" + "\n".join(
+    wrong
+  )
 
 
 @pytest.mark.parametrize("slope", [None, 0.1])
@@ -95,28 +107,54 @@ def test_division_entry_point_matches_the_reference():
   assert_same_packed(hfc, ref_hfc)
 
 
-@pytest.mark.parametrize("call, error, message", [
+@pytest.mark.parametrize(
+  "call, error, message",
+  [
     (lambda: relu_mask(jnp.arange(4)), TypeError, "float32, bfloat16 or float16 array, got int32"),
     (lambda: relu_mask(_x((2, 8)), negative_slope="0.1"), TypeError, "negative_slope .* got '0.1'"),
     (lambda: relu_mask(_x((2, 8)), negative_slope=True), TypeError, "negative_slope .* got True"),
-    (lambda: division_compress(_x((2, 16)), jnp.uint32(1), block=4, bits=2), ValueError,
-     r"rank 3 to 5 .* got shape \(2, 16\)"),
-    (lambda: division_compress(_x(), jnp.uint32(1), block=0, bits=2), ValueError,
-     "block must be a positive int .* got 0"),
-    (lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=3), ValueError,
-     r"bits must be one of \(1, 2, 4, 8\), got 3"),
-    (lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=2, group_size=12), ValueError,
-     "group_size must be a positive multiple of 8"),
-    (lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=2, lfc_dtype=jnp.int8),
-     ValueError, "lfc_dtype must be float32, bfloat16 or float16"),
-    (lambda: division_compress(_x(), None, block=4, bits=2), ValueError,
-     "needs a uint32 seed.*seed_from_key"),
-    (lambda: division_compress(_x().astype(jnp.int32), jnp.uint32(1), block=4, bits=2), TypeError,
-     "float32, bfloat16 or float16 array, got int32"),
-    (lambda: dequantize_per_sample(_x((2, 8))), TypeError,
-     "takes the PackedPerSample that quantize_per_sample returns, got ArrayImpl"),
-])
+    (
+      lambda: division_compress(_x((2, 16)), jnp.uint32(1), block=4, bits=2),
+      ValueError,
+      r"rank 3 to 5 .* got shape \(2, 16\)",
+    ),
+    (
+      lambda: division_compress(_x(), jnp.uint32(1), block=0, bits=2),
+      ValueError,
+      "block must be a positive int .* got 0",
+    ),
+    (
+      lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=3),
+      ValueError,
+      r"bits must be one of \(1, 2, 4, 8\), got 3",
+    ),
+    (
+      lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=2, group_size=12),
+      ValueError,
+      "group_size must be a positive multiple of 8",
+    ),
+    (
+      lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=2, lfc_dtype=jnp.int8),
+      ValueError,
+      "lfc_dtype must be float32, bfloat16 or float16",
+    ),
+    (
+      lambda: division_compress(_x(), None, block=4, bits=2),
+      ValueError,
+      "needs a uint32 seed.*seed_from_key",
+    ),
+    (
+      lambda: division_compress(_x().astype(jnp.int32), jnp.uint32(1), block=4, bits=2),
+      TypeError,
+      "float32, bfloat16 or float16 array, got int32",
+    ),
+    (
+      lambda: dequantize_per_sample(_x((2, 8))),
+      TypeError,
+      "takes the PackedPerSample that quantize_per_sample returns, got ArrayImpl",
+    ),
+  ],
+)
 def test_entry_points_reject_bad_arguments_naming_them(call, error, message):
   with pytest.raises(error, match=message):
     call()
-

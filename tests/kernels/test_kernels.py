@@ -22,8 +22,13 @@ from jact.kernels._relu_mask.reference import relu_mask_reference
 from jact.ops._linear import dense
 from jact._core.quantize import effective_group_size
 from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
-from kernel_checks import (assert_lowers_for_cuda, assert_same_bits, assert_same_packed,
-                           poisoned_call)
+from kernel_checks import (
+  assert_lowers_for_cuda,
+  assert_same_bits,
+  assert_same_packed,
+  poisoned_call,
+)
+
 
 def _activation(shape, dtype, seed=0, specials=True):
   x = 3 * jax.random.normal(jax.random.key(seed), shape)
@@ -53,8 +58,14 @@ def jitted(fn, *args, **kwargs):
 
 
 def test_reference_on_cpu_pallas_on_gpu():
-  for op in ("quantize", "dequantize", "relu_mask", "quantize_per_sample",
-             "dequantize_per_sample", "division_compress"):
+  for op in (
+    "quantize",
+    "dequantize",
+    "relu_mask",
+    "quantize_per_sample",
+    "dequantize_per_sample",
+    "division_compress",
+  ):
     assert kernels.select(op, platform="cpu").name == "xla"
     assert kernels.select(op, platform="gpu").name == "pallas_triton"
   assert kernels.select("quantize", platform="cpu") is kernels.select("quantize")  # CI is CPU
@@ -67,8 +78,9 @@ def test_empty_and_oversized_inputs_use_the_reference():
 
 
 def test_registered_kernel_wins_by_priority_on_its_platform_only():
-  impl = kernels.Implementation("quantize", "test_fast", quantize_reference,
-                                platforms=("tpu",), priority=20)
+  impl = kernels.Implementation(
+    "quantize", "test_fast", quantize_reference, platforms=("tpu",), priority=20
+  )
   table = kernels.REGISTRY.extended(impl)
   assert table.select("quantize", platform="tpu").name == "test_fast"
   assert table.select("quantize", platform="cpu").name == "xla"
@@ -102,25 +114,38 @@ def test_unknown_names_raise_with_the_choices():
 # case "b1-f32" (same shape, dtype, width, group size and rows; there with the
 # outputs pre-filled), so it is not repeated here (interpret mode compiles
 # each kernel for seconds).
-@pytest.mark.parametrize("shape,dtype,bits,group_size,stochastic", [
-    ((3, 7, 13), jnp.bfloat16, 2, 64, True),      # 91 values: a partial, NaN-padded group
-    ((5, 784), jnp.float16, 4, 256, True),        # group 112
-    ((2, 1024), jnp.float32, 8, 256, False),      # round to nearest, 4 groups a sample
-    ((6, 520), jnp.float32, 4, 128, True),        # 520 = 5 groups of 104
+@pytest.mark.parametrize(
+  "shape,dtype,bits,group_size,stochastic",
+  [
+    ((3, 7, 13), jnp.bfloat16, 2, 64, True),  # 91 values: a partial, NaN-padded group
+    ((5, 784), jnp.float16, 4, 256, True),  # group 112
+    ((2, 1024), jnp.float32, 8, 256, False),  # round to nearest, 4 groups a sample
+    ((6, 520), jnp.float32, 4, 128, True),  # 520 = 5 groups of 104
     ((16, 256), jnp.bfloat16, 8, 256, True),
-])
+  ],
+)
 @pytest.mark.slow
 def test_quantize_and_dequantize_kernels_are_bit_exact(shape, dtype, bits, group_size, stochastic):
   x = _activation(shape, dtype, seed=bits)
   g = effective_group_size(int(np.prod(shape[1:])), group_size)
   seed = jnp.uint32(0xC0FFEE + bits)
-  kernel = jitted(pergroup.quantize, x, seed, bits=bits, group_size=g, stochastic=stochastic,
-                  interpret=True, rows=4)
+  kernel = jitted(
+    pergroup.quantize,
+    x,
+    seed,
+    bits=bits,
+    group_size=g,
+    stochastic=stochastic,
+    interpret=True,
+    rows=4,
+  )
   reference = jitted(quantize_reference, x, seed, bits=bits, group_size=g, stochastic=stochastic)
   assert_same_packed(kernel, reference)
   for out in (None, jnp.float32) if dtype != jnp.float32 else (None,):  # None: float32 already
-    assert_same_bits(jitted(pergroup.dequantize, reference, dtype=out, interpret=True, rows=4),
-                     jitted(dequantize_reference, reference, dtype=out))
+    assert_same_bits(
+      jitted(pergroup.dequantize, reference, dtype=out, interpret=True, rows=4),
+      jitted(dequantize_reference, reference, dtype=out),
+    )
 
 
 @pytest.mark.slow
@@ -130,11 +155,19 @@ def test_every_group_and_value_is_written(monkeypatch):
   for i, n in enumerate([1, 9]):
     x = _activation((n, 328), jnp.float32, seed=10 + i, specials=False)
     seed = jnp.uint32(i)
-    k = jitted(pergroup.quantize, x, seed, bits=2, group_size=effective_group_size(328, 256),
-               interpret=True, rows=2)
+    k = jitted(
+      pergroup.quantize,
+      x,
+      seed,
+      bits=2,
+      group_size=effective_group_size(328, 256),
+      interpret=True,
+      rows=2,
+    )
     assert_same_packed(k, jitted(quantize_reference, x, seed, bits=2, group_size=k.group_size))
-    assert_same_bits(jitted(pergroup.dequantize, k, interpret=True, rows=2),
-                     jitted(dequantize_reference, k))
+    assert_same_bits(
+      jitted(pergroup.dequantize, k, interpret=True, rows=2), jitted(dequantize_reference, k)
+    )
 
 
 @pytest.mark.slow
@@ -147,8 +180,7 @@ def test_dispatch_through_ops_gives_the_same_gradient_and_reports_the_kernel():
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
   reference = grad(x, w)
-  with kernels.use(quantize="pallas_triton", dequantize="pallas_triton",
-                   relu_mask="pallas_triton"):
+  with kernels.use(quantize="pallas_triton", dequantize="pallas_triton", relu_mask="pallas_triton"):
     pallas = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     report = jact.residual_report(loss, x, w)
   for a, b in zip(pallas, reference):
@@ -177,6 +209,7 @@ def test_automatic_gpu_choice_is_staged_by_lowering_platform(monkeypatch):
   def make_grad():  # a new function each time: the choice is made when it is traced
     def loss(x, w):
       return jnp.sum(jact.ops.relu(dense(x, w, key=jax.random.key(3), bits=2)) ** 2)
+
     return jax.grad(loss, argnums=(0, 1))
 
   grad = make_grad()
@@ -202,17 +235,26 @@ def test_staged_arguments_keep_static_values_static(monkeypatch):
   for seed, stochastic in [(jnp.uint32(7), True), (None, False)]:
     # Under jit (one compile each, not op by op): a static value the staging
     # turned into a traced one would fail there.
-    p = jitted(quantize, x, seed, bits=4, group_size=effective_group_size(300, 256),
-               stochastic=stochastic)
-    r = jitted(quantize_reference, x, seed, bits=4, group_size=effective_group_size(300, 256),
-               stochastic=stochastic)
+    p = jitted(
+      quantize, x, seed, bits=4, group_size=effective_group_size(300, 256), stochastic=stochastic
+    )
+    r = jitted(
+      quantize_reference,
+      x,
+      seed,
+      bits=4,
+      group_size=effective_group_size(300, 256),
+      stochastic=stochastic,
+    )
     assert_same_packed(p, r)
     out = jitted(kernels.dispatch("dequantize", size=p.data.size), p, dtype=jnp.float32)
     assert out.dtype == jnp.float32
     assert_same_bits(out, jitted(dequantize_reference, r, dtype=jnp.float32))
   # a forced choice is never staged
-  assert kernels.dispatch("quantize", "pallas_triton") is kernels.available("quantize")[
-      "pallas_triton"].fn
+  assert (
+    kernels.dispatch("quantize", "pallas_triton")
+    is kernels.available("quantize")["pallas_triton"].fn
+  )
   with kernels.use(quantize="xla"):
     assert kernels.dispatch("quantize") is kernels.available("quantize")["xla"].fn
 
@@ -241,7 +283,9 @@ def test_compressor_implementation_field_selects_the_kernel():
   seed = jnp.uint32(9)
   for name in ("xla", "pallas_triton"):
     c = PerGroup(4, implementation=name)
-    report = jact.residual_report(lambda x: jact.ops.gelu(x, key=jax.random.key(0), compressor=c).sum(), x)
+    report = jact.residual_report(
+      lambda x: jact.ops.gelu(x, key=jax.random.key(0), compressor=c).sum(), x
+    )
     assert set(report.kernels().values()) == {"jact_quantize" if name != "xla" else "xla"}
     assert jact.compressors.from_dict(c.to_dict()) == c
   a = jitted(PerGroup(4, implementation="xla").compress, x, seed)  # one compile each
@@ -269,27 +313,39 @@ def test_pergroup_kernels_lower_for_cuda(bits):
     x = jax.ShapeDtypeStruct(shape, dtype)
     seed = jax.ShapeDtypeStruct((), jnp.uint32)
     kw = dict(bits=bits, group_size=group)
-    assert_lowers_for_cuda(lambda x, s: pergroup.quantize(x, s, **kw, interpret=False),
-                           lambda x, s: quantize_reference(x, s, **kw), x, seed,
-                           kernels=["jact_quantize"])
     assert_lowers_for_cuda(
-        lambda x: pergroup.quantize(x, None, **kw, stochastic=False, interpret=False),
-        lambda x: quantize_reference(x, None, **kw, stochastic=False), x,
-        kernels=["jact_quantize"])
+      lambda x, s: pergroup.quantize(x, s, **kw, interpret=False),
+      lambda x, s: quantize_reference(x, s, **kw),
+      x,
+      seed,
+      kernels=["jact_quantize"],
+    )
+    assert_lowers_for_cuda(
+      lambda x: pergroup.quantize(x, None, **kw, stochastic=False, interpret=False),
+      lambda x: quantize_reference(x, None, **kw, stochastic=False),
+      x,
+      kernels=["jact_quantize"],
+    )
     packed = jax.eval_shape(lambda x: quantize_reference(x, jnp.uint32(0), **kw), x)
     for out in (jnp.float32, dtype):
-      assert_lowers_for_cuda(lambda p: pergroup.dequantize(p, out, interpret=False),
-                             lambda p: dequantize_reference(p, out), packed,
-                             kernels=["jact_dequantize"])
+      assert_lowers_for_cuda(
+        lambda p: pergroup.dequantize(p, out, interpret=False),
+        lambda p: dequantize_reference(p, out),
+        packed,
+        kernels=["jact_dequantize"],
+      )
 
 
 def test_relu_mask_kernel_lowers_for_cuda():
   for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     x = jax.ShapeDtypeStruct((32, 56, 56, 64), dtype)
     for slope in (None, 0.2):
-      assert_lowers_for_cuda(lambda x: relu.relu_mask(x, negative_slope=slope, interpret=False),
-                             lambda x: relu_mask_reference(x, negative_slope=slope), x,
-                             kernels=["jact_relu_mask"])
+      assert_lowers_for_cuda(
+        lambda x: relu.relu_mask(x, negative_slope=slope, interpret=False),
+        lambda x: relu_mask_reference(x, negative_slope=slope),
+        x,
+        kernels=["jact_relu_mask"],
+      )
 
 
 @pytest.mark.slow
@@ -302,15 +358,15 @@ def test_staging_leaves_no_conditional_and_the_same_compiled_memory(monkeypatch)
       h = x
       for i in range(3):
         h = jact.ops.relu(dense(h, w, key=jax.random.fold_in(jax.random.key(3), i), bits=2))
-      return jnp.sum(h ** 2)
+      return jnp.sum(h**2)
+
     return jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile()
 
   plain = compiled()
   monkeypatch.setattr(kernels._registry, "_backend", lambda: "gpu")
   staged = compiled()
   assert " conditional(" not in staged.as_text() and " case(" not in staged.as_text()
-  assert (staged.memory_analysis().temp_size_in_bytes
-          == plain.memory_analysis().temp_size_in_bytes)
+  assert staged.memory_analysis().temp_size_in_bytes == plain.memory_analysis().temp_size_in_bytes
 
 
 def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
@@ -318,9 +374,12 @@ def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
   compressed residual) to the Triton-language kernel (Triton's interpreter off
   GPU), with the reference's bits; the Pallas kernel stays the GPU default."""
   from jact.kernels import _jax_triton
+
   launches = []
   launch = _jax_triton.call
-  monkeypatch.setattr(_jax_triton, "call", lambda *a, **k: launches.append(k["name"]) or launch(*a, **k))
+  monkeypatch.setattr(
+    _jax_triton, "call", lambda *a, **k: launches.append(k["name"]) or launch(*a, **k)
+  )
   x = jax.random.normal(jax.random.key(3), (4, 300))
   w = jax.random.normal(jax.random.key(4), (300, 8)) / 20
   key = jax.random.key(5)
@@ -331,6 +390,7 @@ def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
     chosen = jact.quantize(x, key, bits=2, group_size=64)
     grads = jax.jit(jax.grad(loss, argnums=1))(x, w)
   assert launches == ["jact_quantize_jax_triton"] * 2, launches  # the quantizer, then the layer
-  assert_same_packed(chosen, jitted(jact.quantize, x, key, bits=2, group_size=64,
-                                    implementation="xla"))
+  assert_same_packed(
+    chosen, jitted(jact.quantize, x, key, bits=2, group_size=64, implementation="xla")
+  )
   assert_same_bits(grads, jax.jit(jax.grad(loss, argnums=1))(x, w))

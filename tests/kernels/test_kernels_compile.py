@@ -20,13 +20,27 @@ from jact.kernels import _triton as T  # noqa: E402
 # Contiguous values: the global loads must be 16-byte vector accesses. Per-group planes
 # of G / (8 / bits) values stay vectorized while that count is a multiple of 4 (MNIST's
 # 784 values per sample give groups of 112: planes of 28); groups of 100 do not.
-VECTOR = {"quantize 2-bit f32", "quantize 4-bit f32", "quantize 2-bit bf16",
-          "quantize 2-bit f32 group 112", "relu mask f32",
-          "relu mask bf16", "division fused 2-bit"}
-CHECKED = sorted(VECTOR | {"quantize 1-bit f32", "quantize 2-bit f32 group 100",
-                           "dequantize 2-bit f32", "dequantize 8-bit f32",
-                           "quantize per sample f32", "dequantize per sample f32",
-                           "division pool + residual 2-bit 3-D"})
+VECTOR = {
+  "quantize 2-bit f32",
+  "quantize 4-bit f32",
+  "quantize 2-bit bf16",
+  "quantize 2-bit f32 group 112",
+  "relu mask f32",
+  "relu mask bf16",
+  "division fused 2-bit",
+}
+CHECKED = sorted(
+  VECTOR
+  | {
+    "quantize 1-bit f32",
+    "quantize 2-bit f32 group 100",
+    "dequantize 2-bit f32",
+    "dequantize 8-bit f32",
+    "quantize per sample f32",
+    "dequantize per sample f32",
+    "division pool + residual 2-bit 3-D",
+  }
+)
 
 
 @pytest.mark.slow
@@ -54,6 +68,7 @@ def _fma_kernel(rounded: bool):
   def kernel(a_ref, b_ref, c_ref, o_ref):
     a, b, c = a_ref[...], b_ref[...], c_ref[...]
     o_ref[...] = T.add(T.mul(a, b, False), c, False) if rounded else a * b + c
+
   spec = jax.ShapeDtypeStruct((1024,), jnp.float32)
   fn = pl.pallas_call(kernel, out_shape=spec, grid=(1,), compiler_params=T.compiler_params())
   return ck.triton_modules(fn, spec, spec, spec)
@@ -72,8 +87,14 @@ def test_launch_parameters_come_from_the_pallas_call():
 
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1.0
-  fn = pl.pallas_call(kernel, out_shape=spec, grid=(1,), name="eight_warps",
-                      compiler_params=T.compiler_params(num_warps=8, num_stages=2))
+
+  fn = pl.pallas_call(
+    kernel,
+    out_shape=spec,
+    grid=(1,),
+    name="eight_warps",
+    compiler_params=T.compiler_params(num_warps=8, num_stages=2),
+  )
   (module,) = ck.triton_modules(fn, spec)
   assert (module.name, module.num_warps, module.num_stages) == ("eight_warps", 8, 2)
   assert "tt.func" in module.ir

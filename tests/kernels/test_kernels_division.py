@@ -68,34 +68,41 @@ def test_reference_pooling_sums_in_the_documented_order(shape, block):
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 CASES = [
-    # shape, x dtype, lfc dtype, block, bits, group_size, rows, one pass
-    ((2, 8, 8, 16), F32, BF16, 4, 2, 256, None, True),    # B divides the map; a band = 2 groups
-    ((2, 10, 10, 8), BF16, F32, 4, 4, 64, 2, True),       # partial blocks; a band = 5 groups
-    ((2, 10, 10, 8), F16, BF16, 4, 1, 256, 2, False),     # groups of 200 straddle bands of 320
-    ((2, 6, 5, 16), F32, F32, 8, 8, 64, None, True),      # map smaller than B: one band a sample
-    ((4, 3, 3, 8), BF16, BF16, 4, 2, 256, 2, True),       # samples of 72: a group each
-    ((4, 1, 1, 4), F32, BF16, 4, 2, 256, 2, False),       # samples of 4 packed in one row
-    ((2, 20, 16), F32, BF16, 8, 1, 64, None, True),       # rank 3, one pass
-    ((3, 13, 24), F32, F16, 4, 2, 256, 2, False),         # rank 3, groups of 104 straddle bands
-    ((1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None, True),  # rank 5, H in one block: one pass
-    ((2, 5, 6, 6, 8), BF16, F32, 4, 4, 256, 4, False),    # rank 5, bands not contiguous
+  # shape, x dtype, lfc dtype, block, bits, group_size, rows, one pass
+  ((2, 8, 8, 16), F32, BF16, 4, 2, 256, None, True),  # B divides the map; a band = 2 groups
+  ((2, 10, 10, 8), BF16, F32, 4, 4, 64, 2, True),  # partial blocks; a band = 5 groups
+  ((2, 10, 10, 8), F16, BF16, 4, 1, 256, 2, False),  # groups of 200 straddle bands of 320
+  ((2, 6, 5, 16), F32, F32, 8, 8, 64, None, True),  # map smaller than B: one band a sample
+  ((4, 3, 3, 8), BF16, BF16, 4, 2, 256, 2, True),  # samples of 72: a group each
+  ((4, 1, 1, 4), F32, BF16, 4, 2, 256, 2, False),  # samples of 4 packed in one row
+  ((2, 20, 16), F32, BF16, 8, 1, 64, None, True),  # rank 3, one pass
+  ((3, 13, 24), F32, F16, 4, 2, 256, 2, False),  # rank 3, groups of 104 straddle bands
+  ((1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None, True),  # rank 5, H in one block: one pass
+  ((2, 5, 6, 6, 8), BF16, F32, 4, 4, 256, 4, False),  # rank 5, bands not contiguous
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,dtype,lfc_dtype,block,bits,group_size,rows,one_pass", CASES,
-                         ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-b{c[4]}" for c in CASES])
-def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, rows, one_pass,
-                             monkeypatch):
+@pytest.mark.parametrize(
+  "shape,dtype,lfc_dtype,block,bits,group_size,rows,one_pass",
+  CASES,
+  ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-b{c[4]}" for c in CASES],
+)
+def test_kernel_is_bit_exact(
+  shape, dtype, lfc_dtype, block, bits, group_size, rows, one_pass, monkeypatch
+):
   monkeypatch.setattr(division, "_LFC_TILE", 16)  # pooled rows of 24 or 32 take several chunks
   assert division.fused(shape, block, group_size) == one_pass
   x = activation(shape, dtype, seed=bits, specials=shape[0] > 1)
   seed = jnp.uint32(0xD1 + bits)
   args = dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype)
-  kernel = jax.jit(functools.partial(division.division_compress, interpret=True, rows=rows,
-                                     **args), compiler_options=FAST_COMPILE)(x, seed)
-  reference = jax.jit(functools.partial(division_compress_reference, **args),
-                      compiler_options=FAST_COMPILE)(x, seed)
+  kernel = jax.jit(
+    functools.partial(division.division_compress, interpret=True, rows=rows, **args),
+    compiler_options=FAST_COMPILE,
+  )(x, seed)
+  reference = jax.jit(
+    functools.partial(division_compress_reference, **args), compiler_options=FAST_COMPILE
+  )(x, seed)
   assert_same_bits(kernel[0], reference[0])
   assert_same_packed(kernel[1], reference[1])
 
@@ -104,10 +111,13 @@ def test_kernel_is_bit_exact(shape, dtype, lfc_dtype, block, bits, group_size, r
 def test_division_dispatches_to_the_kernel_with_the_same_bits():
   x = activation((2, 10, 10, 8), seed=7)
   seed = jnp.uint32(11)
-  compressors = [Division(block=4, bits=2, group_size=64, implementation=name)
-                 for name in ("pallas_triton", "xla", None)]
-  compressors.append(Division(block=4, bits=2, group_size=64, keep="hfc",
-                              implementation="pallas_triton"))
+  compressors = [
+    Division(block=4, bits=2, group_size=64, implementation=name)
+    for name in ("pallas_triton", "xla", None)
+  ]
+  compressors.append(
+    Division(block=4, bits=2, group_size=64, keep="hfc", implementation="pallas_triton")
+  )
 
   @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
   def run(x, seed):
@@ -135,18 +145,27 @@ def test_implementation_field():
     Division(implementation=3)
 
 
-@pytest.mark.parametrize("shape,block,bits,group_size", [
-    ((2, 8, 8, 16), 4, 2, 256),     # one pass
-    ((2, 10, 10, 8), 4, 1, 256),    # pooling + residual kernels
-    ((4, 3, 3, 8), 4, 8, 256),      # samples shorter than a group
-    ((4, 1, 1, 4), 4, 8, 256),      # one row
-    ((2, 5, 6, 6, 8), 4, 4, 256),   # rank 5, two kernels
-    ((2, 20, 16), 8, 4, 64),        # rank 3, one pass
-])
+@pytest.mark.parametrize(
+  "shape,block,bits,group_size",
+  [
+    ((2, 8, 8, 16), 4, 2, 256),  # one pass
+    ((2, 10, 10, 8), 4, 1, 256),  # pooling + residual kernels
+    ((4, 3, 3, 8), 4, 8, 256),  # samples shorter than a group
+    ((4, 1, 1, 4), 4, 8, 256),  # one row
+    ((2, 5, 6, 6, 8), 4, 4, 256),  # rank 5, two kernels
+    ((2, 20, 16), 8, 4, 64),  # rank 3, one pass
+  ],
+)
 @pytest.mark.slow
 def test_kernels_lower_for_cuda(shape, block, bits, group_size):
-  f = functools.partial(division.division_compress, block=block, bits=bits,
-                        group_size=group_size, lfc_dtype=jnp.bfloat16, interpret=False)
+  f = functools.partial(
+    division.division_compress,
+    block=block,
+    bits=bits,
+    group_size=group_size,
+    lfc_dtype=jnp.bfloat16,
+    interpret=False,
+  )
   x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   lowered = _compat.lower_for_cuda(f, x, jax.ShapeDtypeStruct((), jnp.uint32))
   expected = 1 if division.fused(shape, block, group_size) else 2

@@ -17,11 +17,14 @@ import pytest
 from jact import kernels
 from jact.kernels._per_sample import pallas_triton as persample
 from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
-from jact.kernels._per_sample.reference import (dequantize_per_sample_reference,
-                                               quantize_per_sample_reference)
+from jact.kernels._per_sample.reference import (
+  dequantize_per_sample_reference,
+  quantize_per_sample_reference,
+)
 from jact._core.persample import per_sample_capacity
 from jact._core.quantize import effective_group_size
 from kernel_checks import assert_lowers_for_cuda, assert_same_bits, poisoned_call
+
 
 def assert_same_packed(p, r):
   for field in ("data", "bits", "minimum", "scale"):
@@ -33,7 +36,9 @@ def _activation(shape, dtype, seed=0):
   """Normal values with per-sample ranges, +-inf, NaN, +-0 and one sample
   (the second) entirely non-finite; built in numpy (eager jax ops compile)."""
   rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape) * np.arange(1, shape[0] + 1).reshape((-1,) + (1,) * (len(shape) - 1))
+  x = rng.standard_normal(shape) * np.arange(1, shape[0] + 1).reshape(
+    (-1,) + (1,) * (len(shape) - 1)
+  )
   flat = x.reshape(shape[0], -1)
   flat[0, [1, 5, 7]] = np.inf, np.nan, -np.inf
   flat[0, [2, 3]] = 0.0, -0.0
@@ -56,10 +61,12 @@ def _geometry(shape):
 # checks their unoptimized bits against the reference compiled as users do.)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
-_quantize_reference = _jit(quantize_per_sample_reference,
-                              static_argnames=("capacity_bytes", "group_size"))
-_dequantize_kernel = _jit(persample.dequantize_per_sample,
-                             static_argnames=("dtype", "interpret", "rows"))
+_quantize_reference = _jit(
+  quantize_per_sample_reference, static_argnames=("capacity_bytes", "group_size")
+)
+_dequantize_kernel = _jit(
+  persample.dequantize_per_sample, static_argnames=("dtype", "interpret", "rows")
+)
 _dequantize_reference = _jit(dequantize_per_sample_reference, static_argnames=("dtype",))
 
 
@@ -76,29 +83,42 @@ _dequantize_reference = _jit(dequantize_per_sample_reference, static_argnames=("
 # here the quantizer is the reference and only the dequantizations to the other
 # output dtype (the input's, or float32) run.
 CONTRACT_CASES = [
-    ((4, 300), jnp.float32, [1, 2, 4, 8], True, 1.0, 2, jnp.float32),
-    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.float32),
-    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float16),
+  ((4, 300), jnp.float32, [1, 2, 4, 8], True, 1.0, 2, jnp.float32),
+  ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.float32),
+  ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float16),
 ]
 CASES = [
-    ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.bfloat16),
-    ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float32),
+  ((5, 7, 13), jnp.bfloat16, [8, 1, 2, 4, 1], True, 64.0, 1, jnp.bfloat16),
+  ((6, 784), jnp.float16, [2, 8, 1, 4, 4, 1], False, 0.5, 4, jnp.float32),
 ]
 
 
 def test_the_kernel_contract_runs_the_other_cases():
   """The cases above not run here are tests/kernels/test_kernel_contract.py's (kept in step)."""
   import test_kernel_contract as contract
-  assert [case.name for case in contract.quantize_per_sample_cases()] == [
-      case.name for case in contract.dequantize_per_sample_cases()] == [
-      c[0] for c in contract.PER_SAMPLE]
-  ran = {(shape, jnp.dtype(dtype), tuple(widths), stochastic, per_value, rows,
-          jnp.dtype(out or dtype))
-         for (_, shape, dtype, widths, per_value, group_size, stochastic, rows), out
-         in zip(contract.PER_SAMPLE, contract.PER_SAMPLE_OUTS) if group_size == 256}
+
+  assert (
+    [case.name for case in contract.quantize_per_sample_cases()]
+    == [case.name for case in contract.dequantize_per_sample_cases()]
+    == [c[0] for c in contract.PER_SAMPLE]
+  )
+  ran = {
+    (shape, jnp.dtype(dtype), tuple(widths), stochastic, per_value, rows, jnp.dtype(out or dtype))
+    for (_, shape, dtype, widths, per_value, group_size, stochastic, rows), out in zip(
+      contract.PER_SAMPLE, contract.PER_SAMPLE_OUTS
+    )
+    if group_size == 256
+  }
   for shape, dtype, widths, stochastic, per_value, rows, out in CONTRACT_CASES:
-    assert (shape, jnp.dtype(dtype), tuple(widths), stochastic, per_value, rows,
-            jnp.dtype(out)) in ran
+    assert (
+      shape,
+      jnp.dtype(dtype),
+      tuple(widths),
+      stochastic,
+      per_value,
+      rows,
+      jnp.dtype(out),
+    ) in ran
 
 
 @pytest.mark.slow
@@ -111,8 +131,9 @@ def test_dequantize_is_bit_exact(shape, dtype, widths, stochastic, per_value, ro
   assert int(bits.sum()) * dp // 8 <= capacity
   seed = jnp.uint32(1234) if stochastic else None
   r = _quantize_reference(x, bits, capacity_bytes=capacity, group_size=g, seed=seed)
-  assert_same_bits(_dequantize_kernel(r, out, interpret=True, rows=rows),
-                   _dequantize_reference(r, out))
+  assert_same_bits(
+    _dequantize_kernel(r, out, interpret=True, rows=rows), _dequantize_reference(r, out)
+  )
 
 
 @pytest.mark.slow
@@ -122,7 +143,9 @@ def test_every_byte_and_value_is_written(monkeypatch):
   x = _activation((3, 40), jnp.float32, seed=2)
   bits, seed = jnp.array([1, 8, 2], jnp.int32), jnp.uint32(7)
   args = dict(capacity_bytes=13000, group_size=40, seed=seed)
-  p = _jit(functools.partial(persample.quantize_per_sample, interpret=True, rows=1, **args))(x, bits)
+  p = _jit(functools.partial(persample.quantize_per_sample, interpret=True, rows=1, **args))(
+    x, bits
+  )
   assert_same_packed(p, _quantize_reference(x, bits, **args))
   y = _jit(functools.partial(persample.dequantize_per_sample, interpret=True, rows=1))(p)
   assert_same_bits(y, _dequantize_reference(p, jnp.float32))
@@ -134,8 +157,9 @@ _TRACES = []
 @functools.partial(_jit, static_argnames=("capacity", "implementation"))
 def _dispatch_quantize(x, bits, seed, *, capacity, implementation):
   _TRACES.append(implementation)
-  return quantize_per_sample(x, bits, capacity_bytes=capacity, seed=seed,
-                             implementation=implementation)
+  return quantize_per_sample(
+    x, bits, capacity_bytes=capacity, seed=seed, implementation=implementation
+  )
 
 
 _dispatch_dequantize = _jit(dequantize_per_sample, static_argnames=("dtype", "implementation"))
@@ -176,8 +200,9 @@ def test_registry_picks_the_kernel_only_when_asked_on_cpu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,dtype", [((64, 4096), jnp.float32), ((8, 784), jnp.bfloat16),
-                                         ((5, 7, 13), jnp.float16)])
+@pytest.mark.parametrize(
+  "shape,dtype", [((64, 4096), jnp.float32), ((8, 784), jnp.bfloat16), ((5, 7, 13), jnp.float16)]
+)
 def test_kernels_lower_for_cuda(shape, dtype):
   # Quantize: the statistics pass then the packing pass; dequantize: one
   # unpacking call; outputs shaped and typed like the XLA references'.
@@ -189,16 +214,27 @@ def test_kernels_lower_for_cuda(shape, dtype):
   kw = dict(capacity_bytes=capacity, group_size=g)
   two_passes = ["jact_per_sample_stats", "jact_per_sample_pack"]
   assert_lowers_for_cuda(
-      lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw, interpret=False),
-      lambda x, b, s: quantize_per_sample_reference(x, b, seed=s, **kw), x, bits, seed,
-      kernels=two_passes)
+    lambda x, b, s: persample.quantize_per_sample(x, b, seed=s, **kw, interpret=False),
+    lambda x, b, s: quantize_per_sample_reference(x, b, seed=s, **kw),
+    x,
+    bits,
+    seed,
+    kernels=two_passes,
+  )
   assert_lowers_for_cuda(
-      lambda x, b: persample.quantize_per_sample(x, b, seed=None, **kw, interpret=False),
-      lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw), x, bits,
-      kernels=two_passes)
-  packed = jax.eval_shape(lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw),
-                          x, bits)
+    lambda x, b: persample.quantize_per_sample(x, b, seed=None, **kw, interpret=False),
+    lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw),
+    x,
+    bits,
+    kernels=two_passes,
+  )
+  packed = jax.eval_shape(
+    lambda x, b: quantize_per_sample_reference(x, b, seed=None, **kw), x, bits
+  )
   for out in dict.fromkeys((jnp.float32, dtype)):  # float32 once
-    assert_lowers_for_cuda(lambda p: persample.dequantize_per_sample(p, out, interpret=False),
-                           lambda p: dequantize_per_sample_reference(p, out), packed,
-                           kernels=["jact_per_sample_unpack"])
+    assert_lowers_for_cuda(
+      lambda p: persample.dequantize_per_sample(p, out, interpret=False),
+      lambda p: dequantize_per_sample_reference(p, out),
+      packed,
+      kernels=["jact_per_sample_unpack"],
+    )

@@ -58,15 +58,21 @@ def test_dropout_rate_outside_unit_interval_is_a_clear_error(bad):
 # Shapes past 2^32 elements: dropout's (128, 8192, 8192), strides that are not
 # powers of two (carries in the 16-bit limb products), quantize's grouped view of
 # one sample of 2^33 values, and an axis of exactly 2^32 elements.
-LARGE_SHAPES = [(128, 8192, 8192), (7, 65537, 65539), (1, 2**25, 256), (3, 2**32),
-                (65537, 65521, 65519), (5, 2**20, 2**20, 3)]
+LARGE_SHAPES = [
+  (128, 8192, 8192),
+  (7, 65537, 65539),
+  (1, 2**25, 256),
+  (3, 2**32),
+  (65537, 65521, 65519),
+  (5, 2**20, 2**20, 3),
+]
 
 
 def _flat(coords, shape):
   """Row-major flat index in Python integers (the oracle)."""
   flat = [0] * len(coords[0])
   for axis, c in enumerate(coords):
-    stride = int(np.prod(shape[axis + 1:], dtype=object))
+    stride = int(np.prod(shape[axis + 1 :], dtype=object))
     flat = [f + int(v) * stride for f, v in zip(flat, c)]
   return flat
 
@@ -99,12 +105,16 @@ def test_element_i_and_i_plus_2_32_get_different_bits(shape):
   while the first 2^32 elements keep hash(seed, i)."""
   r = np.random.default_rng(2)
   i = r.integers(0, 2**32, size=4096, dtype=np.uint64)
+
   def coords(flat):
     out = []
     for axis in range(len(shape)):
-      stride = int(np.prod(shape[axis + 1:]))
-      out.append(jnp.asarray(((flat // np.uint64(stride)) % np.uint64(shape[axis])).astype(np.uint32)))
+      stride = int(np.prod(shape[axis + 1 :]))
+      out.append(
+        jnp.asarray(((flat // np.uint64(stride)) % np.uint64(shape[axis])).astype(np.uint32))
+      )
     return out
+
   a = rng.element_bits_at(SEED, coords(i), shape)
   b = rng.element_bits_at(SEED, coords(i + np.uint64(2**32)), shape)
   np.testing.assert_array_equal(a, rng.hash_uint32(SEED, jnp.asarray(i.astype(np.uint32))))
@@ -135,10 +145,10 @@ def test_single_sample_of_2_32_values_lowers(case):
   big = jax.ShapeDtypeStruct((1, 2**32 + 256), jnp.float32)
   odd = jax.ShapeDtypeStruct((2, 2**16, 2**16 + 1), jnp.float32)  # strides above 2^32
   fns = {
-      "quantize": (lambda x: jact.quantize(x, KEY, bits=2), big),
-      "dequantize": (lambda x: jact.dequantize(jact.quantize(x, KEY, bits=4)), big),
-      "dropout": (lambda x: jact.ops.dropout(x, 0.25, key=KEY), odd),
-      "dropout_grad": (jax.grad(lambda x: jnp.sum(jact.ops.dropout(x, 0.25, key=KEY))), odd),
+    "quantize": (lambda x: jact.quantize(x, KEY, bits=2), big),
+    "dequantize": (lambda x: jact.dequantize(jact.quantize(x, KEY, bits=4)), big),
+    "dropout": (lambda x: jact.ops.dropout(x, 0.25, key=KEY), odd),
+    "dropout_grad": (jax.grad(lambda x: jnp.sum(jact.ops.dropout(x, 0.25, key=KEY))), odd),
   }
   fn, arg = fns[case]
   out = jax.eval_shape(fn, arg)

@@ -16,25 +16,23 @@ X = jax.random.normal(jax.random.key(0), (4, 128)) * 2.0
 COT = jax.random.normal(jax.random.key(1), (4, 128))  # a fixed, generic cotangent
 
 SMOOTH = {
-    "gelu": (A.gelu, lambda x: jax.nn.gelu(x, approximate=True)),
-    "gelu_erf": (functools.partial(A.gelu, approximate=False),
-                 lambda x: jax.nn.gelu(x, approximate=False)),
-    "silu": (A.silu, jax.nn.silu),
-    "tanh": (A.tanh, jnp.tanh),
-    "sigmoid": (A.sigmoid, jax.nn.sigmoid),
+  "gelu": (A.gelu, lambda x: jax.nn.gelu(x, approximate=True)),
+  "gelu_erf": (
+    functools.partial(A.gelu, approximate=False),
+    lambda x: jax.nn.gelu(x, approximate=False),
+  ),
+  "silu": (A.silu, jax.nn.silu),
+  "tanh": (A.tanh, jnp.tanh),
+  "sigmoid": (A.sigmoid, jax.nn.sigmoid),
 }
-
-
-
-
-
-
 
 
 def input_grads(op, x, cot, keys, **kw):
   """Input gradient of <op(x), cot> for each key (jit + vmap over keys)."""
+
   def one(key):
     return jax.grad(lambda x: jnp.vdot(op(x, key=key, **kw).astype(jnp.float32), cot))(x)
+
   return over_keys(one, keys)
 
 
@@ -73,8 +71,10 @@ def test_mask_activations_forward_and_gradient_are_exact(dtype):
   # Exact zeros in the input check the convention at the kink (relu: 0, leaky: slope 1).
   x = jnp.concatenate([X[:, :120], jnp.zeros((4, 8))], axis=1).astype(dtype)
   cot = COT.astype(dtype)
-  for op, ref in [(A.relu, jax.nn.relu),
-                  (lambda x: A.leaky_relu(x, 0.2), lambda x: jax.nn.leaky_relu(x, 0.2))]:
+  for op, ref in [
+    (A.relu, jax.nn.relu),
+    (lambda x: A.leaky_relu(x, 0.2), lambda x: jax.nn.leaky_relu(x, 0.2)),
+  ]:
     fwd_bwd = lambda f: jax.jit(lambda x, c: (f(x), jax.vjp(f, x)[1](c)[0]))(x, cot)
     (y, g), (y_ref, g_ref) = fwd_bwd(op), fwd_bwd(ref)
     assert y.dtype == dtype
@@ -85,8 +85,9 @@ def test_mask_activations_forward_and_gradient_are_exact(dtype):
 
 def test_softmax_forward_is_exact():
   for axis in (-1, 0):
-    y, y_ref = jax.jit(lambda x: (A.softmax(x, axis, key=jax.random.key(0)),
-                                  jax.nn.softmax(x, axis=axis)))(X)  # one compile
+    y, y_ref = jax.jit(
+      lambda x: (A.softmax(x, axis, key=jax.random.key(0)), jax.nn.softmax(x, axis=axis))
+    )(X)  # one compile
     np.testing.assert_array_equal(y, y_ref)
 
 
@@ -214,8 +215,11 @@ def test_bf16_softmax_gradient_is_the_float32_one_within_8_bit_and_bf16_rounding
   step, eps = 1.01 * y.max() / 255, 2.0**-8
   s = (cot * y).sum(1, keepdims=True)
   l1 = np.abs(cot).sum(1, keepdims=True)
-  bound = (step * (np.abs(cot - s) + (y + step) * l1) + 2 * eps * y * (np.abs(cot - s) + y * l1)
-           + eps * np.abs(exact))
+  bound = (
+    step * (np.abs(cot - s) + (y + step) * l1)
+    + 2 * eps * y * (np.abs(cot - s) + y * l1)
+    + eps * np.abs(exact)
+  )
   assert np.all(np.abs(g - exact) <= bound), float((np.abs(g - exact) / bound).max())
 
 
@@ -241,8 +245,10 @@ def test_residual_bytes_at_2_bits_are_an_eighth_of_plain(which):
 
 def test_mask_residual_is_one_bit_per_element():
   x = jax.random.normal(jax.random.key(0), (16, 512))
-  for op, ref, name in [(A.relu, jax.nn.relu, "relu.mask"),
-                        (A.leaky_relu, jax.nn.leaky_relu, "leaky_relu.mask")]:
+  for op, ref, name in [
+    (A.relu, jax.nn.relu, "relu.mask"),
+    (A.leaky_relu, jax.nn.leaky_relu, "leaky_relu.mask"),
+  ]:
     assert residual_bytes(op, x) == x.size // 8
     assert residual_bytes(op, x) <= residual_bytes(ref, x) / 8
     assert saved_under_names(op, [name], x) == ({name}, x.size // 8)

@@ -18,12 +18,8 @@ BIAS = 0.5 * jax.random.normal(jax.random.key(4), (1, 2, 8, 8))
 MASK = jnp.tril(jnp.ones((8, 8), bool))[None, None]  # causal
 
 
-
-
 def residuals(f, *args):
   return [(a, d) for a, d in saved_residuals(f, *args) if not d.startswith("from the argument")]
-
-
 
 
 def grads(fn, q, k, v, cot=COT):
@@ -97,8 +93,14 @@ def test_residuals_are_named_and_at_2_bits_an_eighth_of_flax():
   assert 0 < got <= want / 8, (got, want)
   # Every piece is tagged: a remat policy keeping the six names saves all of it
   # up to scalars (1/sqrt(depth), the closed-over PRNG key).
-  names = {"attention.qk.lhs", "attention.qk.rhs", "attention.softmax.y",
-           "attention.dropout.seed", "attention.pv.lhs", "attention.pv.rhs"}
+  names = {
+    "attention.qk.lhs",
+    "attention.qk.rhs",
+    "attention.softmax.y",
+    "attention.dropout.seed",
+    "attention.pv.lhs",
+    "attention.pv.rhs",
+  }
   pol = jax.checkpoint_policies.save_only_these_names(*names)
   saved = residuals(jax.checkpoint(f, policy=pol), q, k, v)
   assert {d.split("'")[1] for _, d in saved if d.startswith("named")} == names
@@ -116,8 +118,9 @@ def test_bf16_forward_is_flax_bf16_and_gradient_is_float32_within_bf16_rounding(
   q, k, v = (a.astype(jnp.bfloat16) for a in (Q, KT, V))
   fn = lambda q, k, v: attn(q, k, v, BIAS, MASK, key=jax.random.key(0))
   y = jax.jit(fn)(q, k, v)
-  y_flax = jax.jit(lambda q, k, v: nn.dot_product_attention(
-      q, k, v, bias=BIAS.astype(jnp.bfloat16), mask=MASK))(q, k, v)
+  y_flax = jax.jit(
+    lambda q, k, v: nn.dot_product_attention(q, k, v, bias=BIAS.astype(jnp.bfloat16), mask=MASK)
+  )(q, k, v)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_flax, np.float32))
   assert all(g.dtype == jnp.bfloat16 for g in grads(fn, q, k, v))

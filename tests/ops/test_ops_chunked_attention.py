@@ -49,8 +49,9 @@ def value_and_grads(fn, q, k, v, bias):
 @jax.jit
 def flax_value_and_grads(q, k, v, bias, mask):
   """Reference (float32); one compilation shared by the tests below."""
-  return value_and_grads(lambda q, k, v, b: nn.dot_product_attention(q, k, v, b, mask),
-                         q, k, v, bias)
+  return value_and_grads(
+    lambda q, k, v, b: nn.dot_product_attention(q, k, v, b, mask), q, k, v, bias
+  )
 
 
 FULL = (1, 1, H, LQ, LK)  # every reference mask has this shape (one compilation)
@@ -61,8 +62,8 @@ FULL = (1, 1, H, LQ, LK)  # every reference mask has this shape (one compilation
 # fully hidden row), so it cannot skip, and stores only q, k, v
 # (recompute=True re-runs the forward in the backward pass: same numbers).
 CONFIGS = {
-    "causal_bias": (dict(causal=True), jnp.broadcast_to(CAUSAL, FULL)),
-    "all": (dict(mask=MASK, causal=True, recompute=True), MASK & CAUSAL),
+  "causal_bias": (dict(causal=True), jnp.broadcast_to(CAUSAL, FULL)),
+  "all": (dict(mask=MASK, causal=True, recompute=True), MASK & CAUSAL),
 }
 
 
@@ -70,8 +71,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", CONFIGS)
 def test_uncompressed_forward_and_gradients_match_flax(config):
   kw, full_mask = CONFIGS[config]
-  run = jax.jit(lambda *a: value_and_grads(
-      lambda q, k, v, b: attn(q, k, v, b, **kw, **CHUNKS), *a))
+  run = jax.jit(lambda *a: value_and_grads(lambda q, k, v, b: attn(q, k, v, b, **kw, **CHUNKS), *a))
   y, got = run(Q, KT, V, BIAS)
   want_y, want = flax_value_and_grads(Q, KT, V, BIAS, full_mask)
   np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=2e-6)
@@ -85,10 +85,10 @@ def test_no_batch_axis_and_extreme_chunks():
   # Forward only: [length, heads, depth] inputs, one query row per block and a
   # key block larger than the keys (clipped to one block), mask and causal.
   q, k, v, mask = Q[0, 0], KT[0, 0], V[0, 0], MASK[0, 0]
-  got = jax.jit(lambda q, k, v: attn(q, k, v, mask=mask, causal=True, query_chunk=1,
-                                     key_chunk=64))(q, k, v)
-  np.testing.assert_allclose(got, reference(q, k, v, mask=mask, causal=True),
-                             rtol=1e-5, atol=2e-6)
+  got = jax.jit(lambda q, k, v: attn(q, k, v, mask=mask, causal=True, query_chunk=1, key_chunk=64))(
+    q, k, v
+  )
+  np.testing.assert_allclose(got, reference(q, k, v, mask=mask, causal=True), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.slow
@@ -97,11 +97,13 @@ def test_bf16_in_bf16_out_with_float32_accumulation():
   # bf16 roundings are the output, the weights fed to the p·v product and
   # the gradients, each ~2**-9 relative: 2% relative L2 bounds.
   q, k, v = (a.astype(jnp.bfloat16) for a in (Q, KT, V))
-  run = jax.jit(lambda *a: value_and_grads(
-      lambda q, k, v, b: attn(q, k, v, b, MASK, causal=True, **CHUNKS), *a))
+  run = jax.jit(
+    lambda *a: value_and_grads(lambda q, k, v, b: attn(q, k, v, b, MASK, causal=True, **CHUNKS), *a)
+  )
   y, got = run(q, k, v, BIAS)
-  want_y, want = flax_value_and_grads(*(a.astype(jnp.float32) for a in (q, k, v)), BIAS,
-                                      MASK & CAUSAL)
+  want_y, want = flax_value_and_grads(
+    *(a.astype(jnp.float32) for a in (q, k, v)), BIAS, MASK & CAUSAL
+  )
   assert y.dtype == jnp.bfloat16
   assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
   for a, b in zip((y, *got), (want_y, *want)):
@@ -131,9 +133,11 @@ def uncompressed(q, k, v):
 
 def sampled(keys, q, k, v, **kw):
   """(outputs, gradients) of the compressed op, one draw per key."""
+
   def one(key):
     y, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, key=key, **SCHUNKS, **kw), q, k, v)
     return y, vjp(SCOT)
+
   return over_keys(one, keys)
 
 
@@ -226,8 +230,10 @@ def test_residuals_are_linear_in_length_and_named():
   assert sizes[4, 2048] < 0.15 * qkv  # 4/32 plus bf16 group statistics
   # Every residual is tagged.
   x = jnp.ones((1, 64, heads, depth))
-  for bits, names in [(4, {"att.q", "att.k", "att.v"}),
-                      (None, {"att.q", "att.k", "att.v", "att.out", "att.lse"})]:
+  for bits, names in [
+    (4, {"att.q", "att.k", "att.v"}),
+    (None, {"att.q", "att.k", "att.v", "att.out", "att.lse"}),
+  ]:
     f = lambda q, k, v: attn(q, k, v, bits=bits, key=jax.random.key(0), name="att")
     saved, nbytes = saved_under_names(f, names, x, x, x)
     assert saved == names
@@ -248,8 +254,11 @@ def test_compiled_backward_memory_is_far_below_plain_attention():
     return compiled.memory_analysis().temp_size_in_bytes
 
   chunked = temp(lambda q, k, v: attn(q, k, v, causal=True))
-  plain = temp(lambda q, k, v: nn.dot_product_attention(
-      q, k, v, mask=nn.make_causal_mask(jnp.ones((1, length), bool))))
+  plain = temp(
+    lambda q, k, v: nn.dot_product_attention(
+      q, k, v, mask=nn.make_causal_mask(jnp.ones((1, length), bool))
+    )
+  )
   assert chunked < 0.05 * plain, (chunked, plain)
   assert chunked < length * length * heads * 4 / 8, chunked
 

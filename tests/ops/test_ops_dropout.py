@@ -78,7 +78,7 @@ def test_the_only_residual_is_the_4_byte_seed():
   key = jax.random.key(6)
   res = residuals(lambda x: dropout(x, 0.5, key=key, name="drop1"), X)
   assert len(res) == 1
-  (a, desc), = res
+  ((a, desc),) = res
   assert a.shape == () and a.dtype == jnp.uint32 and "named 'drop1.seed'" in desc
   # also when the key is an argument of the differentiated function
   res = residuals(lambda x, k: dropout(x, 0.5, key=k), X, key)
@@ -97,8 +97,9 @@ def test_broadcast_dims_share_the_mask():
 
 def test_deterministic_and_zero_rate_are_identity():
   for kw in [dict(rate=0.5, deterministic=True), dict(rate=0.0)]:
-    y, vjp = jax.vjp(lambda x: dropout(x, kw["rate"], key=None,
-                                       deterministic=kw.get("deterministic", False)), X)
+    y, vjp = jax.vjp(
+      lambda x: dropout(x, kw["rate"], key=None, deterministic=kw.get("deterministic", False)), X
+    )
     np.testing.assert_array_equal(y, X)
     np.testing.assert_array_equal(vjp(jnp.ones_like(X))[0], 1.0)
 

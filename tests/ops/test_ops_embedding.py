@@ -31,6 +31,7 @@ def _value_and_grad(fn, ids, table, ct):
   def run(table):
     y, vjp = jax.vjp(lambda t: fn(ids, t), table)
     return y, vjp(ct)[0]
+
   return jax.jit(run)(table)
 
 
@@ -91,8 +92,10 @@ def test_multi_axis_table_rows():
 
 def test_saves_only_the_ids():
   table, ids = _table(12), _ids(13)
-  for fn, args in [(lambda t: embed(ids, t), (table,)),            # ids closed over
-                   (lambda i, t: embed(i, t), (ids, table))]:      # ids an argument
+  for fn, args in [
+    (lambda t: embed(ids, t), (table,)),  # ids closed over
+    (lambda i, t: embed(i, t), (ids, table)),
+  ]:  # ids an argument
     saved = saved_residuals(fn, *args)
     assert len(saved) == 1, saved
     aval, desc = saved[0]
@@ -102,8 +105,11 @@ def test_saves_only_the_ids():
   # (besides the table argument itself): nothing is recomputed from the table.
   f = lambda t: jnp.sum(jnp.sin(embed(ids, 2.0 * t, name="tok")))
   policy = jax.checkpoint_policies.save_only_these_names("tok.ids")
-  kept = [(a, d) for a, d in saved_residuals(jax.checkpoint(f, policy=policy), table)
-          if not d.startswith(("from the argument", "from a literal", "from a constant"))]
+  kept = [
+    (a, d)
+    for a, d in saved_residuals(jax.checkpoint(f, policy=policy), table)
+    if not d.startswith(("from the argument", "from a literal", "from a constant"))
+  ]
   assert len(kept) == 1 and kept[0][0].dtype == ids.dtype and "named 'tok.ids'" in kept[0][1]
 
 

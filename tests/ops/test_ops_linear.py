@@ -93,10 +93,13 @@ def test_dense_bias_forward():
   np.testing.assert_array_equal(y, x @ w + b)
 
 
-@pytest.mark.parametrize("subscripts, shapes", [
-    ("bqhd,bkhd->bhqk", ((2, 8, 2, 16), (2, 8, 2, 16))),   # attention scores q.k
-    ("bhqk,bkhd->bqhd", ((2, 2, 8, 8), (2, 8, 2, 16))),    # probabilities times values
-])
+@pytest.mark.parametrize(
+  "subscripts, shapes",
+  [
+    ("bqhd,bkhd->bhqk", ((2, 8, 2, 16), (2, 8, 2, 16))),  # attention scores q.k
+    ("bhqk,bkhd->bqhd", ((2, 2, 8, 8), (2, 8, 2, 16))),  # probabilities times values
+  ],
+)
 @pytest.mark.slow
 def test_einsum_attention_forms_unbiased(subscripts, shapes):
   a, b = _normal(10, shapes[0]), _normal(11, shapes[1])
@@ -118,24 +121,32 @@ def test_stochastic_false_is_detected_as_biased():
 # ----------------------------------------------------------------------------- convolutions
 
 CONV_CASES = {
-    # name: (x shape, kernel shape, conv keywords)
-    "1d_stride2_same": ((2, 16, 3), (3, 3, 4), dict(strides=2, padding="SAME")),
-    "2d_valid_dilated": ((2, 9, 9, 3), (3, 3, 3, 4), dict(padding="VALID", dilation=2)),
-    "2d_explicit_stride": ((2, 8, 8, 3), (3, 3, 3, 4),
-                           dict(strides=(2, 1), padding=((1, 2), (0, 1)))),
-    "2d_depthwise": ((2, 8, 8, 4), (3, 3, 1, 8), dict(padding="SAME", feature_group_count=4)),
-    "3d_stride_same": ((1, 5, 6, 6, 2), (3, 3, 3, 2, 3), dict(strides=2, padding="SAME")),
+  # name: (x shape, kernel shape, conv keywords)
+  "1d_stride2_same": ((2, 16, 3), (3, 3, 4), dict(strides=2, padding="SAME")),
+  "2d_valid_dilated": ((2, 9, 9, 3), (3, 3, 3, 4), dict(padding="VALID", dilation=2)),
+  "2d_explicit_stride": (
+    (2, 8, 8, 3),
+    (3, 3, 3, 4),
+    dict(strides=(2, 1), padding=((1, 2), (0, 1))),
+  ),
+  "2d_depthwise": ((2, 8, 8, 4), (3, 3, 1, 8), dict(padding="SAME", feature_group_count=4)),
+  "3d_stride_same": ((1, 5, 6, 6, 2), (3, 3, 3, 2, 3), dict(strides=2, padding="SAME")),
 }
 
 
 def _plain_conv(x, kernel, strides=1, padding="SAME", dilation=1, feature_group_count=1):
   n = x.ndim - 2
   t = lambda v: (v,) * n if isinstance(v, int) else tuple(v)
-  sp = "DHW"[3 - n:]
+  sp = "DHW"[3 - n :]
   return lax.conv_general_dilated(
-      x, kernel, t(strides), padding, rhs_dilation=t(dilation),
-      dimension_numbers=("N" + sp + "C", sp + "IO", "N" + sp + "C"),
-      feature_group_count=feature_group_count)
+    x,
+    kernel,
+    t(strides),
+    padding,
+    rhs_dilation=t(dilation),
+    dimension_numbers=("N" + sp + "C", sp + "IO", "N" + sp + "C"),
+    feature_group_count=feature_group_count,
+  )
 
 
 @pytest.mark.slow
@@ -153,10 +164,12 @@ def test_conv_forward_exact_kernel_grad_unbiased(case):
 def test_conv_general_dilated_lhs_dilation_forward_exact():
   x, kernel = _normal(22, (2, 3, 7, 7)), _normal(23, (4, 3, 3, 3))  # NCHW / OIHW
   kw = dict(window_strides=(1, 1), padding=((1, 1), (1, 1)), lhs_dilation=(2, 2))
-  y = jax.jit(lambda x, w: L.conv_general_dilated(x, w, key=jax.random.key(0), bits=BITS,
-                                                  **kw))(x, kernel)  # one compile
-  np.testing.assert_array_equal(y, jax.jit(lambda x, w: lax.conv_general_dilated(x, w, **kw))(
-      x, kernel))
+  y = jax.jit(lambda x, w: L.conv_general_dilated(x, w, key=jax.random.key(0), bits=BITS, **kw))(
+    x, kernel
+  )  # one compile
+  np.testing.assert_array_equal(
+    y, jax.jit(lambda x, w: lax.conv_general_dilated(x, w, **kw))(x, kernel)
+  )
 
 
 def test_conv_transpose_unbiased():
@@ -201,14 +214,16 @@ def test_eight_bit_gradients_close_to_exact(which):
   else:
     a, b = _normal(36, (2, 6, 6, 8)), _normal(37, (3, 3, 8, 4))
     op = lambda a, b, k: L.conv_transpose(a, b, (2, 2), "SAME", key=k, bits=8)
-    plain = lambda a, b: lax.conv_transpose(a, b, (2, 2), "SAME",
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    plain = lambda a, b: lax.conv_transpose(
+      a, b, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
   out_shape = jax.eval_shape(plain, a, b).shape
   # Unoptimized: compiles faster, and the comparison is a relative tolerance.
   fast = dict(compiler_options={"xla_backend_optimization_level": 0})
   exact = jax.jit(jax.grad(_linear_loss(plain, out_shape), argnums=(0, 1)), **fast)(a, b)
   got = jax.jit(jax.grad(_linear_loss(op, out_shape), argnums=(0, 1)), **fast)(
-      a, b, jax.random.key(3))
+    a, b, jax.random.key(3)
+  )
   for g, e in zip(got, exact):
     assert _rel_err(g, e) < EIGHT_BIT_RTOL
 
@@ -221,14 +236,24 @@ def test_low_precision_dtypes_preserved(dtype):
   img, kern = _normal(42, (2, 8, 8, 4), dtype), _normal(43, (3, 3, 4, 8), dtype)
   q, kk = _normal(44, (2, 8, 2, 16), dtype), _normal(45, (2, 8, 2, 16), dtype)
   cases = [
-      (lambda a, b: L.dense(a, b, key=k, bits=BITS), lambda a, b: a @ b, x, w),
-      (lambda a, b: L.conv(a, b, key=k, bits=BITS), _plain_conv, img, kern),
-      (lambda a, b: L.einsum("bqhd,bkhd->bhqk", a, b, key=k, bits=BITS),
-       lambda a, b: jnp.einsum("bqhd,bkhd->bhqk", a, b), q, kk),
-      (lambda a, b: L.conv_transpose(a, b, (2, 2), "SAME", key=k, bits=BITS),
-       lambda a, b: lax.conv_transpose(a, b, (2, 2), "SAME",
-                                       dimension_numbers=("NHWC", "HWIO", "NHWC")), img, kern),
+    (lambda a, b: L.dense(a, b, key=k, bits=BITS), lambda a, b: a @ b, x, w),
+    (lambda a, b: L.conv(a, b, key=k, bits=BITS), _plain_conv, img, kern),
+    (
+      lambda a, b: L.einsum("bqhd,bkhd->bhqk", a, b, key=k, bits=BITS),
+      lambda a, b: jnp.einsum("bqhd,bkhd->bhqk", a, b),
+      q,
+      kk,
+    ),
+    (
+      lambda a, b: L.conv_transpose(a, b, (2, 2), "SAME", key=k, bits=BITS),
+      lambda a, b: lax.conv_transpose(
+        a, b, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      ),
+      img,
+      kern,
+    ),
   ]
+
   def run(op, a, b):
     y, vjp = jax.vjp(op, a, b)
     return y, vjp(jnp.ones_like(y))
@@ -240,7 +265,9 @@ def test_low_precision_dtypes_preserved(dtype):
     assert y.dtype == dtype
     np.testing.assert_array_equal(y, jax.jit(plain)(a, b))
     assert ga.dtype == dtype and gb.dtype == dtype
-    assert bool(jnp.isfinite(ga.astype(jnp.float32)).all() & jnp.isfinite(gb.astype(jnp.float32)).all())
+    assert bool(
+      jnp.isfinite(ga.astype(jnp.float32)).all() & jnp.isfinite(gb.astype(jnp.float32)).all()
+    )
 
 
 # ----------------------------------------------------------------------------- residuals
@@ -269,15 +296,25 @@ def _plain_activation_bytes(fn, *args):
 
 
 RESIDUAL_CASES = {
-    # op name: (jact op with the activation computed inside, plain op, args, residual names)
-    "dense": (lambda x, w: L.dense(2.0 * x, w, key=jax.random.key(0), bits=BITS),
-              lambda x, w: (2.0 * x) @ w, ((64, 512), (512, 8)), ("dense.lhs",)),
-    "conv": (lambda x, w: L.conv(2.0 * x, w, key=jax.random.key(0), bits=BITS),
-             lambda x, w: _plain_conv(2.0 * x, w), ((4, 16, 16, 16), (3, 3, 16, 4)), ("conv.lhs",)),
-    "einsum": (lambda a, b: L.einsum("bqhd,bkhd->bhqk", 2.0 * a, 2.0 * b, key=jax.random.key(0),
-                                     bits=BITS),
-               lambda a, b: jnp.einsum("bqhd,bkhd->bhqk", 2.0 * a, 2.0 * b),
-               ((2, 64, 2, 64), (2, 64, 2, 64)), ("einsum.lhs", "einsum.rhs")),
+  # op name: (jact op with the activation computed inside, plain op, args, residual names)
+  "dense": (
+    lambda x, w: L.dense(2.0 * x, w, key=jax.random.key(0), bits=BITS),
+    lambda x, w: (2.0 * x) @ w,
+    ((64, 512), (512, 8)),
+    ("dense.lhs",),
+  ),
+  "conv": (
+    lambda x, w: L.conv(2.0 * x, w, key=jax.random.key(0), bits=BITS),
+    lambda x, w: _plain_conv(2.0 * x, w),
+    ((4, 16, 16, 16), (3, 3, 16, 4)),
+    ("conv.lhs",),
+  ),
+  "einsum": (
+    lambda a, b: L.einsum("bqhd,bkhd->bhqk", 2.0 * a, 2.0 * b, key=jax.random.key(0), bits=BITS),
+    lambda a, b: jnp.einsum("bqhd,bkhd->bhqk", 2.0 * a, 2.0 * b),
+    ((2, 64, 2, 64), (2, 64, 2, 64)),
+    ("einsum.lhs", "einsum.rhs"),
+  ),
 }
 
 
@@ -287,7 +324,7 @@ def test_residual_bytes_at_two_bits(case):
   args = [_normal(50 + i, s) for i, s in enumerate(shapes)]
   compressed = _activation_bytes(op, names, *args)
   full = _plain_activation_bytes(plain, *args)
-  activation = sum(_nbytes(a) for a in args[:len(names)])  # what the plain op keeps
+  activation = sum(_nbytes(a) for a in args[: len(names)])  # what the plain op keeps
   assert full == activation
   assert 0 < compressed <= full / 8, (compressed, full)
 
@@ -342,8 +379,9 @@ def test_bits_none_stores_plain_input():
   shapes = sorted((tuple(a.shape), str(a.dtype)) for a, _ in saved)
   assert shapes == [((16, 64), "float32")]
   # the kernel is kept by reference: the argument itself, not a copy of it
-  assert [tuple(a.shape) for a, d in saved_residuals(f, x, w)
-          if d.startswith("from the argument")] == [(64, 8)]
+  assert [
+    tuple(a.shape) for a, d in saved_residuals(f, x, w) if d.startswith("from the argument")
+  ] == [(64, 8)]
   # and the gradient is exact up to float32 reassociation (small entries are
   # sums of cancelling terms, so the bound is relative to the gradient's scale)
   g = jax.jit(jax.grad(lambda w: jnp.sum(f(x, w) ** 2)))(w)
@@ -380,7 +418,9 @@ def test_missing_key():
   # Round-to-nearest needs no key and ignores one: the same gradient with or without.
   nearest = PerGroup(4, stochastic=False)
   g1 = jax.jit(jax.grad(lambda w: L.dense(x, w, compressor=nearest).sum()))(w)
-  g2 = jax.jit(jax.grad(lambda w: L.dense(x, w, key=jax.random.key(5), compressor=nearest).sum()))(w)
+  g2 = jax.jit(jax.grad(lambda w: L.dense(x, w, key=jax.random.key(5), compressor=nearest).sum()))(
+    w
+  )
   np.testing.assert_array_equal(g1, g2)
   # d/dw sum(x @ w) = column sums of the 4-bit x_hat: each of the 4 rows is off
   # by at most half a step, step <= 1.01 * range(x) / 15 (bf16 step rounded up).

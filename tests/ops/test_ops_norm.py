@@ -19,18 +19,14 @@ SCALE = 1.0 + 0.3 * jax.random.normal(jax.random.key(2), (C,))
 BIAS = 0.1 * jax.random.normal(jax.random.key(4), (C,))
 
 
-
-
-
-
-
-
 def flax_fn(kind, x, scale, bias, fast=True):
   """The flax module applied with the given parameters (train mode for batch norm)."""
   if kind == "batch":
     m = nn.BatchNorm(use_running_average=False, momentum=0.9, use_fast_variance=fast)
-    v = {"params": {"scale": scale, "bias": bias},
-         "batch_stats": {"mean": jnp.zeros(C), "var": jnp.ones(C)}}
+    v = {
+      "params": {"scale": scale, "bias": bias},
+      "batch_stats": {"mean": jnp.zeros(C), "var": jnp.ones(C)},
+    }
     return m.apply(v, x, mutable=["batch_stats"])
   if kind == "layer":
     return nn.LayerNorm(use_fast_variance=fast).apply({"params": {"scale": scale, "bias": bias}}, x)
@@ -119,8 +115,9 @@ def test_layer_and_rms_forward_match_flax(kind, dtype):
   y = ours(kind, x, scale, bias, key=jax.random.key(0), bits=2)
   assert y.dtype == dtype
   tol = 1e-5 if dtype == jnp.float32 else 1e-2
-  np.testing.assert_allclose(np.asarray(y, np.float32),
-                             np.asarray(ref(kind, x, scale, bias), np.float32), rtol=tol, atol=tol)
+  np.testing.assert_allclose(
+    np.asarray(y, np.float32), np.asarray(ref(kind, x, scale, bias), np.float32), rtol=tol, atol=tol
+  )
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -200,8 +197,7 @@ def test_input_gradient_bias_is_bounded_at_4_bits(kind):
   x, (scale, bias), cot = CASES[kind], params(kind), cotangent(kind)
   keys = jax.random.split(jax.random.key(13), K)
   dx = np.asarray(sampled_grads(kind, cot, keys, bits=4)[0], np.float64)
-  exact = np.asarray(grads(lambda x, s, b: ours(kind, x, s, b, bits=None),
-                           x, scale, bias, cot)[0])
+  exact = np.asarray(grads(lambda x, s, b: ours(kind, x, s, b, bits=None), x, scale, bias, cot)[0])
   xhat, inv, n = normalized(kind)
   step = 1.01 * float(xhat.max() - xhat.min()) / 15
   bound = np.abs(inv * np.asarray(scale) * np.asarray(cot)) * step**2 / 4 / n
@@ -225,8 +221,9 @@ def test_bf16_input_gives_bf16_output_and_gradient(kind):
   x, (scale, bias), cot = CASES[kind].astype(jnp.bfloat16), params(kind), cotangent(kind)
   y = ours(kind, x, scale, bias, key=jax.random.key(0))
   assert y.dtype == jnp.bfloat16
-  dx, ds, db = grads(lambda x, s, b: ours(kind, x, s, b, key=jax.random.key(0)),
-                     x, scale, bias, cot)
+  dx, ds, db = grads(
+    lambda x, s, b: ours(kind, x, s, b, key=jax.random.key(0)), x, scale, bias, cot
+  )
   assert dx.dtype == jnp.bfloat16 and ds.dtype == db.dtype == jnp.float32
   want = grads(lambda x, s, b: ours(kind, x, s, b, bits=None), CASES[kind], scale, bias, cot)[0]
   assert np.linalg.norm(np.asarray(dx, np.float32) - want) <= 0.2 * np.linalg.norm(want)
@@ -246,9 +243,12 @@ def test_residual_bytes_at_2_bits_are_an_eighth_of_flax(kind):
   scale, bias = jnp.ones(c), jnp.zeros(c)
   fn = lambda x, s, b: ours(kind, x, s, b, key=jax.random.key(0), bits=2)
   if kind == "batch":
+
     def plain(x, s, b):
-      v = {"params": {"scale": s, "bias": b},
-           "batch_stats": {"mean": jnp.zeros(c), "var": jnp.ones(c)}}
+      v = {
+        "params": {"scale": s, "bias": b},
+        "batch_stats": {"mean": jnp.zeros(c), "var": jnp.ones(c)},
+      }
       return nn.BatchNorm(use_running_average=False).apply(v, x, mutable=["batch_stats"])[0]
   else:
     plain = lambda x, s, b: ref(kind, x, s, b)
@@ -305,24 +305,35 @@ def test_batch_norm_axis_name_is_the_whole_batch_and_matches_flax(fast_variance)
     def local(x, scale, bias, cot):
       y, mu, var = norm(x, scale, bias)
       return jnp.sum(y * cot), (y, mu, var)
+
     grad = jax.grad(local, argnums=(0, 1, 2), has_aux=True)
     grads, out = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0), axis_name="devices"))(
-        shards, SCALE, BIAS, cot)
+      shards, SCALE, BIAS, cot
+    )
     dx, dscale, dbias = grads  # parameter gradients are per device: sum them, as pmean/psum would
     return (dx, dscale.sum(0), dbias.sum(0)), out
 
   def jact_norm(bits):
-    return lambda x, s, b: N.batch_norm(x, s, b, key=jax.random.key(3), bits=bits,
-                                        axis_name="devices", use_fast_variance=fast_variance)
+    return lambda x, s, b: N.batch_norm(
+      x,
+      s,
+      b,
+      key=jax.random.key(3),
+      bits=bits,
+      axis_name="devices",
+      use_fast_variance=fast_variance,
+    )
 
   def whole(x, scale, bias):
-    y, mu, var = N.batch_norm(x.reshape(X4.shape), scale, bias, bits=None,
-                              use_fast_variance=fast_variance)
+    y, mu, var = N.batch_norm(
+      x.reshape(X4.shape), scale, bias, bits=None, use_fast_variance=fast_variance
+    )
     return jnp.sum(y.reshape(cot.shape) * cot), (y, mu, var)
 
   grads, (y, mu, var) = per_device(jact_norm(None))
-  want_grads, (want_y, want_mu, want_var) = jax.jit(jax.grad(whole, argnums=(0, 1, 2),
-                                                             has_aux=True))(shards, SCALE, BIAS)
+  want_grads, (want_y, want_mu, want_var) = jax.jit(
+    jax.grad(whole, argnums=(0, 1, 2), has_aux=True)
+  )(shards, SCALE, BIAS)
   np.testing.assert_allclose(y.reshape(X4.shape), want_y, rtol=1e-5, atol=1e-5)
   for m, v in zip(mu, var):  # every device holds the global statistics
     np.testing.assert_allclose(m, want_mu, rtol=1e-5, atol=1e-6)
@@ -330,13 +341,15 @@ def test_batch_norm_axis_name_is_the_whole_batch_and_matches_flax(fast_variance)
   for g, w in zip(grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(jnp.abs(w).max()))
 
-  bn = nn.BatchNorm(use_running_average=False, axis_name="devices", epsilon=1e-5,
-                    use_fast_variance=fast_variance)
+  bn = nn.BatchNorm(
+    use_running_average=False, axis_name="devices", epsilon=1e-5, use_fast_variance=fast_variance
+  )
   variables = {"batch_stats": {"mean": jnp.zeros(C), "var": jnp.ones(C)}}
 
   def flax_norm(x, scale, bias):
-    y, state = bn.apply({**variables, "params": {"scale": scale, "bias": bias}}, x,
-                        mutable=["batch_stats"])
+    y, state = bn.apply(
+      {**variables, "params": {"scale": scale, "bias": bias}}, x, mutable=["batch_stats"]
+    )
     return y, state["batch_stats"]["mean"], state["batch_stats"]["var"]
 
   flax_grads, (flax_y, flax_mean, _) = per_device(flax_norm)

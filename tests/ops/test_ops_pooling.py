@@ -29,9 +29,11 @@ def _data(seed, shape, dtype=jnp.float32, ties=False):
 
 def _value_and_grad(pool, x, ct, *args):
   """Forward and input gradient for a fixed output cotangent, jitted."""
+
   def run(x):
     y, vjp = jax.vjp(lambda x: pool(x, *args), x)
     return y, vjp(ct)[0]
+
   return jax.jit(run)(x)
 
 
@@ -42,16 +44,16 @@ def _saved(fn, *args):
 
 
 POOL_CASES = {
-    # name: (input shape, window, strides, padding)
-    "2d_2x2_s2_valid": ((2, 8, 8, 3), (2, 2), (2, 2), "VALID"),
-    "2d_3x3_s2_same": ((2, 7, 9, 3), (3, 3), (2, 2), "SAME"),
-    "2d_3x3_s1_same_overlap": ((2, 6, 7, 2), (3, 3), None, "SAME"),
-    "2d_explicit_pad": ((2, 7, 9, 3), (3, 2), (1, 2), ((1, 2), (0, 1))),
-    "2d_pad_only_windows": ((1, 6, 6, 2), (3, 3), (3, 3), ((3, 3), (0, 0))),
-    "2d_no_batch": ((7, 9, 3), (3, 2), (2, 1), "SAME"),
-    "2d_two_batch_dims": ((2, 2, 5, 6, 3), (2, 3), (1, 2), "SAME"),
-    "1d": ((2, 10, 3), (4,), (3,), "SAME"),
-    "3d": ((1, 5, 6, 4, 2), (2, 2, 2), (2, 1, 2), "SAME"),
+  # name: (input shape, window, strides, padding)
+  "2d_2x2_s2_valid": ((2, 8, 8, 3), (2, 2), (2, 2), "VALID"),
+  "2d_3x3_s2_same": ((2, 7, 9, 3), (3, 3), (2, 2), "SAME"),
+  "2d_3x3_s1_same_overlap": ((2, 6, 7, 2), (3, 3), None, "SAME"),
+  "2d_explicit_pad": ((2, 7, 9, 3), (3, 2), (1, 2), ((1, 2), (0, 1))),
+  "2d_pad_only_windows": ((1, 6, 6, 2), (3, 3), (3, 3), ((3, 3), (0, 0))),
+  "2d_no_batch": ((7, 9, 3), (3, 2), (2, 1), "SAME"),
+  "2d_two_batch_dims": ((2, 2, 5, 6, 3), (2, 3), (1, 2), "SAME"),
+  "1d": ((2, 10, 3), (4,), (3,), "SAME"),
+  "3d": ((1, 5, 6, 4, 2), (2, 2, 2), (2, 1, 2), "SAME"),
 }
 
 
@@ -59,7 +61,9 @@ TIE_CASES = ["2d_2x2_s2_valid", "2d_3x3_s1_same_overlap", "2d_pad_only_windows",
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, ties", [(c, False) for c in POOL_CASES] + [(c, True) for c in TIE_CASES])
+@pytest.mark.parametrize(
+  "case, ties", [(c, False) for c in POOL_CASES] + [(c, True) for c in TIE_CASES]
+)
 def test_max_pool_matches_flax_exactly(case, ties):
   shape, window, strides, padding = POOL_CASES[case]
   x = _data(0, shape, ties=ties)
@@ -111,13 +115,16 @@ def test_argmax_bits():
     P.argmax_bits(257)
 
 
-@pytest.mark.parametrize("window, strides, bits", [
+@pytest.mark.parametrize(
+  "window, strides, bits",
+  [
     ((2, 2), (2, 2), 2),
     ((3, 3), (2, 2), 4),
     ((3, 3), (1, 1), 4),
     ((1, 2), (1, 2), 1),
     ((5, 5), (3, 3), 8),
-])
+  ],
+)
 def test_max_pool_residual_is_packed_argmax(window, strides, bits):
   x = _data(5, (3, 15, 15, 5))
   f = lambda x: P.max_pool(2.0 * x, window, strides, "SAME")  # an activation made inside
@@ -156,7 +163,9 @@ def test_avg_pool_saves_nothing(count_include_pad):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window, strides, padding", [((3, 3), (2, 2), "SAME"), ((3, 3), (1, 1), "SAME")])
+@pytest.mark.parametrize(
+  "window, strides, padding", [((3, 3), (2, 2), "SAME"), ((3, 3), (1, 1), "SAME")]
+)
 def test_max_pool_compiled_memory_below_flax(window, strides, padding):
   """Compile-only: the training step's temporaries stay below Flax's and within a
   few input copies (the backward upsamples the cotangent onto the input grid once)."""

@@ -40,12 +40,12 @@ def _cropped_flax_grad(x, ct, window, strides, pads):
 
 
 NEGATIVE_PADS = {
-    # name: (window, strides, padding) on a (2, 6, 7, 2) input
-    "low_and_high_cropped": ((2, 2), (1, 2), ((-1, 0), (0, -2))),
-    "crop_one_side_pad_other": ((2, 2), (1, 2), ((-1, 1), (2, -1))),
-    "strided_3x2": ((3, 2), (2, 1), ((1, -2), (-3, 0))),
-    "crop_more_than_window": ((2, 2), (1, 1), ((-3, 4), (0, 0))),
-    "overlapping_3x3": ((3, 3), (1, 1), ((-1, -1), (-2, 1))),
+  # name: (window, strides, padding) on a (2, 6, 7, 2) input
+  "low_and_high_cropped": ((2, 2), (1, 2), ((-1, 0), (0, -2))),
+  "crop_one_side_pad_other": ((2, 2), (1, 2), ((-1, 1), (2, -1))),
+  "strided_3x2": ((3, 2), (2, 1), ((1, -2), (-3, 0))),
+  "crop_more_than_window": ((2, 2), (1, 1), ((-3, 4), (0, 0))),
+  "overlapping_3x3": ((3, 3), (1, 1), ((-1, -1), (-2, 1))),
 }
 
 
@@ -90,10 +90,10 @@ def test_avg_pool_negative_padding_matches_flax(case, count_include_pad):
 
 
 WINDOW_TOO_LARGE = [
-    ((4, 1), (1, 1), "VALID"),            # one dim empty, the other not
-    ((3, 3), (1, 1), "VALID"),
-    ((5, 2), (2, 1), ((0, 1), (0, 0))),
-    ((2, 2), (1, 1), ((-2, -1), (0, 0))),  # padded size negative
+  ((4, 1), (1, 1), "VALID"),  # one dim empty, the other not
+  ((3, 3), (1, 1), "VALID"),
+  ((5, 2), (2, 1), ((0, 1), (0, 0))),
+  ((2, 2), (1, 1), ((-2, -1), (0, 0))),  # padded size negative
 ]
 
 
@@ -105,8 +105,9 @@ def test_window_larger_than_input(pool, window, strides, padding):
   x = _data(5, (2, 2, 3, 1))
   ref = getattr(nn, pool)(x, window, strides, padding)
   assert ref.size == 0
-  y, g = jax.jit(lambda x: _vjp(getattr(P, pool), x, jnp.ones(ref.shape), window, strides,
-                                padding))(x)
+  y, g = jax.jit(
+    lambda x: _vjp(getattr(P, pool), x, jnp.ones(ref.shape), window, strides, padding)
+  )(x)
   assert y.shape == ref.shape and y.dtype == x.dtype
   assert g.shape == x.shape and g.dtype == x.dtype
   np.testing.assert_array_equal(g, jnp.zeros_like(x))

@@ -16,8 +16,9 @@ BITS = 8  # the estimator's backward runs compressed: 8 bits keeps dL/dy within 
 
 
 def _conv(x, k):
-  return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
-                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.conv_general_dilated(
+    x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def _bn(h, scale, bias):
@@ -35,11 +36,13 @@ def jact_loss(p, x, key):
 
 def _plain_outputs(p, x):
   """The two convs' outputs and the loss, as functions of added zero probes."""
+
   def loss(probe1, probe2):
     y1 = _conv(x, p["k1"]) + probe1
     h = jax.nn.relu(_bn(y1, p["s"], p["b"]))
     y2 = _conv(h, p["k2"]) + probe2
     return jnp.sum(jnp.square(y2)), h
+
   return loss
 
 
@@ -52,10 +55,12 @@ def _ranges_sq(a, group_size=256):
 def test_conv_sensitivity_matches_actnn_formula_by_hand():
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((4, 8, 8, 4)), jnp.float32)
-  p = dict(k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
-           s=jnp.asarray(1 + 0.1 * rng.standard_normal(8), jnp.float32),
-           b=jnp.asarray(0.1 * rng.standard_normal(8), jnp.float32),
-           k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32))
+  p = dict(
+    k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+    s=jnp.asarray(1 + 0.1 * rng.standard_normal(8), jnp.float32),
+    b=jnp.asarray(0.1 * rng.standard_normal(8), jnp.float32),
+    k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32),
+  )
   est = jact.sensitivity.analytic(jact_loss)
   state = est.update(est.init(p, x, jax.random.key(1)), p, x, jax.random.key(2))
   got = state.as_dict()
@@ -66,51 +71,67 @@ def test_conv_sensitivity_matches_actnn_formula_by_hand():
   per_sample_sq = lambda g: np.sum(np.square(np.asarray(g, np.float64)).reshape(4, -1), axis=1)
   # conv1 stores x: 256 values per sample = one group; conv2 stores h: 512 = two groups.
   by_hand = {
-      "conv1.lhs": 256 / 6 * 9 / 64 * np.sum(per_sample_sq(g1) * _ranges_sq(x)),
-      "conv2.lhs": 256 / 6 * 9 / 64 * np.sum(per_sample_sq(g2) * _ranges_sq(h)),
+    "conv1.lhs": 256 / 6 * 9 / 64 * np.sum(per_sample_sq(g1) * _ranges_sq(x)),
+    "conv2.lhs": 256 / 6 * 9 / 64 * np.sum(per_sample_sq(g2) * _ranges_sq(h)),
   }
   for name, want in by_hand.items():
     np.testing.assert_allclose(got[name], want, rtol=5e-3, err_msg=name)
   assert np.isfinite(got["bn1.xhat"]) and got["bn1.xhat"] > 0
   # ActNN's rule: the batch norm takes the width of the conv that produced its input.
   assert dict(zip(state.names, state.follows)) == {
-      "bn1.xhat": "conv1.lhs", "conv1.lhs": None, "conv2.lhs": None}
+    "bn1.xhat": "conv1.lhs",
+    "conv1.lhs": None,
+    "conv2.lhs": None,
+  }
 
 
 def test_controller_gives_a_normalization_its_producers_width_within_the_budget():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((4, 8, 8, 4)), jnp.float32)
-  p = dict(k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
-           s=jnp.ones(8), b=jnp.zeros(8),
-           k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32))
-  controller = jact.Controller(jact_loss, estimator="analytic", avg_bits=2.0, adapt_interval=1,
-                               per_sample=True,
-                               alert_fraction=1e9)
+  p = dict(
+    k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+    s=jnp.ones(8),
+    b=jnp.zeros(8),
+    k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32),
+  )
+  controller = jact.Controller(
+    jact_loss,
+    estimator="analytic",
+    avg_bits=2.0,
+    adapt_interval=1,
+    per_sample=True,
+    alert_fraction=1e9,
+  )
   state = controller.update(controller.init(p, x, jax.random.key(0)), p, x, jax.random.key(1))
   plan, c = state.plan, state.estimates.as_dict()
   sizes = dict(plan.sizes)
   assert sizes == {"bn1.xhat": 2048, "conv1.lhs": 1024, "conv2.lhs": 2048}
   # conv1 and the batch norm it feeds share one width: 3072 values at c(conv1).
-  want = jact.allocate.greedy_allocate([c["conv1.lhs"], c["conv2.lhs"]], [3072, 2048],
-                                       budget_bits=2 * 5120)
+  want = jact.allocate.greedy_allocate(
+    [c["conv1.lhs"], c["conv2.lhs"]], [3072, 2048], budget_bits=2 * 5120
+  )
   assert (plan["conv1.lhs"], plan["conv2.lhs"]) == want
   assert plan["bn1.xhat"] == plan["conv1.lhs"]
   assert sum(plan[n] * d for n, d in sizes.items()) <= 2.0 * sum(sizes.values())
   assert plan.budget_for("bn1.xhat") == plan.budget_for("conv1.lhs") == plan["conv1.lhs"]
   # Competing on its own (jact's earlier rule) the batch norm's small closed form would
   # have bought conv1 4 bits with a 1-bit batch norm here.
-  alone = jact.allocate.greedy_allocate([c["bn1.xhat"], c["conv1.lhs"], c["conv2.lhs"]],
-                                        [2048, 1024, 2048], budget_bits=2 * 5120)
+  alone = jact.allocate.greedy_allocate(
+    [c["bn1.xhat"], c["conv1.lhs"], c["conv2.lhs"]], [2048, 1024, 2048], budget_bits=2 * 5120
+  )
   assert alone[0] == 1 and want != alone[1:]
 
 
 def test_normalization_producers_rule():
   rule = jact.sensitivity.normalization_producers
   assert rule([("ln", "layer_norm")]) == {}
-  assert rule([("c1", "conv"), ("bn1", "batch_norm"), ("c2", "conv"), ("bn2", "batch_norm"),
-               ("fc", "dense")]) == {"bn1": "c1", "bn2": "c2"}
+  assert rule(
+    [("c1", "conv"), ("bn1", "batch_norm"), ("c2", "conv"), ("bn2", "batch_norm"), ("fc", "dense")]
+  ) == {"bn1": "c1", "bn2": "c2"}
   assert rule([("bn0", "batch_norm"), ("c1", "conv"), ("bn1", "batch_norm")]) == {
-      "bn0": "c1", "bn1": "c1"}
+    "bn0": "c1",
+    "bn1": "c1",
+  }
 
 
 def test_acgc_controller_scale_bound_only_widens_normalizations():
@@ -118,9 +139,12 @@ def test_acgc_controller_scale_bound_only_widens_normalizations():
   gradient (not in AC-GC's Table 1): its width can only grow, the convs' stay."""
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((4, 8, 8, 4)), jnp.float32)
-  p = dict(k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
-           s=jnp.ones(8), b=jnp.zeros(8),
-           k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32))
+  p = dict(
+    k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
+    s=jnp.ones(8),
+    b=jnp.zeros(8),
+    k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32),
+  )
   plans = {}
   for bound in (False, True):
     c = jact.Controller(jact_loss, estimator="acgc", error=0.05, scale_bound=bound)

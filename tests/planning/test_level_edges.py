@@ -39,27 +39,34 @@ def _normal(shape, seed):
 def _nnx_bytes(model, x) -> dict:
   graph, state = nnx.split(model)
   loss = lambda state, x: nnx.merge(graph, state)(x).sum()
-  return {name: group.bytes for name, group in jact.residual_report(loss, state, x)
-          .by_name().items() if name is not None}
+  return {
+    name: group.bytes
+    for name, group in jact.residual_report(loss, state, x).by_name().items()
+    if name is not None
+  }
 
 
 @pytest.mark.slow
 def test_convert_nnx_again_applies_new_settings():
   x = _normal((8, 256), 0)
-  net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,
-                       nnx.Linear(256, 4, rngs=nnx.Rngs(1)))
+  net = nnx.Sequential(
+    nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(256, 4, rngs=nnx.Rngs(1))
+  )
   # functions=False: the layers alone, whose residuals keep the twins' names (the
   # model's call through the engine is covered by the test after this one)
   net = convert(net, bits=4, rngs=nnx.Rngs(jact=2), functions=False)
-  assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 4) for n in ("layers/0.lhs",
-                                                                       "layers/2.lhs")}
+  assert _nnx_bytes(net, x) == {
+    n: _packed_bytes(8, 256, 4) for n in ("layers/0.lhs", "layers/2.lhs")
+  }
   # no rngs: each twin re-forks its own stream
   assert convert(net, bits=2, functions=False) is net
   assert [net.layers[i].bits for i in (0, 2)] == [2, 2]
-  assert _nnx_bytes(net, x) == {n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs",
-                                                                       "layers/2.lhs")}
-  convert(net, compressor=jact.compressors.PerGroup(8, stochastic=False),
-          functions=False)  # round-to-nearest: no stream
+  assert _nnx_bytes(net, x) == {
+    n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs", "layers/2.lhs")
+  }
+  convert(
+    net, compressor=jact.compressors.PerGroup(8, stochastic=False), functions=False
+  )  # round-to-nearest: no stream
   assert net.layers[0].jact_rngs is None
   assert _nnx_bytes(net, x)["layers/0.lhs"] == _packed_bytes(8, 256, 8)
   # back to stochastic rounding: the twins have no stream left, and without rngs
@@ -73,8 +80,9 @@ def test_convert_nnx_again_applies_new_settings():
 
 def _nnx_total(model, x) -> int:
   graph, state = nnx.split(model)
-  return jact.residual_report(lambda state, x: nnx.merge(graph, state)(x).sum(), state,
-                              x).total_bytes
+  return jact.residual_report(
+    lambda state, x: nnx.merge(graph, state)(x).sum(), state, x
+  ).total_bytes
 
 
 @pytest.mark.slow
@@ -84,8 +92,9 @@ def test_convert_nnx_model_call_around_twins_keeps_their_pieces_and_parameters()
   twins' pieces are kept as they are, at the twins' (new) widths, and the
   kernels the twins keep are the model's parameters, not compressed again."""
   x = _normal((8, 256), 0)
-  net = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu,
-                       nnx.Linear(256, 4, rngs=nnx.Rngs(1)))
+  net = nnx.Sequential(
+    nnx.Linear(256, 256, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(256, 4, rngs=nnx.Rngs(1))
+  )
   relu_mask = 8 * 256 // 8
   net = convert(net, bits=4, rngs=nnx.Rngs(jact=2))
   assert _nnx_total(net, x) == 2 * _packed_bytes(8, 256, 4) + relu_mask
@@ -96,7 +105,8 @@ def test_convert_nnx_model_call_around_twins_keeps_their_pieces_and_parameters()
   model_own = {n: b for n, b in saved.items() if n.startswith("Sequential.")}
   assert list(model_own.values()) == [relu_mask]
   assert {n: b for n, b in saved.items() if n not in model_own} == {
-      n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs", "layers/2.lhs")}
+    n: _packed_bytes(8, 256, 2) for n in ("layers/0.lhs", "layers/2.lhs")
+  }
 
 
 def test_convert_nnx_twin_itself_takes_new_bits():
@@ -113,8 +123,11 @@ def test_convert_nnx_model_call_draws_from_its_layers_streams():
   one too (forked from its first layer's), so it is differentiated without
   jact.nnx.use_key; a model whose layers have none gets none (state unchanged)."""
   x = _normal((8, 256), 0)
-  twins = nnx.Sequential(jnnx.Linear(256, 256, rngs=nnx.Rngs(params=0, jact=1)), nnx.relu,
-                         jnnx.Linear(256, 4, rngs=nnx.Rngs(params=1, jact=2)))
+  twins = nnx.Sequential(
+    jnnx.Linear(256, 256, rngs=nnx.Rngs(params=0, jact=1)),
+    nnx.relu,
+    jnnx.Linear(256, 4, rngs=nnx.Rngs(params=1, jact=2)),
+  )
   convert(twins, bits=2)
   assert twins.jact_model_rngs is not None
   assert _nnx_total(twins, x) == 2 * _packed_bytes(8, 256, 2) + 8 * 256 // 8
@@ -126,7 +139,6 @@ def test_convert_nnx_model_call_draws_from_its_layers_streams():
 
 
 class _MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(4)(nn.Dense(256)(x))
@@ -141,8 +153,9 @@ def test_convert_linen_again_applies_new_settings():
     return jact.residual_report(lambda v, x: model.apply(v, x, rngs=rngs).sum(), variables, x)
 
   def saved(model):
-    return {name: group.bytes for name, group in report(model).by_name().items()
-            if name is not None}
+    return {
+      name: group.bytes for name, group in report(model).by_name().items() if name is not None
+    }
 
   once = convert(_MLP(), bits=4)
   assert saved(once) == {n: _packed_bytes(8, 256, 4) for n in ("Dense_0.lhs", "Dense_1.lhs")}
@@ -168,8 +181,12 @@ def _block(k1, k2, w, x):
 
 
 def _block_args():
-  return (_normal((3, 3, 4, 8), 1) / 6, _normal((3, 3, 8, 8), 2) / 8, _normal((512, 16), 3) / 22,
-          _normal((4, 8, 8, 4), 4))
+  return (
+    _normal((3, 3, 4, 8), 1) / 6,
+    _normal((3, 3, 8, 8), 2) / 8,
+    _normal((512, 16), 3) / 22,
+    _normal((4, 8, 8, 4), 4),
+  )
 
 
 def _level_report(level, **kwargs):
@@ -182,7 +199,9 @@ def test_level_l1_compresses_convolution_inputs_only():
   compressed = _packed_bytes(4, 512, 4)
   dense_input = 4 * 512 * 4  # float32, as plain JAX keeps it
   assert {n: g.bytes for n, g in report.by_name().items()} == {
-      "block.conv1.lhs": compressed, None: dense_input}
+    "block.conv1.lhs": compressed,
+    None: dense_input,
+  }
   assert report.total_bytes == compressed + dense_input
   # the block's input is an argument (kept by reference) unless listed, as in jact.compressed
   listed = _level_report("actnn:L1", compress_argnums=(3,)).by_name()
@@ -202,7 +221,7 @@ def test_level_l1_forward_exact_dense_gradient_exact():
   args = _block_args()
   wrapped = jact.levels.get("actnn:L1").wrap(_block)
   np.testing.assert_array_equal(wrapped(*args, key=jax.random.key(0)), _block(*args))
-  loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
   g = jax.jit(jax.grad(loss(lambda *a: wrapped(*a, key=jax.random.key(0))), argnums=(1, 2)))(*args)
   ref = jax.jit(jax.grad(loss(_block), argnums=(1, 2)))(*args)
   np.testing.assert_allclose(g[1], ref[1], rtol=1e-6, atol=1e-6)

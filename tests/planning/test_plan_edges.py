@@ -28,11 +28,13 @@ KEY = jax.random.key(1)
 
 def _loss(names):
   """A stack of tanh(dense) layers whose residuals are `f"{name}.lhs"`."""
+
   def loss(ws, x, key):
     h = x
     for w, name, k in zip(ws, names, jax.random.split(key, len(names))):
       h = jnp.tanh(jact.ops.dense(h, w, key=k, name=name))
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
+
   return loss
 
 
@@ -97,11 +99,13 @@ def test_plan_typo_raises_when_strict():
   plan = jact.BitPlan({"fc.lsh": 2})
   with pytest.raises(ValueError, match=r"jact: .*'fc\.lsh' \(closest: 'fc\.lhs'\)"):
     jax.make_jaxpr(jax.grad(lambda w: jact.planned(loss, strict=True)(w, X, KEY, plan=plan)))(
-        _weights(1))
+      _weights(1)
+    )
 
   def step(w):
     with jact.use_plan(plan, strict=True):
       return loss(w, X, KEY)
+
   with pytest.raises(ValueError, match="fc.lsh"):
     jax.make_jaxpr(jax.grad(step))(_weights(1))
 
@@ -121,15 +125,24 @@ def test_correct_plans_give_no_warning():
 
   assert not _trace(nested, _weights(2))
   assert not _trace(uncompressed_call_site, _weights(1))
-  assert not _trace(lambda w: jact.planned(loss)(w, X, KEY, plan=jact.BitPlan(
-      {"fc.lhs": 2}, budgets={"out.lhs": 2.0})), _weights(2))
+  assert not _trace(
+    lambda w: jact.planned(loss)(
+      w, X, KEY, plan=jact.BitPlan({"fc.lhs": 2}, budgets={"out.lhs": 2.0})
+    ),
+    _weights(2),
+  )
 
 
 def test_override_typo_warns_and_raises_when_strict():
   f = lambda w, x: jnp.tanh(x @ w).sum()
   w = jnp.eye(256)
-  names = [n for n in jact.residual_report(
-      lambda w: jact.compressed(f, bits=2, name="t")(w, X, key=KEY), w).by_name() if n]
+  names = [
+    n
+    for n in jact.residual_report(
+      lambda w: jact.compressed(f, bits=2, name="t")(w, X, key=KEY), w
+    ).by_name()
+    if n
+  ]
   assert names
   good = jact.compressed(f, bits=2, name="t", overrides={names[0]: 4})
   bad = jact.compressed(f, bits=2, name="t", overrides={names[0] + "9": 4})
@@ -141,6 +154,7 @@ def test_override_typo_warns_and_raises_when_strict():
   def strict(w):
     with jact.use_plan(None, strict=True):
       return bad(w, X, key=KEY)
+
   with pytest.raises(ValueError, match=r"jact: the overrides mapping of jact\.compressed"):
     jax.make_jaxpr(jax.grad(strict))(w)
 
@@ -166,7 +180,7 @@ def test_truncated_controller_checkpoint_names_jact_and_the_fix(tmp_path):
   with open(meta) as f:
     text = f.read()
   with open(meta, "w") as f:
-    f.write(text[:len(text) // 2])
+    f.write(text[: len(text) // 2])
   with pytest.raises(ValueError, match=r"jact\.Controller\.restore.*cut off.*Controller\.init"):
     ctrl.restore(path, state)
 
@@ -174,8 +188,11 @@ def test_truncated_controller_checkpoint_names_jact_and_the_fix(tmp_path):
 def test_restore_with_other_residual_count_names_jact_and_the_fix(tmp_path):
   _, _, path = _saved(tmp_path, names=("a", "b"))
   bigger = jact.Controller(_loss(("a", "b", "c")))
-  with pytest.raises(ValueError, match=r"jact\.Controller\.restore.*only in the model: \['c\.lhs'\]"
-                     r".*Controller\.init"):
+  with pytest.raises(
+    ValueError,
+    match=r"jact\.Controller\.restore.*only in the model: \['c\.lhs'\]"
+    r".*Controller\.init",
+  ):
     bigger.restore(path, bigger.init(_weights(3), X, KEY))
 
 
@@ -198,7 +215,9 @@ def test_controller_rejects_allowed_without_a_compressed_width(allowed):
 def test_bitplan_errors_name_jact_and_the_fix():
   with pytest.raises(ValueError, match=r"jact\.BitPlan\.nbytes: .* 'a'.*sizes="):
     jact.BitPlan({"a": 2}).nbytes("a")
-  with pytest.raises(ValueError, match=r"jact\.BitPlan\.from_dict / from_json .* got list \[1, 2\]"):
+  with pytest.raises(
+    ValueError, match=r"jact\.BitPlan\.from_dict / from_json .* got list \[1, 2\]"
+  ):
     jact.BitPlan.from_json("[1, 2]")
   with pytest.raises(ValueError, match=r"jact\.BitPlan\.from_json: the text is not valid JSON"):
     jact.BitPlan.from_json('{"bits": ')
@@ -220,6 +239,7 @@ def _plan_bytes(plan):
   def loss(w):
     with jact.use_plan(plan):
       return jnp.sum(jact.ops.dense(X, w, key=KEY, bits=8, name="fc"))
+
   return jact.residual_report(loss, _weights(1)[0]).by_name()["fc.lhs"].bytes
 
 

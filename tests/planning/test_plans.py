@@ -20,10 +20,14 @@ NAMES = ("bn1.xhat", "conv1.lhs", "conv2.lhs", "fc1.lhs", "fc2.lhs")
 
 def _params(key):
   ks = jax.random.split(key, 4)
-  return dict(c1=jax.random.normal(ks[0], (3, 3, 1, 16)) * 0.3, s1=jnp.ones(16), b1=jnp.zeros(16),
-              c2=jax.random.normal(ks[1], (3, 3, 16, 16)) * 0.1,
-              w1=jax.random.normal(ks[2], (1024, 64)) / 32,
-              w2=jax.random.normal(ks[3], (64, 10)) / 8)
+  return dict(
+    c1=jax.random.normal(ks[0], (3, 3, 1, 16)) * 0.3,
+    s1=jnp.ones(16),
+    b1=jnp.zeros(16),
+    c2=jax.random.normal(ks[1], (3, 3, 16, 16)) * 0.1,
+    w1=jax.random.normal(ks[2], (1024, 64)) / 32,
+    w2=jax.random.normal(ks[3], (64, 10)) / 8,
+  )
 
 
 def loss(p, batch, key):
@@ -50,8 +54,9 @@ def _flat(tree):
   return np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
 
 
-_grads_over_keys = jax.jit(jact.planned(jax.vmap(jax.grad(loss), in_axes=(None, None, 0))),
-                           static_argnames="plan")
+_grads_over_keys = jax.jit(
+  jact.planned(jax.vmap(jax.grad(loss), in_axes=(None, None, 0))), static_argnames="plan"
+)
 
 
 def _mc_variance(params, batch, plan, keys=32, seed=100):
@@ -78,12 +83,15 @@ def test_bitplan_is_a_hashable_value_with_json_round_trip():
   assert a.nbytes("b") == 3000 * 2 // 8 + 4 * 12  # codes + bf16 min/step per group of 256
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(bits={"x": 3}), "bits must be one of"),
     (dict(bits={"": 2}), "non-empty strings"),
     (dict(default=5), "default"),
     (dict(budgets={"x": 0.5}), "per-sample budget"),
-])
+  ],
+)
 def test_bitplan_rejects_bad_input(bad, match):
   with pytest.raises(ValueError, match=match):
     jact.BitPlan(bad.pop("bits", None), **bad)
@@ -97,6 +105,7 @@ def test_use_plan_changes_stored_bytes_and_rejects_non_plans():
     def g(w, x):
       with jact.use_plan(plan):
         return f(w, x)
+
     return jact.residual_report(g, w, x)
 
   planned_bytes = lambda plan: planned_report(plan).by_name()["fc.lhs"].bytes
@@ -138,8 +147,9 @@ def test_numeric_sensitivity_matches_monte_carlo(setup):
   for i in range(3):
     state = est.update(state, params, batch, jax.random.key(2 + i))
   predicted = np.asarray(state.sensitivity) / 9.0  # S(2) = 1/9
-  measured = np.array([_mc_variance(params, batch, jact.BitPlan({n: 2}, default=None))
-                       for n in NAMES])
+  measured = np.array(
+    [_mc_variance(params, batch, jact.BitPlan({n: 2}, default=None)) for n in NAMES]
+  )
   ratio = predicted / measured
   # Measured (32 keys): ratios 0.95-1.06; rank correlation 1.0. 32-key variance
   # estimates have ~25% relative error, so the bound is [0.6, 1.6].
@@ -166,24 +176,26 @@ def _mixed_loss(w, x, key):
   k1, k2 = jax.random.split(key)
   h = jnp.tanh(jact.ops.dense(x, w[0], key=k1, name="fc1"))
   out = jact.ops.dense(h, w[1], key=k2, name="fc2", compressor=jact.compressors.Fixpoint(4))
-  return jnp.sum(out ** 2)
+  return jnp.sum(out**2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [jact.sensitivity.numeric, jact.sensitivity.analytic,
-                                  jact.acgc.error_bounded])
+@pytest.mark.parametrize(
+  "make", [jact.sensitivity.numeric, jact.sensitivity.analytic, jact.acgc.error_bounded]
+)
 def test_estimators_keep_everything_in_their_state(make):
   """A state updates the same in a fresh estimator (as after a restore) and
   under jit: init/update keep nothing between calls."""
-  w = (jax.random.normal(jax.random.key(0), (256, 256)) / 16,
-       jax.random.normal(jax.random.key(1), (256, 8)) / 16)
+  w = (
+    jax.random.normal(jax.random.key(0), (256, 256)) / 16,
+    jax.random.normal(jax.random.key(1), (256, 8)) / 16,
+  )
   x = jax.random.normal(jax.random.key(2), (16, 256))
   est = make(_mixed_loss)
   state = est.init(w, x, jax.random.key(3))
   updated = est.update(state, w, x, jax.random.key(4))
   fresh = make(_mixed_loss).update(state, w, x, jax.random.key(4))
-  jitted = jax.jit(est.update)(jax.jit(est.init)(w, x, jax.random.key(3)), w, x,
-                               jax.random.key(4))
+  jitted = jax.jit(est.update)(jax.jit(est.init)(w, x, jax.random.key(3)), w, x, jax.random.key(4))
   for other in (fresh, jitted):
     assert jax.tree.structure(other) == jax.tree.structure(updated)
     for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(updated)):
@@ -207,8 +219,11 @@ def test_numeric_estimate_is_the_same_eager_chunked_and_under_jit(setup):
   # chunked branch: several chunks and a shorter last one). All 5 at once would run the chunked
   # branch's same code once, for a compile of 5 unrolled gradients (~6 s of one core).
   for chunk_size in (None, 2):
-    eager = jact.sensitivity.numeric(loss, chunk_size=chunk_size).update(
-        state, params, batch, jax.random.key(2)).sensitivity
+    eager = (
+      jact.sensitivity.numeric(loss, chunk_size=chunk_size)
+      .update(state, params, batch, jax.random.key(2))
+      .sensitivity
+    )
     np.testing.assert_allclose(eager, jitted, rtol=5e-3, err_msg=f"chunk_size={chunk_size}")
   with pytest.raises(ValueError, match="chunk_size"):
     jact.sensitivity.numeric(loss, chunk_size=0)
@@ -235,7 +250,7 @@ def test_adaptive_plan_beats_uniform_bits_at_the_same_average(setup):
 def test_acgc_bits_fall_with_error_and_gradient_error_stays_bounded(setup):
   params, batch = setup
   exact = _flat(_grad(params, batch, jax.random.key(0), plan=jact.BitPlan(default=None)))
-  v_sq = float(np.sum(exact ** 2))
+  v_sq = float(np.sum(exact**2))
   previous = None
   for e2 in (0.1, 0.5, 2.0):
     bounds = jact.acgc.error_bounded(loss, error=e2)
@@ -266,11 +281,12 @@ def test_per_sample_budget_is_unbiased_and_static(setup):
   gs = np.stack([np.asarray(g(w, jax.random.key(i), plan=plan)) for i in range(64)])
   se = gs.std(axis=0, ddof=1) / np.sqrt(len(gs))
   z = (gs.mean(axis=0) - exact) / np.maximum(se, 1e-12)
-  assert np.abs(z).max() < 4.5 and np.mean(z ** 2) < 1.6
+  assert np.abs(z).max() < 4.5 and np.mean(z**2) < 1.6
 
   def stored(w):
     with jact.use_plan(plan):
       return f(w, jax.random.key(0))
+
   report = jact.residual_report(stored, w).by_name()["fc.lhs"].bytes
   assert report < x.nbytes / 8  # 2 bits per value plus statistics, not 32
 
@@ -296,7 +312,7 @@ def test_controller_retraces_only_on_plan_change_and_survives_restore(setup, tmp
     warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
     for i in range(200):
       lo = (i * 16) % 48
-      b = (x[lo:lo + 16], y[lo:lo + 16])
+      b = (x[lo : lo + 16], y[lo : lo + 16])
       params = train(params, b, jax.random.key(1000 + i), plan=state.plan)
       if not plans or plans[-1] != state.plan:
         plans.append(state.plan)
@@ -322,8 +338,9 @@ def test_controller_retraces_only_on_plan_change_and_survives_restore(setup, tmp
 @pytest.mark.slow
 def test_controller_warns_when_compression_dominates(setup):
   params, batch = setup
-  ctrl = jact.Controller(loss, estimator="numeric", avg_bits=1.0, adapt_interval=1,
-                         alert_fraction=1e-6)
+  ctrl = jact.Controller(
+    loss, estimator="numeric", avg_bits=1.0, adapt_interval=1, alert_fraction=1e-6
+  )
   state = ctrl.init(params, batch, jax.random.key(1))
   with pytest.warns(jact.CompressionVarianceWarning, match="sampling variance"):
     state = ctrl.update(state, params, batch, jax.random.key(2))

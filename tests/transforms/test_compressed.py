@@ -36,14 +36,24 @@ def transformer_block(p, x, heads=4):
 def transformer_params(key, d=32, mlp=64):
   ks = jax.random.split(key, 6)
   w = lambda k, m, n: jax.random.normal(k, (m, n)) / np.sqrt(m)
-  return {"ln1_s": jnp.ones(d), "ln1_b": jnp.zeros(d), "ln2_s": jnp.ones(d), "ln2_b": jnp.zeros(d),
-          "wq": w(ks[0], d, d), "wk": w(ks[1], d, d), "wv": w(ks[2], d, d), "wo": w(ks[3], d, d),
-          "w1": w(ks[4], d, mlp), "w2": w(ks[5], mlp, d)}
+  return {
+    "ln1_s": jnp.ones(d),
+    "ln1_b": jnp.zeros(d),
+    "ln2_s": jnp.ones(d),
+    "ln2_b": jnp.zeros(d),
+    "wq": w(ks[0], d, d),
+    "wk": w(ks[1], d, d),
+    "wv": w(ks[2], d, d),
+    "wo": w(ks[3], d, d),
+    "w1": w(ks[4], d, mlp),
+    "w2": w(ks[5], mlp, d),
+  }
 
 
 def conv(x, w):
-  return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.conv_general_dilated(
+    x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
 
 
 def batch_norm(x, scale, bias):
@@ -61,13 +71,19 @@ def conv_bn_block(p, x):
 def conv_params(key, c=16):
   k1, k2 = jax.random.split(key)
   w = lambda k: jax.random.normal(k, (3, 3, c, c)) / np.sqrt(9 * c)
-  return {"w1": w(k1), "w2": w(k2), "g1": jnp.ones(c), "b1": jnp.zeros(c),
-          "g2": jnp.ones(c), "b2": jnp.zeros(c)}
+  return {
+    "w1": w(k1),
+    "w2": w(k2),
+    "g1": jnp.ones(c),
+    "b1": jnp.zeros(c),
+    "g2": jnp.ones(c),
+    "b2": jnp.zeros(c),
+  }
 
 
 BLOCKS = {
-    "transformer": (transformer_block, transformer_params, (4, 16, 32)),
-    "conv_bn": (conv_bn_block, conv_params, (8, 8, 8, 16)),
+  "transformer": (transformer_block, transformer_params, (4, 16, 32)),
+  "conv_bn": (conv_bn_block, conv_params, (8, 8, 8, 16)),
 }
 
 
@@ -106,8 +122,9 @@ def test_single_gradient_close_to_exact_at_8_bits(name):
   plain_loss, loss, params, x = losses(name, bits=8)
   exact = jax.grad(plain_loss, argnums=(0, 1))(params, x)
   approx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x, jax.random.key(0))
-  for path, g, e in zip(jax.tree_util.tree_leaves_with_path(exact), jax.tree.leaves(approx),
-                        jax.tree.leaves(exact)):
+  for path, g, e in zip(
+    jax.tree_util.tree_leaves_with_path(exact), jax.tree.leaves(approx), jax.tree.leaves(exact)
+  ):
     assert rel_err(g, e) < 0.03, (path[0], rel_err(g, e))
 
 
@@ -155,12 +172,29 @@ def test_parameters_and_inputs_are_kept_by_reference_not_compressed(name):
   # statistics (an elementwise chain such as gelu's stores one derivative
   # for its several steps, `jact._transforms._folding`, so there may be fewer
   # groups than plain residuals, but never none).
-  big = [r for r in plain.residuals if not r.is_argument and np.prod(r.shape) >= 1024
-         and jnp.issubdtype(r.dtype, jnp.floating) and "broadcast_in_dim" not in r.source]
-  quantized = [g for n, g in fast.by_name().items() if n and n.startswith(name)
-               and [p.dtype for p in g.pieces] == [jnp.uint8, jnp.bfloat16, jnp.bfloat16]]
-  full = [r for r in fast.residuals if not r.is_argument and np.prod(r.shape) >= 1024
-          and r.dtype == jnp.float32 and r.source != "from a constant"]
+  big = [
+    r
+    for r in plain.residuals
+    if not r.is_argument
+    and np.prod(r.shape) >= 1024
+    and jnp.issubdtype(r.dtype, jnp.floating)
+    and "broadcast_in_dim" not in r.source
+  ]
+  quantized = [
+    g
+    for n, g in fast.by_name().items()
+    if n
+    and n.startswith(name)
+    and [p.dtype for p in g.pieces] == [jnp.uint8, jnp.bfloat16, jnp.bfloat16]
+  ]
+  full = [
+    r
+    for r in fast.residuals
+    if not r.is_argument
+    and np.prod(r.shape) >= 1024
+    and r.dtype == jnp.float32
+    and r.source != "from a constant"
+  ]
   assert full == [] and 0 < len(quantized) <= len(big), (full, len(quantized), len(big))
 
 
@@ -194,8 +228,11 @@ def test_boolean_residuals_take_one_bit_and_integers_are_kept():
   report = jact.residual_report(lambda w, x: fast(w, x, jnp.arange(64)), w, x)
   masks = [r for r in report.residuals if r.name and r.dtype == jnp.uint8]
   assert [r.bytes for r in masks] == [64 * -(-100 // 8)]  # per row: 100 bits in 13 bytes
-  chex.assert_trees_all_close(jax.grad(lambda w, x: fast(w, x, ids), argnums=(0, 1))(w, x),
-                              jax.grad(masked, argnums=(0, 1))(w, x, ids), rtol=1e-6)
+  chex.assert_trees_all_close(
+    jax.grad(lambda w, x: fast(w, x, ids), argnums=(0, 1))(w, x),
+    jax.grad(masked, argnums=(0, 1))(w, x, ids),
+    rtol=1e-6,
+  )
 
 
 @pytest.mark.slow
@@ -203,13 +240,15 @@ def test_input_independent_residuals_are_recomputed_not_stored():
   f = lambda w, x: jax.nn.relu(x @ w).sum()  # jax saves a bool mask and a broadcast 0.0
   x, w = jax.random.normal(jax.random.key(0), (64, 256)), jnp.eye(256)
   plain = jact.residual_report(f, w, x)
-  assert any(r.dtype == jnp.float32 and r.shape == (64, 256) for r in plain.residuals
-             if not r.is_argument)
+  assert any(
+    r.dtype == jnp.float32 and r.shape == (64, 256) for r in plain.residuals if not r.is_argument
+  )
   fast = jact.compressed(f, bits=2)
   report = jact.residual_report(lambda w, x: fast(w, x, key=jax.random.key(0)), w, x)
   assert report.total_bytes == 64 * 256 // 8  # only the 1-bit mask
-  np.testing.assert_array_equal(jax.grad(lambda w: fast(w, x, key=jax.random.key(0)))(w),
-                                jax.grad(f)(w, x))
+  np.testing.assert_array_equal(
+    jax.grad(lambda w: fast(w, x, key=jax.random.key(0)))(w), jax.grad(f)(w, x)
+  )
 
 
 def test_small_residuals_are_kept_exactly():
@@ -223,8 +262,13 @@ def test_small_residuals_are_kept_exactly():
 def test_overrides_address_residuals_by_name():
   f = lambda w, x: jnp.tanh(x @ w).sum()
   x, w = jax.random.normal(jax.random.key(0), (64, 64)), jnp.eye(64)
-  names = [n for n in jact.residual_report(
-      lambda w: jact.compressed(f, bits=2, name="t")(w, x, key=jax.random.key(0)), w).by_name() if n]
+  names = [
+    n
+    for n in jact.residual_report(
+      lambda w: jact.compressed(f, bits=2, name="t")(w, x, key=jax.random.key(0)), w
+    ).by_name()
+    if n
+  ]
   assert names and all(n.startswith("t.") for n in names)
   keep_all = jact.compressed(f, bits=2, name="t", overrides={n: None for n in names})
   g = jax.grad(lambda w: keep_all(w, x, key=jax.random.key(0)))(w)
@@ -240,8 +284,11 @@ def test_policy_chooses_fewer_residuals():
   n_every = jact.residual_report(lambda p, x: every(p, x, key=key).sum(), params, x).total_bytes
   n_dots = jact.residual_report(lambda p, x: dots(p, x, key=key).sum(), params, x).total_bytes
   assert n_dots < n_every
-  g = jax.grad(lambda p: jnp.sum(jact.compressed(
-      block, bits=None, policy=jax.checkpoint_policies.dots_saveable)(p, x) * r))(params)
+  g = jax.grad(
+    lambda p: jnp.sum(
+      jact.compressed(block, bits=None, policy=jax.checkpoint_policies.dots_saveable)(p, x) * r
+    )
+  )(params)
   e = jax.grad(lambda p: jnp.sum(block(p, x) * r))(params)
   # atol 1e-5: float32 rounding where terms of gradients up to ~10 in size cancel (on jax 0.12
   # one of 1024 entries differs by 1.3e-6 from jax's own order of operations).
@@ -257,6 +304,7 @@ def test_nested_and_inside_scan():
     def step(h, pk):
       p, k = pk
       return inner(p, h, key=k), None
+
     keys = jax.random.split(key, 3)
     return jnp.sum(jax.lax.scan(step, x, (stacked, keys))[0] * r)
 
@@ -264,8 +312,10 @@ def test_nested_and_inside_scan():
   stacked = jax.tree.map(lambda a: jnp.stack([a, 0.9 * a, 1.1 * a]), params)
   plain = lambda s, x: jnp.sum(jax.lax.scan(lambda h, p: (block(p, h), None), x, s)[0] * r)
   exact = jax.grad(plain)(stacked, x)
-  for f in (lambda s: model(s, x, jax.random.key(0)),
-            lambda s: outer(s, x, jax.random.key(0), key=jax.random.key(1))):
+  for f in (
+    lambda s: model(s, x, jax.random.key(0)),
+    lambda s: outer(s, x, jax.random.key(0), key=jax.random.key(1)),
+  ):
     g = jax.jit(jax.grad(f))(stacked)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(exact)):
       assert rel_err(a, b) < 0.05
@@ -278,12 +328,15 @@ def test_bits_none_gives_the_exact_gradient_and_vmap_works():
   g = jax.grad(lambda p: jnp.sum(fast(p, x) * r))(params)
   # atol 1e-5: float32 rounding where terms of gradients up to ~25 in size cancel (on jax 0.12
   # one of 16 entries differs by 2.5e-6 from jax's own order of operations).
-  chex.assert_trees_all_close(g, jax.grad(lambda p: jnp.sum(block(p, x) * r))(params),
-                              rtol=1e-5, atol=1e-5)
-  batched = jax.vmap(lambda x: jact.compressed(block, bits=2)(params, x[None],
-                                                              key=jax.random.key(0)))(x)
-  np.testing.assert_allclose(batched[:, 0], jax.vmap(lambda x: block(params, x[None]))(x)[:, 0],
-                             rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(
+    g, jax.grad(lambda p: jnp.sum(block(p, x) * r))(params), rtol=1e-5, atol=1e-5
+  )
+  batched = jax.vmap(
+    lambda x: jact.compressed(block, bits=2)(params, x[None], key=jax.random.key(0))
+  )(x)
+  np.testing.assert_allclose(
+    batched[:, 0], jax.vmap(lambda x: block(params, x[None]))(x)[:, 0], rtol=1e-6, atol=1e-6
+  )
 
 
 @pytest.mark.slow
@@ -333,6 +386,11 @@ def test_compressed_as_decorator_with_keywords():
 
 def test_call_compressed_rejects_misaligned_input_flags():
   with pytest.raises(ValueError, match="one flag per leaf"):
-    call_compressed(lambda x: x, (jnp.ones(3),), {}, key=None,
-                    config=jact.compressed(lambda x: x, bits=None).residual_config,
-                    compress_inputs=(True, False))
+    call_compressed(
+      lambda x: x,
+      (jnp.ones(3),),
+      {},
+      key=None,
+      config=jact.compressed(lambda x: x, bits=None).residual_config,
+      compress_inputs=(True, False),
+    )

@@ -34,10 +34,10 @@ def _loss(fn, bits, key=1):
 
 
 CHAINS = {
-    "gelu": lambda x: jax.nn.gelu(x),
-    "swish by hand": lambda x: x / (1.0 + jnp.exp(-x)),
-    "tanh times exp": lambda x: jnp.tanh(x) * jnp.exp(-0.5 * x * x) + x,
-    "erf gelu": lambda x: jax.nn.gelu(x, approximate=False),
+  "gelu": lambda x: jax.nn.gelu(x),
+  "swish by hand": lambda x: x / (1.0 + jnp.exp(-x)),
+  "tanh times exp": lambda x: jnp.tanh(x) * jnp.exp(-0.5 * x * x) + x,
+  "erf gelu": lambda x: jax.nn.gelu(x, approximate=False),
 }
 
 
@@ -59,8 +59,14 @@ def test_gelu_stores_one_derivative(monkeypatch):
 
   def stored_hidden(loss):
     report = jact.residual_report(loss, w1, w2, x)
-    return {r.name for r in report.residuals if r.name and r.shape[:1] == (hidden[0],)
-            and not r.is_argument and r.bytes >= hidden[0] * hidden[1] // 2}
+    return {
+      r.name
+      for r in report.residuals
+      if r.name
+      and r.shape[:1] == (hidden[0],)
+      and not r.is_argument
+      and r.bytes >= hidden[0] * hidden[1] // 2
+    }
 
   folded = stored_hidden(_loss(_mlp, bits=4))
   _no_folding(monkeypatch)
@@ -98,8 +104,8 @@ def test_chain_read_twice_is_not_folded():
   assert not regions
   x = jax.random.normal(jax.random.key(2), (8, 128))
   block = jact.compressed(f, bits=None)
-  plain = lambda x: sum((y ** 2).sum() for y in f(x))
-  ours = lambda x: sum((y ** 2).sum() for y in block(x))
+  plain = lambda x: sum((y**2).sum() for y in f(x))
+  ours = lambda x: sum((y**2).sum() for y in block(x))
   np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(plain)(x), rtol=1e-6)
 
 

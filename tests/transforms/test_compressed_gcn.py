@@ -51,9 +51,14 @@ def cora():
 @pytest.fixture(scope="module")
 def setup(cora):
   params = gcn.init_gcn(jax.random.key(0), cora.num_features, HIDDEN, cora.num_classes)
-  return dict(params=params, x=jnp.asarray(cora.x), graph=gcn.graph_arrays(cora),
-              labels=jnp.asarray(cora.y), mask=jnp.asarray(cora.train_mask),
-              dropout_key=jax.random.key(1))
+  return dict(
+    params=params,
+    x=jnp.asarray(cora.x),
+    graph=gcn.graph_arrays(cora),
+    labels=jnp.asarray(cora.y),
+    mask=jnp.asarray(cora.train_mask),
+    dropout_key=jax.random.key(1),
+  )
 
 
 # ----------------------------------------------------------------------------- the data
@@ -129,11 +134,14 @@ def test_forward_is_exact(setup):
     d1, d2 = jax.random.split(dk)
     h = gcn.gcn_layer(p["layer1"], x, g, d1, grad_input=False)
     return dict(
-        h=(layer(p["layer1"], x, g, d1, grad_input=False, key=k), h),
-        out=(layer(p["layer2"], h, g, d2, relu=False, key=k),
-             gcn.gcn_layer(p["layer2"], h, g, d2, relu=False)),
-        model=(model(p, x, g, dk, key=k), gcn.gcn_apply(p, x, g, dk)),
-        per_layer=(gcn.gcn_apply(p, x, g, dk, layer=layer, key=k), gcn.gcn_apply(p, x, g, dk)))
+      h=(layer(p["layer1"], x, g, d1, grad_input=False, key=k), h),
+      out=(
+        layer(p["layer2"], h, g, d2, relu=False, key=k),
+        gcn.gcn_layer(p["layer2"], h, g, d2, relu=False),
+      ),
+      model=(model(p, x, g, dk, key=k), gcn.gcn_apply(p, x, g, dk)),
+      per_layer=(gcn.gcn_apply(p, x, g, dk, layer=layer, key=k), gcn.gcn_apply(p, x, g, dk)),
+    )
 
   for name, (compressed, plain) in outputs(p, x, g, dk, jax.random.key(7)).items():
     np.testing.assert_array_equal(compressed, plain, err_msg=name)
@@ -163,8 +171,9 @@ def _args(setup):
 
 
 def _flat(tree):
-  return {jax.tree_util.keystr(path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +195,9 @@ def test_bits2_gradient_unbiased(setup, exact_grad):
   keys = jax.random.split(jax.random.key(11), N_DRAWS)
   draws = _flat(over_keys(lambda k: grad(*args, k), keys))
   w1, w2 = "['layer1']['w']", "['layer2']['w']"
-  stats = {name: assert_unbiased(draws[name], exact_grad[name])
-           for name in exact_grad if name != w1}
+  stats = {
+    name: assert_unbiased(draws[name], exact_grad[name]) for name in exact_grad if name != w1
+  }
   # d/dw2 reads the hidden activation, quantized to 2 bits: noisy everywhere.
   # The biases read only exact bool masks and w2 (kept by reference): exact.
   assert stats[w2]["noisy_fraction"] > 0.9, stats
@@ -221,8 +231,7 @@ def test_bits2_gradient_unbiased(setup, exact_grad):
 
 
 def test_residual_bytes(cora, setup):
-  p, x, g, y, m, dk = (setup[k] for k in ("params", "x", "graph", "labels", "mask",
-                                          "dropout_key"))
+  p, x, g, y, m, dk = (setup[k] for k in ("params", "x", "graph", "labels", "mask", "dropout_key"))
   layer = jact.compressed(gcn.gcn_layer, bits=2, name="gcn1")
   model = jact.compressed(gcn.gcn_apply, bits=2, name="gcn")
   k = jax.random.key(5)
@@ -232,7 +241,8 @@ def test_residual_bytes(cora, setup):
 
   plain = jact.residual_report(loss_of(lambda p, x, g: gcn.gcn_apply(p, x, g, dk)), p, x, g, y, m)
   per_layer = jact.residual_report(
-      loss_of(lambda p, x, g: gcn.gcn_apply(p, x, g, dk, layer=layer, key=k)), p, x, g, y, m)
+    loss_of(lambda p, x, g: gcn.gcn_apply(p, x, g, dk, layer=layer, key=k)), p, x, g, y, m
+  )
   whole = jact.residual_report(loss_of(lambda p, x, g: model(p, x, g, dk, key=k)), p, x, g, y, m)
 
   n, f = cora.num_nodes, cora.num_features
@@ -256,16 +266,19 @@ def test_residual_bytes(cora, setup):
     groups_per_row = math.ceil(f / 256)
     assert big.bytes == n * groups_per_row * (256 * 2 // 8 + 2 * 2)
     # Bool masks of [N, HIDDEN] (ReLU's z > 0, layer 2's dropout): 1 bit each.
-    masks = [grp for grp in groups.values()
-             if len(grp.pieces) == 1 and grp.pieces[0].dtype == jnp.uint8]
+    masks = [
+      grp for grp in groups.values() if len(grp.pieces) == 1 and grp.pieces[0].dtype == jnp.uint8
+    ]
     assert len(masks) == 2, groups
     assert all(grp.bytes == math.ceil(n * HIDDEN / 8) for grp in masks)
   # Plain keeps those masks as one byte per value.
   plain_masks = [r for r in plain.residuals if r.dtype == jnp.bool_ and r.shape == (n, HIDDEN)]
   assert len(plain_masks) == 2 and all(r.bytes == n * HIDDEN for r in plain_masks)
   ratio = plain.total_bytes / whole.total_bytes
-  print(f"\nresidual bytes: plain {plain.total_bytes}, per-layer 2-bit {per_layer.total_bytes}, "
-        f"whole-model 2-bit {whole.total_bytes} ({ratio:.1f}x fewer)")
+  print(
+    f"\nresidual bytes: plain {plain.total_bytes}, per-layer 2-bit {per_layer.total_bytes}, "
+    f"whole-model 2-bit {whole.total_bytes} ({ratio:.1f}x fewer)"
+  )
 
 
 # ----------------------------------------------------------------------------- training
@@ -279,6 +292,8 @@ def test_training_at_2_bits(cora):
   assert losses[-5:].mean() < 0.6 * losses[:5].mean(), losses
   # Chance is 1/7 (0.32 for always guessing the largest class); GCN ~0.8.
   assert result["test_acc"] > 0.7, result["test_acc"]
-  print(f"\n2-bit GCN, 50 Adam steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"train acc {result['train_acc']:.3f}, val {result['val_acc']:.3f}, "
-        f"test {result['test_acc']:.3f}")
+  print(
+    f"\n2-bit GCN, 50 Adam steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+    f"train acc {result['train_acc']:.3f}, val {result['val_acc']:.3f}, "
+    f"test {result['test_acc']:.3f}"
+  )

@@ -19,13 +19,15 @@ from jact._transforms._vjp_residuals import reduced_values
 def _grads(fn, x, bits, key=1):
   plain = jax.grad(lambda x: (fn(x) * jnp.cos(fn(x))).sum())(x)
   block = jact.compressed(fn, bits=bits, compress_argnums=(0,))
-  ours = jax.grad(lambda x: (block(x, key=jax.random.key(key))
-                             * jnp.cos(block(x, key=jax.random.key(key)))).sum())(x)
+  ours = jax.grad(
+    lambda x: (block(x, key=jax.random.key(key)) * jnp.cos(block(x, key=jax.random.key(key)))).sum()
+  )(x)
   return plain, ours
 
 
-@pytest.mark.parametrize("window,strides,padding", [((2, 2), (2, 2), "VALID"),
-                                                    ((3, 3), (2, 2), "SAME")])
+@pytest.mark.parametrize(
+  "window,strides,padding", [((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME")]
+)
 def test_max_pool_gradient_is_exact_at_2_bits(window, strides, padding):
   x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
   pool = lambda x: nn.max_pool(x, window, strides=strides, padding=padding)
@@ -71,11 +73,15 @@ def test_reduced_values_follow_statistics_not_activations():
   assert (32, 64) not in shapes  # centred and normalized activations are not statistics
 
 
-@pytest.mark.parametrize("statistic", [
+@pytest.mark.parametrize(
+  "statistic",
+  [
     lambda x: x.var(-1, keepdims=True),  # divides by n - ddof, a traced scalar, inside jit
     lambda x: x.std(-1, ddof=1, keepdims=True),
     lambda x: jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-6),
-    lambda x: jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True))])  # Equinox's LayerNorm
+    lambda x: jnp.maximum(0.0, jnp.var(x, axis=-1, keepdims=True)),
+  ],
+)  # Equinox's LayerNorm
 def test_statistics_through_traced_scalars_are_reduced_values(statistic):
   """jnp.var's divisor is a scalar computed inside its jit: a scalar (or a value made
   from scalars alone) does not stop a statistic from being one, so it is kept exact
@@ -117,6 +123,7 @@ def test_outer_wrap_keeps_the_pieces_a_scanned_inner_block_stored():
   """A compressed model around a scan over compressed blocks: the blocks'
   pieces leave the scan stacked (uint8 codes, bf16 group statistics); the
   model keeps them as they are instead of quantizing the statistics again."""
+
   def plain_block(w, x):
     return jnp.tanh(x @ w)
 
@@ -126,21 +133,25 @@ def test_outer_wrap_keeps_the_pieces_a_scanned_inner_block_stored():
     def body(h, wk):
       w, k = wk
       return block(w, h, key=k), None
+
     return jax.lax.scan(body, x, (ws, jax.random.split(key, ws.shape[0])))[0]
 
-  ws = jax.random.normal(jax.random.key(0), (8, 512, 512)) / 512 ** 0.5
+  ws = jax.random.normal(jax.random.key(0), (8, 512, 512)) / 512**0.5
   x = jax.random.normal(jax.random.key(1), (64, 512))
   key = jax.random.key(2)
   outer = jact.compressed(lambda ws, x: stack(ws, x, key), bits=2, name="model")
   inner_only = lambda ws: stack(ws, x, key).sum()
   wrapped = lambda ws: outer(ws, x, key=jax.random.key(3)).sum()
   np.testing.assert_array_equal(jax.grad(wrapped)(ws), jax.grad(inner_only)(ws))
-  assert (jact.residual_report(wrapped, ws).total_bytes
-          <= jact.residual_report(inner_only, ws).total_bytes)
+  assert (
+    jact.residual_report(wrapped, ws).total_bytes
+    <= jact.residual_report(inner_only, ws).total_bytes
+  )
 
 
 def test_a_small_batch_matmul_output_is_not_a_statistic():
   # the output is 128x smaller than the weight, but it is an activation: compressed
-  jaxpr = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((8, 1024)),
-                                                       jnp.ones((1024, 1024))).jaxpr
+  jaxpr = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(
+    jnp.ones((8, 1024)), jnp.ones((1024, 1024))
+  ).jaxpr
   assert not reduced_values(jaxpr)

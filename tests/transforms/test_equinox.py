@@ -28,6 +28,7 @@ SEQ, DIM, HEADS = 16, 32, 4
 
 class CNN(eqx.Module):
   """Conv -> GroupNorm -> relu -> max pool -> conv -> LayerNorm -> gelu -> mean -> Linear."""
+
   conv1: eqx.nn.Conv2d
   norm1: eqx.nn.GroupNorm
   pool: eqx.nn.MaxPool2d
@@ -67,6 +68,7 @@ class DoubleConv(eqx.Module):
 
 class UNet(eqx.Module):
   """Two levels: down with average pooling, up with ConvTranspose2d, skips concatenated."""
+
   down1: DoubleConv
   pool: eqx.nn.AvgPool2d
   down2: DoubleConv
@@ -91,6 +93,7 @@ class UNet(eqx.Module):
 
 class TransformerBlock(eqx.Module):
   """Pre-norm attention + MLP on one sequence (vmap over tokens), dropout keyed by `key`."""
+
   norm1: eqx.nn.LayerNorm
   attn: eqx.nn.MultiheadAttention
   norm2: eqx.nn.LayerNorm
@@ -114,11 +117,14 @@ class TransformerBlock(eqx.Module):
 
 class CompressedStack(eqx.Module):
   """A model that holds compressed blocks as fields (the module-wrap recipe)."""
+
   blocks: list
 
   def __init__(self, key, depth=2, bits=8):
-    self.blocks = [jact.compressed(TransformerBlock(k), bits=bits, name=f"block{i}")
-                   for i, k in enumerate(jax.random.split(key, depth))]
+    self.blocks = [
+      jact.compressed(TransformerBlock(k), bits=bits, name=f"block{i}")
+      for i, k in enumerate(jax.random.split(key, depth))
+    ]
 
   def __call__(self, x, *, key):
     for block, k in zip(self.blocks, jax.random.split(key, len(self.blocks))):
@@ -145,7 +151,7 @@ def _cnn_loss(model, x):
 
 def _regression_loss(model, x):
   target = jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / 7)
-  return jnp.mean((jax.vmap(model)(x)[:, :x.shape[1]] - target[:, :1]) ** 2)
+  return jnp.mean((jax.vmap(model)(x)[:, : x.shape[1]] - target[:, :1]) ** 2)
 
 
 def _sequence_loss(model, x, key):
@@ -187,7 +193,8 @@ def _cnn_8_bit_value_and_grads():
   """The CNN's loss wrap at 8 bits under `eqx.filter_jit`, rounding key 2."""
   fast = jact.compressed(_cnn_loss, bits=8)
   return eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, k: fast(m, x, key=k)))(
-      CNN(jax.random.key(0)), _images(), jax.random.key(2))
+    CNN(jax.random.key(0)), _images(), jax.random.key(2)
+  )
 
 
 # ----------------------------------------------------------------------------- loss wrap
@@ -215,8 +222,9 @@ def test_partition_combine_and_filter_jit_recipes_agree():
 
 
 @pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
-@pytest.mark.parametrize("make,loss", [(CNN, _cnn_loss), (UNet, _regression_loss)],
-                         ids=["cnn", "unet"])
+@pytest.mark.parametrize(
+  "make,loss", [(CNN, _cnn_loss), (UNet, _regression_loss)], ids=["cnn", "unet"]
+)
 def test_bits_none_is_plain(make, loss):
   model, x = make(jax.random.key(0)), _images()
   kept = jact.compressed(loss, bits=None)
@@ -250,13 +258,15 @@ def test_batch_norm_state_through_a_loss_wrap_matches_plain():
 
   def loss(model, state, x):
     out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
-    return jnp.mean(out ** 2), state
+    return jnp.mean(out**2), state
 
   fast = jact.compressed(loss, bits=8)
-  (value, new_state), grads = eqx.filter_jit(eqx.filter_value_and_grad(
-      lambda m, s, x: fast(m, s, x, key=jax.random.key(3)), has_aux=True))(model, state, x)
-  (plain_value, plain_state), plain = eqx.filter_jit(eqx.filter_value_and_grad(
-      loss, has_aux=True))(model, state, x)
+  (value, new_state), grads = eqx.filter_jit(
+    eqx.filter_value_and_grad(lambda m, s, x: fast(m, s, x, key=jax.random.key(3)), has_aux=True)
+  )(model, state, x)
+  (plain_value, plain_state), plain = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(
+    model, state, x
+  )
   assert value == plain_value
   for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(plain_state)):
     np.testing.assert_array_equal(a, b)
@@ -274,8 +284,9 @@ def test_a_wrapped_module_is_a_pytree_whose_parameters_get_gradients():
   fast = jact.compressed(unet, bits=8)
   assert len(jax.tree.leaves(_params(fast))) == len(jax.tree.leaves(_params(unet)))
   key = jax.random.key(4)  # UNet takes no key: it is the rounding key
-  grads = eqx.filter_jit(eqx.filter_grad(
-      lambda m, x: _regression_loss(functools.partial(m, key=key), x)))(fast, x)
+  grads = eqx.filter_jit(
+    eqx.filter_grad(lambda m, x: _regression_loss(functools.partial(m, key=key), x))
+  )(fast, x)
   plain = _plain_value_and_grads(UNet, _regression_loss)[1]
   _assert_same_finite_pattern_and_nonzero(grads.module, plain)
   assert _rel_error(grads.module, plain) < 0.01
@@ -291,8 +302,9 @@ def test_transformer_block_module_wrap_passes_the_dropout_key_on():
   keys = jax.random.split(key, BATCH)
   # Training mode: the module gets `key` (Equinox's dropout key), so the forward pass is plain's.
   forward = lambda m, x, k: jax.vmap(lambda x, k: m(x, key=k))(x, k)
-  np.testing.assert_array_equal(eqx.filter_jit(forward)(fast, x, keys),
-                                eqx.filter_jit(forward)(block, x, keys))
+  np.testing.assert_array_equal(
+    eqx.filter_jit(forward)(fast, x, keys), eqx.filter_jit(forward)(block, x, keys)
+  )
   grads = eqx.filter_jit(eqx.filter_grad(_sequence_loss))(fast, x, key)
   plain = eqx.filter_jit(eqx.filter_grad(_sequence_loss))(block, x, key)
   _assert_same_finite_pattern_and_nonzero(grads.module, plain)
@@ -332,6 +344,7 @@ def test_model_holding_compressed_blocks_trains_under_filter_jit():
 
 class TinyLM(eqx.Module):
   """Embedding -> transformer block -> LayerNorm -> vocabulary logits, per sequence."""
+
   embed: eqx.nn.Embedding
   block: TransformerBlock
   norm: eqx.nn.LayerNorm
@@ -350,8 +363,9 @@ class TinyLM(eqx.Module):
 
 
 def _next_token_loss(model, tokens, key):
-  logits = jax.vmap(lambda t, k: model(t, key=k))(tokens[:, :-1],
-                                                   jax.random.split(key, tokens.shape[0]))
+  logits = jax.vmap(lambda t, k: model(t, key=k))(
+    tokens[:, :-1], jax.random.split(key, tokens.shape[0])
+  )
   log_p = jax.nn.log_softmax(logits)
   return -jnp.mean(jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1))
 
@@ -362,7 +376,8 @@ def test_language_model_loss_wrap_within_1_percent_at_8_bits():
   tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, 64)
   fast = jact.compressed(_next_token_loss, bits=8)
   grads = eqx.filter_jit(eqx.filter_grad(lambda m, t, k: fast(m, t, k, key=jax.random.key(8))))(
-      model, tokens, key)
+    model, tokens, key
+  )
   plain = eqx.filter_jit(eqx.filter_grad(_next_token_loss))(model, tokens, key)
   _assert_same_finite_pattern_and_nonzero(grads, plain)
   assert _rel_error(grads, plain) < 0.01

@@ -50,8 +50,9 @@ def _cos_for_sin(frame, eqn):
 @pytest.mark.parametrize("calls", [None, "jit"])
 def test_a_rule_overrides_one_primitive_and_calls_are_entered_only_when_asked(calls):
   closed = _closed(_model, X)
-  [y] = interpreter.evaluate(closed.jaxpr, closed.consts, [X], {lax.sin_p: _cos_for_sin},
-                             calls=calls)
+  [y] = interpreter.evaluate(
+    closed.jaxpr, closed.consts, [X], {lax.sin_p: _cos_for_sin}, calls=calls
+  )
   inner = jnp.cos(X) if calls == "jit" else jnp.sin(X)  # the sin inside jax.jit
   np.testing.assert_allclose(y, jnp.exp(inner * 3.0 + 2.0) - jnp.cos(X), rtol=1e-6)
 
@@ -64,8 +65,12 @@ def test_a_declining_rule_falls_through_to_the_next_then_the_default():
     seen.append(frame.index)
     return [jnp.zeros_like(X)] if len(seen) == 1 else None
 
-  [y] = interpreter.evaluate(closed.jaxpr, closed.consts, [X],
-                             [(lax.sin_p, only_the_first), (interpreter.EVERY, lambda f, e: None)])
+  [y] = interpreter.evaluate(
+    closed.jaxpr,
+    closed.consts,
+    [X],
+    [(lax.sin_p, only_the_first), (interpreter.EVERY, lambda f, e: None)],
+  )
   np.testing.assert_allclose(y, jnp.sin(2.0 * X), rtol=1e-6)
   assert len(seen) == 2
 
@@ -76,9 +81,13 @@ def test_predicates_literals_and_hooks_see_each_equation_in_order():
   is_add = lambda eqn: eqn.primitive is lax.add_p
   subtract = lambda frame, eqn: [frame.read(eqn.invars[0]) - frame.read(eqn.invars[1])]
   [y] = interpreter.evaluate(
-      closed.jaxpr, closed.consts, [X], [(is_add, subtract)],
-      before=lambda frame, eqn: order.append(("before", frame.index, eqn.primitive.name)),
-      after=lambda frame, eqn, outs: order.append(("after", frame.index, eqn.primitive.name)))
+    closed.jaxpr,
+    closed.consts,
+    [X],
+    [(is_add, subtract)],
+    before=lambda frame, eqn: order.append(("before", frame.index, eqn.primitive.name)),
+    after=lambda frame, eqn, outs: order.append(("after", frame.index, eqn.primitive.name)),
+  )
   np.testing.assert_allclose(y, (X * 2.0 - 1.0) * X, rtol=1e-6)
   names = [e.primitive.name for e in closed.jaxpr.eqns]
   assert order == [(when, i, n) for i, n in enumerate(names) for when in ("before", "after")]
@@ -117,6 +126,7 @@ def test_levels_keeps_an_argument_read_inside_nested_jits_by_reference(compress_
   finds, through two levels of calls, which conv input is the block's argument."""
   from jact._compat.testing import saved_residuals
   from jact._planning.levels import compress_convolutions
+
   dn = ("NHWC", "HWIO", "NHWC")
   conv = lambda a, w: lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=dn)
   block = lambda x, w: jnp.sum(jax.jit(lambda a, w: jax.jit(conv)(a, w) + conv(a * 2.0, w))(x, w))

@@ -55,7 +55,9 @@ def test_converted_layer_norm_on_offset_inputs_matches_plain_at_8_bits(fast):
   variables = model.init(jax.random.key(2), x)
   plain = jax.grad(lambda x: jnp.sum(model.apply(variables, x) * w))(x)
   converted = jact.convert(model, bits=8)
-  grad = jax.jit(jax.grad(lambda x, k: jnp.sum(converted.apply(variables, x, rngs={"jact": k}) * w)))
+  grad = jax.jit(
+    jax.grad(lambda x, k: jnp.sum(converted.apply(variables, x, rngs={"jact": k}) * w))
+  )
   errors = [relative_error(grad(x, jax.random.key(s)), plain) for s in (1, 2)]
   assert max(errors) < (0.05 if fast else 0.005), errors
 
@@ -71,8 +73,9 @@ def test_layer_norm_backward_follows_a_clipped_fast_variance_exactly():
   variables = model.init(jax.random.key(2), x)
   plain = jax.grad(lambda x: jnp.sum(model.apply(variables, x) * w))(x)
   converted = jact.convert(model, bits=None)
-  got = jax.grad(lambda x: jnp.sum(converted.apply(variables, x, rngs={"jact": jax.random.key(0)})
-                                   * w))(x)
+  got = jax.grad(
+    lambda x: jnp.sum(converted.apply(variables, x, rngs={"jact": jax.random.key(0)}) * w)
+  )(x)
   assert relative_error(got, plain) < 0.01
 
 
@@ -114,8 +117,9 @@ def test_store_rows_keeps_non_finite_values_as_its_compressor_does():
   pattern is the compressor's own (jact._core.quantize's non-finite rule)."""
   x = offset_inputs((4, 64)).at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf).at[3, 0].set(-jnp.inf)
   compressor = PerGroup(8, stochastic=False)
-  got = jax.jit(lambda x: store_rows(x, (-1,), lambda z: compressor.compress(z, None))
-                .decompress())(x)
+  got = jax.jit(
+    lambda x: store_rows(x, (-1,), lambda z: compressor.compress(z, None)).decompress()
+  )(x)
   direct = jax.jit(lambda x: compressor.decompress(compressor.compress(x, None)))(x)
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(direct))
   finite = jnp.isfinite(x) & jnp.isfinite(got)
@@ -173,8 +177,9 @@ def test_whole_model_wrap_keeps_a_small_scale_row_beside_large_ones():
   whole = jact.compressed(lambda p, x: model.apply(p, x), bits=4)
   converted = jact.convert(model, bits=4)
   whole_grad = lambda: _jit(lambda p, k: jax.grad(loss(lambda p: whole(p, x, key=k)))(p))
-  convert_grad = _jit(lambda p, k: jax.grad(
-      loss(lambda p: converted.apply(p, x, rngs={"jact": k})))(p))
+  convert_grad = _jit(
+    lambda p, k: jax.grad(loss(lambda p: converted.apply(p, x, rngs={"jact": k})))(p)
+  )
   by_whole = np.mean(_errors(whole_grad(), variables, plain))
   by_convert = np.mean(_errors(convert_grad, variables, plain))
   assert by_whole <= 1.5 * by_convert and by_whole < 0.05, (by_whole, by_convert)
@@ -225,8 +230,9 @@ def test_whole_model_vit_within_1_5x_of_convert(vit_setup, bits):
 def test_whole_model_vit_forward_is_plain_and_temp_memory_not_worse(vit_setup):
   model, images, variables, loss, _ = vit_setup
   whole = jact.compressed(lambda p, x: model.apply(p, x), bits=2)
-  np.testing.assert_array_equal(whole(variables, images, key=jax.random.key(0)),
-                                model.apply(variables, images))
+  np.testing.assert_array_equal(
+    whole(variables, images, key=jax.random.key(0)), model.apply(variables, images)
+  )
   step = jax.grad(lambda p, k: loss(whole(p, images, key=k)))
   temp = jact.compiled_memory(step, variables, jax.random.key(0)).temp_bytes
   with rows_off():

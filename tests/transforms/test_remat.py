@@ -27,6 +27,7 @@ def stack_loss(block_call, r):
     for i, p in enumerate(params):
       x = block_call(p, x, jax.random.fold_in(key, i))
     return jnp.sum(x) if r is None else jnp.sum(x * r)
+
   return loss
 
 
@@ -36,9 +37,9 @@ def test_checkpoint_saves_less_than_plain_remat_and_plain_training():
   key = jax.random.key(0)
   ckpt = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,))
   blocks = {
-      "plain": lambda p, x, k: transformer_block(p, x),
-      "remat": lambda p, x, k: jax.checkpoint(transformer_block)(p, x),
-      "jact": lambda p, x, k: ckpt(p, x, key=k),
+    "plain": lambda p, x, k: transformer_block(p, x),
+    "remat": lambda p, x, k: jax.checkpoint(transformer_block)(p, x),
+    "jact": lambda p, x, k: ckpt(p, x, key=k),
   }
   # (a plain sum as the loss, which saves nothing of its own)
   saved = {n: jact.residual_report(stack_loss(f, None), params, x, key) for n, f in blocks.items()}
@@ -56,8 +57,10 @@ def test_compress_argnums_is_one_rule_with_one_default_in_compressed_and_checkpo
   """Both transforms keep every argument by reference, exact, unless its
   position is listed (default: none). jact.checkpoint with none listed and a
   policy that saves nothing keeps its inputs as jax.checkpoint does, and warns."""
-  defaults = {f.__name__: inspect.signature(f).parameters["compress_argnums"].default
-              for f in (jact.compressed, jact.checkpoint)}
+  defaults = {
+    f.__name__: inspect.signature(f).parameters["compress_argnums"].default
+    for f in (jact.compressed, jact.checkpoint)
+  }
   assert defaults == {"compressed": (), "checkpoint": ()}
   params, x, r = stack_setup()
   p, key = params[0], jax.random.key(0)
@@ -105,8 +108,12 @@ def test_checkpoint_gradients_match_uncompressed_remat():
   # once compiled for this cost two more compiles).
   loss8, grad8 = compiled[8]
   g = grad8(params, x, key)[0][0]["wq"]
-  np.testing.assert_allclose(jax.jit(jax.value_and_grad(loss8))(params, x, key)[1][0]["wq"], g,
-                             rtol=1e-5, atol=1e-6 * float(jnp.abs(g).max()))
+  np.testing.assert_allclose(
+    jax.jit(jax.value_and_grad(loss8))(params, x, key)[1][0]["wq"],
+    g,
+    rtol=1e-5,
+    atol=1e-6 * float(jnp.abs(g).max()),
+  )
   other = grad8(params, x, jax.random.key(1))[0][0]["wq"]
   noise = rel_err(g, exact[0][0]["wq"])
   # two independent draws: ~sqrt(2) times one draw's error
@@ -118,12 +125,19 @@ def test_policy_saving_compressed_residuals_skips_the_recomputation_of_compressi
   params, x, r = stack_setup()
   key = jax.random.key(0)
   inputs_only = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,), name="a")
-  with_saved = jact.checkpoint(transformer_block, bits=4, compress_argnums=(1,), name="b",
-                               policy=jact.save_compressed("b.body"))
-  n_inputs = jact.residual_report(stack_loss(lambda p, x, k: inputs_only(p, x, key=k), r),
-                                  params, x, key)
-  n_saved = jact.residual_report(stack_loss(lambda p, x, k: with_saved(p, x, key=k), r),
-                                 params, x, key)
+  with_saved = jact.checkpoint(
+    transformer_block,
+    bits=4,
+    compress_argnums=(1,),
+    name="b",
+    policy=jact.save_compressed("b.body"),
+  )
+  n_inputs = jact.residual_report(
+    stack_loss(lambda p, x, k: inputs_only(p, x, key=k), r), params, x, key
+  )
+  n_saved = jact.residual_report(
+    stack_loss(lambda p, x, k: with_saved(p, x, key=k), r), params, x, key
+  )
   names = {n for n in n_saved.by_name() if n}
   assert any(n.startswith("b.body.") for n in names)  # the body's compressed residuals are kept
   assert n_saved.total_bytes > n_inputs.total_bytes
@@ -134,8 +148,11 @@ def test_compressed_names_work_with_jax_policies():
   params, x, r = stack_setup()
   key = jax.random.key(0)
   block = jact.compressed(transformer_block, bits=2, name="blk")
-  names = [n for n in jact.residual_report(lambda p, x: block(p, x, key=key).sum(),
-                                           params[0], x).by_name() if n]
+  names = [
+    n
+    for n in jact.residual_report(lambda p, x: block(p, x, key=key).sum(), params[0], x).by_name()
+    if n
+  ]
   policy = jax.checkpoint_policies.save_only_these_names(*names)
   rem = jax.checkpoint(lambda p, x: block(p, x, key=key), policy=policy)
   report = jact.residual_report(lambda p, x: jnp.sum(rem(p, x) * r), params[0], x)
@@ -159,29 +176,41 @@ def _cuda_hlo(f, *args):
 def test_offload_policy_places_compressed_residuals_on_host_when_lowered_for_cuda():
   params, x, r = stack_setup()
   block = jact.compressed(transformer_block, bits=2, name="off")
-  rem = jax.checkpoint(lambda p, x: block(p, x, key=jax.random.key(0)),
-                       policy=jact.offload_compressed("off"))
+  rem = jax.checkpoint(
+    lambda p, x: block(p, x, key=jax.random.key(0)), policy=jact.offload_compressed("off")
+  )
   text = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(rem(p, x) * r)), params[0], x)
-  placements = [line for line in text.splitlines() if "annotate_device_placement" in line
-                and 'pinned_host' in line]
+  placements = [
+    line
+    for line in text.splitlines()
+    if "annotate_device_placement" in line and "pinned_host" in line
+  ]
   # codes (ui8), group statistics (bf16) and per-row means of normalization
   # residuals (f32, one per row: shape [..., 1]); never a full float32 tensor
   row_mean = re.compile(r"tensor<(\d+x)+1xf32>")
-  assert placements and all("ui8" in line or "bf16" in line or row_mean.search(line)
-                            for line in placements)
+  assert placements and all(
+    "ui8" in line or "bf16" in line or row_mean.search(line) for line in placements
+  )
   # The plain policy-less version has no host placement.
-  plain = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(block(p, x, key=jax.random.key(0)) * r)),
-                    params[0], x)
+  plain = _cuda_hlo(
+    jax.grad(lambda p, x: jnp.sum(block(p, x, key=jax.random.key(0)) * r)), params[0], x
+  )
   assert "pinned_host" not in plain
 
 
 @pytest.mark.slow
 def test_offload_inside_jact_checkpoint_lowers_for_cuda():
   params, x, r = stack_setup()
-  ckpt = jact.checkpoint(transformer_block, bits=2, compress_argnums=(1,), name="cko",
-                         policy=jact.offload_compressed("cko.body"))
-  text = _cuda_hlo(jax.grad(lambda p, x: jnp.sum(ckpt(p, x, key=jax.random.key(0)) * r)),
-                   params[0], x)
+  ckpt = jact.checkpoint(
+    transformer_block,
+    bits=2,
+    compress_argnums=(1,),
+    name="cko",
+    policy=jact.offload_compressed("cko.body"),
+  )
+  text = _cuda_hlo(
+    jax.grad(lambda p, x: jnp.sum(ckpt(p, x, key=jax.random.key(0)) * r)), params[0], x
+  )
   assert "pinned_host" in text
 
 
@@ -200,7 +229,8 @@ def test_policies_validate_their_arguments():
   with pytest.raises(ValueError, match="compress_argnums"):
     ckpt(params[0], x, key=jax.random.key(0))
   with pytest.raises(ValueError, match="key=jax.random.key"):
-    jax.grad(lambda x: jact.checkpoint(transformer_block, compress_argnums=(1,))(
-        params[0], x).sum())(x)
+    jax.grad(
+      lambda x: jact.checkpoint(transformer_block, compress_argnums=(1,))(params[0], x).sum()
+    )(x)
   assert jact.save_compressed("a") == jact.save_compressed("a")  # hashable, comparable
   assert hash(jact.offload_compressed("a"))

@@ -30,8 +30,9 @@ KEY = jax.random.key(7)
 
 def _relative(got, want) -> float:
   """||got - want|| / ||want|| over every leaf of two pytrees."""
-  num = sum(float(jnp.sum(jnp.abs(a - b) ** 2)) for a, b in
-            zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  num = sum(
+    float(jnp.sum(jnp.abs(a - b) ** 2)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  )
   den = sum(float(jnp.sum(jnp.abs(b) ** 2)) for b in jax.tree.leaves(want))
   return (num / den) ** 0.5
 
@@ -40,9 +41,12 @@ def _assert_close(got, want, rtol=1e-5, atol=1e-6):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert a.dtype == b.dtype
-    np.testing.assert_allclose(np.asarray(a, np.complex128 if jnp.iscomplexobj(a) else np.float64),
-                               np.asarray(b, np.complex128 if jnp.iscomplexobj(b) else np.float64),
-                               rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(a, np.complex128 if jnp.iscomplexobj(a) else np.float64),
+      np.asarray(b, np.complex128 if jnp.iscomplexobj(b) else np.float64),
+      rtol=rtol,
+      atol=atol,
+    )
 
 
 # ----------------------------------------------------------------------------- batch norm, axis_name
@@ -63,11 +67,12 @@ XS = jax.random.normal(jax.random.key(0), (4, 8, 3))  # 4 "devices" x 8 samples
 def _linen_bn_grads(model, variables, rngs):
   def loss(params):
     def one(x):
-      y, stats = model.apply({**variables, "params": params}, x, rngs=rngs,
-                             mutable=["batch_stats"])
+      y, stats = model.apply({**variables, "params": params}, x, rngs=rngs, mutable=["batch_stats"])
       return y, stats
+
     ys, stats = jax.vmap(one, axis_name="batch")(XS)
-    return jnp.sum(ys ** 2), stats
+    return jnp.sum(ys**2), stats
+
   return jax.grad(loss, has_aux=True)(variables["params"])
 
 
@@ -96,7 +101,7 @@ class NnxBN(nnx.Module):
 
 def _nnx_vmap_loss(model):
   ys = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0), axis_name="batch")(model, XS)
-  return jnp.sum(ys ** 2)
+  return jnp.sum(ys**2)
 
 
 @pytest.mark.slow  # four conversions differentiated under nnx.vmap: ~5-10 s each
@@ -157,8 +162,9 @@ XH = jax.random.normal(jax.random.key(2), (2, 4, 4, 2))
 
 
 def _scalar(model, variables, rngs):
-  return lambda params, x: model.apply({**variables, "params": params}, x, rngs=rngs,
-                                       mutable=["batch_stats"])[0].sum()
+  return lambda params, x: model.apply(
+    {**variables, "params": params}, x, rngs=rngs, mutable=["batch_stats"]
+  )[0].sum()
 
 
 @pytest.mark.slow  # second derivatives of a conv + batch norm + GRU model: ~10 s
@@ -166,8 +172,9 @@ def test_hessian_of_a_converted_linen_model_at_bits_none_is_plain():
   """One jitted Hessian in (params, input): its blocks hold the params-params
   and input-input Hessians (once two eager tests) and the cross terms too."""
   variables = ConvRNN().init(jax.random.key(3), XH)
-  hessian = lambda model, rngs: jax.jit(jax.hessian(_scalar(model, variables, rngs),
-                                                    argnums=(0, 1)))(variables["params"], XH)
+  hessian = lambda model, rngs: jax.jit(
+    jax.hessian(_scalar(model, variables, rngs), argnums=(0, 1))
+  )(variables["params"], XH)
   want = hessian(ConvRNN(), {})
   got = hessian(jact.convert(ConvRNN(), bits=None), {"jact": KEY})
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -203,8 +210,9 @@ def test_hessian_of_a_converted_nnx_model_at_bits_none_is_plain(functions):
 
   # jitted: one compile of each second derivative instead of op-by-op dispatch
   want = jax.jit(jax.hessian(scalar(NnxBlock(nnx.Rngs(0)))))(x)
-  got = jax.jit(jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None,
-                                                functions=functions))))(x)
+  got = jax.jit(
+    jax.hessian(scalar(jact.convert(NnxBlock(nnx.Rngs(0)), bits=None, functions=functions)))
+  )(x)
   _assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -256,8 +264,13 @@ def test_bf16_gru_gradients(bits):
   if bits is None:
     _assert_close(got, want, rtol=0, atol=0)
   else:  # bf16 arithmetic plus one 8-bit draw
-    assert _relative(jax.tree.map(lambda a: a.astype(jnp.float32), got),
-                     jax.tree.map(lambda a: a.astype(jnp.float32), want)) < 0.03
+    assert (
+      _relative(
+        jax.tree.map(lambda a: a.astype(jnp.float32), got),
+        jax.tree.map(lambda a: a.astype(jnp.float32), want),
+      )
+      < 0.03
+    )
 
 
 # ----------------------------------------------------------------------------- complex
@@ -332,14 +345,16 @@ class ExportModel(nn.Module):
 
 
 XE = jax.random.normal(jax.random.key(11), (4, 8, 8, 3))
-BATCH, = export.symbolic_shape("b")
+(BATCH,) = export.symbolic_shape("b")
 
 
 def _export_grads(model, variables, rngs):
   def grads(params, x, key):
-    loss = lambda p: jnp.sum(model.apply({**variables, "params": p}, x, rngs=rngs(key),
-                                         mutable=["batch_stats"])[0] ** 2)
+    loss = lambda p: jnp.sum(
+      model.apply({**variables, "params": p}, x, rngs=rngs(key), mutable=["batch_stats"])[0] ** 2
+    )
     return jax.grad(loss)(params)
+
   return grads
 
 
@@ -356,12 +371,16 @@ def export_setup():
 @pytest.mark.parametrize("functions", [True, False])
 def test_export_with_a_symbolic_batch_of_a_converted_model(export_setup, functions):
   variables, wants = export_setup
-  grads = _export_grads(jact.convert(ExportModel(), bits=4, functions=functions), variables,
-                        lambda k: {"jact": k})
+  grads = _export_grads(
+    jact.convert(ExportModel(), bits=4, functions=functions), variables, lambda k: {"jact": k}
+  )
   spec = jax.ShapeDtypeStruct((BATCH, *XE.shape[1:]), XE.dtype)
   with pytest.warns(SymbolicShapeWarning, match="symbolic"):
     exported = export.export(jax.jit(grads))(variables["params"], spec, KEY)
-  for x, want in wants.values():  # any batch size: the residuals are kept exact, the gradients plain
+  for (
+    x,
+    want,
+  ) in wants.values():  # any batch size: the residuals are kept exact, the gradients plain
     _assert_close(exported.call(variables["params"], x, KEY), want, rtol=1e-4, atol=1e-5)
 
 
@@ -389,7 +408,9 @@ def test_export_with_a_symbolic_batch_of_a_converted_nnx_model():
       def loss(state):
         with jact.nnx.use_key(key):
           return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
       return jax.grad(loss)(state)
+
     return grads, state
 
   plain, state = grads_of(NnxBlock(nnx.Rngs(0)))
@@ -404,7 +425,7 @@ def test_export_with_a_symbolic_batch_of_a_converted_nnx_model():
 
 # ----------------------------------------------------------------------------- 8 devices
 
-_EIGHT_DEVICES = r'''
+_EIGHT_DEVICES = r"""
 import json
 import jax, jax.numpy as jnp
 import flax.linen as nn
@@ -468,7 +489,7 @@ result["recipes"] = {
         "jact": outcome(stack, mesh, s, True), "plain": outcome(plain_stack, mesh, s, False)}
     for name, mesh in (("default", default), ("auto", auto)) for s in (False, True)}
 print(json.dumps(result))
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,9 @@ def _trace_other_block_named_blk():
   """An unrelated compressed block whose residuals are named blk.0, blk.1, blk.2
   (the flips keep the three sines from folding into one elementwise chain,
   which would store one derivative)."""
-  other = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(jnp.flip(jnp.sin(a))))), bits=BITS,
-                          name="blk")
+  other = jact.compressed(
+    lambda a: jnp.sin(jnp.flip(jnp.sin(jnp.flip(jnp.sin(a))))), bits=BITS, name="blk"
+  )
   report = jact.residual_report(lambda a: other(a, key=jax.random.key(1)).sum(), X)
   assert "blk.2" in {r.name for r in report.residuals}
 
@@ -61,7 +62,9 @@ def test_a_user_checkpoint_name_is_compressed_whatever_was_traced_before():
   for report in (before, after):
     assert {r.dtype for r in report.residuals} <= {jnp.dtype(jnp.uint8), jnp.dtype(jnp.bfloat16)}
     assert report.total_bytes == 2 * _stored_bytes(X.size)
-    names = {r.name for r in report.residuals if not r.is_argument}  # as users see them: no reserved prefix
+    names = {
+      r.name for r in report.residuals if not r.is_argument
+    }  # as users see them: no reserved prefix
     assert len(names) == 2 and all(n.startswith("mine.") for n in names), names
 
 
@@ -70,24 +73,31 @@ def test_jact_policies_never_select_a_user_name():
   plain = jax.checkpoint(lambda x: _user_block(x).sum(), policy=jact.save_compressed("blk"))
   report = jact.residual_report(plain, X)
   assert report.total_bytes == 0  # the user's "blk.2" is recomputed, not saved in float32
-  keep = jax.checkpoint(lambda x: _user_block(x).sum(),
-                        policy=jax.checkpoint_policies.save_only_these_names("blk.2"))
+  keep = jax.checkpoint(
+    lambda x: _user_block(x).sum(), policy=jax.checkpoint_policies.save_only_these_names("blk.2")
+  )
   assert jact.residual_report(keep, X).total_bytes == X.nbytes  # jax's own policy still can
 
 
 def test_jact_policies_select_jact_residuals_under_their_user_visible_names():
-  block = jact.compressed(lambda a: jnp.sin(jnp.flip(jnp.sin(a))),
-                          compressor=PerGroup(BITS, GROUP), name="blk")  # two residuals: the flip keeps them from folding into one
+  block = jact.compressed(
+    lambda a: jnp.sin(jnp.flip(jnp.sin(a))), compressor=PerGroup(BITS, GROUP), name="blk"
+  )  # two residuals: the flip keeps them from folding into one
   alone = jact.residual_report(lambda a: block(a, key=jax.random.key(2)).sum(), X)
-  for policy in (jact.save_compressed("blk"), jact.save_compressed(), jact.offload_compressed("blk"),
-                 jax.checkpoint_policies.save_only_these_names("blk.0", "blk.1")):
+  for policy in (
+    jact.save_compressed("blk"),
+    jact.save_compressed(),
+    jact.offload_compressed("blk"),
+    jax.checkpoint_policies.save_only_these_names("blk.0", "blk.1"),
+  ):
     rematted = jax.checkpoint(lambda a: block(a, key=jax.random.key(2)), policy=policy)
     report = jact.residual_report(lambda a: rematted(a).sum(), X)
     assert report.total_bytes == alone.total_bytes == 2 * _stored_bytes(X.size), policy
     if policy != jact.offload_compressed("blk"):  # (an offloaded copy is unnamed in reports)
       assert {r.name for r in report.residuals if not r.is_argument} == {"blk.0", "blk.1"}, policy
-  other = jax.checkpoint(lambda a: block(a, key=jax.random.key(2)),
-                         policy=jact.save_compressed("other"))
+  other = jax.checkpoint(
+    lambda a: block(a, key=jax.random.key(2)), policy=jact.save_compressed("other")
+  )
   assert jact.residual_report(lambda a: other(a).sum(), X).total_bytes == 0
 
 
@@ -146,8 +156,9 @@ def _grads(structure, layer, ws, x, keys):
 def _exact_grads():
   ws, x, keys = _stack_inputs()
   plain = lambda w, h, key: _layer(w, h)
-  return jax.jit(jax.grad(lambda ws, x: jnp.sum(_unrolled(plain, ws, x, keys) ** 2),
-                         argnums=(0, 1)))(ws, x)
+  return jax.jit(
+    jax.grad(lambda ws, x: jnp.sum(_unrolled(plain, ws, x, keys) ** 2), argnums=(0, 1))
+  )(ws, x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +177,9 @@ def _check_close_to_unrolled(got, expected):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["checkpoint", "compressed"])
-@pytest.mark.parametrize("structure", [_scanned, _fori, _remat, _cond],
-                         ids=["scan", "fori_loop", "jax_checkpoint", "cond"])
+@pytest.mark.parametrize(
+  "structure", [_scanned, _fori, _remat, _cond], ids=["scan", "fori_loop", "jax_checkpoint", "cond"]
+)
 def test_keys_work_under_control_flow_with_the_gradients_of_the_unrolled_stack(kind, structure):
   ws, x, keys = _stack_inputs()
   layer = _wrapped(kind)
@@ -180,8 +192,7 @@ def test_a_wrapper_built_in_a_loop_body_can_close_over_the_loop_index(wrap):
   ws, x, keys = _stack_inputs()
 
   def layer(ws, i, h, key):  # i: a traced layer index, closed over by the wrapped function
-    return wrap(lambda h: _layer(ws[i], h), bits=8, name="loop", compress_argnums=(0,))(
-        h, key=key)
+    return wrap(lambda h: _layer(ws[i], h), bits=8, name="loop", compress_argnums=(0,))(h, key=key)
 
   def looped(ws, x, keys, index):
     del index
@@ -210,13 +221,17 @@ def _with_keyword_only_key(x, *, key):
   return _with_key_param(x, key)
 
 
-@pytest.mark.parametrize("wrap,api", [(jact.compressed, "jact.compressed"),
-                                      (jact.checkpoint, "jact.checkpoint")])
+@pytest.mark.parametrize(
+  "wrap,api", [(jact.compressed, "jact.compressed"), (jact.checkpoint, "jact.checkpoint")]
+)
 @pytest.mark.parametrize("fn", [_with_key_param, _with_keyword_only_key])
 def test_a_function_with_its_own_key_parameter_gets_a_clear_error(wrap, api, fn):
   x = jnp.ones((BATCH, WIDTH))
-  with pytest.raises(TypeError, match=rf"{api}: {fn.__name__} needs its own parameter `key`, but "
-                                      r"the keyword `key=` is reserved.*Rename.*functools\.partial"):
+  with pytest.raises(
+    TypeError,
+    match=rf"{api}: {fn.__name__} needs its own parameter `key`, but "
+    r"the keyword `key=` is reserved.*Rename.*functools\.partial",
+  ):
     wrap(fn, bits=4, compress_argnums=(0,))(x, key=jax.random.key(4))
   # The fixes the message names work: the function's key bound before wrapping, or passed
   # positionally, while `key=` is the rounding key.
@@ -225,20 +240,30 @@ def test_a_function_with_its_own_key_parameter_gets_a_clear_error(wrap, api, fn)
   np.testing.assert_array_equal(bound(x, key=jax.random.key(4)), expected)
   if fn is _with_key_param:
     np.testing.assert_array_equal(
-        wrap(fn, bits=4, compress_argnums=(0,))(x, jax.random.key(3), key=jax.random.key(4)),
-        expected)
+      wrap(fn, bits=4, compress_argnums=(0,))(x, jax.random.key(3), key=jax.random.key(4)), expected
+    )
 
 
-@pytest.mark.parametrize("wrap,api", [(jact.compressed, "jact.compressed"),
-                                      (jact.checkpoint, "jact.checkpoint")])
-@pytest.mark.parametrize("returned,shown", [(3, r"returned int 3"), ("done", r"returned str 'done'"),
-                                            (None, r"returned None, which holds no array"),
-                                            ("pair", r"returned str 'aux' at output\[1\]")])
+@pytest.mark.parametrize(
+  "wrap,api", [(jact.compressed, "jact.compressed"), (jact.checkpoint, "jact.checkpoint")]
+)
+@pytest.mark.parametrize(
+  "returned,shown",
+  [
+    (3, r"returned int 3"),
+    ("done", r"returned str 'done'"),
+    (None, r"returned None, which holds no array"),
+    ("pair", r"returned str 'aux' at output\[1\]"),
+  ],
+)
 def test_a_function_returning_a_non_array_gets_a_clear_error(wrap, api, returned, shown):
   def fn(x):
     y = jnp.tanh(x)
     return (y, "aux") if returned == "pair" else returned
 
-  with pytest.raises(TypeError, match=rf"{api}: fn {shown}; a wrapped function must return an "
-                                      r"array.*jnp\.asarray.*outside the wrapped function"):
+  with pytest.raises(
+    TypeError,
+    match=rf"{api}: fn {shown}; a wrapped function must return an "
+    r"array.*jnp\.asarray.*outside the wrapped function",
+  ):
     wrap(fn, bits=4, compress_argnums=(0,))(jnp.ones((BATCH, WIDTH)), key=jax.random.key(5))
