@@ -15,7 +15,8 @@ over the variant's, bits), `seeds.<variant>.<field>` (mean, std, min, max, n,
 values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 `gv.<epoch>.<field>`, `mb.<model>.<method>.<field>`, `bp.<model>.<field>`,
 `acgc.<checkpoint>.<field>`, whole tables `table.<experiment>` (bench_compressors,
-bench_memory, bench_models, whole_model_error, train_sharded) for the generated blocks of hand-written docs pages.
+bench_memory, bench_models, whole_model_error, train_sharded) for the generated blocks of
+hand-written docs pages.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
@@ -316,6 +317,12 @@ _WHOLE_MODELS = {
 }
 
 
+def _input_label(row) -> str:
+  """The input size of a memory row: the transformer's full shape, a CNN's batch."""
+  shape = row["input_shape"]
+  return "x".join(map(str, shape)) if row["model"] == "transformer" else str(shape[0])
+
+
 def _sig3(value: float) -> str:
   """Three significant figures, no exponent, thousands separated: 0.813, 14.1, 93,400."""
   if value == 0:
@@ -359,8 +366,7 @@ def _tables(results: Path, out: dict) -> None:
   if bm is not None:
     rows = [
       [
-        f"{_MEMORY_MODELS.get(r['model'], r['model'])} "
-        f"({'x'.join(map(str, r['input_shape'])) if r['model'] == 'transformer' else r['input_shape'][0]})",
+        f"{_MEMORY_MODELS.get(r['model'], r['model'])} ({_input_label(r)})",
         _ratio(r["residual_reduction"]),
         _ratio(r["temp_reduction"]),
       ]

@@ -1,4 +1,5 @@
-"""Every figure the README's Results, the generated docs pages and the notebooks' prose quote comes from the committed JSON.
+"""Every figure the README's Results, the generated docs pages and the notebooks' prose quote comes
+from the committed JSON.
 
 `experiments.claims` computes each named figure from `experiments/results/`;
 these tests render the templates again and compare with what is committed, so

@@ -80,7 +80,8 @@ NAMESPACES = (
 
 
 def test_the_api_page_lists_every_public_name():
-  """docs/api.md names each `__all__` entry of `jact` and its public namespaces, and nothing else."""
+  """docs/api.md names each `__all__` entry of `jact` and its public namespaces, and nothing
+  else."""
   import jact
 
   listed = set(re.findall(r"^   (jact\.[\w.]+)$", (DOCS / "api.md").read_text(), re.M))

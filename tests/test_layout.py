@@ -2,7 +2,8 @@
 
 Layers, lowest first (a module imports only from its own package or from lower layers):
 `_compat` -> `_core` -> `kernels` -> `compressors` -> `_engine` -> `ops` -> `_transforms` ->
-`_planning`, `_flax` -> `nn`, `nnx`, `_report` -> `_flax.convert` -> `jact/__init__`. Imports are read from the source with `ast`,
+`_planning`, `_flax` -> `nn`, `nnx`, `_report` -> `_flax.convert` -> `jact/__init__`. Imports are
+read from the source with `ast`,
 including those inside functions, so a cycle hidden behind a lazy import is found too.
 """
 

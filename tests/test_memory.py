@@ -1,7 +1,8 @@
 """Compiled memory, not only residual accounting (compile-only, on CPU).
 
 For a ReLU CNN block and a pre-LN transformer block written with `jact.ops`,
-stacks of 1, 3 and 5 (CNN) or 1, 2 and 3 (transformer) blocks are compiled (never run) and XLA's temp memory of
+stacks of 1, 3 and 5 (CNN) or 1, 2 and 3 (transformer) blocks are compiled (never run) and XLA's
+temp memory of
 the train step is read, plain (bits=None, i.e. the jax ops) and jact at 2 bits.
 """
 

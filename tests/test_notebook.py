@@ -3,7 +3,8 @@ error fails. Also checks that the committed notebooks carry their outputs.
 
 The kernels run with XLA:CPU's quick-compile flags (`memory_batch.FAST_COMPILE_FLAGS`, which
 `memory_batch --small` uses for its own steps): they change LLVM's code generation only, not the
-programs jact builds, and most of a small live run is compilation (bit_plans --small: 26 -> 17 CPU-s).
+programs jact builds, and most of a small live run is compilation (bit_plans --small: 26 -> 17
+CPU-s).
 """
 
 import os

@@ -191,7 +191,8 @@ def main(argv=None):
     timing="median of 5 blocks of back-to-back calls over rotating inputs",
   )
   print(
-    f"\n{'op':22s} {'config':22s} {'impl':14s} {'MB':>7s} {'GB/s':>8s} {'of copy':>8s} {'vs xla':>7s} exact"
+    f"\n{'op':22s} {'config':22s} {'impl':14s} {'MB':>7s} {'GB/s':>8s} "
+    f"{'of copy':>8s} {'vs xla':>7s} exact"
   )
   for r in (r for r in rows if "error" not in r):
     print(

@@ -218,7 +218,8 @@ def main(argv=None):
       rows.append(row)
       print(
         f"{name:16s} {str(bits or 'plain'):>5s} {row['residual_bytes'] / mib:11.1f} MiB "
-        f"{row['residual_reduction']:6.1f}x {row['temp_bytes'] / mib:7.1f} MiB {row['temp_reduction']:6.1f}x",
+        f"{row['residual_reduction']:6.1f}x {row['temp_bytes'] / mib:7.1f} MiB "
+        f"{row['temp_reduction']:6.1f}x",
         flush=True,
       )
   meta = metadata.run_metadata(

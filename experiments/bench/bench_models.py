@@ -120,8 +120,10 @@ def format_row(r) -> str:
   err = f"{r['grad_err']:.2e}" if "grad_err" in r else "       -"
   fwd = f"{r['fwd_diff']:.1e}" if "fwd_diff" in r else "      -"
   return (
-    f"{head} {fwd} {_mb(r['saved_bytes'])} ({ratio('saved_ratio')}) unnamed {_mb(r['unnamed_bytes'])}"
-    f" {_mb(r['temp_bytes'])} ({ratio('temp_ratio')}) {r['compile_s']:6.1f}s ({ratio('compile_ratio')})"
+    f"{head} {fwd} {_mb(r['saved_bytes'])} ({ratio('saved_ratio')}) "
+    f"unnamed {_mb(r['unnamed_bytes'])}"
+    f" {_mb(r['temp_bytes'])} ({ratio('temp_ratio')}) "
+    f"{r['compile_s']:6.1f}s ({ratio('compile_ratio')})"
     f" {r['step_s'] * 1e3:7.1f}ms ({ratio('step_ratio')}) {err}{'' if r['finite'] else ' NaN'}"
   )
 

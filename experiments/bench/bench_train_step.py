@@ -35,7 +35,7 @@ shrinks the network to a 4-block bottleneck ResNet for a quicker one):
 (a smoke test only: at 32 px the last stage is 1x1, so with 2 images BatchNorm
 normalizes 2 values; gradient norms reach ~1e9 for plain Flax too, and the loss
 may turn non-finite after a few steps -- reported as null.)
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ is strong evidence, not proof, that it compiles on the device; and static
 facts are no timing (see `experiments.bench.bench_kernels` for that).
 
     python -m experiments.bench.compile_kernels [--arch 90] [--json experiments/results/compile_kernels.json]
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def ptx_facts(ptx: str) -> dict:
   ...        "mul.rn.f32 %f5, %f1, %f2;\\nadd.rn.f32 %f6, %f5, %f1;\\nfma.rn.f32 %f7, %f1, %f2, %f6;")
   >>> ptx_facts(ptx)["fused_multiply_adds"]
   2
-  """
+  """  # noqa: E501 (tables and commands in this docstring)
   loads = Counter(re.findall(r"\bld\.global[\w.]*", ptx))
   stores = Counter(re.findall(r"\bst\.global[\w.]*", ptx))
   products = set(re.findall(rf"\bmul(?:\.ftz)?\.f32\s+{_REG}", ptx))  # unrounded multiplies

@@ -72,7 +72,7 @@ The search, on a pretend step of 3 MiB per example over 10 MiB:
 (128, [16, 32, 64, 128, 136, 256])
 >>> batch_search.check_search(best, probes, cap_mib=400, granularity=8, upper=1024)
 {'consistent': True, 'monotone': True}
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ sizes, for a smoke run on CPU (the figures then mean nothing).
   (jitted alone) on a ReLU-like NHWC activation map: milliseconds, GB/s (input
   + stored bytes), stored bytes, relative error of the reconstruction.
 * `offload`: train step (gradient) of a stack of 8 pre-LN transformer blocks
-  (`experiments.bench.memory_scaling`'s block; `--small`: one ReLU MLP block) plain, `jax.checkpoint` remat,
-  `jact.compressed` at 2 bits, the same under `jax.checkpoint` with
+  (`experiments.bench.memory_scaling`'s block; `--small`: one ReLU MLP block) plain,
+  `jax.checkpoint` remat, `jact.compressed` at 2 bits, the same under `jax.checkpoint` with
   `jact.save_compressed` and with `jact.offload_compressed` (compressed bytes
   in pinned host memory between forward and backward): step time and device /
   host temp memory. On CPU the offload is a no-op.

@@ -1,5 +1,6 @@
 """Does the backward pass's ordering matter? The planned stacks and a ResNet-18 compiled with the
-shipped scheduling rule and three weaker ones (`ORDERING_MODES`), for `experiments.gpu.gpu_measures`."""
+shipped scheduling rule and three weaker ones (`ORDERING_MODES`), for
+`experiments.gpu.gpu_measures`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ step off the device.
 
     python -m experiments.gpu.kernel_diff --out /tmp/diff                     # 8 bit f32, 2 bit bf16
     python -m experiments.gpu.kernel_diff --configs 4:float32 --size-mb 0.25 --out /tmp/diff
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 

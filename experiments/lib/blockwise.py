@@ -1,5 +1,6 @@
-"""The models, batches and train steps of `experiments.bench.memory_batch` (and `experiments.gpu.gpu_lm`):
-the pre-activation ResNet-20 and the zoo's decoder LM, each residual block trained one of six ways."""
+"""The models, batches and train steps of `experiments.bench.memory_batch` (and
+`experiments.gpu.gpu_lm`): the pre-activation ResNet-20 and the zoo's decoder LM, each residual
+block trained one of six ways."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 def _child(
   conn, module: str, target: str, args: tuple, memory: bool, cache_dir: str | None, xla_flags: str
 ) -> None:
-  """Entry point of a fresh process: runs `target(*args)`, sends ("ok", result) or ("error", text)."""
+  """Entry point of a fresh process: runs `target(*args)`, sends ("ok", result) or ("error",
+  text)."""
   try:
     if memory:
       _return_freed_memory()

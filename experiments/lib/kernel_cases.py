@@ -1,5 +1,6 @@
 """The kernel benchmark's cases: each `jact.kernels` op's configurations, the inputs they are
-timed on and the minimal bytes each moves (`experiments.bench.bench_kernels`, `experiments.gpu.kernel_diff`)."""
+timed on and the minimal bytes each moves (`experiments.bench.bench_kernels`,
+`experiments.gpu.kernel_diff`)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def nbytes_of(tree) -> int:
 
 
 def _activation(nbytes: int, key, dtype=jnp.float32, row: int = 16384):
-  """Real-valued data (normal, with a ReLU-like zero half) of about `nbytes`, rows of `row` values."""
+  """Real-valued data (normal, with a ReLU-like zero half) of about `nbytes`, rows of `row`
+  values."""
   n = max(1, nbytes // (jnp.dtype(dtype).itemsize * row))
   x = jax.random.normal(key, (n, row), jnp.float32)
   return jnp.where(x > -0.1, x, 0.5 * x).astype(dtype)

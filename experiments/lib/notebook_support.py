@@ -8,7 +8,7 @@ says what is missing instead of failing, so a notebook renders at any stage.
 | variant | epochs | test accuracy by epoch | final | saved for backward | compiled temp | avg bits |
 |---|---|---|---|---|---|---|
 | fp | not run yet | | | | | |
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 
@@ -146,7 +146,8 @@ def show_figure(path):
 
 
 def bench_memory_table(path) -> str:
-  """`experiments.bench.bench_memory`: bytes saved for backward and compiled temp per model and bits."""
+  """`experiments.bench.bench_memory`: bytes saved for backward and compiled temp per model and
+  bits."""
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
@@ -188,7 +189,8 @@ def plan_cost_table(path) -> str:
 
 
 def bench_plans_table(path) -> str:
-  """`experiments.bench.bench_plans`: compression variance of each plan over the sampling variance."""
+  """`experiments.bench.bench_plans`: compression variance of each plan over the sampling
+  variance."""
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
@@ -206,7 +208,8 @@ def bench_plans_table(path) -> str:
 
 
 def memory_batch_table(path) -> str:
-  """`experiments.bench.memory_batch`: largest batch under the cap and step time, per model and method."""
+  """`experiments.bench.memory_batch`: largest batch under the cap and step time, per model and
+  method."""
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
@@ -289,7 +292,8 @@ def both_caps_table(step_path, program_path) -> str:
 
 
 def acgc_sweep_table(path) -> str:
-  """`experiments.papers.acgc_sweep`: per e^2 and parameters, jact's widths and three compressions."""
+  """`experiments.papers.acgc_sweep`: per e^2 and parameters, jact's widths and three
+  compressions."""
   result = load_json(path)
   if result is None:
     return f"*{Path(path).name}: not run yet*"
@@ -394,7 +398,8 @@ METHOD_COLORS = {
 
 
 def memory_batch_plot(model: str, result: dict, config, path) -> str:
-  """`experiments.bench.memory_batch`: the capped memory (solid) and XLA's estimate of the step's buffers (dashed)
+  """`experiments.bench.memory_batch`: the capped memory (solid) and XLA's estimate of the step's
+  buffers (dashed)
   vs batch per method, the cap, and each method's largest batch (star), as a PNG."""
   import matplotlib
 

@@ -54,7 +54,10 @@ def _actnn_rows(runs: dict, layer_bytes: int | None = None) -> list:
       metric = f"test accuracy **{r['final_test_accuracy']:.3f}**"
     elif r["history"]:
       last = r["history"][-1]
-      metric = f"test accuracy {last['test_accuracy']:.3f} after epoch {last['epoch']}/{r['epochs']} (running)"
+      metric = (
+        f"test accuracy {last['test_accuracy']:.3f} "
+        f"after epoch {last['epoch']}/{r['epochs']} (running)"
+      )
     else:
       metric = "running"
     bits = r.get("final_average_bits")

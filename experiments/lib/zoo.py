@@ -129,7 +129,7 @@ class SST2Classifier(nn.Module):
     return nn.Dense(self.num_classes)(x)
 
 
-# ----------------------------------------------------------------------------- LM1B-style decoder (linen)
+# ---------------------------------------------------------------------- LM1B-style decoder (linen)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,7 +224,7 @@ class ConvNeXt(nnx.Module):
     return self.head(self.head_norm(jnp.mean(x, axis=(1, 2))))
 
 
-# ----------------------------------------------------------------------------- GroupNorm + StdConv ResNet (linen)
+# -------------------------------------------------------------- GroupNorm + StdConv ResNet (linen)
 
 
 def weight_standardize(w, axis, eps):
@@ -284,7 +284,7 @@ class GNResNet(nn.Module):
     return nn.Dense(self.num_classes, name="head")(x)
 
 
-# ----------------------------------------------------------------------------- offsets and statistics
+# -------------------------------------------------------------------------- offsets and statistics
 
 
 class OffsetNormNet(nn.Module):

@@ -30,7 +30,7 @@ for the backward pass and compiled temp, batch `--batch`).
 
 Small version (a minute): `--dataset cifar10 --train-size 512 --test-size 500
 --epochs 1 --widths 8 --blocks 1 --batch 64`.
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 

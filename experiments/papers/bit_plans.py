@@ -14,7 +14,8 @@
 
 Both record every residual's width (a heat map: residual x time) and the
 estimators' cost in train-step equivalents (a compiled `Controller.update`'s
-time, estimation and re-planning included, over a jitted gradient step's). Writes `<results>/bit_plans.json`
+time, estimation and re-planning included, over a jitted gradient step's). Writes
+`<results>/bit_plans.json`
 and `bit_plans_<model>.png`.
 
     python -m experiments.papers.bit_plans

@@ -70,7 +70,7 @@ takes ~15 s.
 
 >>> [name for name in TASKS], VARIANTS["cora_gat"]
 (['sst2', 'shakespeare', 'cora_gcn', 'cora_gat'], ('fp', 'fixed4', 'adaptive2'))
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 

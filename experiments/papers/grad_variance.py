@@ -25,7 +25,7 @@ residuals) plus a compile per plan; one checkpoint took over 50 CPU-minutes on a
 
     python -m experiments.papers.grad_variance             # after experiments.papers.actnn_cifar --variants fp
     python -m experiments.papers.grad_variance --small     # a minute: small net, initialization only
-"""
+"""  # noqa: E501 (tables and commands in this docstring)
 
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def _snapshot(runs: Path, epoch: int, like):
 
 
 def plot(result: dict, path) -> None:
-  """Variance vs bits: one line per checkpoint, sampling variance dashed, adaptive plans as marks."""
+  """Variance vs bits: one line per checkpoint, sampling variance dashed, adaptive plans as
+  marks."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -311,7 +312,8 @@ def main(argv=None) -> dict:
     if params is None:
       result["missing"].append(epoch)
       print(
-        f"epoch {epoch}: no snapshot under {a.runs / 'fp'}; run experiments.papers.actnn_cifar first"
+        f"epoch {epoch}: no snapshot under {a.runs / 'fp'}; "
+        "run experiments.papers.actnn_cifar first"
       )
       continue
     rows = measure_checkpoint(params, batches, keys=a.keys, avg_bits=a.avg_bits)

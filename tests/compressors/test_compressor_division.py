@@ -77,8 +77,10 @@ def test_stored_bytes_match_compressed(shape):
 def test_compression_ratio_matches_paper(block, bits):
   x = jax.ShapeDtypeStruct((8, 32, 32, 64), jnp.float32)
   nbytes = x.size * 4
-  # Per value, in units of a float32 (4 bytes): LFC 4/B^2 bytes -> B^-2; HFC codes Q/8 bytes -> Q/32;
-  # group statistics 4 bytes (bf16 minimum + step) per 256 values -> 32/(32*256). A bf16 LFC halves B^-2.
+  # Per value, in units of a float32 (4 bytes): LFC 4/B^2 bytes -> B^-2; HFC codes Q/8 bytes ->
+  # Q/32;
+  # group statistics 4 bytes (bf16 minimum + step) per 256 values -> 32/(32*256). A bf16 LFC halves
+  # B^-2.
   for lfc_dtype, lfc_term in ((jnp.float32, block**-2), (jnp.bfloat16, block**-2 / 2)):
     c = Division(block=block, bits=bits, lfc_dtype=lfc_dtype)
     stored = stored_nbytes(c, x.shape, x.dtype)

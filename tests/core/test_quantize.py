@@ -190,7 +190,7 @@ def test_non_bf16_constant_within_one_bf16_ulp():
     assert np.isfinite(xh).all() and np.abs(xh - c).max() <= 2**-7 * c
 
 
-# ----------------------------------------------------------------------------- one rounding per operation
+# ---------------------------------------------------------------------- one rounding per operation
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -251,7 +251,7 @@ def test_stochastic_codes_round_once_per_operation():
   np.testing.assert_array_equal(codes, separate)
 
 
-# ----------------------------------------------------------------------------- unbiasedness and variance
+# ----------------------------------------------------------------------- unbiasedness and variance
 
 
 _K = 4000  # draws per unbiasedness test
@@ -338,7 +338,7 @@ def test_noise_depends_on_key_only_when_stochastic():
   np.testing.assert_array_equal(np.asarray(a.data), np.asarray(s.data))
 
 
-# ----------------------------------------------------------------------------- dtypes, padding, sizes
+# -------------------------------------------------------------------------- dtypes, padding, sizes
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def _check_grid(x, packed, y, stochastic):
   return lo, step, top
 
 
-# ----------------------------------------------------------------------------- 1: float16 at +-65504
+# --------------------------------------------------------------------------- 1: float16 at +-65504
 
 
 def _f16_extremes():
@@ -247,7 +247,7 @@ def test_per_sample_widths_reconstruct_finite_at_the_range_ends():
     )
 
 
-# ----------------------------------------------------------------------------- 5: dequantize a plain array
+# --------------------------------------------------------------------- 5: dequantize a plain array
 
 
 @pytest.mark.parametrize(
@@ -258,7 +258,7 @@ def test_dequantize_names_the_expected_type(value):
     jact.dequantize(value)
 
 
-# ----------------------------------------------------------------------------- 4: zero-size quantize
+# --------------------------------------------------------------------------- 4: zero-size quantize
 
 
 @pytest.mark.slow
@@ -271,7 +271,7 @@ def test_quantize_and_dequantize_zero_size(shape, bits):
   assert p.nbytes == 0
 
 
-# ----------------------------------------------------------------------------- 3: DIVISION non-finite
+# -------------------------------------------------------------------------- 3: DIVISION non-finite
 
 
 def _hfc_steps(stored):
@@ -338,7 +338,7 @@ def test_division_kernel_matches_reference_on_non_finite_input(shape):
   assert bool(jnp.isfinite(ref_lfc).all())
 
 
-# ----------------------------------------------------------------------------- 4: zero-size compressors and ops
+# ---------------------------------------------------------------- 4: zero-size compressors and ops
 
 
 COMPRESSORS = [

@@ -1,4 +1,5 @@
-"""`experiments.papers.acgc_sweep` and `experiments.papers.memory_accounting` on a small pre-activation ResNet.
+"""`experiments.papers.acgc_sweep` and `experiments.papers.memory_accounting` on a small
+pre-activation ResNet.
 
 The sweep derives every e^2 from one estimation at e^2 = 1 (the bounds are
 linear in e^2): checked against estimations at other e^2. The papers' memory

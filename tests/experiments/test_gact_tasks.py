@@ -1,5 +1,6 @@
 """`experiments.papers.gact_tasks --small` end to end on the real data kit: the LM (jact.convert,
-fp, GACT CB1 and adaptive 2 bits) and the GAT (jact.compressed, fp and adaptive 2 bits). The other variants
+fp, GACT CB1 and adaptive 2 bits) and the GAT (jact.compressed, fp and adaptive 2 bits). The other
+variants
 (L1, fixed bits) and tasks (the SST-2 transformer, the GCN, also run in notebook 03) take the
 same code paths; every task and variant: `python -m experiments.papers.gact_tasks --small` (a few
 minutes: each adaptive variant compiles the numeric estimator, so CI runs one per task).

@@ -156,7 +156,7 @@ def test_nnx_convert_keeps_batch_norm_with_axis_name_compressed():
   assert _rel_err(gk, wk) < 0.05, _rel_err(gk, wk)
 
 
-# ----------------------------------------------------------------------------- collectives on 8 devices
+# ------------------------------------------------------------------------ collectives on 8 devices
 
 _COLLECTIVES_SCRIPT = r"""
 import collections, json, re, sys

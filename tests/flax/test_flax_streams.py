@@ -270,7 +270,7 @@ class ScanViT(nn.Module):
     return nn.Dense(3)(nn.LayerNorm()(x).mean(axis=1))
 
 
-@pytest.mark.slow  # compiles five wrapped scan+remat ViT gradients and a report: ~30 s of one CPU core
+@pytest.mark.slow  # five wrapped scan+remat ViT gradients and a report: ~30 s of one CPU core
 def test_scan_remat_dropout_vit_differentiates_through_convert_and_compressed():
   x = _normal((4, 8, 12))
   model = ScanViT()
@@ -420,7 +420,7 @@ def test_converted_dropout_inside_nn_scan_is_plain():
   assert _rel_err(g, g_ref) < 0.01, _rel_err(g, g_ref)
 
 
-# ----------------------------------------------------------------------------- keys baked into a step
+# -------------------------------------------------------------------------- keys baked into a step
 
 
 def _linear_and_loss():

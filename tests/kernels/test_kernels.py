@@ -302,7 +302,7 @@ def test_compressor_implementation_field_selects_the_kernel():
 # and not, fewer values than mask planes) and more tile sizes.
 
 
-# ----------------------------------------------------------------------------- GPU lowering from CPU
+# --------------------------------------------------------------------------- GPU lowering from CPU
 
 
 @pytest.mark.slow

@@ -196,7 +196,7 @@ def test_registry_picks_the_kernel_only_when_asked_on_cpu():
     assert kernels.select(op, "pallas_triton", size=0).name == "xla"  # empty: the reference
 
 
-# ----------------------------------------------------------------------------- GPU lowering from CPU
+# --------------------------------------------------------------------------- GPU lowering from CPU
 
 
 @pytest.mark.slow

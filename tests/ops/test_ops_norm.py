@@ -286,7 +286,7 @@ def test_errors():
     N.layer_norm(jnp.ones((4, 8), jnp.int32), key=jax.random.key(0))
 
 
-# ----------------------------------------------------------------------------- cross-device statistics
+# ------------------------------------------------------------------------- cross-device statistics
 
 DEVICES = 4
 

@@ -223,7 +223,7 @@ def test_bitplan_errors_name_jact_and_the_fix():
     jact.BitPlan.from_json('{"bits": ')
 
 
-# ----------------------------------------------------------------------------- 5: execution contexts
+# --------------------------------------------------------------------------- 5: execution contexts
 
 
 _ONE_BIT = jact.BitPlan({"fc.lhs": 1})

@@ -200,7 +200,7 @@ def _cnn_8_bit_value_and_grads():
 # ----------------------------------------------------------------------------- loss wrap
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_cnn_loss_wrap_gives_plain_loss_and_gradients_within_1_percent_at_8_bits():
   loss, grads = _cnn_8_bit_value_and_grads()
   plain_loss, plain = _plain_value_and_grads(CNN, _cnn_loss)
@@ -209,7 +209,7 @@ def test_cnn_loss_wrap_gives_plain_loss_and_gradients_within_1_percent_at_8_bits
   assert _rel_error(grads, plain) < 0.01
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_partition_combine_and_filter_jit_recipes_agree():
   model, x = CNN(jax.random.key(0)), _images()
   params, static = eqx.partition(model, eqx.is_array)
@@ -221,7 +221,7 @@ def test_partition_combine_and_filter_jit_recipes_agree():
   assert _rel_error(by_partition, _plain_value_and_grads(CNN, _cnn_loss)[1]) < 0.01
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 @pytest.mark.parametrize(
   "make,loss", [(CNN, _cnn_loss), (UNet, _regression_loss)], ids=["cnn", "unet"]
 )
@@ -236,7 +236,7 @@ def test_bits_none_is_plain(make, loss):
     np.testing.assert_allclose(g, p, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_batch_norm_state_through_a_loss_wrap_matches_plain():
   class Net(eqx.Module):
     conv: eqx.nn.Conv2d
@@ -277,7 +277,7 @@ def test_batch_norm_state_through_a_loss_wrap_matches_plain():
 # ----------------------------------------------------------------------------- module wrap
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_a_wrapped_module_is_a_pytree_whose_parameters_get_gradients():
   """The U-Net case: a closure over the module would hide its weights (zero gradient)."""
   unet, x = UNet(jax.random.key(0)), _images()
@@ -295,7 +295,7 @@ def test_a_wrapped_module_is_a_pytree_whose_parameters_get_gradients():
   assert isinstance(stepped, type(fast)) and isinstance(stepped.module, UNet)
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_transformer_block_module_wrap_passes_the_dropout_key_on():
   block, x, key = TransformerBlock(jax.random.key(0)), _tokens(), jax.random.key(5)
   fast = jact.compressed(block, bits=8)
@@ -311,7 +311,7 @@ def test_transformer_block_module_wrap_passes_the_dropout_key_on():
   assert _rel_error(grads.module, plain) < 0.01
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_checkpointed_module_keeps_a_compressed_copy_of_its_input_and_gets_gradients():
   block, x, key = TransformerBlock(jax.random.key(0)), _tokens()[0], jax.random.key(9)
   remat = jact.checkpoint(block, bits=8, compress_argnums=(0,))  # x is the module call's arg 0
@@ -327,7 +327,7 @@ def test_checkpointed_module_keeps_a_compressed_copy_of_its_input_and_gets_gradi
   assert saved and all(name.startswith("checkpoint") for name in saved if name is not None)
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_model_holding_compressed_blocks_trains_under_filter_jit():
   model, x, key = CompressedStack(jax.random.key(0)), _tokens(), jax.random.key(6)
   plain_model = eqx.tree_at(lambda m: m.blocks, model, [b.module for b in model.blocks])
@@ -370,7 +370,7 @@ def _next_token_loss(model, tokens, key):
   return -jnp.mean(jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1))
 
 
-@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s on a shared CPU
+@pytest.mark.slow  # compiles an Equinox model's training step twice (plain and jact): ~5-30 s
 def test_language_model_loss_wrap_within_1_percent_at_8_bits():
   model, key = TinyLM(jax.random.key(0)), jax.random.key(7)
   tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, 64)

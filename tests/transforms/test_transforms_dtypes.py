@@ -49,7 +49,7 @@ def _assert_close(got, want, rtol=1e-5, atol=1e-6):
     )
 
 
-# ----------------------------------------------------------------------------- batch norm, axis_name
+# --------------------------------------------------------------------------- batch norm, axis_name
 
 
 class LinenBN(nn.Module):
@@ -447,7 +447,8 @@ def grads(model):  # the key an argument: one compile serves both keys
 
 
 def distance(a, b):
-  return sum(float(jnp.sum((u - v) ** 2)) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) ** 0.5
+  return sum(float(jnp.sum((u - v) ** 2)) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  ** 0.5
 
 
 key = jax.random.key(2)

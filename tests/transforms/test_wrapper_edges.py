@@ -101,7 +101,7 @@ def test_jact_policies_select_jact_residuals_under_their_user_visible_names():
   assert jact.residual_report(lambda a: other(a).sum(), X).total_bytes == 0
 
 
-# ----------------------------------------------------------------------------- keys under control flow
+# ------------------------------------------------------------------------- keys under control flow
 
 # two layers (four before: the unrolled stacks compiled twice as long; each
 # structure still threads two distinct keys through two wrapped layers)
