@@ -44,9 +44,9 @@ from jact._transforms.checkpoint import checkpoint as checkpoint
 from jact._transforms.checkpoint import offload_compressed as offload_compressed
 from jact._transforms.checkpoint import save_compressed as save_compressed
 from jact._transforms.checkpoint import save_inputs_only as save_inputs_only
-from jact._report import CompiledMemory as CompiledMemory
+from jact._compiled_memory import CompiledMemory as CompiledMemory
 from jact._report import ResidualReport as ResidualReport
-from jact._report import compiled_memory as compiled_memory
+from jact._compiled_memory import compiled_memory as compiled_memory
 from jact._report import residual_report as residual_report
 from jact._transforms.compressed import compressed as compressed
 from jact._engine.sharding import sharded_batch as sharded_batch

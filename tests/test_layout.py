@@ -33,6 +33,7 @@ LAYERS = [
   ("jact.nn", 7),
   ("jact.nnx", 7),
   ("jact._report", 7),
+  ("jact._compiled_memory", 8),
   ("jact", 9),
 ]
 

@@ -10,14 +10,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jact._report
 from jact.ops._linear import dense
-from jact._report import (
-  CompiledMemory,
-  Residual,
-  ResidualReport,
-  compiled_memory,
-  format_bytes,
-  residual_report,
-)
+from jact._compiled_memory import CompiledMemory, compiled_memory
+from jact._report import Residual, ResidualReport, format_bytes, residual_report
 
 
 def test_doctests():

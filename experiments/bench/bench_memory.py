@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments.lib import blocks, metadata, models
-from jact._report import compiled_memory, residual_report
+from jact import compiled_memory, residual_report
 
 __all__ = ["MODELS", "measure", "main"]
 

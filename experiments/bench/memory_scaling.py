@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.lib import blocks, metadata
-from jact._report import compiled_memory, residual_report
+from jact import compiled_memory, residual_report
 
 __all__ = ["scaling", "main"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from jact._report import CompiledMemory
+from jact._compiled_memory import CompiledMemory
 
 __all__ = ["MIB", "compiled_memory_of", "device_memory", "is_oom", "needed_bytes"]
 

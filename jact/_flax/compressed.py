@@ -54,10 +54,9 @@ from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
+from jact._transforms._modules import ModuleRoute, add_module_route
 from jact._transforms.compressed import (
-  ModuleRoute,
   ResidualConfig,
-  add_module_route,
   call_compressed,
   check_argnums,
   input_flags,

@@ -48,15 +48,17 @@ from jact._transforms._arguments import (
   reserved_key_check,
   returning_arrays,
 )
+from jact._transforms._modules import (
+  CompressedModule,
+  is_callable_pytree,
+  module_argnums,
+  module_call,
+)
 from jact._transforms.compressed import (
   DEFAULT_MIN_SIZE,
   ResidualConfig,
   call_compressed,
-  CompressedModule,
   compressed,
-  is_callable_pytree,
-  module_argnums,
-  module_call,
   over_array_leaves,
 )
 
