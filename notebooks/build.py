@@ -4,8 +4,7 @@ Each notebook states a paper's claim, shows the committed full-run results
 from `experiments/results/` (tables and plots), and re-runs a small version
 live. Markdown cells are templates: every figure is `{{name}}`, filled from
 the results JSON by `experiments.claims` when the notebook is written. Execution stores the outputs
-in the .ipynb, so a reader sees the figures
-without running anything:
+in the .ipynb, so a reader sees the figures without running anything:
 
     python notebooks/build.py                 # write 02-06, execute all six
     python notebooks/build.py --only 02 05    # some of them
@@ -32,8 +31,8 @@ import json, sys, tempfile
 from pathlib import Path
 
 # experiments/ is not installed with jact: put the repository root on the path.
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "experiments" /
-"__init__.py").is_file())
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents)
+            if (p / "experiments" / "__init__.py").is_file())
 sys.path.insert(0, str(ROOT))
 %matplotlib inline
 import matplotlib.pyplot as plt
@@ -42,8 +41,8 @@ from IPython.display import Image, Markdown, display
 from experiments.lib import notebook_support as ns
 
 RESULTS = ROOT / "experiments" / "results"
-SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))  # the live small runs write here, not into
-the repo"""
+# the live small runs write here, not into the repository
+SMALL = Path(tempfile.mkdtemp(prefix="jact_small_"))"""
 
 
 def _small_actnn_run(*variants: str) -> str:
@@ -70,11 +69,10 @@ average, per-layer and per-sample widths) does at least as well. Its theory says
 stays unbiased and the added variance is small next to minibatch sampling noise (Fig. 5).
 
 **What ran here.** `python -m experiments.papers.actnn_cifar --epochs 3`: the pre-activation
-ResNet-20
-(16/32/64 channels) on the full 50k CIFAR-10 training set, SGD with Nesterov momentum, warm-up and
-cosine schedule, batch 128, random crops and flips, **3 epochs per variant** (about an hour each on
-the 2-core CPU this project runs on), every variant from the same initialization with the same
-batches. ActNN trains 200 epochs on a GPU: this is a short-schedule check, not the paper's
+ResNet-20 (16/32/64 channels) on the full 50k CIFAR-10 training set, SGD with Nesterov momentum,
+warm-up and cosine schedule, batch 128, random crops and flips, **3 epochs per variant** (about an
+hour each on the 2-core CPU this project runs on), every variant from the same initialization with
+the same batches. ActNN trains 200 epochs on a GPU: this is a short-schedule check, not the paper's
 accuracy.""",
     ),
     ("code", SETUP),
@@ -92,9 +90,8 @@ ns.accuracy_curves(runs, ns.ACTNN_MAIN, "ResNet-20, CIFAR-10 (full runs, CPU)");
 ## Gradient variance against bits (ActNN Fig. 5)
 
 `python -m experiments.papers.grad_variance`: at the full-precision run's parameters after each
-epoch,
-the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sampling noise) and
-the variance the compression adds for one fixed minibatch over 8 rounding seeds.""",
+epoch, the summed variance of the exact gradient over 16 minibatches of 128 (dashed: sampling
+noise) and the variance the compression adds for one fixed minibatch over 8 rounding seeds.""",
     ),
     (
       "code",
@@ -127,8 +124,7 @@ the same batches).""",
 
 A tiny ResNet (one stage of 8 channels, one block) for one epoch of 512 images of the kit's
 CIFAR-10 subset: the same code path as the full run, a minute instead of hours. Its accuracy means
-nothing; that it runs, and the
-memory columns, do.""",
+nothing; that it runs, and the memory columns, do.""",
     ),
     ("code", _small_actnn_run("fp", "actnn_l3")),
   ],
@@ -144,9 +140,9 @@ adaptive per-tensor widths as well as full precision; fixed low widths can hurt 
 and the adaptive plan recovers.
 
 **What ran here.** `python -m experiments.papers.gact_tasks`: a small transformer classifier on
-SST-2, a
-character-level LM on tiny Shakespeare, and a GCN and a GAT on Cora, ordinary Flax code with jact
-applied from outside. The scale (steps, widths) is in each task's record below; CPU only.""",
+SST-2, a character-level LM on tiny Shakespeare, and a GCN and a GAT on Cora, ordinary Flax code
+with jact applied from outside. The scale (steps, widths) is in each task's record below; CPU
+only.""",
     ),
     ("code", SETUP),
     ("markdown", "## Results per task (full runs)"),
@@ -180,8 +176,7 @@ degrade GAT" is not reproduced at 4 fixed bits. One seed each.""",
 
 The GCN on Cora, plain and with every residual at 4 bits, for a few epochs (`--small` sizes): the
 same code path as the full run. `python -m experiments.papers.gact_tasks --small` runs every task
-and
-variant small (a few minutes: each adaptive variant compiles the numeric estimator).""",
+and variant small (a few minutes: each adaptive variant compiles the numeric estimator).""",
     ),
     (
       "code",
@@ -347,11 +342,9 @@ numeric, from gradient differences) lets an allocator give more bits where the g
 sensitive and fewer elsewhere, at a fixed average, for a fraction of a training step.
 
 **What ran here.** `python -m experiments.papers.bit_plans`: the widths both estimators choose at 2
-bits
-average on the ResNet-20 (at the full-precision run's epoch snapshots) and on a character
+bits average on the ResNet-20 (at the full-precision run's epoch snapshots) and on a character
 transformer while it trains, and each estimator's cost in train steps.
-`experiments.bench.bench_plans`
-measures the variance each plan gives.""",
+`experiments.bench.bench_plans` measures the variance each plan gives.""",
     ),
     ("code", SETUP),
     ("markdown", "## Widths per residual over training (full run)"),
