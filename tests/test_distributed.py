@@ -167,9 +167,9 @@ for name, (fn, params) in FLAX.items():
   flax_dp[name] = {
       "collectives": collectives(compiled.as_text()),
       "temp": int(compiled.memory_analysis().temp_size_in_bytes),
-      "grad_vs_one_device": max(float(jnp.max(jnp.abs(a - b)) / (float(jnp.max(jnp.abs(b))) +
-      1e-30))
-                                for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
+      "grad_vs_one_device": max(
+          float(jnp.max(jnp.abs(a - b)) / (float(jnp.max(jnp.abs(b))) + 1e-30))
+          for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
 
 
 # Explicit sharding mode: the same step on a mesh whose axis is Explicit.
@@ -256,8 +256,8 @@ def noise_variance(fold):
       key = jax.random.fold_in(key, jax.lax.axis_index("data"))
     return jax.grad(lambda w: small(w, x, key=key))(w)
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P()))
-  return float(jnp.mean(jnp.stack([f(w64, tiled, jax.random.key(k)) - exact for k in range(64)]) **
-  2))
+  errors = jnp.stack([f(w64, tiled, jax.random.key(k)) - exact for k in range(64)])
+  return float(jnp.mean(errors**2))
 
 
 noise = {"same_key": noise_variance(False), "folded": noise_variance(True)}

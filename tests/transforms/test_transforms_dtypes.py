@@ -447,8 +447,8 @@ def grads(model):  # the key an argument: one compile serves both keys
 
 
 def distance(a, b):
-  return sum(float(jnp.sum((u - v) ** 2)) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  ** 0.5
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  return sum(float(jnp.sum((u - v) ** 2)) for u, v in pairs) ** 0.5
 
 
 key = jax.random.key(2)
