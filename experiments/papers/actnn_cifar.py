@@ -46,21 +46,11 @@ import optax
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import metadata, paths, preact, resumable
+from experiments.lib import metadata, paths, preact, resumable, summary_table
 
 __all__ = ["VARIANTS", "variant_settings", "augment", "train_variant", "main"]
 
-VARIANTS = (
-  "fp",
-  "actnn_l2",
-  "pergroup2",
-  "actnn_l3",
-  "blpa4",
-  "blpa2",
-  "division",
-  "acgc",
-  "acgc_scale",
-)
+VARIANTS = tuple(summary_table.ACTNN_VARIANTS)  # the variants, in the key table's order
 RESULTS = paths.RESULTS / "actnn_cifar"
 RUNS = paths.ACTNN_CIFAR_RUNS
 ACGC_ERROR = 0.5  # AC-GC's e^2 (the paper: "e^2 > 0.5 decreases accuracy"); `--acgc-error`
