@@ -54,17 +54,16 @@ from jact._engine.op import reject_removed_keywords
 from jact._engine.rounding import op_rounding
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
+from jact._flax.compressed_linen import linen_class, linen_instance
+from jact._flax.wrapping import check_call, keyless_message, named
 from jact._transforms._modules import ModuleRoute, add_module_route
 from jact._transforms.compressed import (
   ResidualConfig,
   call_compressed,
   check_argnums,
-  input_flags,
 )
 
 __all__ = ["is_flax", "wrap", "CompressedModule", "nnx_call", "call_function", "has_graph_nodes"]
-
-_DEFAULT_NAME = "compressed"  # `compressed`'s default name: replaced by the module's path
 
 
 def is_flax(obj) -> bool:
@@ -82,146 +81,14 @@ def wrap(obj, config: ResidualConfig, policy=None, compress_argnums=()):
   """
   argnums = check_argnums(compress_argnums)
   if inspect.isclass(obj) and issubclass(obj, nn.Module):
-    return _linen_class(obj, config, policy, argnums)
+    return linen_class(obj, config, policy, argnums)
   if isinstance(obj, nn.Module):
-    return _linen_instance(obj, config, policy, argnums)
+    return linen_instance(obj, config, policy, argnums)
   if inspect.isclass(obj) and issubclass(obj, nnx.Module):
     return _nnx_class(obj, config, policy, argnums)
   if isinstance(obj, nnx.Module):
     return CompressedModule(obj, config=config, policy=policy, compress_argnums=argnums)
   raise TypeError(f"not a Flax module: {type(obj).__name__}")
-
-
-def _check_call(module_class) -> None:
-  if not any("__call__" in vars(c) for c in module_class.__mro__ if c is not object):
-    raise TypeError(
-      f"jact.compressed compresses a module's __call__; {module_class.__name__} has none."
-    )
-
-
-def _named(config: ResidualConfig, name: str) -> ResidualConfig:
-  if config.name != _DEFAULT_NAME or not name:
-    return config
-  return dataclasses.replace(config, name=name)
-
-
-def _keyless_message(what: str, nnx_module: bool) -> str:
-  what = f"jact.compressed({what})"
-  if nnx_module:
-    return _hooks.nnx_keyless_message(
-      what,
-      "give it a stream: build the decorated class with rngs=nnx.Rngs(params=0, "
-      "jact=1), or wrap an instance as CompressedModule(module, rngs=nnx.Rngs(jact=1), ...); "
-      "or call it with key=<a fresh PRNG key or an nnx.Rngs with a 'jact' stream>",
-    )
-  return _hooks.linen_keyless_message(what, " or call it with key=<a fresh PRNG key>")
-
-
-# ----------------------------------------------------------------------------- linen
-
-
-def _flags(fn, prefix, args, kwargs, argnums) -> list[bool]:
-  """`compress_inputs` for a call of `(*prefix, args..., kwargs)`: only the chosen args."""
-  return [False] * len(jax.tree.leaves(prefix)) + list(input_flags(fn, args, kwargs, argnums))
-
-
-def _lift_compressed(
-  fn,
-  *,
-  key,
-  compress: bool,
-  config: ResidualConfig,
-  policy,
-  argnums,
-  name_of=None,
-  keyless: str = "",
-):
-  """Lifted transform (cf. `flax.core.lift.checkpoint`): runs the scope function `fn`
-  with variables and RNGs as explicit inputs of `call_compressed`, and returns the
-  updated mutable collections as outputs, which `pack` publishes to the outer scope.
-  With `compress=False` the plain function runs; its output raises `keyless`
-  (the message) if differentiated."""
-
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-
-    def pure(variable_groups, rng_groups, *args, **kwargs):
-      scope = scope_fn(variable_groups, rng_groups)
-      y = fn(scope, *args, **kwargs)
-      return y, repack_fn(scope)
-
-    if not compress:
-      y, variables = pure(variable_groups, rng_groups, *args, **kwargs)
-      return inference_only(y, keyless), variables
-    flags = _flags(name_of, (variable_groups, rng_groups), args, kwargs, argnums)
-    return call_compressed(
-      pure,
-      (variable_groups, rng_groups, *args),
-      kwargs,
-      key=key,
-      config=config,
-      policy=policy,
-      compress_inputs=flags,
-      state_output=True,
-    )
-
-  return _compat.pack_all(inner, name="compressed")
-
-
-def _linen_class(module_class, config: ResidualConfig, policy, argnums=()):
-  _check_call(module_class)
-  fn = module_class.__call__
-
-  @functools.wraps(fn)
-  def __call__(self, *args, key=None, **kwargs):
-    path = "/".join(self.path) if self.scope is not None else ""
-    cfg = _named(config, path or module_class.__name__)
-    compress = True
-    if key is None and cfg.needs_key:
-      if self.has_rng("jact"):
-        key = self.make_rng("jact")
-      else:  # init, inference: the plain module (same parameters, same output)
-        compress = False
-    # `fn` runs on a `module_class` clone bound to the lifted scopes (as in linen's
-    # own lifted transforms), so it sees the plain class.
-    transform = functools.partial(
-      _lift_compressed,
-      key=key,
-      compress=compress,
-      config=cfg,
-      policy=policy,
-      argnums=argnums,
-      name_of=module_class,
-      keyless=_keyless_message(f"{module_class.__name__} {cfg.name!r}", False),
-    )
-    return _compat.lift_method_call(self, module_class, fn, transform, args, kwargs)
-
-  # Same class name as the original, so that parents autoname it identically.
-  return type(
-    module_class.__name__,
-    (module_class,),
-    {
-      "__call__": __call__,
-      "__module__": module_class.__module__,
-      "__qualname__": module_class.__qualname__,
-      "__doc__": module_class.__doc__,
-      "residual_config": config,
-    },
-  )
-
-
-def _linen_instance(module: nn.Module, config: ResidualConfig, policy, argnums=()):
-  if module.scope is not None or isinstance(module.parent, nn.Module):
-    raise TypeError(
-      f"jact.compressed got a {type(module).__name__} instance that already belongs to a "
-      f"parent module (created inside setup or @nn.compact); decorate the class instead, "
-      f"e.g. jact.compressed({type(module).__name__}, bits=...)(...)(x)."
-    )
-  attrs = {
-    f.name: getattr(module, f.name)
-    for f in dataclasses.fields(module)
-    if f.name != "parent" and f.init
-  }
-  return _linen_class(type(module), config, policy, argnums)(**attrs)
 
 
 # ----------------------------------------------------------------------------- nnx
@@ -299,7 +166,7 @@ def _call(
   compress, key = _draw_key(module, key, config, config.name)
   if not compress:
     return inference_only(
-      method(target, *args, **kwargs), _keyless_message(f"{what} {config.name!r}", True)
+      method(target, *args, **kwargs), keyless_message(f"{what} {config.name!r}", True)
     )
   return nnx_call(
     target, method, args, kwargs, key=key, config=config, policy=policy, compress_argnums=argnums
@@ -412,7 +279,7 @@ def nnx_call(
 
 
 def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
-  _check_call(module_class)
+  check_call(module_class)
   base_call = module_class.__call__
 
   def __init__(self, *args, **kwargs):
@@ -422,7 +289,7 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
       rngs = next((a for a in args if isinstance(a, (nnx.Rngs, nnx.RngStream))), None)
     stream = _jact_stream(rngs) if config.needs_key else None
     self.jact_rngs = stream if stream is not None else nnx.data(None)
-    self.residual_name = _named(config, module_class.__name__).name
+    self.residual_name = named(config, module_class.__name__).name
 
   @functools.wraps(base_call)
   def __call__(self, *args, key=None, **kwargs):
@@ -478,14 +345,14 @@ class CompressedModule(nnx.Module):
   ):
     if not isinstance(module, nnx.Module):
       raise TypeError(f"CompressedModule wraps an nnx.Module, got {type(module).__name__}")
-    _check_call(type(module))
+    check_call(type(module))
     if config is None:
       config = _config_of(**settings)
     elif settings:
       raise TypeError("pass either config= or settings, not both")
     self.module = module
     self.residual_settings = _Static(config, policy, check_argnums(compress_argnums))
-    self.residual_name = _named(config, type(module).__name__).name
+    self.residual_name = named(config, type(module).__name__).name
     stream = _jact_stream(rngs) if config.needs_key else None
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 

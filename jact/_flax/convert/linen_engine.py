@@ -22,7 +22,7 @@ from jact._flax.context import LINEN_IN_MODEL, LINEN_OUTER_KEY, LINEN_PASS, boun
 from jact._flax.convert.settings import Settings
 from jact._flax.convert.generic import layout_recomputed, residual_config, saved_bytes, scan_key
 from jact._flax.record import is_recording, record, recording
-from jact._flax.compressed import _lift_compressed
+from jact._flax.compressed_linen import lift_compressed
 
 # Flax layers with no twin whose calls run through the generic engine: all
 # their residuals compressed, their inputs (activations) too. Cells are
@@ -126,7 +126,7 @@ def engine_call(
 
     config = residual_config(settings, name_of(module), scanned=scanned)
     transform = functools.partial(
-      _lift_compressed,
+      lift_compressed,
       key=key,
       compress=True,
       config=config,
