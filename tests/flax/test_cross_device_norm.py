@@ -202,7 +202,7 @@ def test_converted_batch_norm_adds_no_collectives_on_8_devices(tmp_path):
     ).strip(),
     JAX_PLATFORMS="cpu",
   )
-  tests_dir = str(pathlib.Path(__file__).parents[1])
+  tests_dir = str(pathlib.Path(__file__).parent)  # this module, imported by the script
   done = subprocess.run(
     [sys.executable, str(script), tests_dir],
     env=env,
