@@ -2,10 +2,11 @@
 
 Prose is written as a template: a figure is `{{name}}`, never a typed number.
 `figures()` computes every name from `experiments/results/` (formatted as the
-prose shows it), `render(text)` fills a template, and `python -m
-experiments.claims` rewrites the README's Results section (between its
-`results:begin` / `results:end` markers) from `experiments/results_template.md`
-and each page in `PAGES` (e.g. `docs/results.md`) from its template.
+prose shows it; the computations are `experiments.lib.claims_figures`),
+`render(text)` fills a template, and `python -m experiments.claims` rewrites the
+README's Results section (between its `results:begin` / `results:end` markers)
+from `experiments/results_template.md` and each page in `PAGES` (e.g.
+`docs/results.md`) from its template.
 `tests/test_claims.py` renders them and the notebooks' prose again and fails
 when a quoted figure differs from the data or a template types a figure.
 
@@ -83,7 +84,7 @@ def render(text: str, values: dict[str, str] | None = None) -> str:
   missing = [n for n in placeholders(text) if n not in values]
   if missing:
     raise KeyError(
-      f"no figure for {missing}: add it to experiments/claims.py or run the "
+      f"no figure for {missing}: add it to experiments/lib/claims_figures.py or run the "
       "experiment that writes it"
     )
   return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
