@@ -10,7 +10,7 @@ takes arrays only (and static Python numbers), so it can be wrapped as it is
 by `jact.compressed`:
 
 >>> import jax, jax.numpy as jnp, jact
->>> from experiments.lib.data import load_cora
+>>> from experiments.lib.planetoid import load_cora
 >>> cora = load_cora()
 >>> graph, x = graph_arrays(cora), jnp.asarray(cora.x)
 >>> params = init_gcn(jax.random.key(0), cora.num_features, 16, cora.num_classes)
@@ -75,7 +75,7 @@ class Graph(NamedTuple):
 
 
 def graph_arrays(data) -> Graph:
-  """The `Graph` of a `experiments.lib.data.Planetoid` (rows receive, columns send)."""
+  """The `Graph` of a `experiments.lib.planetoid.Planetoid` (rows receive, columns send)."""
   return Graph(
     senders=jnp.asarray(data.adj_index[1], jnp.int32),
     receivers=jnp.asarray(data.adj_index[0], jnp.int32),
@@ -282,7 +282,7 @@ def train_gcn(
   """Trains the GCN with optax Adam on the training nodes of a `Planetoid`.
 
   Args:
-    data: an `experiments.lib.data.Planetoid`.
+    data: an `experiments.lib.planetoid.Planetoid`.
     steps: full-graph gradient steps.
     bits: None trains the plain model; otherwise the whole loss is wrapped
       in `jact.compressed(bits=bits)` with a fresh key every step.
@@ -333,7 +333,7 @@ def train_gcn(
 
 
 if __name__ == "__main__":
-  from experiments.lib.data import load_cora
+  from experiments.lib.planetoid import load_cora
 
   cora = load_cora()
   for bits in (None, 8, 4, 2, 1):

@@ -15,7 +15,7 @@ import optax
 
 import jact
 from experiments.lib import data as data_lib
-from experiments.lib import zoo, zoo_data
+from experiments.lib import planetoid, zoo, zoo_data
 from experiments.lib.gact_models import (
   GAT,
   GCN,
@@ -331,7 +331,7 @@ def _cora(cfg: dict, seed: int, kind: str) -> TaskSetup:
   """Full-graph training on the 140 labelled nodes; the batch is (training node ids,
   their labels), so the controller's sampling variance compares two halves of them.
   The features and graph are arguments of the step (`extra`)."""
-  cora = data_lib.load_cora()
+  cora = planetoid.load_cora()
   graph = graph_arrays(cora)
   x = jnp.asarray(cora.x)
   if kind == "gcn":

@@ -1,7 +1,7 @@
 """`jact.compressed` on a two-layer GCN (experiments/lib/gcn.py) on real Cora.
 
 Properties checked, with stated tolerances:
-  * the Cora loader (experiments/lib/data.py `load_cora`): the published sizes,
+  * the Cora loader (experiments/lib/planetoid.py `load_cora`): the published sizes,
     the standard Planetoid split, row-normalized features, a symmetric
     D^-1/2 (A + I) D^-1/2, and a missing file named in the error;
   * the edge-list product (gather + segment_sum, custom VJP) equals the
@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import jact
-from experiments.lib import data, gcn
+from experiments.lib import gcn, planetoid
 from stats import assert_unbiased, over_keys
 
 N_DRAWS = 128
@@ -45,7 +45,7 @@ HIDDEN = 16
 
 @pytest.fixture(scope="module")
 def cora():
-  return data.load_cora()
+  return planetoid.load_cora()
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +96,18 @@ def test_cora_loader(cora):
 def test_missing_cora_file_is_named(tmp_path, monkeypatch):
   monkeypatch.setenv("JACT_DATA", str(tmp_path))
   with pytest.raises(FileNotFoundError, match=r"planetoid/ind\.cora\.x'") as err:
-    data.load_cora()
+    planetoid.load_cora()
   assert "JACT_DATA" in str(err.value)
   # All but the graph: the graph file is the one named (every file is looked up
   # before any is read, so placeholders stand in for the others).
   (tmp_path / "planetoid").mkdir()
-  for part in data._PLANETOID_PARTS:
+  for part in planetoid._PLANETOID_PARTS:
     if part != "graph":
       (tmp_path / "planetoid" / f"ind.cora.{part}").write_bytes(b"")
   with pytest.raises(FileNotFoundError, match=r"ind\.cora\.graph"):
-    data.load_cora()
+    planetoid.load_cora()
   with pytest.raises(ValueError, match="unknown Planetoid dataset 'pubmed'"):
-    data.load_planetoid("pubmed")
+    planetoid.load_planetoid("pubmed")
 
 
 @pytest.mark.slow
