@@ -50,6 +50,12 @@ from jact._compiled_memory import compiled_memory as compiled_memory
 from jact._report import residual_report as residual_report
 from jact._transforms.compressed import compressed as compressed
 from jact._engine.sharding import sharded_batch as sharded_batch
+from jact._fit.batch import LargestBatch as LargestBatch
+from jact._fit.batch import largest_batch as largest_batch
+from jact._fit.result import Fit as Fit
+from jact._fit.result import FitError as FitError
+from jact._fit.search import fit as fit
+from jact._fit.segments import segment as segment
 
 __version__ = "0.1.0"
 
@@ -89,4 +95,10 @@ __all__ = [
   "use_plan",
   "planned",
   "UnknownResidualWarning",
+  "fit",
+  "Fit",
+  "FitError",
+  "segment",
+  "largest_batch",
+  "LargestBatch",
 ]

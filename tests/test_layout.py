@@ -34,7 +34,8 @@ LAYERS = [
   ("jact.nnx", 7),
   ("jact._report", 7),
   ("jact._compiled_memory", 8),
-  ("jact", 9),
+  ("jact._fit", 9),
+  ("jact", 10),
 ]
 
 # The public API: these modules and what their `__all__` lists. Every other module is internal

@@ -1,0 +1,89 @@
+"""What `jact.fit` returns (`Fit`) and raises (`FitError`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jact._planning.plan import BitPlan
+from jact._report import format_bytes
+
+__all__ = ["Fit", "FitError", "Measured"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """One compiled configuration and its compiled peak."""
+
+  what: str
+  peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """A configuration of a training step that fits a budget.
+
+  Attributes:
+    loss_fn: the configured loss: `loss_fn(*args, key=..., **kwargs)`; its
+      `jax.grad` is the configured step (`key`: a fresh PRNG key per step).
+    plan: bits per residual (None: kept uncompressed).
+    remat: the `jact.segment`s rematerialized (compressed remat).
+    peak_bytes: the configured step's compiled peak (XLA's memory analysis).
+    budget_bytes: the budget it was fitted to.
+    written_peak_bytes: the compiled peak of the step as written.
+    predicted_variance: sum_l c_l S(b_l) over the stored residuals.
+    recompute_values: values the rematerialized segments recompute.
+    compilations: configurations compiled by the search.
+    search_seconds: the search's wall time.
+    segments: every segment found, the order remat takes them in.
+    history: each compiled configuration and its peak, in order.
+  """
+
+  loss_fn: Callable[..., Any]
+  plan: BitPlan
+  remat: tuple[str, ...]
+  peak_bytes: int
+  budget_bytes: int
+  written_peak_bytes: int
+  predicted_variance: float
+  recompute_values: int
+  compilations: int
+  search_seconds: float
+  segments: tuple[str, ...]
+  history: tuple[Measured, ...]
+
+  def report(self) -> str:
+    """A readable summary: peak against budget, what is rematerialized, widths, the search."""
+    counts: dict[str, int] = {}
+    for _, b in self.plan.entries:
+      counts[str(b or "exact")] = counts.get(str(b or "exact"), 0) + 1
+    widths = ", ".join(f"{v} at {k}" for k, v in sorted(counts.items())) or "as written"
+    lines = [
+      f"peak {format_bytes(self.peak_bytes)} of a {format_bytes(self.budget_bytes)} budget "
+      f"(as written: {format_bytes(self.written_peak_bytes)})",
+      f"rematerialized: {', '.join(self.remat) or 'nothing'} "
+      f"({len(self.remat)} of {len(self.segments)} segments)",
+      f"residual widths: {widths}",
+      f"predicted gradient variance {self.predicted_variance:.4g}; "
+      f"recomputed values {self.recompute_values}",
+      f"search: {self.compilations} compilations in {self.search_seconds:.1f} s",
+    ]
+    lines += [f"  {format_bytes(m.peak_bytes):>12}  {m.what}" for m in self.history]
+    return "\n".join(lines)
+
+
+class FitError(ValueError):
+  """No configuration fits the budget; says the smallest compiled peak found and what to do."""
+
+  def __init__(self, budget, written, smallest, what, n_segments, compilations, seconds):
+    self.budget_bytes, self.written_peak_bytes, self.smallest_peak_bytes = budget, written, smallest
+    hint = (
+      "mark more of the model as jact.segment (its blocks) or lower the batch"
+      if n_segments
+      else "mark the model's blocks with jact.segment (compressed remat) or lower the batch"
+    )
+    super().__init__(
+      f"jact.fit: nothing fits {format_bytes(budget)} (as written: {format_bytes(written)}); "
+      f"the smallest reachable peak is {format_bytes(smallest)} ({what}), compiled. To go "
+      f"lower: {hint}. ({compilations} compilations, {seconds:.1f} s)"
+    )

@@ -1,0 +1,149 @@
+"""`segment`: mark a part of a loss function that `jact.fit` may compress or rematerialize.
+
+A segment is a function of pytrees of arrays (a block of a model) with a name
+unique in the loss. Called outside `jact.fit`'s configured loss it is the
+plain function: marking costs nothing. Inside it, the configuration decides:
+
+* compress: `jact.compressed(fn, name=name, compress_argnums=...)`, its
+  residuals named `f"{name}.{i}"`;
+* remat (compressed rematerialization, GACT CB1: `jact.checkpoint`): only a
+  compressed copy of the activation arguments (`compress_argnums`) is kept,
+  named `f"{name}.remat.{i}"`; the backward pass recomputes the segment from
+  their reconstructions, its residuals compressed for the segment's own
+  backward only (`f"{name}.remat.body.{i}"`). Offered for segments with
+  activation arguments only.
+
+>>> import jax, jax.numpy as jnp, jact
+>>> block = jact.segment(lambda w, x: jnp.tanh(x @ w), name="block0", compress_argnums=(1,))
+>>> w, x = jnp.eye(4), jnp.ones((2, 4))
+>>> bool(jnp.all(block(w, x) == jnp.tanh(x @ w)))   # outside fit: the plain function
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import zlib
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+
+from jact._engine import context as _context
+from jact._transforms._arguments import check_argnums, returning_arrays
+from jact._transforms.checkpoint import checkpoint
+from jact._transforms.compressed import compressed
+
+__all__ = ["segment", "Layout", "configured", "discovering", "SEGMENT_BITS"]
+
+SEGMENT_BITS = 4  # call-site width of a segment's residuals (fit's plans name every one)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Which segments are rematerialized (the rest are compressed); hashable."""
+
+  remat: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass
+class _Discovery:
+  """What a discovery trace saw: segment names in call order and, per segment,
+  the residual names recorded while it was traced."""
+
+  order: list[str] = dataclasses.field(default_factory=list)
+  rematerializable: set[str] = dataclasses.field(default_factory=set)
+  members: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jact_fit_active", default=None)
+_DISCOVERY: contextvars.ContextVar = contextvars.ContextVar("jact_fit_discovery", default=None)
+
+
+@contextlib.contextmanager
+def configured(layout: Layout, key) -> Iterator[None]:
+  """Segments traced inside the block follow `layout`, drawing rounding noise from `key`."""
+  token = _ACTIVE.set((layout, key))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def discovering() -> Iterator[_Discovery]:
+  """Records which segments run (in order) and which residuals each one records."""
+  found = _Discovery()
+  token = _DISCOVERY.set(found)
+  try:
+    yield found
+  finally:
+    _DISCOVERY.reset(token)
+
+
+def _segment_key(key, name: str):
+  if key is None:
+    return None
+  return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+
+
+def segment(
+  fn: Callable[..., Any] | None = None, *, name: str, compress_argnums: Sequence[int] = ()
+):
+  """Marks `fn` as a segment `jact.fit` may compress or rematerialize.
+
+  Args:
+    fn: the segment: a function of pytrees of arrays (non-array leaves are
+      held fixed). Can be used as a decorator with keywords only.
+    name: the segment's name, unique among the segments of one loss (e.g.
+      `f"block{i}"`); its residuals are named after it.
+    compress_argnums: positions of the arguments that are activations (e.g.
+      `(1,)` for `block(params, x)`): rematerialization keeps a compressed copy
+      of them; every other argument (parameters) is kept by reference.
+
+  Returns:
+    `wrapped(*args, **kwargs)`: `fn` itself outside `jact.fit`'s configured
+    loss, the configured segment inside it.
+  """
+  if not isinstance(name, str) or not name or name.endswith(".") or ".remat" in name:
+    raise ValueError(
+      f"jact.segment needs a non-empty name without '.remat' and no trailing '.', got {name!r}"
+    )
+  argnums = check_argnums(compress_argnums)
+  if fn is None:
+    return functools.partial(segment, name=name, compress_argnums=argnums)
+  if not callable(fn):
+    raise TypeError(f"jact.segment takes a function, got {type(fn).__name__}")
+  checked = returning_arrays(fn, "jact.segment")
+  compress_mode = compressed(checked, bits=SEGMENT_BITS, name=name, compress_argnums=argnums)
+  remat_mode = (
+    checkpoint(checked, bits=SEGMENT_BITS, name=f"{name}.remat", compress_argnums=argnums)
+    if argnums
+    else None
+  )
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    active = _ACTIVE.get()
+    if active is None:
+      return fn(*args, **kwargs)
+    layout, key = active
+    found = _DISCOVERY.get()
+    recorder = _context.current("recorder")
+    before = set(recorder.sites) if (found is not None and recorder is not None) else None
+    key = _segment_key(key, name)
+    if name in layout.remat and remat_mode is not None:
+      out = remat_mode(*args, key=key, **kwargs)
+    else:
+      out = compress_mode(*args, key=key, **kwargs)
+    if before is not None and name not in found.members:  # (a retrace sees it again)
+      found.order.append(name)
+      if remat_mode is not None:
+        found.rematerializable.add(name)
+      found.members[name] = [n for n in recorder.sites if n not in before]
+    return out
+
+  wrapped.segment_name = name
+  return wrapped

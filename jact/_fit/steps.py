@@ -1,0 +1,56 @@
+"""The configured loss and the compiled peak of its gradient step."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jact._compiled_memory import compiled_memory
+from jact._fit.model import TRANSIENT_BITS
+from jact._fit.segments import Layout, configured
+from jact._planning.plan import BitPlan, use_plan
+
+__all__ = ["configure", "plan_of", "step_peak", "argnums_tuple"]
+
+
+def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
+  if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
+    return (int(argnums),)
+  out = tuple(argnums)
+  if not out or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in out):
+    raise ValueError(f"argnums must be a non-negative int or a tuple of them, got {argnums!r}")
+  return out
+
+
+def plan_of(candidate) -> BitPlan:
+  """The BitPlan of a candidate: its allocated widths and its transient residuals'."""
+  transient = {n: TRANSIENT_BITS for n in candidate.transient}
+  return BitPlan({**transient, **dict(candidate.widths)})
+
+
+def configure(loss_fn: Callable[..., Any], layout: Layout | None, plan: BitPlan | None):
+  """`loss_fn` with its segments following `layout` and `plan` applied, plus keyword `key`.
+  `layout=None`: the loss as written (segments plain)."""
+
+  @functools.wraps(loss_fn)
+  def loss(*args, key=None, **kwargs):
+    if layout is None:
+      return loss_fn(*args, **kwargs)
+    with configured(layout, key), use_plan(plan):
+      return loss_fn(*args, **kwargs)
+
+  return loss
+
+
+def step_peak(loss, args, argnums) -> int:
+  """Compiled peak bytes of `jax.grad(loss, argnums)(*args, key=...)`: arguments, outputs
+  and temporaries, less donated aliases (per device when `args` carry shardings)."""
+
+  def step(key, *args):
+    return jax.grad(loss, argnums=argnums)(*args, key=key)
+
+  m = compiled_memory(step, jax.random.key(0), *args)
+  return m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
