@@ -43,6 +43,27 @@ def _discover(loss_fn, args, layout: Layout):
   return dict(recorder.sites), found
 
 
+def _members(found) -> set[str]:
+  return {n for names in found.members.values() for n in names}
+
+
+def _as_written(loss_fn, budget_bytes, written, order, compilations, started, history) -> Fit:
+  return Fit(
+    loss_fn=configure(loss_fn, None, None),
+    plan=BitPlan({}),
+    remat=(),
+    peak_bytes=written,
+    budget_bytes=int(budget_bytes),
+    written_peak_bytes=written,
+    predicted_variance=0.0,
+    recompute_values=0,
+    compilations=compilations,
+    search_seconds=time.perf_counter() - started,
+    segments=tuple(order),
+    history=tuple(history),
+  )
+
+
 def _key(c: Candidate):
   return (c.layout, c.widths, c.transient)
 
@@ -166,6 +187,10 @@ def fit(
   all_remat = Layout(frozenset(order))
   sites1, found1 = _discover(loss_fn, example_args, all_remat) if order else ({}, found)
 
+  if written <= budget_bytes and not any(
+    isinstance(site.bits, int) for name, site in sites0.items() if name not in _members(found)
+  ):  # fits as written, with nothing compressed: nothing can have less variance
+    return _as_written(loss_fn, budget_bytes, written, order, len(compiled), started, history)
   sens = dict(sensitivity or {})
   calib = example_args if calibration is None else tuple(calibration)
   if all(_is_array(x) for x in jax.tree.leaves(calib)):
