@@ -1,4 +1,4 @@
-"""Writes the experiment notebooks 02-06 and executes them (and the quickstart) in place.
+"""Writes the experiment notebooks 02-07 and executes them (and the quickstart) in place.
 
 Each notebook states a paper's claim, shows the committed full-run results
 from `experiments/results/` (tables and plots), and re-runs a small version
@@ -6,7 +6,7 @@ live. Markdown cells are templates: every figure is `{{name}}`, filled from
 the results JSON by `experiments.claims` when the notebook is written. Execution stores the outputs
 in the .ipynb, so a reader sees the figures without running anything:
 
-    python notebooks/build.py                 # write 02-06, execute all six
+    python notebooks/build.py                 # write 02-07, execute all seven
     python notebooks/build.py --only 02 05    # some of them
     python notebooks/build.py --no-execute    # write the cells only
 
@@ -382,6 +382,50 @@ bit_plans.main(["--small", "--models", "transformer", "--results", str(SMALL)])
 ns.show_figure(SMALL / "bit_plans_small_transformer.png")""",
     ),
   ],
+  "07_fit": [
+    (
+      "markdown",
+      """\
+# Tell jact how much memory you have: `jact.fit`
+
+**The question users ask.** "My step needs 70 GiB and the card has 40." `jact.fit(loss_fn,
+*example_args, budget_bytes=N)` answers it: bits per residual and which `jact.segment`s to
+rematerialize (compressed remat), such that the *compiled* peak of the gradient step (XLA's memory
+analysis) is within the budget, choosing the least predicted gradient variance, then the least
+recomputation.
+
+**What ran here.** `python -m experiments.bench.bench_fit`: an 8-block transformer LM written in
+plain JAX with its blocks marked as segments, the zoo's linen LM and ResNet-50 at 224x224 (both
+through `jact.convert`), at 1/2 to 1/12 of the plain step's compiled peak, against the best
+uniform width that fits, with the gradient variance measured over rounding keys.""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Budgets against uniform widths (full run)"),
+    (
+      "code",
+      """\
+from experiments.lib import fit_demo
+display(Markdown(fit_demo.bench_table(RESULTS / "bench_fit.json")))""",
+    ),
+    ("markdown", "## Live: a model whose plain step does not fit, fitted and trained"),
+    (
+      "code",
+      """\
+run = fit_demo.demo(fraction=4, steps=60, batch=16, length=64, d=64)
+mib = lambda b: f"{b / 2**20:.1f} MiB"
+print(f"plain step: {mib(run['plain_peak'])} compiled; budget {mib(run['budget'])}")
+print(run["fit"].report())""",
+    ),
+    (
+      "code",
+      """\
+plt.figure(figsize=(6, 3.5))
+plt.plot(run["plain_curve"], label=f"plain ({run['plain_peak'] / 2**20:.1f} MiB)")
+plt.plot(run["fit_curve"], label=f"jact.fit ({run['fit'].peak_bytes / 2**20:.1f} MiB)")
+plt.xlabel("step"); plt.ylabel("training loss"); plt.legend(); plt.title("tiny Shakespeare")
+plt.show()""",
+    ),
+  ],
 }
 
 
@@ -409,7 +453,7 @@ def execute(path: Path, timeout: int = 1800) -> None:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--only", nargs="+", default=None, help="notebook number prefixes (01 .. 06)")
+  p.add_argument("--only", nargs="+", default=None, help="notebook number prefixes (01 .. 07)")
   p.add_argument("--no-execute", action="store_true")
   a = p.parse_args(argv)
   chosen = lambda name: a.only is None or name[:2] in a.only

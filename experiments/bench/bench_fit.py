@@ -1,0 +1,198 @@
+"""`jact.fit` against uniform widths: budgets at 1/2, 1/4, 1/8 and 1/12 of the plain step's
+compiled peak, on the subjects of `experiments.lib.fit_subjects` (real data).
+
+For every row: the configuration `jact.fit` returns (compiled peak, search wall time,
+compilations), the best uniform-width configuration that fits (every residual at the widest of
+8/4/2/1 bits that compiles within the budget, no remat), and both configurations' gradient
+variance *measured* over rounding keys on the same batch. Then `jact.largest_batch` (plain, the
+fit, any configuration) against the true maximum found by bisection over compiled memory.
+
+  python -m experiments.bench.bench_fit [--subjects stack8 zoo_lm resnet50_224]
+      [--fractions 2 4 8 12] [--keys 4] [--no-batch] [--out experiments/results/bench_fit.json]
+
+Sensitivities are estimated once per subject (GACT's numeric estimator on a small calibration
+batch, timed separately) and passed to every `jact.fit` call.
+"""  # noqa: E501 (the command line)
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+import jact
+from experiments.lib import fit_subjects, metadata, resumable
+from jact._fit.search import _discover, _estimate
+from jact._fit.segments import Layout
+from jact._fit.steps import configure, step_peak
+
+__all__ = ["main", "measured_variance"]
+
+UNIFORM = (8, 4, 2, 1)
+
+
+def measured_variance(loss, args, keys: int, key_arg=None) -> float:
+  """Sum over parameters of the unbiased variance of the gradient over `keys` rounding keys
+  (fit's `key=` and, at `key_arg`, the loss's own)."""
+  grad = jax.jit(jax.grad(loss))
+
+  def with_key(k):
+    key = jax.random.key(100 + k)
+    full = list(args)
+    if key_arg is not None:
+      full[key_arg] = jax.random.fold_in(key, 1)
+    return grad(*full, key=key)
+
+  gs = [with_key(k) for k in range(keys)]
+  leaves = [
+    np.stack([np.asarray(x, np.float64) for x in ls]) for ls in zip(*map(jax.tree.leaves, gs))
+  ]
+  return float(sum(x.var(axis=0, ddof=1).sum() for x in leaves))
+
+
+def _uniform(subject, args, names, budget, peaks):
+  """The widest uniform width whose compiled step fits, or None; peaks memoized."""
+  for b in UNIFORM:
+    if b not in peaks:
+      loss = configure(subject.loss, Layout(), jact.BitPlan({n: b for n in names}))
+      peaks[b] = step_peak(loss, args, (0,))
+    if peaks[b] <= budget:
+      return b
+  return None
+
+
+def _bisect(loss, args_for, budget, lo, hi):
+  """The true largest batch in [lo, hi) by bisection over compiled memory (lo fits)."""
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if step_peak(loss, tuple(args_for(mid)), (0,)) <= budget else (lo, mid)
+  return lo
+
+
+def run_subject(name: str, fractions, keys: int, batch_rows: bool, log=print) -> dict:
+  subject = fit_subjects.SUBJECTS[name]()
+  args = subject.args_for(subject.batch)
+  calib = subject.args_for(subject.calibration_batch)
+  plain_peak = step_peak(configure(subject.plain, None, None), args, (0,))
+  sites, found = _discover(subject.loss, args, Layout())
+  order = [s for s in found.order if s in found.rematerializable]
+  t = time.perf_counter()
+  sens = _estimate(subject.loss, Layout(), list(sites), sites, calib, (0,), jax.random.key(0))
+  if order:
+    remat = Layout(frozenset(order))
+    sites1, found1 = _discover(subject.loss, args, remat)
+    inputs = [n for s in order for n in found1.members[s] if n.startswith(f"{s}.remat.")]
+    inputs = [n for n in inputs if ".remat.body." not in n]
+    sens.update(_estimate(subject.loss, remat, inputs, sites1, calib, (0,), jax.random.key(0)))
+  estimate_s = time.perf_counter() - t
+  log(
+    f"{name}: plain peak {plain_peak / 2**20:.1f} MiB, {len(sens)} sensitivities in "
+    f"{estimate_s:.0f} s"
+  )
+  rows, uniform_peaks = [], {}
+  for frac in fractions:
+    budget = plain_peak // frac
+    row = {"fraction": f"1/{frac}", "budget_bytes": int(budget)}
+    try:
+      result = jact.fit(subject.loss, *args, budget_bytes=int(budget), sensitivity=sens)
+    except jact.FitError as e:
+      row.update(fits=False, smallest_peak_bytes=e.smallest_peak_bytes, error=str(e))
+      rows.append(row)
+      log(f"  1/{frac}: nothing fits ({e.smallest_peak_bytes / 2**20:.1f} MiB smallest)")
+      continue
+    uniform = _uniform(subject, args, list(sites), budget, uniform_peaks)
+    row.update(
+      fits=True,
+      peak_bytes=result.peak_bytes,
+      within_budget=result.peak_bytes <= budget,
+      compilations=result.compilations,
+      search_seconds=round(result.search_seconds, 1),
+      remat=list(result.remat),
+      widths={str(k): v for k, v in _counts(result.plan).items()},
+      predicted_variance=result.predicted_variance,
+      variance=measured_variance(result.loss_fn, args, keys, subject.key_arg),
+      uniform_bits=uniform,
+      uniform_peak_bytes=uniform_peaks.get(uniform),
+    )
+    if uniform is not None:
+      loss = configure(subject.loss, Layout(), jact.BitPlan({n: uniform for n in sites}))
+      row["uniform_variance"] = measured_variance(loss, args, keys, subject.key_arg)
+      row["at_least_as_good"] = row["variance"] <= row["uniform_variance"]
+    rows.append(row)
+    log(f"  1/{frac}: {row}")
+  out = {
+    "plain_peak_bytes": int(plain_peak),
+    "batch": subject.batch,
+    "residuals": len(sites),
+    "segments": order,
+    "sensitivity_seconds": round(estimate_s, 1),
+    "rows": rows,
+  }
+  if batch_rows:
+    out["largest_batch"] = _batch_rows(subject, plain_peak // 4, log)
+  return out
+
+
+def _counts(plan):
+  counts = {}
+  for _, b in plan.entries:
+    counts[b or "exact"] = counts.get(b or "exact", 0) + 1
+  return counts
+
+
+def _batch_rows(subject, budget, log) -> list[dict]:
+  """largest_batch for the written step, the fit at the subject's batch, and any config."""
+  rows = []
+  for what in ("plain", "fit", "any"):
+    t = time.perf_counter()
+    if what == "plain":
+      loss, config = configure(subject.plain, None, None), None
+      found = jact.largest_batch(subject.plain, subject.args_for, budget, start=subject.batch)
+    elif what == "fit":
+      fitted = jact.fit(subject.loss, *subject.args_for(subject.batch), budget_bytes=int(budget))
+      loss, config = fitted.loss_fn, fitted
+      found = jact.largest_batch(
+        subject.loss, subject.args_for, budget, config=config, start=subject.batch
+      )
+    else:
+      found = jact.largest_batch(
+        subject.loss, subject.args_for, budget, config="fit", start=subject.batch
+      )
+      loss = found.fit.loss_fn
+    seconds = time.perf_counter() - t
+    hi = found.failing_batch or found.batch + 1
+    true = _bisect(loss, subject.args_for, budget, found.batch, hi) if what != "any" else None
+    row = {
+      "config": what,
+      "budget_bytes": int(budget),
+      "batch": found.batch,
+      "failing_batch": found.failing_batch,
+      "compilations": found.compilations,
+      "seconds": round(seconds, 1),
+      "true_max": true,
+      "within_5_percent": None if true is None else found.batch >= true / 1.05,
+    }
+    rows.append(row)
+    log(f"  largest batch {row}")
+  return rows
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--subjects", nargs="+", default=list(fit_subjects.SUBJECTS))
+  p.add_argument("--fractions", nargs="+", type=int, default=[2, 4, 8, 12])
+  p.add_argument("--keys", type=int, default=4)
+  p.add_argument("--no-batch", action="store_true")
+  p.add_argument("--out", default="experiments/results/bench_fit.json")
+  args = p.parse_args(argv)
+  payload = {"meta": metadata.run_metadata("experiments.bench.bench_fit", argv), "subjects": {}}
+  for name in args.subjects:
+    payload["subjects"][name] = run_subject(name, args.fractions, args.keys, not args.no_batch)
+    resumable.write_json(args.out, payload)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
