@@ -10,6 +10,7 @@ fit, any configuration) against the true maximum found by bisection over compile
   python -m experiments.bench.bench_fit [--subjects stack8 zoo_lm resnet50_224]
       [--fractions 2 4 8 12] [--keys 4] [--no-batch] [--out experiments/results/bench_fit.json]
 
+Each subject's run replaces its entry in `--out` and keeps the others' (run them apart).
 Sensitivities are estimated once per subject (GACT's numeric estimator on a small calibration
 batch, timed separately) and passed to every `jact.fit` call.
 """  # noqa: E501 (the command line)
@@ -17,7 +18,9 @@ batch, timed separately) and passed to every `jact.fit` call.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -187,10 +190,13 @@ def main(argv=None) -> dict:
   p.add_argument("--no-batch", action="store_true")
   p.add_argument("--out", default="experiments/results/bench_fit.json")
   args = p.parse_args(argv)
-  payload = {"meta": metadata.run_metadata("experiments.bench.bench_fit", argv), "subjects": {}}
-  for name in args.subjects:
-    payload["subjects"][name] = run_subject(name, args.fractions, args.keys, not args.no_batch)
-    resumable.write_json(args.out, payload)
+  out = Path(args.out)
+  payload = json.loads(out.read_text()) if out.is_file() else {"subjects": {}}
+  for name in args.subjects:  # each subject's run replaces its entry, the others are kept
+    meta = metadata.run_metadata("experiments.bench.bench_fit", argv)
+    result = run_subject(name, args.fractions, args.keys, not args.no_batch)
+    payload["subjects"][name] = {"meta": meta, **result}
+    resumable.write_json(out, payload)
   return payload
 
 
