@@ -43,6 +43,32 @@ def _discover(loss_fn, args, layout: Layout):
   return dict(recorder.sites), found
 
 
+def _names_hold(loss_fn, args, layout: Layout, names, width) -> bool:
+  """Whether every residual of `names` keeps its name when all of them get `width`."""
+  loss = configure(loss_fn, layout, BitPlan({n: width for n in names}), strict=True)
+  try:
+    jax.eval_shape(lambda k, *a: jax.grad(loss)(*a, key=k), jax.random.key(0), *args)
+  except ValueError as e:
+    if "not traced" in str(e) or "names residuals" in str(e):
+      return False
+    raise
+  return True
+
+
+def _stable_widths(loss_fn, args, layout, names, widths) -> tuple:
+  """`widths` without those that rename residuals. A residual's name is its position among
+  a compressed region's saved values; inside a converted model's generic engine, an inner
+  layer's residual kept uncompressed is one saved value where a compressed one is several,
+  so the positions after it move and a plan's later entries would miss."""
+  kept = tuple(w for w in widths if _names_hold(loss_fn, args, layout, names, w))
+  if not any(w is not None for w in kept):
+    raise ValueError(
+      "jact.fit: this loss renames its residuals whenever their widths change, so no plan "
+      "can address them; give its blocks names of their own (jact.segment, jact.compressed)"
+    )
+  return kept
+
+
 def _members(found) -> set[str]:
   return {n for names in found.members.values() for n in names}
 
@@ -191,6 +217,9 @@ def fit(
     isinstance(site.bits, int) for name, site in sites0.items() if name not in _members(found)
   ):  # fits as written, with nothing compressed: nothing can have less variance
     return _as_written(loss_fn, budget_bytes, written, order, len(compiled), started, history)
+  widths = _stable_widths(loss_fn, example_args, Layout(), list(sites0), widths)
+  if order:
+    widths = _stable_widths(loss_fn, example_args, all_remat, list(sites1), widths)
   sens = dict(sensitivity or {})
   calib = example_args if calibration is None else tuple(calibration)
   if all(_is_array(x) for x in jax.tree.leaves(calib)):
@@ -213,7 +242,8 @@ def fit(
   points: dict[Layout, dict[int, int]] = {}  # per layout: stored bytes -> compiled peak
 
   def run(c: Candidate) -> int:
-    peak = measure(_key(c), configure(loss_fn, c.layout, plan_of(c)), c.describe())
+    loss = configure(loss_fn, c.layout, plan_of(c), strict=True)
+    peak = measure(_key(c), loss, c.describe())
     points.setdefault(c.layout, {})[c.stored] = peak
     return peak
 

@@ -31,15 +31,18 @@ def plan_of(candidate) -> BitPlan:
   return BitPlan({**transient, **dict(candidate.widths)})
 
 
-def configure(loss_fn: Callable[..., Any], layout: Layout | None, plan: BitPlan | None):
+def configure(
+  loss_fn: Callable[..., Any], layout: Layout | None, plan: BitPlan | None, strict: bool = False
+):
   """`loss_fn` with its segments following `layout` and `plan` applied, plus keyword `key`.
-  `layout=None`: the loss as written (segments plain)."""
+  `layout=None`: the loss as written (segments plain). `strict`: a plan entry naming no
+  traced residual is an error (see `use_plan`)."""
 
   @functools.wraps(loss_fn)
   def loss(*args, key=None, **kwargs):
     if layout is None:
       return loss_fn(*args, **kwargs)
-    with configured(layout, key), use_plan(plan):
+    with configured(layout, key), use_plan(plan, strict=strict):
       return loss_fn(*args, **kwargs)
 
   return loss

@@ -179,3 +179,32 @@ def test_largest_batch_is_within_five_percent_of_bisection():
   true = _bisect(configure(loss, None, None), args, budget)
   assert found.batch <= true and found.batch >= true / 1.05, (found, true)
   assert found.failing_batch > true and found.compilations <= 10
+
+
+def test_a_converted_linen_model_is_planned_by_names_that_hold():
+  # Inside a converted model's generic engine, a layer's residual kept uncompressed shifts the
+  # positional names after it: fit must not use "uncompressed" there, and every name it plans
+  # must be traced (its compiles apply the plan strictly).
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for width in (256, 256, 256):
+        x = nn.gelu(nn.Dense(width)(x))
+      return nn.Dense(8)(x)
+
+  model = jact.convert(MLP(), bits=4)
+  x = jax.random.normal(jax.random.key(0), (4096, 64))
+  variables = MLP().init(jax.random.key(1), x)
+
+  def loss(params, x, key):
+    return jnp.mean(model.apply({"params": params}, x, rngs={"jact": key}) ** 2)
+
+  args = (variables["params"], x, jax.random.key(2))
+  as_written = step_peak(configure(loss, None, None), args, (0,))
+  result = jact.fit(loss, *args, budget_bytes=int(0.95 * as_written))
+  assert result.peak_bytes <= 0.95 * as_written
+  assert None not in dict(result.plan.entries).values()
+  with jact.use_plan(result.plan, strict=True):  # every name of the plan is traced
+    jax.eval_shape(lambda *a: jax.grad(loss)(*a), *args)
