@@ -74,7 +74,9 @@ def _bisect(loss, args_for, budget, lo, hi):
   return lo
 
 
-def run_subject(name: str, fractions, keys: int, batch_rows: bool, log=print) -> dict:
+def run_subject(
+  name: str, fractions, keys: int, batch_rows: bool, log=print, save=lambda partial: None
+) -> dict:
   subject = fit_subjects.SUBJECTS[name]()
   args = subject.args_for(subject.batch)
   calib = subject.args_for(subject.calibration_batch)
@@ -104,6 +106,7 @@ def run_subject(name: str, fractions, keys: int, batch_rows: bool, log=print) ->
       row.update(fits=False, smallest_peak_bytes=e.smallest_peak_bytes, error=str(e))
       rows.append(row)
       log(f"  1/{frac}: nothing fits ({e.smallest_peak_bytes / 2**20:.1f} MiB smallest)")
+      save({"rows": rows})
       continue
     uniform = _uniform(subject, args, list(sites), budget, uniform_peaks)
     row.update(
@@ -125,6 +128,7 @@ def run_subject(name: str, fractions, keys: int, batch_rows: bool, log=print) ->
       row["at_least_as_good"] = row["variance"] <= row["uniform_variance"]
     rows.append(row)
     log(f"  1/{frac}: {row}")
+    save({"rows": rows})
   out = {
     "plain_peak_bytes": int(plain_peak),
     "batch": subject.batch,
@@ -194,7 +198,12 @@ def main(argv=None) -> dict:
   payload = json.loads(out.read_text()) if out.is_file() else {"subjects": {}}
   for name in args.subjects:  # each subject's run replaces its entry, the others are kept
     meta = metadata.run_metadata("experiments.bench.bench_fit", argv)
-    result = run_subject(name, args.fractions, args.keys, not args.no_batch)
+
+    def save(partial, name=name, meta=meta):
+      payload["subjects"][name] = {"meta": meta, "partial": True, **partial}
+      resumable.write_json(out, payload)
+
+    result = run_subject(name, args.fractions, args.keys, not args.no_batch, save=save)
     payload["subjects"][name] = {"meta": meta, **result}
     resumable.write_json(out, payload)
   return payload

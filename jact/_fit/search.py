@@ -9,8 +9,8 @@ estimator on the calibration arguments, or sizes when there are none);
 segments rematerialized" allocate widths under the budget (ActNN's greedy),
 order the candidates by predicted variance, then recomputed values, and
 compile them in that order until one fits, correcting a layout's base by what
-each compile measured. At most `3 + max_candidates` compilations (+1 for the
-error's smallest reachable peak).
+each compile measured. At most `3 + max_candidates` compilations, +1 for the smallest
+configuration when no candidate fitted (the answer if it fits, else the error's figure).
 """  # noqa: E501 (the docstring's formula)
 
 from __future__ import annotations
@@ -313,18 +313,21 @@ def fit(
     chosen = min(fits, key=lambda c: (c.variance, c.recompute), default=None)
 
   elapsed = lambda: time.perf_counter() - started
-  if chosen is None:
+  if chosen is None:  # the smallest configuration: it fits (then it is the answer) or nothing does
     lowest = (min(w for w in widths if w is not None),)
     smallest = allocate(table, inner, all_remat, float("inf"), lowest)
-    raise FitError(
-      budget_bytes,
-      written,
-      run(smallest),
-      smallest.describe(),
-      len(order),
-      len(compiled),
-      elapsed(),
-    )
+    if run(smallest) <= budget_bytes:
+      chosen = smallest
+    else:
+      raise FitError(
+        budget_bytes,
+        written,
+        compiled[_key(smallest)],
+        smallest.describe(),
+        len(order),
+        len(compiled),
+        elapsed(),
+      )
   if chosen == "written":
     loss, plan = configure(loss_fn, None, None), BitPlan({})
     peak, variance, remat, recompute = written, written_variance, (), 0
