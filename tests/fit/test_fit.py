@@ -112,6 +112,16 @@ def test_a_budget_below_the_smallest_reachable_peak_says_so():
   assert e.value.written_peak_bytes > e.value.smallest_peak_bytes
 
 
+@pytest.mark.slow
+def test_at_the_smallest_reachable_peak_something_fits():
+  loss = stack(rematerializable=True)
+  with pytest.raises(jact.FitError) as e:
+    jact.fit(loss, weights(), X, budget_bytes=10_000)
+  smallest = e.value.smallest_peak_bytes
+  result = jact.fit(loss, weights(), X, budget_bytes=smallest, max_candidates=1)
+  assert result.peak_bytes <= smallest
+
+
 def test_a_budget_the_written_step_fits_keeps_it():
   loss = stack(rematerializable=True)
   budget = 2 * step_peak(configure(loss, None, None), (weights(), X), (0,))
