@@ -146,7 +146,7 @@ def fit(
   budget_bytes: int,
   argnums: int | Sequence[int] = 0,
   calibration: Sequence[Any] | None = None,
-  sensitivity: Mapping[str, float] | None = None,
+  sensitivity: Mapping[str, float] | Any = None,
   widths: Sequence[int | None] = _WIDTHS,
   max_candidates: int = 6,
   seed: int = 0,
@@ -170,9 +170,9 @@ def fit(
       sensitivities are estimated; default: `example_args` when they are all
       arrays. Without either, or `sensitivity`, a residual's sensitivity is
       taken as its number of values.
-    sensitivity: residual name -> c_l, e.g. from a `jact.Controller`'s or a
-      `jact.sensitivity` estimator's state (`state.as_dict()`); names it
-      lacks are estimated as above.
+    sensitivity: residual name -> c_l, or a `jact.sensitivity.SensitivityState`
+      (a `jact.Controller` state's `estimates`); names it lacks, or gives NaN,
+      are estimated as above.
     widths: the widths residuals may get (None: uncompressed).
     max_candidates: at most this many configurations are compiled to verify
       (besides the three calibration compiles).
@@ -220,17 +220,17 @@ def fit(
   widths = _stable_widths(loss_fn, example_args, Layout(), list(sites0), widths)
   if order:
     widths = _stable_widths(loss_fn, example_args, all_remat, list(sites1), widths)
-  sens = dict(sensitivity or {})
+  sens = dict(sensitivity.as_dict() if hasattr(sensitivity, "as_dict") else sensitivity or {})
   calib = example_args if calibration is None else tuple(calibration)
   if all(_is_array(x) for x in jax.tree.leaves(calib)):
     key = jax.random.key(seed)
-    missing = [n for n in sites0 if n not in sens]
+    missing = [n for n in sites0 if not np.isfinite(sens.get(n, np.nan))]
     if missing:
       sens.update(_estimate(loss_fn, Layout(), missing, sites0, calib, argnums, key))
     inputs = [n for s in order for n in found1.members[s] if n.startswith(f"{s}.remat.")]
     inputs = [n for n in inputs if not n.startswith(f"{n.split('.remat.')[0]}.remat.body.")]
-    if any(n not in sens for n in inputs):
-      missing = [n for n in inputs if n not in sens]
+    if any(not np.isfinite(sens.get(n, np.nan)) for n in inputs):
+      missing = [n for n in inputs if not np.isfinite(sens.get(n, np.nan))]
       sens.update(_estimate(loss_fn, all_remat, missing, sites1, calib, argnums, key))
   table, inner = _table(sites0, found.members, sites1, found1.members, order, sens)
 

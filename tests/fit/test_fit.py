@@ -218,3 +218,18 @@ def test_a_converted_linen_model_is_planned_by_names_that_hold():
   assert None not in dict(result.plan.entries).values()
   with jact.use_plan(result.plan, strict=True):  # every name of the plan is traced
     jax.eval_shape(lambda *a: jax.grad(loss)(*a), *args)
+
+
+def test_a_sensitivity_state_is_taken_as_estimates():
+  # A jact.sensitivity state (what a Controller keeps) in place of a mapping: its names steer
+  # the widths exactly as the mapping test above does.
+  loss = stack(rematerializable=False)
+  names = tuple(f"s{i}.{p}" for i in range(N) for p in (3, 4))
+  hot = jnp.array([1e6 if n.split(".")[0] in {"s0", "s1", "s2", "s3"} else 1.0 for n in names])
+  state = jact.sensitivity.SensitivityState(
+    hot, jnp.zeros_like(hot), jnp.ones((), jnp.int32), names, (1,) * len(names), (4,) * len(names)
+  )
+  known = {n: (8 if c > 1 else 2) for n, c in zip(names, hot.tolist())}
+  budget = peak_of(loss, known)
+  result = jact.fit(loss, weights(), X, budget_bytes=budget, sensitivity=state, widths=(2, 8))
+  assert dict(result.plan.entries) == known
