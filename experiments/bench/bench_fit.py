@@ -27,6 +27,7 @@ import numpy as np
 
 import jact
 from experiments.lib import fit_subjects, metadata, resumable
+from jact._fit.batch import _smallest
 from jact._fit.search import _discover, _estimate
 from jact._fit.segments import Layout
 from jact._fit.steps import configure, step_peak
@@ -138,8 +139,18 @@ def run_subject(
     "rows": rows,
   }
   if batch_rows:
-    out["largest_batch"] = _batch_rows(subject, plain_peak // 4, log)
+    out["largest_batch"] = _batch_rows(subject, plain_peak // 4, log, sens)
   return out
+
+
+def proxy_sensitivities(subject) -> dict:
+  """Every residual's number of values (fit's own stand-in without estimates)."""
+  args = subject.args_for(subject.batch)
+  sites, found = _discover(subject.loss, args, Layout())
+  order = [s for s in found.order if s in found.rematerializable]
+  if order:
+    sites = {**sites, **_discover(subject.loss, args, Layout(frozenset(order)))[0]}
+  return {n: float(s.size) for n, s in sites.items()}
 
 
 def _counts(plan):
@@ -149,7 +160,7 @@ def _counts(plan):
   return counts
 
 
-def _batch_rows(subject, budget, log) -> list[dict]:
+def _batch_rows(subject, budget, log, sens) -> list[dict]:
   """largest_batch for the written step, the fit at the subject's batch, and any config."""
   rows = []
   for what in ("plain", "fit", "any"):
@@ -158,19 +169,22 @@ def _batch_rows(subject, budget, log) -> list[dict]:
       loss, config = configure(subject.plain, None, None), None
       found = jact.largest_batch(subject.plain, subject.args_for, budget, start=subject.batch)
     elif what == "fit":
-      fitted = jact.fit(subject.loss, *subject.args_for(subject.batch), budget_bytes=int(budget))
+      fitted = jact.fit(
+        subject.loss, *subject.args_for(subject.batch), budget_bytes=int(budget), sensitivity=sens
+      )
       loss, config = fitted.loss_fn, fitted
       found = jact.largest_batch(
         subject.loss, subject.args_for, budget, config=config, start=subject.batch
       )
     else:
       found = jact.largest_batch(
-        subject.loss, subject.args_for, budget, config="fit", start=subject.batch
+        subject.loss, subject.args_for, budget, config="fit", start=subject.batch, sensitivity=sens
       )
-      loss = found.fit.loss_fn
+      # the truth for "any configuration": the smallest one's largest batch
+      loss = _smallest(subject.loss, tuple(subject.args_for(subject.batch)), (1, 2, 4, 8, None))
     seconds = time.perf_counter() - t
     hi = found.failing_batch or found.batch + 1
-    true = _bisect(loss, subject.args_for, budget, found.batch, hi) if what != "any" else None
+    true = _bisect(loss, subject.args_for, budget, found.batch, hi)
     row = {
       "config": what,
       "budget_bytes": int(budget),
@@ -192,6 +206,11 @@ def main(argv=None) -> dict:
   p.add_argument("--fractions", nargs="+", type=int, default=[2, 4, 8, 12])
   p.add_argument("--keys", type=int, default=4)
   p.add_argument("--no-batch", action="store_true")
+  p.add_argument(
+    "--only-batch",
+    action="store_true",
+    help="only the largest-batch rows, fit steered by residual sizes (no estimation)",
+  )
   p.add_argument("--out", default="experiments/results/bench_fit.json")
   args = p.parse_args(argv)
   out = Path(args.out)
@@ -203,6 +222,16 @@ def main(argv=None) -> dict:
       payload["subjects"][name] = {"meta": meta, "partial": True, **partial}
       resumable.write_json(out, payload)
 
+    if args.only_batch:
+      subject = fit_subjects.SUBJECTS[name]()
+      args_at = subject.args_for(subject.batch)
+      plain_peak = step_peak(configure(subject.plain, None, None), args_at, (0,))
+      rows = _batch_rows(subject, plain_peak // 4, print, proxy_sensitivities(subject))
+      entry = payload["subjects"].get(name, {})
+      entry.update(largest_batch=rows, largest_batch_meta=meta, largest_batch_sensitivity="sizes")
+      payload["subjects"][name] = entry
+      resumable.write_json(out, payload)
+      continue
     result = run_subject(name, args.fractions, args.keys, not args.no_batch, save=save)
     payload["subjects"][name] = {"meta": meta, **result}
     resumable.write_json(out, payload)

@@ -57,6 +57,7 @@ def largest_batch(
   tolerance: float = 0.05,
   max_batch: int = 1 << 20,
   widths: Sequence[int | None] = (1, 2, 4, 8, None),
+  **fit_options: Any,
 ) -> LargestBatch:
   """The largest batch whose step compiles to at most `budget_bytes` (within `tolerance`).
 
@@ -80,6 +81,8 @@ def largest_batch(
     tolerance: relative width of the final bracket.
     max_batch: the largest batch tried.
     widths: with `config="fit"`, the widths fit may use.
+    **fit_options: with `config="fit"`, more keywords of `jact.fit` (e.g.
+      `sensitivity=`, `calibration=`) for its choice at the batch found.
   """
   argnums = argnums_tuple(argnums)
   if not isinstance(start, int) or start < 1 or not 0 < tolerance < 1:
@@ -136,9 +139,14 @@ def largest_batch(
       guess = min(max(guess, closing), hi - 1)
     peak(guess)
   lo, hi = bracket()
-  chosen = (
-    fit(loss_fn, *args_for_batch(lo), budget_bytes=budget_bytes, argnums=argnums, widths=widths)
-    if config == "fit"
-    else None
-  )
+  chosen = None
+  if config == "fit":
+    chosen = fit(
+      loss_fn,
+      *args_for_batch(lo),
+      budget_bytes=budget_bytes,
+      argnums=argnums,
+      widths=widths,
+      **fit_options,
+    )
   return LargestBatch(lo, peaks[lo], hi, len(peaks), chosen)
