@@ -240,11 +240,13 @@ def fit(
   }
   order = sorted(order, key=lambda s: (-full[s], order.index(s)))
   points: dict[Layout, dict[int, int]] = {}  # per layout: stored bytes -> compiled peak
+  at_point: dict[tuple[Layout, int], Candidate] = {}  # the candidate compiled at each point
 
   def run(c: Candidate) -> int:
     loss = configure(loss_fn, c.layout, plan_of(c), strict=True)
     peak = measure(_key(c), loss, c.describe())
     points.setdefault(c.layout, {})[c.stored] = peak
+    at_point.setdefault((c.layout, c.stored), c)
     return peak
 
   for layout in dict.fromkeys((Layout(), all_remat)):  # calibration: every residual at 4 bits
@@ -276,7 +278,7 @@ def fit(
       if fit_s is not None:  # bracketed: never closer to the failing end than a bisection
         goal = min(goal, (fit_s + fail_s) / 2)
     if fit_s is not None and goal <= fit_s * 1.02 + 1:
-      return next(c for c in tried if c.layout == layout and c.stored == fit_s)
+      return at_point[(layout, fit_s)]
     return allocate(table, inner, layout, goal, widths)
 
   written_variance = sum(
@@ -284,7 +286,6 @@ def fit(
     for r in table
     if r.segment is None and isinstance(sites0[r.name].bits, int)
   )
-  tried: list[Candidate] = []
   pool = {layout: propose(layout) for layout in layouts(order)}
   verified, chosen = 0, None
   while True:
@@ -305,11 +306,10 @@ def fit(
     if verified >= max_candidates:
       break
     verified += 1
-    tried.append(c)
     run(c)
     pool[c.layout] = propose(c.layout)
   if chosen is None:  # out of compilations: the best verified configuration, if any
-    fits = [c for c in tried if compiled[_key(c)] <= budget_bytes]
+    fits = [c for c in at_point.values() if compiled[_key(c)] <= budget_bytes]
     chosen = min(fits, key=lambda c: (c.variance, c.recompute), default=None)
 
   elapsed = lambda: time.perf_counter() - started
