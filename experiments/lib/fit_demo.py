@@ -35,15 +35,28 @@ def _train(loss, params, steps: int, batch: int, length: int, keyed: bool, seed:
   return curve
 
 
-def demo(fraction: int = 4, steps: int = 60, batch: int = 16, length: int = 128, d: int = 128):
-  """Fits the stack LM into 1/`fraction` of its plain compiled peak and trains both."""
-  params = fit_subjects.stack_params(jax.random.key(0), zoo.LM_CONFIG.vocab_size, 8, d, 4 * d)
-  plain, loss = fit_subjects.stack_lm(8, segments=False), fit_subjects.stack_lm(8, segments=True)
+def demo(
+  fraction: int = 4,
+  steps: int = 60,
+  batch: int = 16,
+  length: int = 128,
+  d: int = 128,
+  blocks: int = 8,
+  calibration_batch: int = 2,
+):
+  """Fits the stack LM into 1/`fraction` of its plain compiled peak and trains both; the
+  sensitivities are estimated on `calibration_batch` sequences."""
+  params = fit_subjects.stack_params(jax.random.key(0), zoo.LM_CONFIG.vocab_size, blocks, d, 4 * d)
+  plain = fit_subjects.stack_lm(blocks, segments=False)
+  loss = fit_subjects.stack_lm(blocks, segments=True)
   tokens, labels = fit_subjects.shakespeare(batch, length)
   plain_peak = step_peak(configure(plain, None, None), (params, tokens, labels), (0,))
   budget = plain_peak // fraction
   t = time.perf_counter()
-  fitted = jact.fit(loss, params, tokens, labels, budget_bytes=budget)
+  calibration = (params, *fit_subjects.shakespeare(calibration_batch, length, seed=1))
+  fitted = jact.fit(
+    loss, params, tokens, labels, budget_bytes=budget, calibration=calibration, max_candidates=4
+  )
   search = time.perf_counter() - t
   return {
     "plain_peak": plain_peak,
