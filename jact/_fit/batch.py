@@ -70,7 +70,7 @@ def largest_batch(
   Args:
     loss_fn: the loss, as for `jact.fit`.
     args_for_batch: `batch -> example arguments` (arrays or
-      `jax.ShapeDtypeStruct`s: only shapes are compiled).
+      `jax.ShapeDtypeStruct` values: only shapes are compiled).
     budget_bytes: the memory the step may take (per device).
     config: None (the loss as written), a `Fit` (its configuration: its plan
       and rematerialized segments, at any batch) or `"fit"`: any

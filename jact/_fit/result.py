@@ -27,7 +27,7 @@ class Fit:
     loss_fn: the configured loss: `loss_fn(*args, key=..., **kwargs)`; its
       `jax.grad` is the configured step (`key`: a fresh PRNG key per step).
     plan: bits per residual (None: kept uncompressed).
-    remat: the `jact.segment`s rematerialized (compressed remat).
+    remat: the `jact.segment` blocks rematerialized (compressed remat).
     peak_bytes: the configured step's compiled peak (XLA's memory analysis).
     budget_bytes: the budget it was fitted to.
     written_peak_bytes: the compiled peak of the step as written.

@@ -153,7 +153,7 @@ def fit(
 ) -> Fit:
   """Configures `loss_fn`'s training step to fit `budget_bytes`.
 
-  Chooses bits per residual (a `BitPlan`) and which `jact.segment`s to
+  Chooses bits per residual (a `BitPlan`) and which `jact.segment` blocks to
   rematerialize (compressed remat) such that the compiled peak of
   `jax.grad(loss_fn, argnums)` -- XLA's memory analysis: arguments, outputs
   and temporaries -- is at most `budget_bytes`; among those, the one with the
@@ -161,8 +161,8 @@ def fit(
 
   Args:
     loss_fn: `loss_fn(*args) -> scalar`, plain JAX, jact ops, a converted Flax
-      model and/or `jact.segment`s (the parts that may be rematerialized).
-    *example_args: arrays or `jax.ShapeDtypeStruct`s (with a `sharding` for a
+      model and/or `jact.segment` blocks (the parts that may be rematerialized).
+    *example_args: arrays or `jax.ShapeDtypeStruct` values (with a `sharding` for a
       per-device budget under a mesh); only their shapes are compiled.
     budget_bytes: the memory the step may take (per device).
     argnums: the arguments differentiated (the parameters).
