@@ -411,7 +411,7 @@ display(Markdown(fit_demo.bench_table(RESULTS / "bench_fit.json")))""",
     (
       "code",
       """\
-run = fit_demo.demo(fraction=4, steps=60, batch=16, length=64, d=64, blocks=4)
+run = fit_demo.demo(fraction=3, steps=60, batch=16, length=64, d=64, blocks=2)
 mib = lambda b: f"{b / 2**20:.1f} MiB"
 print(f"plain step: {mib(run['plain_peak'])} compiled; budget {mib(run['budget'])}")
 print(run["fit"].report())""",

@@ -1,4 +1,4 @@
-"""Notebook 07's live part: an 8-block LM whose plain step does not fit a budget, the
+"""Notebook 07's live part: a stacked LM whose plain step does not fit a budget, the
 configuration `jact.fit` returns, and both trained side by side on tiny Shakespeare."""
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def demo(
 ):
   """Fits the stack LM into 1/`fraction` of its plain compiled peak and trains both. fit is
   given the arguments' shapes only, so it takes each residual's sensitivity as its size
-  (the bench estimates them; here that would triple the cell's time)."""
+  (the bench estimates them; here that would triple the cell's time). The notebook runs 2
+  blocks at 1/3: about 50 s on a 2-core CPU with the tests' quick-compile flags, most of it
+  compiling (jact's steps compile several times slower than plain ones)."""
   params = fit_subjects.stack_params(jax.random.key(0), zoo.LM_CONFIG.vocab_size, blocks, d, 4 * d)
   plain = fit_subjects.stack_lm(blocks, segments=False)
   loss = fit_subjects.stack_lm(blocks, segments=True)

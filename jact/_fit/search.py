@@ -9,12 +9,14 @@ estimator on the calibration arguments, or sizes when there are none);
 segments rematerialized" allocate widths under the budget (ActNN's greedy),
 order the candidates by predicted variance, then recomputed values, and
 compile them in that order until one fits, correcting a layout's base by what
-each compile measured. At most `3 + max_candidates` compilations, +1 for the smallest
+each compile measured (`verify`). At most `3 + max_candidates` compilations, +1 for the smallest
 configuration when no candidate fitted (the answer if it fits, else the error's figure).
 """  # noqa: E501 (the docstring's formula)
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,10 +25,11 @@ import numpy as np
 
 from jact._engine import context as _context
 from jact._core.allocate import variance_factor
-from jact._fit.model import Candidate, Residual, allocate, layouts
-from jact._fit.result import Fit, FitError, Measured
-from jact._fit.segments import SEGMENT_BITS, Layout, discovering
-from jact._fit.steps import argnums_tuple, configure, plan_of, step_peak
+from jact._fit.model import Residual
+from jact._fit.result import Fit, FitError
+from jact._fit.segments import Layout, discovering
+from jact._fit.steps import argnums_tuple, configure, plan_of
+from jact._fit.verify import WRITTEN, Compiles, Verifier, candidate_key
 from jact._planning import sensitivity as _sensitivity
 from jact._planning.plan import BitPlan
 
@@ -55,43 +58,77 @@ def _names_hold(loss_fn, args, layout: Layout, names, width) -> bool:
   return True
 
 
-def _stable_widths(loss_fn, args, layout, names, widths) -> tuple:
+def _stable_widths(loss_fn, args, layout, sites, widths) -> tuple:
   """`widths` without those that rename residuals. A residual's name is its position among
   a compressed region's saved values; inside a converted model's generic engine, an inner
   layer's residual kept uncompressed is one saved value where a compressed one is several,
-  so the positions after it move and a plan's later entries would miss."""
-  kept = tuple(w for w in widths if _names_hold(loss_fn, args, layout, names, w))
-  if not any(w is not None for w in kept):
+  so the positions after it move and a plan's later entries would miss. Every compressed
+  width saves the same values (codes and group statistics), so one trace checks them all
+  (the lowest) -- none when the survey's trace already compressed every residual -- and
+  one checks None."""
+  names = list(sites)
+  compressed = [w for w in widths if w is not None]
+  all_compressed = all(isinstance(site.bits, int) for site in sites.values())
+  if not all_compressed and not _names_hold(loss_fn, args, layout, names, min(compressed)):
     raise ValueError(
       "jact.fit: this loss renames its residuals whenever their widths change, so no plan "
       "can address them; give its blocks names of their own (jact.segment, jact.compressed)"
     )
-  return kept
+  if None in widths and not _names_hold(loss_fn, args, layout, names, None):
+    return tuple(compressed)
+  return widths
 
 
-def _members(found) -> set[str]:
-  return {n for names in found.members.values() for n in names}
+@dataclasses.dataclass(frozen=True)
+class _Survey:
+  """The loss's residuals and segments, from two traces: every segment compressed
+  (`sites0`, `found0`) and every rematerializable one rematerialized (`sites1`, `found1`)."""
+
+  sites0: dict
+  found0: Any
+  sites1: dict
+  found1: Any
+  order: tuple[str, ...]  # the rematerializable segments, in trace order
+
+  @classmethod
+  def of(cls, loss_fn, args) -> "_Survey":
+    sites0, found0 = _discover(loss_fn, args, Layout())
+    order = tuple(s for s in found0.order if s in found0.rematerializable)
+    sites1, found1 = _discover(loss_fn, args, Layout(frozenset(order))) if order else ({}, found0)
+    return cls(sites0, found0, sites1, found1, order)
+
+  @property
+  def all_remat(self) -> Layout:
+    return Layout(frozenset(self.order))
+
+  def compresses_outside_segments(self) -> bool:
+    """Whether the loss as written compresses some residual itself (outside segments)."""
+    members = {n for names in self.found0.members.values() for n in names}
+    return any(isinstance(s.bits, int) for n, s in self.sites0.items() if n not in members)
+
+  def remat_inputs(self) -> list[str]:
+    """The rematerialized segments' compressed inputs (not their recomputation's residuals)."""
+    return [
+      n
+      for s in self.order
+      for n in self.found1.members[s]
+      if n.startswith(f"{s}.remat.") and not n.startswith(f"{s}.remat.body.")
+    ]
 
 
-def _as_written(loss_fn, budget_bytes, written, order, compilations, started, history) -> Fit:
-  return Fit(
-    loss_fn=configure(loss_fn, None, None),
-    plan=BitPlan({}),
-    remat=(),
-    peak_bytes=written,
-    budget_bytes=int(budget_bytes),
-    written_peak_bytes=written,
-    predicted_variance=0.0,
-    recompute_values=0,
-    compilations=compilations,
-    search_seconds=time.perf_counter() - started,
-    segments=tuple(order),
-    history=tuple(history),
-  )
-
-
-def _key(c: Candidate):
-  return (c.layout, c.widths, c.transient)
+def _checked(budget_bytes, widths, max_candidates) -> tuple:
+  """`widths` deduplicated, after checking the arguments."""
+  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
+    raise TypeError(f"budget_bytes must be an int number of bytes, got {budget_bytes!r}")
+  if budget_bytes <= 0:
+    raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+  widths = tuple(dict.fromkeys(widths))
+  bad = [w for w in widths if w not in _WIDTHS]
+  if bad or not any(w is not None for w in widths):
+    raise ValueError(f"widths must be some of {_WIDTHS} with a compressed one, got {widths!r}")
+  if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
+    raise ValueError(f"max_candidates must be a positive int, got {max_candidates!r}")
+  return widths
 
 
 def _is_array(x) -> bool:
@@ -116,10 +153,27 @@ def _estimate(loss_fn, layout, names, sites, args, argnums, key) -> dict[str, fl
   return dict(zip(state.names, np.asarray(state.sensitivity, np.float64).tolist()))
 
 
-def _table(sites0, members0, sites1, members1, order, sensitivities) -> tuple[list, dict]:
+def _sensitivities(loss_fn, survey, given, calibration, example_args, argnums, seed) -> dict:
+  """c_l per residual: `given` (a mapping or a SensitivityState), the others estimated on
+  the calibration arrays when there are some (missing ones are later taken as sizes)."""
+  sens = dict(given.as_dict() if hasattr(given, "as_dict") else given or {})
+  calib = example_args if calibration is None else tuple(calibration)
+  if not all(_is_array(x) for x in jax.tree.leaves(calib)):
+    return sens
+  key = jax.random.key(seed)
+  unknown = lambda names: [n for n in names if not np.isfinite(sens.get(n, np.nan))]
+  if missing := unknown(survey.sites0):
+    sens.update(_estimate(loss_fn, Layout(), missing, survey.sites0, calib, argnums, key))
+  if missing := unknown(survey.remat_inputs()):
+    sens.update(_estimate(loss_fn, survey.all_remat, missing, survey.sites1, calib, argnums, key))
+  return sens
+
+
+def _table(survey: _Survey, sensitivities) -> tuple[list, dict]:
   """Residual rows (segment members of both layouts, outside ones once) and, per segment,
   the names recorded in its recomputation (stored for its own backward only)."""
-  owner0 = {n: s for s, ns in members0.items() for n in ns}
+  owner0 = {n: s for s, ns in survey.found0.members.items() for n in ns}
+  members1 = survey.found1.members
   rows = []
 
   def row(site, segment, remat_input):
@@ -129,15 +183,44 @@ def _table(sites0, members0, sites1, members1, order, sensitivities) -> tuple[li
       site.name, site.size, np.dtype(site.dtype).itemsize, segment, remat_input, float(c)
     )
 
-  for name, site in sites0.items():
+  for name, site in survey.sites0.items():
     rows.append(row(site, owner0.get(name), False))
   inner = {}
-  for s in order:
+  for s in survey.order:
     prefix = f"{s}.remat."
     inputs = [n for n in members1.get(s, []) if n.startswith(prefix)]
     inner[s] = [n for n in members1.get(s, []) if not n.startswith(prefix)]
-    rows += [row(sites1[n], s, True) for n in inputs]
+    rows += [row(survey.sites1[n], s, True) for n in inputs]
   return rows, inner
+
+
+def _result(loss_fn, budget, written, compiles, started, chosen, order, variance=0.0) -> Fit:
+  """The `Fit` of `chosen` (None: the step as written, of predicted `variance`)."""
+  if chosen is None:
+    loss, plan, peak, remat, recompute = configure(loss_fn, None, None), BitPlan({}), written, (), 0
+  else:
+    plan = plan_of(chosen)
+    loss = configure(loss_fn, chosen.layout, plan)
+    peak, variance, recompute = (
+      compiles.peaks[candidate_key(chosen)],
+      chosen.variance,
+      chosen.recompute,
+    )
+    remat = tuple(s for s in order if s in chosen.layout.remat)
+  return Fit(
+    loss_fn=loss,
+    plan=plan,
+    remat=remat,
+    peak_bytes=peak,
+    budget_bytes=int(budget),
+    written_peak_bytes=written,
+    predicted_variance=float(variance),
+    recompute_values=recompute,
+    compilations=len(compiles),
+    search_seconds=time.perf_counter() - started,
+    segments=tuple(order),
+    history=tuple(compiles.history),
+  )
 
 
 def fit(
@@ -187,167 +270,40 @@ def fit(
   """
   started = time.perf_counter()
   argnums = argnums_tuple(argnums)
-  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
-    raise TypeError(f"budget_bytes must be an int number of bytes, got {budget_bytes!r}")
-  if budget_bytes <= 0:
-    raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-  widths = tuple(dict.fromkeys(widths))
-  bad = [w for w in widths if w not in _WIDTHS]
-  if bad or not any(w is not None for w in widths):
-    raise ValueError(f"widths must be some of {_WIDTHS} with a compressed one, got {widths!r}")
-  if not isinstance(max_candidates, int) or max_candidates < 1:
-    raise ValueError(f"max_candidates must be a positive int, got {max_candidates!r}")
+  widths = _checked(budget_bytes, widths, max_candidates)
+  compiles = Compiles(example_args, argnums)
+  written = compiles.peak("as written", configure(loss_fn, None, None), "the step as written")
+  survey = _Survey.of(loss_fn, example_args)
+  result = functools.partial(_result, loss_fn, budget_bytes, written, compiles, started)
 
-  compiled: dict[Any, int] = {}
-  history: list[Measured] = []
-
-  def measure(key, loss, what) -> int:
-    if key not in compiled:
-      compiled[key] = step_peak(loss, example_args, argnums)
-      history.append(Measured(what, compiled[key]))
-    return compiled[key]
-
-  written = measure("as written", configure(loss_fn, None, None), "the step as written")
-  sites0, found = _discover(loss_fn, example_args, Layout())
-  order = [s for s in found.order if s in found.rematerializable]
-  all_remat = Layout(frozenset(order))
-  sites1, found1 = _discover(loss_fn, example_args, all_remat) if order else ({}, found)
-
-  if written <= budget_bytes and not any(
-    isinstance(site.bits, int) for name, site in sites0.items() if name not in _members(found)
-  ):  # fits as written, with nothing compressed: nothing can have less variance
-    return _as_written(loss_fn, budget_bytes, written, order, len(compiled), started, history)
-  widths = _stable_widths(loss_fn, example_args, Layout(), list(sites0), widths)
-  if order:
-    widths = _stable_widths(loss_fn, example_args, all_remat, list(sites1), widths)
-  sens = dict(sensitivity.as_dict() if hasattr(sensitivity, "as_dict") else sensitivity or {})
-  calib = example_args if calibration is None else tuple(calibration)
-  if all(_is_array(x) for x in jax.tree.leaves(calib)):
-    key = jax.random.key(seed)
-    missing = [n for n in sites0 if not np.isfinite(sens.get(n, np.nan))]
-    if missing:
-      sens.update(_estimate(loss_fn, Layout(), missing, sites0, calib, argnums, key))
-    inputs = [n for s in order for n in found1.members[s] if n.startswith(f"{s}.remat.")]
-    inputs = [n for n in inputs if not n.startswith(f"{n.split('.remat.')[0]}.remat.body.")]
-    if any(not np.isfinite(sens.get(n, np.nan)) for n in inputs):
-      missing = [n for n in inputs if not np.isfinite(sens.get(n, np.nan))]
-      sens.update(_estimate(loss_fn, all_remat, missing, sites1, calib, argnums, key))
-  table, inner = _table(sites0, found.members, sites1, found1.members, order, sens)
-
-  full = {
-    s: sum(r.size * r.itemsize for r in table if r.segment == s and not r.remat_input)
-    for s in order
-  }
-  order = sorted(order, key=lambda s: (-full[s], order.index(s)))
-  points: dict[Layout, dict[int, int]] = {}  # per layout: stored bytes -> compiled peak
-  at_point: dict[tuple[Layout, int], Candidate] = {}  # the candidate compiled at each point
-
-  def run(c: Candidate) -> int:
-    loss = configure(loss_fn, c.layout, plan_of(c), strict=True)
-    peak = measure(_key(c), loss, c.describe())
-    points.setdefault(c.layout, {})[c.stored] = peak
-    at_point.setdefault((c.layout, c.stored), c)
-    return peak
-
-  for layout in dict.fromkeys((Layout(), all_remat)):  # calibration: every residual at 4 bits
-    run(allocate(table, inner, layout, float("inf"), (SEGMENT_BITS,)))
-
-  def offset(layout) -> float:  # peak - stored, interpolated between the measured layouts
-    of = lambda lay: min(p - s for s, p in points[lay].items())
-    share = sum(full[s] for s in layout.remat) / (sum(full.values()) or 1)
-    return of(Layout()) + share * (of(all_remat) - of(Layout()))
-
-  def propose(layout) -> Candidate | None:
-    """The layout's least-variance candidate predicted to fit: the stored-bytes target
-    where the line through its measured points meets the budget, kept between the
-    largest stored that fitted and the smallest that did not."""
-    own = sorted(points.get(layout, {}).items())
-    fit_s = max((s for s, p in own if p <= budget_bytes), default=None)
-    fail_s = min((s for s, p in own if p > budget_bytes), default=None)
-    if not own:
-      goal = budget_bytes - offset(layout)
-    else:
-      below = [sp for sp in own if sp[1] <= budget_bytes][-1:]
-      above = [sp for sp in own if sp[1] > budget_bytes][:1]
-      pair = below + above if below and above else own[-2:] if len(own) > 1 else own
-      (s0, p0), (s1, p1) = pair[0], pair[-1]
-      slope = (p1 - p0) / (s1 - s0) if s1 != s0 and p1 != p0 else 1.0
-      goal = s0 + (budget_bytes - p0) / max(slope, 0.05)
-    if fail_s is not None:
-      goal = min(goal, fail_s - 1)
-      if fit_s is not None:  # bracketed: never closer to the failing end than a bisection
-        goal = min(goal, (fit_s + fail_s) / 2)
-    if fit_s is not None and goal <= fit_s * 1.02 + 1:
-      return at_point[(layout, fit_s)]
-    return allocate(table, inner, layout, goal, widths)
-
+  if written <= budget_bytes and not survey.compresses_outside_segments():
+    return result(None, survey.order)  # fits as written, compressing nothing: least variance
+  widths = _stable_widths(loss_fn, example_args, Layout(), survey.sites0, widths)
+  if survey.order:
+    widths = _stable_widths(loss_fn, example_args, survey.all_remat, survey.sites1, widths)
+  sens = _sensitivities(loss_fn, survey, sensitivity, calibration, example_args, argnums, seed)
+  table, inner = _table(survey, sens)
+  verifier = Verifier(loss_fn, compiles, table, inner, survey.order, widths, budget_bytes)
+  verifier.calibrate()
   written_variance = sum(
-    r.sensitivity * variance_factor(sites0[r.name].bits)
+    r.sensitivity * variance_factor(survey.sites0[r.name].bits)
     for r in table
-    if r.segment is None and isinstance(sites0[r.name].bits, int)
+    if r.segment is None and isinstance(survey.sites0[r.name].bits, int)
   )
-  pool = {layout: propose(layout) for layout in layouts(order)}
-  verified, chosen = 0, None
-  while True:
-    ranked = sorted(
-      ((c.variance, c.recompute, len(c.layout.remat)), i, c)
-      for i, c in enumerate(pool.values())
-      if c is not None
-    )
-    if written <= budget_bytes and (not ranked or written_variance <= ranked[0][0][0]):
-      chosen = "written"  # fits as written, and nothing predicted has less variance
-      break
-    if not ranked:
-      break
-    c = ranked[0][2]
-    if _key(c) in compiled and compiled[_key(c)] <= budget_bytes:
-      chosen = c  # verified, and nothing predicted to fit has less variance
-      break
-    if verified >= max_candidates:
-      break
-    verified += 1
-    run(c)
-    pool[c.layout] = propose(c.layout)
-  if chosen is None:  # out of compilations: the best verified configuration, if any
-    fits = [c for c in at_point.values() if compiled[_key(c)] <= budget_bytes]
-    chosen = min(fits, key=lambda c: (c.variance, c.recompute), default=None)
-
-  elapsed = lambda: time.perf_counter() - started
+  chosen = verifier.best(written, written_variance, max_candidates)
   if chosen is None:  # the smallest configuration: it fits (then it is the answer) or nothing does
-    lowest = (min(w for w in widths if w is not None),)
-    smallest = allocate(table, inner, all_remat, float("inf"), lowest)
-    if run(smallest) <= budget_bytes:
-      chosen = smallest
-    else:
+    smallest = verifier.smallest()
+    if verifier.run(smallest) > budget_bytes:
       raise FitError(
         budget_bytes,
         written,
-        compiled[_key(smallest)],
+        verifier.peak_of(smallest),
         smallest.describe(),
-        len(order),
-        len(compiled),
-        elapsed(),
+        len(survey.order),
+        len(compiles),
+        time.perf_counter() - started,
       )
-  if chosen == "written":
-    loss, plan = configure(loss_fn, None, None), BitPlan({})
-    peak, variance, remat, recompute = written, written_variance, (), 0
-  else:
-    plan = plan_of(chosen)
-    loss = configure(loss_fn, chosen.layout, plan)
-    peak = compiled[_key(chosen)]
-    variance, recompute = chosen.variance, chosen.recompute
-    remat = tuple(s for s in order if s in chosen.layout.remat)
-  return Fit(
-    loss_fn=loss,
-    plan=plan,
-    remat=remat,
-    peak_bytes=peak,
-    budget_bytes=int(budget_bytes),
-    written_peak_bytes=written,
-    predicted_variance=float(variance),
-    recompute_values=recompute,
-    compilations=len(compiled),
-    search_seconds=elapsed(),
-    segments=tuple(order),
-    history=tuple(history),
-  )
+    chosen = smallest
+  if chosen is WRITTEN:
+    return result(None, verifier.order, variance=written_variance)
+  return result(chosen, verifier.order)

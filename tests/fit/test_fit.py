@@ -9,6 +9,7 @@ import jact
 from jact._fit.model import Residual, allocate, stored_bytes
 from jact._fit.segments import Layout
 from jact._fit.steps import configure, step_peak
+from jact._planning.plan import BitPlan
 
 N = 8
 
@@ -191,10 +192,8 @@ def test_largest_batch_is_within_five_percent_of_bisection():
   assert found.failing_batch > true and found.compilations <= 10
 
 
-def test_a_converted_linen_model_is_planned_by_names_that_hold():
-  # Inside a converted model's generic engine, a layer's residual kept uncompressed shifts the
-  # positional names after it: fit must not use "uncompressed" there, and every name it plans
-  # must be traced (its compiles apply the plan strictly).
+def converted_mlp():
+  """A linen MLP through jact.convert: its residuals are named by position."""
   import flax.linen as nn
 
   class MLP(nn.Module):
@@ -211,13 +210,38 @@ def test_a_converted_linen_model_is_planned_by_names_that_hold():
   def loss(params, x, key):
     return jnp.mean(model.apply({"params": params}, x, rngs={"jact": key}) ** 2)
 
-  args = (variables["params"], x, jax.random.key(2))
+  return loss, (variables["params"], x, jax.random.key(2))
+
+
+def test_a_converted_linen_model_is_planned_by_names_that_hold():
+  # Inside a converted model's generic engine, a layer's residual kept uncompressed shifts the
+  # positional names after it: fit must not use "uncompressed" there, and every name it plans
+  # must be traced (its compiles apply the plan strictly).
+  loss, args = converted_mlp()
   as_written = step_peak(configure(loss, None, None), args, (0,))
   result = jact.fit(loss, *args, budget_bytes=int(0.95 * as_written))
   assert result.peak_bytes <= 0.95 * as_written
   assert None not in dict(result.plan.entries).values()
   with jact.use_plan(result.plan, strict=True):  # every name of the plan is traced
     jax.eval_shape(lambda *a: jax.grad(loss)(*a), *args)
+
+
+def test_every_mix_of_compressed_widths_keeps_the_names():
+  # fit checks one compressed width for renaming and takes it for all of them: any mix of
+  # 1, 2, 4 and 8 bits must name the same residuals (uncompressed is what renames).
+  from jact._fit.search import _discover
+
+  loss, args = converted_mlp()
+  sites, _ = _discover(loss, args, Layout())
+  names = sorted(sites)
+  mix = BitPlan({n: (1, 2, 4, 8)[i % 4] for i, n in enumerate(names)})
+  for plan in [mix, *(BitPlan({n: w for n in names}) for w in (1, 2, 4, 8))]:
+    with jact.use_plan(plan, strict=True):  # strict: a planned name not traced is an error
+      traced = jax.eval_shape(lambda *a: jax.grad(loss)(*a), *args)
+    assert jax.tree.structure(traced) == jax.tree.structure(args[0])
+  with pytest.raises(ValueError, match="not traced|names residuals"):
+    with jact.use_plan(BitPlan({n: None for n in names}), strict=True):
+      jax.eval_shape(lambda *a: jax.grad(loss)(*a), *args)
 
 
 def test_a_sensitivity_state_is_taken_as_estimates():
