@@ -7,8 +7,7 @@ from typing import Any, Callable, Sequence
 
 from jact._fit.model import allocate
 from jact._fit.result import Fit
-from jact._fit.search import _discover, _table, fit
-from jact._fit.segments import Layout
+from jact._fit.search import _Survey, _table, fit
 from jact._fit.steps import argnums_tuple, configure, plan_of, step_peak
 
 __all__ = ["LargestBatch", "largest_batch"]
@@ -37,13 +36,11 @@ class LargestBatch:
 def _smallest(loss_fn, args, widths):
   """The loss configured as small as fit can make it: every rematerializable segment
   rematerialized, every residual at the lowest width."""
-  sites0, found = _discover(loss_fn, args, Layout())
-  order = [s for s in found.order if s in found.rematerializable]
-  layout = Layout(frozenset(order))
-  sites1, found1 = _discover(loss_fn, args, layout) if order else ({}, found)
-  table, inner = _table(sites0, found.members, sites1, found1.members, order, {})
-  c = allocate(table, inner, layout, float("inf"), (min(w for w in widths if w is not None),))
-  return configure(loss_fn, layout, plan_of(c))
+  survey = _Survey.of(loss_fn, args)
+  table, inner = _table(survey, {})
+  lowest = (min(w for w in widths if w is not None),)
+  c = allocate(table, inner, survey.all_remat, float("inf"), lowest)
+  return configure(loss_fn, survey.all_remat, plan_of(c))
 
 
 def largest_batch(

@@ -192,6 +192,24 @@ def test_largest_batch_is_within_five_percent_of_bisection():
   assert found.failing_batch > true and found.compilations <= 10
 
 
+@pytest.mark.slow
+def test_largest_batch_over_any_configuration():
+  # config="fit": the smallest configuration fit can reach decides the batch (its failing batch
+  # does not fit, compiled again here), and fit's own choice at that batch fits the budget.
+  from jact._fit.batch import _smallest
+
+  loss = stack(rematerializable=True)
+  args = lambda b: (weights(), jax.ShapeDtypeStruct((b, 64), jnp.float32))
+  budget = 6 * 2**20
+  plain = jact.largest_batch(loss, args, budget, start=64)
+  found = jact.largest_batch(loss, args, budget, config="fit", start=64)
+  assert found.batch > plain.batch, (found, plain)
+  assert found.fit.peak_bytes <= budget and found.fit.budget_bytes == budget
+  assert found.failing_batch <= max(found.batch + 1, 1.05 * found.batch)
+  smallest = _smallest(loss, tuple(args(64)), (1, 2, 4, 8, None))
+  assert step_peak(smallest, tuple(args(found.failing_batch)), (0,)) > budget
+
+
 def converted_mlp():
   """A linen MLP through jact.convert: its residuals are named by position."""
   import flax.linen as nn
