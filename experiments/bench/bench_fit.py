@@ -160,10 +160,13 @@ def _counts(plan):
   return counts
 
 
-def _batch_rows(subject, budget, log, sens) -> list[dict]:
+BATCH_CONFIGS = ("plain", "fit", "any")
+
+
+def _batch_rows(subject, budget, log, sens, configs=BATCH_CONFIGS) -> list[dict]:
   """largest_batch for the written step, the fit at the subject's batch, and any config."""
   rows = []
-  for what in ("plain", "fit", "any"):
+  for what in configs:
     t = time.perf_counter()
     if what == "plain":
       loss, config = configure(subject.plain, None, None), None
@@ -211,6 +214,14 @@ def main(argv=None) -> dict:
     action="store_true",
     help="only the largest-batch rows, fit steered by residual sizes (no estimation)",
   )
+  p.add_argument(
+    "--batch-configs",
+    nargs="+",
+    choices=BATCH_CONFIGS,
+    default=list(BATCH_CONFIGS),
+    help="with --only-batch: which largest-batch rows (fit fails where nothing fits at the "
+    "subject's batch)",
+  )
   p.add_argument("--out", default="experiments/results/bench_fit.json")
   args = p.parse_args(argv)
   out = Path(args.out)
@@ -226,7 +237,9 @@ def main(argv=None) -> dict:
       subject = fit_subjects.SUBJECTS[name]()
       args_at = subject.args_for(subject.batch)
       plain_peak = step_peak(configure(subject.plain, None, None), args_at, (0,))
-      rows = _batch_rows(subject, plain_peak // 4, print, proxy_sensitivities(subject))
+      rows = _batch_rows(
+        subject, plain_peak // 4, print, proxy_sensitivities(subject), args.batch_configs
+      )
       entry = payload["subjects"].get(name, {})
       entry.update(largest_batch=rows, largest_batch_meta=meta, largest_batch_sensitivity="sizes")
       payload["subjects"][name] = entry
