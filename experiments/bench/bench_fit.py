@@ -163,28 +163,40 @@ def _counts(plan):
 BATCH_CONFIGS = ("plain", "fit", "any")
 
 
+def _largest(subject, budget, sens, what):
+  """(the loss whose batches are measured, `jact.largest_batch`'s answer) for one row."""
+  if what == "plain":
+    found = jact.largest_batch(subject.plain, subject.args_for, budget, start=subject.batch)
+    return configure(subject.plain, None, None), found
+  if what == "fit":
+    fitted = jact.fit(
+      subject.loss, *subject.args_for(subject.batch), budget_bytes=int(budget), sensitivity=sens
+    )
+    found = jact.largest_batch(
+      subject.loss, subject.args_for, budget, config=fitted, start=subject.batch
+    )
+    return fitted.loss_fn, found
+  found = jact.largest_batch(
+    subject.loss, subject.args_for, budget, config="fit", start=subject.batch, sensitivity=sens
+  )
+  # the truth for "any configuration": the smallest one's largest batch
+  return _smallest(subject.loss, tuple(subject.args_for(subject.batch)), (1, 2, 4, 8, None)), found
+
+
 def _batch_rows(subject, budget, log, sens, configs=BATCH_CONFIGS) -> list[dict]:
   """largest_batch for the written step, the fit at the subject's batch, and any config."""
   rows = []
   for what in configs:
     t = time.perf_counter()
-    if what == "plain":
-      loss, config = configure(subject.plain, None, None), None
-      found = jact.largest_batch(subject.plain, subject.args_for, budget, start=subject.batch)
-    elif what == "fit":
-      fitted = jact.fit(
-        subject.loss, *subject.args_for(subject.batch), budget_bytes=int(budget), sensitivity=sens
-      )
-      loss, config = fitted.loss_fn, fitted
-      found = jact.largest_batch(
-        subject.loss, subject.args_for, budget, config=config, start=subject.batch
-      )
-    else:
-      found = jact.largest_batch(
-        subject.loss, subject.args_for, budget, config="fit", start=subject.batch, sensitivity=sens
-      )
-      # the truth for "any configuration": the smallest one's largest batch
-      loss = _smallest(subject.loss, tuple(subject.args_for(subject.batch)), (1, 2, 4, 8, None))
+    try:
+      loss, found = _largest(subject, budget, sens, what)
+    except ValueError as e:  # even batch 1 is over the budget: a result, not a failure
+      if "even batch 1" not in str(e):
+        raise
+      row = {"config": what, "budget_bytes": int(budget), "batch": 0, "why": str(e)}
+      rows.append(row)
+      log(f"  largest batch {row}")
+      continue
     seconds = time.perf_counter() - t
     hi = found.failing_batch or found.batch + 1
     true = _bisect(loss, subject.args_for, budget, found.batch, hi)
