@@ -28,7 +28,7 @@ import numpy as np
 import jact
 from experiments.lib import fit_subjects, metadata, resumable
 from jact._fit.batch import _smallest
-from jact._fit.search import _discover, _estimate
+from jact._fit.search import _estimate, _Survey
 from jact._fit.segments import Layout
 from jact._fit.steps import configure, step_peak
 
@@ -82,16 +82,22 @@ def run_subject(
   args = subject.args_for(subject.batch)
   calib = subject.args_for(subject.calibration_batch)
   plain_peak = step_peak(configure(subject.plain, None, None), args, (0,))
-  sites, found = _discover(subject.loss, args, Layout())
-  order = [s for s in found.order if s in found.rematerializable]
+  survey = _Survey.of(subject.loss, args)
+  sites, order = survey.sites0, list(survey.order)
   t = time.perf_counter()
   sens = _estimate(subject.loss, Layout(), list(sites), sites, calib, (0,), jax.random.key(0))
   if order:
-    remat = Layout(frozenset(order))
-    sites1, found1 = _discover(subject.loss, args, remat)
-    inputs = [n for s in order for n in found1.members[s] if n.startswith(f"{s}.remat.")]
-    inputs = [n for n in inputs if ".remat.body." not in n]
-    sens.update(_estimate(subject.loss, remat, inputs, sites1, calib, (0,), jax.random.key(0)))
+    sens.update(
+      _estimate(
+        subject.loss,
+        survey.all_remat,
+        survey.remat_inputs(),
+        survey.sites1,
+        calib,
+        (0,),
+        jax.random.key(0),
+      )
+    )
   estimate_s = time.perf_counter() - t
   log(
     f"{name}: plain peak {plain_peak / 2**20:.1f} MiB, {len(sens)} sensitivities in "
@@ -145,12 +151,8 @@ def run_subject(
 
 def proxy_sensitivities(subject) -> dict:
   """Every residual's number of values (fit's own stand-in without estimates)."""
-  args = subject.args_for(subject.batch)
-  sites, found = _discover(subject.loss, args, Layout())
-  order = [s for s in found.order if s in found.rematerializable]
-  if order:
-    sites = {**sites, **_discover(subject.loss, args, Layout(frozenset(order)))[0]}
-  return {n: float(s.size) for n, s in sites.items()}
+  survey = _Survey.of(subject.loss, subject.args_for(subject.batch))
+  return {n: float(s.size) for n, s in {**survey.sites0, **survey.sites1}.items()}
 
 
 def _counts(plan):
