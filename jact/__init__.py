@@ -47,6 +47,10 @@ from jact._transforms.checkpoint import save_inputs_only as save_inputs_only
 from jact._compiled_memory import CompiledMemory as CompiledMemory
 from jact._report import ResidualReport as ResidualReport
 from jact._compiled_memory import compiled_memory as compiled_memory
+from jact._gpu_target import GpuTarget as GpuTarget
+from jact._gpu_target import GpuCompilerMissing as GpuCompilerMissing
+from jact._gpu_target import compile_for as compile_for
+from jact._gpu_target import gpu_target as gpu_target
 from jact._report import residual_report as residual_report
 from jact._transforms.compressed import compressed as compressed
 from jact._engine.sharding import sharded_batch as sharded_batch
@@ -83,6 +87,10 @@ __all__ = [
   "compiled_memory",
   "ResidualReport",
   "CompiledMemory",
+  "compile_for",
+  "gpu_target",
+  "GpuTarget",
+  "GpuCompilerMissing",
   "compressed",
   "sharded_batch",
   "checkpoint",

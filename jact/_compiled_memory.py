@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jact._gpu_target import compile_for
 from jact._report import _check_callable, _over_traceable_leaves, format_bytes
 
 __all__ = ["CompiledMemory", "compiled_memory"]
@@ -57,6 +58,7 @@ def compiled_memory(
   static_argnums: int | Sequence[int] = (),
   in_shardings: Any = None,
   out_shardings: Any = None,
+  target: Any = None,
   **kwargs: Any,
 ) -> CompiledMemory:
   """Compiles `jax.jit(fn, static_argnums=...)` for `args` and reports its buffers.
@@ -76,6 +78,10 @@ def compiled_memory(
       `equinox.filter_jit` holds them.
     static_argnums: as for `jax.jit`.
     in_shardings, out_shardings: as for `jax.jit` (left to jit when None).
+    target: None (this machine's backend), or a GPU to compile for on any
+      machine, "h100", "h200" or a `jact.GpuTarget`: XLA:GPU's figures, the
+      ones that decide whether a step fits there (`jact.compile_for`; XLA:CPU
+      does not realize what `jax.checkpoint` saves). Single-device only.
 
   Returns:
     A `CompiledMemory`.
@@ -87,6 +93,14 @@ def compiled_memory(
   (True, True)
   """
   _check_callable(fn, "compiled_memory")
+  if target is not None:
+    if in_shardings is not None or out_shardings is not None:
+      raise ValueError(
+        "compiled_memory(target=...) compiles for one GPU; pass no in_shardings/out_shardings "
+        "(measure sharded steps on this machine's devices, target=None)"
+      )
+    compiled = compile_for(fn, *args, target=target, static_argnums=static_argnums, **kwargs)
+    return _from_stats(compiled.memory_analysis())
   shardings = {
     name: value
     for name, value in (("in_shardings", in_shardings), ("out_shardings", out_shardings))
@@ -97,7 +111,10 @@ def compiled_memory(
   compiled = (
     jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
   )
-  stats = compiled.memory_analysis()
+  return _from_stats(compiled.memory_analysis())
+
+
+def _from_stats(stats) -> CompiledMemory:
   if stats is None:
     raise RuntimeError(
       f"the {jax.default_backend()!r} backend gives no memory analysis for compiled "

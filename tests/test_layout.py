@@ -33,6 +33,8 @@ LAYERS = [
   ("jact.nn", 7),
   ("jact.nnx", 7),
   ("jact._report", 7),
+  ("jact._gpu_targets", 7),
+  ("jact._gpu_target", 7.5),
   ("jact._compiled_memory", 8),
   ("jact._fit", 9),
   ("jact", 10),

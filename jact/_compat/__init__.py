@@ -1,7 +1,7 @@
 """Every private or undocumented JAX access jact makes, one package split by upstream area.
 
 Each accessor is a small function in the module of its area (`jaxpr`,
-`primitives`, `calls`, `vjp`, `sharding`, `pallas`) whose docstring names the
+`primitives`, `calls`, `vjp`, `sharding`, `pallas`, `gpu_aot`) whose docstring names the
 public API that would replace it (or "none public" and what to watch), with
 its probe beside it (`@probes(name="what it reads")`). `check()` runs the
 probes and raises one `CompatError` naming each access the installed JAX
@@ -75,7 +75,9 @@ from jact._compat.pallas import (
   lowering_platform,
   pallas_kernel_name,
   lower_for_cuda,
+  gpu_mesh_context,
 )
+from jact._compat.gpu_aot import cuda_devices
 
 __all__ = [
   "CompatError",
@@ -129,5 +131,7 @@ __all__ = [
   "axes_bound",
   "lowering_platform",
   "pallas_kernel_name",
+  "gpu_mesh_context",
+  "cuda_devices",
   "lower_for_cuda",
 ]

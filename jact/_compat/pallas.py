@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as _pallas_triton
 
 from jact._compat._probes import probes, trace_eqns
 
-__all__ = ["lowering_platform", "pallas_kernel_name", "lower_for_cuda"]
+__all__ = ["lowering_platform", "pallas_kernel_name", "lower_for_cuda", "gpu_mesh_context"]
 
 
 # ----------------------------------------------------------------------------- platform
@@ -99,6 +99,25 @@ def _abstract_gpu(device_kind: str):
     abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu"),
   )
   return jax.sharding.use_abstract_mesh(mesh)
+
+
+def gpu_mesh_context(mesh):
+  """Context in which a trace is made for the GPU of `mesh`'s compile-only
+  devices (`jax.experimental.topologies`): `mesh` as the context mesh. Pallas
+  Triton kernels read the target's device kind from its abstract devices on
+  jax >= 0.11 (jax 0.10.2 lowers for sm_90 without a GPU), and the context
+  mesh is part of JAX's trace-cache key, so a function traced before for the
+  CPU is traced again (with jact's GPU kernels staged in).
+  Public: `jax.set_mesh`."""
+  return jax.set_mesh(mesh)
+
+
+@probes(gpu_mesh_context="jax.set_mesh as a context manager")
+def _check_gpu_mesh_context():
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("jact_probe",))
+  with gpu_mesh_context(mesh):
+    out = jax.jit(lambda x: x + 1)(jnp.ones(2))
+  assert float(out[0]) == 2.0
 
 
 def lower_for_cuda(

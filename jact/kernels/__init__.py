@@ -33,7 +33,16 @@ from jact.kernels._quantize.reference import dequantize_reference, quantize_refe
 from jact.kernels._registry import Implementation, Registry
 from jact.kernels._relu_mask.reference import relu_mask_reference
 
-__all__ = ["Implementation", "Registry", "REGISTRY", "available", "select", "dispatch", "use"]
+__all__ = [
+  "Implementation",
+  "Registry",
+  "REGISTRY",
+  "available",
+  "select",
+  "dispatch",
+  "use",
+  "lowering_for",
+]
 
 _REFERENCES = [
   Implementation("quantize", "xla", quantize_reference),
@@ -107,3 +116,4 @@ available = REGISTRY.available
 select = REGISTRY.select
 dispatch = REGISTRY.dispatch
 use = REGISTRY.use
+lowering_for = REGISTRY.lowering_for

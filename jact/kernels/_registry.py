@@ -12,6 +12,21 @@ This module imports nothing from jact; `jact.kernels` builds jact's table.
 >>> with table.use(double="fast"):
 ...   table.select("double", platform="cpu").name
 'fast'
+
+Kernels are chosen for the platform a program is lowered for: `dispatch` stages
+the kernel with `lax.platform_dependent`. On a GPU that is automatic; on a host
+without one, `lowering_for("cuda")` stages them too, for a program that will be
+lowered for cuda (a deviceless XLA:GPU compile, an export):
+
+>>> table = Registry([Implementation("double", "xla", lambda x: 2 * x),
+...                   Implementation("double", "fast", lambda x, interpret=True: x + x,
+...                                  platforms=("gpu",), priority=10,
+...                                  lowering_platforms=("cuda",))])
+>>> table.dispatch("double").__name__                      # on this CPU: the reference
+'<lambda>'
+>>> with table.lowering_for("cuda"):
+...   table.dispatch("double").__name__
+'double_fast_or_xla'
 """
 
 from __future__ import annotations
@@ -88,6 +103,9 @@ class Registry:
     self._choices: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
       f"jact_kernel_choices_{next(_IDS)}", default=types.MappingProxyType({})
     )
+    self._targets: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+      f"jact_kernel_targets_{next(_IDS)}", default=()
+    )
 
   @property
   def ops(self) -> tuple[str, ...]:
@@ -134,16 +152,54 @@ class Registry:
     An explicit `implementation` or a `use()` choice is returned as is. An
     automatic choice that lowers only for some platforms is staged: on each
     platform it supports it runs with `interpret=False`, anywhere else the XLA
-    reference runs. The choice is made when the computation is lowered, not
-    from the default backend at trace time. (Lowering for several platforms at
+    reference runs. On a host without the kernel's backend the trace holds the
+    reference alone, unless inside `lowering_for(platform)`, which stages the
+    kernel whatever the trace-time backend. (Lowering for several platforms at
     once, e.g. `jax.export` to cuda and cpu, fails: a Pallas call has no
     compiled CPU lowering; force `implementation="xla"` there.)
     """
     impl = self.select(op, implementation, size=size)
     forced = implementation is not None or op in self._choices.get()
-    if forced or not impl.lowering_platforms:
+    if forced:
+      return impl.fn
+    if self._targets.get() and size != 0:
+      impl = self._for_targets(op, size) or impl
+    if not impl.lowering_platforms:
       return impl.fn
     return _staged(impl, self.available(op)["xla"])
+
+  def _for_targets(self, op: str, size: int | None) -> Implementation | None:
+    """The highest-priority kernel of `op` lowering for a `lowering_for` platform, whatever
+    the trace-time backend."""
+    targets = set(self._targets.get())
+    candidates = [
+      i
+      for i in self.available(op).values()
+      if targets & set(i.lowering_platforms)
+      and (size is None or i.max_size is None or size <= i.max_size)
+    ]
+    return max(candidates, key=lambda i: i.priority) if candidates else None
+
+  @contextlib.contextmanager
+  def lowering_for(self, *platforms: str) -> Iterator[None]:
+    """Context in which automatic choices stage the kernels that lower for
+    `platforms` ("cuda", ...) even where the trace-time backend has none, so a
+    program traced on a CPU and lowered for cuda holds the GPU kernels.
+
+    Outside it a CPU trace holds the reference only: staging traces both
+    branches (about twice a quantize's trace time), which CPU programs would pay
+    for nothing. JAX caches traces by function and shapes, not by this context:
+    trace a function here that was not traced outside it (`jact.compile_for`
+    makes sure of that)."""
+    known = ("cpu", "cuda", "rocm", "tpu")
+    unknown = [p for p in platforms if p not in known]
+    if unknown or not platforms:
+      raise ValueError(f"lowering_for takes platforms among {known}, got {platforms!r}")
+    token = self._targets.set(tuple(dict.fromkeys(self._targets.get() + platforms)))
+    try:
+      yield
+    finally:
+      self._targets.reset(token)
 
   @contextlib.contextmanager
   def use(self, **choices: str) -> Iterator[None]:
