@@ -7,8 +7,9 @@ pipeline -- fusion, scheduling, buffer assignment -- for an H100 or H200 on a
 machine without a GPU (it needs the CUDA PJRT plugin of the installed jax:
 `pip install "jax[cuda12-local]==<jax version>"`, or jact's `gpu-aot` extra);
 `compiled_memory(..., target="h200")` reports that program's buffers. jact's GPU
-kernels are staged into the program (`jact.kernels.lowering_for("cuda")`), so it
-is the program a GPU would run.
+kernels are staged into the program (`jact.kernels.lowering_for("cuda")`), and
+JAX's cuDNN fused attention traces for the target's cuDNN, so it is the program a
+GPU would run.
 
 >>> import jax, jax.numpy as jnp
 >>> gpu_target("h200").memory_bandwidth
@@ -71,6 +72,13 @@ class GpuTarget:
   tf32_flops: float
   vector_flops: float
   host_memory: bool = True
+
+  @property
+  def cudnn_version(self) -> int:
+    """The target's cuDNN version as cuDNN numbers it (9.7 -> 90700)."""
+    info = self.config.split("dnn_version_info")[1].split("}")[0]
+    field = lambda name: int(info.split(f"{name}:")[1].split()[0]) if f"{name}:" in info else 0
+    return field("major") * 10000 + field("minor") * 100 + field("patch")
 
   def devices(self) -> tuple:
     """Compile-only devices of this target (one GPU); raises `GpuCompilerMissing` with the fix."""
@@ -169,7 +177,11 @@ def compile_for(
   if static_argnums == ():
     fn, args, kwargs = _over_traceable_leaves(fn, args, kwargs)
   args, kwargs = jax.tree.map(lambda v: _on_target(v, replicated), (args, kwargs))
-  with kernels.lowering_for("cuda"), _compat.gpu_mesh_context(mesh):
+  with (
+    kernels.lowering_for("cuda"),
+    _compat.gpu_mesh_context(mesh),
+    _compat.cudnn_for_target(spec.cudnn_version),
+  ):
     lowered = (
       jax.jit(fn, static_argnums=static_argnums)
       .trace(*args, **kwargs)

@@ -162,3 +162,13 @@ def test_lowering_for_rejects_unknown_platforms():
   with pytest.raises(ValueError, match="among"):
     with kernels.lowering_for("gpu"):
       pass
+
+
+@needs_plugin
+def test_cudnn_fused_attention_compiles_for_the_target():
+  def attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").sum()
+
+  qkv = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)] * 3
+  text = jact.compile_for(jax.grad(attention, argnums=(0, 1, 2)), *qkv, target="h200").as_text()
+  assert "__cudnn$fmha" in text

@@ -77,7 +77,7 @@ from jact._compat.pallas import (
   lower_for_cuda,
   gpu_mesh_context,
 )
-from jact._compat.gpu_aot import cuda_devices
+from jact._compat.gpu_aot import cuda_devices, cudnn_for_target
 
 __all__ = [
   "CompatError",
@@ -133,5 +133,6 @@ __all__ = [
   "pallas_kernel_name",
   "gpu_mesh_context",
   "cuda_devices",
+  "cudnn_for_target",
   "lower_for_cuda",
 ]

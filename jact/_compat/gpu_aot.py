@@ -15,15 +15,17 @@ initializes it once more with that check skipped (the plugin's own switch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from typing import Iterator
 
 from jax.experimental import topologies
 
 from jact._compat._probes import probes
 
-__all__ = ["cuda_devices"]
+__all__ = ["cuda_devices", "cudnn_for_target"]
 
 _PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
@@ -88,3 +90,47 @@ def _check_cuda_devices():
     except ImportError:
       continue
     assert callable(getattr(plugin, "initialize", None)), f"{name} has no initialize()"
+
+
+def _fused_attention():
+  from jax._src.cudnn import fused_attention_stablehlo  # private: see cudnn_for_target
+
+  return fused_attention_stablehlo
+
+
+@contextlib.contextmanager
+def cudnn_for_target(version: int) -> Iterator[None]:
+  """Context in which `jax.nn.dot_product_attention(..., implementation="cudnn")` traces
+  for a target's cuDNN `version` (e.g. 90700) on a machine without the cuDNN library;
+  where the library loads, nothing changes.
+
+  None public: jax asks the cuDNN library for its version while tracing
+  (`jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version`) and refuses
+  ("cuDNN is not detected") without it; the version is stood in for by the target's."""
+  module = _fused_attention()
+  original = module.check_cudnn_version
+  try:
+    original()
+    available = True
+  except RuntimeError:
+    available = False
+  if available:
+    yield
+    return
+  module.check_cudnn_version = lambda: version
+  try:
+    yield
+  finally:
+    module.check_cudnn_version = original
+
+
+@probes(cudnn_for_target="jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version (private)")
+def _check_cudnn_for_target():
+  module = _fused_attention()
+  assert callable(module.check_cudnn_version), "no check_cudnn_version to stand in for"
+  with cudnn_for_target(90700):
+    try:
+      version = module.check_cudnn_version()
+    except RuntimeError as e:  # pragma: no cover
+      raise AssertionError(f"the cuDNN version check still refuses: {e}") from e
+  assert isinstance(version, int)

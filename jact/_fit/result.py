@@ -13,10 +13,20 @@ __all__ = ["Fit", "FitError", "Measured"]
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-  """One compiled configuration and its compiled peak."""
+  """One compiled configuration: its compiled peak and, compiled for a GPU target, its
+  predicted step time (a roofline of the compiled program, not a measurement) and the
+  predicted gradient variance (0: exact)."""
 
   what: str
   peak_bytes: int
+  predicted_seconds: float | None = None
+  variance: float | None = None
+
+  def line(self, budget: int | None = None) -> str:
+    fits = "" if budget is None else ("fits" if self.peak_bytes <= budget else "over")
+    time = "" if self.predicted_seconds is None else f"{self.predicted_seconds * 1e3:8.2f} ms"
+    var = "" if self.variance is None else f"var {self.variance:.3g}"
+    return f"  {format_bytes(self.peak_bytes):>12} {fits:>4} {time:>11} {var:>13}  {self.what}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,12 @@ class Fit:
     search_seconds: the search's wall time.
     segments: every segment found, the order remat takes them in.
     history: each compiled configuration and its peak, in order.
+    target: the GPU the step was compiled for ("h200", ...), or None (this machine).
+    policy: the JAX rematerialization policy chosen for every segment (`jax.checkpoint`,
+      nothing compressed), or None.
+    predicted_seconds: with a target, the chosen step's predicted time (a roofline of
+      XLA:GPU's program, calibrated on H200 measurements; not a measurement).
+    variance_bound: with a target, the predicted variance a configuration could have.
   """
 
   loss_fn: Callable[..., Any]
@@ -51,6 +67,10 @@ class Fit:
   search_seconds: float
   segments: tuple[str, ...]
   history: tuple[Measured, ...]
+  target: str | None = None
+  policy: str | None = None
+  predicted_seconds: float | None = None
+  variance_bound: float | None = None
 
   def report(self) -> str:
     """A readable summary: peak against budget, what is rematerialized, widths, the search."""
@@ -62,13 +82,22 @@ class Fit:
       f"peak {format_bytes(self.peak_bytes)} of a {format_bytes(self.budget_bytes)} budget "
       f"(as written: {format_bytes(self.written_peak_bytes)})",
       f"rematerialized: {', '.join(self.remat) or 'nothing'} "
-      f"({len(self.remat)} of {len(self.segments)} segments)",
+      f"({len(self.remat)} of {len(self.segments)} segments)"
+      + (f"; JAX's jax.checkpoint with {self.policy} per segment" if self.policy else ""),
       f"residual widths: {widths}",
       f"predicted gradient variance {self.predicted_variance:.4g}; "
       f"recomputed values {self.recompute_values}",
       f"search: {self.compilations} compilations in {self.search_seconds:.1f} s",
     ]
-    lines += [f"  {format_bytes(m.peak_bytes):>12}  {m.what}" for m in self.history]
+    if self.target is not None:
+      lines.insert(
+        1,
+        f"compiled for {self.target}: predicted step {self.predicted_seconds * 1e3:.2f} ms "
+        f"(a roofline of the compiled program, not a measurement); variance bound "
+        f"{self.variance_bound:.4g}",
+      )
+      lines.append("  the frontier seen (peak, fits, predicted step, predicted variance):")
+    lines += [m.line(self.budget_bytes) for m in self.history]
     return "\n".join(lines)
 
 

@@ -24,10 +24,13 @@ import jax
 import numpy as np
 
 from jact._engine import context as _context
+from jact._gpu_target import gpu_target
 from jact._core.allocate import variance_factor
 from jact._fit.model import Residual
 from jact._fit.result import Fit, FitError
-from jact._fit.segments import Layout, discovering
+from jact._fit import fastest as _fastest
+from jact._fit.fastest import WHOLE_LOSS, try_policies, whole_loss_segment
+from jact._fit.segments import JAX_POLICIES, Layout, discovering
 from jact._fit.steps import argnums_tuple, configure, plan_of
 from jact._fit.verify import WRITTEN, Compiles, Verifier, candidate_key
 from jact._planning import sensitivity as _sensitivity
@@ -194,11 +197,21 @@ def _table(survey: _Survey, sensitivities) -> tuple[list, dict]:
   return rows, inner
 
 
-def _result(loss_fn, budget, written, compiles, started, chosen, order, variance=0.0) -> Fit:
-  """The `Fit` of `chosen` (None: the step as written, of predicted `variance`)."""
-  if chosen is None:
+def _result(
+  loss_fn, budget, written, compiles, started, spec, chosen, order, variance=0.0, bound=None
+) -> Fit:
+  """The `Fit` of `chosen`: a candidate, a JAX policy's key, or None / "as written" (the
+  step as written, of predicted `variance`)."""
+  policy = None
+  if chosen is None or chosen == "as written":
     loss, plan, peak, remat, recompute = configure(loss_fn, None, None), BitPlan({}), written, (), 0
+    key = "as written"
+  elif isinstance(chosen, tuple) and chosen[0] == "policy":
+    policy, key = chosen[1], chosen
+    loss = configure(loss_fn, Layout(policy=policy), None)
+    plan, peak, remat, recompute, variance = BitPlan({}), compiles.peaks[key], (), 0, 0.0
   else:
+    key = candidate_key(chosen)
     plan = plan_of(chosen)
     loss = configure(loss_fn, chosen.layout, plan)
     peak, variance, recompute = (
@@ -220,7 +233,19 @@ def _result(loss_fn, budget, written, compiles, started, chosen, order, variance
     search_seconds=time.perf_counter() - started,
     segments=tuple(order),
     history=tuple(compiles.history),
+    target=None if spec is None else spec.name,
+    policy=policy,
+    predicted_seconds=compiles.measured[key].predicted_seconds,
+    variance_bound=bound,
   )
+
+
+def _checked_policies(policies) -> tuple[str, ...]:
+  policies = tuple(policies)
+  unknown = [p for p in policies if p not in JAX_POLICIES]
+  if unknown:
+    raise ValueError(f"unknown JAX policies {unknown}; known: {sorted(JAX_POLICIES)}")
+  return policies
 
 
 def fit(
@@ -233,6 +258,9 @@ def fit(
   widths: Sequence[int | None] = _WIDTHS,
   max_candidates: int = 6,
   seed: int = 0,
+  target: str | Any = None,
+  variance_bound: float | None = None,
+  policies: Sequence[str] = tuple(JAX_POLICIES),
 ) -> Fit:
   """Configures `loss_fn`'s training step to fit `budget_bytes`.
 
@@ -241,6 +269,15 @@ def fit(
   `jax.grad(loss_fn, argnums)` -- XLA's memory analysis: arguments, outputs
   and temporaries -- is at most `budget_bytes`; among those, the one with the
   least predicted gradient variance, then the least recomputation.
+
+  With `target="h200"` (or "h100", a `jact.GpuTarget`) every configuration is
+  compiled by XLA:GPU for that GPU, on any machine, and JAX's own
+  `jax.checkpoint` policies per segment (`policies`) join the candidates; the
+  answer is then the configuration with the least step time *predicted* from
+  the compiled program (a roofline; `Fit.predicted_seconds`) whose peak fits
+  and whose predicted gradient variance is at most `variance_bound` (default:
+  every residual at 4 bits). A loss with no `jact.segment` and no compressed
+  residual is taken as one segment (the whole loss captured and compressed).
 
   Args:
     loss_fn: `loss_fn(*args) -> scalar`, plain JAX, jact ops, a converted Flax
@@ -260,6 +297,13 @@ def fit(
     max_candidates: at most this many configurations are compiled to verify
       (besides the three calibration compiles).
     seed: the estimator's rounding seed (the search is deterministic).
+    target: None (this machine's compiler, least variance), or the GPU to fit
+      the step for (fastest predicted step within `variance_bound`).
+    variance_bound: with a target, the largest predicted gradient variance
+      allowed (default: the uniform 4-bit configuration's).
+    policies: with a target, JAX's policies tried on every segment (names of
+      `JAX_POLICIES`: "nothing_saveable", "dots_saveable",
+      "dots_with_no_batch_dims_saveable", "offload_inputs").
 
   Returns:
     A `Fit`: `.loss_fn(*args, key=...)` (the configured loss), `.peak_bytes`,
@@ -271,13 +315,20 @@ def fit(
   started = time.perf_counter()
   argnums = argnums_tuple(argnums)
   widths = _checked(budget_bytes, widths, max_candidates)
-  compiles = Compiles(example_args, argnums)
-  written = compiles.peak("as written", configure(loss_fn, None, None), "the step as written")
+  policies = _checked_policies(policies)
+  spec = None if target is None else gpu_target(target)
+  compiles = Compiles(example_args, argnums, spec)
+  written = compiles.peak("as written", configure(loss_fn, None, None), "the step as written", 0.0)
   survey = _Survey.of(loss_fn, example_args)
-  result = functools.partial(_result, loss_fn, budget_bytes, written, compiles, started)
+  if not survey.found0.order and not survey.sites0:  # unmarked: the whole loss, one segment
+    loss_fn = whole_loss_segment(loss_fn)
+    survey = _Survey.of(loss_fn, example_args)
+  result = functools.partial(_result, loss_fn, budget_bytes, written, compiles, started, spec)
 
   if written <= budget_bytes and not survey.compresses_outside_segments():
     return result(None, survey.order)  # fits as written, compressing nothing: least variance
+  if spec is not None and survey.found0.order not in ([], [WHOLE_LOSS]):
+    try_policies(compiles, loss_fn, policies, spec.host_memory)
   widths = _stable_widths(loss_fn, example_args, Layout(), survey.sites0, widths)
   if survey.order:
     widths = _stable_widths(loss_fn, example_args, survey.all_remat, survey.sites1, widths)
@@ -291,6 +342,13 @@ def fit(
     if r.segment is None and isinstance(survey.sites0[r.name].bits, int)
   )
   chosen = verifier.best(written, written_variance, max_candidates)
+  if spec is not None:
+    limit = _fastest.bound(table, widths) if variance_bound is None else float(variance_bound)
+    compiles.set_variance("as written", written_variance)
+    key = _fastest.fastest(compiles, budget_bytes, limit)
+    if key is not None:
+      chosen = verifier.candidates.get(key, key)
+      return result(chosen, verifier.order, variance=written_variance, bound=limit)
   if chosen is None:  # the smallest configuration: it fits (then it is the answer) or nothing does
     smallest = verifier.smallest()
     if verifier.run(smallest) > budget_bytes:

@@ -30,22 +30,47 @@ import zlib
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from jact._engine import context as _context
 from jact._transforms._arguments import check_argnums, returning_arrays
 from jact._transforms.checkpoint import checkpoint
 from jact._transforms.compressed import compressed
 
-__all__ = ["segment", "Layout", "configured", "discovering", "SEGMENT_BITS"]
+__all__ = ["segment", "Layout", "configured", "discovering", "SEGMENT_BITS", "JAX_POLICIES"]
 
 SEGMENT_BITS = 4  # call-site width of a segment's residuals (fit's plans name every one)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Which segments are rematerialized (the rest are compressed); hashable."""
+  """Which segments are rematerialized (the rest are compressed); hashable. With `policy`
+  (a name of `JAX_POLICIES`) every segment is instead JAX's own `jax.checkpoint` with that
+  policy: nothing compressed, exact gradients."""
 
   remat: frozenset[str] = frozenset()
+  policy: str | None = None
+
+
+def _offload_inputs(names: Sequence[str]):
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=list(names),
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
+
+
+# JAX's rematerialization policies fit weighs against jact's configurations (per segment).
+JAX_POLICIES = {
+  "nothing_saveable": lambda name: jax.checkpoint_policies.nothing_saveable,
+  "dots_saveable": lambda name: jax.checkpoint_policies.dots_saveable,
+  "dots_with_no_batch_dims_saveable": (
+    lambda name: jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  ),
+  # the segment's activation arguments kept on the host, everything else recomputed
+  "offload_inputs": lambda name: _offload_inputs([f"{name}.input"]),
+}
 
 
 @dataclasses.dataclass
@@ -134,7 +159,9 @@ def segment(
     recorder = _context.current("recorder")
     before = set(recorder.sites) if (found is not None and recorder is not None) else None
     key = _segment_key(key, name)
-    if name in layout.remat and remat_mode is not None:
+    if layout.policy is not None:
+      out = _with_policy(fn, name, argnums, layout.policy)(*args, **kwargs)
+    elif name in layout.remat and remat_mode is not None:
       out = remat_mode(*args, key=key, **kwargs)
     else:
       out = compress_mode(*args, key=key, **kwargs)
@@ -147,3 +174,17 @@ def segment(
 
   wrapped.segment_name = name
   return wrapped
+
+
+def _with_policy(fn, name: str, argnums: tuple[int, ...], policy: str):
+  """`fn` under `jax.checkpoint` with JAX's `policy`; its activation arguments named
+  `f"{name}.input"` (what "offload_inputs" moves to the host)."""
+
+  def named(*args, **kwargs):
+    args = list(args)
+    for i in argnums:
+      if i < len(args):
+        args[i] = jax.tree.map(lambda v: checkpoint_name(v, f"{name}.input"), args[i])
+    return fn(*args, **kwargs)
+
+  return jax.checkpoint(named, policy=JAX_POLICIES[policy](name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -9,11 +10,12 @@ import jax
 import numpy as np
 
 from jact._compiled_memory import compiled_memory
+from jact._gpu_target import compile_for
 from jact._fit.model import TRANSIENT_BITS
 from jact._fit.segments import Layout, configured
 from jact._planning.plan import BitPlan, use_plan
 
-__all__ = ["configure", "plan_of", "step_peak", "argnums_tuple"]
+__all__ = ["configure", "plan_of", "step_peak", "step_cost", "StepCost", "argnums_tuple"]
 
 
 def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
@@ -51,9 +53,33 @@ def configure(
 def step_peak(loss, args, argnums) -> int:
   """Compiled peak bytes of `jax.grad(loss, argnums)(*args, key=...)`: arguments, outputs
   and temporaries, less donated aliases (per device when `args` carry shardings)."""
+  return step_cost(loss, args, argnums).peak
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """A configured step's compiled peak (bytes) and, compiled for a GPU target, its step
+  time *predicted* from the compiled XLA:GPU program (`jact._step_time`; never measured)."""
+
+  peak: int
+  predicted_seconds: float | None = None
+
+
+def step_cost(loss, args, argnums, target=None) -> StepCost:
+  """`StepCost` of `jax.grad(loss, argnums)(*args, key=...)`, compiled for this machine's
+  backend (`target=None`) or by XLA:GPU for `target` ("h100", "h200": `jact.compile_for`)."""
 
   def step(key, *args):
     return jax.grad(loss, argnums=argnums)(*args, key=key)
 
-  m = compiled_memory(step, jax.random.key(0), *args)
-  return m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
+  if target is None:
+    m = compiled_memory(step, jax.random.key(0), *args)
+    return StepCost(m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes)
+  compiled = compile_for(step, jax.random.key(0), *args, target=target)
+  m = compiled.memory_analysis()
+  peak = (
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
+  from jact._step_time import predict_step_time  # TEMPORARY until the module lands
+
+  return StepCost(int(peak), predict_step_time(compiled, target).seconds)

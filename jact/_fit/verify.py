@@ -1,7 +1,7 @@
 """The compiling half of `jact.fit`: candidates proposed per layout, verified in order of
 predicted variance, each layout's stored-bytes target corrected by what its compiles measured.
 
-Every compile is XLA's memory analysis of the configured gradient step (`step_peak`), done
+Every compile is XLA's memory analysis of the configured gradient step (`step_cost`), done
 once per configuration (`Compiles`). A layout's first target comes from the calibration
 compiles (`peak = base[layout] + stored bytes`); later ones follow the line through its
 measured points, kept inside the bracket of what fitted and what did not (secant, never
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from jact._fit.model import Candidate, Residual, allocate, layouts
 from jact._fit.result import Measured
 from jact._fit.segments import SEGMENT_BITS, Layout
-from jact._fit.steps import configure, plan_of, step_peak
+from jact._fit.steps import configure, plan_of, step_cost
 
 __all__ = ["Compiles", "Verifier", "WRITTEN", "candidate_key"]
 
@@ -29,18 +29,29 @@ def candidate_key(c: Candidate):
 
 @dataclasses.dataclass
 class Compiles:
-  """The compiled peak of each configuration, compiled once; `history` in compile order."""
+  """The compiled peak of each configuration, compiled once (by XLA:GPU for `target`, with
+  a predicted step time); `history` in compile order."""
 
   args: tuple
   argnums: tuple[int, ...]
+  target: Any = None
   peaks: dict[Any, int] = dataclasses.field(default_factory=dict)
   history: list[Measured] = dataclasses.field(default_factory=list)
+  measured: dict[Any, Measured] = dataclasses.field(default_factory=dict)
 
-  def peak(self, key, loss: Callable[..., Any], what: str) -> int:
+  def peak(self, key, loss: Callable[..., Any], what: str, variance: float | None = None) -> int:
     if key not in self.peaks:
-      self.peaks[key] = step_peak(loss, self.args, self.argnums)
-      self.history.append(Measured(what, self.peaks[key]))
+      cost = step_cost(loss, self.args, self.argnums, self.target)
+      self.peaks[key] = cost.peak
+      self.measured[key] = Measured(what, cost.peak, cost.predicted_seconds, variance)
+      self.history.append(self.measured[key])
     return self.peaks[key]
+
+  def set_variance(self, key, variance: float) -> None:
+    """Records a compiled configuration's predicted variance (known after the survey)."""
+    old = self.measured[key]
+    self.measured[key] = dataclasses.replace(old, variance=variance)
+    self.history[self.history.index(old)] = self.measured[key]
 
   def __len__(self) -> int:
     return len(self.peaks)
@@ -79,13 +90,15 @@ class Verifier:
     self.all_remat = Layout(frozenset(order))
     self.points: dict[Layout, dict[int, int]] = {}  # per layout: stored bytes -> compiled peak
     self.at_point: dict[tuple[Layout, int], Candidate] = {}  # the candidate compiled at each
+    self.candidates: dict[Any, Candidate] = {}  # every compiled candidate, by candidate_key
 
   def run(self, c: Candidate) -> int:
     """Compiles `c` (once) and records its point; its compiled peak."""
     loss = configure(self.loss_fn, c.layout, plan_of(c), strict=True)
-    peak = self.compiles.peak(candidate_key(c), loss, c.describe())
+    peak = self.compiles.peak(candidate_key(c), loss, c.describe(), c.variance)
     self.points.setdefault(c.layout, {})[c.stored] = peak
     self.at_point.setdefault((c.layout, c.stored), c)
+    self.candidates.setdefault(candidate_key(c), c)
     return peak
 
   def peak_of(self, c: Candidate) -> int | None:

@@ -1,0 +1,247 @@
+"""The memory/time frontier on XLA:GPU: jact against JAX's own remat and offload policies.
+
+For each model of `experiments.lib.frontier_models` (real sizes: compile-only, nothing is
+allocated) and each configuration -- plain; `jax.checkpoint` per block with
+`nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`, MaxText-style
+named saves (`save_only_these_names`) and host offload of block inputs
+(`save_and_offload_only_these_names`); `jact.compressed` per block at 8/4/2 bits;
+`jact.checkpoint` per block at 4/2 bits; `jact.fit(target=...)` at fractions of plain's
+peak -- the gradient step `jax.value_and_grad(loss)` is compiled by XLA:GPU for an H200 on
+this machine (`jact.compile_for`, no GPU needed), and the row records:
+
+* `peak_bytes`: arguments + outputs + temporaries - aliases (XLA's buffer assignment),
+  `temp_bytes`, and `host_temp_bytes` (what offload keeps in host memory);
+* `compile_s`: the CPU seconds XLA:GPU's pipeline took here (a CI-measurable figure);
+* `predicted_ms`: the step time *predicted* from the compiled program (a roofline
+  calibrated on H200 measurements, `jact._step_time`) -- never a measurement; rows get
+  `measured_ms` only from a GPU run;
+* `kernels`: jact's Triton kernel calls in the compiled program.
+
+Each row is written to the JSON as soon as it is measured (a run cut short keeps them; a rerun
+skips rows already there unless `--fresh`).
+
+    python -m experiments.bench.frontier [--models lm_6x512 resnet50_224 ...]
+        [--configs plain remat_nothing jact2 ...] [--attention xla cudnn] [--fit 0.5 0.25]
+        [--json experiments/results/frontier.json] [--fresh]
+    python -m experiments.bench.frontier --small --json /tmp/frontier.json     # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+import jact
+from experiments.lib import frontier_models, metadata, paths
+from jact._step_time import predict_step_time
+
+__all__ = ["CONFIGS", "wrap_for", "measure", "main"]
+
+NAMED_SAVES = ("qkv", "attn_out", "mlp_in", "mlp_out", "conv_out")
+POLICIES = {
+  "remat_nothing": jax.checkpoint_policies.nothing_saveable,
+  "remat_dots": jax.checkpoint_policies.dots_saveable,
+  "remat_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "remat_names": jax.checkpoint_policies.save_only_these_names(*NAMED_SAVES),
+  "offload_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[],
+    names_which_can_be_offloaded=["block_input"],
+    offload_src="device",
+    offload_dst="pinned_host",
+  ),
+}
+JACT = {"jact8": 8, "jact4": 4, "jact2": 2}
+JACT_CHECKPOINT = {"jact_ckpt4": 4, "jact_ckpt2": 2}
+CONFIGS = ("plain", *POLICIES, *JACT, *JACT_CHECKPOINT)
+FIT_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
+# --small: every model shrunk to compile in seconds (a check of the pipeline, not a result)
+SMALL = {
+  "lm_6x512": dict(layers=2, width=64, heads=2, mlp=128, batch=4, length=64),
+  "resnet50_224": dict(stages=(1, 1), width=8, image=32, batch=4, classes=10),
+  "vit_b16": dict(layers=2, width=64, heads=2, mlp=128, batch=4, image=32, patch=8, classes=10),
+  "llama1b_2048": dict(layers=2, width=64, heads=4, kv_heads=2, mlp=128, vocab=128, length=64),
+  "llama1b_8192": dict(layers=2, width=64, heads=4, kv_heads=2, mlp=128, vocab=128, length=128),
+}
+
+
+def wrap_for(config: str) -> Callable:
+  """The block wrap of `config`: `wrap(block) -> (params, x, key) -> x`."""
+  if config == "plain":
+    return lambda block: lambda p, x, key: block(p, x)
+  if config in POLICIES:
+    policy = POLICIES[config]
+
+    def with_policy(block):
+      named = lambda p, x, key: block(p, checkpoint_name(x, "block_input"))
+      return jax.checkpoint(named, policy=policy)
+
+    return with_policy
+  if config in JACT:
+    bits = JACT[config]
+
+    def compressed(block):
+      c = jact.compressed(block, bits=bits)
+      return lambda p, x, key: c(p, x, key=key)
+
+    return compressed
+  if config in JACT_CHECKPOINT:
+    bits = JACT_CHECKPOINT[config]
+
+    def checkpointed(block):
+      c = jact.checkpoint(block, bits=bits, compress_argnums=(1,))
+      return lambda p, x, key: c(p, x, key=key)
+
+    return checkpointed
+  raise ValueError(f"unknown configuration {config!r}; known: {CONFIGS} and fit_<fraction>")
+
+
+def _segments():
+  """A wrap marking each block as a `jact.segment` (block0, block1, ... in call order)."""
+  count = itertools.count()
+
+  def mark(block):
+    s = jact.segment(block, name=f"block{next(count)}", compress_argnums=(1,))
+    return lambda p, x, key: s(p, x)
+
+  return mark
+
+
+def _step(loss):
+  return jax.value_and_grad(loss)
+
+
+def _row(compiled, seconds: float, target: str) -> dict:
+  m = compiled.memory_analysis()
+  peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  text = compiled.as_text()
+  return {
+    "peak_bytes": int(peak - m.alias_size_in_bytes),
+    "temp_bytes": int(m.temp_size_in_bytes),
+    "host_temp_bytes": int(getattr(m, "host_temp_size_in_bytes", 0)),
+    "compile_s": round(seconds, 2),
+    "predicted_ms": round(predict_step_time(compiled, target).seconds * 1e3, 3),
+    "kernels": text.count("__gpu$xla.gpu.triton"),
+  }
+
+
+def measure(model: frontier_models.FrontierModel, config: str, target: str) -> dict:
+  """One configuration's compiled figures (see the module docstring)."""
+  loss = model.loss(wrap_for(config))
+  started = time.process_time()
+  compiled = jact.compile_for(
+    _step(loss), model.params, model.batch, jax.random.key(0), target=target
+  )
+  return _row(compiled, time.process_time() - started, target)
+
+
+def measure_fit(model, fraction: float, plain_peak: int, target: str) -> dict:
+  """`jact.fit(target=...)` at `fraction` of plain's peak: what it chose and its figures."""
+  marked = model.loss(_segments())
+  loss = lambda params, batch: marked(params, batch, jax.random.key(0))
+  budget = int(plain_peak * fraction)
+  started = time.process_time()
+  try:
+    fitted = jact.fit(loss, model.params, model.batch, budget_bytes=budget, target=target)
+  except jact.FitError as e:
+    return {"budget_bytes": budget, "fits": False, "why": str(e), "fit_s": _since(started)}
+  step = lambda params, batch, key: jax.value_and_grad(lambda p: fitted.loss_fn(p, batch, key=key))(
+    params
+  )
+  compile_started = time.process_time()
+  compiled = jact.compile_for(step, model.params, model.batch, jax.random.key(0), target=target)
+  row = _row(compiled, time.process_time() - compile_started, target)
+  widths: dict[str, int] = {}
+  for _, bits in fitted.plan.entries:
+    widths[str(bits)] = widths.get(str(bits), 0) + 1
+  row.update(
+    budget_bytes=budget,
+    fits=row["peak_bytes"] <= budget,
+    chose=fitted.policy or ("remat " + ",".join(fitted.remat) if fitted.remat else "bits"),
+    widths=widths,
+    predicted_variance=fitted.predicted_variance,
+    variance_bound=fitted.variance_bound,
+    compilations=fitted.compilations,
+    fit_s=_since(started),
+  )
+  return row
+
+
+def _since(started: float) -> float:
+  return round(time.process_time() - started, 1)
+
+
+def _load(path: pathlib.Path, fresh: bool) -> dict:
+  if path.exists() and not fresh:
+    return json.loads(path.read_text())
+  return {"rows": []}
+
+
+def _write(path: pathlib.Path, payload: dict) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", default=list(frontier_models.MODELS))
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+  parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"])
+  parser.add_argument("--fit", nargs="*", type=float, default=list(FIT_FRACTIONS))
+  parser.add_argument("--target", default="h200")
+  parser.add_argument("--small", action="store_true", help="tiny models: a quick check")
+  parser.add_argument("--fresh", action="store_true", help="ignore rows already in the JSON")
+  parser.add_argument("--json", default=str(paths.RESULTS / "frontier.json"))
+  args = parser.parse_args(argv)
+  path = pathlib.Path(args.json)
+  payload = _load(path, args.fresh)
+  payload["meta"] = metadata.run_metadata(
+    "experiments.bench.frontier",
+    argv,
+    target=args.target,
+    compiler="XLA:GPU, deviceless (jax.experimental.topologies), on this CPU machine",
+    step="jax.value_and_grad(loss) over one batch (no optimizer)",
+    predicted="predicted_ms is a roofline of the compiled program, not a measurement",
+  )
+  done = {(r["model"], r["attention"], r["config"]) for r in payload["rows"]}
+  overrides = SMALL if args.small else {}
+  for name, attention in itertools.product(args.models, args.attention):
+    model = frontier_models.build(name, attention=attention, **overrides.get(name, {}))
+    plain_peak = next(
+      (
+        r["peak_bytes"]
+        for r in payload["rows"]
+        if (r["model"], r["attention"], r["config"]) == (name, attention, "plain")
+      ),
+      None,
+    )
+    configs = list(args.configs) + [f"fit_{f:g}" for f in args.fit]
+    for config in configs:
+      if (name, attention, config) in done:
+        continue
+      if config.startswith("fit_"):
+        if plain_peak is None:
+          continue
+        row = measure_fit(model, float(config[4:]), plain_peak, args.target)
+      else:
+        try:
+          row = measure(model, config, args.target)
+        except Exception as e:  # a configuration XLA:GPU or jact refuses is a row, not a crash
+          row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      row = {"model": name, "attention": attention, "config": config, **row}
+      if config == "plain" and "peak_bytes" in row:
+        plain_peak = row["peak_bytes"]
+      payload["rows"].append(row)
+      _write(path, payload)
+      print(json.dumps(row), flush=True)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
