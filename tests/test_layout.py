@@ -35,6 +35,7 @@ LAYERS = [
   ("jact._report", 7),
   ("jact._gpu_targets", 7),
   ("jact._gpu_target", 7.5),
+  ("jact._step_time", 7.6),
   ("jact._compiled_memory", 8),
   ("jact._fit", 9),
   ("jact", 10),

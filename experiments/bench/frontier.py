@@ -33,7 +33,7 @@ import itertools
 import json
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name

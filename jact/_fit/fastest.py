@@ -15,7 +15,7 @@ import functools
 from typing import Any, Callable, Iterable
 
 from jact._core.allocate import variance_factor
-from jact._fit.segments import JAX_POLICIES, Layout, segment
+from jact._fit.segments import Layout, segment
 from jact._fit.steps import configure
 from jact._fit.verify import Compiles
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from jact._compiled_memory import compiled_memory
 from jact._gpu_target import compile_for
+from jact._step_time import predict_step_time
 from jact._fit.model import TRANSIENT_BITS
 from jact._fit.segments import Layout, configured
 from jact._planning.plan import BitPlan, use_plan
@@ -80,6 +81,4 @@ def step_cost(loss, args, argnums, target=None) -> StepCost:
   peak = (
     m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   )
-  from jact._step_time import predict_step_time  # TEMPORARY until the module lands
-
   return StepCost(int(peak), predict_step_time(compiled, target).seconds)
