@@ -117,10 +117,15 @@ def _step(loss):
   return jax.value_and_grad(loss)
 
 
-def _row(compiled, seconds: float, target: str) -> dict:
+HLO_DIR = pathlib.Path("/tmp/jact_frontier_hlo")  # each row's compiled program (--repredict)
+
+
+def _row(compiled, seconds: float, target: str, label: str) -> dict:
   m = compiled.memory_analysis()
   peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
   text = compiled.as_text()
+  HLO_DIR.mkdir(parents=True, exist_ok=True)
+  (HLO_DIR / f"{label}.hlo").write_text(text)
   return {
     "peak_bytes": int(peak - m.alias_size_in_bytes),
     "temp_bytes": int(m.temp_size_in_bytes),
@@ -131,17 +136,21 @@ def _row(compiled, seconds: float, target: str) -> dict:
   }
 
 
-def measure(model: frontier_models.FrontierModel, config: str, target: str) -> dict:
+def label_of(model: str, attention: str, config: str) -> str:
+  return f"{model}{'' if attention == 'xla' else '.' + attention}.{config}"
+
+
+def measure(model: frontier_models.FrontierModel, config: str, target: str, label: str) -> dict:
   """One configuration's compiled figures (see the module docstring)."""
   loss = model.loss(wrap_for(config))
   started = time.process_time()
   compiled = jact.compile_for(
     _step(loss), model.params, model.batch, jax.random.key(0), target=target
   )
-  return _row(compiled, time.process_time() - started, target)
+  return _row(compiled, time.process_time() - started, target, label)
 
 
-def measure_fit(model, fraction: float, plain_peak: int, target: str) -> dict:
+def measure_fit(model, fraction: float, plain_peak: int, target: str, label: str) -> dict:
   """`jact.fit(target=...)` at `fraction` of plain's peak: what it chose and its figures."""
   marked = model.loss(_segments())
   loss = lambda params, batch: marked(params, batch, jax.random.key(0))
@@ -156,7 +165,7 @@ def measure_fit(model, fraction: float, plain_peak: int, target: str) -> dict:
   )
   compile_started = time.process_time()
   compiled = jact.compile_for(step, model.params, model.batch, jax.random.key(0), target=target)
-  row = _row(compiled, time.process_time() - compile_started, target)
+  row = _row(compiled, time.process_time() - compile_started, target, label)
   widths: dict[str, int] = {}
   for _, bits in fitted.plan.entries:
     widths[str(bits)] = widths.get(str(bits), 0) + 1
@@ -188,6 +197,14 @@ def _write(path: pathlib.Path, payload: dict) -> None:
   path.write_text(json.dumps(payload, indent=1) + "\n")
 
 
+def repredict(payload: dict, target: str) -> None:
+  """Recomputes every row's `predicted_ms` from its saved program (after a recalibration)."""
+  for row in payload["rows"]:
+    path = HLO_DIR / f"{label_of(row['model'], row['attention'], row['config'])}.hlo"
+    if "predicted_ms" in row and path.exists():
+      row["predicted_ms"] = round(predict_step_time(path.read_text(), target).seconds * 1e3, 3)
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=list(frontier_models.MODELS))
@@ -197,6 +214,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--target", default="h200")
   parser.add_argument("--small", action="store_true", help="tiny models: a quick check")
   parser.add_argument("--fresh", action="store_true", help="ignore rows already in the JSON")
+  parser.add_argument(
+    "--repredict", action="store_true", help="only recompute predicted_ms from saved programs"
+  )
   parser.add_argument("--json", default=str(paths.RESULTS / "frontier.json"))
   args = parser.parse_args(argv)
   path = pathlib.Path(args.json)
@@ -209,10 +229,18 @@ def main(argv=None) -> dict:
     step="jax.value_and_grad(loss) over one batch (no optimizer)",
     predicted="predicted_ms is a roofline of the compiled program, not a measurement",
   )
+  if args.repredict:
+    repredict(payload, args.target)
+    _write(path, payload)
+    return payload
   done = {(r["model"], r["attention"], r["config"]) for r in payload["rows"]}
   overrides = SMALL if args.small else {}
   for name, attention in itertools.product(args.models, args.attention):
-    model = frontier_models.build(name, attention=attention, **overrides.get(name, {}))
+    try:
+      model = frontier_models.build(name, attention=attention, **overrides.get(name, {}))
+    except ValueError as e:  # e.g. ResNet-50 has no attention to fuse
+      print(f"skipped {name} with attention={attention}: {e}", flush=True)
+      continue
     plain_peak = next(
       (
         r["peak_bytes"]
@@ -228,10 +256,11 @@ def main(argv=None) -> dict:
       if config.startswith("fit_"):
         if plain_peak is None:
           continue
-        row = measure_fit(model, float(config[4:]), plain_peak, args.target)
+        label = label_of(name, attention, config)
+        row = measure_fit(model, float(config[4:]), plain_peak, args.target, label)
       else:
         try:
-          row = measure(model, config, args.target)
+          row = measure(model, config, args.target, label_of(name, attention, config))
         except Exception as e:  # a configuration XLA:GPU or jact refuses is a row, not a crash
           row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       row = {"model": name, "attention": attention, "config": config, **row}

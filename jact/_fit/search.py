@@ -349,6 +349,7 @@ def fit(
     if key is not None:
       chosen = verifier.candidates.get(key, key)
       return result(chosen, verifier.order, variance=written_variance, bound=limit)
+    result = functools.partial(result, bound=limit)  # none within the bound: least variance
   if chosen is None:  # the smallest configuration: it fits (then it is the answer) or nothing does
     smallest = verifier.smallest()
     if verifier.run(smallest) > budget_bytes:
