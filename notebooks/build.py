@@ -300,7 +300,9 @@ against {{mb.resnet20.plain.batch}} plain ({{mb.resnet20.jact4.times}},
 {{mb.resnet20.jact2.times}}); the char LM at {{mb.transformer_lm.jact4.batch}} and
 {{mb.transformer_lm.jact2.batch}} against {{mb.transformer_lm.plain.batch}}
 ({{mb.transformer_lm.jact4.times}}, {{mb.transformer_lm.jact2.times}}). `jax.checkpoint` of every
-block buys nothing on XLA:CPU. Counting the compiled program too (the second table) the gains
+block buys nothing here, because XLA:CPU does not realize remat's saving (it merges the
+recomputation with the forward pass); on XLA:GPU per-block remat is the baseline to beat
+(notebook 08: the 6x512 LM's compiled peak 7.08 -> 1.49 GiB). Counting the compiled program too (the second table) the gains
 shrink: ResNet-20 {{mbp.resnet20.jact4.times}} and {{mbp.resnet20.jact2.times}}, char LM
 {{mbp.transformer_lm.jact4.times}} and {{mbp.transformer_lm.jact2.times}}, and the ResNet's
 `jact.checkpoint` program alone ({{mbp.resnet20.jact_checkpoint.program_mib}} MiB) exceeds the
@@ -424,6 +426,58 @@ plt.plot(run["plain_curve"], label=f"plain ({run['plain_peak'] / 2**20:.1f} MiB)
 plt.plot(run["fit_curve"], label=f"jact.fit ({run['fit'].peak_bytes / 2**20:.1f} MiB)")
 plt.xlabel("step"); plt.ylabel("training loss"); plt.legend(); plt.title("tiny Shakespeare")
 plt.show()""",
+    ),
+  ],
+  "08_frontier": [
+    (
+      "markdown",
+      """\
+# Judged where users judge it: jact on XLA:GPU against JAX's own remat and offload
+
+**The question users ask.** A JAX user short of device memory already has `jax.checkpoint` with a
+policy (per-block remat, `dots_saveable`, MaxText-style named saves, host offload) for free. jact
+is worth it only where it fits in less memory, or runs faster, than the best of those.
+
+**Why not on this CPU.** XLA:CPU does not realize what `jax.checkpoint` saves (it merges the
+recomputation with the forward pass), so CPU comparisons with remat flatter jact. Every figure here
+is XLA:GPU's own compiled program for an H200, compiled on a CPU machine without a GPU
+(`jact.compile_for(step, *args, target="h200")`): its buffer assignment gives the peak, and the
+step time is **predicted** from the compiled program (a roofline calibrated on H200
+measurements, `experiments/results/time_model.json`), never measured here.
+
+**What ran here.** `python -m experiments.bench.frontier`: the gradient step of each model at real
+size (compile-only: nothing is allocated) in every configuration, with attention as written and
+as cuDNN's fused attention (`jax.nn.dot_product_attention(..., implementation="cudnn")`).""",
+    ),
+    ("code", SETUP),
+    ("markdown", "## Each model's frontier (full run)"),
+    (
+      "code",
+      """\
+from experiments.lib import frontier_report as fr
+frontier = fr.load(RESULTS / "frontier.json")
+shown = [(m, a) for m, a in dict.fromkeys((r["model"], r["attention"]) for r in frontier["rows"])]
+fig, axes = plt.subplots(len(shown), 1, figsize=(7, 3.6 * len(shown)))
+for ax, (model, attention) in zip(list(getattr(axes, "flat", [axes])), shown):
+  fr.plot(frontier, model, attention, ax)
+fig.tight_layout(); plt.show()""",
+    ),
+    (
+      "code",
+      """\
+for model, attention in shown:
+  display(Markdown(fr.table(frontier, model, attention)))
+display(Markdown(fr.summary_line(frontier)))""",
+    ),
+    ("markdown", "## Live: a small LM compiled for an H200 on this machine"),
+    (
+      "code",
+      """\
+from experiments.bench import frontier as bench
+small = bench.main(["--small", "--models", "lm_6x512", "--attention", "xla", "--configs",
+                    "plain", "remat_nothing", "jact2", "jact_ckpt2", "--fit",
+                    "--json", str(SMALL / "frontier.json")])
+display(Markdown(fr.table(small, "lm_6x512", "xla")))""",
     ),
   ],
 }
