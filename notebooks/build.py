@@ -302,8 +302,8 @@ against {{mb.resnet20.plain.batch}} plain ({{mb.resnet20.jact4.times}},
 ({{mb.transformer_lm.jact4.times}}, {{mb.transformer_lm.jact2.times}}). `jax.checkpoint` of every
 block buys nothing here, because XLA:CPU does not realize remat's saving (it merges the
 recomputation with the forward pass); on XLA:GPU per-block remat is the baseline to beat
-(notebook 08: the 6x512 LM's compiled peak 7.08 -> 1.49 GiB). Counting the compiled program
-too (the second table) the gains shrink: ResNet-20 {{mbp.resnet20.jact4.times}} and
+(notebook 08 compares the two there). Counting the compiled program too (the second table) the
+gains shrink: ResNet-20 {{mbp.resnet20.jact4.times}} and
 {{mbp.resnet20.jact2.times}}, char LM
 {{mbp.transformer_lm.jact4.times}} and {{mbp.transformer_lm.jact2.times}}, and the ResNet's
 `jact.checkpoint` program alone ({{mbp.resnet20.jact_checkpoint.program_mib}} MiB) exceeds the
