@@ -51,6 +51,8 @@ from jact._gpu_target import GpuTarget as GpuTarget
 from jact._gpu_target import GpuCompilerMissing as GpuCompilerMissing
 from jact._gpu_target import compile_for as compile_for
 from jact._gpu_target import gpu_target as gpu_target
+from jact._step_time import StepTime as StepTime
+from jact._step_time import predict_step_time as predict_step_time
 from jact._report import residual_report as residual_report
 from jact._transforms.compressed import compressed as compressed
 from jact._engine.sharding import sharded_batch as sharded_batch
@@ -91,6 +93,8 @@ __all__ = [
   "gpu_target",
   "GpuTarget",
   "GpuCompilerMissing",
+  "predict_step_time",
+  "StepTime",
   "compressed",
   "sharded_batch",
   "checkpoint",
