@@ -28,7 +28,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jact import _compat
+from jact import _compat, kernels
 from jact._engine.names import JACT_NAME_PREFIX
 from jact._transforms.compressed import over_array_leaves
 
@@ -230,6 +230,9 @@ def residual_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Residu
     fn: the function to differentiate, e.g. a loss of (params, batch).
     args, kwargs: its positional and keyword arguments (pytrees of arrays).
 
+  Inside `jact.kernels.lowering_for("cuda")` the report is that of the
+  program lowered for cuda: its residuals name the GPU kernels that write them.
+
   Residuals a `jax.shard_map` inside `fn` saves are reported as one device
   keeps them (their shape inside the body), under their names, and a
   replicated argument the body keeps counts as that argument, once.
@@ -297,8 +300,10 @@ def _shown_name(name: str | None) -> str | None:
 
 
 def _lowering_platform() -> str:
-  """The platform whose `lax.platform_dependent` branches reports follow."""
-  return _compat.lowering_platform()
+  """The platform whose `lax.platform_dependent` branches reports follow: the one of an
+  enclosing `jact.kernels.lowering_for`, else this machine's."""
+  targets = kernels.REGISTRY.lowering_targets()
+  return targets[0] if targets else _compat.lowering_platform()
 
 
 def _inner_jaxpr(eqn, producer_map, jaxpr):

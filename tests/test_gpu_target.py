@@ -172,3 +172,14 @@ def test_cudnn_fused_attention_compiles_for_the_target():
   qkv = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)] * 3
   text = jact.compile_for(jax.grad(attention, argnums=(0, 1, 2)), *qkv, target="h200").as_text()
   assert "__cudnn$fmha" in text
+
+
+def test_a_report_of_the_cuda_lowered_step_names_its_kernels():
+  block = jact.compressed(lambda w, x: jnp.tanh(x @ w), bits=2)
+  w, x = jnp.ones((256, 256)), jnp.ones((64, 256))
+  loss = lambda: lambda w, x: block(w, x, key=jax.random.key(0)).sum()
+  on_cpu = jact.residual_report(loss(), w, x).kernels()
+  with kernels.lowering_for("cuda"):
+    for_cuda = jact.residual_report(loss(), w, x).kernels()
+  assert set(on_cpu.values()) == {"xla"}
+  assert set(for_cuda) == set(on_cpu) and set(for_cuda.values()) == {"jact_quantize"}

@@ -180,6 +180,10 @@ class Registry:
     ]
     return max(candidates, key=lambda i: i.priority) if candidates else None
 
+  def lowering_targets(self) -> tuple[str, ...]:
+    """The platforms of the enclosing `lowering_for` contexts (empty outside them)."""
+    return self._targets.get()
+
   @contextlib.contextmanager
   def lowering_for(self, *platforms: str) -> Iterator[None]:
     """Context in which automatic choices stage the kernels that lower for
