@@ -153,13 +153,13 @@ def compile_for(
   """`jax.jit(fn)` compiled by XLA:GPU for `target`, on any machine (nothing runs).
 
   Array arguments count by shape and dtype only (arrays or
-  `jax.ShapeDtypeStruct`s; other leaves are held fixed, as in
+  `jax.ShapeDtypeStruct` values; other leaves are held fixed, as in
   `compiled_memory`). jact's GPU kernels are staged into the program, so a
   jact step compiles as it would on that GPU.
 
   Args:
     fn: the function (e.g. a whole training step).
-    args, kwargs: arrays, `jax.ShapeDtypeStruct`s or pytrees of them.
+    args, kwargs: arrays, `jax.ShapeDtypeStruct` values or pytrees of them.
     target: "h100", "h200" or a `GpuTarget`.
     static_argnums: as for `jax.jit`.
 

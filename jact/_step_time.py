@@ -350,7 +350,26 @@ def _custom_call_flops(instr: _Instr, types, target: GpuTarget) -> tuple[float, 
   if "cudnn$conv" in name:
     f, dtype = _conv_flops(instr, types, name)
     return f, _matmul_peak(dtype, target), "conv"
+  if "cudnn$fmha" in name:
+    f, dtype = _attention_flops(instr, types, name)
+    return f, _matmul_peak(dtype, target), "attention"
   return 0.0, 0.0, ""
+
+
+def _attention_flops(instr: _Instr, types: dict[str, str], name: str) -> tuple[float, str]:
+  """cuDNN fused attention: QK^T and PV, 4*|Q|*Tk flops forward, 2.5x that backward
+  (FlashAttention-2's count: S recomputed, dV, dP, dQ, dK), halved under a causal mask.
+  Operands q, k, v first, in JAX's BTNH layout (key length: axis 1 of k)."""
+  q, k = (shapes(types.get(o, "")) for o in instr.operands[:2])
+  if not q or not k or len(k[0][1]) != 4:
+    return 0.0, "f32"
+  (dtype, q_shape), (_, k_shape) = q[0], k[0]
+  flops = 4.0 * math.prod(q_shape) * k_shape[1]
+  if "Backward" in name:
+    flops *= 2.5
+  if '"mask_type": "CAUSAL"' in instr.attrs or '"mask_type":"CAUSAL"' in instr.attrs:
+    flops /= 2
+  return flops, dtype
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -231,6 +231,22 @@ def test_jact_kernels_of_a_compressed_program_are_counted_as_jact_kernels():
 
 
 @needs_plugin
+def test_cudnn_fused_attention_is_counted_by_its_flops():
+  b, t, h, d = 4, 1024, 8, 64
+
+  def loss(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return out.astype(jnp.float32).sum()
+
+  qkv = [jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)] * 3
+  step = st.predict_step_time(jact.compile_for(jax.grad(loss, argnums=(0, 1, 2)), *qkv))
+  # forward 4*B*T*H*D*T, backward 2.5x that, halved by the causal mask
+  expected = 4.0 * b * t * h * d * t * (1 + 2.5) / 2
+  assert step.by_kind["attention"] > 0
+  assert step.flops == pytest.approx(expected, rel=0.05)
+
+
+@needs_plugin
 @pytest.mark.slow
 def test_time_model_small_runs_and_writes_its_json(tmp_path):
   import json

@@ -39,6 +39,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 import jact
+from jact import _compat
 from experiments.lib import frontier_models, metadata, paths
 from jact._step_time import predict_step_time
 
@@ -237,7 +238,8 @@ def main(argv=None) -> dict:
   overrides = SMALL if args.small else {}
   for name, attention in itertools.product(args.models, args.attention):
     try:
-      model = frontier_models.build(name, attention=attention, **overrides.get(name, {}))
+      with _compat.cudnn_for_target(jact.gpu_target(args.target).cudnn_version):  # init traces
+        model = frontier_models.build(name, attention=attention, **overrides.get(name, {}))
     except ValueError as e:  # e.g. ResNet-50 has no attention to fuse
       print(f"skipped {name} with attention={attention}: {e}", flush=True)
       continue
