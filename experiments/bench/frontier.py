@@ -15,7 +15,10 @@ this machine (`jact.compile_for`, no GPU needed), and the row records:
 * `predicted_ms`: the step time *predicted* from the compiled program (a roofline
   calibrated on H200 measurements, `jact._step_time`) -- never a measurement; rows get
   `measured_ms` only from a GPU run;
-* `kernels`: jact's Triton kernel calls in the compiled program.
+* `kernels`: jact's Triton kernel calls in the compiled program;
+* with `--measure` (on a GPU: the campaign's "frontier" chunk): the same step compiled and run
+  on this machine's device -- `device`, `device_temp_bytes` (to hold against the deviceless
+  `temp_bytes`) and `measured_ms`.
 
 Each row is written to the JSON as soon as it is measured (a run cut short keeps them; a rerun
 skips rows already there unless `--fresh`).
@@ -151,6 +154,42 @@ def measure(model: frontier_models.FrontierModel, config: str, target: str, labe
   return _row(compiled, time.process_time() - started, target, label)
 
 
+def _device_values(tree, seed: int = 0):
+  """Arrays of `tree`'s shapes on this machine's device: small normal floats, labels 0..9."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  values = [
+    jax.random.randint(k, leaf.shape, 0, 10, leaf.dtype)
+    if jax.numpy.issubdtype(leaf.dtype, jax.numpy.integer)
+    else 0.02 * jax.random.normal(k, leaf.shape, leaf.dtype)
+    for k, leaf in zip(keys, leaves)
+  ]
+  return jax.tree.unflatten(treedef, values)
+
+
+def measure_on_device(model, config: str, steps: int = 10) -> dict:
+  """On this machine's device (a GPU when lent): the same step compiled by the local
+  compiler, its temp bytes next to the deviceless ones, and its measured step time
+  (median of three runs of `steps` steps after a warm-up)."""
+  step = jax.jit(_step(model.loss(wrap_for(config))))
+  params, batch = _device_values(model.params), _device_values(model.batch, seed=1)
+  compiled = step.lower(params, batch, jax.random.key(0)).compile()
+  out = compiled(params, batch, jax.random.key(0))
+  jax.block_until_ready(out)
+  times = []
+  for r in range(3):
+    started = time.perf_counter()
+    for i in range(steps):
+      out = compiled(params, batch, jax.random.key(1 + r * steps + i))
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - started) / steps)
+  return {
+    "device": jax.devices()[0].device_kind,
+    "device_temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+    "measured_ms": round(sorted(times)[1] * 1e3, 3),
+  }
+
+
 def measure_fit(model, fraction: float, plain_peak: int, target: str, label: str) -> dict:
   """`jact.fit(target=...)` at `fraction` of plain's peak: what it chose and its figures."""
   marked = model.loss(_segments())
@@ -218,6 +257,11 @@ def main(argv=None) -> dict:
   parser.add_argument(
     "--repredict", action="store_true", help="only recompute predicted_ms from saved programs"
   )
+  parser.add_argument(
+    "--measure",
+    action="store_true",
+    help="also run each configuration on this machine's device (a GPU when lent): measured_ms",
+  )
   parser.add_argument("--json", default=str(paths.RESULTS / "frontier.json"))
   args = parser.parse_args(argv)
   path = pathlib.Path(args.json)
@@ -263,6 +307,8 @@ def main(argv=None) -> dict:
       else:
         try:
           row = measure(model, config, args.target, label_of(name, attention, config))
+          if args.measure:
+            row.update(measure_on_device(model, config))
         except Exception as e:  # a configuration XLA:GPU or jact refuses is a row, not a crash
           row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       row = {"model": name, "attention": attention, "config": config, **row}

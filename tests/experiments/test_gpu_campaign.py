@@ -43,7 +43,11 @@ def test_stages_run_in_order_of_value_within_one_eight_minute_call():
   fidelity = gpu_campaign.select(["v"])
   assert [c.budget_s for c in fidelity] == [None, None]
   assert gpu_campaign.select(None) == list(gpu_campaign.CHUNKS)
-  assert [c.name for c in gpu_campaign.select(["lm", "i"])] == ["checks", "kernels_exact", "lm"]
+  assert [c.name for c in gpu_campaign.select(["frontier", "i"])] == [
+    "checks",
+    "kernels_exact",
+    "frontier",
+  ]
   with pytest.raises(ValueError, match="unknown chunks"):
     gpu_campaign.select(["stage9"])
   cmd = gpu_campaign.command(gpu_campaign.CHUNKS[1], smoke=True, json_path="x.json")
@@ -57,21 +61,23 @@ def test_fidelity_chunk_shares_its_time_among_its_variants():
   assert cmd[cmd.index("--stop-after") + 1] == "60"  # (300 - 60) / 4 variants
   assert cmd[cmd.index("--runs") + 1] == "/o/runs"
   assert gpu_campaign.chunk_timeout(chunk, smoke=False, left=200.0, timeout_s=None) == 200.0
-  (resnet,) = gpu_campaign.select(["resnet50"])
-  assert gpu_campaign.chunk_timeout(resnet, smoke=False, left=400.0, timeout_s=None) == 110
-  assert gpu_campaign.chunk_timeout(resnet, smoke=True, left=None, timeout_s=None) == (
+  (frontier,) = gpu_campaign.select(["frontier"])
+  assert gpu_campaign.chunk_timeout(frontier, smoke=False, left=400.0, timeout_s=None) == 170
+  assert gpu_campaign.chunk_timeout(frontier, smoke=True, left=None, timeout_s=None) == (
     gpu_campaign.SMOKE_TIMEOUT_S
   )
 
 
 @pytest.mark.slow
 def test_a_chunk_past_its_timeout_or_the_deadline_is_recorded(tmp_path):
-  assert gpu_campaign.main(["--out", str(tmp_path), "--chunks", "lm", "--timeout-s", "1"]) == 1
-  entry = json.loads((tmp_path / "lm.json").read_text())
+  assert (
+    gpu_campaign.main(["--out", str(tmp_path), "--chunks", "frontier", "--timeout-s", "1"]) == 1
+  )
+  entry = json.loads((tmp_path / "frontier.json").read_text())
   assert entry["timed_out"] and entry["exit_code"] != 0 and entry["result"] is None
   assert gpu_campaign.main(["--out", str(tmp_path), "--chunks", "checks", "--deadline-s", "1"]) == 1
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert set(summary["chunks"]) == {"lm", "checks"}  # earlier entries kept
+  assert set(summary["chunks"]) == {"frontier", "checks"}  # earlier entries kept
   assert summary["chunks"]["checks"]["skipped"] and not summary["all_exit_zero"]
 
 
