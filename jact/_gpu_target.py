@@ -148,6 +148,7 @@ def compile_for(
   *args: Any,
   target: str | GpuTarget = "h200",
   static_argnums: int | Sequence[int] = (),
+  compiler_options: dict[str, Any] | None = None,
   **kwargs: Any,
 ) -> jax.stages.Compiled:
   """`jax.jit(fn)` compiled by XLA:GPU for `target`, on any machine (nothing runs).
@@ -162,6 +163,10 @@ def compile_for(
     args, kwargs: arrays, `jax.ShapeDtypeStruct` values or pytrees of them.
     target: "h100", "h200" or a `GpuTarget`.
     static_argnums: as for `jax.jit`.
+    compiler_options: XLA:GPU options for this compile, e.g.
+      `{"xla_gpu_enable_triton_gemm": False}` (cuBLAS for every matmul: without a
+      GPU to autotune on, XLA's Triton gemm tiling can fail on odd shapes,
+      "Couldn't find output tile sizes").
 
   Returns:
     The `jax.stages.Compiled`: `.memory_analysis()`, `.as_text()` (XLA:GPU's scheduled HLO).
@@ -187,4 +192,4 @@ def compile_for(
       .trace(*args, **kwargs)
       .lower(lowering_platforms=("cuda",))
     )
-  return lowered.compile()
+  return lowered.compile(compiler_options=compiler_options)

@@ -191,6 +191,8 @@ def _transformer(name: str, cfg: _Transformer, attention: str, lm: bool) -> Fron
   def block(p, x):
     return block_mod.apply({"params": p}, x)
 
+  block.module = block_mod  # the Flax module it applies (frontier's jact.convert rows)
+
   def loss(wrap: Wrap) -> Callable:
     blocks = [wrap(block) for _ in range(cfg.layers)]
 
@@ -299,6 +301,16 @@ class _Stem(nn.Module):
     return nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
 
 
+def _applying(mod: nn.Module) -> Callable:
+  """The block `(params, x) -> mod.apply(...)`, its module as `.module`."""
+
+  def block(p, x):
+    return mod.apply({"params": p}, x)
+
+  block.module = mod
+  return block
+
+
 def _resnet(name: str, cfg: _ResNet, attention: str) -> FrontierModel:
   if attention != "xla":
     raise ValueError(f"{name} has no attention; attention={attention!r} does not apply")
@@ -321,7 +333,7 @@ def _resnet(name: str, cfg: _ResNet, attention: str) -> FrontierModel:
     return params
 
   def loss(wrap: Wrap) -> Callable:
-    blocks = [wrap(lambda p, x, mod=mod: mod.apply({"params": p}, x)) for mod in mods]
+    blocks = [wrap(_applying(mod)) for mod in mods]
 
     def loss_fn(params, batch, key):
       images, labels = batch
