@@ -215,14 +215,23 @@ def measure_on_device(model, config: str, steps: int = 10) -> dict:
   }
 
 
-def measure_fit(model, fraction: float, plain_peak: int, target: str, label: str) -> dict:
+def measure_fit(
+  model, fraction: float, plain_peak: int, target: str, label: str, candidates: int = 6
+) -> dict:
   """`jact.fit(target=...)` at `fraction` of plain's peak: what it chose and its figures."""
   marked = model.loss(_segments())
   loss = lambda params, batch: marked(params, batch, jax.random.key(0))
   budget = int(plain_peak * fraction)
   started = time.process_time()
   try:
-    fitted = jact.fit(loss, model.params, model.batch, budget_bytes=budget, target=target)
+    fitted = jact.fit(
+      loss,
+      model.params,
+      model.batch,
+      budget_bytes=budget,
+      target=target,
+      max_candidates=candidates,
+    )
   except jact.FitError as e:
     return {"budget_bytes": budget, "fits": False, "why": str(e), "fit_s": _since(started)}
   step = lambda params, batch, key: jax.value_and_grad(lambda p: fitted.loss_fn(p, batch, key=key))(
@@ -277,6 +286,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"])
   parser.add_argument("--fit", nargs="*", type=float, default=list(FIT_FRACTIONS))
   parser.add_argument("--target", default="h200")
+  parser.add_argument("--fit-candidates", type=int, default=6, help="jact.fit's max_candidates")
   parser.add_argument("--small", action="store_true", help="tiny models: a quick check")
   parser.add_argument("--fresh", action="store_true", help="ignore rows already in the JSON")
   parser.add_argument(
@@ -328,7 +338,8 @@ def main(argv=None) -> dict:
         if plain_peak is None:
           continue
         label = label_of(name, attention, config)
-        row = measure_fit(model, float(config[4:]), plain_peak, args.target, label)
+        fraction = float(config[4:])
+        row = measure_fit(model, fraction, plain_peak, args.target, label, args.fit_candidates)
       else:
         try:
           row = measure(model, config, args.target, label_of(name, attention, config))
