@@ -139,6 +139,13 @@ def gpu_target(name: str | GpuTarget) -> GpuTarget:
 
 def _on_target(value: Any, sharding: NamedSharding) -> Any:
   if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(value, "dtype"):
+    own = getattr(value, "sharding", None)
+    if own is not None and len(getattr(own, "device_set", ())) > 1:
+      raise ValueError(
+        "jact.compile_for compiles for one GPU, but an argument is sharded over "
+        f"{len(own.device_set)} devices; pass unsharded arguments (one device's step), or "
+        "measure the sharded step on this machine's devices (jact.compiled_memory, target=None)"
+      )
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
   return value
 

@@ -183,3 +183,14 @@ def test_a_report_of_the_cuda_lowered_step_names_its_kernels():
     for_cuda = jact.residual_report(loss(), w, x).kernels()
   assert set(on_cpu.values()) == {"xla"}
   assert set(for_cuda) == set(on_cpu) and set(for_cuda.values()) == {"jact_quantize"}
+
+
+@needs_plugin
+def test_compile_for_refuses_arguments_sharded_over_several_devices():
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  two = _gpu_target._compat.cuda_devices(jact.gpu_target("h200").config, "1x1x2")
+  sharded = NamedSharding(Mesh(two, ("data",)), PartitionSpec("data"))
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=sharded)
+  with pytest.raises(ValueError, match="sharded over 2 devices"):
+    jact.compile_for(lambda x: x.sum(), x, target="h200")
