@@ -194,3 +194,16 @@ def test_compile_for_refuses_arguments_sharded_over_several_devices():
   x = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=sharded)
   with pytest.raises(ValueError, match="sharded over 2 devices"):
     jact.compile_for(lambda x: x.sum(), x, target="h200")
+
+
+def test_a_tensor_past_the_kernels_int32_addressing_is_dequantized_by_the_reference():
+  # 2**31 values at 2 bits are 2**29 packed bytes: the choice must count the values
+  big = jax.ShapeDtypeStruct((2**15, 2**16), jnp.bfloat16)
+
+  def roundtrip(x):
+    return jact.dequantize(jact.quantize(x, jax.random.key(0), bits=2))
+
+  with kernels.lowering_for("cuda"):
+    jaxpr = jax.make_jaxpr(roundtrip)(big).jaxpr
+  # quantize (2**31 inputs) and dequantize (2**31 outputs) both fall back to the reference
+  assert _pallas_calls(jaxpr) == 0

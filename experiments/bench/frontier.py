@@ -345,6 +345,11 @@ def main(argv=None) -> dict:
           row = measure(model, config, args.target, label_of(name, attention, config))
           if args.measure:
             row.update(measure_on_device(model, config))
+        except ValueError as e:
+          if "not Flax modules" not in str(e):
+            raise
+          print(f"skipped {name} {config}: {e}", flush=True)  # jact.convert takes Flax modules
+          continue
         except Exception as e:  # a configuration XLA:GPU or jact refuses is a row, not a crash
           row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       row = {"model": name, "attention": attention, "config": config, **row}

@@ -18,6 +18,8 @@ then run the implementation the kernel table picks for their op
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,4 +107,6 @@ def dequantize_per_sample(
       f"returns, got {type(p).__name__}; quantize the array first "
       f"(p = quantize_per_sample(x, bits, capacity_bytes=..., key=key))."
     )
-  return kernels.dispatch("dequantize_per_sample", implementation, size=p.data.size)(p, dtype)
+  # the kernel addresses every value of the tensor it writes, not the buffer's bytes
+  size = max(math.prod(p.shape), p.data.size)
+  return kernels.dispatch("dequantize_per_sample", implementation, size=size)(p, dtype)

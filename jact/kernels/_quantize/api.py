@@ -87,4 +87,7 @@ def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None)
       "then jact.dequantize(p)). A compressor's stored residual is restored with "
       "compressor.decompress(stored), packed codes with jact.unpack_codes."
     )
-  return kernels.dispatch("dequantize", implementation, size=packed.data.size)(packed, dtype)
+  # the kernel addresses every value of the padded groups it writes, not the packed bytes
+  n, groups = packed.data.shape[0], packed.data.shape[1]
+  size = max(math.prod(packed.shape), n * groups * packed.group_size)
+  return kernels.dispatch("dequantize", implementation, size=size)(packed, dtype)
