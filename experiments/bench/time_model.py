@@ -36,15 +36,21 @@ LM_METHODS = ("plain", "jact8", "jact4", "jact2", "jact_checkpoint")
 RESNET_CONFIGS = (None, 2, 4, 8)
 
 
+def _campaign_rows():
+  resnet = json.loads((CAMPAIGN / "resnet50.json").read_text())["result"]["rows"]
+  lm = json.loads((CAMPAIGN / "lm.json").read_text())["result"]["rows"]
+  yield from ((f"resnet50/{row['config']}", row) for row in resnet)
+  yield from ((f"lm/{row['method']}", row) for row in lm)
+
+
 def measured_ms() -> dict[str, float]:
   """Step milliseconds of the campaign's programs, named `resnet50/<config>` and `lm/<method>`."""
-  out = {}
-  resnet = json.loads((CAMPAIGN / "resnet50.json").read_text())["result"]["rows"]
-  for row in resnet:
-    out[f"resnet50/{row['config']}"] = row["step_ms"]
-  for row in json.loads((CAMPAIGN / "lm.json").read_text())["result"]["rows"]:
-    out[f"lm/{row['method']}"] = row["step_ms"]
-  return out
+  return {name: row["step_ms"] for name, row in _campaign_rows()}
+
+
+def measured_temp_bytes() -> dict[str, int]:
+  """XLA's temp bytes of the same programs as compiled on the H200 (with its kernels)."""
+  return {name: row["temp_bytes"] for name, row in _campaign_rows()}
 
 
 MEASURED = measured_ms()
@@ -115,21 +121,23 @@ def programs(small: bool = False):
 
 
 def predict_all(small: bool, hlo_dir=None):
-  """(names, predicted step times at the default calibration, compile seconds); with
+  """(names, predicted step times at the default calibration, compile seconds, compiled temp
+  bytes); with
   `hlo_dir`, each program's scheduled HLO is written there too."""
-  names, steps, compile_s = [], [], []
+  names, steps, compile_s, temps = [], [], [], []
   for name, step, args in programs(small):
     t0 = time.perf_counter()
     compiled = jact.compile_for(step, *args, target="h200")
     compile_s.append(time.perf_counter() - t0)
     names.append(name)
+    temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
     text = compiled.as_text()
     if hlo_dir:
       Path(hlo_dir).mkdir(parents=True, exist_ok=True)
       (Path(hlo_dir) / (name.replace("/", "_") + ".hlo")).write_text(text)
     steps.append(_step_time.predict_step_time(text, target="h200"))
     print(f"{name}: compiled in {compile_s[-1]:.1f} s; {steps[-1]}", flush=True)
-  return names, steps, compile_s
+  return names, steps, compile_s, temps
 
 
 def leave_one_out(steps, measured_s, calibration) -> list[float]:
@@ -188,7 +196,8 @@ def main(argv=None) -> int:
   p.add_argument("--json", default=str(paths.RESULTS / "time_model.json"))
   p.add_argument("--hlo-dir", default=None, help="write each program's scheduled HLO here")
   a = p.parse_args(argv)
-  names, steps, compile_s = predict_all(a.small, a.hlo_dir)
+  names, steps, compile_s, temps = predict_all(a.small, a.hlo_dir)
+  device_temps = {} if a.small else measured_temp_bytes()
   measured_s = [None if a.small else MEASURED[n] / 1e3 for n in names]
   calibration = _step_time.DEFAULT_CALIBRATION
   held_out, profile = [None] * len(names), []
@@ -197,8 +206,9 @@ def main(argv=None) -> int:
     held_out = leave_one_out(steps, measured_s, calibration)
     profile = overhead_profile(steps, measured_s)
   rows = []
-  for name, step, m, c, h in zip(names, steps, measured_s, compile_s, held_out):
+  for name, step, m, c, h, temp in zip(names, steps, measured_s, compile_s, held_out, temps):
     step = step.with_calibration(calibration)
+    on_device = device_temps.get(name)
     rows.append(
       {
         "program": name,
@@ -207,6 +217,9 @@ def main(argv=None) -> int:
         "ratio": None if m is None else round(step.seconds / m, 3),
         "held_out_ms": None if h is None else round(1e3 * h, 3),
         "compile_s": round(c, 1),
+        "temp_bytes": temp,
+        "h200_temp_bytes": on_device,
+        "temp_ratio": None if not on_device else round(temp / on_device, 3),
         "tflop": round(step.flops / 1e12, 4),
         "gbytes": round(step.bytes_accessed / 1e9, 3),
         "kernels": step.kernels,
@@ -223,6 +236,8 @@ def main(argv=None) -> int:
       small=a.small,
       measured="NVIDIA H200, jax/jaxlib 0.11.2: experiments/results/gpu/2026-11-27-h200-b/r/"
       "campaign/{resnet50,lm}.json (step_ms)",
+      temp="temp_bytes: this jax's deviceless XLA:GPU compile (jact's kernels staged in); "
+      "h200_temp_bytes: the same step compiled on the H200 (jax 0.11.2)",
       note="predicted_ms: jact._step_time's roofline of this jax's XLA:GPU program (compiled "
       "deviceless for the H200), with the calibration fitted here on log time to all rows; "
       "held_out_ms: fitted to the other rows only. Predictions, not measurements; the "
