@@ -33,6 +33,7 @@ skips rows already there unless `--fresh`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import pathlib
@@ -133,7 +134,9 @@ def _step(loss):
   return jax.value_and_grad(loss)
 
 
-HLO_DIR = pathlib.Path("/tmp/jact_frontier_hlo")  # each row's compiled program (--repredict)
+# each row's compiled program, for --repredict; a row keeps its program's hash, so a program
+# another run (--small, another JSON) wrote under the same label is never taken for it
+HLO_DIR = pathlib.Path("/tmp/jact_frontier_hlo")
 
 
 def _row(compiled, seconds: float, target: str, label: str) -> dict:
@@ -143,6 +146,7 @@ def _row(compiled, seconds: float, target: str, label: str) -> dict:
   HLO_DIR.mkdir(parents=True, exist_ok=True)
   (HLO_DIR / f"{label}.hlo").write_text(text)
   return {
+    "hlo_sha1": hashlib.sha1(text.encode()).hexdigest(),
     "peak_bytes": int(peak - m.alias_size_in_bytes),
     "temp_bytes": int(m.temp_size_in_bytes),
     "host_temp_bytes": int(getattr(m, "host_temp_size_in_bytes", 0)),
@@ -266,7 +270,18 @@ def _load(path: pathlib.Path, fresh: bool) -> dict:
   return {"rows": []}
 
 
+def _order(row: dict) -> tuple:
+  """Rows in the order of models, attentions and configurations (fit rows by fraction)."""
+  models = list(frontier_models.MODELS)
+  config = row["config"]
+  rank = CONFIGS.index(config) if config in CONFIGS else len(CONFIGS)
+  fraction = -float(config[4:]) if config.startswith("fit_") else 0.0
+  model = models.index(row["model"]) if row["model"] in models else len(models)
+  return (model, row["attention"] != "xla", rank, fraction)
+
+
 def _write(path: pathlib.Path, payload: dict) -> None:
+  payload["rows"].sort(key=_order)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(payload, indent=1) + "\n")
 
@@ -275,8 +290,11 @@ def repredict(payload: dict, target: str) -> None:
   """Recomputes every row's `predicted_ms` from its saved program (after a recalibration)."""
   for row in payload["rows"]:
     path = HLO_DIR / f"{label_of(row['model'], row['attention'], row['config'])}.hlo"
-    if "predicted_ms" in row and path.exists():
-      row["predicted_ms"] = round(predict_step_time(path.read_text(), target).seconds * 1e3, 3)
+    text = path.read_text() if path.exists() else ""
+    if "predicted_ms" in row and hashlib.sha1(text.encode()).hexdigest() == row.get("hlo_sha1"):
+      row["predicted_ms"] = round(predict_step_time(text, target).seconds * 1e3, 3)
+    elif "predicted_ms" in row:
+      print(f"kept {path.name}'s predicted_ms: its program is not the one saved", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -301,6 +319,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   path = pathlib.Path(args.json)
   payload = _load(path, args.fresh)
+  runs = payload.get("meta", {}).get("runs", [])
   payload["meta"] = metadata.run_metadata(
     "experiments.bench.frontier",
     argv,
@@ -309,6 +328,7 @@ def main(argv=None) -> dict:
     step="jax.value_and_grad(loss) over one batch (no optimizer)",
     predicted="predicted_ms is a roofline of the compiled program, not a measurement",
   )
+  payload["meta"]["runs"] = [*runs, payload["meta"]["command"]]  # every run that wrote rows
   if args.repredict:
     repredict(payload, args.target)
     _write(path, payload)

@@ -102,6 +102,6 @@ def summary_line(payload: dict) -> str:
         f"{model} {jp / GIB:.2f} GiB ({jc}, {jt:.0f} ms) vs {ap / GIB:.2f} GiB ({ac}, {at:.0f} ms)"
       )
   return (
-    "Frontier (XLA:GPU, H200, compiled on a CPU; lowest peak of JAX's policies vs jact's, "
-    "step times predicted): " + "; ".join(parts) + "."
+    "Frontier (XLA:GPU for an H200, compiled on a CPU, attention as written; the lowest peak "
+    "of JAX's policies vs jact's, step times predicted): " + "; ".join(parts) + "."
   )
