@@ -42,17 +42,25 @@ def table(payload: dict, model: str, attention: str) -> str:
   """A markdown table of one model's rows: peak, predicted step, compile seconds."""
   rows = _measured(payload, model, attention)
   plain = next((r for r in rows if r["config"] == "plain"), None)
+  unit, scale = (
+    ("GiB", GIB)
+    if max((r["peak_bytes"] for r in rows), default=0) >= GIB
+    else (
+      "MiB",
+      2**20,
+    )
+  )
   lines = [
     f"**{model}**, attention {attention} (XLA:GPU for an H200, compiled on a CPU; step times "
     "predicted, not measured)",
     "",
-    "| configuration | peak GiB | x plain | predicted ms | x plain | compile s | chose |",
+    f"| configuration | peak {unit} | x plain | predicted ms | x plain | compile s | chose |",
     "|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     ratio = lambda k: f"{r[k] / plain[k]:.2f}" if plain else ""
     lines.append(
-      f"| {r['config']} | {r['peak_bytes'] / GIB:.2f} | {ratio('peak_bytes')} | "
+      f"| {r['config']} | {r['peak_bytes'] / scale:.2f} | {ratio('peak_bytes')} | "
       f"{r['predicted_ms']:.1f} | {ratio('predicted_ms')} | {r['compile_s']:.1f} | "
       f"{r.get('chose', '')} |"
     )
