@@ -124,7 +124,6 @@ _TARGETS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
 def gpu_target(name: str | GpuTarget) -> GpuTarget:
   """The `GpuTarget` named `name` ("h100" or "h200"); a `GpuTarget` is returned as is."""
   if isinstance(name, GpuTarget):
@@ -132,6 +131,11 @@ def gpu_target(name: str | GpuTarget) -> GpuTarget:
   key = str(name).lower()
   if key not in _TARGETS:
     raise ValueError(f"unknown GPU target {name!r}; known targets: {sorted(_TARGETS)}")
+  return _named(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _named(key: str) -> GpuTarget:
   config = _config(key)
   memory = int(config.split("device_memory_size:")[1].split()[0])
   return GpuTarget(name=key, config=config, memory_bytes=memory, **_TARGETS[key])

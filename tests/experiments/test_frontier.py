@@ -1,4 +1,4 @@
-"""experiments.bench.frontier and its report: every configuration keeps the plain gradient
+"""experiments.bench.frontier and its report: each kind of configuration keeps the plain gradient
 (JAX's policies exactly, jact's within its 8-bit error), and README's frontier line is the one
 generated from the committed results."""
 
@@ -29,9 +29,14 @@ def _real(tree, seed=0):
   return jax.tree.unflatten(treedef, values)
 
 
+# one configuration of each kind (the others differ by a policy or a width): JAX's policies,
+# offload, jact.compressed, jact.convert and jact.checkpoint
+KINDS = ("remat_nothing", "remat_names", "offload_inputs", "jact8", "convert8", "jact_ckpt4")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", frontier.CONFIGS)
-def test_every_configuration_keeps_the_plain_gradient(config):
+@pytest.mark.parametrize("config", KINDS)
+def test_every_kind_of_configuration_keeps_the_plain_gradient(config):
   model = frontier_models.build("lm_6x512", **dict(frontier.SMALL["lm_6x512"], layers=2))
   params, batch = _real(model.params), _real(model.batch)
   key = jax.random.key(0)
@@ -41,6 +46,7 @@ def test_every_configuration_keeps_the_plain_gradient(config):
   # relative error (seed 0; measured 7e-4 / 1.2e-2 / 6.2e-2 at 8 / 4 / 2 bits, ~1.2x that with
   # jact.checkpoint), bounded at about 3x
   tol = {"jact8": 0.003, "jact4": 0.04, "jact2": 0.2, "jact_ckpt4": 0.05, "jact_ckpt2": 0.3}
+  tol.update({f"convert{b}": tol[f"jact{b}"] for b in (8, 4, 2)})  # measured 6.7e-4 .. 5.9e-2
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
   err = np.linalg.norm(flat(got) - flat(plain)) / np.linalg.norm(flat(plain))
   assert err <= tol.get(config, 1e-6), (config, err)
