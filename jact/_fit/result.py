@@ -94,7 +94,13 @@ class Fit:
         1,
         f"compiled for {self.target}: predicted step {self.predicted_seconds * 1e3:.2f} ms "
         f"(a roofline of the compiled program, not a measurement); variance bound "
-        f"{self.variance_bound:.4g}",
+        f"{self.variance_bound:.4g}"
+        + (
+          " -- over it: nothing within the bound fits, this is the least-variance "
+          "configuration that does"
+          if self.predicted_variance > self.variance_bound * (1 + 1e-9)
+          else ""
+        ),
       )
       lines.append("  the frontier seen (peak, fits, predicted step, predicted variance):")
     lines += [m.line(self.budget_bytes) for m in self.history]
