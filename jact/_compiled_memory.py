@@ -99,8 +99,7 @@ def compiled_memory(
         "compiled_memory(target=...) compiles for one GPU; pass no in_shardings/out_shardings "
         "(measure sharded steps on this machine's devices, target=None)"
       )
-    compiled = compile_for(fn, *args, target=target, static_argnums=static_argnums, **kwargs)
-    return _from_stats(compiled.memory_analysis())
+    return memory_of(compile_for(fn, *args, target=target, static_argnums=static_argnums, **kwargs))
   shardings = {
     name: value
     for name, value in (("in_shardings", in_shardings), ("out_shardings", out_shardings))
@@ -111,10 +110,12 @@ def compiled_memory(
   compiled = (
     jax.jit(fn, static_argnums=static_argnums, **shardings).lower(*args, **kwargs).compile()
   )
-  return _from_stats(compiled.memory_analysis())
+  return memory_of(compiled)
 
 
-def _from_stats(stats) -> CompiledMemory:
+def memory_of(compiled: jax.stages.Compiled) -> CompiledMemory:
+  """The `CompiledMemory` of an already compiled function."""
+  stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError(
       f"the {jax.default_backend()!r} backend gives no memory analysis for compiled "

@@ -106,21 +106,10 @@ def _config(name: str) -> str:
 
 # H100 SXM5 and H200 SXM: the same GH100 die (132 SMs, sm_90, 50 MB L2), HBM3 at 3.35 TB/s
 # (80 GB) and HBM3e at 4.8 TB/s (141 GB); NVIDIA's datasheet peaks, dense (no sparsity).
+_GH100 = dict(matmul_flops=989e12, tf32_flops=494.5e12, vector_flops=66.9e12)
 _TARGETS = {
-  "h100": dict(
-    device_kind="NVIDIA H100 80GB HBM3",
-    memory_bandwidth=3.35e12,
-    matmul_flops=989e12,
-    tf32_flops=494.5e12,
-    vector_flops=66.9e12,
-  ),
-  "h200": dict(
-    device_kind="NVIDIA H200",
-    memory_bandwidth=4.8e12,
-    matmul_flops=989e12,
-    tf32_flops=494.5e12,
-    vector_flops=66.9e12,
-  ),
+  "h100": dict(device_kind="NVIDIA H100 80GB HBM3", memory_bandwidth=3.35e12, **_GH100),
+  "h200": dict(device_kind="NVIDIA H200", memory_bandwidth=4.8e12, **_GH100),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jact._compiled_memory import compiled_memory
+from jact._compiled_memory import compiled_memory, memory_of
 from jact._gpu_target import compile_for
 from jact._step_time import predict_step_time
 from jact._fit.model import TRANSIENT_BITS
@@ -73,12 +73,8 @@ def step_cost(loss, args, argnums, target=None) -> StepCost:
   def step(key, *args):
     return jax.grad(loss, argnums=argnums)(*args, key=key)
 
+  peak = lambda m: m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
   if target is None:
-    m = compiled_memory(step, jax.random.key(0), *args)
-    return StepCost(m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes)
+    return StepCost(peak(compiled_memory(step, jax.random.key(0), *args)))
   compiled = compile_for(step, jax.random.key(0), *args, target=target)
-  m = compiled.memory_analysis()
-  peak = (
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  return StepCost(int(peak), predict_step_time(compiled, target).seconds)
+  return StepCost(peak(memory_of(compiled)), predict_step_time(compiled, target).seconds)

@@ -74,6 +74,10 @@ class Implementation:
     """Runs on `platform` and takes an input of `size` elements (None: any)."""
     if self.platforms and platform not in self.platforms:
       return False
+    return self.takes(size)
+
+  def takes(self, size: int | None) -> bool:
+    """Takes an input of `size` elements (None: any), whatever the platform."""
     return size is None or self.max_size is None or size <= self.max_size
 
 
@@ -175,8 +179,7 @@ class Registry:
     candidates = [
       i
       for i in self.available(op).values()
-      if targets & set(i.lowering_platforms)
-      and (size is None or i.max_size is None or size <= i.max_size)
+      if targets & set(i.lowering_platforms) and i.takes(size)
     ]
     return max(candidates, key=lambda i: i.priority) if candidates else None
 
