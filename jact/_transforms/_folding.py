@@ -7,6 +7,14 @@ chains and `folded_chain` stores only the exact derivative f'(x), compressed
 once: fewer bytes, less noise, still unbiased. Details: docs/design.md,
 "Folded elementwise chains".
 
+The derivative is taken in reverse mode (the chain's VJP of a cotangent of
+ones), so its products run in plain JAX's order: an overflowed step whose
+derivative is 0 (`tanh(inf)`, `exp(-inf)`) gives 0, as in plain JAX, where a
+forward-mode tangent would overflow first and give 0 * inf = NaN. The one
+product that differs from plain's order is the cotangent's: `g * f'(x)`
+rather than g carried through each step, so an intermediate product of g
+that overflows in plain JAX (a large loss scale in float16) may stay finite.
+
 >>> import jax, jax.numpy as jnp
 >>> closed = jax.make_jaxpr(lambda x: jax.nn.gelu(x) + 1.0)(jnp.ones(4))
 >>> [region] = unary_regions(closed.jaxpr).values()
@@ -150,7 +158,9 @@ def folded_chain(jaxpr, region: Region):
     return chain(x)
 
   def fwd(x):
-    y, derivative = jax.jvp(chain, (x,), (jnp.ones_like(x),))
+    # reverse mode: the products run from the output back, in plain JAX's order
+    y, vjp = jax.vjp(chain, x)
+    (derivative,) = vjp(jnp.ones_like(y))
     return y, derivative
 
   def bwd(derivative, g):

@@ -112,3 +112,20 @@ def test_chain_read_twice_is_not_folded():
 def test_linear_chain_is_not_folded():
   closed = jax.make_jaxpr(lambda x: (x * 2.0 + 1.0) / 3.0 - x)(jnp.ones(8))
   assert _folding.unary_regions(closed.jaxpr) == {}
+
+
+@pytest.mark.parametrize("dtype,scale", [(jnp.float32, 1e20), (jnp.float16, 1e3)])
+def test_folded_derivative_of_a_saturated_overflow_is_plain(dtype, scale):
+  """tanh(inf) = 1 and exp(-inf) = 0 have derivative 0: plain reverse mode gives 0
+  (the 0 comes first), a forward-mode tangent overflowed first (0 * inf = NaN)."""
+  x = (jnp.linspace(-2.0, 2.0, 64) * jnp.ones((4, 1))).astype(dtype)
+  for f in (lambda x: jnp.tanh((x * scale) ** 2), lambda x: jnp.exp(-((x * scale) ** 2))):
+    closed = jax.make_jaxpr(f)(x)
+    [region] = _folding.unary_regions(closed.jaxpr).values()
+    folded = _folding.folded_chain(closed.jaxpr, region)
+    assert not jnp.isfinite((x * scale) ** 2).all()  # the chain really overflows
+    probe = jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), dtype)
+    got = jax.vjp(folded, x)[1](probe)[0]
+    want = jax.vjp(f, x)[1](probe)[0]
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=0)
