@@ -53,6 +53,10 @@ NNX_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 """True inside a converted nnx model's outermost call."""
 
+NNX_MEASURE: contextvars.ContextVar[Any] = contextvars.ContextVar("jact_nnx_measure", default=None)
+"""While an nnx `conversion_report` is taken: the function measuring a layer call's
+(plain, saved) bytes (`jact._flax.convert.nnx_bytes.measure`), else None."""
+
 
 @contextlib.contextmanager
 def bound(variable: contextvars.ContextVar, value) -> Iterator[Any]:

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jact._engine.op import reject_removed_keywords
 from jact._flax import hooks as _hooks
+from jact._flax.context import NNX_MEASURE
 from jact._flax.record import record
 from jact.nnx._blpa import BLPABlock
 
@@ -57,6 +58,8 @@ class _Twin:
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): a `use_key` block's key, else the layer's stream; (False,
     None) where a key is needed and there is none: run plain through `_keyless`."""
+    if self.__dict__.get("_jact_plain"):
+      return False, None
     if not self._needs_key():
       return True, None
     key = _hooks.context_key(self.residual_name)
@@ -69,7 +72,10 @@ class _Twin:
     )
 
   def _keyless(self, fn):
-    """`fn`, the layer's plain computation run without a key: differentiating it raises."""
+    """`fn`, the layer's plain computation run without a key: differentiating it raises
+    (except on a copy measured as plain by `conversion_report`)."""
+    if self.__dict__.get("_jact_plain"):
+      return fn
     return _hooks.keyless(
       fn,
       _hooks.nnx_keyless_message(
@@ -90,11 +96,14 @@ class _Twin:
 
 
 def _recorded(call):
-  """`call` (a twin's `__call__`) noting the call in a conversion report being taken."""
+  """`call` (a twin's `__call__`) noting the call, with its plain and saved bytes,
+  in a conversion report being taken."""
 
   @functools.wraps(call)
   def recorded(self, *args, **kwargs):
-    record(self.residual_name, type(self).__name__, "twin")
+    measure = NNX_MEASURE.get()
+    sizes = (None, None) if measure is None else measure(self, call, args, kwargs)
+    record(self.residual_name, type(self).__name__, "twin", "", *sizes)
     return call(self, *args, **kwargs)
 
   return recorded

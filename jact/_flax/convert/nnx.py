@@ -245,11 +245,11 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   return twins.get(id(model), model)
 
 
-def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool]]:
-  """(name, class, reason, in_model) of each layer of `model` that `convert`
-  left plain for an option its twin lacks (what it warned about); `in_model`:
-  a converted model's call (`functions=True`) around it compresses its
-  residuals. Layers inside twins and engine layers are theirs."""
+def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool, nnx.Module]]:
+  """(name, class, reason, in_model, layer) of each layer of `model` that
+  `convert` left plain for an option its twin lacks (what it warned about);
+  `in_model`: a converted model's call (`functions=True`) around it compresses
+  its residuals. Layers inside twins and engine layers are theirs."""
   found, covered, models = [], [], []
   for path, module in sorted(nnx.iter_modules(model), key=lambda pm: len(pm[0])):
     path = tuple(path)
@@ -265,5 +265,5 @@ def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool]]:
     if reason is not None:
       name = "/".join(str(p) for p in path) or type(module).__name__
       in_model = any(path[: len(p)] == p for p in models)
-      found.append((name, type(module).__name__, reason, in_model))
+      found.append((name, type(module).__name__, reason, in_model, module))
   return found

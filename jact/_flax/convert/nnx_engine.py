@@ -23,7 +23,7 @@ from flax import nnx
 
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
-from jact._flax.context import NNX_IN_MODEL, bound
+from jact._flax.context import NNX_IN_MODEL, NNX_MEASURE, bound
 from jact._flax.convert.settings import Settings
 from jact._flax.convert.generic import layout_recomputed, residual_config
 from jact._flax.record import record
@@ -43,19 +43,40 @@ class EngineSetup:
   cell: bool = False
 
 
+class _FirstKey:
+  """Draws from a stacked stream called whole (a model holding only stacked
+  layers, whose own call `nnx.scan` does not slice): one key, from the first
+  layer's key and count, the whole count advancing as `RngStream` does."""
+
+  def __init__(self, stream: nnx.RngStream):
+    self.stream = stream
+
+  def __call__(self):
+    count = self.stream.count[...]
+    self.stream.count[...] = count + 1
+    first = (0,) * count.ndim
+    return jax.random.fold_in(self.stream.key[...][first], count[first])
+
+
 def _draw(module, stream_attr: str, config) -> tuple[bool, Any]:
   """(compress?, key): the module's own stream, else `jact.nnx.use_key`'s key."""
   if not config.needs_key:
     return True, None
   stream = getattr(module, stream_attr, None)
   if stream is not None:
+    if _compat.stream_key_shape(stream):  # stacked, called whole
+      stream = _FirstKey(stream)
     return True, _hooks.draw(stream, f"jact.convert's {type(module).__name__} {config.name!r}")
   key = _hooks.context_key(config.name)
   return key is not None, key
 
 
 def _run(module, base: type, setup: EngineSetup, stream_attr: str, args, kwargs):
-  record(setup.config.name, base.__name__, "engine" if setup.inputs else "model")
+  measure = NNX_MEASURE.get() if setup.inputs else None  # a model's row: no bytes (as linen's)
+  sizes = (None, None)
+  if measure is not None:
+    sizes = measure(module, type(module).__call__, args, kwargs, plain=base.__call__)
+  record(setup.config.name, base.__name__, "engine" if setup.inputs else "model", "", *sizes)
   compress, key = _draw(module, stream_attr, setup.config)
   if not compress:
     message = _hooks.nnx_keyless_message(
@@ -176,9 +197,26 @@ def stack_shape(module) -> tuple[int, ...] | None:
 
 def stacked_stream(stream: nnx.RngStream | None, shape: tuple[int, ...]):
   """`stream` with one key per stacked layer (leading axes `shape`)."""
-  if stream is None or not shape:
+  if stream is None or not shape or _compat.stream_key_shape(stream) == shape:
     return stream
   return nnx.RngStream(jax.random.split(stream(), shape), tag=stream.tag)
+
+
+def model_stack_shape(model) -> tuple[int, ...]:
+  """The leading axes shared by the parameters of every layer of `model`: those
+  of a model built by `nnx.vmap` itself (run by `nnx.scan`, which slices its
+  stream with its parameters); () when some layer is unstacked."""
+  shapes = [stack_shape(sub) for _, sub in nnx.iter_modules(model) if _expected(sub)]
+  shapes = [s for s in shapes if s is not None]
+  if not shapes:
+    return ()
+  common = shapes[0]
+  for s in shapes[1:]:
+    n = 0
+    while n < min(len(common), len(s)) and common[n] == s[n]:
+      n += 1
+    common = common[:n]
+  return common
 
 
 def fork(rngs, shape: tuple[int, ...]):
@@ -277,5 +315,5 @@ def convert_model(model, settings: Settings, rngs, layer_streams=()) -> None:
   source = rngs if rngs is not None else old
   if source is None:
     source = next((s for s in layer_streams if not _compat.stream_key_shape(s)), None)
-  stream = fork(source, ()) if settings.needs_key else None
+  stream = fork(source, model_stack_shape(model)) if settings.needs_key else None
   model.jact_model_rngs = stream if stream is not None else nnx.data(None)

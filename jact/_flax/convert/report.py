@@ -2,8 +2,9 @@
 
 Traces `fn` (typically the loss) once, abstractly, and lists every layer call
 with how it was converted ('twin', 'engine', 'model' or 'plain', with the
-reason) and, for linen models, the bytes it keeps plain and converted; each
-layer left plain also gets a `ConversionWarning` with its share of the bytes.
+reason) and the bytes it keeps plain and converted (linen and nnx models
+alike); each layer left plain also gets a `ConversionWarning` with its share of
+the bytes.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn, jact
 >>> class Net(nn.Module):
@@ -33,6 +34,7 @@ from flax import nnx
 from jact._flax.convert.settings import ConversionWarning
 from jact._flax.convert.nnx import plain_layers
 from jact._flax.convert.generic import saved_bytes
+from jact._flax.convert.nnx_bytes import measuring, noting_plain
 from jact._flax.record import Row, recording
 
 __all__ = ["conversion_report", "ConversionReport"]
@@ -70,19 +72,29 @@ class ConversionReport:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _nnx_plain_rows(args, kwargs) -> list[Row]:
-  """Rows for the layers of the nnx modules passed to `fn` that `convert` left
-  plain ('model' when a converted model's call compresses them)."""
+def _nnx_plain_layers(args, kwargs) -> list[tuple[str, str, str, bool, nnx.Module]]:
+  """The layers of the nnx modules passed to `fn` that `convert` left plain
+  (see `plain_layers`), each once."""
   modules = [
     leaf for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module) if _is_nnx_module(leaf)
   ]
-  rows, seen = [], set()
+  found, seen = [], set()
   for module in modules:
-    for name, layer, reason, in_model in plain_layers(module):
+    for name, layer, reason, in_model, obj in plain_layers(module):
       if (name, layer) not in seen:
         seen.add((name, layer))
-        rows.append(Row(name, layer, "model" if in_model else "plain", reason))
-  return rows
+        found.append((name, layer, reason, in_model, obj))
+  return found
+
+
+def _uncalled_rows(layers, rows) -> list[Row]:
+  """Rows for the plain layers that `fn` did not call (no bytes: nothing ran)."""
+  called = {(r.path, r.layer) for r in rows}
+  return [
+    Row(name, layer, "model" if in_model else "plain", reason)
+    for name, layer, reason, in_model, _ in layers
+    if (name, layer) not in called
+  ]
 
 
 def _is_nnx_module(x) -> bool:
@@ -103,9 +115,11 @@ def conversion_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Conv
       f"model (e.g. lambda v, x: model.apply(v, x).sum()), got "
       f"{type(fn).__name__} {fn!r:.40}"
     )
-  with recording() as rows:
+  layers = _nnx_plain_layers(args, kwargs)
+  noted = [(name, reason, in_model, obj) for name, _, reason, in_model, obj in layers]
+  with recording() as rows, measuring(), noting_plain(noted):
     total = saved_bytes(lambda *a: fn(*a, **kwargs), args, kept=set(range(len(args))))
-  report = ConversionReport(list(rows) + _nnx_plain_rows(args, kwargs), total)
+  report = ConversionReport(list(rows) + _uncalled_rows(layers, rows), total)
   for row in report.plain():
     share = (
       ""
