@@ -185,6 +185,21 @@ def save_inputs_only():
   return jax.checkpoint_policies.nothing_saveable
 
 
+def _plain_checkpoint(fn, policy, prevent_cse, check_key, config):
+  """`fn` under plain `jax.checkpoint` (non-array leaves held fixed, `key=`
+  accepted and unused): nothing is compressed, so nothing is rounded."""
+  checked = returning_arrays(fn, "jact.checkpoint")
+
+  @functools.wraps(fn)
+  def wrapped(*args, key=None, **kwargs):
+    check_key(args)
+    call, values, _ = over_array_leaves(checked, args, kwargs)
+    return jax.checkpoint(call, policy=policy, prevent_cse=prevent_cse)(*values)
+
+  wrapped.residual_config = config
+  return wrapped
+
+
 @takes_compressor(api="jact.checkpoint")
 def checkpoint(
   fn: Callable[..., Any] | None = None,
@@ -226,7 +241,8 @@ def checkpoint(
       and exact (parameters are alive anyway): the rule and the default `()`
       of `jact.compressed`. With none listed and a policy that saves nothing
       (None, `save_inputs_only()`), nothing is stored compressed and the
-      segment is plain `jax.checkpoint`: a UserWarning says so.
+      segment is plain `jax.checkpoint`, its recomputation exact too (`bits`
+      and `key` unused): a UserWarning says so.
     prevent_cse: as in `jax.checkpoint`.
 
   Returns:
@@ -262,21 +278,22 @@ def checkpoint(
     )
   check_key = reserved_key_check(fn, "jact.checkpoint")
   compress_argnums = check_argnums(compress_argnums)
+  rounding = op_rounding("jact.checkpoint", bits, compressor)
+  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size, name)
   if not compress_argnums and (
     policy is None or policy is jax.checkpoint_policies.nothing_saveable
   ):
     name_of_fn = getattr(fn, "__name__", type(fn).__name__)
     warnings.warn(
       f"jact.checkpoint({name_of_fn}) stores nothing compressed: no argument is listed in "
-      f"compress_argnums and the policy saves nothing, so the inputs are kept by reference, "
-      f"as jax.checkpoint keeps them. List the segment's activation arguments, e.g. "
-      f"compress_argnums=(1,) for block(params, x), to keep a compressed copy of them "
-      f"instead (GACT CB1); parameters stay exact either way.",
+      f"compress_argnums and the policy saves nothing, so it is plain jax.checkpoint (inputs "
+      f"kept by reference, the recomputation exact). List the segment's activation "
+      f"arguments, e.g. compress_argnums=(1,) for block(params, x), to keep a compressed "
+      f"copy of them instead (GACT CB1); parameters stay exact either way.",
       UserWarning,
       stacklevel=2,
     )
-  rounding = op_rounding("jact.checkpoint", bits, compressor)
-  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size, name)
+    return _plain_checkpoint(fn, policy, prevent_cse, check_key, config)
   body = compressed(
     returning_arrays(fn, "jact.checkpoint"),
     bits=bits,
