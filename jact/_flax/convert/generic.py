@@ -62,11 +62,12 @@ def scan_key(outer_key, name: str, args):
   The outer key (drawn outside the scan, the same in every iteration) is
   folded with the layer's name and with a fingerprint of each float argument
   (the carry and the step's input), which differ from one iteration to the
-  next. The fingerprint (`_fingerprint`) is an integer sum of the values'
-  bits, so it does not depend on the order in which a reduction visits them:
-  a batch sharded over devices gets the same key as on one device. Two
-  iterations with bit-identical arguments share their noise (a correlation,
-  not an error)."""
+  next. The fingerprint (`_fingerprint`) reads only each value's sign, so
+  it is the same on one device and with the batch sharded over many, where
+  the values themselves differ in their last bits (a matmul over a shard of
+  the rows sums in another order); only a value within rounding error of
+  zero can tell the two apart. Two iterations whose arguments have the same
+  signs share their noise (a correlation, not an error)."""
   key = jax.random.fold_in(outer_key, name_salt(name))
   for leaf in _float_leaves(args):
     key = jax.random.fold_in(key, _fingerprint(lax.stop_gradient(leaf)))
@@ -74,15 +75,18 @@ def scan_key(outer_key, name: str, args):
 
 
 def _fingerprint(x) -> jax.Array:
-  """A uint32 of `x`'s values and their positions, independent of the order (and
-  the device split) of the reduction that computes it: the sum modulo 2**32
-  (integer addition: exact in any order) of each value's float32 bits mixed
-  with its flat index."""
-  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  """A uint32 of the signs of `x`'s values (negative, zero or NaN, positive)
+  and their positions: the sum modulo 2**32 (integer addition, exact in any
+  order and any device split) of each value's sign code mixed with its flat
+  index. Signs, not bits: the same step computed on a shard of the batch
+  rounds its values differently in the last bits, which would change every
+  bit of a hash of them."""
+  x = x.astype(jnp.float32)
+  code = (x > 0).astype(jnp.uint32) + jnp.uint32(2) * (x < 0).astype(jnp.uint32)
   index = lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
   for axis in range(1, x.ndim):
     index = index * jnp.uint32(x.shape[axis]) + lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-  mixed = (bits ^ (index * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
+  mixed = ((code + jnp.uint32(1)) ^ (index * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
   return jnp.sum(mixed, dtype=jnp.uint32)  # integer sum mod 2**32: exact in any order
 
 
