@@ -249,15 +249,17 @@ def _check_is_static_shape():
 
 def bound_axis_sizes(axis_name) -> tuple[tuple[Any, int], ...]:
   """`((name, size), ...)` of the named axes of `axis_name` (a name or a
-  tuple of names) bound where this is traced (`jax.vmap(axis_name=)`,
-  `shard_map`, `pmap`); names not bound here are left out.
+  tuple of names; None: every named axis) bound where this is traced
+  (`jax.vmap(axis_name=)`, `shard_map`, `pmap`); names not bound here are left out.
 
   Public: `jax.lax.axis_size(name)`; whether a name is bound has no public
-  query in jax 0.10.2 (watch `jax._src.core.get_axis_env().axis_exists`)."""
+  query in jax 0.10.2 (watch `jax._src.core.get_axis_env()`: `axis_exists`, `axis_sizes`)."""
   from jax._src import core as _core  # pylint: disable=import-outside-toplevel
 
-  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
   env = _core.get_axis_env()
+  if axis_name is None:
+    return tuple(env.axis_sizes.items())
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
   return tuple((n, int(lax.axis_size(n))) for n in names if env.axis_exists(n))
 
 
@@ -308,4 +310,12 @@ def _bound_axes_backward():
   x = jnp.arange(4.0)
   got = jax.grad(lambda x: jnp.sum(jax.vmap(f, axis_name="b")(x) * x))(x)
   assert sizes["b"] == (("b", 4),), sizes["b"]
+  seen = {}
+
+  def record(x):
+    seen["all"] = bound_axis_sizes(None)
+    return x
+
+  jax.eval_shape(jax.vmap(jax.vmap(record, axis_name="c"), axis_name="b"), jnp.ones((2, 3)))
+  assert set(seen["all"]) == {("b", 2), ("c", 3)}, seen["all"]
   assert bool(jnp.allclose(got, x.mean() + x)), got  # d/dx of f(x) * x, f backward a mean

@@ -308,15 +308,22 @@ def call_compressed(
     it = iter(diff_inputs)
     return [next(it) if d else x for x, d in zip(inputs, differentiable)]
 
+  # The named axes bound at the call (jax.vmap(axis_name=), shard_map). JAX
+  # may run the rules outside them (a backward under jax.grad of the vmap, a
+  # forward re-run from a traced program): the rules bind them again to trace
+  # the collectives of `fn` (cross-device batch norm).
+  axes = _compat.bound_axis_sizes(None)
+
   @jax.custom_vjp
   def op(seed, *inputs):
     return run(*inputs)
 
   def fwd(seed, *inputs):
-    if isinstance(seed, SaltedSeed):  # inner ops see this trace's salt, not a closed-over one
-      with _context.salted(seed.names, seed.salt):
-        return _fwd(seed, *inputs)
-    return _fwd(seed, *inputs)
+    with _compat.axes_bound(axes):
+      if isinstance(seed, SaltedSeed):  # inner ops see this trace's salt, not a closed-over one
+        with _context.salted(seed.names, seed.salt):
+          return _fwd(seed, *inputs)
+      return _fwd(seed, *inputs)
 
   def _fwd(seed, *inputs):
     trees = {}
@@ -375,6 +382,10 @@ def call_compressed(
     )
 
   def bwd(saved, g):
+    with _compat.axes_bound(axes):
+      return _bwd(saved, g)
+
+  def _bwd(saved, g):
     values, g = barrier(saved.values, g)
     if materialize_cotangent:
       g = jax.tree.map(

@@ -29,6 +29,8 @@ __all__ = [
   "suppress_capture",
   "bind_to_scope",
   "canonicalize_dtype",
+  "lifted_target",
+  "relift",
 ]
 
 
@@ -167,6 +169,89 @@ def _check_state_restored() -> None:
 
   Model().init(jax.random.key(0), jnp.ones((1, 3)))
   _expect(seen == [(True, "Dense_0")], f"the module's state was not restored: {seen}")
+
+
+def lifted_target(cls: type) -> type | None:
+  """The class a linen lifted transform was applied to (`S` of `nn.vmap(S, ...)`,
+  `nn.remat(S)`, `nn.jit(S)`), or None when `cls` is no such class.
+
+  Public replacement: none in flax 0.12.8. Watch: the closure of the methods that
+  `flax.linen.transforms.module_class_lift_transform` (and its `_cached` variant)
+  puts in the class it builds: `module_class`, `transform`, `trafo_args`,
+  `trafo_kwargs`, `fn_name`.
+  """
+  lifted = _lifted_methods(cls)
+  return next(iter(lifted.values()))["module_class"] if lifted else None
+
+
+def _lifted_methods(cls: type) -> dict[str, dict]:
+  if not isinstance(cls, type) or len(cls.__bases__) != 1:
+    return {}
+  inner, found = cls.__bases__[0], {}
+  for name, fn in cls.__dict__.items():
+    code = getattr(fn, "__code__", None)
+    free = code.co_freevars if code is not None else ()
+    if {"module_class", "transform", "trafo_kwargs", "fn_name"} <= set(free):
+      cells = dict(zip(free, (c.cell_contents for c in fn.__closure__)))
+      if cells["module_class"] is inner:
+        found[name] = cells
+  return found
+
+
+def relift(cls: type, inner: type) -> type:
+  """`cls` (a class built by a linen lifted transform, see `lifted_target`) built
+  again, with the same transform and arguments, around `inner` (a subclass of
+  its target): a lifted class's methods clone their target class with the
+  instance's fields, so a target with more fields must be lifted itself.
+
+  Public replacement: none in flax 0.12.8. Watch: as `lifted_target`, and the
+  signatures of `module_class_lift_transform(transform, module_class,
+  *trafo_args, methods=, **trafo_kwargs)` and of its `_cached` variant.
+  """
+  methods = {}
+  for name, cells in _lifted_methods(cls).items():
+    kwargs = cells["trafo_kwargs"]
+    if "trafo_fn" in cells:  # the cached variant (nn.jit): trafo_kwargs only
+      built = linen_transforms.module_class_lift_transform_cached(
+        cells["transform"], inner, methods=[cells["fn_name"]], **kwargs
+      )
+    else:
+      built = linen_transforms.module_class_lift_transform(
+        cells["transform"], inner, *cells["trafo_args"], methods=[cells["fn_name"]], **kwargs
+      )
+    methods[name] = built.__dict__[cells["fn_name"]]
+  return type(cls.__name__, (inner,), methods)
+
+
+@probes(
+  lifted_target="the closure of linen.transforms.module_class_lift_transform's methods",
+  relift="linen.transforms.module_class_lift_transform(_cached) signatures",
+)
+def _check_relift() -> None:
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(x)
+
+  class Wider(Block):
+    extra: int = 0
+
+  x = jnp.ones((3, 4, 2))
+  for lift_fn in (
+    lambda c: nn.vmap(c, variable_axes={"params": None}, split_rngs={"params": False}),
+    nn.remat,
+    nn.jit,
+  ):
+    lifted = lift_fn(Block)
+    _expect(lifted_target(lifted) is Block, f"{lifted.__name__}: its target was not found")
+    _expect(lifted_target(Block) is None, "a plain class was taken for a lifted one")
+    again = relift(lifted, Wider)
+    _expect(issubclass(again, Wider), f"{lifted.__name__} was not lifted around the subclass")
+    variables = lifted().init(jax.random.key(0), x)
+    _expect(
+      bool(jnp.array_equal(again(extra=1).apply(variables, x), lifted().apply(variables, x))),
+      f"{lifted.__name__} lifted again computes something else",
+    )
 
 
 # ----------------------------------------------------------------------------- linen interception

@@ -39,6 +39,11 @@ def _converted_class(cls: type) -> type:
   base = getattr(cls, "_jact_base", cls)
   if base in _CLASSES:
     return _CLASSES[base]
+  target = _compat.lifted_target(base)
+  if target is not None:
+    # a lifted class (`nn.vmap(Block, ...)`): its methods clone `Block` with the
+    # instance's fields, the jact fields too; lift the converted `Block` instead
+    return _named(_compat.relift(base, _converted_class(target)), base)
 
   class Converted(base):  # type: ignore[misc, valid-type]
     jact_bits: int | None = 4
@@ -75,12 +80,17 @@ def _converted_class(cls: type) -> type:
   # Every method of a linen module (those of the model's classes, wrapped by
   # Flax), also as a child of an unconverted model, runs with the interceptor.
   _compat.run_methods_within(Converted, lambda module: _converting(module._jact_settings()))
-  # Same name: a converted model used as a child is auto-named like the plain one.
+  return _named(Converted, base)
+
+
+def _named(converted: type, base: type) -> type:
+  """`converted`, cached as `base`'s converted class and named like it (a converted
+  model used as a child is auto-named like the plain one)."""
   for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
-    setattr(Converted, attr, getattr(base, attr))
-  Converted._jact_base = base
-  _CLASSES[base] = Converted
-  return Converted
+    setattr(converted, attr, getattr(base, attr))
+  converted._jact_base = base
+  _CLASSES[base] = converted
+  return converted
 
 
 def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
@@ -238,14 +248,17 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
   its own that nothing compresses, else the call itself."""
   module = context.module
   is_model = "_jact_base" in type(module).__dict__ and base not in _engine.GENERIC
+  # Flax also runs wrapped callables that are no method of the class (the
+  # abstract check of a lifted class's setup, `apply(method=function)`)
   if (
     is_model
     and settings.functions
+    and callable(getattr(type(module), context.method_name, None))
     and not LINEN_IN_MODEL.get()
     and context.method_name != "setup"
     and not module.is_initializing()
   ):
-    method = getattr(base, context.method_name)
+    method = getattr(type(module), context.method_name)  # a lifted class's: relifted
     _engine.note(module, "model", "", None, None, args, kwargs, descendants=False)
     with bound(LINEN_IN_MODEL, True):
       return _engine.engine_call(
