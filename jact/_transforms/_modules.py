@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 
 from jact._core import rng
+from jact._transforms._arguments import check_argnums
 from jact._transforms._vjp_residuals import ResidualConfig
 
 __all__ = [
@@ -57,22 +58,37 @@ def is_callable_pytree(fn) -> bool:
   return not jax.tree_util.treedef_is_leaf(jax.tree.structure(fn))
 
 
-def _takes_keyword_key(fn) -> bool:
+def _key_parameter(fn):
+  """`fn`'s parameter `key` (Equinox's convention for a module's randomness), or None."""
   try:
     param = inspect.signature(fn).parameters.get("key")
   except (TypeError, ValueError):
-    return False
-  return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+    return None
+  if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+    return None
+  return param
 
 
+def _positional_key_index(fn) -> int | None:
+  """The position of `fn`'s parameter `key` when a call may fill it positionally."""
+  param = _key_parameter(fn)
+  if param is None or param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+    return None
+  return list(inspect.signature(fn).parameters).index("key")
+
+
+_MODULE = "_jact_module"  # the wrapped module, passed to `module_call` by keyword
 _MODULE_KEY = "_jact_module_key"  # carries a module's own `key=` past the wrapper's
 
 
 def module_call(module) -> Callable[..., Any]:
-  """`call(module, *args, **kwargs) = module(*args, **kwargs)`, named after the
-  module; a keyword `_MODULE_KEY` reaches the module as its `key`."""
+  """`call(*args, _jact_module=module, **kwargs) = module(*args, **kwargs)`, named
+  after the module. The module goes by keyword, so the positions of `args` --
+  what `compress_argnums` and jact's errors count -- are the module call's own;
+  a keyword `_MODULE_KEY` reaches the module as its `key`."""
 
-  def call(module, *args, **kwargs):
+  def call(*args, **kwargs):
+    module = kwargs.pop(_MODULE)
     if _MODULE_KEY in kwargs:
       kwargs["key"] = kwargs.pop(_MODULE_KEY)
     return module(*args, **kwargs)
@@ -81,9 +97,10 @@ def module_call(module) -> Callable[..., Any]:
   return call
 
 
-def module_argnums(argnums: tuple[int, ...]) -> tuple[int, ...]:
-  """`compress_argnums` of a module's call, as positions of `call(module, *args)`."""
-  return tuple(i + 1 for i in argnums)
+def module_argnums(argnums) -> tuple[int, ...]:
+  """`compress_argnums` of a module's call (validated): positions of its own
+  arguments, as `module_call` receives them."""
+  return check_argnums(argnums)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -95,10 +112,13 @@ class CompressedModule:
   model that holds it: `eqx.filter_grad`, `eqx.partition` and optimizers see
   them, where a closure would hide them (and get no gradient). Calling it
   runs `module(*args, **kwargs)` with compressed residuals; the module is
-  an argument kept by reference (parameters are exact). When the module's
-  call takes a keyword `key` (Equinox's convention for dropout), `key=`
-  goes to it as well, so its randomness is the plain model's for the same
-  key; rounding then draws from `jax.random.fold_in(key, ROUNDING_STREAM)`.
+  an argument kept by reference (parameters are exact), passed by keyword:
+  `compress_argnums` counts the module call's own arguments (0: its first).
+  When the module's call takes a `key` (Equinox's convention for dropout),
+  the key goes to it as well, so its randomness is the plain model's for the
+  same key; rounding then draws from `jax.random.fold_in(key,
+  ROUNDING_STREAM)`. The key may be passed as `key=` or in its position of
+  the module's call, not both.
 
   The same holds for any callable pytree, e.g. `jax.tree_util.Partial`:
 
@@ -134,10 +154,34 @@ class CompressedModule:
     return self.call.residual_config
 
   def __call__(self, *args, key=None, **kwargs):
-    if key is not None and _takes_keyword_key(self.module):
-      rounding_key = jax.random.fold_in(rng.single_key(key), self.ROUNDING_STREAM)
-      return self.call(self.module, *args, key=rounding_key, **kwargs, **{_MODULE_KEY: key})
-    return self.call(self.module, *args, key=key, **kwargs)
+    name = type(self.module).__name__
+    param, module_key = _key_parameter(self.module), None
+    index = _positional_key_index(self.module)
+    if index is not None and len(args) > index:  # the module's `key` given positionally
+      if key is not None:
+        raise TypeError(
+          f"jact's wrapped {name} got its `key` twice: positionally (argument {index} of "
+          f"{name}'s call) and as key=. Pass it once: {name}'s key also seeds jact's "
+          f"stochastic rounding (jax.random.fold_in(key, CompressedModule.ROUNDING_STREAM)), "
+          f"so drop key= and keep the positional one, or pass it only as key=."
+        )
+      key = args[index]  # it stays in `args`: the module's positions are unchanged
+    elif param is not None and key is not None:
+      module_key = key
+    elif param is not None and param.default is param.empty:
+      where = "" if index is None else f" (or as argument {index} of {name}'s call)"
+      raise TypeError(
+        f"jact's wrapped {name}: {name}'s call needs its `key` and got none. Pass it as "
+        f"key={where}: it reaches {name}'s `key` (its own randomness as in the plain model) "
+        f"and jact's stochastic rounding draws from jax.random.fold_in(key, "
+        f"CompressedModule.ROUNDING_STREAM)."
+      )
+    call = {_MODULE: self.module, **kwargs}
+    if module_key is not None:
+      call[_MODULE_KEY] = module_key
+    if param is not None and key is not None:
+      key = jax.random.fold_in(rng.single_key(key), self.ROUNDING_STREAM)
+    return self.call(*args, key=key, **call)
 
   def __repr__(self) -> str:
     return f"CompressedModule({self.module!r}, name={self.residual_config.name!r})"

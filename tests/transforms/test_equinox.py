@@ -411,3 +411,69 @@ def test_compiled_temp_memory_of_the_cnn_step_falls_at_2_bits():
   plain = jact.compiled_memory(step(_cnn_loss), model, x)
   small = jact.compiled_memory(step(lambda m, x: fast(m, x, key=jax.random.key(0))), model, x)
   assert small.temp_bytes < 0.6 * plain.temp_bytes, (small.temp_bytes, plain.temp_bytes)
+
+
+# ------------------------------------------------------------------------ module wrap: arguments
+
+
+class Gate(eqx.Module):
+  """Two activation arguments; no key."""
+
+  proj: eqx.nn.Linear
+
+  def __init__(self, key):
+    self.proj = eqx.nn.Linear(8, 8, key=key)
+
+  def __call__(self, x, y):
+    return jnp.tanh(jax.vmap(self.proj)(x)) * y
+
+
+class NoisyBlock(eqx.Module):
+  """Equinox's dropout convention, with the key a positional parameter."""
+
+  proj: eqx.nn.Linear
+  drop: eqx.nn.Dropout
+
+  def __init__(self, key):
+    self.proj = eqx.nn.Linear(8, 8, key=key)
+    self.drop = eqx.nn.Dropout(0.25)
+
+  def __call__(self, x, key):
+    return self.drop(jax.nn.gelu(jax.vmap(self.proj)(x)), key=key)
+
+
+class KeywordKeyBlock(NoisyBlock):
+  def __call__(self, x, *, key):
+    return super().__call__(x, key)
+
+
+_X8 = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)), jnp.float32)
+
+
+@pytest.mark.parametrize("wrap", [jact.compressed, jact.checkpoint])
+def test_module_wrap_errors_count_the_modules_own_arguments(wrap):
+  gate = wrap(Gate(jax.random.key(0)), bits=2, compress_argnums=(2,))
+  with pytest.raises(ValueError, match=r"compress_argnums=\(2,\) but Gate got 2 positional"):
+    gate(_X8, _X8, key=jax.random.key(1))
+
+
+def test_module_key_in_its_position_seeds_the_rounding_as_key_does():
+  block, key = NoisyBlock(jax.random.key(0)), jax.random.key(3)
+  fast = jact.compressed(block, bits=2)
+  np.testing.assert_array_equal(fast(_X8, key), block(_X8, key))  # dropout: plain's mask
+  grad = lambda call: eqx.filter_grad(lambda m: jnp.sum(call(m) ** 2))(fast).module.proj.weight
+  positional, keyword = grad(lambda m: m(_X8, key)), grad(lambda m: m(_X8, key=key))
+  np.testing.assert_array_equal(positional, keyword)
+
+
+def test_module_key_conflicts_are_explained():
+  block, key = NoisyBlock(jax.random.key(0)), jax.random.key(3)
+  with pytest.raises(TypeError, match=r"NoisyBlock got its `key` twice: positionally \(argument 1"):
+    jact.compressed(block, bits=2)(_X8, key, key=key)
+  with pytest.raises(
+    TypeError, match=r"NoisyBlock's call needs its `key`.*key= \(or as argument 1"
+  ):
+    jact.compressed(block, bits=2)(_X8)
+  keyword_only = jact.checkpoint(KeywordKeyBlock(jax.random.key(0)), compress_argnums=(0,))
+  with pytest.raises(TypeError, match=r"KeywordKeyBlock's call needs its `key`.*Pass it as key=:"):
+    keyword_only(_X8)
