@@ -462,7 +462,7 @@ def test_model_gradients_are_non_finite_exactly_where_plain_ones_are(name, bits)
   )
 
 
-# ----------------------------------------------------------------------------- saturated float16 overflow
+# ------------------------------------------------------------------- saturated float16 overflow
 
 
 def _overflowed(z):
@@ -478,9 +478,7 @@ _HALF_ARGS = (_normal((64, 32), 41, 0.125, jnp.float16), _normal((64, 64), 42, d
 
 def _wrapped(kind, fn):
   wrap = {"compressed": jact.compressed, "checkpoint": jact.checkpoint}[kind]
-  return {
-    b: wrap(fn, bits=b, min_size=1, name=f"sat{kind}", compress_argnums=(1,)) for b in WIDTHS
-  }
+  return {b: wrap(fn, bits=b, min_size=1, name=f"sat{kind}", compress_argnums=(1,)) for b in WIDTHS}
 
 
 _SATURATING_WRAPPED = {

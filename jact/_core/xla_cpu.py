@@ -46,13 +46,22 @@ def on_cpu(rule, values: list, anchors: list) -> list:
   (one equation; the anchors are what the rule may read). Inside `shard_map`
   the values are first made to vary over the manual axes the anchors vary
   over, as a select between them would make them on every platform, so a
-  program's types do not depend on the platform it is lowered for."""
-  if not values:
-    return list(values)
+  program's types do not depend on the platform it is lowered for. Values a
+  checkpoint policy offloaded to host memory pass through untouched: a
+  rule's select cannot mix memory spaces, and nothing on the device reads them."""
+  values = list(values)
+  ordered = [i for i, v in enumerate(values) if _compat.on_device(v)]
+  if not ordered:
+    return values
+  picked = [values[i] for i in ordered]
   axes = sorted(frozenset().union(*(_compat.varying_axes(a) for a in anchors)), key=str)
   if axes:
-    values = [_compat.cast_varying(v, tuple(axes)) for v in values]
-  return _cpu_ordering_p.bind(*values, *anchors, n_values=len(values), rule=rule)
+    picked = [_compat.cast_varying(v, tuple(axes)) for v in picked]
+  for i, v in zip(
+    ordered, _cpu_ordering_p.bind(*picked, *anchors, n_values=len(picked), rule=rule)
+  ):
+    values[i] = v
+  return values
 
 
 def select_after_arrival(values, anchors):

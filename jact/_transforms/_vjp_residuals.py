@@ -155,8 +155,11 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
   """The stored form of one residual leaf (compressed, bit-packed or kept);
   `detail` is its plan entry's: 'mask' (a float holding only 0 and 1,
   bit-packed) or ('rows', axes) (centered and scaled per normalization row
-  before it is quantized: `jact._transforms._rows`)."""
-  if kept_symbolic(leaf):
+  before it is quantized: `jact._transforms._rows`). A leaf a checkpoint
+  policy offloaded (`save_and_offload_only_these_names`,
+  `offload_dot_with_no_batch_dims`) is kept where it is, as it is: it no
+  longer takes device memory, and compressing it would bring it back."""
+  if kept_symbolic(leaf) or not _compat.on_device(leaf):
     return leaf
   if leaf.dtype == jnp.bool_ or detail == "mask":
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)

@@ -128,4 +128,6 @@ def test_folded_derivative_of_a_saturated_overflow_is_plain(dtype, scale):
     got = jax.vjp(folded, x)[1](probe)[0]
     want = jax.vjp(f, x)[1](probe)[0]
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=0)
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=0
+    )
