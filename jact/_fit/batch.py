@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 from jact._fit.model import allocate
 from jact._fit.result import Fit
 from jact._fit.search import _Survey, _table, fit
-from jact._fit.steps import argnums_tuple, configure, plan_of, step_peak
+from jact._fit.checks import batch_args, check_argnums, check_batch_bounds, check_budget
+from jact._fit.steps import configure, plan_of, step_peak
 
 __all__ = ["LargestBatch", "largest_batch"]
 
@@ -68,7 +69,8 @@ def largest_batch(
     loss_fn: the loss, as for `jact.fit`.
     args_for_batch: `batch -> example arguments` (arrays or
       `jax.ShapeDtypeStruct` values: only shapes are compiled).
-    budget_bytes: the memory the step may take (per device).
+    budget_bytes: the memory the step may take (per device), an int number of bytes
+      (a string such as "2GiB" is refused: write `2 * 2**30`).
     config: None (the loss as written), a `Fit` (its configuration: its plan
       and rematerialized segments, at any batch) or `"fit"`: any
       configuration `jact.fit` can reach -- the smallest one decides the
@@ -76,27 +78,31 @@ def largest_batch(
     argnums: the differentiated arguments.
     start: the first batch tried.
     tolerance: relative width of the final bracket.
-    max_batch: the largest batch tried.
+    max_batch: the largest batch tried (the answer is at most this; `start` is
+      lowered to it).
     widths: with `config="fit"`, the widths fit may use.
     **fit_options: with `config="fit"`, more keywords of `jact.fit` (e.g.
       `sensitivity=`, `calibration=`) for its choice at the batch found.
   """
-  argnums = argnums_tuple(argnums)
-  if not isinstance(start, int) or start < 1 or not 0 < tolerance < 1:
-    raise ValueError(f"need start >= 1 and 0 < tolerance < 1, got {start!r}, {tolerance!r}")
+  budget_bytes = check_budget(budget_bytes)
+  argnums = check_argnums(argnums)
+  check_batch_bounds(start, tolerance, max_batch)
+  start = min(start, max_batch)
+  if not callable(args_for_batch):
+    batch_args(args_for_batch, start)  # the error
   if config is None:
     loss = configure(loss_fn, None, None)
   elif isinstance(config, Fit):
     loss = config.loss_fn
   elif config == "fit":
-    loss = _smallest(loss_fn, tuple(args_for_batch(start)), widths)
+    loss = _smallest(loss_fn, batch_args(args_for_batch, start), widths)
   else:
     raise ValueError(f"config must be None, a jact.Fit or 'fit', got {config!r}")
   peaks: dict[int, int] = {}
 
   def peak(b: int) -> int:
     if b not in peaks:
-      peaks[b] = step_peak(loss, tuple(args_for_batch(b)), argnums)
+      peaks[b] = step_peak(loss, batch_args(args_for_batch, b), argnums)
     return peaks[b]
 
   def bracket():
@@ -140,7 +146,7 @@ def largest_batch(
   if config == "fit":
     chosen = fit(
       loss_fn,
-      *args_for_batch(lo),
+      *batch_args(args_for_batch, lo),
       budget_bytes=budget_bytes,
       argnums=argnums,
       widths=widths,

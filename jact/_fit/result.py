@@ -108,17 +108,31 @@ class Fit:
 
 
 class FitError(ValueError):
-  """No configuration fits the budget; says the smallest compiled peak found and what to do."""
+  """No configuration fits the budget; says the smallest compiled peak found and what to do.
+
+  `smallest_peak_bytes` is the least peak among every configuration compiled, the step as
+  written included (`smallest_what` says which one it was)."""
 
   def __init__(self, budget, written, smallest, what, n_segments, compilations, seconds):
+    self._args = (budget, written, smallest, what, n_segments, compilations, seconds)
     self.budget_bytes, self.written_peak_bytes, self.smallest_peak_bytes = budget, written, smallest
+    self.smallest_what = what
     hint = (
       "mark more of the model as jact.segment (its blocks) or lower the batch"
       if n_segments
       else "mark the model's blocks with jact.segment (compressed remat) or lower the batch"
     )
+    if smallest >= written:
+      reached = (
+        f"no configuration compiled below the step as written (its least: "
+        f"{format_bytes(smallest)}, {what})"
+      )
+    else:
+      reached = f"the smallest compiled peak is {format_bytes(smallest)} ({what})"
     super().__init__(
       f"jact.fit: nothing fits {format_bytes(budget)} (as written: {format_bytes(written)}); "
-      f"the smallest reachable peak is {format_bytes(smallest)} ({what}), compiled. To go "
-      f"lower: {hint}. ({compilations} compilations, {seconds:.1f} s)"
+      f"{reached}. To go lower: {hint}. ({compilations} compilations, {seconds:.1f} s)"
     )
+
+  def __reduce__(self):  # picklable (process pools send it back)
+    return (type(self), self._args)

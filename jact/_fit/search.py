@@ -31,7 +31,15 @@ from jact._fit.result import Fit, FitError
 from jact._fit import fastest as _fastest
 from jact._fit.fastest import WHOLE_LOSS, try_policies, whole_loss_segment
 from jact._fit.segments import JAX_POLICIES, Layout, discovering
-from jact._fit.steps import argnums_tuple, configure, plan_of
+from jact._fit.checks import (
+  check_argnums,
+  check_budget,
+  check_calibration,
+  check_key_parameter,
+  check_sensitivity,
+  check_sharded,
+)
+from jact._fit.steps import configure, plan_of
 from jact._fit.verify import WRITTEN, Compiles, Verifier, candidate_key
 from jact._planning import sensitivity as _sensitivity
 from jact._planning.plan import BitPlan
@@ -46,6 +54,7 @@ def _discover(loss_fn, args, layout: Layout):
   with _context.recording() as recorder, discovering() as found:
     loss = configure(loss_fn, layout, None)
     jax.eval_shape(lambda k, *a: jax.grad(loss)(*a, key=k), jax.random.key(0), *args)
+  found.attribute(recorder.sites)
   return dict(recorder.sites), found
 
 
@@ -121,14 +130,20 @@ class _Survey:
 
 def _checked(budget_bytes, widths, max_candidates) -> tuple:
   """`widths` deduplicated, after checking the arguments."""
-  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
-    raise TypeError(f"budget_bytes must be an int number of bytes, got {budget_bytes!r}")
-  if budget_bytes <= 0:
-    raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-  widths = tuple(dict.fromkeys(widths))
-  bad = [w for w in widths if w not in _WIDTHS]
+  check_budget(budget_bytes)
+  try:
+    widths = tuple(dict.fromkeys(widths))
+  except TypeError:
+    raise TypeError(
+      f"widths must be a sequence of widths (some of {_WIDTHS}, None: uncompressed), got "
+      f"{widths!r}: e.g. widths=(2, 4, 8)"
+    ) from None
+  bad = [w for w in widths if w not in _WIDTHS or isinstance(w, bool)]
   if bad or not any(w is not None for w in widths):
-    raise ValueError(f"widths must be some of {_WIDTHS} with a compressed one, got {widths!r}")
+    raise ValueError(
+      f"widths must be some of {_WIDTHS} with a compressed one, got {widths!r}: "
+      f"e.g. widths=(2, 4, 8)"
+    )
   if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1:
     raise ValueError(f"max_candidates must be a positive int, got {max_candidates!r}")
   return widths
@@ -156,19 +171,49 @@ def _estimate(loss_fn, layout, names, sites, args, argnums, key) -> dict[str, fl
   return dict(zip(state.names, np.asarray(state.sensitivity, np.float64).tolist()))
 
 
-def _sensitivities(loss_fn, survey, given, calibration, example_args, argnums, seed) -> dict:
-  """c_l per residual: `given` (a mapping or a SensitivityState), the others estimated on
-  the calibration arrays when there are some (missing ones are later taken as sizes)."""
-  sens = dict(given.as_dict() if hasattr(given, "as_dict") else given or {})
-  calib = example_args if calibration is None else tuple(calibration)
+def _calibration_sites(loss_fn, layout: Layout, calib, names) -> None:
+  """Checks that every residual of `names` is compressed when the loss runs on the
+  calibration arguments (segments compress residuals of any size there): a residual that
+  is not has no estimate, and its sensitivity must be given."""
+  sites, _ = _discover(loss_fn, calib, layout)
+  missing = [n for n in names if n not in sites]
+  if missing:
+    raise ValueError(
+      f"jact.fit: residuals {missing[:4]}{' ...' if len(missing) > 4 else ''} are not "
+      f"compressed when the loss runs on the calibration arguments (they are outside "
+      f"jact.segment blocks and below their layer's size threshold at that batch), so their "
+      f"sensitivities cannot be measured there: give a larger calibration batch, or their "
+      f"values in sensitivity="
+    )
+
+
+def _sensitivities(loss_fn, survey, sens, calibration, example_args, argnums, seed) -> dict:
+  """c_l per residual: `sens` (given), the others estimated on the calibration arrays when
+  there are some (missing ones are later taken as sizes). Residuals are matched by name: on
+  a calibration batch of another size, segments compress every residual whatever its size
+  (`Layout.every_residual`), so each residual of the example step is measured."""
+  sens = dict(sens)
+  calib = example_args if calibration is None else calibration
   if not all(_is_array(x) for x in jax.tree.leaves(calib)):
     return sens
+  if not all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(calib)):
+    raise ValueError(
+      "jact.fit: the arrays the sensitivities are measured on (calibration=, else the example "
+      "arguments) hold NaN or inf: give a finite calibration batch"
+    )
   key = jax.random.key(seed)
+  every = calibration is not None  # another batch: sizes change, names do not
   unknown = lambda names: [n for n in names if not np.isfinite(sens.get(n, np.nan))]
-  if missing := unknown(survey.sites0):
-    sens.update(_estimate(loss_fn, Layout(), missing, survey.sites0, calib, argnums, key))
-  if missing := unknown(survey.remat_inputs()):
-    sens.update(_estimate(loss_fn, survey.all_remat, missing, survey.sites1, calib, argnums, key))
+  for layout, sites, names in (
+    (Layout(), survey.sites0, list(survey.sites0)),
+    (survey.all_remat, survey.sites1, survey.remat_inputs()),
+  ):
+    if not (missing := unknown(names)):
+      continue
+    layout = dataclasses.replace(layout, every_residual=every)
+    if every:
+      _calibration_sites(loss_fn, layout, calib, missing)
+    sens.update(_estimate(loss_fn, layout, missing, sites, calib, argnums, key))
   return sens
 
 
@@ -284,7 +329,8 @@ def fit(
       model and/or `jact.segment` blocks (the parts that may be rematerialized).
     *example_args: arrays or `jax.ShapeDtypeStruct` values (with a `sharding` for a
       per-device budget under a mesh); only their shapes are compiled.
-    budget_bytes: the memory the step may take (per device).
+    budget_bytes: the memory the step may take (per device), an int number of bytes
+      (a string such as "2GiB" is refused: write `2 * 2**30`).
     argnums: the arguments differentiated (the parameters).
     calibration: real arguments (a smaller batch is fine) on which the
       sensitivities are estimated; default: `example_args` when they are all
@@ -313,9 +359,16 @@ def fit(
     FitError: no configuration fits (it gives the smallest compiled peak found).
   """
   started = time.perf_counter()
-  argnums = argnums_tuple(argnums)
+  argnums = check_argnums(argnums, len(example_args))
   widths = _checked(budget_bytes, widths, max_candidates)
   policies = _checked_policies(policies)
+  check_key_parameter(loss_fn, len(example_args))
+  check_sharded(example_args)
+  calibration = check_calibration(calibration, example_args)
+  estimable = all(
+    _is_array(x) for x in jax.tree.leaves(example_args if calibration is None else calibration)
+  )
+  sensitivity = check_sensitivity(sensitivity, estimable)
   spec = None if target is None else gpu_target(target)
   compiles = Compiles(example_args, argnums, spec)
   written = compiles.peak("as written", configure(loss_fn, None, None), "the step as written", 0.0)
@@ -353,11 +406,12 @@ def fit(
   if chosen is None:  # the smallest configuration: it fits (then it is the answer) or nothing does
     smallest = verifier.smallest()
     if verifier.run(smallest) > budget_bytes:
+      least = min(compiles.history, key=lambda m: m.peak_bytes)  # the step as written included
       raise FitError(
         budget_bytes,
         written,
-        verifier.peak_of(smallest),
-        smallest.describe(),
+        least.peak_bytes,
+        least.what,
         len(survey.order),
         len(compiles),
         time.perf_counter() - started,

@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 import zlib
 from typing import Any, Callable, Iterator, Sequence
 
@@ -50,6 +51,7 @@ class Layout:
 
   remat: frozenset[str] = frozenset()
   policy: str | None = None
+  every_residual: bool = False  # compress floating residuals of any size (calibration batches)
 
 
 def _offload_inputs(names: Sequence[str]):
@@ -81,10 +83,40 @@ class _Discovery:
   order: list[str] = dataclasses.field(default_factory=list)
   rematerializable: set[str] = dataclasses.field(default_factory=set)
   members: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+  owners: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def claim(self, name: str, owner: Any) -> None:
+    """Records that `owner` (a segment) runs under `name`; two segments sharing one
+    name would share their residuals' names, so that is an error."""
+    if self.owners.setdefault(name, owner) is not owner:
+      raise ValueError(
+        f"jact.fit: two different jact.segment blocks are named {name!r}; a segment's name "
+        f"must be unique in the loss (its residuals are named after it): give each its own, "
+        f"e.g. name=f'block{{i}}'"
+      )
+
+  def attribute(self, names) -> None:
+    """Gives each residual of `names` named after a segment (`f"{segment}.{i}"`,
+    `.remat.{i}`, `.remat.body.{i}`) to that segment, wherever it was recorded: a
+    transformation (`lax.scan`, `jax.vmap`) may compress a segment's residuals after its
+    call returned. Others stay with the segment whose call recorded them."""
+    for n in names:
+      owner = max((s for s in self.members if n.startswith(s + ".")), key=len, default=None)
+      if owner is None or n in self.members[owner]:
+        continue
+      for ns in self.members.values():
+        if n in ns:
+          ns.remove(n)
+      self.members[owner].append(n)
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jact_fit_active", default=None)
 _DISCOVERY: contextvars.ContextVar = contextvars.ContextVar("jact_fit_discovery", default=None)
+# Part of every jit / checkpoint cache key (a JAX user context): each configured trace gets a
+# fresh value, so a segment behind an inner `jax.jit` or `jax.checkpoint` is traced again
+# under the current layout, plan and recorder instead of replaying a trace cached for another.
+_TRACE_CONTEXT = jax.make_user_context(None)
+_TRACES = itertools.count()
 
 
 @contextlib.contextmanager
@@ -92,7 +124,8 @@ def configured(layout: Layout, key) -> Iterator[None]:
   """Segments traced inside the block follow `layout`, drawing rounding noise from `key`."""
   token = _ACTIVE.set((layout, key))
   try:
-    yield
+    with _TRACE_CONTEXT(("jact.fit", next(_TRACES))):
+      yield
   finally:
     _ACTIVE.reset(token)
 
@@ -142,12 +175,21 @@ def segment(
   if not callable(fn):
     raise TypeError(f"jact.segment takes a function, got {type(fn).__name__}")
   checked = returning_arrays(fn, "jact.segment")
-  compress_mode = compressed(checked, bits=SEGMENT_BITS, name=name, compress_argnums=argnums)
-  remat_mode = (
-    checkpoint(checked, bits=SEGMENT_BITS, name=f"{name}.remat", compress_argnums=argnums)
-    if argnums
-    else None
-  )
+
+  @functools.cache
+  def modes(min_size: int | None):
+    """(compressed, rematerialized) forms of the segment; `min_size=1` compresses every
+    floating residual (the sensitivities of a smaller calibration batch)."""
+    size = {} if min_size is None else dict(min_size=min_size)
+    compress = compressed(checked, bits=SEGMENT_BITS, name=name, compress_argnums=argnums, **size)
+    remat = (
+      checkpoint(checked, bits=SEGMENT_BITS, name=f"{name}.remat", compress_argnums=argnums, **size)
+      if argnums
+      else None
+    )
+    return compress, remat
+
+  modes(None)  # the settings are checked when the segment is made
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
@@ -159,15 +201,18 @@ def segment(
     recorder = _context.current("recorder")
     before = set(recorder.sites) if (found is not None and recorder is not None) else None
     key = _segment_key(key, name)
+    compress_mode, remat_mode = modes(1 if layout.every_residual else None)
     if layout.policy is not None:
       out = _with_policy(fn, name, argnums, layout.policy)(*args, **kwargs)
     elif name in layout.remat and remat_mode is not None:
       out = remat_mode(*args, key=key, **kwargs)
     else:
       out = compress_mode(*args, key=key, **kwargs)
+    if found is not None:
+      found.claim(name, wrapped)
     if before is not None and name not in found.members:  # (a retrace sees it again)
       found.order.append(name)
-      if remat_mode is not None:
+      if argnums:
         found.rematerializable.add(name)
       found.members[name] = [n for n in recorder.sites if n not in before]
     return out

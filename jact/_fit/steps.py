@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jact._compiled_memory import compiled_memory, memory_of
 from jact._gpu_target import compile_for
@@ -16,16 +15,7 @@ from jact._fit.model import TRANSIENT_BITS
 from jact._fit.segments import Layout, configured
 from jact._planning.plan import BitPlan, use_plan
 
-__all__ = ["configure", "plan_of", "step_peak", "step_cost", "StepCost", "argnums_tuple"]
-
-
-def argnums_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
-  if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-    return (int(argnums),)
-  out = tuple(argnums)
-  if not out or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in out):
-    raise ValueError(f"argnums must be a non-negative int or a tuple of them, got {argnums!r}")
-  return out
+__all__ = ["configure", "plan_of", "step_peak", "step_cost", "StepCost"]
 
 
 def plan_of(candidate) -> BitPlan:
