@@ -202,14 +202,45 @@ class _KeySource:
     return jax.random.fold_in(jax.random.fold_in(self.key, salt), i)
 
 
+def _one_key(key) -> jax.Array:
+  """`key` as one typed PRNG key (a raw uint32[2] key wrapped); a clear error for
+  anything else, a batch of keys included."""
+  if not isinstance(key, jax.Array):
+    raise TypeError(
+      f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
+      f"an nnx.RngStream, got {type(key).__name__}."
+    )
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  raw = key.dtype == jnp.uint32 and key.ndim >= 1 and key.shape[-1] == 2
+  if not (typed or raw):
+    raise TypeError(
+      f"jact.nnx.use_key: key must be a PRNG key (jax.random.key(seed), or a raw "
+      f"uint32[2] key), got a {key.dtype} array of shape {key.shape}; pass "
+      f"jax.random.key(seed) or a key split from one."
+    )
+  batch = key.shape if typed else key.shape[:-1]
+  if batch:
+    raise ValueError(
+      f"jact.nnx.use_key: key must be one PRNG key, got a batch of keys "
+      f"(shape {key.shape}{'' if typed else ', raw uint32 keys'}). Every layer inside "
+      f"the block draws its rounding keys from that one key. Pass one key (e.g. "
+      f"keys[0], a fresh one per step); for one key per example, enter the block "
+      f"inside nnx.vmap over the keys, e.g. `nnx.vmap(step, in_axes=(None, 0, 0))"
+      f"(model, x, keys)` with `with jact.nnx.use_key(key):` in `step(model, x, key)`."
+    )
+  return key if typed else jax.random.wrap_key_data(key)
+
+
 @contextlib.contextmanager
 def use_key(key):
   """Rounding keys for the nnx layers and modules called inside the block:
   what layers converted by `jact.convert(model)` without `rngs=` (no stream,
   no RNG state) draw from when they are differentiated.
 
-  `key`: a PRNG key, or an `nnx.Rngs` ('jact' stream, else 'default') or
-  `nnx.RngStream` to draw one key from. A layer's i-th call inside the block
+  `key`: one PRNG key (a typed key, or a raw uint32[2] one), or an
+  `nnx.Rngs` ('jact' stream, else 'default') or `nnx.RngStream` to draw one
+  key from. A batch of keys is an error: for one key per example, enter the
+  block inside `nnx.vmap` over the keys. A layer's i-th call inside the block
   gets `fold_in(fold_in(key, hash(residual name)), i)`, so every layer and
   call has its own noise; a layer's own stream, where it has one, is not
   used inside the block. Use a fresh key every step, entered inside the
@@ -246,11 +277,8 @@ def use_key(key):
     key = key["jact"]() if "jact" in key else key["default"]()
   elif isinstance(key, nnx.RngStream):
     key = key()
-  elif not isinstance(key, jax.Array):
-    raise TypeError(
-      f"jact.nnx.use_key takes a PRNG key (jax.random.key(...)), an nnx.Rngs or "
-      f"an nnx.RngStream, got {type(key).__name__}."
-    )
+  else:
+    key = _one_key(key)
   with bound(USE_KEY, _KeySource(key)):
     yield
 
