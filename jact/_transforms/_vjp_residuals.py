@@ -151,8 +151,15 @@ def is_float(x) -> bool:
   )
 
 
+def is_byte_float(x) -> bool:
+  """A float of at most one byte a value (float8, float4 kinds): kept as it is,
+  no compressed form is smaller."""
+  return jnp.dtype(x.dtype).itemsize <= 1
+
+
 def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail=None):
-  """The stored form of one residual leaf (compressed, bit-packed or kept);
+  """The stored form of one residual leaf (compressed, bit-packed or kept:
+  float8 and other one-byte floats are kept exact, see `is_byte_float`);
   `detail` is its plan entry's: 'mask' (a float holding only 0 and 1,
   bit-packed) or ('rows', axes) (centered and scaled per normalization row
   before it is quantized: `jact._transforms._rows`). A leaf a checkpoint
@@ -163,7 +170,7 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
     return leaf
   if leaf.dtype == jnp.bool_ or detail == "mask":
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
-  if is_float(leaf) and leaf.size >= config.min_size:
+  if is_float(leaf) and leaf.size >= config.min_size and not is_byte_float(leaf):
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
       compress = lambda x: compress_residual(x, seed, site, rounding, name)

@@ -324,6 +324,43 @@ def test_compressed_keeps_complex_residuals_exact(bits):
   _assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _float8_block(w, x):
+  h = (x @ w).astype(jnp.float8_e4m3fn)  # the product's residuals are float8
+  return (h * h).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_compressed_keeps_float8_residuals_exact(bits):
+  """float8 residuals are one byte a value already: kept exact (the quantizer used to
+  reject them with a cast the user could not apply inside the function)."""
+  w = jax.random.normal(jax.random.key(11), (64, 64)) / 8
+  x = jax.random.normal(jax.random.key(12), (32, 64))
+  r = jax.random.normal(jax.random.key(13), (32, 64))
+  block = jact.compressed(_float8_block, bits=bits, min_size=1)
+  loss = lambda fn: lambda w, x: jnp.sum(fn(w, x) * r)
+  wrapped = loss(lambda w, x: block(w, x, key=KEY))
+  stored = jact.residual_report(wrapped, w, x).residuals
+  assert any(row.dtype == jnp.float8_e4m3fn for row in stored)  # the float8 residual, as is
+  want = jax.grad(loss(_float8_block), argnums=(0, 1))(w, x)
+  got = jax.grad(wrapped, argnums=(0, 1))(w, x)
+  for g, e in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(e))  # nothing else is rounded
+
+
+def test_checkpoint_keeps_a_float8_activation_exact():
+  """A float8 activation in compress_argnums is kept as it is (by reference): the
+  recomputation starts from the exact input, as jax.checkpoint's."""
+  w = jax.random.normal(jax.random.key(11), (64, 64)) / 8
+  x8 = jax.random.normal(jax.random.key(12), (32, 64)).astype(jnp.float8_e5m2)
+  f = lambda w, x8: jnp.tanh(x8.astype(jnp.float32) @ w)
+  ckpt = jact.checkpoint(f, bits=None, compress_argnums=(1,))
+  got = jax.grad(lambda w, x8: ckpt(w, x8, key=KEY).sum())(w, x8)
+  want = jax.grad(lambda w, x8: jax.checkpoint(f)(w, x8).sum())(w, x8)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  lossy = jact.checkpoint(f, bits=4, compress_argnums=(1,))  # runs: the input needs no cast
+  assert jnp.isfinite(jax.grad(lambda w, x8: lossy(w, x8, key=KEY).sum())(w, x8)).all()
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_ops_reject_complex_operands_with_the_fix(bits):
   with pytest.raises(TypeError, match=r"jact\.ops\.dense .*complex64.*jact\.compressed"):
@@ -370,18 +407,29 @@ def export_setup():
 @pytest.mark.slow  # exports a conv/attention/GRU model's gradient: ~6 s
 @pytest.mark.parametrize("functions", [True, False])
 def test_export_with_a_symbolic_batch_of_a_converted_model(export_setup, functions):
+  """The exported gradient with a symbolic batch equals the direct call's with
+  the same key at any batch size (float tolerance) where the layers are twins:
+  residuals whose only symbolic size is the batch are stored as with a
+  concrete batch, with the same noise (before: kept exact, so the exported
+  gradient was plain JAX's, far from the direct call's)."""
   variables, wants = export_setup
   grads = _export_grads(
     jact.convert(ExportModel(), bits=4, functions=functions), variables, lambda k: {"jact": k}
   )
   spec = jax.ShapeDtypeStruct((BATCH, *XE.shape[1:]), XE.dtype)
-  with pytest.warns(SymbolicShapeWarning, match="symbolic"):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", SymbolicShapeWarning)
     exported = export.export(jax.jit(grads))(variables["params"], spec, KEY)
-  for (
-    x,
-    want,
-  ) in wants.values():  # any batch size: the residuals are kept exact, the gradients plain
-    _assert_close(exported.call(variables["params"], x, KEY), want, rtol=1e-4, atol=1e-5)
+  direct = jax.jit(grads)
+  for x, want in wants.values():
+    got = exported.call(variables["params"], x, KEY)
+    if functions:
+      # the model's own functions go through jact.compressed, which still keeps a
+      # residual with a symbolic size exact: the twins' residuals are compressed,
+      # those not, so the gradient is neither plain's nor the direct call's
+      _assert_close(got, want, rtol=0.5, atol=0.05)
+    else:
+      _assert_close(got, direct(variables["params"], x, KEY), rtol=1e-4, atol=1e-5)
 
 
 def test_export_with_a_symbolic_batch_of_a_compressed_function():
