@@ -85,11 +85,9 @@ def largest_batch(
       `sensitivity=`, `calibration=`) for its choice at the batch found.
   """
   budget_bytes = check_budget(budget_bytes)
-  argnums = check_argnums(argnums)
   check_batch_bounds(start, tolerance, max_batch)
   start = min(start, max_batch)
-  if not callable(args_for_batch):
-    batch_args(args_for_batch, start)  # the error
+  argnums = check_argnums(argnums, len(batch_args(args_for_batch, start)))
   if config is None:
     loss = configure(loss_fn, None, None)
   elif isinstance(config, Fit):

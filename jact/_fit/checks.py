@@ -44,21 +44,21 @@ def check_budget(budget_bytes, what: str = "budget_bytes") -> int:
 
 def check_argnums(argnums, n_args: int | None = None) -> tuple[int, ...]:
   """`argnums` as a tuple of argument positions, each below `n_args` when it is known."""
-  if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-    out = (int(argnums),)
-  else:
-    try:
-      out = tuple(argnums)
-    except TypeError:
-      out = None
-    if not out or not all(
-      isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in out
-    ):
-      raise ValueError(
-        f"argnums must be a non-negative int or a non-empty tuple of them (the positions of "
-        f"the differentiated arguments, e.g. argnums=0 for loss(params, batch)), got {argnums!r}"
-      )
-    out = tuple(int(i) for i in out)
+  one = isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool)
+  try:
+    out = (argnums,) if one else tuple(argnums)
+  except TypeError:
+    out = ()
+  if (
+    isinstance(argnums, str)
+    or not out
+    or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in out)
+  ):
+    raise ValueError(
+      f"argnums must be a non-negative int or a non-empty tuple of them (the positions of "
+      f"the differentiated arguments, e.g. argnums=0 for loss(params, batch)), got {argnums!r}"
+    )
+  out = tuple(int(i) for i in out)
   if n_args is not None and max(out) >= n_args:
     raise ValueError(
       f"argnums={argnums!r} names argument {max(out)}, but the loss is given {n_args} "

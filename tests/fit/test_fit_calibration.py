@@ -58,7 +58,9 @@ def test_a_smaller_calibration_batch_measures_every_residual():
 
 def _relative_error(fitted, ws, x, exact):
   g = jax.jit(jax.grad(fitted.loss_fn))(ws, x, key=jax.random.key(5))
-  num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(exact)))
+  num = sum(
+    float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(exact))
+  )
   return (num / sum(float(jnp.sum(b**2)) for b in jax.tree.leaves(exact))) ** 0.5
 
 
