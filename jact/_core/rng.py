@@ -138,6 +138,20 @@ def split_seed(seed: jax.Array, site: int) -> jax.Array:
   return _lowbias32(jnp.asarray(seed, jnp.uint32) ^ _lowbias32(jnp.uint32(site + 1)))
 
 
+def _dim(d):
+  """A dimension as an int, or as it is when symbolic (`jax.export`)."""
+  return int(d) if _known(d) else d
+
+
+def _known(d) -> bool:
+  return not jax.export.is_symbolic_dim(d)
+
+
+def _fits_32(shape) -> bool:
+  """Whether every flat index of `shape` fits in 32 bits (False when a size is symbolic)."""
+  return all(_known(d) for d in shape) and math.prod(shape) <= 2**32
+
+
 def _wide_product(a: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
   """(high, low) 32-bit words of a * c for uint32 `a` and a constant c < 2^32 (16-bit limbs)."""
   a_lo, a_hi = a & jnp.uint32(0xFFFF), a >> 16
@@ -163,24 +177,31 @@ def index_words(coords, shape) -> tuple[jax.Array | None, jax.Array]:
     (high, low) with flat index = high * 2^32 + low; high is None when the
     array has at most 2^32 elements (every index fits in low).
   """
-  shape = tuple(int(s) for s in shape)
+  shape = tuple(_dim(s) for s in shape)
   if len(coords) != len(shape):
     raise ValueError(f"jact.rng.index_words: {len(coords)} coordinates for shape {shape}")
-  if any(s > 2**32 for s in shape):
+  if any(_known(s) and s > 2**32 for s in shape):
     raise ValueError(
       f"jact hashes each element's index with one uint32 per axis, so no axis may hold more "
       f"than 2**32 elements; got shape {shape}. Reshape the tensor (e.g. split its longest "
       f"axis in two) before this op."
     )
   strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+  if not all(_known(s) for s in strides):
+    raise ValueError(
+      f"jact.rng.index_words: only the leading axis may have a symbolic size "
+      f"(jax.export), got shape {shape}; export with the other sizes concrete."
+    )
   coords = [jnp.asarray(c, jnp.uint32) for c in coords]
-  if math.prod(shape) <= 2**32:  # the old 32-bit index, unchanged
+  if _fits_32(shape):  # the old 32-bit index, unchanged
     return None, sum(
       (c if s == 1 else c * jnp.uint32(s) for c, s in zip(coords, strides)), jnp.uint32(0)
     )
+  # A symbolic size (`jax.export`) may or may not fit in 32 bits: the wide index,
+  # whose high word is 0 (and whose low word is the 32-bit index) where it does.
   high, low = jnp.uint32(0), jnp.uint32(0)
   for c, s, n in zip(coords, strides, shape):
-    if (n - 1) * (s % 2**32) < 2**32:
+    if _known(n) and (n - 1) * (s % 2**32) < 2**32:
       h, l = jnp.uint32(0), c * jnp.uint32(s % 2**32)
     else:
       h, l = _wide_product(c, s % 2**32)
@@ -207,8 +228,8 @@ def element_bits_at(seed: jax.Array, coords, shape) -> jax.Array:
 
 def element_bits(seed: jax.Array, shape) -> jax.Array:
   """`element_bits_at` for every element of an array of static `shape` (shape's result)."""
-  shape = tuple(int(s) for s in shape)
-  if math.prod(shape) <= 2**32:  # the flat index directly: one iota, not one per axis
+  shape = tuple(_dim(s) for s in shape)
+  if _fits_32(shape):  # the flat index directly: one iota, not one per axis
     index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
     return hash_uint32(seed, index)
   coords = [jax.lax.broadcasted_iota(jnp.uint32, shape, a) for a in range(len(shape))]

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import YNN_FLAG
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json
 import jax, jax.numpy as jnp
 import flax.linen as nn
@@ -61,7 +61,7 @@ rnn_result = {"sharded_vs_one_device": rel(g8, g1),
               "noise_other_key": rel(noise(other), noise(g1))}
 
 print(json.dumps({"devices": jax.device_count(), "rnn": rnn_result}))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,22 @@ def test_converted_rnn_rounds_a_sharded_batch_as_one_device(eight_devices):
   assert r["sharded_vs_one_device"] < 1e-5, r
   assert r["noise_sharded_vs_one_device"] < 1e-4, r
   assert r["noise_other_key"] > 0.5, r
+
+
+def test_rounding_noise_of_a_symbolic_batch_is_the_concrete_batchs():
+  """`jact.rng.element_bits` traced for `jax.export` with a symbolic leading
+  axis gives the bits of the concrete shape (the wide index, whose high word
+  is 0 there); before, it needed every size as a number."""
+  import jax
+  import jax.numpy as jnp
+  from jax import export
+
+  from jact import rng
+
+  seed = rng.seed_from_key(jax.random.key(0))
+  bits = lambda x: rng.element_bits(seed, x.shape)
+  (b,) = export.symbolic_shape("b")
+  exported = export.export(jax.jit(bits))(jax.ShapeDtypeStruct((b, 5, 7), jnp.float32))
+  for n in (1, 3, 16):
+    x = jnp.zeros((n, 5, 7))
+    assert (exported.call(x) == bits(x)).all()
