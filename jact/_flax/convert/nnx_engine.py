@@ -10,7 +10,8 @@ streams.
   (activations, pooling, softmax) keep compressed residuals too.
 * A layer built inside `nnx.vmap` (a stack of blocks run by `nnx.scan`) holds
   parameters with leading stack axes; its rounding stream gets the same axes
-  (one key per stacked layer), so that the scan can slice it like the rest.
+  (one key per stacked layer), so that the scan can slice it like the rest. So
+  does the model's own stream when the model is such a stack itself.
 """
 
 from __future__ import annotations
@@ -300,7 +301,8 @@ def convert_model(model, settings: Settings, rngs, layer_streams=()) -> None:
   before), else from the first unstacked stream among `layer_streams` (the
   converted layers' streams, after their conversion): a model whose layers
   draw their own keys draws its own too. With none of these it has no stream
-  (keys from `jact.nnx.use_key`)."""
+  (keys from `jact.nnx.use_key`). It is stacked to `model_stack_shape(model)`:
+  a model built by `nnx.vmap` is sliced, stream included, by `nnx.scan`."""
   cls = type(model)
   base = cls.__dict__.get("_jact_model_base", cls)
   if not settings.functions:
