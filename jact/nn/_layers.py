@@ -64,11 +64,14 @@ class Embed(_Twin, nn.Embed):
 
 
 class Dropout(_Twin, nn.Dropout):
-  """`flax.linen.Dropout` whose backward keeps only the key (its 8 bytes of data).
+  """`flax.linen.Dropout` whose backward keeps the mask packed to 1 bit a value
+  (residual "<path>.mask"; plain Flax keeps a byte a value).
 
   The mask is Flax's: `make_rng(rng_collection)` (or `rng=`), then
   `jax.random.bernoulli` with the same keep probability and broadcast shape,
   so the output is bit-identical to `flax.linen.Dropout`'s for the same rngs.
+  It is drawn once, in the forward (`jact.ops.dropout(saves="mask")`): drawn
+  again in the backward, its random bits stayed alive in the compiled step.
   """
 
   @nn.compact
@@ -87,6 +90,7 @@ class Dropout(_Twin, nn.Dropout):
       broadcast_dims=self.broadcast_dims,
       name=self._residual_name(),
       draw="flax",
+      saves="mask",
     )
 
 

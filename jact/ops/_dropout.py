@@ -39,14 +39,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jact._core import rng
+from jact._core import rng, xla_cpu
 from jact._engine.names import check_name
 from jact._engine.op import Save, compressed_op
 from jact._engine.rounding import check_float
+from jact._engine.sharding import pin_rows
+from jact._core.packing import pack_codes, unpack_codes
 
-__all__ = ["dropout", "keep_mask", "check_rate", "DRAWS"]
+__all__ = ["dropout", "keep_mask", "check_rate", "DRAWS", "SAVES"]
 
 DRAWS = ("hash", "flax", "flax_attention")  # how the mask is drawn (see the module docstring)
+SAVES = ("key", "mask")  # what the backward keeps to apply the mask again
 
 
 def check_rate(rate, *, allow_one: bool = False) -> float:
@@ -106,6 +109,7 @@ def dropout(
   name: str = "dropout",
   draw: str = "hash",
   out_sharding=None,
+  saves: str = "key",
 ) -> jax.Array:
   """Zeroes each value with probability `rate` and scales the rest by 1 / (1 - rate).
 
@@ -123,12 +127,22 @@ def dropout(
       "flax_attention" (that mask applied as Flax's attention-weight dropout).
     out_sharding: with draw="flax", passed to `jax.random.bernoulli` (what
       `nnx.Dropout` passes: the input's sharding).
+    saves: what the backward keeps: "key" (the seed or key data; the mask is
+      drawn again in the backward) or "mask" (the mask, 1 bit per value packed
+      row by row: the backward draws nothing, so no random bits of the forward
+      stay alive for it; drawn once x is computed, also on the CPU).
 
   Returns:
-    An array like x. Its backward keeps only the seed (or the key's data).
+    An array like x. Its backward keeps only the seed (or the key's data), or
+    with saves="mask" the packed mask.
   """
   rate = check_rate(rate, allow_one=True)
   name = check_name(name)
+  if saves not in SAVES:
+    raise ValueError(
+      f"jact.ops.dropout saves must be one of {SAVES}, got {saves!r}: 'key' (the backward "
+      f"draws the mask again from the key) or 'mask' (the mask packed to 1 bit a value)."
+    )
   if draw not in DRAWS:
     raise ValueError(
       f"jact.ops.dropout draw must be one of {DRAWS}, got {draw!r}: 'hash' "
@@ -161,16 +175,29 @@ def dropout(
     def mask_of(seed):
       return keep_mask(seed, mask_shape, rate)
 
-  def apply_mask(seed, v):
+  def apply_keep(keep, v):
     if draw == "flax_attention":  # Flax's attention: one multiplier, 1 / keep_prob or 0
-      return v * (mask_of(seed).astype(v.dtype) / jnp.asarray(keep_prob, v.dtype))
-    m = jnp.broadcast_to(mask_of(seed), v.shape)
+      return v * (keep.astype(v.dtype) / jnp.asarray(keep_prob, v.dtype))
+    m = jnp.broadcast_to(keep, v.shape)
     return jax.lax.select(m, v / jnp.asarray(keep_prob, v.dtype), jnp.zeros_like(v))
 
+  def apply_mask(seed, v):
+    return apply_keep(mask_of(seed), v)
+
   def forward(seed, x):
-    return apply_mask(seed, x), {"seed": Save(seed)}
+    if saves == "key":
+      return apply_mask(seed, x), {"seed": Save(seed)}
+    # The mask depends on the key alone: XLA:CPU (which drops optimization
+    # barriers) would draw every layer's mask at the start of the program, all
+    # their random bits alive at once. It waits for x here.
+    (seed,) = xla_cpu.on_cpu(xla_cpu.select_after_any_arrival, [seed], [x])
+    keep = mask_of(seed)
+    packed = pack_codes(keep, 1)
+    return apply_keep(keep, x), {"mask": Save(packed, unpack=lambda m: pin_rows(unpack_codes(m)))}
 
   def backward(res, g):
-    return None, apply_mask(res["seed"], g)
+    if saves == "key":
+      return None, apply_mask(res["seed"], g)
+    return None, apply_keep(res["mask"], g)
 
   return compressed_op(forward, backward, op="dropout", name=name, primal=apply_mask)(seed, x)

@@ -362,7 +362,7 @@ def test_linen_embed_dropout_and_sequential():
   report = residual_report(
     lambda p: jnp.sum(converted.apply({"params": p}, ids, True, rngs=rngs)), variables["params"]
   )
-  assert {"Embed_0.ids", "Dropout_0.seed"} <= set(report.by_name()), set(report.by_name())
+  assert {"Embed_0.ids", "Dropout_0.mask"} <= set(report.by_name()), set(report.by_name())
   seq = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
   x = _normal((3, 5))
   variables = seq.init(KEY, x)
