@@ -12,6 +12,7 @@ import numpy as np
 
 __all__ = [
   "check_budget",
+  "leaves_finite",
   "check_argnums",
   "check_calibration",
   "check_sensitivity",
@@ -67,8 +68,13 @@ def check_argnums(argnums, n_args: int | None = None) -> tuple[int, ...]:
   return out
 
 
-def _leaves_finite(tree) -> bool:
-  return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
+def leaves_finite(tree) -> bool:
+  """Whether every floating leaf of `tree` is finite (keys and integers are not checked)."""
+  return all(
+    bool(np.isfinite(np.asarray(x)).all())
+    for x in jax.tree.leaves(tree)
+    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+  )
 
 
 def check_calibration(calibration, example_args: tuple) -> tuple | None:
@@ -102,7 +108,7 @@ def check_calibration(calibration, example_args: tuple) -> tuple | None:
       f"calibration must hold real arrays (the sensitivities are measured on them), got "
       f"{bad[0]}: give jax or numpy arrays, or drop calibration= to use sizes"
     )
-  if not _leaves_finite(calibration):
+  if not leaves_finite(calibration):
     raise ValueError(
       "calibration holds NaN or inf values: the sensitivities measured on them would be "
       "meaningless; give a finite batch"

@@ -38,6 +38,7 @@ from jact._fit.checks import (
   check_key_parameter,
   check_sensitivity,
   check_sharded,
+  leaves_finite,
 )
 from jact._fit.steps import configure, plan_of
 from jact._fit.verify import WRITTEN, Compiles, Verifier, candidate_key
@@ -196,7 +197,7 @@ def _sensitivities(loss_fn, survey, sens, calibration, example_args, argnums, se
   calib = example_args if calibration is None else calibration
   if not all(_is_array(x) for x in jax.tree.leaves(calib)):
     return sens
-  if not all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(calib)):
+  if not leaves_finite(calib):
     raise ValueError(
       "jact.fit: the arrays the sensitivities are measured on (calibration=, else the example "
       "arguments) hold NaN or inf: give a finite calibration batch"
