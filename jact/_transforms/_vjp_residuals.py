@@ -20,7 +20,7 @@ import numpy as np
 from jact import _compat
 from jact._core.packing import SUPPORTED_BITS, PackedBits, pack_codes, unpack_codes
 from jact._core.persample import PackedPerSample
-from jact._core.quantize import Packed
+from jact._core.quantize import FLOAT_DTYPES, Packed
 from jact.compressors import Compressed, Compressor, PerGroup
 from jact._engine import context as _context
 from jact._engine.names import check_name, is_jact_name, tag
@@ -157,6 +157,17 @@ def is_byte_float(x) -> bool:
   return jnp.dtype(x.dtype).itemsize <= 1
 
 
+def check_compressible(leaf, name: str) -> None:
+  """A clear error for a residual of a width no compressor takes (float64):
+  the fixes that apply to a value inside the wrapped function."""
+  if jnp.dtype(leaf.dtype) not in FLOAT_DTYPES:
+    raise TypeError(
+      f"residual {name!r} is {leaf.dtype}, which jact compresses only as float32, bfloat16 or "
+      f"float16: call the function on float32 values (e.g. x.astype(jnp.float32)), or keep "
+      f"its residuals exact with bits=None (this one alone: overrides={{{name!r}: None}})."
+    )
+
+
 def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail=None):
   """The stored form of one residual leaf (compressed, bit-packed or kept:
   float8 and other one-byte floats are kept exact, see `is_byte_float`);
@@ -173,6 +184,7 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
   if is_float(leaf) and leaf.size >= config.min_size and not is_byte_float(leaf):
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
+      check_compressible(leaf, name)
       compress = lambda x: compress_residual(x, seed, site, rounding, name)
       if (
         isinstance(detail, tuple)

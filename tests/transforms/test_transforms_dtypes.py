@@ -11,6 +11,7 @@ rounding and `jact.sharded_batch` on a `jax.make_mesh` mesh.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import flax.linen as nn
@@ -552,3 +553,25 @@ def test_sharded_batch_on_a_make_mesh_mesh(eight_devices):
       assert got["jact"] == got["plain"], recipe
     else:
       assert isinstance(got["jact"], float) and got["jact"] < 1e-5, (recipe, got)
+
+
+def test_float64_residual_error_names_the_residual_and_fixes_that_apply():
+  """A float64 residual inside the wrapped function cannot be cast by the caller: the
+  error names the residual, the dtype and the fixes (float32 arguments, or keep it
+  exact with bits=None / overrides), and the fixes it suggests work."""
+  f = lambda w, x: jnp.tanh(x @ w)
+  with jax.enable_x64(True):
+    w = jnp.ones((64, 64), jnp.float64) / 64
+    x = jnp.linspace(-1.0, 1.0, 32 * 64, dtype=jnp.float64).reshape(32, 64)
+    grad = lambda block, w=w, x=x: jax.grad(lambda w, x: block(w, x, key=KEY).sum())(w, x)
+    with pytest.raises(TypeError, match=r"'f64\.\d+' is float64.*float32 values.*bits=None") as e:
+      grad(jact.compressed(f, bits=4, name="f64"))
+    [name] = re.findall(r"overrides=\{'(f64\.\d+)': None\}", str(e.value))
+    try:  # the override keeps that residual: an error now names another one, if any
+      grad(jact.compressed(f, bits=4, name="f64", overrides={name: None}))
+    except TypeError as other:
+      assert f"'{name}'" not in str(other)
+    want = jax.grad(lambda w, x: f(w, x).sum())(w, x)
+    np.testing.assert_allclose(grad(jact.compressed(f, bits=None)), want, rtol=1e-12)
+    as32 = grad(jact.compressed(f, bits=4), w.astype(jnp.float32), x.astype(jnp.float32))
+    assert as32.dtype == jnp.float32
