@@ -40,6 +40,7 @@ from jact._compat.primitives import (
   conv_kwargs,
   linear_identity_primitive,
   platform_lowered_primitive,
+  lowering_is_partitioned,
 )
 from jact._compat.calls import (
   is_call,
@@ -105,6 +106,7 @@ __all__ = [
   "conv_kwargs",
   "linear_identity_primitive",
   "platform_lowered_primitive",
+  "lowering_is_partitioned",
   "is_call",
   "call_body",
   "call_name",

@@ -8,6 +8,7 @@ conventions.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ __all__ = [
   "conv_kwargs",
   "linear_identity_primitive",
   "platform_lowered_primitive",
+  "lowering_is_partitioned",
 ]
 
 
@@ -318,6 +320,36 @@ def _check_linear_identity_primitive():
     raise AssertionError("evaluating the primitive did not call fail")
 
 
+_PARTITIONED = contextvars.ContextVar("jact_lowering_partitioned", default=None)
+
+
+def lowering_is_partitioned() -> bool:
+  """Inside the rule of a `platform_lowered_primitive` being lowered: whether
+  the program is one SPMD program that XLA partitions over more than one
+  device (`jax.jit` with shardings, outside `shard_map`'s manual axes), where
+  reading one element of a sharded value is a collective. False elsewhere
+  (one device, a `shard_map` body over all its mesh axes, not lowering).
+
+  None public in jax 0.10.2: the lowering context's `module_context.axis_context`
+  (a `ShardingContext` with `num_devices`, or inside `shard_map` an
+  `SPMDAxisContext` with `mesh` and `manual_axes`) is internal."""
+  return _PARTITIONED.get() is True
+
+
+def _partitioned(ctx) -> bool | None:
+  """True / False as `lowering_is_partitioned` says; None for an axis context
+  of an unknown kind (read as not partitioned; the probe fails on it)."""
+  context = getattr(ctx.module_context, "axis_context", None)
+  devices = getattr(context, "num_devices", None)
+  if devices is not None:
+    return devices > 1
+  mesh = getattr(context, "mesh", None)
+  if mesh is None:
+    return None
+  manual = getattr(context, "manual_axes", frozenset())
+  return any(size > 1 and axis not in manual for axis, size in dict(mesh.shape).items())
+
+
 # An operand a batching rule receives unbatched: `batching.not_mapped` in older
 # releases, None since (the old name deprecated).
 _NOT_MAPPED = getattr(batching, "not_mapped", None)
@@ -337,7 +369,9 @@ def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Prim
   platform=)` and `mlir.lower_fun` -- the documented route for custom
   primitives with per-platform lowerings; the batching-rule convention (an
   unbatched operand's dimension is None, `batching.not_mapped` before) is
-  undocumented (watch: its signature)."""
+  undocumented (watch: its signature). While `f` is traced,
+  `lowering_is_partitioned()` says whether the program is partitioned over
+  devices."""
   p = jax.extend.core.Primitive(name)
   p.multiple_results = True
   p.def_impl(lambda *args, n_values, rule: list(args[:n_values]))
@@ -347,7 +381,15 @@ def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Prim
     with jax.named_scope(name):  # the rule's operations carry the name in the program's locations
       return list(rule(list(args[:n_values]), list(args[n_values:])))
 
-  mlir.register_lowering(p, mlir.lower_fun(on_platform, multiple_results=True), platform=platform)
+  def lower(ctx, *args, n_values, rule):
+    token = _PARTITIONED.set(_partitioned(ctx))
+    try:
+      lowered = mlir.lower_fun(on_platform, multiple_results=True)
+      return lowered(ctx, *args, n_values=n_values, rule=rule)
+    finally:
+      _PARTITIONED.reset(token)
+
+  mlir.register_lowering(p, lower, platform=platform)
   mlir.register_lowering(p, lambda ctx, *args, n_values, rule: list(args[:n_values]))
 
   def jvp(primals, tangents, *, n_values, rule):
@@ -375,6 +417,7 @@ def platform_lowered_primitive(name: str, platform: str) -> jax.extend.core.Prim
     "jax.extend.core.Primitive, mlir.register_lowering(platform=), mlir.lower_fun, "
     "batching.primitive_batchers / not_mapped, ad.primitive_jvps"
   ),
+  lowering_is_partitioned="the lowering context's module_context.axis_context",
 )
 def _check_platform_lowered_primitive():
   p = platform_lowered_primitive("jact_compat_probe_platform", "cpu")
@@ -388,6 +431,11 @@ def _check_platform_lowered_primitive():
   assert batched.shape == (2, 3)
   _, tangent = jax.jvp(lambda t: f(t, a), (t,), (jnp.ones(3),))
   assert bool(jnp.array_equal(tangent, jnp.ones(3))), "forward mode does not pass the tangent"
+  seen = []
+  record = lambda values, anchors: seen.append(_PARTITIONED.get()) or values
+  jax.jit(lambda t: p.bind(t, a, n_values=1, rule=record)[0]).lower(t)
+  # one device: a known axis context, not partitioned (None: the context's fields moved)
+  assert seen == [False] and not lowering_is_partitioned(), seen
   text = jax.jit(f).trace(t, a).lower(lowering_platforms=("cuda",)).as_text(debug_info=True)
   assert "jact_compat_probe_platform" not in text, "the rule is lowered for another platform"
   register_pass_through(p)

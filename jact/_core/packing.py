@@ -92,9 +92,16 @@ def unpack_bits(data: jax.Array, bits: int) -> jax.Array:
     return data
   mask = jnp.uint8((1 << bits) - 1)
   shifts = jnp.arange(k, dtype=jnp.uint8) * jnp.uint8(bits)
-  # Broadcast the shifts over a new plane axis (a stack of k slices would be a
-  # concatenate, which XLA:CPU never fuses into the consumer).
-  planes = (data[..., None, :] >> shifts[:, None]) & mask
+  # The bytes repeated over a new plane axis by a gather (every index in
+  # range), not a broadcast: under automatic sharding the partitioner carries
+  # the rows' sharding forward through a broadcast only after it has
+  # propagated the weight gradients' layouts, so FSDP weights once gave every
+  # reconstruction their layout (the global batch's codes all-gathered); a
+  # gather keeps the rows' sharding early, and fuses into its consumer as the
+  # broadcast did (a stack of k slices would be a concatenate, which XLA:CPU
+  # never fuses).
+  index = jnp.broadcast_to(jnp.arange(data.shape[-1]), (k, data.shape[-1]))
+  planes = (jnp.take(data, index, axis=-1, mode="clip") >> shifts[:, None]) & mask
   return planes.reshape(*data.shape[:-1], k * data.shape[-1])
 
 

@@ -72,7 +72,13 @@ def select_after_arrival(values, anchors):
 
 
 def select_after_any_arrival(values, anchors):
-  """(CPU rule) each value selected by the cotangent's first row's flag."""
+  """(CPU rule) each value selected by the cotangent's first row's flag; in a
+  program XLA partitions over devices (`jax.jit` with shardings) the values
+  pass unchanged: the first row lives on one device, and reading it from the
+  others would be a collective (a one-element all-reduce per tie) that the
+  plain program does not have."""
+  if _compat.lowering_is_partitioned():
+    return list(values)
   arrived = _first(always(row_heads(anchors[0])))
   return [jnp.where(arrived, v, jnp.zeros_like(v)) for v in values]
 
