@@ -81,3 +81,16 @@ def test_a_smaller_calibration_batch_gives_about_the_full_batchs_gradient_error(
   assert small.peak_bytes <= budget and full.peak_bytes <= budget
   e_full, e_small = _relative_error(full, ws, X, exact), _relative_error(small, ws, X, exact)
   assert e_small <= 3 * e_full + 1e-3, (e_small, e_full)
+
+
+def test_a_residual_outside_segments_unmeasurable_on_the_calibration_batch_is_named():
+  # jact.compressed written in the loss (no segment) keeps its 8 x 64 input exact at batch 8
+  # (min_size): its sensitivity cannot be measured there, and fit says which one and the fix.
+  body = jact.compressed(mlp, bits=4, name="body", compress_argnums=(1,))
+
+  def written(ws, x, key):
+    return jnp.sum(body(ws[0], x, key=key) ** 2)
+
+  ws, key = weights(), jax.random.key(2)
+  with pytest.raises(ValueError, match="'body.2'.*larger calibration batch.*sensitivity="):
+    jact.fit(written, ws, X, key, budget_bytes=2**16, calibration=(ws, SMALL, key))
