@@ -288,7 +288,8 @@ def checkpoint(
       f"jact.checkpoint({name_of_fn}) stores nothing compressed: no argument is listed in "
       f"compress_argnums and the policy saves nothing, so it is plain jax.checkpoint (inputs "
       f"kept by reference, the recomputation exact). List the segment's activation "
-      f"arguments, e.g. compress_argnums=(1,) for block(params, x), to keep a compressed "
+      f"arguments, e.g. compress_argnums=(1,) for block(params, x) or (0,) for a module "
+      f"called as module(x), to keep a compressed "
       f"copy of them instead (GACT CB1); parameters stay exact either way.",
       UserWarning,
       stacklevel=2,
