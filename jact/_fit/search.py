@@ -339,7 +339,8 @@ def fit(
       taken as its number of values.
     sensitivity: residual name -> c_l, or a `jact.sensitivity.SensitivityState`
       (a `jact.Controller` state's `estimates`); names it lacks, or gives NaN,
-      are estimated as above.
+      are estimated as above (NaN needs arrays to estimate on); negative or
+      infinite values are an error.
     widths: the widths residuals may get (None: uncompressed).
     max_candidates: at most this many configurations are compiled to verify
       (besides the three calibration compiles).
