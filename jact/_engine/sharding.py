@@ -1,16 +1,15 @@
 """Where the backward passes' reconstructions live on a device mesh.
 
 Under automatic sharding (`jax.jit` with `NamedSharding` inputs) a value the
-backward pass reconstructs from packed codes is a new value: the
-partitioner chooses its sharding, and for a weight sharded on its input
-dimension (FSDP) it prefers the weight gradient's layout. It then
-all-gathers the global batch's codes and cotangent for every layer, where
-the plain model, whose activation is the forward pass's own batch-sharded
-value, reduces a local product. `sharded_batch` says which mesh axes the
-batch is sharded over; every reconstruction whose leading axis is the
-batch is then constrained to rows sharded over them (the other dimensions
-left to the partitioner), which is what the plain model's activation is.
-"""
+backward pass reconstructs from packed codes is a new value whose sharding
+the partitioner chooses. The codes are unpacked by a gather
+(`jact._core.packing.unpack_bits`), which carries the rows' sharding into
+the reconstruction early enough that it stays where the plain model's
+activation is, with sharded weights too (FSDP, tensor parallelism).
+`sharded_batch` says it explicitly: which mesh axes the batch is sharded
+over; every reconstruction whose leading axis is the batch is then
+constrained to rows sharded over them (the other dimensions left to the
+partitioner).""""""
 
 from __future__ import annotations
 
@@ -31,13 +30,12 @@ def sharded_batch(axes, mesh: jax.sharding.Mesh | None = None) -> Iterator[None]
   """Traces inside the block keep each reconstructed activation sharded over
   `axes` on its leading (batch) axis, as the plain model's activation is.
 
-  Needed under automatic sharding when weights are sharded too (FSDP,
-  tensor parallelism): without it the partitioner may gather the global
-  batch to compute a weight gradient in the weight's layout. Under pure
-  data parallelism it also drops the ties of kept kernels to a row of the
-  cotangent (`jact._engine.scheduling.kept_until_cotangent`), one
-  single-element all-reduce per op, so the program has exactly the plain
-  model's collectives. Inside `shard_map` over these axes, and in explicit
+  Not needed for data parallelism, FSDP or the tensor parallelism tested
+  (`docs/distributed.md`): plain `jax.jit` with shardings keeps
+  reconstructions on their rows and leaves kept kernels untied
+  (`jact._engine.scheduling.kept_until_cotangent`); the block states the
+  batch's layout where a model's partitioning would otherwise be left to
+  the partitioner's choice. Inside `shard_map` over these axes, and in explicit
   sharding mode (a mesh with Explicit axes, `jax.make_mesh`'s default), the
   constraint does nothing (there the layout is known).
   `mesh` may be left out inside `jax.set_mesh(mesh)`.
