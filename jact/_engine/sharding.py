@@ -9,7 +9,8 @@ activation is, with sharded weights too (FSDP, tensor parallelism).
 `sharded_batch` says it explicitly: which mesh axes the batch is sharded
 over; every reconstruction whose leading axis is the batch is then
 constrained to rows sharded over them (the other dimensions left to the
-partitioner).""""""
+partitioner).
+"""
 
 from __future__ import annotations
 
