@@ -31,6 +31,7 @@ __all__ = [
   "canonicalize_dtype",
   "lifted_target",
   "relift",
+  "remat_body",
 ]
 
 
@@ -223,6 +224,22 @@ def relift(cls: type, inner: type) -> type:
   return type(cls.__name__, (inner,), methods)
 
 
+def remat_body(module: nn.Module) -> bool:
+  """Whether `module` is the body of a linen remat call (`nn.remat(Block)` /
+  `nn.checkpoint`): the clone of `Block` that Flax binds to the root scope it
+  lifts into `jax.checkpoint`.
+
+  Public replacement: none in flax 0.12.8. Watch: `flax.core.lift.checkpoint`
+  packs its scopes under the name 'remat', which a lifted root scope's
+  `Scope.debug_path` ends with (`'remat(<layer name>)'`).
+  """
+  scope = module.scope
+  if scope is None or scope.parent is not None:
+    return False
+  path = getattr(scope, "debug_path", ())
+  return bool(path) and str(path[-1]).startswith("remat(")
+
+
 @probes(
   lifted_target="the closure of linen.transforms.module_class_lift_transform's methods",
   relift="linen.transforms.module_class_lift_transform(_cached) signatures",
@@ -352,6 +369,28 @@ def _check_capture() -> None:
   _expect(
     "other" in captured and "inner" not in captured,
     f"capture filter not applied (captured {sorted(captured)})",
+  )
+
+
+@probes(remat_body="the debug_path of the root scope flax.core.lift.checkpoint lifts")
+def _check_remat_body() -> None:
+  seen = []
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      seen.append((remat_body(self), remat_body(nn.Dense(2, parent=self))))
+      return x
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(Block)()(Block()(x))
+
+  Model().init(jax.random.key(0), jnp.ones((1, 3)))
+  _expect(
+    seen[-2:] == [(False, False), (True, False)],
+    f"the body of nn.remat was not told from other layers: {seen}",
   )
 
 

@@ -266,6 +266,14 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
       )
   in_model = LINEN_IN_MODEL.get()
   if (
+    in_model
+    and settings.functions
+    and not module.is_initializing()
+    and context.method_name != "setup"
+    and _compat.remat_body(module)
+  ):
+    return _remat_body(module, context, args, kwargs, settings)
+  if (
     context.method_name == "__call__"
     and (not in_model or is_recording())
     and not type(module).__module__.startswith("jact.")  # a twin's own Flax code
@@ -285,6 +293,28 @@ def _outside_call(next_fun, args, kwargs, context, settings: Settings, base: typ
       unsupported(settings, _where(module), reason)
       _engine.note(module, "plain", reason, base.__call__, None, args, kwargs, descendants=True)
   return next_fun(*args, **kwargs)
+
+
+def _remat_body(module, context, args, kwargs, settings: Settings):
+  """The body of a model's own `nn.remat(Block)` call, through the engine.
+
+  The model's call (the engine) keeps a compressed copy of the remat's inputs,
+  as of any activation it saves; the body's own residuals (the functions
+  between its layers) are compressed here, so the recomputation in the backward
+  stores them compressed too. Left to the model's call, they were recomputed
+  uncompressed (and where XLA merges the recomputation with the forward, as
+  XLA:CPU does, kept exact from the forward on): a model's remat cost memory."""
+  method = getattr(type(module), context.method_name)
+  return _engine.engine_call(
+    module,
+    method,
+    args,
+    kwargs,
+    settings,
+    descendants=False,
+    inputs=False,
+    name=f"{_engine.name_of(module)}.body",
+  )
 
 
 def _no_twin(cls: type) -> str:

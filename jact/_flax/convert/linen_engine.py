@@ -68,10 +68,11 @@ def name_of(module) -> str:
   return "/".join(module.path) or type(module).__name__
 
 
-def key_for(module, settings: Settings, args) -> tuple[bool, Any]:
+def key_for(module, settings: Settings, args, name: str | None = None) -> tuple[bool, Any]:
   """(compress?, key) of an engine call: the 'jact' stream's next key; inside a
-  scan that hides the stream, `scan_key` of the outer apply's key; no
-  compression while initializing or without any key."""
+  scan that hides the stream, `scan_key` of the outer apply's key (and of the
+  call's `name`, default the module's path); no compression while initializing
+  or without any key."""
   if module.is_initializing():
     return False, None
   if not settings.needs_key:
@@ -80,7 +81,7 @@ def key_for(module, settings: Settings, args) -> tuple[bool, Any]:
     return True, module.make_rng("jact")
   outer = LINEN_OUTER_KEY.get()
   if outer is not None:
-    return True, scan_key(outer, name_of(module), args)
+    return True, scan_key(outer, name or name_of(module), args)
   return False, None
 
 
@@ -109,12 +110,18 @@ def engine_call(
   descendants: bool,
   scanned: bool = False,
   inputs: bool = True,
+  policy: Callable | None = None,
+  name: str | None = None,
 ) -> Any:
   """`method(module, *args, **kwargs)` with every residual compressed (the
   positional arguments too, when `inputs`: a layer's are activations); the plain
   call where `key_for` says so. `descendants`: the module's sublayers pass
-  through the interceptor too (else they are converted as usual)."""
-  compress, key = key_for(module, settings, args)
+  through the interceptor too (else they are converted as usual). `policy`: the
+  call runs under `jax.checkpoint` with this policy (what it saves is
+  compressed, the rest recomputed in the backward). `name`: the residuals'
+  name (default: the module's path)."""
+  name = name or name_of(module)
+  compress, key = key_for(module, settings, args, name)
   with _passing(module, descendants):
     if not compress:
       return method(module, *args, **kwargs)
@@ -124,13 +131,15 @@ def engine_call(
       with _compat.suppress_capture(clone):
         return method(clone, *args, **kwargs)
 
-    config = residual_config(settings, name_of(module), scanned=scanned)
+    config = residual_config(settings, name, scanned=scanned)
+    if policy is None and scanned:
+      policy = layout_recomputed
     transform = functools.partial(
       lift_compressed,
       key=key,
       compress=True,
       config=config,
-      policy=layout_recomputed if scanned else None,
+      policy=policy,
       argnums=tuple(range(len(args))) if inputs else (),
       name_of=type(module),
     )
