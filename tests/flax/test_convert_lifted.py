@@ -102,9 +102,9 @@ def test_batch_norm_over_a_vmapped_axis_differentiates(functions):
   (_, updates), grads = jax.value_and_grad(
     lambda v: loss(model, v, rngs={"jact": jax.random.key(1)}), has_aux=True
   )(variables)
-  (_, plain_updates), plain = jax.value_and_grad(
-    lambda v: loss(VmapNormed(), v), has_aux=True
-  )(variables)
+  (_, plain_updates), plain = jax.value_and_grad(lambda v: loss(VmapNormed(), v), has_aux=True)(
+    variables
+  )
   assert tree_rel_err(grads["params"], plain["params"]) < GRAD_RTOL
   # the running statistics are the cross-sample ones, as in plain Flax
   jax.tree.map(

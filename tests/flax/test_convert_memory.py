@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jact
+from stats import tree_rel_err
 
 pytestmark = pytest.mark.slow  # every test compiles whole train steps
 
@@ -102,15 +103,15 @@ def test_model_remat_is_compressed_remat():
   )
   grads = jax.grad(lambda v: loss(converted, v, rngs=rngs))(variables)
   plain = jax.grad(lambda v: loss(Stack(True), v))(variables)
-  from stats import tree_rel_err  # pylint: disable=import-outside-toplevel
-
   assert tree_rel_err(grads, plain) < 5e-2
   # what the step keeps: a compressed copy of each block's input, less than
   # the blocks' compressed residuals without the model's remat
-  saved = lambda remat: jact.residual_report(
-    lambda v: loss(jact.convert(Stack(remat), bits=2), v, rngs=rngs),
-    Stack(remat).init(jax.random.key(0), x),
-  ).total_bytes
+  saved = lambda remat: (
+    jact.residual_report(
+      lambda v: loss(jact.convert(Stack(remat), bits=2), v, rngs=rngs),
+      Stack(remat).init(jax.random.key(0), x),
+    ).total_bytes
+  )
   assert saved(True) < saved(False)
 
 
