@@ -158,3 +158,20 @@ def test_whole_model_under_a_named_vmap_over_samples(how):
   grads = jax.grad(loss)(variables["params"], apply)
   expected = jax.grad(loss)(variables["params"], plain)
   assert tree_rel_err(grads, expected) < GRAD_RTOL
+
+
+def test_fit_configures_a_converted_model_with_batch_norm_over_a_vmapped_axis():
+  x = _normal((6, 5, 4))
+  variables = VmapNormed().init(jax.random.key(0), x)
+  model = jact.convert(VmapNormed(), bits=8)
+
+  def loss(v, key):
+    y, _ = model.apply(v, x, mutable=["batch_stats"], rngs={"jact": key})
+    return jnp.mean(y**2)
+
+  fitted = jact.fit(loss, variables, jax.random.key(2), budget_bytes=2**30)
+  grads = jax.grad(fitted.loss_fn)(variables, jax.random.key(2), key=jax.random.key(3))
+  plain = jax.grad(lambda v: jnp.mean(VmapNormed().apply(v, x, mutable=["batch_stats"])[0] ** 2))(
+    variables
+  )
+  assert tree_rel_err(grads["params"], plain["params"]) < GRAD_RTOL
