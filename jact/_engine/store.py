@@ -8,6 +8,7 @@ the generic transform (`jact.compressed`) calls them per captured residual.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jact import _compat
 from jact._core.allocate import allocate_per_sample
 from jact._core.persample import PackedPerSample, per_sample_capacity
-from jact._core.quantize import Packed, as_rows
+from jact._core.quantize import SMALLEST_ROW, Packed, as_rows
 from jact.compressors import Compressed, PerGroup
 from jact._engine import context as _context
 from jact._engine.derivatives import first_order_only
@@ -33,19 +34,35 @@ class SymbolicShapeWarning(UserWarning):
   """A residual with a symbolic dimension (`jax.export`) is kept uncompressed."""
 
 
+def symbolic_batch_only(shape) -> bool:
+  """Whether `shape` (with a symbolic dimension) has it on the leading (batch)
+  axis alone and at least `SMALLEST_ROW` values per sample: the per-group
+  quantizer's layout is then per sample (groups never span two samples), so
+  the program stores exactly what a concrete batch stores."""
+  shape = tuple(shape)
+  return (
+    len(shape) >= 2
+    and _compat.is_static_shape(shape[1:])
+    and math.prod(shape[1:]) >= SMALLEST_ROW
+  )
+
+
 def kept_symbolic(x) -> bool:
   """Whether `x` has a symbolic dimension (traced for `jax.export` with
-  `jax.export.symbolic_shape("b, ...")`), which the quantizers' layouts
+  `jax.export.symbolic_shape("b, ...")`) that the quantizers' layouts
   (groups, padding, per-row flags) cannot be computed for: such a residual is
   kept exact, the safe layout (the gradients are plain JAX's), with a
-  warning; export with a concrete batch size to store it compressed."""
-  if _compat.is_static_shape(jnp.shape(x)):
+  warning. A symbolic batch alone (`symbolic_batch_only`) is compressed as a
+  concrete batch is."""
+  shape = jnp.shape(x)
+  if _compat.is_static_shape(shape) or symbolic_batch_only(shape):
     return False
   warnings.warn(
-    "jact: a residual has a symbolic shape (jax.export with a symbolic dimension); it is "
-    "kept uncompressed, so the exported function's gradients are plain JAX's and it saves "
-    "no activation memory. Export with a concrete batch size to store residuals "
-    "compressed.",
+    f"jact: a residual has symbolic shape {shape} (jax.export with a symbolic dimension "
+    f"other than the batch, or fewer than {SMALLEST_ROW} values per sample); it is kept "
+    "uncompressed, so its gradient is plain JAX's and it saves no activation memory. "
+    "Export with only the leading (batch) axis symbolic, or with concrete sizes, to store "
+    "it compressed.",
     SymbolicShapeWarning,
     stacklevel=2,
   )

@@ -181,7 +181,7 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
     return leaf
   if leaf.dtype == jnp.bool_ or detail == "mask":
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
-  if is_float(leaf) and leaf.size >= config.min_size and not is_byte_float(leaf):
+  if is_float(leaf) and at_least(leaf.shape, config.min_size) and not is_byte_float(leaf):
     rounding = config.rounding_for(name)
     if rounding.bits is not None:
       check_compressible(leaf, name)
@@ -195,6 +195,19 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
         return tag(store_rows(leaf, detail[1], compress), name)
       return tag(compress(leaf), name)
   return leaf
+
+
+def at_least(shape, min_size: int) -> bool:
+  """Whether an array of `shape` holds at least `min_size` values. With a
+  symbolic batch (`jax.export`) the answer is the one for the smallest batch
+  the export allows (1, or the lower bound of a constraint such as
+  `symbolic_shape("b", constraints=("b >= 16",))`): the decision a concrete
+  call with that batch makes. A larger concrete batch may compress a residual
+  the export keeps exact, never the reverse."""
+  try:
+    return bool(math.prod(shape) >= min_size)
+  except jax.errors.InconclusiveDimensionOperation:
+    return False
 
 
 def check_overrides(config: ResidualConfig, names) -> None:
