@@ -41,9 +41,7 @@ def symbolic_batch_only(shape) -> bool:
   the program stores exactly what a concrete batch stores."""
   shape = tuple(shape)
   return (
-    len(shape) >= 2
-    and _compat.is_static_shape(shape[1:])
-    and math.prod(shape[1:]) >= SMALLEST_ROW
+    len(shape) >= 2 and _compat.is_static_shape(shape[1:]) and math.prod(shape[1:]) >= SMALLEST_ROW
   )
 
 
