@@ -18,7 +18,7 @@ from jact import _compat
 from jact._core.allocate import allocate_per_sample
 from jact._core.persample import PackedPerSample, per_sample_capacity
 from jact._core.quantize import SMALLEST_ROW, Packed, as_rows
-from jact.compressors import Compressed, PerGroup
+from jact.compressors import BLPA, Compressed, Division, Fixpoint, PerGroup
 from jact._engine import context as _context
 from jact._engine.derivatives import first_order_only
 from jact._engine.probe import group_ranges_sq
@@ -45,22 +45,34 @@ def symbolic_batch_only(shape) -> bool:
   )
 
 
-def kept_symbolic(x) -> bool:
+# Compressors whose layout is per sample (or reduces over the batch), so a symbolic batch
+# traces to what a concrete one stores; ZeroValue's top-k capacity spans the whole tensor.
+BATCH_POLYMORPHIC = (PerGroup, Division, BLPA, Fixpoint)
+
+
+def kept_symbolic(x, compressor=None, budget=None) -> bool:
   """Whether `x` has a symbolic dimension (traced for `jax.export` with
-  `jax.export.symbolic_shape("b, ...")`) that the quantizers' layouts
-  (groups, padding, per-row flags) cannot be computed for: such a residual is
-  kept exact, the safe layout (the gradients are plain JAX's), with a
-  warning. A symbolic batch alone (`symbolic_batch_only`) is compressed as a
-  concrete batch is."""
+  `jax.export.symbolic_shape("b, ...")`) that its layout cannot be computed
+  for: such a residual is kept exact, the safe layout (its gradient is plain
+  JAX's), with a warning. A symbolic batch alone (`symbolic_batch_only`) is
+  compressed as a concrete batch is, unless the compressor's layout spans
+  samples (not in `BATCH_POLYMORPHIC`) or a plan gives a per-sample budget."""
   shape = jnp.shape(x)
-  if _compat.is_static_shape(shape) or symbolic_batch_only(shape):
+  if _compat.is_static_shape(shape):
     return False
+  if symbolic_batch_only(shape):
+    if budget is None and (compressor is None or isinstance(compressor, BATCH_POLYMORPHIC)):
+      return False
+    why = f"its layout ({compressor!r}{', a per-sample budget' if budget else ''}) spans samples"
+  else:
+    why = (
+      f"a symbolic dimension other than the batch, or fewer than {SMALLEST_ROW} values per sample"
+    )
   warnings.warn(
-    f"jact: a residual has symbolic shape {shape} (jax.export with a symbolic dimension "
-    f"other than the batch, or fewer than {SMALLEST_ROW} values per sample); it is kept "
-    "uncompressed, so its gradient is plain JAX's and it saves no activation memory. "
-    "Export with only the leading (batch) axis symbolic, or with concrete sizes, to store "
-    "it compressed.",
+    f"jact: a residual has symbolic shape {shape} (jax.export): {why}, so it is kept "
+    "uncompressed: its gradient is plain JAX's and it saves no activation memory. Export "
+    "with only the leading (batch) axis symbolic and a per-sample compressor, or with "
+    "concrete sizes, to store it compressed.",
     SymbolicShapeWarning,
     stacklevel=2,
   )
@@ -90,7 +102,7 @@ def compress_residual(x: jax.Array, seed, site: int, rounding: Rounding, name: s
     if bits is not None:
       budget = _context.planned_budget(name)
   compressor = rounding.compressor
-  if compressor is None:
+  if compressor is None or kept_symbolic(x, compressor, budget):
     return x
   x = pin_rows(first_order_only(x, name, compressor))  # quantized where its rows are
   if budget is not None:

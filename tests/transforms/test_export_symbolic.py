@@ -98,3 +98,46 @@ def test_a_symbolic_size_off_the_batch_or_a_tiny_sample_is_kept_exact_with_a_war
     exported = export.export(jax.jit(grads))(w, spec, KEY)
   x = jax.random.normal(jax.random.key(4), concrete)
   assert _relative(exported.call(w, x, KEY), plain(w, x, KEY)) < RTOL  # every residual exact
+
+
+def _dense_gelu_with(compressor):
+  def loss(w, x, key):
+    k1, k2 = jax.random.split(key)
+    h = jact.ops.dense(x, w, key=k1, compressor=compressor)
+    return jnp.sum(jact.ops.gelu(h, key=k2, compressor=compressor) ** 2)
+
+  return jax.grad(loss)
+
+
+@pytest.mark.parametrize(
+  "compressor",
+  [
+    jact.compressors.Division(4),
+    jact.compressors.BLPA(4),
+    jact.compressors.Fixpoint(4),
+  ],
+  ids=type,
+)
+def test_per_sample_compressors_export_a_symbolic_batch_as_the_direct_call(compressor):
+  grads = _dense_gelu_with(compressor)
+  (b,) = export.symbolic_shape("b")
+  exported = _exported(grads, W, X, b)
+  assert _relative(exported.call(W, X, KEY), jax.jit(grads)(W, X, KEY)) < RTOL
+
+
+def test_a_compressor_whose_layout_spans_samples_keeps_a_symbolic_batch_exact():
+  zero_value = jact.compressors.ZeroValue()  # top-k over the whole tensor
+
+  def loss(w, x, key, exact=False):
+    h = x @ w
+    return jnp.sum(
+      (jax.nn.gelu(h) if exact else jact.ops.gelu(h, key=key, compressor=zero_value)) ** 2
+    )
+
+  grads = jax.grad(loss)
+  (b,) = export.symbolic_shape("b")
+  with pytest.warns(SymbolicShapeWarning, match=r"ZeroValue.*spans samples"):
+    exported = _exported(grads, W, X, b, strict=False)
+  plain = jax.grad(lambda w, x, key: loss(w, x, key, exact=True))
+  assert _relative(exported.call(W, X, KEY), plain(W, X, KEY)) < RTOL
+  assert _relative(jax.jit(grads)(W, X, KEY), plain(W, X, KEY)) > 1e-3  # the direct call compresses
