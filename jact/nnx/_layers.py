@@ -107,12 +107,15 @@ class Embed(_Twin, nnx.Embed):
 
 
 class Dropout(_Twin, nnx.Dropout):
-  """`nnx.Dropout` whose backward keeps only the key (its 8 bytes of data).
+  """`nnx.Dropout` whose backward keeps the mask packed to 1 bit a value
+  (residual "<name>.mask"; plain Flax keeps a byte a value).
 
   The mask is Flax's: a key from `rngs` (the 'dropout' stream, an `RngStream`
   or a key), then `jax.random.bernoulli` with the same keep probability,
   broadcast shape and sharding, so the output is bit-identical to
-  `nnx.Dropout`'s for the same rngs.
+  `nnx.Dropout`'s for the same rngs. It is drawn once, in the forward
+  (`jact.ops.dropout(saves="mask")`): drawn again in the backward, its random
+  bits stayed alive in the compiled step.
   """
 
   def __init__(self, rate: float, *, name: str | None = None, **kwargs):
@@ -154,6 +157,7 @@ class Dropout(_Twin, nnx.Dropout):
       broadcast_dims=self.broadcast_dims,
       name=self.residual_name,
       draw="flax",
+      saves="mask",
       out_sharding=jax.typeof(inputs).sharding,
     )
 
