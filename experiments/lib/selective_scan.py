@@ -1,0 +1,162 @@
+"""Small nnx language models written the ordinary way, for measuring compressed gradients on
+selective-scan (state-space) layers against attention: `SSMLM`, a Mamba2-like model (RMSNorm,
+in-projection, depthwise causal convolution, SiLU, a per-head selective scan, SiLU gate,
+out-projection), and `AttentionLM`, a pre-norm transformer (RMSNorm, causal attention, SwiGLU) of
+the same width and depth. Both take character ids (`fit_subjects.shakespeare`) and return logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["Config", "SSMLM", "AttentionLM", "selective_scan", "chunked_scan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab: int = 65
+  width: int = 64
+  depth: int = 2
+  state: int = 16  # SSM state size per head
+  head: int = 16  # channels per SSM head / attention head
+  expand: int = 2  # SSM inner width = expand * width
+  conv: int = 4  # causal convolution width
+  chunk: int = 16  # chunk length of `chunked_scan`
+  scan: str = "associative"  # "associative" or "chunked"
+
+
+def selective_scan(x, dt, a, b, c):
+  """h_t = exp(dt_t a) h_{t-1} + dt_t b_t x_t, y_t = c_t . h_t by `jax.lax.associative_scan`.
+
+  x: (batch, time, heads, head), dt: (batch, time, heads), a: (heads,), b, c: (batch, time, state).
+  """
+  decay = jnp.exp(dt * a)[..., None, None]  # (batch, time, heads, 1, 1)
+  inputs = (dt[..., None] * x)[..., None] * b[:, :, None, None, :]  # (b, t, h, p, n)
+
+  def combine(left, right):
+    return left[0] * right[0], right[0] * left[1] + right[1]
+
+  _, states = jax.lax.associative_scan(combine, (decay, inputs), axis=1)
+  return jnp.einsum("bthpn,btn->bthp", states, c)
+
+
+def _segment_sums(log_decay):
+  """(..., t) -> (..., t, t): entry [i, j] sums log_decay over (j, i], -inf above the diagonal."""
+  t = log_decay.shape[-1]
+  totals = jnp.cumsum(log_decay, axis=-1)
+  sums = totals[..., :, None] - totals[..., None, :]
+  return jnp.where(jnp.tril(jnp.ones((t, t), bool)), sums, -jnp.inf)
+
+
+def chunked_scan(x, dt, a, b, c, chunk):
+  """The same recurrence as `selective_scan` in Mamba2's chunked form: exact inside each chunk by
+  a masked decay matrix, chunk states carried by a short recurrence over chunks."""
+  bsz, t, heads, p = x.shape
+  k = t // chunk
+  xs = (x * dt[..., None]).reshape(bsz, k, chunk, heads, p)
+  log_decay = (dt * a).reshape(bsz, k, chunk, heads).transpose(0, 3, 1, 2)  # (b, h, k, l)
+  bs, cs = b.reshape(bsz, k, chunk, -1), c.reshape(bsz, k, chunk, -1)
+  cum = jnp.cumsum(log_decay, axis=-1)
+  inner = jnp.exp(_segment_sums(log_decay))  # (b, h, k, l, l)
+  y_diag = jnp.einsum("bkln,bksn,bhkls,bkshp->bklhp", cs, bs, inner, xs)
+  to_end = jnp.exp(cum[..., -1:] - cum)  # (b, h, k, l)
+  states = jnp.einsum("bkln,bhkl,bklhp->bkhpn", bs, to_end, xs)
+  states = jnp.concatenate([jnp.zeros_like(states[:, :1]), states], axis=1)
+  chunk_decay = jnp.exp(_segment_sums(jnp.pad(cum[..., -1], ((0, 0), (0, 0), (1, 0)))))
+  states = jnp.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
+  y_off = jnp.einsum("bkln,bkhpn,bhkl->bklhp", cs, states, jnp.exp(cum))
+  return (y_diag + y_off).reshape(bsz, t, heads, p)
+
+
+class SSMBlock(nnx.Module):
+  """A Mamba2-like mixer with a residual connection."""
+
+  def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    self.cfg = cfg
+    inner = cfg.expand * cfg.width
+    heads = inner // cfg.head
+    self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
+    self.in_proj = nnx.Linear(cfg.width, 2 * inner + 2 * cfg.state + heads, use_bias=False, rngs=rngs)
+    conv_width = inner + 2 * cfg.state
+    self.conv = nnx.Conv(
+      conv_width, conv_width, (cfg.conv,), feature_group_count=conv_width, padding=[(cfg.conv - 1, 0)],
+      rngs=rngs,
+    )
+    self.dt_bias = nnx.Param(jnp.log(jnp.expm1(jnp.linspace(1e-3, 1e-1, heads))))
+    self.a_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, heads)))
+    self.d = nnx.Param(jnp.ones(heads))
+    self.out_norm = nnx.RMSNorm(inner, rngs=rngs)
+    self.out_proj = nnx.Linear(inner, cfg.width, use_bias=False, rngs=rngs)
+
+  def __call__(self, u):
+    cfg = self.cfg
+    inner = cfg.expand * cfg.width
+    heads = inner // cfg.head
+    z, xbc, dt = jnp.split(self.in_proj(self.norm(u)), [inner, 2 * inner + 2 * cfg.state], axis=-1)
+    xbc = nnx.silu(self.conv(xbc))
+    x, b, c = jnp.split(xbc, [inner, inner + cfg.state], axis=-1)
+    dt = jax.nn.softplus(dt + self.dt_bias[...])
+    a = -jnp.exp(self.a_log[...])
+    x = x.reshape(*x.shape[:2], heads, cfg.head)
+    if cfg.scan == "chunked":
+      y = chunked_scan(x, dt, a, b, c, cfg.chunk)
+    else:
+      y = selective_scan(x, dt, a, b, c)
+    y = (y + self.d[...][:, None] * x).reshape(*u.shape[:2], inner)
+    return u + self.out_proj(self.out_norm(y * nnx.silu(z)))
+
+
+class AttentionBlock(nnx.Module):
+  """A pre-norm causal attention block with a SwiGLU MLP."""
+
+  def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    self.cfg = cfg
+    w = cfg.width
+    self.norm1 = nnx.RMSNorm(w, rngs=rngs)
+    self.qkv = nnx.Linear(w, 3 * w, use_bias=False, rngs=rngs)
+    self.out = nnx.Linear(w, w, use_bias=False, rngs=rngs)
+    self.norm2 = nnx.RMSNorm(w, rngs=rngs)
+    self.gate_up = nnx.Linear(w, 2 * cfg.expand * w, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(cfg.expand * w, w, use_bias=False, rngs=rngs)
+
+  def __call__(self, u):
+    b, t, w = u.shape
+    heads = w // self.cfg.head
+    q, k, v = jnp.split(self.qkv(self.norm1(u)).reshape(b, t, 3 * heads, self.cfg.head), 3, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.cfg.head).astype(u.dtype)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    mixed = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v).reshape(b, t, w)
+    u = u + self.out(mixed)
+    gate, up = jnp.split(self.gate_up(self.norm2(u)), 2, axis=-1)
+    return u + self.down(nnx.silu(gate) * up)
+
+
+class _LM(nnx.Module):
+  block = None
+
+  def __init__(self, cfg: Config, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
+    self.blocks = nnx.List([type(self).block(cfg, rngs) for _ in range(cfg.depth)])
+    self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
+    self.head = nnx.Linear(cfg.width, cfg.vocab, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    for block in self.blocks:
+      h = block(h)
+    return self.head(self.norm(h))
+
+
+class SSMLM(_LM):
+  """Embedding, `Config.depth` Mamba2-like blocks, RMSNorm, LM head."""
+
+  block = SSMBlock
+
+
+class AttentionLM(_LM):
+  """Embedding, `Config.depth` attention + SwiGLU blocks, RMSNorm, LM head."""
+
+  block = AttentionBlock
