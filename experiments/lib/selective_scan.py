@@ -79,10 +79,16 @@ class SSMBlock(nnx.Module):
     inner = cfg.expand * cfg.width
     heads = inner // cfg.head
     self.norm = nnx.RMSNorm(cfg.width, rngs=rngs)
-    self.in_proj = nnx.Linear(cfg.width, 2 * inner + 2 * cfg.state + heads, use_bias=False, rngs=rngs)
+    self.in_proj = nnx.Linear(
+      cfg.width, 2 * inner + 2 * cfg.state + heads, use_bias=False, rngs=rngs
+    )
     conv_width = inner + 2 * cfg.state
     self.conv = nnx.Conv(
-      conv_width, conv_width, (cfg.conv,), feature_group_count=conv_width, padding=[(cfg.conv - 1, 0)],
+      conv_width,
+      conv_width,
+      (cfg.conv,),
+      feature_group_count=conv_width,
+      padding=[(cfg.conv - 1, 0)],
       rngs=rngs,
     )
     self.dt_bias = nnx.Param(jnp.log(jnp.expm1(jnp.linspace(1e-3, 1e-1, heads))))
@@ -160,3 +166,65 @@ class AttentionLM(_LM):
   """Embedding, `Config.depth` attention + SwiGLU blocks, RMSNorm, LM head."""
 
   block = AttentionBlock
+
+
+def _tree_error(grads, reference) -> float:
+  flat = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])
+  return float(jnp.linalg.norm(flat(grads) - flat(reference)) / jnp.linalg.norm(flat(reference)))
+
+
+def gradient_error(cls, cfg: Config, batch, bits, mode: str = "convert", plan=None, seed: int = 1):
+  """Relative error of all parameter gradients of `cls(cfg)`'s next-character loss on `batch`
+  (tokens, labels) against plain JAX's: `mode` "convert" (`jact.convert`, nnx in place) or
+  "compressed" (the whole loss under `jact.compressed`, optionally with a `BitPlan`)."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jact  # pylint: disable=import-outside-toplevel
+
+  graph, params, rest = nnx.split(cls(cfg, nnx.Rngs(0)), nnx.Param, ...)
+
+  def plain(p, batch, graph=graph, rest=rest):
+    logits = nnx.merge(graph, p, rest)(batch[0])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+  reference = jax.grad(plain)(params, batch)
+  if mode == "convert":
+    graph, _, rest = nnx.split(jact.convert(cls(cfg, nnx.Rngs(0)), bits=bits), nnx.Param, ...)
+
+    def loss(p, batch, key):
+      with jact.nnx.use_key(key):
+        return plain(p, batch, graph, rest)
+  else:
+    compressed = jact.compressed(plain, bits=bits, name="model")
+    loss = lambda p, batch, key: compressed(p, batch, key=key)
+  step = jax.jit(jact.planned(jax.grad(loss)), static_argnames="plan")
+  return _tree_error(step(params, batch, jax.random.key(seed), plan=plan), reference), loss, params
+
+
+def main():
+  """Prints the 8/4/2-bit gradient errors of both models (convert and whole-model), and the
+  whole-model error under a numeric sensitivity plan at 2 bits on average."""
+  import warnings  # pylint: disable=import-outside-toplevel
+
+  import jact  # pylint: disable=import-outside-toplevel
+  from experiments.lib import fit_subjects  # pylint: disable=import-outside-toplevel
+
+  cfg, batch = Config(), fit_subjects.shakespeare(8, 64)
+  for cls in (SSMLM, AttentionLM):
+    for mode in ("convert", "compressed"):
+      errors = [gradient_error(cls, cfg, batch, bits, mode)[0] for bits in (8, 4, 2)]
+      print(cls.__name__, mode, "8/4/2 bits:", " ".join(f"{e:.3f}" for e in errors), flush=True)
+    _, loss, params = gradient_error(cls, cfg, batch, 2, "compressed")
+    controller = jact.Controller(loss, estimator="numeric", avg_bits=2.0)
+    state = controller.init(params, batch, jax.random.key(5))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
+      state = controller.update(state, params, batch, jax.random.key(6))
+    error = gradient_error(cls, cfg, batch, 2, "compressed", plan=state.plan)[0]
+    print(
+      cls.__name__, f"compressed, numeric plan at {state.plan.average_bits():.2f} bits: {error:.3f}"
+    )
+
+
+if __name__ == "__main__":
+  main()
