@@ -30,6 +30,7 @@ from jact._compat.flax.nnx import (
   peek_stream_key,
   replaced_variables,
   stream_key_shape,
+  draw_first_of_stacked,
   trace_context_error,
   variable_values,
 )
@@ -51,6 +52,7 @@ __all__ = [
   "nnx_twin_of",
   "peek_stream_key",
   "stream_key_shape",
+  "draw_first_of_stacked",
   "trace_context_error",
   "variable_values",
   "replaced_variables",

@@ -22,6 +22,7 @@ __all__ = [
   "nnx_twin_of",
   "peek_stream_key",
   "stream_key_shape",
+  "draw_first_of_stacked",
   "trace_context_error",
   "variable_values",
   "replaced_variables",
@@ -121,6 +122,38 @@ def _check_stream_key_shape() -> None:
   _expect(
     stream_key_shape(rngs["default"]) == (4,), "stacked streams do not hold one key per layer"
   )
+
+
+def draw_first_of_stacked(stream: nnx.RngStream) -> jax.Array:
+  """One key from streams stacked by `nnx.vmap` and called whole: the first
+  layer's next key (`fold_in(key[0], count[0])`), every layer's count advanced
+  by one, as each stream's own draw would.
+
+  Public replacement: partial (`RngStream.key`/`.count` are public Variables;
+  a draw being `fold_in(key, count)` is nnx's internal derivation). Watch:
+  `flax.nnx.RngStream.__call__`.
+  """
+  count = stream.count[...]
+  stream.count[...] = count + 1
+  first = (0,) * count.ndim
+  return jax.random.fold_in(stream.key[...][first], count[first])
+
+
+@probes(draw_first_of_stacked="a stacked RngStream's first layer draws fold_in(key, count)")
+def _check_draw_first_of_stacked() -> None:
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stacked(key):
+    return nnx.Rngs(default=key)
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  stream = stacked(keys)["default"]
+  drawn = draw_first_of_stacked(stream)
+  own = nnx.Rngs(default=keys[0])["default"]()
+  _expect(
+    bool(jnp.array_equal(jax.random.key_data(drawn), jax.random.key_data(own))),
+    "the first stacked layer's draw is not its own stream's",
+  )
+  _expect(bool(jnp.all(stream.count[...] == 1)), "the stacked counts did not advance")
 
 
 def trace_context_error() -> type:

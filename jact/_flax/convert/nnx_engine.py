@@ -53,10 +53,7 @@ class _FirstKey:
     self.stream = stream
 
   def __call__(self):
-    count = self.stream.count[...]
-    self.stream.count[...] = count + 1
-    first = (0,) * count.ndim
-    return jax.random.fold_in(self.stream.key[...][first], count[first])
+    return _compat.draw_first_of_stacked(self.stream)
 
 
 def _draw(module, stream_attr: str, config) -> tuple[bool, Any]:
