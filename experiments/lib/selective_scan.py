@@ -201,9 +201,37 @@ def gradient_error(cls, cfg: Config, batch, bits, mode: str = "convert", plan=No
   return _tree_error(step(params, batch, jax.random.key(seed), plan=plan), reference), loss, params
 
 
+def compile_seconds(cls, cfg: Config, batch, mode: str = "plain", bits: int = 2) -> float:
+  """Seconds to trace, lower and compile the gradient of `cls(cfg)`'s loss: `mode` "plain",
+  "convert" (`jact.convert`) or "compressed" (`jact.compressed` on the model)."""
+  import time  # pylint: disable=import-outside-toplevel
+
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jact  # pylint: disable=import-outside-toplevel
+
+  model = cls(cfg, nnx.Rngs(0))
+  model = {"plain": lambda m: m, "convert": lambda m: jact.convert(m, bits=bits)}.get(
+    mode, lambda m: jact.compressed(m, bits=bits)
+  )(model)
+  graph, state = nnx.split(model)
+
+  def grad(state, tokens, labels, key):
+    def loss(state):
+      with jact.nnx.use_key(key):
+        logits = nnx.merge(graph, state)(tokens)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return jax.grad(loss)(state)
+
+  start = time.perf_counter()
+  jax.jit(grad).lower(state, *batch, jax.random.key(1)).compile()
+  return time.perf_counter() - start
+
+
 def main():
-  """Prints the 8/4/2-bit gradient errors of both models (convert and whole-model), and the
-  whole-model error under a numeric sensitivity plan at 2 bits on average."""
+  """Prints the 8/4/2-bit gradient errors of both models (convert and whole-model) and their
+  2-bit errors under a numeric sensitivity plan at 2 bits on average."""
   import warnings  # pylint: disable=import-outside-toplevel
 
   import jact  # pylint: disable=import-outside-toplevel
@@ -211,19 +239,21 @@ def main():
 
   cfg, batch = Config(), fit_subjects.shakespeare(8, 64)
   for cls in (SSMLM, AttentionLM):
+    seconds = {m: compile_seconds(cls, cfg, batch, m) for m in ("plain", "convert", "compressed")}
+    print(cls.__name__, "compile s:", " ".join(f"{m} {t:.1f}" for m, t in seconds.items()))
     for mode in ("convert", "compressed"):
       errors = [gradient_error(cls, cfg, batch, bits, mode)[0] for bits in (8, 4, 2)]
       print(cls.__name__, mode, "8/4/2 bits:", " ".join(f"{e:.3f}" for e in errors), flush=True)
-    _, loss, params = gradient_error(cls, cfg, batch, 2, "compressed")
-    controller = jact.Controller(loss, estimator="numeric", avg_bits=2.0)
-    state = controller.init(params, batch, jax.random.key(5))
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
-      state = controller.update(state, params, batch, jax.random.key(6))
-    error = gradient_error(cls, cfg, batch, 2, "compressed", plan=state.plan)[0]
-    print(
-      cls.__name__, f"compressed, numeric plan at {state.plan.average_bits():.2f} bits: {error:.3f}"
-    )
+    for mode in ("convert", "compressed"):
+      _, loss, params = gradient_error(cls, cfg, batch, 2, mode)
+      controller = jact.Controller(loss, estimator="numeric", avg_bits=2.0)
+      state = controller.init(params, batch, jax.random.key(5))
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jact.CompressionVarianceWarning)
+        state = controller.update(state, params, batch, jax.random.key(6))
+      error = gradient_error(cls, cfg, batch, 2, mode, plan=state.plan)[0]
+      bits = state.plan.average_bits()
+      print(cls.__name__, mode, f"numeric plan at {bits:.2f} bits: {error:.3f}", flush=True)
 
 
 if __name__ == "__main__":
