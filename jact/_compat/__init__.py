@@ -61,6 +61,7 @@ from jact._compat.vjp import (
   current_trace,
   jit_traces_since,
   abstract_evaluation,
+  defvjp_batching_shared_outputs,
 )
 from jact._compat.sharding import (
   varying_axes,
@@ -123,6 +124,7 @@ __all__ = [
   "current_trace",
   "jit_traces_since",
   "abstract_evaluation",
+  "defvjp_batching_shared_outputs",
   "varying_axes",
   "cast_varying",
   "union_of_varying_axes",

@@ -27,6 +27,7 @@ __all__ = [
   "current_trace",
   "jit_traces_since",
   "abstract_evaluation",
+  "defvjp_batching_shared_outputs",
 ]
 
 
@@ -245,3 +246,47 @@ def _check_trace_state():
     (True, False),
   ], seen
   assert not jit_traces_since(outer) and not abstract_evaluation()
+
+
+# ----------------------------------------------------------------------------- custom_vjp batching
+
+
+_GENERIC_BATCHING = "generic_batching" in inspect.signature(jax.custom_vjp.defvjp).parameters
+
+
+def defvjp_batching_shared_outputs(fn, fwd, bwd) -> None:
+  """`fn.defvjp(fwd, bwd)`, for a rule whose outputs may be shared across a
+  `vmap`'s batch (a statistic reduced over a named axis) while its inputs are
+  batched. Since jax 0.12 JAX refuses to sum such a rule's per-example
+  cotangents unless `generic_batching=True` (the shared output's cotangent
+  goes to the first example); earlier versions accept the rule as is.
+
+  Public: `jax.custom_vjp.defvjp(..., generic_batching=)` (jax >= 0.12).
+  Watch: its default and semantics."""
+  if _GENERIC_BATCHING:
+    fn.defvjp(fwd, bwd, generic_batching=True)
+  else:
+    fn.defvjp(fwd, bwd)
+
+
+@probes(defvjp_batching_shared_outputs="custom_vjp with a shared output under vmap(axis_name)")
+def _check_defvjp_batching_shared_outputs():
+  @jax.custom_vjp
+  def f(x):
+    return x * 2.0, lax.pmean(x, "i")
+
+  def fwd(x):
+    return f(x), None
+
+  def bwd(_, g):
+    return (2.0 * g[0] + g[1],)
+
+  defvjp_batching_shared_outputs(f, fwd, bwd)
+
+  def loss(x):
+    y, m = jax.vmap(f, axis_name="i")(x)
+    return jnp.sum(y) + jnp.sum(m)
+
+  grad = jax.grad(loss)(jnp.arange(3.0))
+  if not bool(jnp.all(jnp.isfinite(grad))):
+    raise CompatError("a custom_vjp with a shared output under vmap gave a non-finite gradient")

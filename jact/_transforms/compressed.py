@@ -424,5 +424,5 @@ def call_compressed(
     )
     return (None, *[next(grads) if d else None for d in differentiable])
 
-  op.defvjp(fwd, bwd)
+  _compat.defvjp_batching_shared_outputs(op, fwd, bwd)
   return reverse_only(op, f"jact.compressed({config.name!r})")(seed, *inputs)
