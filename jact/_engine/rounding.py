@@ -25,6 +25,8 @@ __all__ = [
   "op_rounding",
   "op_keywords",
   "as_compressor",
+  "resolve_compressor",
+  "compressor_keywords",
   "apply_plan_entry",
   "make_seed",
   "salt_seed",
@@ -155,6 +157,30 @@ def as_compressor(bits, group_size: int = 256, stochastic: bool = True) -> Compr
   if bits is None or isinstance(bits, Compressor):
     return bits
   return PerGroup(bits, group_size, stochastic)
+
+
+def resolve_compressor(bits, compressor, api: str, default_bits: int | None = 4):
+  """The one value that says how a residual is stored, from a public call's
+  `bits=` and `compressor=`: a `Compressor`, or None (kept exact). Resolved
+  once at the public boundary (an op, a twin, `jact.convert`,
+  `jact.compressed`); everything below carries this value.
+
+  >>> resolve_compressor(2, None, "jact.ops.gelu")
+  PerGroup(bits=2, group_size=256, stochastic=True, implementation=None)
+  >>> resolve_compressor(None, None, "jact.ops.gelu") is None
+  True
+  """
+  return as_compressor(residual_method(bits, compressor, api, default_bits))
+
+
+def compressor_keywords(compressor) -> dict:
+  """An op's keywords for a resolved value (`resolve_compressor`): the inverse
+  direction, for code that calls a public op with a value it already holds.
+
+  >>> compressor_keywords(None)
+  {'bits': None}
+  """
+  return {"bits": None} if compressor is None else {"compressor": compressor}
 
 
 def apply_plan_entry(call_bits, entry):
