@@ -19,6 +19,11 @@ values), `gact.<task>.<variant>.<field>` (metric, fewer, bits),
 bench_memory, bench_models, whole_model_error, train_sharded) for the generated blocks of
 hand-written docs pages.
 
+Hand-written pages (README.md, docs/**/*.md, the GPU results README) quote a figure in a
+generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`, a whole table) or inline,
+`<!-- fig:NAME -->1.5 GiB<!-- /fig -->`; `measured_figures(text)` lists the measured figures
+typed anywhere else, and `tests/test_claims.py` fails on any.
+
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
 """
@@ -29,7 +34,8 @@ import argparse
 import re
 from pathlib import Path
 
-from experiments.lib import claims_figures
+from experiments.gpu import figures as gpu_figures
+from experiments.lib import claims_figures, docs_figures
 from experiments.lib.claims_figures import PAPER
 
 __all__ = [
@@ -42,6 +48,8 @@ __all__ = [
   "render",
   "placeholders",
   "typed_figures",
+  "measured_figures",
+  "hand_written",
   "readme_section",
   "render_blocks",
   "stale",
@@ -62,6 +70,40 @@ _BLOCK = re.compile(
   r"^([ \t]*)(<!-- claims:([A-Za-z0-9_.\-]+) -->\n)(.*?)^([ \t]*<!-- claims:end -->)", re.S | re.M
 )
 DOCS = ROOT / "docs"
+GPU_README = RESULTS / "gpu" / "README.md"
+# An inline generated figure in a hand-written page: `<!-- fig:NAME -->VALUE<!-- /fig -->`.
+_INLINE = re.compile(r"(<!-- fig:([A-Za-z0-9_.\-]+) -->)(.*?)(<!-- /fig -->)", re.S)
+# Parts of a hand-written page that hold no typed figure: generated regions (blocks, inline
+# figures, the README's Results and frontier lines), code, link targets.
+_NOT_PROSE = [
+  re.compile(r"<!-- claims:[\w.\-]+ -->.*?<!-- claims:end -->", re.S),
+  re.compile(r"<!-- results:begin -->.*?<!-- results:end -->", re.S),
+  re.compile(r"<!-- frontier:begin -->.*?<!-- frontier:end -->", re.S),
+  _INLINE,
+  re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1", re.S | re.M),  # fenced code
+  re.compile(r"`[^`\n]*`"),  # inline code: API arguments, commands
+  re.compile(r"\]\([^)\s]*\)"),  # link targets
+]
+# Versions are not measurements: a dotted number after a package's name, or any x.y.z.
+_VERSION = re.compile(
+  r"(?i)\b(?:python|jax(?:lib)?|flax|triton|jax-triton|numpy|optax|cuda|apache)[\s-]*"
+  r"(?:[<>=]=?\s*)?\d+(?:\.\d+)+(?:\.x)?(?:\s*[-–]\s*\d+(?:\.\d+)+(?:\.x)?)?"
+  r"|\b\d+\.\d+\.\d+\b"
+)
+_NUMBER = r"\d+(?:\.\d+)?"
+_UNIT = r"(?:\s?(?:[KMGT]i?B(?:/s)?|kB|B/s|[nµm]?s|CPU-s|min(?:utes?)?|hours?|%)|x|×)"
+# A measured figure: a number (or range, or slashed list of numbers) with a unit of bytes, time,
+# ratio or percent; a decimal fraction; a test count.
+_MEASURED = re.compile(
+  rf"(?<![\w.\-/])(?:{_NUMBER}(?:\s?[-–/]\s?{_NUMBER})*{_UNIT}(?![\w/])"
+  r"|\d+\.\d+(?![\w.])"
+  r"|\d+ (?:tests|passed)\b)"
+)
+# Typed on purpose, not measured (page -> phrases): datasheet figures, sizes a script is run at.
+NOT_MEASURED = {
+  "frontier.md": ["80 GB at 3.35 TB/s", "141 GB at 4.8 TB/s"],
+  "kernels.md": ["1 MB to 1 GB"],
+}
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 _PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.\-:]+)\}\}")
 # A typed figure: a decimal, a ratio ("3.4x", "20x") or a percentage.
@@ -70,7 +112,38 @@ _TYPED = re.compile(r"(?<![\w.])(\d+\.\d+|\d+(?:\.\d+)?x|\d+(?:\.\d+)?\s?%)(?![\
 
 def figures(results: Path = RESULTS) -> dict[str, str]:
   """name -> the figure as the prose shows it, computed from the results under `results`."""
-  return dict(claims_figures.compute(str(Path(results).resolve())))
+  path = str(Path(results).resolve())
+  out = dict(claims_figures.compute(path))
+  out.update(docs_figures.compute(path))
+  out.update(gpu_figures.compute(path))
+  return out
+
+
+def hand_written() -> list[Path]:
+  """The hand-written pages: README.md, docs/**/*.md (but the generated pages), the GPU README."""
+  docs = [p for p in sorted(DOCS.rglob("*.md")) if p not in PAGES and "_build" not in p.parts]
+  return [README, *docs, GPU_README]
+
+
+def measured_figures(text: str, page: str = "") -> list[str]:
+  """Measured figures typed into a hand-written page instead of generated.
+
+  Counted: a number, range or slashed list with a unit of bytes, time, ratio or percent, a
+  decimal fraction, a test count. Not counted: generated blocks and inline figures, code,
+  link targets, versions, and the phrases `NOT_MEASURED` lists for `page` (a file name).
+
+  >>> measured_figures("2 bits: 1.2x less, 45-70 ms, 0.17 / 2.7 / 14 %, 12 MiB, 0.698, 9 tests")
+  ['1.2x', '45-70 ms', '0.17 / 2.7 / 14 %', '12 MiB', '0.698', '9 tests']
+  >>> measured_figures("jax 0.10.2, Python 3.11-3.13, 8x8 blocks, `40 * 2**30`, Apache-2.0")
+  []
+  >>> measured_figures("a peak of <!-- fig:x.y -->1.5 GiB<!-- /fig --> at 8 bits")
+  []
+  """
+  for pattern in _NOT_PROSE:
+    text = pattern.sub(" ", text)
+  for phrase in NOT_MEASURED.get(page, []):
+    text = text.replace(phrase, " ")
+  return _MEASURED.findall(_VERSION.sub(" ", text))
 
 
 def placeholders(text: str) -> list[str]:
@@ -113,17 +186,21 @@ def _rendered() -> dict[Path, str]:
   out = {README: readme[:start] + "\n" + render(TEMPLATE.read_text(), values) + "\n" + readme[end:]}
   for page, template in PAGES.items():
     out[page] = render(template.read_text(), values)
-  for page in sorted(DOCS.glob("*.md")):
-    if page not in PAGES and _BLOCK.search(page.read_text()):
-      out[page] = render_blocks(page.read_text(), values)
+  for page in hand_written():
+    text = out.get(page, page.read_text() if page.exists() else "")
+    if _BLOCK.search(text) or _INLINE.search(text):
+      out[page] = render_blocks(text, values)
   return out
 
 
 def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
-  """`text` with each generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`) filled.
+  """`text` with each generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`) and
+  each inline figure (`<!-- fig:NAME -->` ... `<!-- /fig -->`) filled.
 
   >>> render_blocks("a\\n<!-- claims:x -->\\nold\\n<!-- claims:end -->\\nb", {"x": "new"})
   'a\\n<!-- claims:x -->\\nnew\\n<!-- claims:end -->\\nb'
+  >>> render_blocks("peak <!-- fig:x -->old<!-- /fig -->", {"x": "1.5 GiB"})
+  'peak <!-- fig:x -->1.5 GiB<!-- /fig -->'
   """
   values = figures() if values is None else values
 
@@ -134,7 +211,10 @@ def render_blocks(text: str, values: dict[str, str] | None = None) -> str:
       indent + m.group(2) + "".join(indent + line + "\n" for line in body.split("\n")) + m.group(5)
     )
 
-  return _BLOCK.sub(fill, text)
+  text = _BLOCK.sub(fill, text)
+  return _INLINE.sub(
+    lambda m: m.group(1) + render("{{" + m.group(2) + "}}", values) + m.group(4), text
+  )
 
 
 def stale() -> list[str]:

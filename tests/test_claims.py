@@ -151,3 +151,51 @@ def test_a_generated_block_is_filled_from_the_data(tmp_path):
   assert claims.render_blocks(page, {"table.bench_memory": table}) == (
     f"x\n<!-- claims:table.bench_memory -->\n{table}\n<!-- claims:end -->\n"
   )
+
+
+@pytest.mark.parametrize("page", claims.hand_written(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_hand_written_pages_type_no_measured_figure(page):
+  """A measured figure on a hand-written page is generated (`<!-- fig:NAME -->`, a claims block)."""
+  typed = claims.measured_figures(page.read_text(), page.name)
+  assert not typed, (
+    f"{page.relative_to(ROOT)} types measured figures {typed}: quote each from the data "
+    "(`<!-- fig:NAME -->...<!-- /fig -->`, NAME computed in experiments/lib/docs_figures.py or "
+    "experiments/gpu/figures.py, then python -m experiments.claims) or write it in words"
+  )
+
+
+def test_measured_figures_finds_bytes_times_ratios_percents_decimals_and_test_counts():
+  text = "1.5 GiB, 21.8 ms, 3x, 4-6x, 2.3 %, 0.17 / 2.7 / 14 %, 0.698, 2740 tests, 1808 passed"
+  assert claims.measured_figures(text) == [
+    "1.5 GiB",
+    "21.8 ms",
+    "3x",
+    "4-6x",
+    "2.3 %",
+    "0.17 / 2.7 / 14 %",
+    "0.698",
+    "2740 tests",
+    "1808 passed",
+  ]
+  not_measured = (
+    "2 bits, 8x8 blocks, 224x224, 6 x 512, jax 0.10.2, flax 0.12.6-0.12.12, Python 3.11-3.13, "
+    "Apache-2.0, `budget_bytes=40 * 2**30`, [a](b-1.5x.md), <!-- fig:a.b -->1.5 GiB<!-- /fig -->"
+  )
+  assert claims.measured_figures(not_measured) == []
+  assert claims.measured_figures("```python\nx = 0.5  # 3 ms\n```\n") == []
+
+
+def test_an_inline_figure_typed_over_is_stale_and_a_bare_one_is_found(tmp_path, monkeypatch):
+  page = tmp_path / "docs" / "page.md"
+  page.parent.mkdir()
+  monkeypatch.setattr(claims, "ROOT", tmp_path)
+  monkeypatch.setattr(claims, "DOCS", page.parent)
+  monkeypatch.setattr(claims, "README", ROOT / "README.md")
+  monkeypatch.setattr(claims, "PAGES", {})
+  monkeypatch.setattr(claims, "GPU_README", claims.GPU_README)
+  value = claims.figures()["actnn.fp.accuracy"]
+  page.write_text(f"fp reaches <!-- fig:actnn.fp.accuracy -->{value}<!-- /fig -->.\n")
+  assert "docs/page.md" not in claims.stale()
+  page.write_text("fp reaches <!-- fig:actnn.fp.accuracy -->0.999<!-- /fig -->.\n")
+  assert "docs/page.md" in claims.stale()
+  assert claims.measured_figures("fp reaches 0.999 in 12 s") == ["0.999", "12 s"]

@@ -41,7 +41,10 @@ def test_readme_keeps_the_two_commands(command):
   assert f"```bash\n{command}\n```" in README.read_text()
 
 
-@pytest.mark.parametrize("page", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
   missing = [t for t in _relative_links(page) if not _target(page, t).exists()]
   assert not missing, f"{page.relative_to(ROOT)} links to missing {missing}"
@@ -89,3 +92,92 @@ def test_the_api_page_lists_every_public_name():
   for space in NAMESPACES:
     public |= {f"jact.{space}.{n}" for n in getattr(jact, space).__all__}
   assert listed == public, {"missing": sorted(public - listed), "extra": sorted(listed - public)}
+
+
+# The layout page's tree names folders and modules by their path under the package above them.
+_TREE_ENTRY = re.compile(r"^  (\S+?(?:/|\.py))(?=[\s,]|$)", re.M)
+_BACKTICKED_PATH = re.compile(r"`((?:jact|tests|experiments|notebooks|scripts|docs)/[\w/.]*)`")
+
+
+def _architecture_paths() -> list[str]:
+  """Every path docs/architecture.md names: backticked paths and the entries of its tree."""
+  text = (DOCS / "architecture.md").read_text()
+  paths = set(_BACKTICKED_PATH.findall(text))
+  tree = re.search(r"```\n(jact/.*?)```", text, re.S).group(1)
+  top = None
+  for line in tree.splitlines():
+    if re.match(r"^\S+/", line):
+      top = line.split()[0]
+      paths.add(top)
+    elif top == "jact/" and (entry := _TREE_ENTRY.match(line)):
+      paths.add(top + entry.group(1))
+  return sorted(paths)
+
+
+def _exists(path: str) -> bool:
+  """A path, a module written without `.py`, or a package's module (`jact/_engine/store`)."""
+  target = ROOT / path.rstrip("/")
+  return target.exists() or target.with_suffix(".py").exists()
+
+
+def test_every_path_the_layout_page_names_exists():
+  paths = _architecture_paths()
+  assert "jact/_engine/" in paths and "jact/_report.py" in paths  # the tree was read
+  missing = [p for p in paths if not _exists(p)]
+  assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_a_missing_layout_path_is_found():
+  assert _exists("jact/_engine/store") and _exists("jact/_engine/")
+  assert not _exists("jact/_engine/no_such_module")
+
+
+# A cited test: a file under tests/ (optionally `::name`), or a test's or test module's name.
+_TEST_PATH = re.compile(r"\b(tests/[\w/*]+\.py)(?:::(\w+))?")
+_TEST_NAME = re.compile(r"(?<![\w/.])(test_\w+)\b")
+PLACEHOLDERS = {"tests/test_x.py"}  # a name a page uses for "your test file"
+_TEST_ROOTS = [ROOT / "tests", ROOT / "experiments" / "tests"]
+
+
+def _test_sources() -> dict[Path, str]:
+  return {p: p.read_text() for r in _TEST_ROOTS if r.exists() for p in sorted(r.rglob("*.py"))}
+
+
+def _cited_tests_missing(text: str, sources: dict[Path, str]) -> list[str]:
+  missing = []
+  known = {p.stem for p in sources}  # test modules and test functions
+  for source in sources.values():
+    known |= set(re.findall(r"^\s*def (test_\w+)", source, re.M))
+  for path, name in _TEST_PATH.findall(text):
+    if path in PLACEHOLDERS:
+      continue
+    files = sorted(ROOT.glob(path))
+    if not files:
+      missing.append(path)
+    elif name and not any(re.search(rf"def {name}\b", f.read_text()) for f in files):
+      missing.append(f"{path}::{name}")
+  bare = _TEST_PATH.sub(" ", text)
+  for name in _TEST_NAME.findall(bare):
+    if name not in known and f"tests/{name}.py" not in PLACEHOLDERS:
+      missing.append(name)
+  return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_test_a_page_cites_exists(page):
+  missing = _cited_tests_missing(page.read_text(), _test_sources())
+  assert not missing, f"{page.relative_to(ROOT)} cites tests that do not exist: {missing}"
+
+
+def test_a_cited_test_that_does_not_exist_is_found():
+  sources = _test_sources()
+  assert (
+    _cited_tests_missing("`tests/test_docs.py::test_a_missing_link_target_is_found`", sources) == []
+  )
+  assert _cited_tests_missing("tests/test_edge_*.py, test_no_such_thing", sources) == [
+    "tests/test_edge_*.py",
+    "test_no_such_thing",
+  ]
+  assert _cited_tests_missing("tests/test_docs.py::test_gone", sources) == [
+    "tests/test_docs.py::test_gone"
+  ]
