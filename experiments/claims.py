@@ -86,7 +86,8 @@ _NOT_PROSE = [
 ]
 # Versions are not measurements: a dotted number after a package's name, or any x.y.z.
 _VERSION = re.compile(
-  r"(?i)\b(?:python|jax(?:lib)?|flax|triton|jax-triton|numpy|optax|cuda|apache)[\s-]*"
+  r"(?i)\b(?:c?python|jax(?:lib)?|flax|triton|jax-triton|numpy|optax|orbax-checkpoint|cuda|apache)"
+  r"[\s-]*"
   r"(?:[<>=]=?\s*)?\d+(?:\.\d+)+(?:\.x)?(?:\s*[-–]\s*\d+(?:\.\d+)+(?:\.x)?)?"
   r"|\b\d+\.\d+\.\d+\b"
 )
@@ -120,9 +121,9 @@ def figures(results: Path = RESULTS) -> dict[str, str]:
 
 
 def hand_written() -> list[Path]:
-  """The hand-written pages: README.md, docs/**/*.md (but the generated pages), the GPU README."""
+  """The hand-written pages: README.md, docs/**/*.md (but the generated pages), the GPU READMEs."""
   docs = [p for p in sorted(DOCS.rglob("*.md")) if p not in PAGES and "_build" not in p.parts]
-  return [README, *docs, GPU_README]
+  return [README, *docs, GPU_README, ROOT / "experiments" / "gpu" / "README.md"]
 
 
 def measured_figures(text: str, page: str = "") -> list[str]:
