@@ -28,8 +28,8 @@ from jact._planning.controller import Controller as Controller
 from jact._planning.controller import ControllerState as ControllerState
 from jact import nn as nn
 from jact import nnx as nnx
-from jact._flax.convert import convert as convert
-from jact._flax.convert import conversion_report as conversion_report
+from jact._convert import convert as convert
+from jact._convert import conversion_report as conversion_report
 from jact._planning.plan import BitPlan as BitPlan
 from jact._planning.plan import UnknownResidualWarning as UnknownResidualWarning
 from jact._planning.plan import planned as planned

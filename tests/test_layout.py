@@ -2,9 +2,9 @@
 
 Layers, lowest first (a module imports only from its own package or from lower layers):
 `_compat` -> `_core` -> `kernels` -> `compressors` -> `_engine` -> `ops` -> `_transforms` ->
-`_planning`, `_flax` -> `nn`, `nnx`, `_report` -> `_flax.convert` -> `jact/__init__`. Imports are
-read from the source with `ast`,
-including those inside functions, so a cycle hidden behind a lazy import is found too.
+`_planning`, `_flax` -> `nn`, `nnx`, `_report` -> `_convert` -> `jact/__init__`. Imports are read
+from the source with `ast`, including those inside functions, so a cycle hidden behind a lazy
+import is found too.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jact"
 
-# The first prefix that matches names the layer: `jact._flax.convert` (it maps Flax's layers
-# to the twins of `jact.nn` / `jact.nnx`) sits above them, the rest of `jact._flax` below.
+# The first prefix that matches names the layer. Every package is one layer: no exceptions.
 LAYERS = [
   ("jact._compat", -1),
   ("jact._core", 0),
@@ -28,7 +27,6 @@ LAYERS = [
   ("jact.ops", 4),
   ("jact._transforms", 5),
   ("jact._planning", 6),
-  ("jact._flax.convert", 8),
   ("jact._flax", 6),
   ("jact.nn", 7),
   ("jact.nnx", 7),
@@ -36,6 +34,7 @@ LAYERS = [
   ("jact._gpu_targets", 7),
   ("jact._gpu_target", 7.5),
   ("jact._step_time", 7.6),
+  ("jact._convert", 8),
   ("jact._compiled_memory", 8),
   ("jact._fit", 9),
   ("jact", 10),
@@ -58,16 +57,9 @@ PUBLIC = {
   "jact.rng",
 }
 
-# Imports inside functions, each with the reason it cannot sit at the top of its module.
-LAZY_ALLOWED = {
-  # the Pallas kernels are registered only when this jax has Pallas' Triton backend
-  ("jact.kernels", "jact.kernels._division.pallas_triton"),
-  ("jact.kernels", "jact.kernels._quantize.pallas_triton"),
-  ("jact.kernels", "jact.kernels._per_sample.pallas_triton"),
-  ("jact.kernels", "jact.kernels._relu_mask.pallas_triton"),
-  # the jax-triton kernel imports `triton`: only when it is first called
-  ("jact.kernels", "jact.kernels._quantize.jax_triton"),
-}
+# Imports inside functions, each with the reason it cannot sit at the top of its module; the
+# kernel registry's GPU backends are added from the tree (`_kernel_backends`).
+LAZY_ALLOWED: set[tuple[str, str]] = set()
 
 
 def _module_names() -> dict[str, pathlib.Path]:
@@ -121,6 +113,37 @@ def _layer(module: str) -> tuple[int, str]:
 
 MODULES = _module_names()
 EDGES = {name: _imports(name, path, MODULES) for name, path in MODULES.items()}
+
+
+def _kernel_backends() -> set[tuple[str, str]]:
+  """(importer, module) for each GPU backend of a kernel package: every module of
+  `jact/kernels/_<op>/` but its `reference` (the XLA oracle) and `api`. The registry
+  (`jact.kernels`) imports them inside functions: the Pallas kernels only when this jax has
+  Pallas' Triton backend, the jax-triton kernel (it imports `triton`) when first called."""
+  return {
+    ("jact.kernels", name)
+    for name in MODULES
+    if len(parts := name.split(".")) == 4
+    and parts[:2] == ["jact", "kernels"]
+    and parts[2].startswith("_")
+    and parts[3] not in ("reference", "api")
+  }
+
+
+LAZY_ALLOWED |= _kernel_backends()
+
+
+def test_each_layer_is_a_whole_package():
+  """No package has a sub-package in another layer (an exception would hide an upward arrow)."""
+  prefixes = [prefix for prefix, _ in LAYERS if prefix != "jact"]
+  nested = [(a, b) for a in prefixes for b in prefixes if b.startswith(a + ".")]
+  assert not nested
+
+
+def test_the_kernel_backends_are_found_in_the_tree():
+  assert ("jact.kernels", "jact.kernels._quantize.jax_triton") in LAZY_ALLOWED
+  assert ("jact.kernels", "jact.kernels._relu_mask.pallas_triton") in LAZY_ALLOWED
+  assert not any(target.endswith((".reference", ".api")) for _, target in LAZY_ALLOWED)
 
 
 def test_the_import_reader_sees_imports():
@@ -207,7 +230,7 @@ def test_public_modules_list_their_api(name):
 
 
 # Flax's packages: the public twins and the private machinery.
-FLAX_PACKAGES = ("jact._flax", "jact.nn", "jact.nnx", "jact._compat.flax")
+FLAX_PACKAGES = ("jact._flax", "jact.nn", "jact.nnx", "jact._convert", "jact._compat.flax")
 
 
 def test_compat_test_helpers_and_flax_accessors_are_imported_only_where_they_belong():

@@ -26,7 +26,7 @@ RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 """The `Row`s of the `conversion_report` being taken, or None outside one."""
 
-# convert, linen (jact._flax.convert.linen, .linen_engine)
+# convert, linen (jact._convert.linen, .linen_engine)
 LINEN_SETTINGS: contextvars.ContextVar[Any] = contextvars.ContextVar(
   "jact_convert_settings", default=None
 )
@@ -47,7 +47,7 @@ LINEN_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 """True inside a converted linen model's outermost call (the generic engine's model call)."""
 
-# convert, nnx (jact._flax.convert.nnx_engine)
+# convert, nnx (jact._convert.nnx_engine)
 NNX_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
   "jact_nnx_in_model", default=False
 )
@@ -55,7 +55,7 @@ NNX_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 NNX_MEASURE: contextvars.ContextVar[Any] = contextvars.ContextVar("jact_nnx_measure", default=None)
 """While an nnx `conversion_report` is taken: the function measuring a layer call's
-(plain, saved) bytes (`jact._flax.convert.nnx_bytes.measure`), else None."""
+(plain, saved) bytes (`jact._convert.nnx_bytes.measure`), else None."""
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from experiments.lib.data import batches, load_image_dataset
 from stats import assert_same_tree, tree_rel_err
 from jact import nnx as jnnx
 from jact.compressors import PerGroup
-from jact._flax.convert import ConversionWarning, convert
+from jact._convert import ConversionWarning, convert
 from jact._report import residual_report
 
 pytestmark = pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")

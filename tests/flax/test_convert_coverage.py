@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import jact
-from jact._flax.convert import ConversionWarning
+from jact._convert import ConversionWarning
 
 KEY = jax.random.key(1)
 # Everything runs compiled (eagerly, each op of a jact model compiles on its own),

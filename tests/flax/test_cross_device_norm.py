@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import jact
-from jact._flax.convert import ConversionWarning, convert
+from jact._convert import ConversionWarning, convert
 
 DEVICES, PER_DEVICE = 4, 2
 AXIS = "batch"

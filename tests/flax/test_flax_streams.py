@@ -32,7 +32,7 @@ from flax import nnx
 import jact
 from jact import nn as jnn
 from jact import nnx as jnnx
-from jact._flax.convert import ConversionWarning
+from jact._convert import ConversionWarning
 
 KEY = jax.random.key(7)
 

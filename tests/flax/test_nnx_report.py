@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jact
-from jact._flax.convert import ConversionWarning
+from jact._convert import ConversionWarning
 
 
 class LinenNet(nn.Module):

@@ -17,7 +17,7 @@ from jax import lax
 
 import jact
 from jact import nnx as jnnx
-from jact._flax.convert import convert
+from jact._convert import convert
 
 GROUP = 256
 

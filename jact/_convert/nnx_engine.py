@@ -25,8 +25,8 @@ from flax import nnx
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact._flax.context import NNX_IN_MODEL, NNX_MEASURE, bound
-from jact._flax.convert.settings import Settings
-from jact._flax.convert.generic import layout_recomputed, residual_config
+from jact._convert.settings import Settings
+from jact._convert.generic import layout_recomputed, residual_config
 from jact._flax.record import record
 from jact._flax.compressed import nnx_call
 

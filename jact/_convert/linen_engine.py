@@ -19,8 +19,8 @@ import flax.linen as nn
 
 from jact._compat import flax as _compat
 from jact._flax.context import LINEN_IN_MODEL, LINEN_OUTER_KEY, LINEN_PASS, bound
-from jact._flax.convert.settings import Settings
-from jact._flax.convert.generic import layout_recomputed, residual_config, saved_bytes, scan_key
+from jact._convert.settings import Settings
+from jact._convert.generic import layout_recomputed, residual_config, saved_bytes, scan_key
 from jact._flax.record import is_recording, record, recording
 from jact._flax.compressed_linen import lift_compressed
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jact import nnx as jnnx
 from jact._flax.context import NNX_MEASURE, bound
-from jact._flax.convert.generic import saved_bytes
+from jact._convert.generic import saved_bytes
 from jact._flax.record import record, recording
 
 

@@ -36,10 +36,10 @@ import flax.nnx  # `nnx` here would be this package's submodule
 from jact.compressors import Compressor
 from jact._engine.op import takes_compressor
 from jact._engine.rounding import op_rounding
-from jact._flax.convert.settings import ConversionWarning, Settings
-from jact._flax.convert.linen import convert_linen
-from jact._flax.convert.nnx import convert_nnx
-from jact._flax.convert.report import ConversionReport, conversion_report
+from jact._convert.settings import ConversionWarning, Settings
+from jact._convert.linen import convert_linen
+from jact._convert.nnx import convert_nnx
+from jact._convert.report import ConversionReport, conversion_report
 
 __all__ = ["convert", "conversion_report", "ConversionReport", "ConversionWarning"]
 

@@ -31,10 +31,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jact._flax.convert.settings import ConversionWarning
-from jact._flax.convert.nnx import plain_layers
-from jact._flax.convert.generic import saved_bytes
-from jact._flax.convert.nnx_bytes import measuring, noting_plain
+from jact._convert.settings import ConversionWarning
+from jact._convert.nnx import plain_layers
+from jact._convert.generic import saved_bytes
+from jact._convert.nnx_bytes import measuring, noting_plain
 from jact._flax.record import Row, recording
 
 __all__ = ["conversion_report", "ConversionReport"]

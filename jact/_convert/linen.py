@@ -1,4 +1,4 @@
-"""`convert` for flax.linen models: method interception (see `jact._flax.convert`)."""
+"""`convert` for flax.linen models: method interception (see `jact._convert`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact.compressors import Compressor
 from jact import nn as jnn
-from jact._flax.convert import linen_engine as _engine
-from jact._flax.convert.settings import Settings, unsupported
+from jact._convert import linen_engine as _engine
+from jact._convert.settings import Settings, unsupported
 from jact._flax.context import LINEN_IN_MODEL, LINEN_SETTINGS, bound
 from jact._flax.record import is_recording
 

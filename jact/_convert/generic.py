@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact import _compat as _jax_compat
-from jact._flax.convert.settings import Settings
+from jact._convert.settings import Settings
 from jact._transforms.compressed import ResidualConfig
 
 

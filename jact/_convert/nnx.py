@@ -1,4 +1,4 @@
-"""`convert` for flax.nnx models: module surgery (see `jact._flax.convert`)."""
+"""`convert` for flax.nnx models: module surgery (see `jact._convert`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from jax import lax
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact import nnx as jnnx
-from jact._flax.convert import nnx_engine as _engine
-from jact._flax.convert.settings import Settings, unsupported
+from jact._convert import nnx_engine as _engine
+from jact._convert.settings import Settings, unsupported
 from jact._flax.hooks import Hook
 
 
