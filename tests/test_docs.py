@@ -52,12 +52,15 @@ def test_relative_links_resolve(page):
 
 def test_every_docs_page_is_in_the_index_or_a_toctree():
   listed = set()
-  for page in DOCS.glob("*.md"):
+  for page in DOCS.rglob("*.md"):
+    folder = page.parent.relative_to(DOCS)
     for block in re.findall(r"```\{toctree\}\n(.*?)```", page.read_text(), re.S):
       listed |= {
-        line.strip() for line in block.splitlines() if line.strip() and not line.startswith(":")
+        (folder / line.strip()).as_posix()
+        for line in block.splitlines()
+        if line.strip() and not line.startswith(":")
       }
-  pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
+  pages = {p.relative_to(DOCS).with_suffix("").as_posix() for p in DOCS.rglob("*.md")} - {"index"}
   assert pages <= listed, sorted(pages - listed)
 
 
@@ -82,15 +85,17 @@ NAMESPACES = (
 )
 
 
-def test_the_api_page_lists_every_public_name():
-  """docs/api.md names each `__all__` entry of `jact` and its public namespaces, and nothing
-  else."""
+@pytest.mark.parametrize("space", ["", *NAMESPACES])
+def test_each_namespace_has_an_api_page_listing_its_public_names(space):
+  """docs/api/<namespace>.md names each `__all__` entry of its namespace, and nothing else."""
   import jact
 
-  listed = set(re.findall(r"^   (jact\.[\w.]+)$", (DOCS / "api.md").read_text(), re.M))
-  public = {f"jact.{n}" for n in jact.__all__ if n not in NAMESPACES}
-  for space in NAMESPACES:
-    public |= {f"jact.{space}.{n}" for n in getattr(jact, space).__all__}
+  module = getattr(jact, space) if space else jact
+  name = f"jact.{space}" if space else "jact"
+  page = DOCS / "api" / f"{name}.md"
+  assert f"api/{name}" in (DOCS / "api.md").read_text(), f"docs/api.md does not list {name}"
+  listed = set(re.findall(r"^   (jact\.[\w.]+)$", page.read_text(), re.M))
+  public = {f"{name}.{n}" for n in module.__all__ if not (module is jact and n in NAMESPACES)}
   assert listed == public, {"missing": sorted(public - listed), "extra": sorted(listed - public)}
 
 
@@ -181,3 +186,15 @@ def test_a_cited_test_that_does_not_exist_is_found():
   assert _cited_tests_missing("tests/test_docs.py::test_gone", sources) == [
     "tests/test_docs.py::test_gone"
   ]
+
+
+def test_the_getting_started_example_runs():
+  """The page's example converts an ordinary Flax model and differentiates it."""
+  code = re.findall(r"```python\n(.*?)```", (DOCS / "getting_started.md").read_text(), re.S)
+  assert len(code) == 1
+  scope = {}
+  exec(compile(code[0], "docs/getting_started.md", "exec"), scope)
+  grads, params = scope["grads"], scope["params"]
+  assert {k: v.shape for k, v in grads["Dense_0"].items()} == {
+    k: v.shape for k, v in params["Dense_0"].items()
+  }
