@@ -102,6 +102,9 @@ def _ordering(gpu: Path, out: dict) -> None:
       rows, "8 pre-LN transformer blocks, batch (16, 256, 256)"
     )
     shipped, ties = (next(r for r in rows[1:] if r["mode"] == m) for m in ("shipped", "ties"))
+    for key, r in (("plain", rows[0]), ("shipped", shipped), ("ties", ties)):
+      out[f"gpu.{SESSION_ORDERING}.{key}.temp"] = _mb(r["temp_bytes"])
+      out[f"gpu.{SESSION_ORDERING}.{key}.step"] = f"{r['ms']:.2f} ms"
     out[f"gpu.{SESSION_ORDERING}.ties_time"] = _pct(ties["ms"] / shipped["ms"])
 
 
