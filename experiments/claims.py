@@ -94,14 +94,19 @@ _VERSION = re.compile(
 _NUMBER = r"\d+(?:\.\d+)?"
 _UNIT = r"(?:\s?(?:[KMGT]i?B(?:/s)?|kB|B/s|[nµm]?s|CPU-s|min(?:utes?)?|hours?|%)|x|×)"
 # A measured figure: a number (or range, or slashed list of numbers) with a unit of bytes, time,
-# ratio or percent; a decimal fraction; a test count.
+# ratio or percent; a decimal fraction or a number in e-notation; a test count.
 _MEASURED = re.compile(
   rf"(?<![\w.\-/])(?:{_NUMBER}(?:\s?[-–/]\s?{_NUMBER})*{_UNIT}(?![\w/])"
+  r"|\d+(?:\.\d+)?e[-+]?\d+(?![\w.])"
   r"|\d+\.\d+(?![\w.])"
   r"|\d+ (?:tests|passed)\b)"
 )
-# Typed on purpose, not measured (page -> phrases): datasheet figures, sizes a script is run at.
+# Section numbers of a paper are not measurements.
+_SECTION = re.compile(r"(?:Sec\.|§|Table|Eq\.|Fig\.|Section|Appendix)\s*\d+(?:\.\d+)*")
+# Typed on purpose, not measured (page -> phrases; "" for every page): constants, datasheet
+# figures, sizes a script is run at.
 NOT_MEASURED = {
+  "": ["3.39e38", "3.4e38", "1e-30"],  # the largest bfloat16 and float32, a floor of a step
   "frontier.md": ["80 GB at 3.35 TB/s", "141 GB at 4.8 TB/s"],
   "kernels.md": ["1 MB to 1 GB"],
 }
@@ -130,11 +135,13 @@ def measured_figures(text: str, page: str = "") -> list[str]:
   """Measured figures typed into a hand-written page instead of generated.
 
   Counted: a number, range or slashed list with a unit of bytes, time, ratio or percent, a
-  decimal fraction, a test count. Not counted: generated blocks and inline figures, code,
+  decimal fraction, a number in e-notation, a test count. Not counted: generated blocks and inline figures, code,
   link targets, versions, and the phrases `NOT_MEASURED` lists for `page` (a file name).
 
   >>> measured_figures("2 bits: 1.2x less, 45-70 ms, 0.17 / 2.7 / 14 %, 12 MiB, 0.698, 9 tests")
   ['1.2x', '45-70 ms', '0.17 / 2.7 / 14 %', '12 MiB', '0.698', '9 tests']
+  >>> measured_figures("variance 6.8e-5 vs 7.2e-4")
+  ['6.8e-5', '7.2e-4']
   >>> measured_figures("jax 0.10.2, Python 3.11-3.13, 8x8 blocks, `40 * 2**30`, Apache-2.0")
   []
   >>> measured_figures("a peak of <!-- fig:x.y -->1.5 GiB<!-- /fig --> at 8 bits")
@@ -142,9 +149,9 @@ def measured_figures(text: str, page: str = "") -> list[str]:
   """
   for pattern in _NOT_PROSE:
     text = pattern.sub(" ", text)
-  for phrase in NOT_MEASURED.get(page, []):
+  for phrase in NOT_MEASURED[""] + NOT_MEASURED.get(page, []):
     text = text.replace(phrase, " ")
-  return _MEASURED.findall(_VERSION.sub(" ", text))
+  return _MEASURED.findall(_SECTION.sub(" ", _VERSION.sub(" ", text)))
 
 
 def placeholders(text: str) -> list[str]:
