@@ -135,8 +135,9 @@ def measured_figures(text: str, page: str = "") -> list[str]:
   """Measured figures typed into a hand-written page instead of generated.
 
   Counted: a number, range or slashed list with a unit of bytes, time, ratio or percent, a
-  decimal fraction, a number in e-notation, a test count. Not counted: generated blocks and inline figures, code,
-  link targets, versions, and the phrases `NOT_MEASURED` lists for `page` (a file name).
+  decimal fraction, a number in e-notation, a test count. Not counted: generated blocks and
+  inline figures, code, link targets, versions, a paper's section numbers, and the phrases
+  `NOT_MEASURED` lists for every page ("") and for `page` (a file name).
 
   >>> measured_figures("2 bits: 1.2x less, 45-70 ms, 0.17 / 2.7 / 14 %, 12 MiB, 0.698, 9 tests")
   ['1.2x', '45-70 ms', '0.17 / 2.7 / 14 %', '12 MiB', '0.698', '9 tests']

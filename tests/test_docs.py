@@ -138,7 +138,7 @@ def test_a_missing_layout_path_is_found():
 
 
 # A cited test: a file under tests/ (optionally `::name`), or a test's or test module's name.
-_TEST_PATH = re.compile(r"\b(tests/[\w/*]+\.py)(?:::(\w+))?")
+_TEST_PATH = re.compile(r"(?<![\w/])((?:experiments/)?tests/[\w/*]+\.py)(?:::(\w+))?")
 _TEST_NAME = re.compile(r"(?<![\w/.])(test_\w+)\b")
 PLACEHOLDERS = {"tests/test_x.py"}  # a name a page uses for "your test file"
 _TEST_ROOTS = [ROOT / "tests", ROOT / "experiments" / "tests"]
