@@ -1,12 +1,9 @@
-import contextlib
 import importlib.metadata
 import os
 import subprocess
 import sys
 
 import pytest
-
-from experiments.lib.data import DataKitMissing
 
 # XLA:CPU's experimental YNN fusion in jaxlib 0.10.2 miscompiles a row
 # reduction whose operand is broadcast along a leading batch axis -- exactly
@@ -62,6 +59,11 @@ def pytest_configure(config):
   add_xla_flag(YNN_FLAG, config)
 
 
+SUITES = ("tests", "experiments/tests")
+"""Where this suite's shared fixtures are defined (experiments/tests/conftest.py registers
+this file when the experiments' tests run alone)."""
+
+
 def shared_fixture(item) -> str | None:
   """The first module- or session-scoped fixture of this test suite that `item`
   uses (as "its/defining/file.py::name"), or None."""
@@ -73,7 +75,7 @@ def shared_fixture(item) -> str | None:
     if not definitions:
       continue
     definition = definitions[-1]
-    if definition.scope in ("module", "session") and definition.baseid.startswith("tests"):
+    if definition.scope in ("module", "session") and definition.baseid.startswith(SUITES):
       return f"{definition.baseid}::{name}"
   return None
 
@@ -97,34 +99,8 @@ def pytest_collection_modifyitems(config, items):
     ):
       item.add_marker(pytest.mark.slow)
     group = shared_fixture(item)
-    if group is not None:
+    if group is not None and item.get_closest_marker("xdist_group") is None:
       item.add_marker(pytest.mark.xdist_group(group))
-
-
-@contextlib.contextmanager
-def skip_without_data_kit(who: str = "this test"):
-  """A test that reads a file of the offline data kit is skipped, naming the fix,
-  on a checkout with no data folder at all (`DataKitMissing`); a file missing
-  from a data folder that exists still fails the test. Tests that only need
-  images use scikit-learn's bundled digits and run everywhere."""
-  try:
-    yield
-  except DataKitMissing as err:
-    pytest.skip(
-      f"{who} needs {err.relative!r} from the data kit: set JACT_DATA=/path/to/data (the data kit)"
-    )
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
-  with skip_without_data_kit(item.nodeid.split("::")[0]):  # fixtures that load kit data
-    return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-  with skip_without_data_kit(item.nodeid.split("::")[0]):
-    return (yield)
 
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,6 +1,7 @@
 """Shared checks for the Pallas kernel tests."""
 
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,30 @@ def assert_lowers_for_cuda(fn, reference, *args, kernels):
   structure, shapes and dtypes of `reference` (the XLA twin) at `args`."""
   names = cuda_kernels(fn, reference, *args)
   assert names == list(kernels), names
+
+
+_REG = r"(%[a-z]+\d+)"
+
+
+def ptx_facts(ptx: str) -> dict:
+  """Global access widths, fused (or fusable) multiply-adds and approximate divisions of PTX.
+
+  >>> ptx = ("mul.f32 %f3, %f1, %f2;\\nadd.f32 %f4, %f3, %f1;\\n"
+  ...        "mul.rn.f32 %f5, %f1, %f2;\\nadd.rn.f32 %f6, %f5, %f1;\\nfma.rn.f32 %f7, %f1, %f2, %f6;")
+  >>> ptx_facts(ptx)["fused_multiply_adds"]
+  2
+  """  # noqa: E501 (the example's PTX)
+  loads = Counter(re.findall(r"\bld\.global[\w.]*", ptx))
+  stores = Counter(re.findall(r"\bst\.global[\w.]*", ptx))
+  products = set(re.findall(rf"\bmul(?:\.ftz)?\.f32\s+{_REG}", ptx))  # unrounded multiplies
+  pairs = 0
+  for _, a, b in re.findall(rf"\b(?:add|sub)(?:\.ftz)?\.f32\s+{_REG},\s*{_REG},\s*{_REG}", ptx):
+    pairs += a in products or b in products
+  pairs += len(re.findall(r"\bfma\.[\w.]*f32", ptx))
+  approximate = len(re.findall(r"\bdiv\.(?:approx|full)[\w.]*f32", ptx))
+  return {
+    "loads": dict(loads),
+    "stores": dict(stores),
+    "fused_multiply_adds": pairs,
+    "approximate_divisions": approximate,
+  }

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench.compile_time import count_eqns
 from jact._core import rng
 from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 
@@ -19,6 +18,19 @@ from jact.kernels._quantize.reference import dequantize_reference, quantize_refe
 # quantizer lost its nested `where` / `clip` calls and per-axis index iotas;
 # a model holds one per residual. Cutting it back is compile-time work.
 MAX_QUANTIZE_EQNS = 210
+
+
+def count_eqns(jaxpr) -> int:
+  """Equations of a jaxpr, those of nested jaxprs (jit, custom_vjp, scan...) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(inner, "eqns"):
+          n += count_eqns(inner)
+  return n
 
 
 @pytest.mark.slow

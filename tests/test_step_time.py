@@ -244,18 +244,3 @@ def test_cudnn_fused_attention_is_counted_by_its_flops():
   expected = 4.0 * b * t * h * d * t * (1 + 2.5) / 2
   assert step.by_kind["attention"] > 0
   assert step.flops == pytest.approx(expected, rel=0.05)
-
-
-@needs_plugin
-@pytest.mark.slow
-def test_time_model_small_runs_and_writes_its_json(tmp_path):
-  import json
-
-  from experiments.bench import time_model
-
-  path = tmp_path / "tm.json"
-  assert time_model.main(["--small", "--json", str(path)]) == 0
-  out = json.loads(path.read_text())
-  assert out["meta"]["target"] == "h200"
-  assert {r["program"] for r in out["rows"]} >= {"resnet50/plain", "lm/plain"}
-  assert all(r["predicted_ms"] > 0 for r in out["rows"])

@@ -1,5 +1,6 @@
 """A whole model in one `jact.compressed` call cuts compiled memory like
-per-block wrapping does (compile-only: XLA's temp memory of the gradient).
+per-block wrapping does (compile-only: XLA's temp memory of the gradient; the
+CNN stack measured by the bench: experiments/tests/test_bench_whole_model.py).
 
 Residuals are compressed as soon as the forward pass is done with them and
 rebuilt just before their first use in the backward pass; compressed only
@@ -7,38 +8,20 @@ after the whole forward pass (and rebuilt all at its start) they would all
 be alive at full precision at once and the peak would not move.
 """
 
-import pytest
-
-from experiments.bench.bench_whole_model import measure
-
-pytestmark = pytest.mark.slow  # three compilations of an 8-block stack's gradient (~15 s)
-
-
-@pytest.fixture(scope="module")
-def cnn_temp():
-  return {row["mode"]: row["temp_bytes"] for row in measure("relu_cnn", bits=2)}
-
-
-def test_whole_model_wrap_cuts_a_cnn_stack_3x_below_plain(cnn_temp):
-  assert cnn_temp["whole"] * 3 <= cnn_temp["plain"], cnn_temp
-
-
-def test_whole_model_wrap_within_1_3x_of_per_block_wrap_on_a_cnn_stack(cnn_temp):
-  assert cnn_temp["whole"] <= 1.3 * cnn_temp["per_block"], cnn_temp
-
-
-# ----------------------------------------------------------------------------- scanned models
 # Residuals a lax.scan produces per iteration are stored inside the loop and
 # rebuilt inside the backward loop (jact/_transforms/_scan.py): without that,
 # whole-model compressed left the stacks at full precision (temp ~1.0x plain).
 
-import functools  # noqa: E402
+import functools
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
 
-import jact  # noqa: E402
+import jact
+
+pytestmark = pytest.mark.slow  # compiles scanned models' gradients
 
 B, T, D, H = 16, 64, 64, 128
 

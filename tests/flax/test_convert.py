@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from digits import batches, load_digits
 from flax import nnx
+from stats import assert_same_tree, tree_rel_err
 
 import jact
-from experiments.lib.data import batches, load_image_dataset
-from stats import assert_same_tree, tree_rel_err
 from jact import nnx as jnnx
-from jact.compressors import PerGroup
 from jact._convert import ConversionWarning, convert
 from jact._report import residual_report
+from jact.compressors import PerGroup
 
 pytestmark = pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
 
@@ -746,7 +746,7 @@ def test_nnx_unsupported_layers_stay_plain():
 
 @pytest.mark.slow
 def test_linen_training_on_digits_lowers_the_loss():
-  x_train, y_train, _, _ = load_image_dataset("digits")  # real 8x8 digits, from the data kit
+  x_train, y_train, _, _ = load_digits()  # real 8x8 digits
   model = convert(CNN(), bits=4)
   variables = _jit(CNN().init)(KEY, x_train[:2])
   params, batch_stats = variables["params"], variables["batch_stats"]

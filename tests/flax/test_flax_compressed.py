@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from digits import batches, load_digits
 from flax import nnx
+from stats import assert_same_tree, tree_rel_err
 
 import jact
-from experiments.lib.data import batches, load_image_dataset
 from jact._flax import compressed as flax_compressed
 from jact._transforms.compressed import ResidualConfig
-from stats import assert_same_tree, tree_rel_err
 
 # Relative L2 error of each 8-bit gradient leaf against the plain module's
 # (leaves whose exact gradient is ~0, such as a bias before BatchNorm, are
@@ -437,9 +437,7 @@ def test_is_flax():
 
 @pytest.fixture(scope="module")
 def digits():
-  x_train, y_train, _, _ = load_image_dataset(
-    "digits"
-  )  # real 8x8 handwritten digits, from the data kit
+  x_train, y_train, _, _ = load_digits()  # real 8x8 handwritten digits
   return x_train.reshape(len(x_train), -1), y_train
 
 

@@ -43,7 +43,14 @@ from jact.kernels._quantize.reference import quantize_reference, quantize_rows_r
 from jact.kernels import REGISTRY
 from jact.kernels import _jax_triton
 from jact.kernels import _triton as T
-from kernel_checks import Poisoned, PoisonedTriton, assert_same_tree, bits_of, cuda_kernels
+from kernel_checks import (
+  Poisoned,
+  PoisonedTriton,
+  assert_same_tree,
+  bits_of,
+  cuda_kernels,
+  ptx_facts,
+)
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 REFERENCE = "xla"
@@ -539,8 +546,6 @@ def _lowers_jax_triton_kernel(op, case):
   cannot load jax-triton, whose lowering builds a CUDA jaxlib object): PTX with
   no fused multiply-add and no approximate division, which would break
   bit-exactness on the device."""
-  from experiments.bench.compile_kernels import ptx_facts
-
   compile_for_cuda = _jax_triton_ptx().get(op)
   if compile_for_cuda is None:
     pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to _jax_triton_ptx", pytrace=False)

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from digits import load_digits
 from scipy.stats import spearmanr
 
 import jact
-from experiments.lib.data import load_image_dataset
 
 NAMES = ("bn1.xhat", "conv1.lhs", "conv2.lhs", "fc1.lhs", "fc2.lhs")
 
@@ -43,7 +43,7 @@ def loss(p, batch, key):
 
 @pytest.fixture(scope="module")
 def setup():
-  x, y, _, _ = load_image_dataset("digits")
+  x, y, _, _ = load_digits()
   return _params(jax.random.key(0)), (jnp.asarray(x[:64]), jnp.asarray(y[:64]))
 
 

@@ -5,7 +5,7 @@ import gzip
 import numpy as np
 import pytest
 
-from conftest import skip_without_data_kit
+from experiments.tests.conftest import skip_without_data_kit
 from experiments.lib import data
 
 

@@ -15,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 EXPERIMENT_NOTEBOOKS = sorted(p.name for p in NOTEBOOKS.glob("0[2-9]_*.ipynb"))
 
 
