@@ -5,12 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Callable
-
 import flax.linen as nn
 
 from jact._compat import flax as _compat
-from jact._flax import hooks as _hooks
+from jact._flax.conversion import rounds, table as conversion_table
 from jact.compressors import Compressor
 from jact import nn as jnn
 from jact._convert import linen_engine as _engine
@@ -118,104 +116,8 @@ def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class _LinenRule:
-  """How one Flax layer type is converted.
-
-  twin: the jact twin class; drop: the layer's hook fields the twin replaces;
-  check(module, call arguments) -> reason it cannot be converted, or None.
-  (Without a 'jact' stream the twin itself runs the plain layer, which raises
-  only if differentiated.)
-  """
-
-  twin: type
-  drop: tuple[str, ...] = ()
-  check: Callable[..., str | None] = lambda m, a: None
-
-
-def _custom(module, *fields: str) -> str | None:
-  for f in fields:
-    if getattr(module, f) is not None:
-      return f"a custom {f!r} (the twin installs its own)"
-  return None
-
-
-def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | None:
-  if a.get("mask") is not None:
-    return "mask= is not supported"
-  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
-    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
-  if not module.force_float32_reductions:
-    return "force_float32_reductions=False is not supported"
-  if axes:
-    ndim = getattr(a.get("x"), "ndim", 0)
-    if not (
-      ndim
-      and _hooks.last_axis_only(module.reduction_axes, ndim)
-      and _hooks.last_axis_only(module.feature_axes, ndim)
-    ):
-      return "only normalization over the last axis is supported"
-  return None
-
-
-def _batch_norm_training(module, a) -> bool:
-  call = a.get("use_running_average")
-  use_ra = module.use_running_average if call is None else call
-  return use_ra is not None and not use_ra  # None: the twin raises Flax's own error
-
-
-def _batch_norm_check(module, a) -> str | None:
-  if not _batch_norm_training(module, a):
-    return None  # the twin runs Flax's inference path
-  axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
-  if len(axes) != 1:
-    return "only a single feature axis is supported"
-  return _norm_check(module, a, axes=False, cross_device=True)
-
-
-def _attention_check(module, a) -> str | None:
-  if module.attention_fn is not nn.dot_product_attention:
-    return "a custom 'attention_fn'"
-  reason = _custom(
-    module,
-    "qkv_dot_general",
-    "out_dot_general",
-    "qkv_dot_general_cls",
-    "out_dot_general_cls",
-    "qk_attn_weights_einsum_cls",
-    "attn_weights_value_einsum_cls",
-  )
-  if reason is not None:
-    return reason
-  if a.get("sow_weights"):
-    return "sow_weights=True (jact attention does not return the weights)"
-  return None
-
-
-_ATTENTION = _LinenRule(
-  jnn.MultiHeadDotProductAttention,
-  ("attention_fn", "qkv_dot_general", "out_dot_general"),
-  _attention_check,
-)
-
-_LINEN_RULES: dict[type, _LinenRule] = {
-  nn.Dense: _LinenRule(
-    jnn.Dense, ("dot_general",), lambda m, a: _custom(m, "dot_general", "dot_general_cls")
-  ),
-  nn.Conv: _LinenRule(
-    jnn.Conv,
-    ("conv_general_dilated",),
-    lambda m, a: _custom(m, "conv_general_dilated", "conv_general_dilated_cls"),
-  ),
-  nn.BatchNorm: _LinenRule(jnn.BatchNorm, check=_batch_norm_check),
-  nn.LayerNorm: _LinenRule(jnn.LayerNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
-  nn.RMSNorm: _LinenRule(jnn.RMSNorm, check=lambda m, a: _norm_check(m, a, axes=True)),
-  nn.Embed: _LinenRule(jnn.Embed),
-  nn.Dropout: _LinenRule(jnn.Dropout),
-  nn.MultiHeadDotProductAttention: _ATTENTION,
-  nn.MultiHeadAttention: _ATTENTION,
-  nn.SelfAttention: dataclasses.replace(_ATTENTION, twin=jnn.SelfAttention),
-}
+# Flax class -> twin, as the twins of `jact.nn` declare it (`conversion`)
+_LINEN_TWINS: dict[type, type] = conversion_table(jnn)
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -321,7 +223,7 @@ def _no_twin(cls: type) -> str:
   """Why a layer with parameters of its own gets no twin: a subclass of a
   supported layer (twins replace exact types only: a subclass may change what
   the layer computes, e.g. a weight-standardized `StdConv(nn.Conv)`), or none."""
-  parent = next((b for b in cls.__mro__[1:] if b in _LINEN_RULES or b in _engine.GENERIC), None)
+  parent = next((b for b in cls.__mro__[1:] if b in _LINEN_TWINS or b in _engine.GENERIC), None)
   if parent is None:
     return "no twin"
   return (
@@ -342,12 +244,6 @@ def _generic(next_fun, args, kwargs, module, settings: Settings, base: type, how
   return converted(module, *args, **kwargs)
 
 
-def _draws_key(module, base: type, arguments: dict) -> bool:
-  if base in (nn.Embed, nn.Dropout):
-    return False
-  return base is not nn.BatchNorm or _batch_norm_training(module, arguments)
-
-
 def _intercept(next_fun, args, kwargs, context):
   settings = LINEN_SETTINGS.get()
   module = context.module
@@ -355,28 +251,32 @@ def _intercept(next_fun, args, kwargs, context):
     return next_fun(*args, **kwargs)
   # a converted bare layer (convert(nn.Dense(3))) is looked up by its base class
   base = type(module).__dict__.get("_jact_base", type(module))
-  rule = _LINEN_RULES.get(base)
-  if context.method_name != "__call__" or (rule is None and base not in _engine.GENERIC):
+  twin_cls = _LINEN_TWINS.get(base)
+  if context.method_name != "__call__" or (twin_cls is None and base not in _engine.GENERIC):
     return _outside_call(next_fun, args, kwargs, context, settings, base)
   arguments = _call_arguments(module, args, kwargs)
   if arguments is None:  # let Flax report the bad call
     return next_fun(*args, **kwargs)
-  if rule is None:
+  if twin_cls is None:
     return _generic(next_fun, args, kwargs, module, settings, base, "engine")
-  reason = rule.check(module, arguments)
+  conversion, rounding = twin_cls.conversion, rounds(twin_cls)
+  reason = conversion.check(module, arguments)
   if reason is not None:
     unsupported(settings, _where(module), reason)
     _engine.note(module, "plain", reason, base.__call__, None, args, kwargs, descendants=True)
     return next_fun(*args, **kwargs)
-  if _engine.hides_stream(module, settings) and _draws_key(module, base, arguments):
+  draws_key = rounding and conversion.draws_key(module, arguments)
+  if draws_key and _engine.hides_stream(module, settings):
     # inside nn.scan / nn.RNN without the 'jact' stream: the twin could draw no key
     return _generic(next_fun, args, kwargs, module, settings, base, "engine (in scan)")
   fields = {
     f.name: getattr(module, f.name)
     for f in dataclasses.fields(module)
-    if f.init and f.name not in ("parent", "name", *rule.drop) and not f.name.startswith("jact_")
+    if f.init
+    and f.name not in ("parent", "name", *conversion.drop)
+    and not f.name.startswith("jact_")
   }
-  if "bits" in {f.name for f in dataclasses.fields(rule.twin)}:
+  if rounding:
     fields.update(settings.rounding)
 
   def twin_call(layer, *a, **k):
@@ -385,7 +285,7 @@ def _intercept(next_fun, args, kwargs, context):
     # names the layer's own setup() reserved (Embed's table) can be reused. The
     # twin's own calls (and those of the Flax code it reuses through super())
     # pass through this interceptor.
-    twin = _compat.bind_to_scope(layer, rule.twin, **fields)
+    twin = _compat.bind_to_scope(layer, twin_cls, **fields)
     # With `capture_intermediates`, the intercepted layer records its output
     # itself: keep the twin (not its sublayers) from recording it again.
     with _compat.suppress_capture(twin):

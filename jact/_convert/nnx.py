@@ -2,103 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from flax import nnx
-from jax import lax
 
 from jact._compat import flax as _compat
-from jact._flax import hooks as _hooks
+from jact._flax.conversion import rounds, table as conversion_table
 from jact import nnx as jnnx
 from jact._convert import nnx_engine as _engine
 from jact._convert.settings import Settings, unsupported
-from jact._flax.hooks import Hook
 
 
-def _nnx_norm_check(module, *, axes: bool = True, cross_device: bool = False) -> str | None:
-  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
-    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
-  if axes and not (module.reduction_axes in (-1, (-1,)) and module.feature_axes in (-1, (-1,))):
-    return "only reduction_axes=-1 and feature_axes=-1 are supported"
-  return None
+# Flax class -> twin, as the twins of `jact.nnx` declare it (`conversion`)
+_NNX_TWINS: dict[type, type] = conversion_table(jnnx)
 
 
-def _nnx_attention_check(module) -> str | None:
-  if module.attention_fn is not nnx.dot_product_attention:
-    return "a custom 'attention_fn'"
-  for f in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls"):
-    if getattr(module, f, None) is not None:
-      return f"a custom {f!r} (the twin installs its own)"
-  for sub in ("query", "key", "value", "out"):
-    layer = getattr(module, sub)
-    if layer.dot_general is not None or layer.dot_general_cls is not None:
-      return f"a custom dot_general in {sub!r}"
-  return None
-
-
-def _nnx_attention_patch(module) -> None:
-  module.attention_fn = _hooks.attention_slot
-  module.qkv_dot_general, module.out_dot_general = Hook("qkv"), Hook("out")
-  for sub in ("query", "key", "value"):
-    getattr(module, sub).dot_general = Hook("qkv")
-  module.out.dot_general = Hook("out")
-
-
-def _set(name: str, value) -> Callable[[Any], None]:
-  return lambda module: setattr(module, name, value)
-
-
-# type -> (twin, check(module) -> reason or None, patch(module) after the copy,
-#          whether it rounds stochastically)
-_NNX_RULES: dict[type, tuple[type, Callable, Callable, bool]] = {
-  nnx.Linear: (
-    jnnx.Linear,
-    lambda m: (
-      None
-      if m.dot_general is lax.dot_general
-      else "a custom 'dot_general' (the twin installs its own)"
-    ),
-    _set("dot_general", Hook("dot_general")),
-    True,
-  ),
-  nnx.Conv: (
-    jnnx.Conv,
-    lambda m: (
-      None
-      if m.conv_general_dilated is lax.conv_general_dilated
-      else "a custom 'conv_general_dilated' (the twin installs its own)"
-    ),
-    _set("conv_general_dilated", Hook("conv_general_dilated")),
-    True,
-  ),
-  nnx.BatchNorm: (
-    jnnx.BatchNorm,
-    lambda m: (
-      _nnx_norm_check(m, axes=False, cross_device=True)
-      if isinstance(m.axis, int)
-      else "only a single feature axis is supported"
-    ),
-    lambda m: None,
-    True,
-  ),
-  nnx.LayerNorm: (jnnx.LayerNorm, _nnx_norm_check, lambda m: None, True),
-  nnx.RMSNorm: (jnnx.RMSNorm, _nnx_norm_check, lambda m: None, True),
-  nnx.Embed: (jnnx.Embed, lambda m: None, lambda m: None, False),
-  nnx.Dropout: (jnnx.Dropout, lambda m: None, lambda m: None, False),
-  nnx.MultiHeadAttention: (
-    jnnx.MultiHeadAttention,
-    _nnx_attention_check,
-    _nnx_attention_patch,
-    True,
-  ),
-}
-
-
-def _nnx_twin(plain, twin_cls: type, patch: Callable, rngs, settings: Settings | None, name: str):
+def _nnx_twin(plain, twin_cls: type, rngs, settings: Settings, name: str):
   """A `twin_cls` instance holding `plain`'s attributes (its very Variable objects)."""
   twin = _compat.nnx_twin_of(plain, twin_cls)
-  patch(twin)
-  if settings is None:  # Embed, Dropout: no rounding
+  twin_cls.conversion.patch(twin)
+  if not rounds(twin_cls):  # Embed, Dropout: no rounding
     twin._init_jact(None, None, name)
   else:  # without rngs: no stream (keys from jact.nnx.use_key only)
     twin._init_jact(rngs, name=name, **settings.rounding)
@@ -153,14 +76,7 @@ def _swap_in(node, twins: dict[int, Any]) -> None:
 
 
 # twins that round (their settings are convert's); Embed and Dropout have none
-_ROUNDING_TWINS = (
-  jnnx.Linear,
-  jnnx.Conv,
-  jnnx.BatchNorm,
-  jnnx.LayerNorm,
-  jnnx.RMSNorm,
-  jnnx.MultiHeadAttention,
-)
+_ROUNDING_TWINS = tuple(twin for twin in _NNX_TWINS.values() if rounds(twin))
 
 
 # every layer class of jact.nnx (twins, activation and pooling layers, BLPABlock)
@@ -194,18 +110,17 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
   # Plan first (validation, clear errors), mutate after: no half-converted model.
   plan = []
   # layers with no twin: the generic engine
-  generic = _engine.generic_layers(model, (*_NNX_RULES, *_ROUNDING_TWINS))
+  generic = _engine.generic_layers(model, (*_NNX_TWINS, *_ROUNDING_TWINS))
   for path, module in list(nnx.iter_modules(model)):
-    rule = _NNX_RULES.get(type(module))
-    if rule is None or _engine.inside(path, generic):
+    twin_cls = _NNX_TWINS.get(type(module))
+    if twin_cls is None or _engine.inside(path, generic):
       continue
-    twin_cls, check, patch, rounds = rule
     name = "/".join(str(p) for p in path) or type(module).__name__
-    reason = check(module)
+    reason = twin_cls.conversion.check(module)
     if reason is not None:
       unsupported(settings, f"{name} (nnx.{type(module).__name__})", reason)
       continue
-    plan.append((module, twin_cls, patch, rounds, name))
+    plan.append((module, twin_cls, name))
   if rngs is not None and not isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
     raise TypeError(f"rngs must be an nnx.Rngs or nnx.RngStream, got {type(rngs).__name__}")
   if rngs is not None and not _has_stream(rngs):
@@ -221,8 +136,7 @@ def convert_nnx(model: nnx.Module, settings: Settings, rngs):
     twin._init_jact(source, name=twin.residual_name, **settings.rounding)
 
   twins = {
-    id(module): _nnx_twin(module, twin_cls, patch, rngs, settings if rounds else None, name)
-    for module, twin_cls, patch, rounds, name in plan
+    id(module): _nnx_twin(module, twin_cls, rngs, settings, name) for module, twin_cls, name in plan
   }
   paths = {id(module): path for path, module in nnx.iter_modules(model)}
   for module_id, twin in twins.items():  # built inside nnx.vmap: one stream per stacked layer
@@ -260,8 +174,8 @@ def plain_layers(model: nnx.Module) -> list[tuple[str, str, str, bool, nnx.Modul
       continue
     if "_jact_model_base" in type(module).__dict__:
       models.append(path)
-    rule = _NNX_RULES.get(type(module))
-    reason = None if rule is None else rule[1](module)
+    twin_cls = _NNX_TWINS.get(type(module))
+    reason = None if twin_cls is None else twin_cls.conversion.check(module)
     if reason is not None:
       name = "/".join(str(p) for p in path) or type(module).__name__
       in_model = any(path[: len(p)] == p for p in models)

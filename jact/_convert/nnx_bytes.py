@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from jact import nnx as jnnx
 from jact._flax.context import NNX_MEASURE, bound
+from jact._flax.conversion import rounds
 from jact._convert.generic import saved_bytes
 from jact._flax.record import record, recording
 
@@ -43,7 +43,7 @@ def _plain(call: Callable[..., Any]) -> Callable[..., Any]:
   own call for the twins that never round (Embed, Dropout)."""
 
   def plain(module, *args, **kwargs):
-    if isinstance(module, (jnnx.Embed, jnnx.Dropout)):
+    if not rounds(type(module)):
       return _flax_call(module)(module, *args, **kwargs)
     module._jact_plain = True
     return call(module, *args, **kwargs)

@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
 from jax import lax
 
 from jact._flax import hooks as _hooks
+from jact._flax.conversion import Conversion
 from jact._flax.hooks import Hook
 from jact.compressors import Compressor
-from jact.nn._twin import _Twin
+from jact.nn._twin import _custom, _Twin
+
+
+def _attention_check(module, a) -> str | None:
+  """Why `jact.convert` leaves a linen attention layer's call (arguments `a`) plain, or None."""
+  if module.attention_fn is not nn.dot_product_attention:
+    return "a custom 'attention_fn'"
+  reason = _custom(
+    module,
+    "qkv_dot_general",
+    "out_dot_general",
+    "qkv_dot_general_cls",
+    "out_dot_general_cls",
+    "qk_attn_weights_einsum_cls",
+    "attn_weights_value_einsum_cls",
+  )
+  if reason is not None:
+    return reason
+  if a.get("sow_weights"):
+    return "sow_weights=True (jact attention does not return the weights)"
+  return None
 
 
 class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
@@ -27,6 +49,11 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
   attention_fn: Callable[..., Any] = _hooks.attention_slot
   qkv_dot_general: Any = Hook("qkv")
   out_dot_general: Any = Hook("out")
+  conversion = Conversion(
+    (nn.MultiHeadDotProductAttention, nn.MultiHeadAttention),
+    ("attention_fn", "qkv_dot_general", "out_dot_general"),
+    _attention_check,
+  )
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, **kwargs):
@@ -48,6 +75,10 @@ class MultiHeadDotProductAttention(_Twin, nn.MultiHeadDotProductAttention):
 
 class SelfAttention(MultiHeadDotProductAttention):
   """`flax.linen.SelfAttention` (same parameters) built on the compressed attention."""
+
+  conversion = dataclasses.replace(
+    MultiHeadDotProductAttention.conversion, replaces=(nn.SelfAttention,)
+  )
 
   @nn.compact
   def __call__(

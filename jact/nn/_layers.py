@@ -8,9 +8,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from jact._flax.conversion import Conversion
 from jact._flax.hooks import Hook
 from jact.compressors import Compressor
-from jact.nn._twin import _Twin
+from jact.nn._twin import _custom, _Twin
 from jact.ops import _embedding as embedding, _linear as linear, _pooling as pooling
 from jact.ops._dropout import dropout as dropout_op
 
@@ -26,6 +27,9 @@ class Dense(_Twin, nn.Dense):
   bits: int | None = 4
   compressor: Compressor | None = None
   dot_general: Any = Hook("dot_general")
+  conversion = Conversion(
+    (nn.Dense,), ("dot_general",), lambda m, a: _custom(m, "dot_general", "dot_general_cls")
+  )
 
   @nn.compact
   def __call__(self, inputs):
@@ -39,6 +43,11 @@ class Conv(_Twin, nn.Conv):
   bits: int | None = 4
   compressor: Compressor | None = None
   conv_general_dilated: Any = Hook("conv_general_dilated")
+  conversion = Conversion(
+    (nn.Conv,),
+    ("conv_general_dilated",),
+    lambda m, a: _custom(m, "conv_general_dilated", "conv_general_dilated_cls"),
+  )
 
   @nn.compact
   def __call__(self, inputs):
@@ -53,6 +62,8 @@ class Conv(_Twin, nn.Conv):
 
 class Embed(_Twin, nn.Embed):
   """`flax.linen.Embed` whose backward keeps only the integer ids (no key needed)."""
+
+  conversion = Conversion((nn.Embed,))
 
   def __call__(self, inputs):
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -73,6 +84,8 @@ class Dropout(_Twin, nn.Dropout):
   It is drawn once, in the forward (`jact.ops.dropout(saves="mask")`): drawn
   again in the backward, its random bits stayed alive in the compiled step.
   """
+
+  conversion = Conversion((nn.Dropout,))
 
   @nn.compact
   def __call__(self, inputs, deterministic: bool | None = None, rng=None):

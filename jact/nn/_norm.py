@@ -6,9 +6,48 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jact._flax import hooks as _hooks
+from jact._flax.conversion import Conversion
 from jact.compressors import Compressor
 from jact.nn._twin import _norm_options_supported, _output_dtype, _Twin
 from jact.ops import _norm as norm
+
+
+def _norm_check(module, a, *, axes: bool, cross_device: bool = False) -> str | None:
+  """Why `jact.convert` leaves a linen norm layer's call (arguments `a`) plain, or None."""
+  if a.get("mask") is not None:
+    return "mask= is not supported"
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
+    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
+  if not module.force_float32_reductions:
+    return "force_float32_reductions=False is not supported"
+  if axes:
+    ndim = getattr(a.get("x"), "ndim", 0)
+    if not (
+      ndim
+      and _hooks.last_axis_only(module.reduction_axes, ndim)
+      and _hooks.last_axis_only(module.feature_axes, ndim)
+    ):
+      return "only normalization over the last axis is supported"
+  return None
+
+
+def _batch_norm_training(module, a) -> bool:
+  call = a.get("use_running_average")
+  use_ra = module.use_running_average if call is None else call
+  return use_ra is not None and not use_ra  # None: the twin raises Flax's own error
+
+
+def _batch_norm_check(module, a) -> str | None:
+  if not _batch_norm_training(module, a):
+    return None  # the twin runs Flax's inference path
+  axes = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
+  if len(axes) != 1:
+    return "only a single feature axis is supported"
+  return _norm_check(module, a, axes=False, cross_device=True)
+
+
+def _last_axis_check(module, a) -> str | None:
+  return _norm_check(module, a, axes=True)
 
 
 class BatchNorm(_Twin, nn.BatchNorm):
@@ -23,6 +62,7 @@ class BatchNorm(_Twin, nn.BatchNorm):
 
   bits: int | None = 4
   compressor: Compressor | None = None
+  conversion = Conversion((nn.BatchNorm,), check=_batch_norm_check, draws_key=_batch_norm_training)
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -80,6 +120,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
 
   bits: int | None = 4
   compressor: Compressor | None = None
+  conversion = Conversion((nn.LayerNorm,), check=_last_axis_check)
 
   @nn.compact
   def __call__(self, x, *, mask=None):
@@ -122,6 +163,7 @@ class RMSNorm(_Twin, nn.RMSNorm):
 
   bits: int | None = 4
   compressor: Compressor | None = None
+  conversion = Conversion((nn.RMSNorm,), check=_last_axis_check)
 
   @nn.compact
   def __call__(self, x, *, mask=None):

@@ -87,6 +87,14 @@ def _rejecting_removed(init: Callable) -> Callable:
   return checked
 
 
+def _custom(module, *fields: str) -> str | None:
+  """A `Conversion.check` reason: a layer given its own hook (`dot_general`, ...)."""
+  for f in fields:
+    if getattr(module, f) is not None:
+      return f"a custom {f!r} (the twin installs its own)"
+  return None
+
+
 def _norm_options_supported(module, mask, layer: str, cross_device: bool = False) -> None:
   if mask is not None:
     raise ValueError(f"jact.nn.{layer} does not support mask=; use flax.linen.{layer}.")

@@ -6,9 +6,33 @@ from flax import nnx
 from jax import lax
 
 from jact._flax import hooks as _hooks
+from jact._flax.conversion import Conversion
 from jact._flax.hooks import Hook
 from jact.compressors import Compressor
 from jact.nnx._twin import _no_hook, _Twin
+
+
+def _convertible(module) -> str | None:
+  """Why `jact.convert` leaves an nnx attention layer plain, or None."""
+  if module.attention_fn is not nnx.dot_product_attention:
+    return "a custom 'attention_fn'"
+  for f in ("qkv_dot_general", "out_dot_general", "qkv_dot_general_cls", "out_dot_general_cls"):
+    if getattr(module, f, None) is not None:
+      return f"a custom {f!r} (the twin installs its own)"
+  for sub in ("query", "key", "value", "out"):
+    layer = getattr(module, sub)
+    if layer.dot_general is not None or layer.dot_general_cls is not None:
+      return f"a custom dot_general in {sub!r}"
+  return None
+
+
+def _install_hooks(module) -> None:
+  """The converted copy's hooks: the twin's attention and projections."""
+  module.attention_fn = _hooks.attention_slot
+  module.qkv_dot_general, module.out_dot_general = Hook("qkv"), Hook("out")
+  for sub in ("query", "key", "value"):
+    getattr(module, sub).dot_general = Hook("qkv")
+  module.out.dot_general = Hook("out")
 
 
 class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
@@ -19,6 +43,8 @@ class MultiHeadAttention(_Twin, nnx.MultiHeadAttention):
   layer's dropout key (`broadcast_dropout` included). Not supported:
   sow_weights=True.
   """
+
+  conversion = Conversion((nnx.MultiHeadAttention,), check=_convertible, patch=_install_hooks)
 
   def __init__(
     self,

@@ -9,11 +9,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jact._flax.conversion import Conversion
 from jact._flax.hooks import Hook
 from jact.compressors import Compressor
-from jact.nnx._twin import _first_not_none, _no_hook, _Twin
+from jact.nnx._twin import _first_not_none, _install, _no_hook, _Twin
 from jact.ops import _embedding as embedding, _linear as linear, _pooling as pooling
 from jact.ops._dropout import dropout as dropout_op
+
+
+def _own_hook(module, field: str, plain) -> str | None:
+  """A `Conversion.check` reason: a layer given its own `field` (the twin installs its own)."""
+  return (
+    None if getattr(module, field) is plain else f"a custom {field!r} (the twin installs its own)"
+  )
 
 
 class Linear(_Twin, nnx.Linear):
@@ -23,6 +31,12 @@ class Linear(_Twin, nnx.Linear):
   `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
   stochastic=False)`), and name; the other rounding twins take the same.
   """
+
+  conversion = Conversion(
+    (nnx.Linear,),
+    check=lambda m: _own_hook(m, "dot_general", lax.dot_general),
+    patch=_install("dot_general", Hook("dot_general")),
+  )
 
   def __init__(
     self,
@@ -49,6 +63,12 @@ class Linear(_Twin, nnx.Linear):
 
 class Conv(_Twin, nnx.Conv):
   """`nnx.Conv` storing its input compressed (residual "<name>.lhs")."""
+
+  conversion = Conversion(
+    (nnx.Conv,),
+    check=lambda m: _own_hook(m, "conv_general_dilated", lax.conv_general_dilated),
+    patch=_install("conv_general_dilated", Hook("conv_general_dilated")),
+  )
 
   def __init__(
     self,
@@ -89,6 +109,8 @@ class Conv(_Twin, nnx.Conv):
 class Embed(_Twin, nnx.Embed):
   """`nnx.Embed` whose backward keeps only the integer ids (no key needed)."""
 
+  conversion = Conversion((nnx.Embed,))
+
   def __init__(
     self, num_embeddings: int, features: int, *, name: str | None = None, rngs: nnx.Rngs, **kwargs
   ):
@@ -117,6 +139,8 @@ class Dropout(_Twin, nnx.Dropout):
   (`jact.ops.dropout(saves="mask")`): drawn again in the backward, its random
   bits stayed alive in the compiled step.
   """
+
+  conversion = Conversion((nnx.Dropout,))
 
   def __init__(self, rate: float, *, name: str | None = None, **kwargs):
     super().__init__(rate, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jact._flax import hooks as _hooks
+from jact._flax.conversion import Conversion
 from jact.compressors import Compressor
 from jact.nnx._twin import _first_not_none, _Twin
 from jact.ops import _norm as norm
@@ -29,6 +30,21 @@ def _check_last_axis(module, x, layer: str) -> None:
     )
 
 
+def _convertible(module, *, axes: bool = True, cross_device: bool = False) -> str | None:
+  """Why `jact.convert` leaves an nnx norm layer plain, or None."""
+  if not cross_device and (module.axis_name is not None or module.axis_index_groups is not None):
+    return "axis_name/axis_index_groups (cross-device statistics) are not supported"
+  if axes and not (module.reduction_axes in (-1, (-1,)) and module.feature_axes in (-1, (-1,))):
+    return "only reduction_axes=-1 and feature_axes=-1 are supported"
+  return None
+
+
+def _batch_norm_convertible(module) -> str | None:
+  if not isinstance(module.axis, int):
+    return "only a single feature axis is supported"
+  return _convertible(module, axes=False, cross_device=True)
+
+
 class BatchNorm(_Twin, nnx.BatchNorm):
   """`nnx.BatchNorm`; in training mode the normalized input is stored compressed.
 
@@ -36,6 +52,8 @@ class BatchNorm(_Twin, nnx.BatchNorm):
   update as in Flax; `axis_name` / `axis_index_groups` average the statistics
   (and the backward) over devices as Flax does. Single feature axis; no mask.
   """
+
+  conversion = Conversion((nnx.BatchNorm,), check=_batch_norm_convertible)
 
   def __init__(
     self,
@@ -91,6 +109,8 @@ class BatchNorm(_Twin, nnx.BatchNorm):
 class LayerNorm(_Twin, nnx.LayerNorm):
   """`nnx.LayerNorm` (last axis) storing the normalized input compressed."""
 
+  conversion = Conversion((nnx.LayerNorm,), check=_convertible)
+
   def __init__(
     self,
     num_features: int,
@@ -128,6 +148,8 @@ class LayerNorm(_Twin, nnx.LayerNorm):
 
 class RMSNorm(_Twin, nnx.RMSNorm):
   """`nnx.RMSNorm` (last axis) storing the normalized input compressed."""
+
+  conversion = Conversion((nnx.RMSNorm,), check=_convertible)
 
   def __init__(
     self,

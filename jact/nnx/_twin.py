@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 from flax import nnx
 
@@ -119,6 +119,11 @@ def _rejecting_removed(init):
     init(self, *args, **kwargs)
 
   return checked
+
+
+def _install(field: str, value) -> Callable[[Any], None]:
+  """A `Conversion.patch` setting the converted copy's `field` to `value` (its hook)."""
+  return lambda twin: setattr(twin, field, value)
 
 
 def _first_not_none(*values, error_msg: str):
