@@ -14,7 +14,7 @@ import pytest
 
 from experiments import claims
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _notebook_templates():
