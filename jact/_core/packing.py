@@ -25,6 +25,8 @@ import jax.numpy as jnp
 
 import numpy as np
 
+from jact._core.stored import Stored
+
 __all__ = [
   "SUPPORTED_BITS",
   "check_bits",
@@ -107,7 +109,7 @@ def unpack_bits(data: jax.Array, bits: int) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PackedBits:
+class PackedBits(Stored):
   """Integer codes < 2**bits (masks, arg-max positions) packed losslessly.
 
   Attributes:
@@ -124,6 +126,15 @@ class PackedBits:
   @property
   def nbytes(self) -> int:
     return int(self.data.size)
+
+  def decompress(self, dtype=None) -> jax.Array:
+    """The codes (`unpack_codes`), cast to `dtype` when given."""
+    codes = unpack_codes(self)
+    return codes if dtype is None else codes.astype(dtype)
+
+  def map_ordered(self, fn) -> "PackedBits":
+    """The bytes wait for the cotangent."""
+    return dataclasses.replace(self, data=fn(self.data))
 
 
 def pack_codes(codes: jax.Array, bits: int) -> PackedBits:

@@ -32,13 +32,14 @@ import jax
 import numpy as np
 
 from jact._core.quantize import check_group_size, effective_group_size
+from jact._core.stored import Stored, decoder
 
 __all__ = ["PackedPerSample", "per_sample_capacity"]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PackedPerSample:
+class PackedPerSample(Stored):
   """A tensor quantized with one width per sample, packed into one buffer.
 
   Attributes:
@@ -61,6 +62,14 @@ class PackedPerSample:
   def nbytes(self) -> int:
     """Bytes stored (buffer + widths + bf16 group statistics); static."""
     return int(self.data.size + self.bits.size + 2 * self.minimum.size + 2 * self.scale.size)
+
+  def decompress(self, dtype=None) -> jax.Array:
+    """`dequantize_per_sample(self, dtype)` (the kernel for the backend)."""
+    return decoder(PackedPerSample)(self, dtype)
+
+  def map_ordered(self, fn) -> "PackedPerSample":
+    """The buffer waits for the cotangent."""
+    return dataclasses.replace(self, data=fn(self.data))
 
 
 def _layout(shape: tuple[int, ...], group_size: int) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ import numpy as np
 
 from jact._core import rng, xla_cpu
 from jact._core.packing import SUPPORTED_BITS, check_bits
+from jact._core.stored import Stored, decoder
 
 __all__ = [
   "Packed",
@@ -95,7 +96,7 @@ def check_float_dtype(x) -> jnp.dtype:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Packed:
+class Packed(Stored):
   """A per-group quantized tensor.
 
   Attributes:
@@ -120,6 +121,14 @@ class Packed:
   def nbytes(self) -> int:
     """Bytes actually stored (codes + bf16 group statistics)."""
     return int(self.data.size + 2 * self.minimum.size + 2 * self.scale.size)
+
+  def decompress(self, dtype=None) -> jax.Array:
+    """`jact.dequantize(self, dtype)` (the kernel for the backend)."""
+    return decoder(Packed)(self, dtype)
+
+  def map_ordered(self, fn) -> "Packed":
+    """The codes and steps wait for the cotangent (the minimum need not)."""
+    return dataclasses.replace(self, data=fn(self.data), scale=fn(self.scale))
 
 
 def bf16_round_directed(x: jax.Array, up: bool) -> jax.Array:

@@ -25,10 +25,7 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact._core import xla_cpu
-from jact._core.packing import PackedBits
-from jact._core.persample import PackedPerSample
-from jact._core.quantize import Packed
-from jact.compressors import Compressed
+from jact.compressors import Stored
 from jact._engine.sharding import batch_is_sharded
 
 __all__ = [
@@ -68,9 +65,10 @@ class Stacked:
 
 
 def is_stored(value) -> bool:
-  """Whether `value` is the stored form of a residual (packed or compressed
-  pieces, or such pieces stacked over a scan's iterations)."""
-  return isinstance(value, (Packed, PackedBits, PackedPerSample, Compressed, Stacked))
+  """Whether `value` is the stored form of a residual (a `Stored`: packed or
+  compressed pieces, a user compressor's own form; or such pieces stacked
+  over a scan's iterations)."""
+  return isinstance(value, (Stored, Stacked))
 
 
 def barrier(residuals, cotangent):
@@ -99,12 +97,8 @@ def barrier(residuals, cotangent):
     return residuals, cotangent
 
   def tie(r, select):
-    if isinstance(r, Packed):
-      return dataclasses.replace(r, data=select(r.data), scale=select(r.scale))
-    if isinstance(r, (PackedBits, PackedPerSample)):
-      return dataclasses.replace(r, data=select(r.data))
-    if isinstance(r, Compressed):
-      return dataclasses.replace(r, arrays=jax.tree.map(select, r.arrays))
+    if isinstance(r, Stored):
+      return r.map_ordered(select)
     if isinstance(r, Stacked):
       return Stacked(jax.tree.map(lambda p: tie(p, select), r.pieces, is_leaf=is_stored))
     return r

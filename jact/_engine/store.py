@@ -16,16 +16,15 @@ import jax.numpy as jnp
 
 from jact import _compat
 from jact._core.allocate import allocate_per_sample
-from jact._core.persample import PackedPerSample, per_sample_capacity
-from jact._core.quantize import SMALLEST_ROW, Packed, as_rows
-from jact.compressors import BLPA, Compressed, Division, Fixpoint, PerGroup
+from jact._core.persample import per_sample_capacity
+from jact._core.quantize import SMALLEST_ROW, as_rows
+from jact.compressors import BLPA, Division, Fixpoint, PerGroup, Stored
 from jact._engine import context as _context
 from jact._engine.derivatives import first_order_only
 from jact._engine.probe import group_ranges_sq
 from jact._engine.rounding import NoKey, Rounding, apply_plan_entry, site_seed
 from jact._engine.sharding import pin_rows
-from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
-from jact.kernels._quantize.api import dequantize
+from jact.kernels._per_sample.api import quantize_per_sample
 
 __all__ = ["compress_residual", "restore_residual", "kept_symbolic"]
 
@@ -146,15 +145,11 @@ def _compress_per_sample(x, seed, rounding: Rounding, avg_bits: float):
 
 
 def restore_residual(r, shape=None, dtype=None):
-  """Inverse of `compress_residual`: the reconstruction, reshaped to `shape`
-  (a reconstruction's rows sharded as `jact.sharded_batch` says, when a block
-  is active)."""
-  stored = isinstance(r, (PackedPerSample, Packed, Compressed))
-  if isinstance(r, PackedPerSample):
-    r = dequantize_per_sample(r, dtype)
-  elif isinstance(r, Packed):
-    r = dequantize(r, dtype)
-  elif isinstance(r, Compressed):
+  """Inverse of `compress_residual`: a `Stored` form's `decompress(dtype)` (a
+  value kept exact: cast to `dtype`), reshaped to `shape` (a reconstruction's
+  rows sharded as `jact.sharded_batch` says, when a block is active)."""
+  stored = isinstance(r, Stored)
+  if stored:
     r = r.decompress(dtype)
   elif dtype is not None:
     r = r.astype(dtype)

@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact import _compat
-from jact._core.packing import SUPPORTED_BITS, PackedBits, pack_codes, unpack_codes
-from jact._core.persample import PackedPerSample
-from jact._core.quantize import FLOAT_DTYPES, Packed
-from jact.compressors import Compressed, Compressor, PerGroup
+from jact._core.packing import SUPPORTED_BITS, pack_codes
+from jact._core.quantize import FLOAT_DTYPES
+from jact.compressors import Compressor, PerGroup, Stored
 from jact._engine import context as _context
 from jact._engine.names import check_name, is_jact_name, tag
 from jact._engine.rounding import Rounding, apply_plan_entry
@@ -230,9 +229,9 @@ def check_overrides(config: ResidualConfig, names) -> None:
 
 
 def restore_saved(value, shape, dtype):
-  if isinstance(value, PackedBits):
-    return pin_rows(unpack_codes(value).astype(dtype).reshape(shape))
-  if isinstance(value, (Packed, PackedPerSample, Compressed)):
+  """A saved leaf's value for the backward: a `Stored` form (a packed mask
+  too) restored, anything else as it is."""
+  if isinstance(value, Stored):
     return restore_residual(value, shape, dtype)
   return value
 

@@ -14,7 +14,7 @@ width is shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
 (4, 3)
 """
 
-from jact.compressors._base import Compressed, Compressor, from_dict, registered
+from jact.compressors._base import Compressed, Compressor, Stored, from_dict, registered
 from jact.compressors._blpa import BLPA
 from jact.compressors._division import Division
 from jact.compressors._fixed_point import Fixpoint
@@ -23,6 +23,7 @@ from jact.compressors._zero_value import ZeroValue
 
 __all__ = [
   "Compressor",
+  "Stored",
   "Compressed",
   "from_dict",
   "registered",

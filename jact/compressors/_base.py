@@ -1,7 +1,8 @@
-"""The `Compressor` interface and the generic stored form `Compressed`.
+"""The `Compressor` interface, the `Stored` protocol and the generic stored form `Compressed`.
 
-A compressor turns a floating residual into a pytree of arrays to keep for
-the backward pass and back into an approximation of the residual. It is a
+A compressor turns a floating residual into a `Stored` pytree of arrays to
+keep for the backward pass, which `stored.decompress(dtype)` turns back into
+an approximation of the residual. It is a
 frozen, hashable dataclass of static settings, so it can be passed as
 `compressor=` wherever jact takes `bits=` (ops, Flax layers,
 `jact.compressed`) and stored in a `jact.BitPlan`; the ops call `compress` in
@@ -19,9 +20,11 @@ import jax.numpy as jnp
 
 from jact import kernels
 from jact._core.quantize import FLOAT_DTYPES
+from jact._core.stored import Stored
 
 __all__ = [
   "Compressor",
+  "Stored",
   "Compressed",
   "from_dict",
   "registered",
@@ -61,9 +64,11 @@ class Compressor(abc.ABC):
 
   Subclasses are frozen dataclasses (hashable, compared by value) that define:
 
-  * `compress(x, seed)`: the stored pytree (`Compressed`, or `jact.Packed`);
-    `seed` is a uint32 scalar when `needs_key`, else None.
-  * `decompress(stored, dtype=None)`: the reconstruction, in x's shape.
+  * `compress(x, seed)`: the stored form, a `Stored` (`Compressed`,
+    `jact.Packed`, or a pytree of the compressor's own deriving from
+    `Stored`); `seed` is a uint32 scalar when `needs_key`, else None.
+  * `decompress(stored, dtype=None)`: the reconstruction, in x's shape
+    (what `stored.decompress(dtype)` returns).
   * `stored_bytes(shape, dtype)`: bytes `compress` keeps for such an input
     (exactly what `jact.residual_report` counts).
   * `unbiased`: whether E[decompress(compress(x))] = x over the seed.
@@ -106,8 +111,8 @@ class Compressor(abc.ABC):
     """The same compressor at another width."""
 
   @abc.abstractmethod
-  def compress(self, x: jax.Array, seed: jax.Array | None) -> Any:
-    """The stored pytree for x."""
+  def compress(self, x: jax.Array, seed: jax.Array | None) -> Stored:
+    """The stored form of x."""
 
   @abc.abstractmethod
   def decompress(self, stored: Any, dtype=None) -> jax.Array:
@@ -165,8 +170,8 @@ def from_dict(d: Mapping[str, Any]) -> Compressor:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Compressed:
-  """A residual stored by a `Compressor`.
+class Compressed(Stored):
+  """A residual stored by a `Compressor` (the generic `Stored`).
 
   Attributes:
     arrays: the stored arrays (a dict of arrays or nested pytrees).
@@ -185,4 +190,5 @@ class Compressed:
     return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(self.arrays)))
 
   def decompress(self, dtype=None) -> jax.Array:
+    """The compressor's reconstruction."""
     return self.compressor.decompress(self, dtype)

@@ -26,6 +26,7 @@ import numpy as np
 
 from jact import kernels
 from jact._core import rng
+from jact._core.stored import register_decoder
 from jact._core.persample import PackedPerSample, _layout
 from jact._core.quantize import check_float_dtype
 
@@ -110,3 +111,6 @@ def dequantize_per_sample(
   # the kernel addresses every value of the tensor it writes, not the buffer's bytes
   size = max(math.prod(p.shape), p.data.size)
   return kernels.dispatch("dequantize_per_sample", implementation, size=size)(p, dtype)
+
+
+register_decoder(PackedPerSample, dequantize_per_sample)  # `PackedPerSample.decompress`

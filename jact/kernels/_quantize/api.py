@@ -22,6 +22,7 @@ import numpy as np
 
 from jact import kernels
 from jact._core import rng
+from jact._core.stored import register_decoder
 from jact._core.quantize import (
   Packed,
   check_bits,
@@ -91,3 +92,6 @@ def dequantize(packed: Packed, dtype=None, *, implementation: str | None = None)
   n, groups = packed.data.shape[0], packed.data.shape[1]
   size = max(math.prod(packed.shape), n * groups * packed.group_size)
   return kernels.dispatch("dequantize", implementation, size=size)(packed, dtype)
+
+
+register_decoder(Packed, dequantize)  # `Packed.decompress`
