@@ -7,7 +7,7 @@ prose shows it; the computations are `experiments.lib.claims_figures`),
 README's Results section (between its `results:begin` / `results:end` markers)
 from `experiments/results_template.md` and each page in `PAGES` (e.g.
 `docs/results.md`) from its template.
-`tests/test_claims.py` renders them and the notebooks' prose again and fails
+`experiments/tests/test_claims.py` renders them and the notebooks' prose again and fails
 when a quoted figure differs from the data or a template types a figure.
 
 Names: `actnn.<variant>.<field>` (accuracy, saved_mib, temp_mib, fewer: plain JAX's
@@ -22,7 +22,7 @@ hand-written docs pages.
 Hand-written pages (README.md, docs/**/*.md, the GPU results README) quote a figure in a
 generated block (`<!-- claims:NAME -->` ... `<!-- claims:end -->`, a whole table) or inline,
 `<!-- fig:NAME -->1.5 GiB<!-- /fig -->`; `measured_figures(text)` lists the measured figures
-typed anywhere else, and `tests/test_claims.py` fails on any.
+typed anywhere else, and `experiments/tests/test_claims.py` fails on any.
 
 >>> render("fp reaches {{x}}", {"x": "0.698"})
 'fp reaches 0.698'
