@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 __all__ = ["compute"]
@@ -117,11 +118,247 @@ def _time_model(results: Path, out: dict) -> None:
   out["time_model.temp_ratio"] = _span([r["temp_ratio"] for r in tm["rows"]], 2)
 
 
+def _mib(n: float, digits: int = 1) -> str:
+  return f"{n / 2**20:.{digits}f} MiB"
+
+
+def _pct(value: float) -> str:
+  """A fraction as a percent with two significant digits: 0.0021 -> 0.21%, 0.229 -> 23%."""
+  digits = max(0, 1 - math.floor(math.log10(abs(100 * value)))) if value else 0
+  return f"{100 * value:.{digits}f}%"
+
+
+def _variance(value: float) -> str:
+  """A gradient variance as bench_fit's table shows it: 1.87, 6.8e-5."""
+  if value >= 0.1:
+    return f"{value:.2f}"
+  mantissa, exponent = f"{value:.1e}".split("e")
+  return f"{mantissa}e{int(exponent)}"
+
+
+_FIT_SUBJECTS = {
+  "stack8": "8-block transformer LM, segments ({batch} x 256)",
+  "zoo_lm": "zoo linen LM, `jact.convert` ({batch} x 256)",
+  "resnet50_224": "ResNet-50 224x224, `jact.convert` ({batch})",
+}
+_BATCH_CONFIGS = {"plain": "plain", "fit": "fit's configuration", "any": "any configuration"}
+
+
+def _fit_cell(r: dict, first_miss: bool) -> str:
+  if not r["fits"]:
+    return (
+      f"nothing fits: smallest {_mib(r['smallest_peak_bytes'])}" if first_miss else "nothing fits"
+    )
+  fit, uniform = _variance(r["variance"]), _variance(r["uniform_variance"])
+  bits = r["uniform_bits"]
+  if fit == uniform:
+    return f"{_mib(r['peak_bytes'])}; {fit} = uniform {bits}"
+  return f"{_mib(r['peak_bytes'])}; {fit} vs {uniform} ({bits})"
+
+
+def _bench_fit(results: Path, out: dict) -> None:
+  """bench_fit.json: fit's configurations per budget, and largest_batch against bisection."""
+  payload = _load(results / "bench_fit.json")
+  if payload is None:
+    return
+  subjects = payload["subjects"]
+  fractions = [r["fraction"] for r in next(iter(subjects.values()))["rows"]]
+  lines = [
+    "| model (batch) | plain peak | " + " | ".join(fractions) + " |",
+    "|---" * (2 + len(fractions)) + "|",
+  ]
+  fitted, searches, batch_compilations = [], [], []
+  for name, s in subjects.items():
+    cells, missed = [], False
+    for r in s["rows"]:
+      cells.append(_fit_cell(r, not missed))
+      missed = missed or not r["fits"]
+      if r["fits"]:
+        fitted.append(r)
+        searches.append(r["search_seconds"])
+    label = _FIT_SUBJECTS.get(name, name).format(batch=s["batch"])
+    lines.append(f"| {label} | {_mib(s['plain_peak_bytes'])} | " + " | ".join(cells) + " |")
+    rows = {r["config"]: r for r in s["largest_batch"]}
+    for r in rows.values():
+      if "compilations" in r:
+        batch_compilations.append(r["compilations"])
+    out[f"fit.{name}.largest_batch"] = ", ".join(
+      f"{_BATCH_CONFIGS[c]} {r['batch']} (true {r['true_max']})"
+      for c, r in rows.items()
+      if "true_max" in r
+    )
+    out[f"fit.{name}.batch_budget"] = _mib(next(iter(rows.values()))["budget_bytes"])
+    smallest = [r["smallest_peak_bytes"] for r in s["rows"] if not r["fits"]]
+    if smallest:
+      out[f"fit.{name}.smallest"] = _mib(min(smallest), 0)
+  # The first row sits below the header: its variance pair is named, the others' are not.
+  lines[2] = (
+    lines[2]
+    .replace("; ", "; variance ", 1)
+    .replace(f"({fitted[0]['uniform_bits']}) |", f"(uniform {fitted[0]['uniform_bits']}) |", 1)
+  )
+  out["table.fit"] = "\n".join(lines)
+  gains = [r["uniform_variance"] / r["variance"] for r in fitted]
+  better = [g for g in gains if g > 1]  # the others chose the uniform width itself
+  out["fit.rows_fit"] = str(len(fitted))
+  out["fit.rows_not_fit"] = str(sum(not r["fits"] for s in subjects.values() for r in s["rows"]))
+  out["fit.rows_equal"] = str(len(gains) - len(better))
+  out["fit.variance_gain"] = f"{min(better):.1f}x-{max(better):.0f}x"
+  out["fit.compilations"] = f"{min(r['compilations'] for r in fitted)}-" + str(
+    max(r["compilations"] for r in fitted)
+  )
+  out["fit.search_seconds"] = f"{min(searches):.0f}-{max(searches):.0f} s"
+  out["fit.batch_compilations"] = f"{min(batch_compilations)}-{max(batch_compilations)}"
+  zoo = [r["seconds"] for r in subjects["zoo_lm"]["largest_batch"] if r["config"] != "plain"]
+  out["fit.zoo_lm.batch_seconds"] = f"{min(zoo):.0f}-{max(zoo):.0f} s"
+  plain = next(r for r in subjects["resnet50_224"]["largest_batch"] if r["config"] == "plain")
+  needs = re.search(r"batch 1 needs (\d+) bytes", plain["why"])
+  out["fit.resnet50_224.plain_batch1_peak"] = _mib(int(needs.group(1)))
+
+
+def _compile_time(results: Path, out: dict) -> None:
+  """compile_time.json and compile_anatomy.json: what jact's residuals cost XLA:CPU's compiler."""
+  ct = _load(results / "compile_time.json")
+  if ct is not None:
+    by = {(r["model"], r["variant"]): r for r in ct["rows"]}
+    zoo = [
+      r["compile_cpu_ratio"]
+      for (model, variant), r in by.items()
+      if model in ("transformer_lm", "bilstm_sst2", "resnet18") and variant != "plain"
+    ]
+    stack = [
+      r["compile_cpu_ratio"]
+      for (model, variant), r in by.items()
+      if model == "transformer_stack_x8" and variant != "plain"
+    ]
+    out["compile_time.zoo_cpu_ratio"] = _span(zoo, 0)
+    out["compile_time.stack_cpu_ratio"] = _span(stack, 0)
+    for model, variant in (("resnet50_224", "convert"), ("transformer_stack_x8", "per_block")):
+      out[f"compile_time.{model}.{variant}"] = f"{by[(model, variant)]['compile_s']:.1f} s"
+      out[f"compile_time.{model}.plain"] = f"{by[(model, 'plain')]['compile_s']:.1f} s"
+  ca = _load(results / "compile_anatomy.json")
+  if ca is None:
+    return
+  by = {r["program"]: r for r in ca["rows"]}
+  cpu = lambda name: by[name]["compile_cpu_s"]  # noqa: E731
+  temp = lambda name: by[name]["temp_bytes"]  # noqa: E731
+  calls = ca["meta"]["quantize_calls"]
+  out["anatomy.plain"] = f"{cpu('plain'):.1f} CPU-s"
+  out["anatomy.jact"] = f"{cpu('jact'):.1f}"
+  out["anatomy.exact"] = f"{cpu('jact, exact residuals'):.1f} s"
+  out["anatomy.quantize_calls"] = str(calls)
+  out["anatomy.per_residual"] = (
+    f"{1000 * (cpu('jact') - cpu('jact, exact residuals')) / calls:.0f} ms"
+  )
+  out["anatomy.quantizers"] = f"{cpu('quantizers alone, constant seeds'):.1f} s"
+  out["anatomy.minimal"] = f"{cpu('minimal quantizers, seeds as parameters'):.1f} s"
+  out["anatomy.ordering"] = f"{cpu('jact') - cpu('jact, no CPU ordering'):.1f} s"
+  out["anatomy.ordering_temp"] = f"{temp('jact, no CPU ordering') / temp('jact'):.1f}x"
+  out["anatomy.opaque"] = f"{cpu('jact, opaque quantizers'):.1f} s"
+  out["anatomy.opaque_over_plain"] = f"{cpu('jact, opaque quantizers') / cpu('plain'):.1f}x"
+  out["anatomy.opaque_no_ordering"] = f"{cpu('jact, opaque quantizers, no CPU ordering'):.1f} s"
+  out["anatomy.opaque_ordering_temp"] = (
+    f"{temp('jact, opaque quantizers, no CPU ordering') / temp('jact, opaque quantizers'):.1f}x"
+  )
+
+
+def _memory_scaling(results: Path, out: dict) -> None:
+  """memory_scaling.json: compiled temp added per block against the residual bytes."""
+  ms = _load(results / "memory_scaling.json")
+  if ms is None:
+    return
+  by = {(r["block"], r["bits"]): r for r in ms["rows"]}
+  out["memory_scaling.relu_cnn2.temp_per_block"] = _mib(by[("relu_cnn", 2)]["temp_per_block"], 2)
+  out["memory_scaling.relu_cnn2.residual_per_block"] = _mib(
+    by[("relu_cnn", 2)]["residual_per_block"], 2
+  )
+  out["memory_scaling.relu_cnn.plain_per_block"] = _mib(by[("relu_cnn", None)]["temp_per_block"], 0)
+
+
+def _grad_error(results: Path, out: dict) -> None:
+  """grad_error.json: single-draw relative gradient error on a real batch, per model and width."""
+  ge = _load(results / "grad_error.json")
+  if ge is None:
+    return
+  by = {(r["model"], r["variant"], r["bits"]): r for r in ge["rows"]}
+  for bits in (8, 4):
+    lm = {_pct(by[("transformer_lm", v, bits)]["single"]) for v in ("compressed", "convert")}
+    out[f"grad_error.lm.{bits}"] = "-".join(sorted(lm))
+    for variant in ("compressed", "convert"):
+      out[f"grad_error.resnet18.{variant}.{bits}"] = _pct(by[("resnet18", variant, bits)]["single"])
+  out["grad_error.target_4"] = f"{100 * by[('resnet18', 'convert', 4)]['target']:.0f}%"
+
+
+def _train_zoo(results: Path, out: dict) -> None:
+  """train_zoo.json (4 bits) and train_zoo_2bit.json: final losses against two plain seeds."""
+  four, two = _load(results / "train_zoo.json"), _load(results / "train_zoo_2bit.json")
+  if four is None or two is None:
+    return
+  r = next(s for s in four["summary"] if s["model"] == "resnet18")
+  out["train_zoo.resnet18.convert4"] = f"{r['convert']:.3f}"
+  out["train_zoo.resnet18.plain"] = f"{r['plain_seed0']:.3f}/{r['plain_seed1']:.3f}"
+  r2 = next(s for s in two["summary"] if s["model"] == "resnet18")
+  out["train_zoo.resnet18.gap2"] = f"{r2['gap']:.2f}"
+  out["train_zoo.resnet18.noise"] = f"{r2['noise']:.3f}"
+
+
+def _whole_model(results: Path, out: dict) -> None:
+  """bench_whole_model.json: one jact.compressed around a stack against one per block."""
+  wm = _load(results / "bench_whole_model.json")
+  if wm is None:
+    return
+  by = {(r["stack"], r["mode"]): r for r in wm["rows"]}
+  for stack, name in (("relu_cnn", "cnn"), ("transformer", "transformer")):
+    whole, per = by[(f"{stack} x8", "whole")], by[(f"{stack} x8", "per_block")]
+    out[f"whole_model.{name}.whole"] = _mib(whole["temp_bytes"], 2)
+    out[f"whole_model.{name}.per_block"] = _mib(per["temp_bytes"], 2)
+    out[f"whole_model.{name}.over_per_block"] = f"{whole['temp_bytes'] / per['temp_bytes']:.2f}x"
+    out[f"whole_model.{name}.vs_plain"] = f"{whole['temp_reduction_vs_plain']:.1f}x"
+    scan = by[(f"{stack} scan8", "whole")]
+    out[f"whole_model.{name}.scan_vs_plain"] = f"{scan['temp_reduction_vs_plain']:.1f}x"
+
+
+def _whole_model_error(results: Path, out: dict) -> None:
+  """whole_model_error.json: the offset LayerNorm's error and what row storage costs in temp."""
+  we = _load(results / "whole_model_error.json")
+  if we is None:
+    return
+  errors = we["offset_layer_norm"]["errors"]
+  out["whole_model_error.offset_ln"] = f"{100 * min(errors):.1f}–{100 * max(errors):.1f} %"
+  out["whole_model_error.target_8bit"] = f"{100 * we['targets']['error_8bit']:.0f} %"
+  rows_cost = [
+    r["compressed_2"]["temp_bytes"] / r["rows_off_2"]["temp_bytes"] - 1 for r in we["rows"]
+  ]
+  out["whole_model_error.rows_temp_cost"] = f"+{100 * max(rows_cost):.0f} %"
+
+
+def _train_sharded(results: Path, out: dict) -> None:
+  """train_sharded.json: the plain model's collectives a step."""
+  ts = _load(results / "train_sharded.json")
+  if ts is None:
+    return
+  plain = next(r for r in ts["runs"] if r["variant"] == "plain")
+  received = sum(c["bytes"] for c in plain["collectives"].values())
+  out["train_sharded.plain.all_reduces"] = str(plain["collectives"]["all-reduce"]["count"])
+  out["train_sharded.plain.collective_mib"] = _mib(received, 0)
+
+
 @functools.cache
 def compute(results: str) -> dict:
   """name -> figure, from the results folder `results` (a resolved path string)."""
   out: dict[str, str] = {}
   path = Path(results)
-  for part in (_frontier, _time_model):
+  for part in (
+    _frontier,
+    _time_model,
+    _bench_fit,
+    _compile_time,
+    _memory_scaling,
+    _grad_error,
+    _train_zoo,
+    _whole_model,
+    _whole_model_error,
+    _train_sharded,
+  ):
     part(path, out)
   return out
