@@ -158,7 +158,6 @@ def test_a_generated_block_is_filled_from_the_data(tmp_path):
 OWED = {
   "docs/distributed.md",
   "docs/guarantees.md",
-  "docs/measured.md",
 }
 
 
