@@ -157,7 +157,6 @@ def test_a_generated_block_is_filled_from_the_data(tmp_path):
 # fail (strict), so a page that is fixed leaves this set.
 OWED = {
   "docs/distributed.md",
-  "docs/guarantees.md",
 }
 
 
