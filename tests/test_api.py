@@ -209,7 +209,6 @@ ENTRY_POINTS = {
 
 # Public callables that take bits= but are not entry points of the checks above, and why.
 NOT_ENTRY_POINTS = {
-  "ops.Rounding": "a value describing a rounding, not an op",
   "nn.BLPABlock": "bits= is BLPA's own integer width; the block takes no compressor=",
   "nnx.BLPABlock": "bits= is BLPA's own integer width; the block takes no compressor=",
 }

@@ -86,16 +86,6 @@ CASES = [
     ["group_size", "100", "usual value is 256"],
   ),
   (
-    "compressed-group-size-keyword",
-    lambda: jact.compressed(_block, group_size=0),
-    TypeError,
-    [
-      "jact.compressed",
-      "group_size=",
-      "compressor=jact.compressors.PerGroup(4, group_size=0, stochastic=True)",
-    ],
-  ),
-  (
     "compressed-min-size",
     lambda: jact.compressed(_block, min_size=0),
     ValueError,
@@ -106,22 +96,6 @@ CASES = [
     lambda: jact.compressed(_block, compressor=C.PerGroup(4, stochastic="yes")),
     TypeError,
     ["stochastic", "'yes'", "True", "False"],
-  ),
-  (
-    "compressed-stochastic-keyword",
-    lambda: jact.compressed(_block, stochastic=None),
-    TypeError,
-    [
-      "jact.compressed",
-      "stochastic=",
-      "compressor=jact.compressors.PerGroup(4, group_size=256, stochastic=None)",
-    ],
-  ),
-  (
-    "checkpoint-stochastic-keyword",
-    lambda: jact.checkpoint(_block, stochastic=False),
-    TypeError,
-    ["jact.checkpoint", "compressor=jact.compressors.PerGroup(4"],
   ),
   (
     "compressed-name-empty",

@@ -47,7 +47,9 @@ class PackedPerSample(Stored):
     bits: uint8[N] width used for each sample (after any fallback).
     minimum: bfloat16[N, groups] group minimum (rounded down).
     scale: bfloat16[N, groups] quantization step (rounded up).
-    shape, dtype, group_size: static description of the original tensor.
+    shape, dtype, group_size: static description of the quantized tensor.
+    view_shape: shape `decompress` returns when the tensor was quantized as a
+      reshaped view (small samples as one row), else None.
   """
 
   data: jax.Array
@@ -57,6 +59,7 @@ class PackedPerSample(Stored):
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   dtype: Any = dataclasses.field(metadata=dict(static=True))
   group_size: int = dataclasses.field(metadata=dict(static=True))
+  view_shape: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def nbytes(self) -> int:
@@ -64,8 +67,10 @@ class PackedPerSample(Stored):
     return int(self.data.size + self.bits.size + 2 * self.minimum.size + 2 * self.scale.size)
 
   def decompress(self, dtype=None) -> jax.Array:
-    """`dequantize_per_sample(self, dtype)` (the kernel for the backend)."""
-    return decoder(PackedPerSample)(self, dtype)
+    """`dequantize_per_sample(self, dtype)` (the kernel for the backend), in
+    `view_shape` when set."""
+    out = decoder(PackedPerSample)(self, dtype)
+    return out if self.view_shape is None else out.reshape(self.view_shape)
 
   def map_ordered(self, fn) -> "PackedPerSample":
     """The buffer waits for the cotangent."""

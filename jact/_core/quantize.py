@@ -43,6 +43,7 @@ __all__ = [
   "check_float_dtype",
   "effective_group_size",
   "as_rows",
+  "group_ranges_sq",
   "grouped",
   "finite_min_max",
   "grid_scale",
@@ -505,3 +506,15 @@ def as_rows(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
   if len(shape) <= 1 or (d < group_size and d < SMALLEST_ROW):
     return (1, math.prod(shape))
   return tuple(shape)
+
+
+def group_ranges_sq(x: jax.Array, group_size: int) -> jax.Array:
+  """Per-sample sum over quantization groups of (group range)^2 and the largest
+  group range, with x grouped as `jact.quantize` groups it."""
+  x = jax.lax.stop_gradient(x)
+  x = x.reshape(as_rows(tuple(x.shape), group_size))
+  d = math.prod(x.shape[1:])
+  g, _ = grouped(x, effective_group_size(d, group_size))
+  lo, hi = finite_min_max(g)
+  r = jnp.where(hi >= lo, hi - lo, 0.0)
+  return jnp.sum(r * r, axis=-1), jnp.max(r), effective_group_size(d, group_size)

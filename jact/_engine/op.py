@@ -9,7 +9,7 @@ every op:
   key) and one site per role, so each residual draws independent noise;
 * residual names `f"{name}.{role}"` (`tag`, for `jax.checkpoint` policies,
   plans, reports and estimators);
-* compression with the op's `Rounding` (and the active plan), optionally
+* compression with the op's compressor (and the active plan), optionally
   centered and scaled per row first (`store_rows`);
 * the forward epilogue (`finish_forward`: the output waits for the stored
   residuals, so the full-precision input dies in the forward pass);
@@ -21,22 +21,23 @@ every op:
 
 A residual's role says what happens to it:
 
-* `Store(value)`: stored compressed with the op's rounding (exact when the
-  op's bits are None), reconstructed before the backward runs;
+* `Store(value)`: stored compressed with the op's compressor (exact when it
+  is None), reconstructed before the backward runs;
 * `Save(value)`: kept as given and named (exact statistics, a packed mask,
   a seed, integer ids); `unpack` rebuilds it after the barrier;
 * `Keep(value)`: an input kept by reference (a weight, a bias, a mask),
   not named; `tie=True` makes it wait for the cotangent.
 
 >>> import jax, jax.numpy as jnp
->>> from jact._engine.rounding import Rounding
+>>> from jact._engine.rounding import resolve_compressor
 >>> def cube(x, *, key=None, bits=8, name="cube"):
 ...   def forward(x):   # exact output; the derivative is the only residual
 ...     return x ** 3, {"dydx": Store(3 * x ** 2)}
 ...   def backward(res, g):   # res["dydx"]: the reconstructed derivative
 ...     return (g * res["dydx"],)
+...   compressor = resolve_compressor(bits, None, "cube", default_bits=8)
 ...   return compressed_op(forward, backward, op="cube", name=name,
-...                        rounding=Rounding(bits), key=key, elementwise=True)(x)
+...                        compressor=compressor, key=key, elementwise=True)(x)
 >>> x = jnp.linspace(-1.0, 1.0, 256)
 >>> bool((cube(x, key=jax.random.key(0)) == x ** 3).all())
 True
@@ -50,8 +51,6 @@ True
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from typing import Any, Callable
 
 import jax
@@ -60,7 +59,8 @@ import jax.numpy as jnp
 from jact import _compat
 from jact._engine.derivatives import reverse_only
 from jact._engine.names import check_name, tag
-from jact._engine.rounding import NO_KEY, Rounding, make_seed
+from jact.compressors import Compressor
+from jact._engine.rounding import make_seed
 from jact._engine.rows import store_rows
 from jact._engine.scheduling import barrier, finish_forward, is_stored, kept_until_cotangent
 from jact._engine.store import compress_residual, restore_residual
@@ -71,22 +71,19 @@ __all__ = [
   "Keep",
   "compressed_op",
   "same_varying_axes",
-  "takes_compressor",
-  "REMOVED_KEYWORDS",
-  "reject_removed_keywords",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Store:
-  """A residual stored compressed with the op's rounding.
+  """A residual stored with the op's compressor.
 
   Attributes:
     value: a floating-point array.
     dtype: the dtype of the reconstruction the backward receives (None:
       `value`'s own).
     exact_dtype: the dtype `value` is kept in when the op stores exactly
-      (its bits are None), e.g. the input's dtype for a float32 derivative.
+      (its compressor is None), e.g. the input's dtype for a float32 derivative.
     rows: axes of a row (counted from the end): the value is centered and
       scaled per row before it is rounded (`jact._engine.rows.store_rows`).
   """
@@ -122,7 +119,7 @@ def compressed_op(
   *,
   op: str,
   name: str,
-  rounding: Rounding | None = None,
+  compressor: Compressor | None = None,
   key=None,
   primal: Callable | None = None,
   elementwise: bool = False,
@@ -140,7 +137,8 @@ def compressed_op(
       `g` is the output's cotangent (the first output's with `statistics`).
     op: the op's name in messages (`jact.ops.<op>`).
     name: the residual-name prefix (the op's `name=`).
-    rounding: how `Store` residuals are stored (None: the op stores none).
+    compressor: how `Store` residuals are stored (None: kept exact), the
+      value `jact._engine.rounding.resolve_compressor` gives.
     key: the PRNG key of the rounding noise (None where none is needed).
     primal: the output alone, for evaluation without differentiation
       (default: `forward`'s output).
@@ -154,7 +152,7 @@ def compressed_op(
     `apply(*inputs)`, the op's output with the backward `backward` gives.
   """
   name = check_name(name)
-  seed = NO_KEY if rounding is None else make_seed(key, rounding, op)
+  seed = make_seed(key, compressor, op)
   primal = primal or (lambda *inputs: forward(*inputs)[0])
   layout = {}  # what the forward rule stored: roles, kinds, shapes (static)
 
@@ -167,7 +165,7 @@ def compressed_op(
     roles = tuple(residuals)
     kinds = tuple(residuals.values())
     values = tuple(
-      _stored(kind, seed, site, rounding, f"{name}.{role}")
+      _stored(kind, seed, site, compressor, f"{name}.{role}")
       for site, (role, kind) in enumerate(residuals.items())
     )
     # the static part only: the backward rule must not hold the forward's tracers
@@ -204,7 +202,7 @@ def compressed_op(
   return call
 
 
-def _stored(kind, seed, site: int, rounding: Rounding | None, name: str):
+def _stored(kind, seed, site: int, compressor: Compressor | None, name: str):
   """What the forward rule keeps of one residual (named, compressed where asked)."""
   if isinstance(kind, Keep):
     return kind.value
@@ -215,21 +213,16 @@ def _stored(kind, seed, site: int, rounding: Rounding | None, name: str):
       f"a compressed op's residual {name!r} must be Store, Save or Keep, got {kind!r}"
     )
   value = kind.value
-  if rounding is None or rounding.bits is None:
+  compress = lambda v: compress_residual(v, seed, site, compressor, name)
+  if compressor is None:
     if kind.exact_dtype is not None:
       value = value.astype(kind.exact_dtype)
-    stored = _compress(value, seed, site, rounding, name)
+    stored = compress(value)
   elif kind.rows is not None and jnp.size(value):
-    stored = store_rows(value, kind.rows, lambda v: _compress(v, seed, site, rounding, name))
+    stored = store_rows(value, kind.rows, compress)
   else:
-    stored = _compress(value, seed, site, rounding, name)
+    stored = compress(value)
   return tag(stored, name)
-
-
-def _compress(value, seed, site, rounding, name):
-  if rounding is None:
-    return value
-  return compress_residual(value, seed, site, rounding, name)
 
 
 def _waits(kinds, values) -> bool:
@@ -299,59 +292,3 @@ def same_varying_axes(args) -> tuple:
 
 def _is_float(a) -> bool:
   return _compat.is_jax_value(a) and jnp.issubdtype(jnp.result_type(a), jnp.floating)
-
-
-# The per-group quantizer's settings, once repeated in every op's signature:
-# now one `compressor=jact.compressors.PerGroup(bits, group_size=..., stochastic=...)`.
-REMOVED_KEYWORDS = ("group_size", "stochastic")
-
-
-def takes_compressor(fn: Callable | None = None, *, api: str | None = None) -> Callable:
-  """`fn` (a public op or transform taking `bits=` and `compressor=`) with a
-  clear TypeError for the keywords it no longer takes (`REMOVED_KEYWORDS`),
-  naming the compressor to pass instead. The signature and docstring stay
-  `fn`'s; `api` names it in the message (default `jact.ops.<name>`).
-
-  >>> import jax.numpy as jnp
-  >>> @takes_compressor
-  ... def op(x, *, bits=4, compressor=None):
-  ...   return x
-  >>> op(jnp.ones(2), bits=2, stochastic=False)  # doctest: +NORMALIZE_WHITESPACE
-  Traceback (most recent call last):
-  ...
-  TypeError: jact.ops.op no longer takes stochastic=: the quantizer's settings are one argument.
-  Pass compressor=jact.compressors.PerGroup(2, group_size=256, stochastic=False)
-  instead of bits=2, stochastic=False.
-  """
-  if fn is None:
-    return functools.partial(takes_compressor, api=api)
-  api = api or f"jact.ops.{fn.__name__}"
-  bits_default = inspect.signature(fn).parameters["bits"].default
-
-  @functools.wraps(fn)
-  def call(*args, **kwargs):
-    reject_removed_keywords(api, kwargs, bits_default)
-    return fn(*args, **kwargs)
-
-  return call
-
-
-def reject_removed_keywords(api: str, kwargs: dict, bits_default=4) -> None:
-  """The TypeError of `takes_compressor` when `kwargs` (a call's keywords)
-  hold a removed keyword (`REMOVED_KEYWORDS`); `api` names the call, e.g.
-  "jact.nn.Dense" (the Flax twins' constructors check through here)."""
-  removed = {k: kwargs[k] for k in REMOVED_KEYWORDS if k in kwargs}
-  if removed:
-    raise TypeError(_removed_message(api, kwargs.get("bits", bits_default), removed))
-
-
-def _removed_message(api: str, bits, removed: dict) -> str:
-  settings = {"group_size": 256, "stochastic": True, **removed}
-  width = bits if isinstance(bits, int) and not isinstance(bits, bool) else 4
-  given = ", ".join(f"{k}={v!r}" for k, v in removed.items())
-  return (
-    f"{api} no longer takes {', '.join(k + '=' for k in removed)}: the quantizer's "
-    f"settings are one argument. Pass compressor=jact.compressors.PerGroup({width}, "
-    f"group_size={settings['group_size']!r}, stochastic={settings['stochastic']!r}) "
-    f"instead of bits={bits!r}, {given}."
-  )

@@ -19,9 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from jact._engine import context as _context
-from jact._core.quantize import as_rows, effective_group_size, finite_min_max, grouped
+from jact._core.quantize import group_ranges_sq
+from jact.compressors import PerGroup
 
-__all__ = ["Collector", "abs_max", "group_ranges_sq", "observe_linear", "observe_norm"]
+__all__ = [
+  "Collector",
+  "abs_max",
+  "group_ranges_sq",
+  "group_size_of",
+  "observe_linear",
+  "observe_norm",
+]
 
 
 class Collector:
@@ -46,18 +54,6 @@ class Collector:
     if self.probes is None or name not in self.probes:
       return y
     return y + self.probes[name].astype(y.dtype)
-
-
-def group_ranges_sq(x: jax.Array, group_size: int) -> jax.Array:
-  """Per-sample sum over quantization groups of (group range)^2 and the largest
-  group range, with x grouped as `jact.quantize` groups it."""
-  x = jax.lax.stop_gradient(x)
-  x = x.reshape(as_rows(tuple(x.shape), group_size))
-  d = math.prod(x.shape[1:])
-  g, _ = grouped(x, effective_group_size(d, group_size))
-  lo, hi = finite_min_max(g)
-  r = jnp.where(hi >= lo, hi - lo, 0.0)
-  return jnp.sum(r * r, axis=-1), jnp.max(r), effective_group_size(d, group_size)
 
 
 def abs_max(x: jax.Array) -> jax.Array:
@@ -139,3 +135,9 @@ def observe_norm(
 
 def active() -> Collector | None:
   return _context.current("stats")
+
+
+def group_size_of(compressor) -> int:
+  """The group size a stored activation's ranges are measured with: the
+  per-group quantizer's own, its default (256) for any other compressor."""
+  return compressor.group_size if isinstance(compressor, PerGroup) else PerGroup().group_size

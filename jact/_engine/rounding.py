@@ -1,6 +1,9 @@
-"""How an op rounds its residuals: the `Rounding` settings, the compressor they
-stand for, and the uint32 seeds (per call, per residual site, salted by the
-estimators) that make the rounding noise reproducible and independent.
+"""How an op stores its residuals: the one value that says so (a
+`jact.compressors.Compressor`, or None: kept exact), resolved once from a
+public call's `bits=` / `compressor=` (`resolve_compressor`), what a plan
+entry makes of it (`apply_plan_entry`), and the uint32 seeds (per call, per
+residual site, salted by the estimators) that make the rounding noise
+reproducible and independent.
 """
 
 from __future__ import annotations
@@ -8,26 +11,21 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 
 from jact._core import rng
-from jact._core.quantize import FLOAT_DTYPES, check_bits, check_group_size
+from jact._core.quantize import FLOAT_DTYPES, check_bits
 from jact.compressors import Compressor, PerGroup
 from jact._engine import context as _context
 
 __all__ = [
-  "Rounding",
   "SaltedSeed",
   "NoKey",
   "NO_KEY",
-  "residual_method",
-  "op_rounding",
-  "op_keywords",
-  "as_compressor",
   "resolve_compressor",
   "compressor_keywords",
   "apply_plan_entry",
+  "site_width",
   "make_seed",
   "salt_seed",
   "site_seed",
@@ -35,60 +33,14 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Rounding:
-  """Static compression settings of one op call.
+def _checked(bits, compressor, api: str, default_bits: int | None):
+  """A call's `bits=` and `compressor=` checked: the compressor when one is
+  given, else the width (an int, or None: uncompressed).
 
-  Attributes:
-    bits: 1, 2, 4 or 8 (ActNN's per-group quantizer), a `jact.compressors`
-      compressor (BLPA, DIVISION, fixpoint, zero-value, ...), or None to
-      keep the residual uncompressed. Public calls take the width as `bits=`
-      and the compressor as `compressor=`; `residual_method` merges the two
-      into this one field (a plan entry may replace it by either).
-    group_size: values per quantization group (multiple of 8) of an integer `bits`.
-    stochastic: stochastic (unbiased) or round-to-nearest rounding, for an integer `bits`.
-  """
-
-  bits: int | Compressor | None = 4
-  group_size: int = 256
-  stochastic: bool = True
-
-  def __post_init__(self):
-    if self.bits is not None and not isinstance(self.bits, Compressor):
-      try:
-        check_bits(self.bits)
-      except ValueError as e:
-        raise ValueError(
-          f"{e} Or pass a compressor from jact.compressors "
-          "(e.g. compressor=jact.compressors.Division())."
-        ) from None
-    check_group_size(self.group_size)
-    if not isinstance(self.stochastic, (bool, np.bool_)):
-      raise TypeError(
-        f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
-        f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}."
-      )
-
-  @property
-  def compressor(self) -> Compressor | None:
-    """The compressor `bits` stands for (None: uncompressed)."""
-    return as_compressor(self.bits, self.group_size, self.stochastic)
-
-  @property
-  def needs_key(self) -> bool:
-    c = self.compressor
-    return c is not None and c.needs_key
-
-
-def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
-  """What `Rounding.bits` holds for a call's `bits=` and `compressor=`.
-
-  `bits=` is an int width (or None: uncompressed) and `compressor=` a
-  `jact.compressors` object; the result is `compressor` when one is given,
-  else `bits`. A compressor passed as `bits=` is a TypeError naming
-  `compressor=`; a compressor together with a width other than the call's
-  default (`default_bits`) is a ValueError, since the compressor sets its own
-  width. `api` names the call in the messages ("jact.ops.dense").
+  A compressor passed as `bits=` is a TypeError naming `compressor=`; a
+  compressor together with a width other than the call's default
+  (`default_bits`) is a ValueError, since the compressor sets its own width.
+  `api` names the call in the messages ("jact.ops.dense").
   """
   if isinstance(bits, Compressor):
     raise TypeError(
@@ -96,6 +48,14 @@ def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
       f"compressor {bits!r}; pass it as compressor={bits!r}."
     )
   if compressor is None:
+    if bits is not None:
+      try:
+        check_bits(bits)
+      except ValueError as e:
+        raise ValueError(
+          f"{e} Or pass a compressor from jact.compressors "
+          "(e.g. compressor=jact.compressors.Division())."
+        ) from None
     return bits
   if not isinstance(compressor, Compressor):
     raise TypeError(
@@ -112,53 +72,6 @@ def residual_method(bits, compressor, api: str, default_bits: int | None = 4):
   return compressor
 
 
-def op_rounding(api: str, bits, compressor, default_bits: int | None = 4) -> Rounding:
-  """The `Rounding` of an op call's `bits=` and `compressor=` (see
-  `residual_method`). A plain `PerGroup` compressor is held as its width,
-  group size and rounding mode (exactly what `bits=` alone gives for the
-  defaults), so plans, reports and seeds treat both spellings alike.
-
-  >>> op_rounding("jact.ops.gelu", 4, PerGroup(2, group_size=64, stochastic=False))
-  Rounding(bits=2, group_size=64, stochastic=False)
-  >>> op_rounding("jact.ops.gelu", 4, None) == op_rounding("jact.ops.gelu", 4, PerGroup(4))
-  True
-  """
-  method = residual_method(bits, compressor, api, default_bits)
-  if isinstance(method, PerGroup) and method.implementation is None:
-    return Rounding(method.bits, method.group_size, method.stochastic)
-  return Rounding(method)
-
-
-def op_keywords(
-  bits, group_size: int = 256, stochastic: bool = True, compressor: Compressor | None = None
-) -> dict:
-  """The ops' `bits=` / `compressor=` keywords for settings spelled out (a
-  Flax layer's or a conversion's `bits`, `group_size`, `stochastic`,
-  `compressor` fields): a non-default group size or rounding mode becomes
-  the per-group compressor.
-
-  >>> op_keywords(4, 64, False)
-  {'compressor': PerGroup(bits=4, group_size=64, stochastic=False, implementation=None)}
-  >>> op_keywords(2)
-  {'bits': 2, 'compressor': None}
-  """
-  if (
-    compressor is None
-    and bits is not None
-    and not isinstance(bits, Compressor)
-    and (group_size, stochastic) != (256, True)
-  ):
-    return dict(compressor=PerGroup(bits, group_size, stochastic))
-  return dict(bits=bits, compressor=compressor)
-
-
-def as_compressor(bits, group_size: int = 256, stochastic: bool = True) -> Compressor | None:
-  """`bits` (an int, a compressor or None) as a compressor."""
-  if bits is None or isinstance(bits, Compressor):
-    return bits
-  return PerGroup(bits, group_size, stochastic)
-
-
 def resolve_compressor(bits, compressor, api: str, default_bits: int | None = 4):
   """The one value that says how a residual is stored, from a public call's
   `bits=` and `compressor=`: a `Compressor`, or None (kept exact). Resolved
@@ -170,7 +83,8 @@ def resolve_compressor(bits, compressor, api: str, default_bits: int | None = 4)
   >>> resolve_compressor(None, None, "jact.ops.gelu") is None
   True
   """
-  return as_compressor(residual_method(bits, compressor, api, default_bits))
+  method = _checked(bits, compressor, api, default_bits)
+  return method if method is None or isinstance(method, Compressor) else PerGroup(method)
 
 
 def compressor_keywords(compressor) -> dict:
@@ -183,15 +97,33 @@ def compressor_keywords(compressor) -> dict:
   return {"bits": None} if compressor is None else {"compressor": compressor}
 
 
-def apply_plan_entry(call_bits, entry):
-  """What a plan entry makes of a call site's `bits`: an integer entry
-  changes the width of the call site's method (`with_bits`), a compressor
-  entry replaces it, None keeps the residual uncompressed."""
+def apply_plan_entry(compressor: Compressor | None, entry) -> Compressor | None:
+  """What a plan entry makes of a call site's compressor: an integer entry
+  changes its width (`compressor.with_bits(n)`; the per-group quantizer's for
+  a site kept exact), a compressor entry replaces it, None keeps the residual
+  uncompressed.
+
+  >>> apply_plan_entry(PerGroup(4, group_size=64), 2)
+  PerGroup(bits=2, group_size=64, stochastic=True, implementation=None)
+  """
   if isinstance(entry, Compressor) or entry is None:
     return entry
-  if isinstance(call_bits, Compressor):
-    return call_bits.with_bits(entry)
-  return entry
+  if compressor is None:
+    return PerGroup(entry)
+  return compressor.with_bits(entry)
+
+
+def site_width(compressor: Compressor | None):
+  """How reports and estimators list a residual's storage
+  (`jact._engine.context.Site.bits`): the per-group quantizer as its width
+  (an int), any other compressor as itself, None (kept exact) as None.
+
+  >>> site_width(PerGroup(2, group_size=64)), site_width(None)
+  (2, None)
+  """
+  if isinstance(compressor, PerGroup) and compressor.implementation is None:
+    return compressor.bits
+  return compressor
 
 
 @jax.tree_util.register_dataclass
@@ -215,14 +147,14 @@ class NoKey:
 NO_KEY = NoKey()
 
 
-def make_seed(key, rounding: Rounding, op: str):
+def make_seed(key, compressor: Compressor | None, op: str):
   """uint32 seed for an op call; a clear error when a needed key is missing.
 
   Without a key (and none needed) the seed is `NO_KEY`; inside a sensitivity
   estimator's salt scope the result is a `SaltedSeed`.
   """
   if key is None:
-    if not rounding.needs_key:
+    if compressor is None or not compressor.needs_key:
       return NO_KEY
     raise ValueError(
       f"jact.ops.{op} quantizes its residuals with stochastic rounding and needs "

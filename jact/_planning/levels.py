@@ -21,8 +21,7 @@ from jax import lax
 from jact import _compat
 from jact.compressors import Compressor
 from jact._engine.names import check_name
-from jact._engine.op import takes_compressor
-from jact._engine.rounding import op_keywords, op_rounding
+from jact._engine.rounding import compressor_keywords, resolve_compressor
 from jact.ops._linear import conv_general_dilated
 from jact._planning.controller import Controller
 from jact._transforms import _interpreter as interpreter
@@ -152,7 +151,6 @@ def get(name: str) -> Level:
 # ----------------------------------------------------------------------------- ActNN L1
 
 
-@takes_compressor(api="jact.levels.compress_convolutions")
 def compress_convolutions(
   block: Callable[..., Any],
   *,
@@ -181,12 +179,8 @@ def compress_convolutions(
     `wrapped(*args, key=None, **kwargs)`; `key` is required when rounding is
     stochastic (a fresh key per step).
   """
-  rounding = op_rounding("jact.levels.compress_convolutions", bits, compressor)  # validates them
-  method = (
-    {"compressor": rounding.bits}
-    if isinstance(rounding.bits, Compressor)
-    else op_keywords(rounding.bits, rounding.group_size, rounding.stochastic)
-  )
+  resolved = resolve_compressor(bits, compressor, "jact.levels.compress_convolutions")
+  method = compressor_keywords(resolved)
   check_name(name)
   argnums = check_argnums(compress_argnums)
   min_size = DEFAULT_MIN_SIZE if min_size is None else min_size
@@ -195,7 +189,7 @@ def compress_convolutions(
 
   @functools.wraps(block)
   def wrapped(*args, key=None, **kwargs):
-    if key is None and rounding.needs_key:
+    if key is None and resolved is not None and resolved.needs_key:
       raise ValueError(
         f"jact level {name!r}: the convolutions' inputs are stochastically rounded, which "
         f"needs a PRNG key: call it with key=jax.random.key(...) (a fresh key per step)."

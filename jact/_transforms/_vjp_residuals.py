@@ -23,7 +23,7 @@ from jact._core.quantize import FLOAT_DTYPES
 from jact.compressors import Compressor, PerGroup, Stored
 from jact._engine import context as _context
 from jact._engine.names import check_name, is_jact_name, tag
-from jact._engine.rounding import Rounding, apply_plan_entry
+from jact._engine.rounding import apply_plan_entry
 from jact._engine.scheduling import barrier, is_stored, materialize
 from jact._engine.sharding import pin_rows
 from jact._engine.store import compress_residual, kept_symbolic, restore_residual
@@ -40,11 +40,9 @@ class ResidualConfig:
   """Static settings of a `compressed` function.
 
   Attributes:
-    bits: default bit width (1, 2, 4 or 8) of floating residuals, a
-      compressor (`jact.compressors`), or None to keep them uncompressed
-      (booleans are still bit-packed).
-    group_size: values per quantization group (multiple of 8).
-    stochastic: stochastic (unbiased) or round-to-nearest rounding.
+    compressor: how floating residuals are stored (a `jact.compressors`
+      object, the value `jact._engine.rounding.resolve_compressor` gives), or
+      None to keep them uncompressed (booleans are still bit-packed).
     min_size: floating residuals with fewer values are kept as they are.
     name: prefix of the residual names (`name.0`, `name.1`, ...).
     overrides: bit widths or compressors for particular residual names (a
@@ -52,15 +50,17 @@ class ResidualConfig:
       a plan); an integer applied to a compressor changes its width.
   """
 
-  bits: int | None = 4
-  group_size: int = 256
-  stochastic: bool = True
+  compressor: Compressor | None = PerGroup(4)
   min_size: int = DEFAULT_MIN_SIZE
   name: str = "compressed"
   overrides: Any = None
 
   def __post_init__(self):
-    Rounding(self.bits, self.group_size, self.stochastic)  # validates bits and group size
+    if self.compressor is not None and not isinstance(self.compressor, Compressor):
+      raise TypeError(
+        f"ResidualConfig.compressor takes a jact.compressors object or None, got "
+        f"{self.compressor!r}; resolve a width first (resolve_compressor(bits, None, api))."
+      )
     check_name(self.name)
     if not isinstance(self.min_size, int) or self.min_size < 1:
       raise ValueError(
@@ -79,19 +79,22 @@ class ResidualConfig:
       for name, entry in self.overrides.items():
         check_override(name, entry)
 
-  def rounding_for(self, name: str) -> Rounding:
-    bits = self.bits
+  def compressor_for(self, name: str) -> Compressor | None:
+    """The compressor of residual `name`: `compressor` as `overrides` changes it."""
+    c = self.compressor
     if isinstance(self.overrides, Mapping):
-      bits = apply_plan_entry(bits, self.overrides.get(name, bits))
+      c = apply_plan_entry(c, self.overrides.get(name, c))
     elif self.overrides is not None:
-      bits = apply_plan_entry(bits, self.overrides.bits_for(name, bits))
-    return Rounding(bits, self.group_size, self.stochastic)
+      c = apply_plan_entry(c, self.overrides.bits_for(name, c))
+    return c
 
   @property
   def needs_key(self) -> bool:
-    if Rounding(self.bits, self.group_size, self.stochastic).needs_key:
+    c = self.compressor
+    if c is not None and c.needs_key:
       return True
-    return self.overrides is not None and self.stochastic  # a name might get bits
+    # a name might get an integer width: the per-group quantizer's rounding
+    return self.overrides is not None and (not isinstance(c, PerGroup) or c.stochastic)
 
 
 def is_array(x) -> bool:
@@ -181,15 +184,15 @@ def store_saved(leaf, name: str, seed, site: int, config: ResidualConfig, detail
   if leaf.dtype == jnp.bool_ or detail == "mask":
     return tag(pack_codes(pin_rows(leaf) != 0, 1), name)
   if is_float(leaf) and at_least(leaf.shape, config.min_size) and not is_byte_float(leaf):
-    rounding = config.rounding_for(name)
-    if rounding.bits is not None:
+    compressor = config.compressor_for(name)
+    if compressor is not None:
       check_compressible(leaf, name)
-      compress = lambda x: compress_residual(x, seed, site, rounding, name)
+      compress = lambda x: compress_residual(x, seed, site, compressor, name)
       if (
         isinstance(detail, tuple)
         and detail[0] == "rows"
         and fits_rows(leaf, detail[1])
-        and isinstance(rounding.compressor, PerGroup)
+        and isinstance(compressor, PerGroup)
       ):  # rows fix the shared group grid
         return tag(store_rows(leaf, detail[1], compress), name)
       return tag(compress(leaf), name)

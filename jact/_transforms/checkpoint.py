@@ -39,8 +39,7 @@ from jact.compressors import Compressor
 from jact import _compat
 from jact._core import rng
 from jact._engine.names import JACT_NAME_PREFIX, is_jact_name
-from jact._engine.op import takes_compressor
-from jact._engine.rounding import op_rounding
+from jact._engine.rounding import compressor_keywords, resolve_compressor
 from jact._transforms._arguments import (
   check_argnums,
   check_policy,
@@ -200,7 +199,6 @@ def _plain_checkpoint(fn, policy, prevent_cse, check_key, config):
   return wrapped
 
 
-@takes_compressor(api="jact.checkpoint")
 def checkpoint(
   fn: Callable[..., Any] | None = None,
   *,
@@ -248,13 +246,13 @@ def checkpoint(
   Returns:
     `wrapped(*args, key=None, **kwargs)`.
   """
+  resolved = resolve_compressor(bits, compressor, "jact.checkpoint")
   check_policy(policy, "jact.checkpoint")
   if fn is None:
     return functools.partial(
       checkpoint,
       policy=policy,
-      bits=bits,
-      compressor=compressor,
+      **compressor_keywords(resolved),
       min_size=min_size,
       name=name,
       compress_argnums=compress_argnums,
@@ -268,8 +266,7 @@ def checkpoint(
       checkpoint(
         module_call(fn),
         policy=policy,
-        bits=bits,
-        compressor=compressor,
+        **compressor_keywords(resolved),
         min_size=min_size,
         name=name,
         compress_argnums=module_argnums(check_argnums(compress_argnums)),
@@ -278,8 +275,7 @@ def checkpoint(
     )
   check_key = reserved_key_check(fn, "jact.checkpoint")
   compress_argnums = check_argnums(compress_argnums)
-  rounding = op_rounding("jact.checkpoint", bits, compressor)
-  config = ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, min_size, name)
+  config = ResidualConfig(resolved, min_size, name)
   if not compress_argnums and (
     policy is None or policy is jax.checkpoint_policies.nothing_saveable
   ):
@@ -297,8 +293,7 @@ def checkpoint(
     return _plain_checkpoint(fn, policy, prevent_cse, check_key, config)
   body = compressed(
     returning_arrays(fn, "jact.checkpoint"),
-    bits=bits,
-    compressor=compressor,
+    **compressor_keywords(resolved),
     min_size=min_size,
     name=f"{name}.body",
   )

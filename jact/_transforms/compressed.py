@@ -51,8 +51,7 @@ import jax.numpy as jnp
 from jact import _compat
 from jact._engine import context as _context
 from jact.compressors import Compressor
-from jact._engine.op import takes_compressor
-from jact._engine.rounding import Rounding, SaltedSeed, make_seed, op_rounding, salt_seed, NoKey
+from jact._engine.rounding import SaltedSeed, make_seed, resolve_compressor, salt_seed, NoKey
 from jact._engine.names import tag
 from jact._engine.scheduling import Stacked, barrier, materialize
 from jact._engine.derivatives import reverse_only
@@ -116,7 +115,6 @@ def over_array_leaves(fn, args, kwargs, is_dynamic: Callable[[Any], bool] = is_a
 # The transform.
 
 
-@takes_compressor(api="jact.compressed")
 def compressed(
   fn: Callable[..., Any] | None = None,
   *,
@@ -170,9 +168,8 @@ def compressed(
     `wrapped(*args, key=None, **kwargs)`; `key` (a PRNG key) is required when
     residuals are stochastically rounded; use a fresh key every step.
   """
-  rounding = op_rounding("jact.compressed", bits, compressor)
   config = ResidualConfig(
-    rounding.bits, rounding.group_size, rounding.stochastic, min_size, name, overrides
+    resolve_compressor(bits, compressor, "jact.compressed"), min_size, name, overrides
   )
   argnums = check_argnums(compress_argnums)
   check_policy(policy, "jact.compressed")
@@ -280,7 +277,7 @@ def call_compressed(
       f"build it with compressor=jact.compressors.PerGroup(bits, stochastic=False) "
       f"(round-to-nearest) or bits=None (keep residuals)."
     )
-  seed = make_seed(key, Rounding(config.bits, config.group_size, config.stochastic), "compressed")
+  seed = make_seed(key, config.compressor, "compressed")
   if isinstance(seed, NoKey) and _context.current("salt") is not None:
     seed = salt_seed(jnp.uint32(0))  # carries the estimator's salt into the forward rule
 

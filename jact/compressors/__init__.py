@@ -4,7 +4,8 @@ Every method is a `Compressor` (compress, decompress, stored bytes, unbiased?)
 and plugs in as `compressor=` wherever jact takes `bits=`: the compressed
 ops, the Flax layers, `jact.compressed`, `jact.checkpoint` and
 `jact.convert`; it can also be a `jact.BitPlan` entry. An integer `bits=`
-width is shorthand for ActNN's per-group quantizer, `PerGroup(bits)`.
+width is shorthand for ActNN's per-group quantizer, `PerGroup(bits)`; a
+plan's per-sample budget stores with `PerSample` (ActNN's per-sample widths).
 
 >>> import jax, jax.numpy as jnp, jact
 >>> from jact import compressors
@@ -19,6 +20,7 @@ from jact.compressors._blpa import BLPA
 from jact.compressors._division import Division
 from jact.compressors._fixed_point import Fixpoint
 from jact.compressors._pergroup import PerGroup
+from jact.compressors._per_sample import PerSample
 from jact.compressors._zero_value import ZeroValue
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
   "from_dict",
   "registered",
   "PerGroup",
+  "PerSample",
   "Division",
   "BLPA",
   "Fixpoint",

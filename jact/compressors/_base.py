@@ -75,6 +75,9 @@ class Compressor(abc.ABC):
   * `with_bits(bits)`: the same method at another width (how a plan's integer
     entry applies to it); `bits` is the nominal width, `average_bits` the
     stored bits per value.
+  * `with_budget(avg_bits)`: the method with per-sample widths averaging
+    `avg_bits` (how a plan's per-sample budget applies to it); only the
+    per-group quantizer has one (`PerSample`), others raise.
   * `method`: the registry name used by `to_dict` / `from_dict` (JSON plans).
   """
 
@@ -109,6 +112,14 @@ class Compressor(abc.ABC):
   @abc.abstractmethod
   def with_bits(self, bits: int) -> "Compressor":
     """The same compressor at another width."""
+
+  def with_budget(self, avg_bits: float) -> "Compressor":
+    """The per-sample form of this method at `avg_bits` average bits."""
+    raise ValueError(
+      f"{self!r} has no per-sample form: only the per-group quantizer (PerGroup) splits "
+      "an average width among samples (jact.compressors.PerSample); drop the budget or "
+      "give the residual an integer width."
+    )
 
   @abc.abstractmethod
   def compress(self, x: jax.Array, seed: jax.Array | None) -> Stored:

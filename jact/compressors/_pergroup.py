@@ -18,8 +18,10 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 
 from jact.compressors._base import Compressor, check_implementation
+from jact.compressors._per_sample import PerSample
 from jact._core.quantize import Packed, as_rows, check_group_size, effective_group_size
 from jact._core.packing import check_bits
 from jact.kernels._quantize.api import dequantize, quantize
@@ -49,6 +51,11 @@ class PerGroup(Compressor):
   def __post_init__(self):
     check_bits(self.bits)
     check_group_size(self.group_size)
+    if not isinstance(self.stochastic, (bool, np.bool_)):
+      raise TypeError(
+        f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
+        f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}."
+      )
     for op in ("quantize", "dequantize"):  # the kernel runs both ways (jax_triton: quantize only)
       check_implementation(self.implementation, op)
 
@@ -66,6 +73,10 @@ class PerGroup(Compressor):
 
   def with_bits(self, bits: int) -> "PerGroup":
     return dataclasses.replace(self, bits=bits)
+
+  def with_budget(self, avg_bits: float) -> PerSample:
+    """Per-sample widths averaging `avg_bits`, with this group size and rounding."""
+    return PerSample(avg_bits, self.group_size, self.stochastic)
 
   def compress(self, x: jax.Array, seed) -> Packed:
     self.check_input(x)

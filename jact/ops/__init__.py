@@ -15,7 +15,6 @@ derivative through a compressed residual (exact ones, bits=None, allow it).
 (4, 3)
 """
 
-from jact._engine.rounding import Rounding
 from jact.ops._activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from jact.ops._attention import dot_product_attention
 from jact.ops._blpa import blpa_block
@@ -27,7 +26,6 @@ from jact.ops._norm import batch_norm, layer_norm, rms_norm, update_running_stat
 from jact.ops._pooling import avg_pool, max_pool
 
 __all__ = [
-  "Rounding",
   "dot_general",
   "dense",
   "einsum",

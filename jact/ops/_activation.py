@@ -29,8 +29,8 @@ from jact._core.packing import unpack_codes
 from jact.kernels._relu_mask.api import relu_mask
 from jact.kernels._relu_mask.reference import relu_mask_reference
 from jact.compressors import Compressor
-from jact._engine.op import Save, Store, compressed_op, takes_compressor
-from jact._engine.rounding import check_float, op_rounding
+from jact._engine.op import Save, Store, compressed_op
+from jact._engine.rounding import check_float, resolve_compressor
 from jact._engine.sharding import pin_rows
 
 __all__ = [
@@ -90,7 +90,7 @@ def leaky_relu(
 
 def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str, op: str) -> jax.Array:
   x = check_float(x, op)
-  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
+  compressor = resolve_compressor(bits, compressor, f"jact.ops.{op}")
 
   def forward(x):
     x32 = x.astype(jnp.float32)
@@ -101,11 +101,10 @@ def _stored_derivative(f: Callable, x, *, key, bits, compressor, name: str, op: 
     return ((g.astype(jnp.float32) * res["dydx"]).astype(g.dtype),)
 
   return compressed_op(
-    forward, backward, op=op, name=name, rounding=rounding, key=key, primal=f, elementwise=True
+    forward, backward, op=op, name=name, compressor=compressor, key=key, primal=f, elementwise=True
   )(x)
 
 
-@takes_compressor
 def gelu(
   x: jax.Array,
   approximate: bool = True,
@@ -133,7 +132,6 @@ def gelu(
   )
 
 
-@takes_compressor
 def silu(
   x: jax.Array,
   *,
@@ -148,7 +146,6 @@ def silu(
   )
 
 
-@takes_compressor
 def tanh(
   x: jax.Array,
   *,
@@ -163,7 +160,6 @@ def tanh(
   )
 
 
-@takes_compressor
 def sigmoid(
   x: jax.Array,
   *,
@@ -181,7 +177,6 @@ def sigmoid(
 # ----------------------------------------------------------------------------- softmax
 
 
-@takes_compressor
 def softmax(
   x: jax.Array,
   axis: int | tuple[int, ...] = -1,
@@ -204,7 +199,7 @@ def softmax(
   True
   """
   x = check_float(x, "softmax")
-  rounding = op_rounding("jact.ops.softmax", bits, compressor)
+  compressor = resolve_compressor(bits, compressor, "jact.ops.softmax")
   axis = axis if isinstance(axis, int) else tuple(axis)
 
   def forward(x):
@@ -220,7 +215,7 @@ def softmax(
     backward,
     op="softmax",
     name=name,
-    rounding=rounding,
+    compressor=compressor,
     key=key,
     primal=lambda x: jax.nn.softmax(x, axis=axis),
     elementwise=True,

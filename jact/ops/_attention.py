@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jact.compressors import Compressor
-from jact._engine.op import takes_compressor
-from jact._engine.rounding import check_float, op_rounding
+from jact._engine.rounding import check_float, compressor_keywords, resolve_compressor
 from jact._engine.names import check_name
 from jact.ops._activation import softmax
 from jact.ops._dropout import check_rate, dropout
@@ -33,7 +32,6 @@ from jact.ops._linear import einsum
 __all__ = ["dot_product_attention"]
 
 
-@takes_compressor
 def dot_product_attention(
   query: jax.Array,
   keys: jax.Array,
@@ -79,7 +77,7 @@ def dot_product_attention(
   Returns:
     [batch..., q_length, num_heads, v_depth], the dtype of the promoted inputs.
   """
-  rounding = op_rounding("jact.ops.dot_product_attention", bits, compressor)
+  compressor = resolve_compressor(bits, compressor, "jact.ops.dot_product_attention")
   name = check_name(name)
   rate = check_rate(dropout_rate)
   use_dropout = not deterministic and rate > 0.0
@@ -92,7 +90,8 @@ def dot_product_attention(
     raise ValueError(
       "query, keys and value must have the same rank >= 3: [batch..., length, num_heads, depth]"
     )
-  if key is None and (rounding.needs_key or (use_dropout and dropout_key is None)):
+  needs_key = compressor is not None and compressor.needs_key
+  if key is None and (needs_key or (use_dropout and dropout_key is None)):
     raise ValueError(
       "jact.ops.dot_product_attention needs a PRNG key (rounding noise"
       f"{' and dropout' if use_dropout else ''}): pass key=jax.random.key(...) (a fresh "
@@ -100,7 +99,7 @@ def dot_product_attention(
       "stochastic=False)) or bits=None, with deterministic=True."
     )
   k_qk, k_sm, k_drop, k_pv = (None,) * 4 if key is None else jax.random.split(key, 4)
-  opts = dict(bits=bits, compressor=compressor)
+  opts = compressor_keywords(compressor)
 
   depth = query.shape[-1]
   query = query / jnp.sqrt(depth).astype(dtype)

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jact.compressors import Compressor
 from jact.compressors._blpa import BLPA, blpa_decode, blpa_encode, blpa_grid, check_blpa_bits
 from jact._engine.derivatives import first_order_only
 from jact._engine.op import Keep, Save, compressed_op
-from jact._engine.rounding import check_float, residual_method
+from jact._engine.rounding import check_float, resolve_compressor
 from jact.ops._linear import _channels_last
 from jact._core.packing import pack_codes, unpack_codes
 
@@ -132,14 +133,16 @@ def blpa_block(
     x and kernel promoted; the statistics float32 (C,), without gradient, for
     `jact.ops.update_running_stats`. The variance is the biased two-pass one.
   """
-  method = residual_method(bits, compressor, "jact.ops.blpa_block")
-  if compressor is not None and not isinstance(method, BLPA):
-    raise TypeError(
-      f"jact.ops.blpa_block stores BLPA codes: compressor= takes a "
-      f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
-      f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv."
-    )
-  bits = check_blpa_bits(method.bits if isinstance(method, BLPA) else method)
+  if compressor is not None or isinstance(bits, Compressor):
+    compressor = resolve_compressor(bits, compressor, "jact.ops.blpa_block")
+    if not isinstance(compressor, BLPA):
+      raise TypeError(
+        f"jact.ops.blpa_block stores BLPA codes: compressor= takes a "
+        f"jact.compressors.BLPA, got {compressor!r}; for another compressor use "
+        f"jact.ops.batch_norm, jact.ops.relu and jact.ops.conv."
+      )
+    bits = compressor.bits
+  bits = check_blpa_bits(bits)
   x, scale, bias, kernel, conv_bias = _check(x, scale, bias, kernel, conv_bias)
   epsilon = float(epsilon)
   red = tuple(range(x.ndim - 1))

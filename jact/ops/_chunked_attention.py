@@ -34,8 +34,8 @@ import numpy as np
 from jax import lax
 
 from jact.compressors import Compressor
-from jact._engine.op import Keep, Save, Store, compressed_op, takes_compressor
-from jact._engine.rounding import check_float, op_rounding
+from jact._engine.op import Keep, Save, Store, compressed_op
+from jact._engine.rounding import check_float, resolve_compressor
 
 __all__ = ["chunked_attention"]
 
@@ -81,7 +81,6 @@ def _block(x: jax.Array | None, axis: int, start, size: int):
   return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-@takes_compressor
 def chunked_attention(
   query: jax.Array,
   keys: jax.Array,
@@ -140,8 +139,7 @@ def chunked_attention(
     [batch..., q_length, num_heads, v_depth] in the promoted input dtype.
     Logits, softmax statistics and accumulators are float32 for every input dtype.
   """
-  rounding = op_rounding("jact.ops.chunked_attention", bits, compressor, default_bits=None)
-  bits = rounding.bits
+  compressor = resolve_compressor(bits, compressor, "jact.ops.chunked_attention", default_bits=None)
   query_chunk = _check_chunk(query_chunk, "query_chunk")
   key_chunk = _check_chunk(key_chunk, "key_chunk")
   query, keys, value = (check_float(a, _OP) for a in (query, keys, value))
@@ -184,7 +182,7 @@ def chunked_attention(
       )
     mask = _canonical(mask_in, full, "mask")
   if recompute is None:
-    recompute = bits is not None
+    recompute = compressor is not None
   elif not isinstance(recompute, (bool, np.bool_)):
     raise TypeError(
       f"jact.ops.chunked_attention: recompute must be True, False or None, got {recompute!r}."
@@ -380,7 +378,7 @@ def chunked_attention(
     stored_backward,
     op=_OP,
     name=name,
-    rounding=rounding,
+    compressor=compressor,
     key=key,
     primal=lambda *args: forward(*args)[0],
   )(query, keys, value, bias, mask)

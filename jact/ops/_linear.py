@@ -25,17 +25,17 @@ from jax import lax
 
 from jact._engine import probe as _probe
 from jact.compressors import Compressor
-from jact._engine.op import Keep, Store, compressed_op, takes_compressor
-from jact._engine.rounding import check_float, op_rounding
+from jact._engine.op import Keep, Store, compressed_op
+from jact._engine.rounding import check_float, resolve_compressor
 
 __all__ = ["dot_general", "dense", "einsum", "conv_general_dilated", "conv", "conv_transpose"]
 
 
-def _check_compressed(args, compress, bits, op: str) -> None:
+def _check_compressed(args, compress, compressor, op: str) -> None:
   """A clear error at the call for an operand that would be stored compressed but
   has a dtype the compressors do not take (float64, integers): under `grad`
   it would otherwise fail deep inside the backward pass's residual storage."""
-  if bits is not None:
+  if compressor is not None:
     for a, c in zip(args, tuple(compress)):
       if c:
         check_float(a, op)
@@ -54,26 +54,32 @@ def _check_real(args, op: str) -> None:
       )
 
 
-def _apply(fn, args, *, compress, key, bits, compressor, name, op, layer=None):
-  """`layer`: (kind, info) for the analytic estimators when the lhs is the
-  stored activation of a dense layer or a channels-last convolution."""
-  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
-  bits = rounding.bits
+def _apply(fn, args, *, compress, key, compressor, name, op, layer=None):
+  """`fn` of `args` storing the operands marked in `compress` with
+  `compressor` (resolved: a `Compressor` or None). `layer`: (kind, info) for
+  the analytic estimators when the lhs is the stored activation of a dense
+  layer or a channels-last convolution."""
   _check_real(args, op)
-  _check_compressed(args, compress, bits, op)
+  _check_compressed(args, compress, compressor, op)
   compress = tuple(bool(c) for c in compress)
   if len(compress) != len(args):
     raise ValueError(
       f"jact.ops.{op}: compress needs one flag per operand ({len(args)}), got {compress}"
     )
   y = compressed_op(
-    *_stored_operands(fn, compress), op=op, name=name, rounding=rounding, key=key, primal=fn
+    *_stored_operands(fn, compress), op=op, name=name, compressor=compressor, key=key, primal=fn
   )(*args)
   collector = _probe.active()
-  if collector is not None and layer is not None and compress[0] and bits is not None:
+  if collector is not None and layer is not None and compress[0] and compressor is not None:
     kind, info = layer
     y = _probe.observe_linear(
-      collector, f"{name}.lhs", kind, args[0], y, group_size=rounding.group_size, **info
+      collector,
+      f"{name}.lhs",
+      kind,
+      args[0],
+      y,
+      group_size=_probe.group_size_of(compressor),
+      **info,
     )
   return y
 
@@ -119,7 +125,6 @@ def _conv_layer(lhs, rhs, window_strides, dimension_numbers, feature_group_count
   )
 
 
-@takes_compressor
 def dot_general(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -144,6 +149,34 @@ def dot_general(
   operand is an activation to be compressed; a weight (alive anyway) should be kept.
   Residual names are `f"{name}.lhs"` and `f"{name}.rhs"`.
   """
+  return _dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    key=key,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.dot_general"),
+    compress=compress,
+    name=name,
+    **kwargs,
+  )
+
+
+def _dot_general(
+  lhs,
+  rhs,
+  dimension_numbers,
+  precision,
+  preferred_element_type,
+  *,
+  key,
+  compressor,
+  compress,
+  name,
+  **kwargs,
+):
+  """`dot_general` with its compressor resolved."""
   fn = functools.partial(
     lax.dot_general,
     dimension_numbers=dimension_numbers,
@@ -156,7 +189,6 @@ def dot_general(
     (lhs, rhs),
     compress=compress,
     key=key,
-    bits=bits,
     compressor=compressor,
     name=name,
     op="dot_general",
@@ -164,7 +196,6 @@ def dot_general(
   )
 
 
-@takes_compressor
 def dense(
   x: jax.Array,
   kernel: jax.Array,
@@ -178,15 +209,16 @@ def dense(
 ) -> jax.Array:
   """`x @ kernel + bias` over the last axis of x, storing x compressed (residual `name.lhs`)."""
   _check_real((x, kernel), "dense")
-  _check_compressed((x,), (True,), op_rounding("jact.ops.dense", bits, compressor).bits, "dense")
+  compressor = resolve_compressor(bits, compressor, "jact.ops.dense")
+  _check_compressed((x,), (True,), compressor, "dense")
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  y = dot_general(
+  y = _dot_general(
     x,
     kernel,
     dims,
     precision,
+    None,
     key=key,
-    bits=bits,
     compressor=compressor,
     compress=(True, False),
     name=name,
@@ -194,7 +226,6 @@ def dense(
   return y if bias is None else y + bias
 
 
-@takes_compressor
 def einsum(
   subscripts: str,
   a: jax.Array,
@@ -210,11 +241,16 @@ def einsum(
   """Two-operand `jnp.einsum` storing compressed operands (attention's q·k, p·v)."""
   fn = functools.partial(jnp.einsum, subscripts, precision=precision)
   return _apply(
-    fn, (a, b), compress=compress, key=key, bits=bits, compressor=compressor, name=name, op="einsum"
+    fn,
+    (a, b),
+    compress=compress,
+    key=key,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.einsum"),
+    name=name,
+    op="einsum",
   )
 
 
-@takes_compressor
 def conv_general_dilated(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -236,6 +272,44 @@ def conv_general_dilated(
 ) -> jax.Array:
   """`lax.conv_general_dilated` storing the input compressed (1-D/2-D/3-D, any stride,
   dilation, padding and feature groups). Signature-compatible with the lax function."""
+  return _conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation,
+    rhs_dilation,
+    dimension_numbers,
+    feature_group_count,
+    batch_group_count,
+    precision,
+    preferred_element_type,
+    key=key,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.conv_general_dilated"),
+    compress=compress,
+    name=name,
+  )
+
+
+def _conv_general_dilated(
+  lhs,
+  rhs,
+  window_strides,
+  padding,
+  lhs_dilation,
+  rhs_dilation,
+  dimension_numbers,
+  feature_group_count,
+  batch_group_count,
+  precision,
+  preferred_element_type,
+  *,
+  key,
+  compressor,
+  compress,
+  name,
+):
+  """`conv_general_dilated` with its compressor resolved."""
   fn = functools.partial(
     lax.conv_general_dilated,
     window_strides=tuple(window_strides),
@@ -256,7 +330,6 @@ def conv_general_dilated(
     (lhs, rhs),
     compress=compress,
     key=key,
-    bits=bits,
     compressor=compressor,
     name=name,
     op="conv_general_dilated",
@@ -275,7 +348,6 @@ def _tuple(v, n):
   return (v,) * n if isinstance(v, int) else tuple(v)
 
 
-@takes_compressor
 def conv(
   x: jax.Array,
   kernel: jax.Array,
@@ -293,26 +365,29 @@ def conv(
 ) -> jax.Array:
   """Channels-last convolution (x: N,[D,]H,W,C; kernel: [D,]H,W,I,O), Flax's layout."""
   _check_real((x, kernel), "conv")
-  _check_compressed((x,), (True,), op_rounding("jact.ops.conv", bits, compressor).bits, "conv")
+  compressor = resolve_compressor(bits, compressor, "jact.ops.conv")
+  _check_compressed((x,), (True,), compressor, "conv")
   n = x.ndim - 2
-  y = conv_general_dilated(
+  y = _conv_general_dilated(
     x,
     kernel,
     _tuple(strides, n),
     padding,
-    rhs_dilation=_tuple(dilation, n),
-    dimension_numbers=_channels_last(x.ndim),
-    feature_group_count=feature_group_count,
-    precision=precision,
+    None,
+    _tuple(dilation, n),
+    _channels_last(x.ndim),
+    feature_group_count,
+    1,
+    precision,
+    None,
     key=key,
-    bits=bits,
     compressor=compressor,
+    compress=(True, False),
     name=name,
   )
   return y if bias is None else y + bias
 
 
-@takes_compressor
 def conv_transpose(
   x: jax.Array,
   kernel: jax.Array,
@@ -348,8 +423,7 @@ def conv_transpose(
     (x, kernel),
     compress=(True, False),
     key=key,
-    bits=bits,
-    compressor=compressor,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.conv_transpose"),
     name=name,
     op="conv_transpose",
   )

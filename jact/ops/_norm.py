@@ -34,8 +34,8 @@ from jax import lax
 from jact import _compat
 from jact._engine import probe as _probe
 from jact.compressors import Compressor
-from jact._engine.op import Keep, Save, Store, compressed_op, same_varying_axes, takes_compressor
-from jact._engine.rounding import check_float, op_rounding
+from jact._engine.op import Keep, Save, Store, compressed_op, same_varying_axes
+from jact._engine.rounding import check_float, resolve_compressor
 from jact._engine.rows import axes_from_end
 
 __all__ = ["batch_norm", "layer_norm", "rms_norm", "update_running_stats"]
@@ -77,7 +77,6 @@ def _normalize(
   use_mean,
   use_fast_variance,
   key,
-  bits,
   compressor,
   name,
   op,
@@ -89,8 +88,6 @@ def _normalize(
   With `axis_name`, the statistics (and the backward's means over the reduced
   axes) are averaged over that named axis too, as Flax's `_compute_stats` does."""
   x = check_float(x, op)
-  rounding = op_rounding(f"jact.ops.{op}", bits, compressor)
-  bits = rounding.bits
   red = reduction_axes
   # scale and bias broadcast over every axis but the feature axes
   bshape = tuple(s if a in feature_axes else 1 for a, s in enumerate(x.shape))
@@ -195,14 +192,14 @@ def _normalize(
     backward,
     op=op,
     name=name,
-    rounding=rounding,
+    compressor=compressor,
     key=key,
     primal=lambda x, scale, bias: forward(x, scale, bias)[:3],
     elementwise=True,
     statistics=2,
   )(x, scale, bias)
   collector = _probe.active()
-  if collector is not None and bits is not None:
+  if collector is not None and compressor is not None:
     _, _, _, xc, inv, _ = forward(x, scale, bias)
     y = _probe.observe_norm(
       collector,
@@ -213,12 +210,11 @@ def _normalize(
       None if scale is None else scale.reshape(bshape),
       y,
       reduction_axes=red,
-      group_size=rounding.group_size,
+      group_size=_probe.group_size_of(compressor),
     )
   return y, mu, var
 
 
-@takes_compressor
 def batch_norm(
   x: jax.Array,
   scale: jax.Array | None = None,
@@ -260,8 +256,7 @@ def batch_norm(
     use_mean=True,
     use_fast_variance=use_fast_variance,
     key=key,
-    bits=bits,
-    compressor=compressor,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.batch_norm"),
     name=name,
     op="batch_norm",
     axis_name=axis_name,
@@ -287,7 +282,6 @@ def update_running_stats(
   return new_mean, new_var
 
 
-@takes_compressor
 def layer_norm(
   x: jax.Array,
   scale: jax.Array | None = None,
@@ -312,14 +306,12 @@ def layer_norm(
     use_mean=True,
     use_fast_variance=use_fast_variance,
     key=key,
-    bits=bits,
-    compressor=compressor,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.layer_norm"),
     name=name,
     op="layer_norm",
   )[0]
 
 
-@takes_compressor
 def rms_norm(
   x: jax.Array,
   scale: jax.Array | None = None,
@@ -345,8 +337,7 @@ def rms_norm(
     use_mean=False,
     use_fast_variance=True,
     key=key,
-    bits=bits,
-    compressor=compressor,
+    compressor=resolve_compressor(bits, compressor, "jact.ops.rms_norm"),
     name=name,
     op="rms_norm",
   )[0]

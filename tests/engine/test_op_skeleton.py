@@ -19,7 +19,7 @@ import jact
 from jact import ops
 from jact.compressors import PerGroup
 from jact._engine.op import Keep, Save, Store, compressed_op
-from jact._engine.rounding import op_rounding
+from jact._engine.rounding import resolve_compressor
 from stats import saved_under_names
 
 X = jnp.linspace(-2.0, 2.0, 512).reshape(2, 256)
@@ -32,9 +32,9 @@ def cube(x, *, key=None, bits=8, compressor=None, name="cube"):
   def backward(res, g):
     return (g * res["dydx"],)
 
-  rounding = op_rounding("jact.ops.cube", bits, compressor, default_bits=8)
+  compressor = resolve_compressor(bits, compressor, "jact.ops.cube", default_bits=8)
   return compressed_op(
-    forward, backward, op="cube", name=name, rounding=rounding, key=key, elementwise=True
+    forward, backward, op="cube", name=name, compressor=compressor, key=key, elementwise=True
   )(x)
 
 
@@ -138,21 +138,9 @@ def test_public_ops_take_one_compressor_argument():
     assert "compressor" in params and not {"group_size", "stochastic"} & set(params), n
 
 
-@pytest.mark.parametrize("name", [n for n in _public_ops_with_bits() if n != "blpa_block"])
-def test_a_removed_keyword_names_the_compressor_to_pass(name):
-  op = getattr(ops, name)
-  with pytest.raises(TypeError) as e:
-    op(X, X, X, bits=2, group_size=64, stochastic=False)  # raises before it reads its inputs
-  message = str(e.value)
-  assert f"jact.ops.{name}" in message
-  assert "compressor=jact.compressors.PerGroup(2, group_size=64, stochastic=False)" in message
-  with pytest.raises(TypeError, match=r"PerGroup\(4, group_size=256, stochastic=False\)"):
-    op(X, X, X, stochastic=False)
-
-
 def test_a_plan_width_applies_to_a_per_group_compressor():
-  """compressor=PerGroup(b, g, s) is held as bits=b with its group size and
-  rounding mode: a plan's integer entry changes the width and keeps them."""
+  """A plan's integer entry is the call site's compressor at that width
+  (`with_bits`): PerGroup keeps its group size and rounding mode."""
   x = X + 0.1
 
   def grad(compressor, plan=None):
@@ -165,4 +153,5 @@ def test_a_plan_width_applies_to_a_per_group_compressor():
   planned = grad(PerGroup(8, 64, False), jact.BitPlan({"act.dydx": 2}))
   np.testing.assert_array_equal(planned, grad(PerGroup(2, 64, False)))
   assert not np.array_equal(planned, grad(PerGroup(2, 256, False)))
-  assert op_rounding("jact.ops.gelu", 4, PerGroup(2, 64, False)) == jact.ops.Rounding(2, 64, False)
+  assert resolve_compressor(4, PerGroup(2, 64, False), "jact.ops.gelu") == PerGroup(2, 64, False)
+  assert resolve_compressor(2, None, "jact.ops.gelu") == PerGroup(2)
