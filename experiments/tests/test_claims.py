@@ -210,3 +210,19 @@ def test_an_inline_figure_typed_over_is_stale_and_a_bare_one_is_found(tmp_path, 
   page.write_text("fp reaches <!-- fig:actnn.fp.accuracy -->0.999<!-- /fig -->.\n")
   assert "docs/page.md" in claims.stale()
   assert claims.measured_figures("fp reaches 0.999 in 12 s") == ["0.999", "12 s"]
+
+
+def test_hand_written_pages_figures_follow_the_json(tmp_path):
+  """docs/fit.md's table and figures are computed from bench_fit.json: change a run, they change."""
+  import json
+
+  payload = json.loads((claims.RESULTS / "bench_fit.json").read_text())
+  assert "table.fit" not in claims.figures(tmp_path)  # no JSON, no figure (never a stored one)
+  row = payload["subjects"]["stack8"]["rows"][0]
+  row["variance"], row["search_seconds"] = row["uniform_variance"] / 40, 999.4
+  (tmp_path / "changed").mkdir()  # figures are cached per results folder
+  (tmp_path / "changed" / "bench_fit.json").write_text(json.dumps(payload))
+  after = claims.figures(tmp_path / "changed")
+  assert "variance 1.8e-5 vs 7.2e-4 (uniform 8)" in after["table.fit"]
+  assert after["fit.variance_gain"] == "1.2x-40x"
+  assert after["fit.search_seconds"] == "71-999 s"
