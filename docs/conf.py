@@ -65,3 +65,10 @@ def _mirror_notebooks() -> None:
 
 
 _mirror_notebooks()
+
+# The API pages list each namespace's `__all__` (docs/api_pages.py): written before autosummary
+# reads them.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import api_pages  # noqa: E402
+
+api_pages.write_pages()
