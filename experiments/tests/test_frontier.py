@@ -34,13 +34,21 @@ def _real(tree, seed=0):
 KINDS = ("remat_nothing", "remat_names", "offload_inputs", "jact8", "convert8", "jact_ckpt4")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", KINDS)
-def test_every_kind_of_configuration_keeps_the_plain_gradient(config):
+@pytest.fixture(scope="module")
+def small_lm():
+  """The 2-layer LM, real parameters and batch, a key and the plain gradient: the reference
+  every configuration below is compared with, computed once."""
   model = frontier_models.build("lm_6x512", **dict(frontier.SMALL["lm_6x512"], layers=2))
   params, batch = _real(model.params), _real(model.batch)
   key = jax.random.key(0)
   plain = jax.grad(model.loss(frontier.wrap_for("plain")))(params, batch, key)
+  return model, params, batch, key, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", KINDS)
+def test_every_kind_of_configuration_keeps_the_plain_gradient(small_lm, config):
+  model, params, batch, key, plain = small_lm
   got = jax.grad(model.loss(frontier.wrap_for(config)))(params, batch, key)
   # JAX's policies recompute exactly; jact's rounding adds unbiased noise: the whole gradient's
   # relative error (seed 0; measured 7e-4 / 1.2e-2 / 6.2e-2 at 8 / 4 / 2 bits, ~1.2x that with
