@@ -34,8 +34,7 @@ import flax.linen
 import flax.nnx  # `nnx` here would be this package's submodule
 
 from jact.compressors import Compressor
-from jact._engine.op import takes_compressor
-from jact._engine.rounding import op_rounding
+from jact._engine.rounding import resolve_compressor
 from jact._convert.settings import ConversionWarning, Settings
 from jact._convert.linen import convert_linen
 from jact._convert.nnx import convert_nnx
@@ -44,7 +43,6 @@ from jact._convert.report import ConversionReport, conversion_report
 __all__ = ["convert", "conversion_report", "ConversionReport", "ConversionWarning"]
 
 
-@takes_compressor(api="jact.convert")
 def convert(
   model,
   *,
@@ -68,8 +66,8 @@ def convert(
       differentiated (linen: the 'jact' stream of `apply`; nnx: `rngs=` or
       `jact.nnx.use_key`); `PerGroup(bits, stochastic=False)` rounds to
       nearest and needs none; `PerGroup(bits, group_size=...)` sets the
-      quantization groups (a multiple of 8). The twins get `bits=` for
-      `PerGroup(bits)` (default group size, stochastic), else `compressor=`.
+      quantization groups (a multiple of 8). The two are resolved once to the
+      compressor every converted layer and call stores its residuals with.
     strict: raise a ValueError, instead of warning and running the plain
       layer, when a supported layer uses an option its twin lacks.
     functions: also run the model's outermost call through the generic
@@ -92,15 +90,11 @@ def convert(
       given; a bound linen module; an `nnx.Rngs` with neither a 'jact' nor a
       'default' stream; with `strict=True`, an unsupported option.
   """
-  rounding = op_rounding("jact.convert", bits, compressor)  # the twins' checks and messages
-  if compressor is not None and not isinstance(rounding.bits, Compressor):
-    bits, compressor = rounding.bits, None  # a plain PerGroup: the twins' own fields
+  stored = resolve_compressor(bits, compressor, "jact.convert")  # the twins' checks and messages
   for flag, value in (("strict", strict), ("functions", functions)):
     if not isinstance(value, bool):
       raise TypeError(f"{flag} must be True or False, got {value!r}")
-  settings = Settings(
-    bits, rounding.group_size, bool(rounding.stochastic), strict, compressor, functions
-  )
+  settings = Settings(stored, strict, functions)
   if isinstance(model, flax.linen.Module):
     if rngs is not None:
       raise TypeError(

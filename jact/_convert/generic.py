@@ -17,7 +17,9 @@ from jax import lax
 
 from jact import _compat as _jax_compat
 from jact._convert.settings import Settings
+from jact._flax.compressed import config_of
 from jact._transforms.compressed import ResidualConfig
+from jact.compressors import PerGroup
 
 
 def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> ResidualConfig:
@@ -27,11 +29,16 @@ def residual_config(settings: Settings, name: str, *, scanned: bool = False) -> 
   per-step residuals are small (batch x hidden) but stacked over the steps:
   floats of at least one quantization group are compressed (the default is
   1024 values)."""
-  bits = settings.compressor if settings.compressor is not None else settings.bits
-  extra = dict(min_size=settings.group_size) if scanned else {}
-  return ResidualConfig(
-    bits=bits, group_size=settings.group_size, stochastic=settings.stochastic, name=name, **extra
-  )
+  extra = dict(min_size=_group_values(settings.compressor)) if scanned else {}
+  return config_of(settings.compressor, name=name, **extra)
+
+
+def _group_values(compressor) -> int:
+  """Values per quantization group: the per-group quantizer's own; 256 (its
+  default) for any other compressor."""
+  if isinstance(compressor, PerGroup) and compressor.implementation is None:
+    return compressor.group_size
+  return PerGroup(4).group_size
 
 
 def layout_recomputed(prim, *_, **__) -> bool:

@@ -9,7 +9,7 @@ import flax.linen as nn
 
 from jact._compat import flax as _compat
 from jact._flax.conversion import rounds, table as conversion_table
-from jact.compressors import Compressor
+from jact.compressors import Compressor, PerGroup
 from jact import nn as jnn
 from jact._convert import linen_engine as _engine
 from jact._convert.settings import Settings, unsupported
@@ -44,23 +44,13 @@ def _converted_class(cls: type) -> type:
     return _named(_compat.relift(base, _converted_class(target)), base)
 
   class Converted(base):  # type: ignore[misc, valid-type]
-    jact_bits: int | None = 4
-    jact_group_size: int = 256
-    jact_stochastic: bool = True
+    jact_compressor: Compressor | None = PerGroup(4)
     jact_strict: bool = False
-    jact_compressor: Compressor | None = None
     jact_functions: bool = True
 
     @nn.nowrap
     def _jact_settings(self) -> Settings:
-      return Settings(
-        self.jact_bits,
-        self.jact_group_size,
-        self.jact_stochastic,
-        self.jact_strict,
-        self.jact_compressor,
-        self.jact_functions,
-      )
+      return Settings(self.jact_compressor, self.jact_strict, self.jact_functions)
 
     # Besides every method of the model's classes (below), `init_with_output`
     # (behind `init`) and `apply` run under interception, for `method=`
@@ -106,11 +96,8 @@ def convert_linen(model: nn.Module, settings: Settings) -> nn.Module:
   }
   return cls(
     **attrs,
-    jact_bits=settings.bits,
-    jact_group_size=settings.group_size,
-    jact_stochastic=settings.stochastic,
-    jact_strict=settings.strict,
     jact_compressor=settings.compressor,
+    jact_strict=settings.strict,
     jact_functions=settings.functions,
     parent=None,
   )

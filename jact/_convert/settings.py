@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 
 from jact.compressors import Compressor
-from jact._engine.rounding import op_keywords
+from jact._engine.rounding import compressor_keywords
 from jact._flax import hooks as _hooks
 
 
@@ -18,24 +18,22 @@ class ConversionWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """What `convert` was called with (the twins' rounding settings and `strict`)."""
+  """What `convert` was called with: how residuals are stored (`compressor`,
+  resolved once from `bits=` / `compressor=`; None keeps them exact), `strict`
+  and `functions`."""
 
-  bits: int | None
-  group_size: int
-  stochastic: bool
-  strict: bool
-  compressor: Compressor | None = None
+  compressor: Compressor | None
+  strict: bool = False
   functions: bool = True  # the model's outermost call through the generic engine
 
   @property
   def needs_key(self) -> bool:
-    return _hooks.needs_key(api="jact.convert", **self.rounding)
+    return _hooks.needs_key(self.compressor)
 
   @property
   def rounding(self) -> dict:
-    """The rounding twins' keywords: `bits=` alone for the default per-group
-    quantizer, else `compressor=` (a plain `PerGroup` with other settings)."""
-    return op_keywords(self.bits, self.group_size, self.stochastic, self.compressor)
+    """The rounding twins' keywords for `compressor`."""
+    return compressor_keywords(self.compressor)
 
 
 def unsupported(settings: Settings, where: str, reason: str) -> None:

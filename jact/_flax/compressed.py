@@ -50,8 +50,7 @@ from flax import linen as nn
 from flax import nnx
 
 from jact._engine.derivatives import inference_only
-from jact._engine.op import reject_removed_keywords
-from jact._engine.rounding import op_rounding
+from jact._engine.rounding import resolve_compressor
 from jact._compat import flax as _compat
 from jact._flax import hooks as _hooks
 from jact._flax.compressed_linen import linen_class, linen_instance
@@ -313,13 +312,11 @@ def _nnx_class(module_class, config: ResidualConfig, policy, argnums=()):
   )
 
 
-def _config_of(bits=4, compressor=None, **settings) -> ResidualConfig:
-  """The `ResidualConfig` of `CompressedModule`'s settings, spelled as for
-  `jact.compressed` (`group_size=` / `stochastic=` raise its TypeError)."""
-  api = "jact.compressed"
-  reject_removed_keywords(api, dict(settings, bits=bits))
-  rounding = op_rounding(api, bits, compressor)
-  return ResidualConfig(rounding.bits, rounding.group_size, rounding.stochastic, **settings)
+def config_of(compressor, **settings) -> ResidualConfig:
+  """The `ResidualConfig` storing residuals with `compressor` (resolved: a
+  `Compressor`, or None: kept exact); `settings`: `min_size=`, `name=`,
+  `overrides=`."""
+  return ResidualConfig(compressor, **settings)
 
 
 class CompressedModule(nnx.Module):
@@ -347,7 +344,8 @@ class CompressedModule(nnx.Module):
       raise TypeError(f"CompressedModule wraps an nnx.Module, got {type(module).__name__}")
     check_call(type(module))
     if config is None:
-      config = _config_of(**settings)
+      bits, compressor = settings.pop("bits", 4), settings.pop("compressor", None)
+      config = config_of(resolve_compressor(bits, compressor, "jact.compressed"), **settings)
     elif settings:
       raise TypeError("pass either config= or settings, not both")
     self.module = module

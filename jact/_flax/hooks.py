@@ -25,7 +25,6 @@ from jax import lax
 
 from jact import _compat as _jax_compat
 from jact._engine.derivatives import inference_only
-from jact._engine.rounding import op_rounding
 from jact._flax.context import OPS, USE_KEY, bound
 from jact._compat import flax as _compat
 from jact.ops import _linear as linear
@@ -107,16 +106,10 @@ class Calls:
     return self.op(*args, key=key, name=name, **self.settings, **kwargs)
 
 
-def rounding_kwargs(bits=4, compressor=None, api: str = "jact") -> dict:
-  """Validates a layer's `bits=` / `compressor=` (clear errors naming `api`,
-  e.g. "jact.nn.Dense") and returns them as the ops' keywords."""
-  op_rounding(api, bits, compressor)
-  return dict(bits=bits, compressor=compressor)
-
-
-def needs_key(bits=4, compressor=None, api: str = "jact") -> bool:
-  """Whether a layer with these settings rounds stochastically (needs a key)."""
-  return op_rounding(api, bits, compressor).needs_key
+def needs_key(compressor) -> bool:
+  """Whether a layer storing its residuals with `compressor` (a resolved
+  `Compressor`, or None: kept exact) rounds stochastically (needs a key)."""
+  return compressor is not None and compressor.needs_key
 
 
 def last_axis_only(axes, ndim: int) -> bool:
@@ -422,7 +415,8 @@ def compressed_attention(key, name: str, **settings) -> Callable[..., Any]:
 
 def attention_ops(key, name: str, rounding: dict) -> dict[str, Callable[..., Any]]:
   """The compressed ops an attention twin provides: q/k/v projections, output
-  projection and the attention itself, each with its own key and residual name."""
+  projection and the attention itself, each with its own key and residual name;
+  `rounding`: the ops' keywords for the twin's compressor (`compressor_keywords`)."""
   sub = (lambda i: None) if key is None else (lambda i: jax.random.fold_in(key, i))
   qkv = Calls(
     linear.dot_general,

@@ -3,32 +3,35 @@ residual name and the hooks through which Flax's forward calls jact's ops."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Callable
 
-from jact._engine.op import REMOVED_KEYWORDS, reject_removed_keywords
+from jact._engine.rounding import compressor_keywords, resolve_compressor
 from jact._flax import hooks as _hooks
 from jact._flax.hooks import Hook
 from jact._compat import flax as _compat
 
 
 class _Twin:
-  """Mixin: RNG stream, settings and residual name of a linen twin. A
-  rounding twin (one with `bits` / `compressor` fields) built with the
-  removed `group_size=` / `stochastic=` raises the ops' TypeError naming
-  `compressor=jact.compressors.PerGroup(...)`."""
+  """Mixin: RNG stream, settings and residual name of a linen twin. A rounding
+  twin (one with `bits` / `compressor` fields) resolves them once, when it is
+  built, to the one value the ops get (`_stored`)."""
 
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)  # Flax makes the dataclass (its __init__) here
-    if "compressor" in getattr(cls, "__dataclass_fields__", {}):
-      cls.__init__ = _rejecting_removed(cls.__init__)
+  def __post_init__(self):
+    if "compressor" in type(self).__dataclass_fields__:
+      stored = resolve_compressor(self.bits, self.compressor, self._api())
+      object.__setattr__(self, "_jact_stored", stored)
+    super().__post_init__()
 
   def _api(self) -> str:
     return f"jact.nn.{type(self).__name__}"
 
+  def _stored(self):
+    """How the twin stores its residuals: a `Compressor`, or None (kept exact)."""
+    return self.__dict__.get("_jact_stored")
+
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.compressor, self._api())
+    """The ops' keywords for `_stored()`."""
+    return compressor_keywords(self._stored())
 
   def _residual_name(self) -> str:
     path = self.path
@@ -37,7 +40,7 @@ class _Twin:
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): the 'jact' key when rounding needs one; without the
     stream, (False, None): run the plain computation through `_keyless`."""
-    if not _hooks.needs_key(self.bits, self.compressor, self._api()):
+    if not _hooks.needs_key(self._stored()):
       return True, None
     if self.has_rng("jact"):
       return True, self.make_rng("jact")
@@ -64,27 +67,6 @@ class _Twin:
       op, key, (self._residual_name(),), slot, plain=plain, **self._rounding(), **static
     )
     return _hooks.provide(**{slot: calls})
-
-
-def _rejecting_removed(init: Callable) -> Callable:
-  """A twin's dataclass `__init__` raising the TypeError of `takes_compressor`
-  for `group_size=` / `stochastic=`."""
-  if getattr(init, "_jact_rejects_removed", False):
-    return init
-
-  signature = inspect.signature(init)
-
-  @functools.wraps(init)
-  def checked(self, *args, **kwargs):
-    api = f"jact.nn.{type(self).__name__}"
-    if args and any(k in kwargs for k in REMOVED_KEYWORDS):  # bits= may be positional
-      kwargs_given = {**signature.bind_partial(self, *args).arguments, **kwargs}
-      reject_removed_keywords(api, kwargs_given)
-    reject_removed_keywords(api, kwargs)
-    init(self, *args, **kwargs)
-
-  checked._jact_rejects_removed = True
-  return checked
 
 
 def _custom(module, *fields: str) -> str | None:

@@ -5,12 +5,11 @@ jact's ops."""
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Callable
 
 from flax import nnx
 
-from jact._engine.op import reject_removed_keywords
+from jact._engine.rounding import compressor_keywords, resolve_compressor
 from jact._flax import hooks as _hooks
 from jact._flax.context import NNX_MEASURE
 from jact._flax.record import record
@@ -26,21 +25,19 @@ class _Twin:
     call = cls.__dict__.get("__call__")
     if call is not None:
       cls.__call__ = _recorded(call)
-    init = cls.__dict__.get("__init__")
-    if init is not None and "compressor" in inspect.signature(init).parameters:
-      cls.__init__ = _rejecting_removed(init)
 
   @classmethod
   def _check_settings(cls, rngs, bits, compressor=None) -> None:
     """Fails fast (before any parameter is initialized) on bad settings."""
-    _hooks.rounding_kwargs(bits, compressor, f"jact.nnx.{cls.__name__}")
+    resolve_compressor(bits, compressor, f"jact.nnx.{cls.__name__}")
 
   def _init_jact(self, rngs, bits=4, name=None, compressor=None):
     """Settings, residual name and the layer's own 'jact' stream, forked from
     `rngs` ('jact', else 'default') when rounding needs a key; without such a
-    stream in `rngs` none (keys from `use_key` only)."""
-    self._check_settings(rngs, bits, compressor)
-    self.bits, self.compressor = bits, compressor
+    stream in `rngs` none (keys from `use_key` only). `bits` and `compressor`
+    are resolved here, once, to the one value the ops get (`jact_stored`)."""
+    stored = resolve_compressor(bits, compressor, f"jact.nnx.{type(self).__name__}")
+    self.bits, self.compressor, self.jact_stored = bits, compressor, stored
     self.residual_name = name or type(self).__name__
     stream = None
     if self._needs_key() and isinstance(rngs, nnx.RngStream):
@@ -50,10 +47,11 @@ class _Twin:
     self.jact_rngs = stream if stream is not None else nnx.data(None)
 
   def _rounding(self) -> dict:
-    return _hooks.rounding_kwargs(self.bits, self.compressor, f"jact.nnx.{type(self).__name__}")
+    """The ops' keywords for `jact_stored`."""
+    return compressor_keywords(self.jact_stored)
 
   def _needs_key(self) -> bool:
-    return _hooks.needs_key(self.bits, self.compressor, f"jact.nnx.{type(self).__name__}")
+    return _hooks.needs_key(self.jact_stored)
 
   def _key(self) -> tuple[bool, Any]:
     """(compress?, key): a `use_key` block's key, else the layer's stream; (False,
@@ -107,18 +105,6 @@ def _recorded(call):
     return call(self, *args, **kwargs)
 
   return recorded
-
-
-def _rejecting_removed(init):
-  """A rounding twin's `__init__` raising the TypeError of `takes_compressor`
-  for `group_size=` / `stochastic=` (before Flax's constructor sees them)."""
-
-  @functools.wraps(init)
-  def checked(self, *args, **kwargs):
-    reject_removed_keywords(f"jact.nnx.{type(self).__name__}", kwargs)
-    init(self, *args, **kwargs)
-
-  return checked
 
 
 def _install(field: str, value) -> Callable[[Any], None]:

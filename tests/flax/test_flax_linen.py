@@ -306,7 +306,7 @@ def test_bad_settings_are_clear_errors():
   x = _normal((6, 7))
   with pytest.raises(ValueError, match="bits"):
     jnn.Dense(5, bits=3).init({"params": KEY, **JACT}, x)
-  with pytest.raises(TypeError, match=r"compressor=jact\.compressors\.PerGroup\(4, group_size=7"):
+  with pytest.raises(TypeError, match="unexpected keyword argument 'group_size'"):
     jnn.GELU(group_size=7).init(JACT, x)
   with pytest.raises(TypeError, match="dot_general"):
     jnn.Dense(5, dot_general=jax.lax.dot_general).init(KEY, x)

@@ -1,16 +1,14 @@
-"""The Flax twins take `bits=` or `compressor=` only: `group_size=` / `stochastic=`
-give the ops' TypeError naming the `PerGroup` to pass, and that suggestion
-builds a twin that runs."""
-
-import re
+"""The Flax twins take `bits=` or `compressor=` and resolve them once, when built,
+to the one value their ops get (a `Compressor`, or None); the retired
+`group_size=` / `stochastic=` are no keywords of theirs."""
 
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
+from flax import linen, nnx
 
 import jact
-from jact.compressors import PerGroup
+from jact.compressors import Division, PerGroup
 from jact import nn as jnn
 from jact import nnx as jnnx
 from jact._flax.compressed import CompressedModule
@@ -36,69 +34,57 @@ NNX = {
   "GELU": lambda **kw: jnnx.GELU(rngs=nnx.Rngs(**RNGS), **kw),
   "Softmax": lambda **kw: jnnx.Softmax(rngs=nnx.Rngs(**RNGS), **kw),
 }
-REMOVED = [
-  dict(group_size=64),
-  dict(stochastic=False),
-  dict(bits=2, group_size=64, stochastic=False),
+SETTINGS = [
+  (dict(), PerGroup(4)),
+  (dict(bits=2), PerGroup(2)),
+  (dict(bits=None), None),
+  (dict(compressor=PerGroup(8, group_size=64, stochastic=False)), PerGroup(8, 64, False)),
+  (dict(compressor=Division()), Division()),
 ]
 
 
-def _suggested(message: str) -> PerGroup:
-  """The compressor the message says to pass, evaluated."""
-  found = re.search(r"compressor=(jact\.compressors\.PerGroup\([^)]*\))", message)
-  assert found, message
-  return eval(found.group(1), {"jact": jact})  # noqa: S307 (our own message)
+def _stored(twin):
+  return twin._stored() if isinstance(twin, linen.Module) else twin.jact_stored
 
 
-def _check(make, api: str, given: dict):
-  with pytest.raises(TypeError, match=re.escape(api) + " no longer takes") as e:
-    make(**given)
-  message = str(e.value)
-  for k, v in given.items():
-    if k != "bits":
-      assert f"{k}={v!r}" in message
-  want = PerGroup(
-    given.get("bits", 4),
-    group_size=given.get("group_size", 256),
-    stochastic=given.get("stochastic", True),
-  )
-  assert _suggested(message) == want
-  return make(compressor=want), want  # the fix builds the twin
+@pytest.mark.parametrize(
+  "given, want", SETTINGS, ids=["default", "bits", "exact", "per_group", "division"]
+)
+@pytest.mark.parametrize("make", [*LINEN.values(), *NNX.values()], ids=[*LINEN, *NNX])
+def test_twins_resolve_bits_and_compressor_once(make, given, want):
+  twin = make(**given)
+  assert _stored(twin) == want
+  assert (twin.bits, twin.compressor) == (given.get("bits", 4), given.get("compressor"))
 
 
-@pytest.mark.parametrize("given", REMOVED, ids=lambda g: ",".join(g))
-@pytest.mark.parametrize("name", LINEN)
-def test_linen_twin_removed_keywords_name_pergroup(name, given):
-  twin, want = _check(LINEN[name], f"jact.nn.{name}", given)
-  assert twin.compressor == want
-  assert not hasattr(twin, "group_size") and not hasattr(twin, "stochastic")
+@pytest.mark.parametrize("removed", [dict(group_size=64), dict(stochastic=False)], ids=str)
+@pytest.mark.parametrize("make", [*LINEN.values(), *NNX.values()], ids=[*LINEN, *NNX])
+def test_retired_keywords_are_no_keywords_of_the_twins(make, removed):
+  with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(removed))}'"):
+    make(**removed)
 
 
-@pytest.mark.parametrize("given", REMOVED, ids=lambda g: ",".join(g))
-@pytest.mark.parametrize("name", NNX)
-def test_nnx_twin_removed_keywords_name_pergroup(name, given):
-  twin, want = _check(NNX[name], f"jact.nnx.{name}", given)
-  assert twin.compressor == want
-  assert not hasattr(twin, "group_size") and not hasattr(twin, "stochastic")
+def test_bad_settings_fail_when_the_twin_is_built():
+  with pytest.raises(ValueError, match="bits"):
+    jnn.Dense(4, bits=3)
+  with pytest.raises(TypeError, match="compressor="):
+    jnn.Dense(4, bits=PerGroup(2))
+  with pytest.raises(ValueError, match="conflict"):
+    jnnx.Linear(3, 4, bits=2, compressor=PerGroup(2), rngs=nnx.Rngs(0))
 
 
-def test_linen_positional_bits_in_the_message():
-  with pytest.raises(TypeError, match=r"PerGroup\(2, group_size=64, stochastic=True\)"):
-    jnn.GELU(False, 2, group_size=64)  # approximate, bits
-
-
-def test_compressed_module_removed_keywords_name_pergroup():
+def test_compressed_module_resolves_bits():
   layer = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
-  _check(
-    lambda **kw: CompressedModule(layer, rngs=nnx.Rngs(jact=0), **kw),
-    "jact.compressed",
-    dict(stochastic=False),
-  )
+  a = CompressedModule(layer, rngs=nnx.Rngs(jact=0), bits=2)
+  b = CompressedModule(layer, rngs=nnx.Rngs(jact=0), compressor=PerGroup(2))
+  assert a.residual_config == b.residual_config
+  with pytest.raises(TypeError, match="group_size"):
+    CompressedModule(layer, rngs=nnx.Rngs(jact=0), group_size=64)
 
 
-def test_suggested_compressor_trains_like_the_spelled_out_twin():
-  """A linen Dense with the suggested PerGroup keeps what `bits=` keeps for
-  the default settings and rounds to nearest without a key for stochastic=False."""
+def test_a_per_group_compressor_trains_like_bits():
+  """A linen Dense with `PerGroup(4)` keeps what `bits=4` keeps (same gradients
+  for the same key) and rounds to nearest without a key for stochastic=False."""
   x = jax.random.normal(jax.random.key(0), (4, 8))
   variables = jnn.Dense(4).init(jax.random.key(1), x)
   nearest = jnn.Dense(4, compressor=PerGroup(4, stochastic=False))
@@ -119,25 +105,17 @@ def test_suggested_compressor_trains_like_the_spelled_out_twin():
 
 
 @pytest.mark.parametrize(
-  "compressor, want",
+  "given, want",
   [
-    (PerGroup(2), dict(bits=2, compressor=None)),  # the default PerGroup: bits= alone
-    (
-      PerGroup(4, group_size=64, stochastic=False),
-      dict(bits=4, compressor=PerGroup(4, group_size=64, stochastic=False)),
-    ),
+    (dict(bits=2), PerGroup(2)),
+    (dict(compressor=PerGroup(2)), PerGroup(2)),
+    (dict(bits=None), None),
+    (dict(compressor=PerGroup(4, 64, False)), PerGroup(4, 64, False)),
   ],
 )
-def test_convert_gives_nnx_twins_bits_or_compressor(compressor, want):
-  model = jact.convert(
-    nnx.Linear(3, 4, rngs=nnx.Rngs(0)), compressor=compressor, rngs=nnx.Rngs(jact=1)
-  )
+def test_convert_gives_the_twins_the_resolved_compressor(given, want):
+  model = jact.convert(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(jact=1), **given)
   assert isinstance(model, jnnx.Linear)
-  assert dict(bits=model.bits, compressor=model.compressor) == want
-
-
-def test_compress_convolutions_names_per_group_for_removed_keywords():
-  with pytest.raises(
-    TypeError, match=r"jact\.levels\.compress_convolutions.*PerGroup\(2, group_size=64"
-  ):
-    jact.levels.compress_convolutions(lambda x: x, bits=2, group_size=64)
+  assert model.jact_stored == want
+  with pytest.raises(TypeError, match="unexpected keyword argument 'group_size'"):
+    jact.convert(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), group_size=64)
