@@ -160,7 +160,8 @@ def test_convert_linen_again_applies_new_settings():
   once = convert(_MLP(), bits=4)
   assert saved(once) == {n: _packed_bytes(8, 256, 4) for n in ("Dense_0.lhs", "Dense_1.lhs")}
   twice = convert(once, bits=2)
-  assert twice.jact_bits == 2 and once.jact_bits == 4  # a copy; the argument is unchanged
+  # a copy; the argument is unchanged
+  assert twice.jact_compressor.bits == 2 and once.jact_compressor.bits == 4
   assert saved(twice) == {n: _packed_bytes(8, 256, 2) for n in ("Dense_0.lhs", "Dense_1.lhs")}
   # bits=None: what the plain model saves (the hidden activation in float32)
   assert report(convert(once, bits=None)).total_bytes == report(_MLP()).total_bytes == 8 * 256 * 4
