@@ -15,6 +15,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+trap 'exit 143' TERM INT  # so that EXIT's clean-up runs when stopped
 
 "$python" -m pip wheel "$repo" --no-deps -q -w "$work/dist"
 wheel=$(ls "$work"/dist/jact-*.whl)
