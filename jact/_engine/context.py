@@ -150,16 +150,17 @@ def check_traced(names, traced, *, strict: bool, what: str, fix: str, stacklevel
   warnings.warn(message, UnknownResidualWarning, stacklevel=stacklevel)
 
 
-def planned_bits(name: str, bits):
-  """The width the active plan gives residual `name` (call-site width `bits`).
+def planned_bits(name: str, compressor):
+  """The active plan's entry for residual `name` (an int width, a compressor
+  or None); `compressor` (the call site's) when the plan has none.
 
-  Residuals the call site keeps uncompressed (bits None) stay so: a plan
+  Residuals the call site keeps uncompressed (compressor None) stay so: a plan
   changes widths, it does not add rounding noise where no key was asked for.
   """
   plan = _active_plan()
-  if plan is None or bits is None:
-    return bits
-  return plan.bits_for(name, bits)
+  if plan is None or compressor is None:
+    return compressor
+  return plan.bits_for(name, compressor)
 
 
 def planned_budget(name: str):
@@ -178,7 +179,7 @@ class Site:
   name: str
   shape: tuple[int, ...]
   dtype: Any
-  bits: int | None
+  bits: Any  # `jact._engine.rounding.site_width`: an int (PerGroup), a compressor, or None
 
   @property
   def size(self) -> int:

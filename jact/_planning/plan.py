@@ -161,8 +161,9 @@ class BitPlan(Mapping):
   def __contains__(self, name):
     return any(n == name for n, _ in self.entries)
 
-  def bits_for(self, name: str, call_bits: int | None = None) -> int | None:
-    """The width of residual `name`; `call_bits` is its call site's width."""
+  def bits_for(self, name: str, call_bits=None):
+    """The entry of residual `name` (an int width, a compressor or None);
+    `call_bits` (its call site's compressor) when the default is `CALL_SITE`."""
     for n, b in self.entries:
       if n == name:
         return b

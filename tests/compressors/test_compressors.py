@@ -24,6 +24,8 @@ ALL = [
   C.Fixpoint(2),
   C.ZeroValue(),
   C.ZeroValue(C.Fixpoint(4)),
+  C.PerSample(2.5),
+  C.PerSample(4, group_size=128, stochastic=False),
 ]
 
 
@@ -181,6 +183,28 @@ def test_plan_entries_change_width_or_method_and_round_trip():
   ]:
     jitted(w, p)
   assert len(traces) == 2
+
+
+def test_a_per_sample_budget_is_the_per_sample_compressor():
+  """A plan's per-sample budget on a per-group call site stores exactly what
+  `PerSample` (with the call site's group size and rounding) stores, as a
+  plan entry or as the call site's own compressor."""
+  x = jnp.asarray(_relu_like((8, 512), 7)) * jnp.arange(1.0, 9.0)[:, None]
+  w = jnp.asarray(np.random.default_rng(8).normal(size=(512, 4)).astype(np.float32))
+  key = jax.random.key(3)
+
+  def grad(compressor, plan=None):
+    loss = lambda w: jnp.sum(jact.ops.dense(x, w, key=key, compressor=compressor, name="fc") ** 2)
+    with jact.use_plan(plan):
+      return jax.jit(jax.grad(loss))(w)
+
+  per_sample = C.PerSample(2.5, group_size=128)
+  budget = grad(C.PerGroup(4, group_size=128), jact.BitPlan(budgets={"fc.lhs": 2.5}))
+  np.testing.assert_array_equal(budget, grad(C.PerGroup(4), jact.BitPlan({"fc.lhs": per_sample})))
+  np.testing.assert_array_equal(budget, grad(per_sample))
+  assert not np.array_equal(budget, grad(C.PerGroup(4, group_size=128)))
+  assert C.PerGroup(2, group_size=64, stochastic=False).with_budget(3) == C.PerSample(3, 64, False)
+  assert C.registered()["per_sample"] is C.PerSample
 
 
 def test_clear_errors():
