@@ -133,3 +133,18 @@ def test_stored_without_decompress_names_the_fix():
 
   with pytest.raises(NotImplementedError, match="defines no decompress"):
     Incomplete(jnp.ones(2)).decompress()
+
+
+def test_a_user_stored_form_is_restored_inside_jact_compressed():
+  """`jact.compressed` restores any `Stored` it kept (`restore_saved`): a user
+  compressor's gradient equals the same arrays' in a `Compressed`."""
+  w = jax.random.normal(jax.random.key(1), (256, 256)) / 16
+
+  def grad(compressor):
+    block = jact.compressed(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w), compressor=compressor)
+    return jax.grad(lambda w: jnp.sum(block(w, _x()) ** 2))(w)
+
+  g_user, g_built_in = grad(ToHalf()), grad(ToHalfCompressed())
+  assert bool((g_user == g_built_in).all())
+  exact = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(_x() @ w) @ w) ** 2))(w)
+  assert not bool((g_user == exact).all())  # the residuals were stored in bfloat16
