@@ -12,15 +12,18 @@ from jact._fit.steps import configure, step_peak
 from jact._planning.plan import BitPlan
 
 N = 8
+# The searches below (remat, determinism, the smallest peak, largest_batch) check properties
+# that do not depend on the depth: they run a stack half as deep, compiling about half as long.
+SHORT = 4
 
 
 def mlp(w, x):
   return x + jnp.tanh(x @ w[0]) @ w[1]
 
 
-def stack(rematerializable: bool):
+def stack(rematerializable: bool, n: int = N):
   argnums = (1,) if rematerializable else ()
-  segs = [jact.segment(mlp, name=f"s{i}", compress_argnums=argnums) for i in range(N)]
+  segs = [jact.segment(mlp, name=f"s{i}", compress_argnums=argnums) for i in range(n)]
 
   def loss(ws, x):
     for s, w in zip(segs, ws):
@@ -30,16 +33,16 @@ def stack(rematerializable: bool):
   return loss
 
 
-def weights(hidden=256):
-  return [(jnp.eye(64, hidden) * 0.5, jnp.eye(hidden, 64) * 0.5) for _ in range(N)]
+def weights(hidden=256, n: int = N):
+  return [(jnp.eye(64, hidden) * 0.5, jnp.eye(hidden, 64) * 0.5) for _ in range(n)]
 
 
 X = jax.ShapeDtypeStruct((2048, 64), jnp.float32)
 
 
-def peak_of(loss, plan, layout=None):
+def peak_of(loss, plan, layout=None, n: int = N):
   layout = layout or Layout()
-  return step_peak(configure(loss, layout, jact.BitPlan(plan)), (weights(), X), (0,))
+  return step_peak(configure(loss, layout, jact.BitPlan(plan)), (weights(n=n), X), (0,))
 
 
 def test_allocation_gives_the_hand_computed_widths():
@@ -71,17 +74,17 @@ def test_fit_gives_the_known_bits_and_respects_the_budget():
 
 
 def test_fit_rematerializes_when_compression_alone_does_not_fit():
-  loss = stack(rematerializable=True)
+  loss = stack(rematerializable=True, n=SHORT)
   remat_8 = {}
-  layout = Layout(frozenset(f"s{i}" for i in range(N)))
-  for i in range(N):
+  layout = Layout(frozenset(f"s{i}" for i in range(SHORT)))
+  for i in range(SHORT):
     remat_8[f"s{i}.remat.2"] = 8
     remat_8.update({f"s{i}.remat.body.{p}": 8 for p in (3, 4)})
-  everything_remat = peak_of(loss, remat_8, layout)
-  two_bits = peak_of(loss, {f"s{i}.{p}": 2 for i in range(N) for p in (2, 3, 4)})
+  everything_remat = peak_of(loss, remat_8, layout, n=SHORT)
+  two_bits = peak_of(loss, {f"s{i}.{p}": 2 for i in range(SHORT) for p in (2, 3, 4)}, n=SHORT)
   assert everything_remat < two_bits  # the premise: remat at 8 bits beats 2 bits everywhere
   budget = (everything_remat + two_bits) // 2
-  result = jact.fit(loss, weights(), X, budget_bytes=budget)
+  result = jact.fit(loss, weights(n=SHORT), X, budget_bytes=budget)
   assert result.remat, result.report()
   assert result.peak_bytes <= budget
   for s in result.remat:
@@ -91,8 +94,8 @@ def test_fit_rematerializes_when_compression_alone_does_not_fit():
 
 
 def test_fit_is_deterministic():
-  loss = stack(rematerializable=True)
-  w = weights()
+  loss = stack(rematerializable=True, n=SHORT)
+  w = weights(n=SHORT)
   x = jax.random.normal(jax.random.key(0), (2048, 64))
   budget = int(0.45 * step_peak(configure(loss, None, None), (w, x), (0,)))
   a = jact.fit(loss, w, x, budget_bytes=budget)
@@ -106,20 +109,20 @@ def test_fit_is_deterministic():
 
 
 def test_a_budget_below_the_smallest_reachable_peak_says_so():
-  loss = stack(rematerializable=True)
+  loss = stack(rematerializable=True, n=SHORT)
   with pytest.raises(jact.FitError, match="smallest compiled peak") as e:
-    jact.fit(loss, weights(), X, budget_bytes=10_000)
+    jact.fit(loss, weights(n=SHORT), X, budget_bytes=10_000)
   assert e.value.smallest_peak_bytes > 10_000
   assert e.value.written_peak_bytes > e.value.smallest_peak_bytes
 
 
 @pytest.mark.slow
 def test_at_the_smallest_reachable_peak_something_fits():
-  loss = stack(rematerializable=True)
+  loss = stack(rematerializable=True, n=SHORT)
   with pytest.raises(jact.FitError) as e:
-    jact.fit(loss, weights(), X, budget_bytes=10_000)
+    jact.fit(loss, weights(n=SHORT), X, budget_bytes=10_000)
   smallest = e.value.smallest_peak_bytes
-  result = jact.fit(loss, weights(), X, budget_bytes=smallest, max_candidates=1)
+  result = jact.fit(loss, weights(n=SHORT), X, budget_bytes=smallest, max_candidates=1)
   assert result.peak_bytes <= smallest
 
 
@@ -198,8 +201,8 @@ def test_largest_batch_over_any_configuration():
   # does not fit, compiled again here), and fit's own choice at that batch fits the budget.
   from jact._fit.batch import _smallest
 
-  loss = stack(rematerializable=True)
-  args = lambda b: (weights(), jax.ShapeDtypeStruct((b, 64), jnp.float32))
+  loss = stack(rematerializable=True, n=SHORT)
+  args = lambda b: (weights(n=SHORT), jax.ShapeDtypeStruct((b, 64), jnp.float32))
   budget = 6 * 2**20
   plain = jact.largest_batch(loss, args, budget, start=64)
   found = jact.largest_batch(loss, args, budget, config="fit", start=64)
