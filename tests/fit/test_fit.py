@@ -73,7 +73,10 @@ def test_fit_gives_the_known_bits_and_respects_the_budget():
   assert result.compilations <= 2 + 6
 
 
-def test_fit_rematerializes_when_compression_alone_does_not_fit():
+@pytest.fixture(scope="module")
+def remat_fit():
+  """A budget that compression alone cannot meet, fitted on real arrays (sensitivities
+  measured): the remat test reads the result, the determinism test fits it once more."""
   loss = stack(rematerializable=True, n=SHORT)
   remat_8 = {}
   layout = Layout(frozenset(f"s{i}" for i in range(SHORT)))
@@ -84,7 +87,12 @@ def test_fit_rematerializes_when_compression_alone_does_not_fit():
   two_bits = peak_of(loss, {f"s{i}.{p}": 2 for i in range(SHORT) for p in (2, 3, 4)}, n=SHORT)
   assert everything_remat < two_bits  # the premise: remat at 8 bits beats 2 bits everywhere
   budget = (everything_remat + two_bits) // 2
-  result = jact.fit(loss, weights(n=SHORT), X, budget_bytes=budget)
+  args = (weights(n=SHORT), jax.random.normal(jax.random.key(0), X.shape))
+  return loss, args, budget, jact.fit(loss, *args, budget_bytes=budget)
+
+
+def test_fit_rematerializes_when_compression_alone_does_not_fit(remat_fit):
+  _, _, budget, result = remat_fit
   assert result.remat, result.report()
   assert result.peak_bytes <= budget
   for s in result.remat:
@@ -93,13 +101,9 @@ def test_fit_rematerializes_when_compression_alone_does_not_fit():
   assert "rematerialized: s" in result.report()
 
 
-def test_fit_is_deterministic():
-  loss = stack(rematerializable=True, n=SHORT)
-  w = weights(n=SHORT)
-  x = jax.random.normal(jax.random.key(0), (2048, 64))
-  budget = int(0.45 * step_peak(configure(loss, None, None), (w, x), (0,)))
-  a = jact.fit(loss, w, x, budget_bytes=budget)
-  b = jact.fit(loss, w, x, budget_bytes=budget)
+def test_fit_is_deterministic(remat_fit):
+  loss, args, budget, a = remat_fit
+  b = jact.fit(loss, *args, budget_bytes=budget)
   assert (a.plan, a.remat, a.peak_bytes, a.predicted_variance) == (
     b.plan,
     b.remat,
@@ -108,20 +112,25 @@ def test_fit_is_deterministic():
   )
 
 
-def test_a_budget_below_the_smallest_reachable_peak_says_so():
+@pytest.fixture(scope="module")
+def below_smallest():
+  """fit's refusal of a budget below the smallest reachable peak (one search for both tests)."""
   loss = stack(rematerializable=True, n=SHORT)
   with pytest.raises(jact.FitError, match="smallest compiled peak") as e:
     jact.fit(loss, weights(n=SHORT), X, budget_bytes=10_000)
-  assert e.value.smallest_peak_bytes > 10_000
-  assert e.value.written_peak_bytes > e.value.smallest_peak_bytes
+  return loss, e.value
+
+
+def test_a_budget_below_the_smallest_reachable_peak_says_so(below_smallest):
+  _, error = below_smallest
+  assert error.smallest_peak_bytes > 10_000
+  assert error.written_peak_bytes > error.smallest_peak_bytes
 
 
 @pytest.mark.slow
-def test_at_the_smallest_reachable_peak_something_fits():
-  loss = stack(rematerializable=True, n=SHORT)
-  with pytest.raises(jact.FitError) as e:
-    jact.fit(loss, weights(n=SHORT), X, budget_bytes=10_000)
-  smallest = e.value.smallest_peak_bytes
+def test_at_the_smallest_reachable_peak_something_fits(below_smallest):
+  loss, error = below_smallest
+  smallest = error.smallest_peak_bytes
   result = jact.fit(loss, weights(n=SHORT), X, budget_bytes=smallest, max_candidates=1)
   assert result.peak_bytes <= smallest
 
