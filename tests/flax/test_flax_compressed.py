@@ -111,7 +111,7 @@ def test_linen_variables_equal_plain(linen_variables):
   assert set(linen_variables["params"]) == {"LinenBlock_0", "LinenBlock_1"}
   top = jact.compressed(LinenBlock, bits=2)
   assert top.__name__ == "LinenBlock" and issubclass(top, LinenBlock)
-  assert top.residual_config.bits == 2
+  assert top.residual_config.compressor == jact.compressors.PerGroup(2)
 
 
 @pytest.mark.slow
@@ -160,7 +160,9 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   params, stats = linen_variables["params"], linen_variables["batch_stats"]
 
   def saved(argnums):
-    block = flax_compressed.wrap(LinenBlock, ResidualConfig(bits=2), None, argnums)
+    block = flax_compressed.wrap(
+      LinenBlock, ResidualConfig(jact.compressors.PerGroup(2)), None, argnums
+    )
     loss = _linen_loss(LinenNet(block=block, act=nn.gelu), stats, {"jact": _key(1)})
     return _saved_bytes(loss, params, X)
 
@@ -169,14 +171,18 @@ def test_compress_argnums_stores_block_inputs_compressed(linen_variables):
   shift = _normal(X.shape, seed=8)
   loss = lambda m, x: jnp.mean(m(2.0 * x + shift, key=_key(1)))  # the input: an activation
   default, compress = (
-    _saved_bytes(loss, flax_compressed.wrap(model, ResidualConfig(bits=2), None, argnums), X)
+    _saved_bytes(
+      loss,
+      flax_compressed.wrap(model, ResidualConfig(jact.compressors.PerGroup(2)), None, argnums),
+      X,
+    )
     for argnums in ((), (0,))
   )
   assert compress < default - X.nbytes // 2
   with pytest.raises(ValueError, match="compress_argnums"):
-    flax_compressed.wrap(LinenBlock, ResidualConfig(bits=2), None, (3,))().init(
-      {"params": _key(0), "jact": _key(1)}, X
-    )
+    flax_compressed.wrap(
+      LinenBlock, ResidualConfig(jact.compressors.PerGroup(2)), None, (3,)
+    )().init({"params": _key(0), "jact": _key(1)}, X)
 
 
 @pytest.mark.slow
@@ -417,7 +423,7 @@ def test_nnx_call_function_writes_state_back():
   fn = lambda m, x, s, rngs: drop(m(x), rngs=rngs) * s
   rngs, rngs_ref = _rngs(dropout=2), _rngs(dropout=2)
   y = flax_compressed.call_function(
-    fn, (bn, x, 2.0, rngs), {}, key=_key(0), config=ResidualConfig(bits=8)
+    fn, (bn, x, 2.0, rngs), {}, key=_key(0), config=ResidualConfig(jact.compressors.PerGroup(8))
   )
   np.testing.assert_array_equal(y, fn(plain, x, 2.0, rngs_ref))
   assert_same_tree(_pure(bn, nnx.BatchStat), _pure(plain, nnx.BatchStat))
