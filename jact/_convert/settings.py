@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from jact.compressors import Compressor
+from jact.compressors import Compressor, PerGroup
 from jact._engine.rounding import compressor_keywords
 from jact._flax import hooks as _hooks
 
@@ -32,8 +32,13 @@ class Settings:
 
   @property
   def rounding(self) -> dict:
-    """The rounding twins' keywords for `compressor`."""
-    return compressor_keywords(self.compressor)
+    """The rounding twins' keywords for `compressor`: `bits=` alone for the
+    default per-group quantizer (so a re-converted twin's public `bits` says
+    its width), else `compressor=`."""
+    c = self.compressor
+    if isinstance(c, PerGroup) and c == PerGroup(c.bits):
+      return {"bits": c.bits}
+    return compressor_keywords(c)
 
 
 def unsupported(settings: Settings, where: str, reason: str) -> None:
