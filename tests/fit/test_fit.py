@@ -76,18 +76,19 @@ def test_fit_gives_the_known_bits_and_respects_the_budget():
 @pytest.fixture(scope="module")
 def remat_fit():
   """A budget that compression alone cannot meet, fitted on real arrays (sensitivities
-  measured): the remat test reads the result, the determinism test fits it once more."""
-  loss = stack(rematerializable=True, n=SHORT)
+  measured): the remat test reads the result, the determinism test fits it once more. Eight
+  segments: at four, jax 0.12's XLA:CPU schedules remat at 8 bits above 2 bits everywhere."""
+  loss = stack(rematerializable=True, n=N)
   remat_8 = {}
-  layout = Layout(frozenset(f"s{i}" for i in range(SHORT)))
-  for i in range(SHORT):
+  layout = Layout(frozenset(f"s{i}" for i in range(N)))
+  for i in range(N):
     remat_8[f"s{i}.remat.2"] = 8
     remat_8.update({f"s{i}.remat.body.{p}": 8 for p in (3, 4)})
-  everything_remat = peak_of(loss, remat_8, layout, n=SHORT)
-  two_bits = peak_of(loss, {f"s{i}.{p}": 2 for i in range(SHORT) for p in (2, 3, 4)}, n=SHORT)
+  everything_remat = peak_of(loss, remat_8, layout, n=N)
+  two_bits = peak_of(loss, {f"s{i}.{p}": 2 for i in range(N) for p in (2, 3, 4)}, n=N)
   assert everything_remat < two_bits  # the premise: remat at 8 bits beats 2 bits everywhere
   budget = (everything_remat + two_bits) // 2
-  args = (weights(n=SHORT), jax.random.normal(jax.random.key(0), X.shape))
+  args = (weights(n=N), jax.random.normal(jax.random.key(0), X.shape))
   return loss, args, budget, jact.fit(loss, *args, budget_bytes=budget)
 
 
