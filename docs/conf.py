@@ -72,3 +72,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import api_pages  # noqa: E402
 
 api_pages.write_pages()
+
+
+def _drop_stale_stubs() -> None:
+  """Removes autosummary stubs of names no longer public (a renamed or removed name's stub
+  would otherwise fail the build: autodoc cannot import it)."""
+  wanted = {n for namespace in api_pages.TITLES for n in api_pages.public_names(namespace)}
+  for stub in (Path(__file__).resolve().parent / "_autosummary").glob("*.rst"):
+    if stub.stem not in wanted:
+      stub.unlink()
+
+
+_drop_stale_stubs()
