@@ -18,6 +18,7 @@ layout classes need not import the kernels.
 
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import jax
@@ -27,28 +28,22 @@ __all__ = ["Stored", "register_decoder", "decoder"]
 _DECODERS: dict[type, Callable] = {}
 
 
-class Stored:
+class Stored(abc.ABC):
   """A residual's stored form: a JAX pytree that can rebuild the value.
 
   Subclasses (registered pytrees, e.g. `jax.tree_util.register_dataclass`
-  dataclasses) define `decompress` and `nbytes`; `map_ordered` defaults to
-  every array leaf.
+  dataclasses) define `decompress` and `nbytes` (a subclass missing either
+  cannot be instantiated); `map_ordered` defaults to every array leaf.
   """
 
+  @abc.abstractmethod
   def decompress(self, dtype=None) -> jax.Array:
     """The reconstruction (the original dtype unless `dtype` is given)."""
-    raise NotImplementedError(
-      f"{type(self).__name__} derives from jact.compressors.Stored but defines no "
-      "decompress(dtype=None): define it to rebuild the value from the stored arrays."
-    )
 
   @property
+  @abc.abstractmethod
   def nbytes(self) -> int:
     """Bytes actually stored."""
-    raise NotImplementedError(
-      f"{type(self).__name__} derives from jact.compressors.Stored but defines no nbytes: "
-      "define it as the bytes of the stored arrays."
-    )
 
   def map_ordered(self, fn: Callable[[jax.Array], jax.Array]) -> "Stored":
     """A copy with `fn` applied to the arrays the backward pass reads only

@@ -125,14 +125,14 @@ def test_a_user_compressor_is_ordered_as_a_built_in_form(word):
   assert bool((g_user == g_built_in).all())
 
 
-def test_stored_without_decompress_names_the_fix():
+def test_stored_without_decompress_is_refused_when_built():
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)
   class Incomplete(compressors.Stored):
     data: jax.Array
 
-  with pytest.raises(NotImplementedError, match="defines no decompress"):
-    Incomplete(jnp.ones(2)).decompress()
+  with pytest.raises(TypeError, match="abstract.*decompress"):
+    Incomplete(jnp.ones(2))
 
 
 def test_a_user_stored_form_is_restored_inside_jact_compressed():
