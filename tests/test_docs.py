@@ -42,7 +42,18 @@ def test_readme_keeps_the_two_commands(command):
   assert f"```bash\n{command}\n```" in README.read_text()
 
 
-PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+# What the docs build writes inside docs/ (docs/.gitignore'd outputs), never a source page.
+_BUILD_OUTPUTS = {"_build", "_autosummary", "jupyter_execute", "notebooks"}
+
+
+def _source_pages(docs: Path = DOCS) -> list[Path]:
+  """The Markdown pages of docs/ that are written by hand or by api_pages.py, not build outputs."""
+  return sorted(
+    p for p in docs.rglob("*.md") if not _BUILD_OUTPUTS & set(p.relative_to(docs).parts[:-1])
+  )
+
+
+PAGES = [README, *_source_pages()]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -53,7 +64,7 @@ def test_relative_links_resolve(page):
 
 def test_every_docs_page_is_in_the_index_or_a_toctree():
   listed = set()
-  for page in DOCS.rglob("*.md"):
+  for page in _source_pages():
     folder = page.parent.relative_to(DOCS)
     for block in re.findall(r"```\{toctree\}\n(.*?)```", page.read_text(), re.S):
       listed |= {
@@ -61,8 +72,17 @@ def test_every_docs_page_is_in_the_index_or_a_toctree():
         for line in block.splitlines()
         if line.strip() and not line.startswith(":")
       }
-  pages = {p.relative_to(DOCS).with_suffix("").as_posix() for p in DOCS.rglob("*.md")} - {"index"}
+  pages = {p.relative_to(DOCS).with_suffix("").as_posix() for p in _source_pages()} - {"index"}
   assert pages <= listed, sorted(pages - listed)
+
+
+def test_a_built_copy_of_the_docs_is_not_read_as_a_source_page(tmp_path):
+  # CI builds the docs into docs/_build before the quick subset runs; its _sources/ copies
+  # are neither in a toctree nor beside their link targets.
+  (tmp_path / "_build" / "_sources").mkdir(parents=True)
+  (tmp_path / "_build" / "_sources" / "index.md").write_text("copy")
+  (tmp_path / "index.md").write_text("source")
+  assert _source_pages(tmp_path) == [tmp_path / "index.md"]
 
 
 def test_a_missing_link_target_is_found(tmp_path):
