@@ -11,6 +11,8 @@ from jact._core.allocate import (
   total_variance as total_variance,
   total_bits as total_bits,
   allocate_per_sample as allocate_per_sample,
+  allocate_layers_and_samples as allocate_layers_and_samples,
+  ACTNN_WIDTHS as ACTNN_WIDTHS,
 )
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
   "total_variance",
   "total_bits",
   "allocate_per_sample",
+  "allocate_layers_and_samples",
+  "ACTNN_WIDTHS",
 ]
