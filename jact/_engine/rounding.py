@@ -190,5 +190,11 @@ def check_float(x, op: str) -> jax.Array:
     raise TypeError(
       f"jact.ops.{op} takes a floating-point input (float32, bfloat16 or float16), got "
       f"{x.dtype}; cast it first (x.astype(jnp.float32))."
+      + (
+        " To keep its residual in FP8, cast it to bfloat16 (x.astype(jnp.bfloat16)) and pass "
+        "compressor=jact.compressors.Float8()."
+        if jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+        else ""
+      )
     )
   return x

@@ -19,6 +19,7 @@ from jact.compressors._base import Compressed, Compressor, Stored, from_dict, re
 from jact.compressors._blpa import BLPA
 from jact.compressors._division import Division
 from jact.compressors._fixed_point import Fixpoint
+from jact.compressors._float8 import Float8
 from jact.compressors._pergroup import PerGroup
 from jact.compressors._per_sample import PerSample
 from jact.compressors._zero_value import ZeroValue
@@ -34,5 +35,6 @@ __all__ = [
   "Division",
   "BLPA",
   "Fixpoint",
+  "Float8",
   "ZeroValue",
 ]
