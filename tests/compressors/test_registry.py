@@ -26,6 +26,7 @@ EXAMPLES = {
   "division": C.Division(block=4, bits=2),
   "blpa": C.BLPA(4),
   "fixpoint": C.Fixpoint(4),
+  "float8": C.Float8("e4m3", stochastic=True),
   "zero_value": C.ZeroValue(C.Fixpoint(4)),
 }
 # method -> why its reconstruction is not non-finite exactly where the input is.
