@@ -217,7 +217,7 @@ CASES = [
     ["keep='lfc'", "(8, 256)", "keep='both'"],
   ),
   ("pergroup-bits-3", lambda: C.PerGroup(3), ValueError, ["bits", "got 3", "Pick 1, 2, 4 or 8"]),
-  ("fixpoint-bits-1", lambda: C.Fixpoint(1), ValueError, ["bits", "got 1", "use 2, 4 or 8"]),
+  ("fixpoint-bits-1", lambda: C.Fixpoint(1), ValueError, ["bits", "got 1", "use 2..16 bits"]),
   (
     "zerovalue-capacity",
     lambda: C.ZeroValue(C.Fixpoint(8), capacity=2.0),

@@ -62,7 +62,7 @@ def test_division_ablation_lfc_matters_more_than_hfc(cifar_net):
 @pytest.mark.slow
 def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
   """AC-GC with the fixed-point compressor: the plan holds Fixpoint widths in
-  (2, 4, 8), wider for a tighter e^2, and the measured squared gradient error
+  2..16, wider for a tighter e^2, and the measured squared gradient error
   stays below e^2 ||g||^2 (AutoQuant) once the batch norms' scale gradients are
   bounded too (`scale_bound=True`). Table 1 alone leaves them unbounded, as
   AC-GC says: here at e^2 = 0.05 its 2-bit batch norms gave 0.057 > 0.05."""
@@ -80,7 +80,7 @@ def test_acgc_fixpoint_widths_bound_the_gradient_error(cifar_net):
     )
     plan = bounds.plan(state)
     assert plan and all(
-      isinstance(c, C.Fixpoint) and c.bits in (2, 4, 8) for c in plan.values() if c is not None
+      isinstance(c, C.Fixpoint) and 2 <= c.bits <= 16 for c in plan.values() if c is not None
     ), plan
 
     def planned(p):

@@ -14,7 +14,7 @@ bounds".
 >>> w, x = jnp.ones((256, 8)) / 16, jax.random.normal(jax.random.key(0), (16, 256))
 >>> bounds = jact.acgc.error_bounded(loss, error=0.5)
 >>> state = bounds.update(bounds.init(w, x, jax.random.key(1)), w, x, jax.random.key(2))
->>> bounds.plan(state)["fc.lhs"] in (1, 2, 4, 8, None)
+>>> bounds.plan(state)["fc.lhs"] in (1, 2, 3, 4, 5, 6, 7, 8, 16, None)
 True
 """
 
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jact.compressors import Fixpoint, ZeroValue
+from jact.compressors._fixed_point import FIXPOINT_BITS
+from jact._core import packing
 from jact._planning.plan import BitPlan
 from jact._planning.sensitivity import collect_layer_stats, find_residuals
 
 __all__ = ["ACGCState", "ErrorBounded", "error_bounded", "tolerance", "bits_for_levels"]
-
-_ALLOWED = (1, 2, 4, 8)
 
 
 @jax.tree_util.register_dataclass
@@ -98,13 +98,18 @@ def tolerance(
 
 
 def bits_for_levels(levels_sq: float, signed: bool = False) -> int | None:
-  """The smallest width in (1, 2, 4, 8) with 2^b - 1 >= sqrt(levels_sq) -- or,
-  `signed` (fixed point), in (2, 4, 8) with 2^(b-1) - 1 >= sqrt(levels_sq);
-  None if wider than 8."""
+  """The smallest width of jact's quantizer (`SUPPORTED_BITS`: 1..8, 16)
+  with 2^b - 1 >= sqrt(levels_sq) -- or, `signed` (fixed point), of
+  `Fixpoint` (2..16, each stored in exactly b bits) with
+  2^(b-1) - 1 >= sqrt(levels_sq); None if wider than 16 (kept exact).
+
+  >>> bits_for_levels(9.0, signed=True), bits_for_levels(1e6, signed=True), bits_for_levels(1e6)
+  (3, 11, 16)
+  """
   if not np.isfinite(levels_sq):
     return None
   need = math.sqrt(max(float(levels_sq), 0.0))
-  for b in _ALLOWED:
+  for b in FIXPOINT_BITS if signed else packing.SUPPORTED_BITS:
     levels = (1 << (b - 1)) - 1 if signed else (1 << b) - 1
     if levels >= max(need, 1e-30 if signed else 0.0):
       return b

@@ -4,7 +4,9 @@ Per channel (the last axis) the scale is the largest finite abs(x) (non-finite
 values are kept exactly: see `Fixpoint`); values are
 rounded to the nearest of 2L + 1 levels -L..L (L = 2^(bits-1) - 1), so zero
 stays exactly zero (which zero-value compression relies on) and every error
-is at most scale / (2L). The width usually comes from an AC-GC plan
+is at most scale / (2L). Every width 2..16 is stored in exactly its bits
+(`fixpoint_codes_bytes`), as AC-GC's bounds ask for integer widths up to 16.
+The width usually comes from an AC-GC plan
 (`jact.acgc.error_bounded(..., compressor=Fixpoint())`).
 
 >>> import jax.numpy as jnp
@@ -25,10 +27,19 @@ import jax
 import jax.numpy as jnp
 
 from jact.compressors._base import Compressed, Compressor, as_channel_rows, channels
-from jact._core.packing import pack_codes, packed_codes_bytes, unpack_codes
+from jact._core.packing import PackedBits, pack_codes, packed_codes_bytes, unpack_codes
 from jact._core.quantize import kind_value, nonfinite_kind
 
-__all__ = ["Fixpoint", "FIXPOINT_BITS", "flag_scale", "split_scale"]
+__all__ = [
+  "Fixpoint",
+  "FIXPOINT_BITS",
+  "flag_scale",
+  "split_scale",
+  "fixpoint_fields",
+  "pack_fixpoint_codes",
+  "unpack_fixpoint_codes",
+  "fixpoint_codes_bytes",
+]
 
 
 def flag_scale(scale: jax.Array, kind: jax.Array) -> jax.Array:
@@ -50,16 +61,64 @@ def split_scale(scale: jax.Array):
   return jax.lax.bitcast_convert_type(magnitude, jnp.float32), flagged, kind
 
 
-FIXPOINT_BITS = (2, 4, 8)
+FIXPOINT_BITS = tuple(range(2, 17))
 
 
 def _check_fixpoint_bits(bits: Any) -> int:
   if isinstance(bits, bool) or not isinstance(bits, int) or bits not in FIXPOINT_BITS:
     raise ValueError(
-      f"Fixpoint bits must be one of {FIXPOINT_BITS}, got {bits!r}: signed "
-      "fixed point needs 2 bits or more for a zero level (use 2, 4 or 8 bits)."
+      f"Fixpoint bits must be an int from 2 to 16, got {bits!r}: signed fixed point "
+      "needs 2 bits or more for a zero level, and codes are at most 16 bits wide "
+      "(use 2..16 bits, or bits=None on the op to keep the residual exact)."
     )
   return bits
+
+
+def fixpoint_fields(bits: int) -> tuple[tuple[int, int], ...]:
+  """(width, shift) of each packed field of `bits`-wide codes: one field for
+  the widths `pack_codes` packs (2..8 and 16); 9..15 a low byte plus the
+  (bits - 8) high bits, so that a code takes exactly `bits` bits.
+
+  >>> fixpoint_fields(4), fixpoint_fields(11)
+  (((4, 0),), ((8, 0), (3, 8)))
+  """
+  bits = _check_fixpoint_bits(bits)
+  return ((bits, 0),) if bits <= 8 or bits == 16 else ((8, 0), (bits - 8, 8))
+
+
+def pack_fixpoint_codes(codes: jax.Array, bits: int) -> tuple[PackedBits, ...]:
+  """Non-negative codes < 2^bits, packed losslessly per row (`pack_codes`) in
+  the fields of `fixpoint_fields`."""
+  codes = jnp.asarray(codes).astype(jnp.uint32)
+  return tuple(
+    pack_codes(((codes >> s) & ((1 << w) - 1)).astype(jnp.uint16 if w > 8 else jnp.uint8), w)
+    for w, s in fixpoint_fields(bits)
+  )
+
+
+def unpack_fixpoint_codes(fields) -> jax.Array:
+  """Inverse of `pack_fixpoint_codes`: int32 codes in the packed shape."""
+  out = None
+  for packed, (_, shift) in zip(fields, fixpoint_fields(_fields_bits(fields))):
+    part = unpack_codes(packed, jnp.int32) << shift
+    out = part if out is None else out | part
+  return out
+
+
+def _fields_bits(fields) -> int:
+  """The code width of packed fields (their widths summed)."""
+  return sum(p.bits for p in fields)
+
+
+def fixpoint_codes_bytes(shape: tuple[int, ...], bits: int) -> int:
+  """Bytes `pack_fixpoint_codes` stores for codes of `shape` (`packed_codes_bytes`
+  of each field: ceil(D * bits / 8) a row of D values, D rounded up to the
+  packing's unit).
+
+  >>> fixpoint_codes_bytes((4, 64), 11), fixpoint_codes_bytes((4, 64), 16)
+  (352, 512)
+  """
+  return sum(packed_codes_bytes(shape, w) for w, _ in fixpoint_fields(bits))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +126,10 @@ class Fixpoint(Compressor):
   """Per-channel max-abs scaled fixed point, round-to-nearest (deterministic).
 
   Attributes:
-    bits: 2, 4 or 8 (codes -L..L, L = 2^(bits-1) - 1, stored offset by L).
+    bits: 2..16 (codes -L..L, L = 2^(bits-1) - 1, stored offset by L).
 
-  Stored: `bits`-wide codes (densely packed) + float32 scale per channel.
+  Stored: `bits`-wide codes (densely packed, `pack_fixpoint_codes`) + float32
+  scale per channel.
   Non-finite inputs come back exactly where they were: the scale is the
   largest *finite* abs(x) of the channel; a non-finite value gets the spare
   stored code 2^bits - 1 (code L + 1), and a channel holding one is flagged
@@ -129,15 +189,22 @@ class Fixpoint(Compressor):
     scale = self.scales(x)
     q = self.codes(x, scale)
     # packed in the input's shape: one row of codes a sample (see `pack_codes`)
-    codes = pack_codes((q + self.levels).reshape(x.shape), self.bits)
-    return Compressed({"codes": codes, "scale": scale}, self, tuple(x.shape), x.dtype)
+    fields = pack_fixpoint_codes((q + self.levels).reshape(x.shape), self.bits)
+    arrays = {"codes": fields[0], "scale": scale}
+    if len(fields) > 1:  # 9..15 bits: the high bits beside the low byte
+      arrays["high"] = fields[1]
+    return Compressed(arrays, self, tuple(x.shape), x.dtype)
 
   def decompress(self, stored: Compressed, dtype=None) -> jax.Array:
-    q = as_channel_rows(unpack_codes(stored.arrays["codes"], jnp.int32)) - self.levels
+    fields = (stored.arrays["codes"],) + (
+      (stored.arrays["high"],) if "high" in stored.arrays else ()
+    )
+    q = as_channel_rows(unpack_fixpoint_codes(fields)) - self.levels
     out = self.values(q, stored.arrays["scale"])
     return out.reshape(stored.shape).astype(dtype or stored.dtype)
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = None) -> int:
-    """Packed codes (`packed_codes_bytes`: ceil(D / k) a row of D values) + 4 * C."""
+    """Packed codes (`fixpoint_codes_bytes`: ceil(D * bits / 8) a row of D values,
+    D rounded up to the packing's unit) + 4 * C."""
     shape = tuple(int(s) for s in shape)
-    return packed_codes_bytes(shape, self.bits) + 4 * channels(shape)
+    return fixpoint_codes_bytes(shape, self.bits) + 4 * channels(shape)

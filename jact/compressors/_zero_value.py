@@ -26,8 +26,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jact.compressors._base import Compressed, Compressor, channels
-from jact.compressors._fixed_point import FIXPOINT_BITS, Fixpoint
-from jact._core.packing import pack_codes, unpack_bits
+from jact.compressors._fixed_point import (
+  Fixpoint,
+  fixpoint_codes_bytes,
+  fixpoint_fields,
+  pack_fixpoint_codes,
+  unpack_fixpoint_codes,
+)
+from jact._core.packing import PackedBits, pack_codes, unpack_bits
+
+# Widths of the dense fallback (the widest that fits the buffer): those whose
+# codes pack whole into bytes, as before widths 3, 5-7 and 9-16 existed.
+_FALLBACK_BITS = (8, 4, 2)
 
 __all__ = ["ZeroValue", "nonzeros"]
 
@@ -96,11 +106,9 @@ class ZeroValue(Compressor):
     if self.inner is None:
       value_bytes = k * jnp.dtype(dtype).itemsize
     else:
-      value_bytes = -(-k // (8 // self.inner.bits))
+      value_bytes = fixpoint_codes_bytes((k,), self.inner.bits)
     total = mask_bytes + value_bytes
-    fallback = next(
-      (b for b in sorted(FIXPOINT_BITS, reverse=True) if -(-n // (8 // b)) <= total), None
-    )
+    fallback = next((b for b in _FALLBACK_BITS if -(-n // (8 // b)) <= total), None)
     return n, c, k, mask_bytes, value_bytes, fallback
 
   def stored_bytes(self, shape: tuple[int, ...], dtype: Any = jnp.float32) -> int:
@@ -133,7 +141,8 @@ class ZeroValue(Compressor):
       if self.inner is None:
         payload = lax.bitcast_convert_type(kept, jnp.uint8).reshape(-1)
       else:
-        payload = pack_codes(kept + self.inner.levels, self.inner.bits).data
+        fields = pack_fixpoint_codes(kept + self.inner.levels, self.inner.bits)
+        payload = jnp.concatenate([_as_bytes(f.data) for f in fields])
       return jnp.concatenate([pack_codes(mask, 1).data, payload])
 
     def dense(_):
@@ -162,7 +171,13 @@ class ZeroValue(Compressor):
         itemsize = jnp.dtype(stored.dtype).itemsize
         kept = lax.bitcast_convert_type(payload.reshape(k, itemsize), stored.dtype)
         return jnp.where(mask, kept[slot], 0).astype(jnp.float32).reshape(-1, c)
-      codes = unpack_bits(payload, self.inner.bits)[:k].astype(jnp.int32) - self.inner.levels
+      fields, start = [], 0
+      for w, _ in fixpoint_fields(self.inner.bits):
+        data = _packed_struct(k, w)
+        size = data.size * data.dtype.itemsize
+        fields.append(PackedBits(_from_bytes(payload[start : start + size], data), (k,), w))
+        start += size
+      codes = unpack_fixpoint_codes(fields) - self.inner.levels
       return self.inner.values(jnp.where(mask, codes[slot], 0).reshape(-1, c), scale)
 
     def dense(_):
@@ -172,3 +187,24 @@ class ZeroValue(Compressor):
 
     out = lax.cond(stored.arrays["nonzeros"] <= k, sparse, dense, None)
     return out.reshape(shape).astype(dtype or stored.dtype)
+
+
+def _packed_struct(k: int, bits: int) -> jax.ShapeDtypeStruct:
+  """Shape and dtype of `pack_codes`'s data for k flat `bits`-wide codes."""
+  codes = jax.ShapeDtypeStruct((k,), jnp.uint16 if bits > 8 else jnp.uint8)
+  return jax.eval_shape(lambda c: pack_codes(c, bits).data, codes)
+
+
+def _as_bytes(data: jax.Array) -> jax.Array:
+  """Packed data as flat uint8 bytes."""
+  if data.dtype != jnp.uint8:
+    data = lax.bitcast_convert_type(data, jnp.uint8)
+  return data.reshape(-1)
+
+
+def _from_bytes(buffer: jax.Array, struct: jax.ShapeDtypeStruct) -> jax.Array:
+  """Inverse of `_as_bytes` for data of `struct`'s shape and dtype."""
+  itemsize = jnp.dtype(struct.dtype).itemsize
+  if itemsize == 1:
+    return buffer.reshape(struct.shape)
+  return lax.bitcast_convert_type(buffer.reshape(*struct.shape, itemsize), struct.dtype)
