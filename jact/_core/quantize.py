@@ -2,7 +2,7 @@
 
 ActNN's layout: each sample split into groups of G values, each group
 stored as a bfloat16 minimum and step (rounded outward, so rounding stays
-unbiased) plus one planar-packed `bits`-wide code per value. NaN/inf come
+unbiased) plus one packed `bits`-wide code per value. NaN/inf come
 back exactly where they were (flagged groups); every finite float32 group is
 covered. The layout, the non-finite flags and the range handling:
 docs/design.md, "Per-group quantization". The XLA reference is
@@ -101,7 +101,8 @@ class Packed(Stored):
   """A per-group quantized tensor.
 
   Attributes:
-    data: uint8[N, groups, group_size * bits // 8] packed codes.
+    data: uint8[N, groups, group_size * bits // 8] packed codes (each group's
+      codes packed as `jact._core.packing.pack_bits` packs a row).
     minimum: bfloat16[N, groups] group minimum (rounded down).
     scale: bfloat16[N, groups] quantization step (rounded up).
     shape, dtype, bits, group_size: static description of the quantized tensor.
@@ -406,7 +407,14 @@ def kind_of_bits(k: jax.Array) -> jax.Array:
   return (jnp.int32(_KIND_TABLE) >> (k * 4)) & 15
 
 
-def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None = None, dtype=None):
+def group_codes(
+  g: jax.Array,
+  levels,
+  seed: jax.Array | None,
+  size: int | None = None,
+  dtype=None,
+  codes_dtype=None,
+):
   """Group statistics and integer codes of grouped values g[N, groups, G].
 
   `levels` (2**bits - 1) is a number or an array broadcasting against the
@@ -415,8 +423,13 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
   without it round-to-nearest. `size` is the number of values per sample
   (the rest of the last group is padding, coded 0). `dtype` is the tensor's
   dtype: float16 / bfloat16 values are rounded between decoded neighbours
-  (`lattice_codes`). Returns (minimum, stored step) in bf16 and uint8 codes.
+  (`lattice_codes`). Returns (minimum, stored step) in bf16 and the codes in
+  `codes_dtype` (default: uint16 when `levels` is a number above 255, i.e.
+  16 bits, else uint8; pass uint16 with per-sample levels that reach 16 bits).
   """
+  if codes_dtype is None:
+    wide = isinstance(levels, (int, float, np.integer, np.floating)) and levels > 255
+    codes_dtype = jnp.uint16 if wide else jnp.uint8
   levels = jnp.asarray(levels, jnp.float32)
   lo, hi, kind = group_extremes(g, size)
   flagged = kind != 0
@@ -486,7 +499,7 @@ def group_codes(g: jax.Array, levels, seed: jax.Array | None, size: int | None =
     ] + jax.lax.broadcasted_iota(jnp.int32, g.shape, g.ndim - 1)
     nonfinite = nonfinite & (position < size)
   codes = jax.lax.select(nonfinite, full(levels), codes)
-  return minimum, stored.astype(jnp.bfloat16), codes.astype(jnp.uint8)
+  return minimum, stored.astype(jnp.bfloat16), codes.astype(codes_dtype)
 
 
 SMALLEST_ROW = 8

@@ -50,7 +50,7 @@ def quantize(
     x: float32, bfloat16 or float16 array; axis 0 is the sample axis.
     key: JAX PRNG key for the rounding noise (required when stochastic and
       `seed` is not given).
-    bits: 1, 2, 4 or 8.
+    bits: an integer width 1 to 8, or 16 (`jact._core.packing.SUPPORTED_BITS`).
     group_size: values per group, a positive multiple of 8.
     stochastic: unbiased stochastic rounding (default) or round-to-nearest.
     seed: a uint32 scalar seed (see `jact.rng.seed_from_key`) used instead of key.

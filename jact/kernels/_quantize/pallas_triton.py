@@ -34,6 +34,10 @@ __all__ = [
   "quantize",
   "dequantize",
   "encode_tile",
+  "encode_codes",
+  "plane_layout",
+  "pack_planes",
+  "unpack_planes",
   "group_stats",
   "encode_values",
   "decode_values",
@@ -52,14 +56,63 @@ def rows_per_program(group_size: int, rows: int | None = None) -> int:
   return max(1, _TILE // T.next_pow2(group_size))
 
 
+def plane_layout(bits: int) -> tuple[int, int]:
+  """(value planes V, byte planes B) of a group in the `jact._core.packing` layout:
+  a group of G values is V planes of M = G // V values packed into B planes of
+  M bytes each (8 // bits and 1 for widths dividing 8, 8 and `bits` for 3, 5, 6,
+  7 bits, 1 and 2 for 16 bits)."""
+  if bits == 16:
+    return 1, 2
+  if 8 % bits:
+    return 8, bits
+  return 8 // bits, 1
+
+
+def pack_planes(codes, bits: int) -> list:
+  """The B int32 byte planes (`plane_layout`) of V int32 code planes (same shapes)."""
+  if bits == 16:
+    return [codes[0] & 255, codes[0] >> 8]
+  if 8 % bits:  # byte plane p holds bit p of value plane i in its bit i
+    planes = []
+    for p in range(bits):
+      byte = None
+      for i, code in enumerate(codes):
+        field = ((code >> p) & 1) << i
+        byte = field if byte is None else byte | field
+      planes.append(byte)
+    return planes
+  packed = None
+  for p, code in enumerate(codes):
+    packed = code << (p * bits) if packed is None else packed | code << (p * bits)
+  return [packed]
+
+
+def unpack_planes(planes, bits: int) -> list:
+  """The V int32 code planes of B int32 byte planes (inverse of `pack_planes`)."""
+  if bits == 16:
+    return [planes[0] | planes[1] << 8]
+  if 8 % bits:
+    codes = []
+    for i in range(8):
+      code = None
+      for p, byte in enumerate(planes):
+        field = ((byte >> i) & 1) << p
+        code = field if code is None else code | field
+      codes.append(code)
+    return codes
+  mask = (1 << bits) - 1
+  return [(planes[0] >> (p * bits)) & mask for p in range(8 // bits)]
+
+
 def packing_geometry(n: int, d: int, group_size: int, bits: int, rows: int | None = None):
-  """(groups per sample, group rows N * groups, bytes Q per group, Q padded to a power
-  of two, groups per program) of N samples of d values quantized per group."""
+  """(groups per sample, group rows N * groups, bytes Q per group, values M per
+  plane (`plane_layout`) padded to a power of two, groups per program) of N
+  samples of d values quantized per group. For widths dividing 8, Q == M."""
   groups = -(-d // group_size)
-  k = 8 // bits
-  q = group_size // k
-  q_pad = T.next_pow2(q)
-  return groups, n * groups, q, q_pad, rows_per_program(k * q_pad, rows)
+  v, _ = plane_layout(bits)
+  q = group_size * bits // 8
+  q_pad = T.next_pow2(group_size // v)
+  return groups, n * groups, q, q_pad, rows_per_program(v * q_pad, rows)
 
 
 def packed_out_shape(n_rows: int, q: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -217,31 +270,31 @@ def decode_values(code, minimum, stored, dtype, *, levels, interpret: bool, thro
   return jnp.where(flagged & (code == levels), Q.kind_value(kind), value)
 
 
-def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None, dtype=None):
-  """Statistics and packed bytes for a tile of R groups (the reference's math).
+def encode_codes(planes, levels, seed, index, *, interpret: bool, valid=None, dtype=None):
+  """Statistics and int32 codes for a tile of R groups (the reference's math).
 
   Args:
-    planes: k = 8 // bits float32 arrays [R, P]; plane p holds each group's
-      values p*Q .. p*Q + Q - 1 in its first Q columns, NaN elsewhere (ignored
-      by the statistics and coded 0, like the reference's padding).
+    planes: float32 arrays [R, P], the groups' values in planes
+      (`plane_layout`): plane p holds values p*M .. p*M + M - 1 in its first M
+      columns, NaN elsewhere (ignored by the statistics and coded 0, like the
+      reference's padding).
     levels: float32 2**bits - 1 (a scalar).
     seed: uint32 scalar, or None for round-to-nearest.
-    index: k uint32 arrays [R, P], the flat index of each value (the hash input).
-    valid: k bool arrays [R, P] marking the groups' own values (the rest is
+    index: uint32 arrays [R, P], the flat index of each value (the hash input).
+    valid: bool arrays [R, P] marking the groups' own values (the rest is
       padding); None when every NaN is padding.
     dtype: the tensor's dtype (float16 / bfloat16 values round between decoded
       neighbours); None for float32.
 
   Returns:
-    (minimum, stored step) float32 [R] holding bf16 values, and the packed
-    bytes as int32 [R, P] (byte j of a group is the or of code_p(j) << p * bits).
+    (minimum, stored step) float32 [R] holding bf16 values, and the int32 codes
+    of each plane [R, P].
   """
   minimum, step, hi, inv_step, finite_levels = group_stats(
     planes, levels, interpret=interpret, valid=valid
   )
-  packed = None
-  for p, (v, idx) in enumerate(zip(planes, index)):
-    code = encode_values(
+  codes = [
+    encode_values(
       v,
       minimum[:, None],
       hi[:, None],
@@ -254,9 +307,26 @@ def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, vali
       valid=None if valid is None else valid[p],
       dtype=dtype,
       stored=step[:, None],
-    ) << (p * bits)
-    packed = code if packed is None else packed | code
-  return minimum, step, packed
+    )
+    for p, (v, idx) in enumerate(zip(planes, index))
+  ]
+  return minimum, step, codes
+
+
+def encode_tile(planes, levels, seed, index, *, bits: int, interpret: bool, valid=None, dtype=None):
+  """`encode_codes` packed for a width dividing 8: the k = 8 // bits planes give
+  one plane of bytes int32 [R, P] (byte j of a group is the or of
+  code_p(j) << p * bits). Other widths pack into several byte planes:
+  `encode_codes`, then `pack_planes`."""
+  if 8 % bits:
+    raise ValueError(
+      f"encode_tile packs widths dividing 8 into one byte plane, got bits={bits}; "
+      "use encode_codes and pack_planes, which pack every width."
+    )
+  minimum, step, codes = encode_codes(
+    planes, levels, seed, index, interpret=interpret, valid=valid, dtype=dtype
+  )
+  return minimum, step, pack_planes(codes, bits)[0]
 
 
 def _quantize_kernel(
@@ -268,8 +338,9 @@ def _quantize_kernel(
   else:
     x_ref, data_ref, min_ref, scale_ref = refs
     seed = None
-  k = 8 // bits
-  q = group_size // k
+  v_planes, _ = plane_layout(bits)
+  m = group_size // v_planes  # values per plane, and bytes per byte plane
+  q = group_size * bits // 8  # bytes per group
   pid = pl.program_id(0)
   row = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 1)
@@ -278,18 +349,19 @@ def _quantize_kernel(
   nan = jnp.array(jnp.nan, x_ref.dtype)
   planes, index, valid = [], [], []
   aligned = d % group_size == 0  # groups tile the samples: flat offset row * G + column
-  for p in range(k):
-    col = group * group_size + p * q + j
-    mask = row_ok & (j < q) & (col < d)
-    offset = row * group_size + p * q + j if aligned else sample * d + col
+  for p in range(v_planes):
+    col = group * group_size + p * m + j
+    mask = row_ok & (j < m) & (col < d)
+    offset = row * group_size + p * m + j if aligned else sample * d + col
     planes.append(T.load(x_ref, offset, mask, nan).astype(jnp.float32))
     valid.append(mask)
-    index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
+    index.append(row.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * m).astype(jnp.uint32))
   levels = float((1 << bits) - 1)
-  minimum, step, packed = encode_tile(
-    planes, levels, seed, index, bits=bits, interpret=interpret, valid=valid, dtype=x_ref.dtype
+  minimum, step, codes = encode_codes(
+    planes, levels, seed, index, interpret=interpret, valid=valid, dtype=x_ref.dtype
   )
-  T.store(data_ref, row * q + j, packed.astype(jnp.uint8), row_ok & (j < q))
+  for b, byte in enumerate(pack_planes(codes, bits)):
+    T.store(data_ref, row * q + b * m + j, byte.astype(jnp.uint8), row_ok & (j < m))
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   T.store(min_ref, r, minimum.astype(jnp.bfloat16), r < n_rows)
   T.store(scale_ref, r, step.astype(jnp.bfloat16), r < n_rows)
@@ -364,25 +436,34 @@ def _dequantize_kernel(
   through,
   interpret,
 ):
-  k = 8 // bits
-  q = group_size // k
+  v_planes, b_planes = plane_layout(bits)
+  m = group_size // v_planes  # values per plane, and bytes per byte plane
+  q = group_size * bits // 8  # bytes per group
   pid = pl.program_id(0)
   row = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (rows, q_pad), 1)
   sample, group = row // groups, row % groups
-  in_group = (row < n_rows) & (j < q)
-  byte = T.load(data_ref, row * q + j, in_group, jnp.uint8(0)).astype(jnp.int32)
+  in_group = (row < n_rows) & (j < m)
+  bytes_ = [
+    T.load(data_ref, row * q + b * m + j, in_group, jnp.uint8(0)).astype(jnp.int32)
+    for b in range(b_planes)
+  ]
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   minimum = T.load(min_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
   step = T.load(scale_ref, r, r < n_rows, jnp.bfloat16(0)).astype(jnp.float32)[:, None]
-  mask = (1 << bits) - 1
-  for p in range(k):
-    code = ((byte >> (p * bits)) & mask).astype(jnp.float32)
+  levels = float((1 << bits) - 1)
+  for p, code in enumerate(unpack_planes(bytes_, bits)):
     value = decode_values(
-      code, minimum, step, out_ref.dtype, levels=float(mask), interpret=interpret, through=through
+      code.astype(jnp.float32),
+      minimum,
+      step,
+      out_ref.dtype,
+      levels=levels,
+      interpret=interpret,
+      through=through,
     )
-    col = group * group_size + p * q + j
-    offset = row * group_size + p * q + j if d % group_size == 0 else sample * d + col
+    col = group * group_size + p * m + j
+    offset = row * group_size + p * m + j if d % group_size == 0 else sample * d + col
     T.store(out_ref, offset, value.astype(out_ref.dtype), in_group & (col < d))
 
 
@@ -397,7 +478,9 @@ def dequantize(
   d = math.prod(packed.shape[1:]) if len(packed.shape) > 1 else 1
   T.check_int32(n * groups * packed.group_size, "the tensor")
   n_rows = n * groups
-  r = rows_per_program((8 // packed.bits) * T.next_pow2(q), rows)
+  v_planes, _ = plane_layout(packed.bits)
+  m_pad = T.next_pow2(packed.group_size // v_planes)
+  r = rows_per_program(v_planes * m_pad, rows)
   kernel = functools.partial(
     _dequantize_kernel,
     n_rows=n_rows,
@@ -406,7 +489,7 @@ def dequantize(
     group_size=packed.group_size,
     bits=packed.bits,
     rows=r,
-    q_pad=T.next_pow2(q),
+    q_pad=m_pad,
     through=jnp.dtype(packed.dtype),
     interpret=interpret,
   )
