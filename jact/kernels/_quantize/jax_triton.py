@@ -55,16 +55,20 @@ def quantize_kernel(
   LATTICE: tl.constexpr,
   DTYPE_MAX: tl.constexpr,
 ):
-  K: tl.constexpr = 8 // BITS
-  Q: tl.constexpr = GROUP_SIZE // K
+  # the packing's layout (`pallas_triton.plane_layout`): K value planes of M values,
+  # packed into byte planes of M bytes (one for widths dividing 8, BITS for 3, 5,
+  # 6, 7 bits, low and high for 16 bits); Q bytes a group
+  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
+  M: tl.constexpr = GROUP_SIZE // K
+  Q: tl.constexpr = GROUP_SIZE * BITS // 8
   LEVELS: tl.constexpr = (1 << BITS) - 1
   row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
   row = row1[:, None, None]
   p = tl.arange(0, K)[None, :, None]
   j = tl.arange(0, Q_PAD)[None, None, :]
-  within = p * Q + j  # position in the group
+  within = p * M + j  # position in the group
   col = (row % GROUPS) * GROUP_SIZE + within
-  mask = (row < N_ROWS) & (j < Q) & (col < D)
+  mask = (row < N_ROWS) & (j < M) & (col < D)
   if D % GROUP_SIZE == 0:  # groups tile the samples
     offset = row * GROUP_SIZE + within
   else:
@@ -166,9 +170,20 @@ def quantize_kernel(
     prob = tl.where(positive, tl.div_rn(clipped - a, tl.where(positive, gap, 1.0)), 0.0)
     code = tl.minimum(k_low + tl.where(noise < prob, 1.0, 0.0), top)
   code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
-  packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
   row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
-  tl.store(data_ptr + row2 * Q + j2, packed.to(tl.uint8), mask=(row2 < N_ROWS) & (j2 < Q))
+  out = data_ptr + row2 * Q + j2
+  keep = (row2 < N_ROWS) & (j2 < M)
+  if BITS == 16:  # the low bytes, then the high bytes
+    both = tl.sum(code, axis=1)  # one plane
+    tl.store(out, (both & 255).to(tl.uint8), mask=keep)
+    tl.store(out + M, (both >> 8).to(tl.uint8), mask=keep)
+  elif 8 % BITS == 0:
+    packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
+    tl.store(out, packed.to(tl.uint8), mask=keep)
+  else:  # byte plane b: bit b of value plane i in its bit i
+    for b in tl.static_range(BITS):
+      packed = tl.sum(((code >> b) & 1) << p, axis=1)
+      tl.store(out + b * M, packed.to(tl.uint8), mask=keep)
   # the statistics hold bf16 values: their bf16 bits are the float32's high half
   tl.store(
     min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=row1 < N_ROWS
