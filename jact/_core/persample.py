@@ -1,8 +1,10 @@
 """Per-sample mixed precision (ActNN L3): one width per sample, one static buffer.
 
 Each sample is quantized per group like `jact.quantize` but at its own width
-in (1, 2, 4, 8), chosen at run time; the samples' codes lie back to back in
-one uint8 buffer of static length, so shapes never depend on the widths.
+in 1..8, chosen at run time; the samples' codes lie back to back in one uint8
+buffer of static length, so shapes never depend on the widths. A sample of
+b bits takes b units of Dp / 8 bytes (Dp: its padded size): planar for 1, 2,
+4, 8, bit planes for 3, 5, 6, 7 (`jact._core.packing.pack_bits`' layouts).
 This module holds the layout (`PackedPerSample`, `per_sample_capacity`); the
 kernels are in `jact.kernels._per_sample`. The layout and the overflow rule:
 docs/design.md, "Per-sample widths".

@@ -58,22 +58,25 @@ def _case(shape, dtype):
 # padded to 2 x 256); 784 values (7 groups of 112).
 CASES = [((6, 10), jnp.bfloat16), ((6, 3, 10, 10), jnp.float32), ((6, 784), jnp.bfloat16)]
 BITS = (1, 2, 4, 8, 1, 2)  # 18 bits per value in all: exactly fills a 3-bit average
+PLANES = (3, 5, 6, 7, 1, 2)  # bit-plane widths, 24 bits per value: a 4-bit average
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype", CASES)
-def test_matches_quantize_per_sample(shape, dtype):
+@pytest.mark.parametrize("bits", [BITS, PLANES])
+def test_matches_quantize_per_sample(shape, dtype, bits):
   x = _case(shape, dtype)
-  cap = per_sample_capacity(shape, 3.0)
-  p, y = _roundtrip(x, jnp.array(BITS, jnp.int32), capacity=cap, stochastic=False)
-  want, data = _reference(x, bits=BITS)
+  cap = per_sample_capacity(shape, sum(bits) / 6)
+  p, y = _roundtrip(x, jnp.array(bits, jnp.int32), capacity=cap, stochastic=False)
+  want, data = _reference(x, bits=bits)
   assert p.data.shape == (cap,) and y.dtype == x.dtype and y.shape == x.shape
-  np.testing.assert_array_equal(p.bits, BITS)
+  np.testing.assert_array_equal(p.bits, bits)
   np.testing.assert_array_equal(
     np.asarray(y, np.float32), np.asarray(want, np.float32)
   )  # bit-exact
   # Segments lie back to back, exactly filling the buffer here; within one,
-  # byte j holds values j, j+Q, ... of the whole (padded) sample.
+  # the sample's codes as `pack_bits` lays them out at its width (planar:
+  # byte j holds values j, j+Q, ...; 3/5/6/7 bits: bit planes).
   np.testing.assert_array_equal(p.data, data)
   d = np.prod(shape[1:])
   g = effective_group_size(d, 256)
@@ -124,15 +127,16 @@ def test_fallback_to_one_bit():
     np.testing.assert_array_equal(
       np.isfinite(np.asarray(y, np.float32)), np.isfinite(np.asarray(x, np.float32))
     )  # non-finite kept
-  # Invalid widths round down to 1, 2, 4 or 8 (here 17 bits: they fit).
-  p, _ = _roundtrip(x, jnp.array([0, 3, 2, 9, -7, 5], jnp.int32), capacity=cap, stochastic=False)
-  np.testing.assert_array_equal(p.bits, [1, 2, 2, 8, 1, 4])
+  # Widths outside 1..8 are clipped into it (here 16 bits: they fit).
+  p, _ = _roundtrip(x, jnp.array([0, 3, 2, 9, -7, 1], jnp.int32), capacity=cap, stochastic=False)
+  np.testing.assert_array_equal(p.bits, [1, 3, 2, 8, 1, 1])
 
 
 def test_unbiased_and_error_bound():
-  x = _normal((4, 40), seed=6) * np.array([[0.1], [1.0], [3.0], [1e3]], np.float32)
-  bits = jnp.array([1, 2, 4, 8], jnp.int32)
-  cap = per_sample_capacity(x.shape, 4.0)
+  scales = np.array([[0.1], [1.0], [3.0], [1e3], [0.5], [2.0], [7.0], [30.0]], np.float32)
+  x = _normal((8, 40), seed=6) * scales
+  bits = jnp.array([1, 2, 4, 8, 3, 5, 6, 7], jnp.int32)  # every width 1..8
+  cap = per_sample_capacity(x.shape, 4.5)
   run = jax.jit(jax.vmap(lambda s: _roundtrip(x, bits, s, capacity=cap)))
   k = 1024
   p, y = run(jnp.arange(k, dtype=jnp.uint32))

@@ -320,10 +320,12 @@ PER_SAMPLE = [
   ("f16-nearest-group112", (6, 784), F16, [2, 8, 1, 4, 4, 1], 0.5, 256, False, 4),
   ("f32-below-one-group", (3, 20), F32, [8, 2, 1], 1.0, 256, True, 1),
   ("f32-nonfinite-kinds", (4, 48), F32, [1, 2, 4, 8], 1.0, 16, True, 2),
+  ("bf16-bit-planes-35671", (5, 300), BF16, [3, 5, 6, 7, 1], 1.0, 256, True, 2),
+  ("f32-nearest-every-width", (8, 40), F32, [7, 1, 2, 3, 4, 5, 6, 8], 1.0, 256, False, 1),
 ]
 
 
-PER_SAMPLE_OUTS = [None, F32, F16, None, F16]
+PER_SAMPLE_OUTS = [None, F32, F16, None, F16, F32, None]
 """The dequantizers' output dtype per PER_SAMPLE case (None: the input's)."""
 
 

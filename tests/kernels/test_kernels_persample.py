@@ -176,7 +176,7 @@ def test_dispatch_with_traced_widths_and_the_capacity_fallback():
   x = _activation(shape, jnp.float32, seed=1)
   capacity = per_sample_capacity(shape, avg_bits=2.0)
   seed = jnp.uint32(99)
-  # Fits (after rounding down to 1, 2, 4, 8); then too wide: all fall back to 1 bit.
+  # Fits (0 clipped to 1; 3 and 5 as bit planes); then too wide: all fall back to 1 bit.
   for widths in ([3, 0, 1, 2, 5, 1, 1, 2], [8] * 8):
     bits = jnp.asarray(widths, jnp.int32)
     p, y = _dispatch(x, bits, seed, capacity=capacity, implementation="pallas_triton")

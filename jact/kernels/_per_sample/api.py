@@ -48,7 +48,9 @@ def quantize_per_sample(
 
   Args:
     x: float32, bfloat16 or float16 array, shape (N, ...).
-    bits: int[N] widths in (1, 2, 4, 8); may be traced (decided under jit).
+    bits: int[N] widths in 1..8 (values outside are clipped into it); may
+      be traced (decided under jit). Widths dividing 8 are packed planar, 3,
+      5, 6 and 7 as bit planes (`jact._core.packing.pack_bits`' layouts).
     capacity_bytes: static buffer length, at least N * Dp / 8 (1 bit per
       value); see `per_sample_capacity`. Widths needing more than this make
       every sample fall back to 1 bit.
@@ -89,7 +91,7 @@ def quantize_per_sample(
       f"{bits.dtype}{list(bits.shape)}."
     )
   bits = bits.astype(jnp.int32)
-  bits = jnp.select([bits >= 8, bits >= 4, bits >= 2], [8, 4, 2], 1)
+  bits = jnp.clip(bits, 1, 8)
   bits = jnp.where(jnp.sum(bits) * (dp // 8) > capacity, 1, bits)
   quantize_fn = kernels.dispatch("quantize_per_sample", implementation, size=x.size)
   return quantize_fn(

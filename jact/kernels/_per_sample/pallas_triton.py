@@ -45,7 +45,7 @@ __all__ = ["quantize_per_sample", "dequantize_per_sample"]
 
 _TILE = 4096  # values per program (a power of two)
 _ZERO_TILE = 4096  # largest run of tail bytes zeroed by one program
-_WIDTHS = (1, 2, 4, 8)  # the switch's branches: width index i is 2**i bits
+_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)  # the switch's branches: width index i is i + 1 bits
 
 
 def _geometry(d: int, group_size: int, rows: int | None):
@@ -59,9 +59,9 @@ def _geometry(d: int, group_size: int, rows: int | None):
 
 
 def _width_index(bits: jax.Array) -> jax.Array:
-  """int32 switch index of each width as the reference decodes it (8, 4, 2, else 1 bit)."""
+  """int32 switch index of each width as the reference decodes it (1..8, else 1 bit)."""
   w = bits.astype(jnp.int32)
-  return jnp.select([w == 8, w == 4, w == 2], [3, 2, 1], 0).astype(jnp.int32)
+  return jnp.where((w >= 1) & (w <= 8), w - 1, 0).astype(jnp.int32)
 
 
 def _offsets(bits: jax.Array, dp: int) -> jax.Array:
@@ -98,7 +98,7 @@ def _stats_kernel(
   v = T.load(x_ref, (row // groups) * d + pos, mask, nan).astype(jnp.float32)
   r = pid * rows + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
   ok = r < n_rows
-  levels = ((1 << (1 << T.load(width_ref, r // groups, ok, 0))) - 1).astype(jnp.float32)
+  levels = ((1 << (T.load(width_ref, r // groups, ok, 0) + 1)) - 1).astype(jnp.float32)
   minimum, step, hi, inv_step, _ = group_stats([v], levels, interpret=interpret, valid=[mask])
   T.store(min_ref, r, minimum.astype(jnp.bfloat16), ok)
   T.store(scale_ref, r, step.astype(jnp.bfloat16), ok)
@@ -163,36 +163,120 @@ def _pack_width(
   k, q, tb = 8 // bits, bits * unit, values * bits // 8
   j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
   in_sample = j < q
-  levels = jnp.float32((1 << bits) - 1)
-  nan = jnp.array(jnp.nan, x_ref.dtype)
   packed = None
   for p in range(k):
-    pos = p * q + j
-    own = in_sample & (pos < d)
-    v = T.load(x_ref, sample * d + pos, own, nan).astype(jnp.float32)
-    r = sample * groups + pos // group_size
-    minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
-    stored = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
-    hi = T.load(hi_ref, r, in_sample, jnp.float32(0))
-    inv_step = T.load(inv_ref, r, in_sample, jnp.float32(0))
-    index = (sample * (groups * group_size) + pos).astype(jnp.uint32)
-    finite_levels = flagged_levels(jnp.full(v.shape, levels), split_step(stored)[1])
-    code = encode_values(
-      v,
-      minimum,
-      hi,
-      inv_step,
-      levels,
+    code = _encode_at(
+      x_ref,
+      min_ref,
+      scale_ref,
+      hi_ref,
+      inv_ref,
       seed,
-      index,
+      sample,
+      p * q + j,
+      in_sample,
+      bits=bits,
+      d=d,
+      groups=groups,
+      group_size=group_size,
       interpret=interpret,
-      finite_levels=finite_levels,
-      valid=own,
-      dtype=x_ref.dtype,
-      stored=stored,
     ) << (p * bits)
     packed = code if packed is None else packed | code
   T.store(data_ref, offset + j, packed.astype(jnp.uint8), in_sample)
+
+
+def _encode_at(
+  x_ref,
+  min_ref,
+  scale_ref,
+  hi_ref,
+  inv_ref,
+  seed,
+  sample,
+  pos,
+  in_sample,
+  *,
+  bits,
+  d,
+  groups,
+  group_size,
+  interpret,
+):
+  """The `bits`-bit codes of sample `sample` at positions `pos` (int32)."""
+  own = in_sample & (pos < d)
+  nan = jnp.array(jnp.nan, x_ref.dtype)
+  levels = jnp.float32((1 << bits) - 1)
+  v = T.load(x_ref, sample * d + pos, own, nan).astype(jnp.float32)
+  r = sample * groups + pos // group_size
+  minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
+  stored = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
+  hi = T.load(hi_ref, r, in_sample, jnp.float32(0))
+  inv_step = T.load(inv_ref, r, in_sample, jnp.float32(0))
+  index = (sample * (groups * group_size) + pos).astype(jnp.uint32)
+  finite_levels = flagged_levels(jnp.full(v.shape, levels), split_step(stored)[1])
+  return encode_values(
+    v,
+    minimum,
+    hi,
+    inv_step,
+    levels,
+    seed,
+    index,
+    interpret=interpret,
+    finite_levels=finite_levels,
+    valid=own,
+    dtype=x_ref.dtype,
+    stored=stored,
+  )
+
+
+def _pack_planes(
+  x_ref,
+  min_ref,
+  scale_ref,
+  hi_ref,
+  inv_ref,
+  data_ref,
+  seed,
+  sample,
+  t,
+  offset,
+  *,
+  bits,
+  d,
+  groups,
+  group_size,
+  unit,
+  values,
+  interpret,
+):
+  """Packs a 3/5/6/7-bit sample as bit planes: program tile t takes columns j of
+  the sample's 8 x unit codes (`values` codes) and writes byte j of each plane."""
+  tb = values // 8
+  j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
+  in_sample = j < unit
+  encode = functools.partial(
+    _encode_at,
+    x_ref,
+    min_ref,
+    scale_ref,
+    hi_ref,
+    inv_ref,
+    seed,
+    sample,
+    bits=bits,
+    d=d,
+    groups=groups,
+    group_size=group_size,
+    interpret=interpret,
+  )
+  codes = [encode(i * unit + j, in_sample) for i in range(8)]
+  for p in range(bits):
+    plane = None
+    for i, code in enumerate(codes):
+      field = ((code >> p) & 1) << i
+      plane = field if plane is None else plane | field
+    T.store(data_ref, offset + p * unit + j, plane.astype(jnp.uint8), in_sample)
 
 
 def _pack_kernel(
@@ -224,7 +308,7 @@ def _pack_kernel(
   def _():
     branches = [
       functools.partial(
-        _pack_width,
+        pack,
         x_ref,
         min_ref,
         scale_ref,
@@ -240,7 +324,7 @@ def _pack_kernel(
         values=values,
         interpret=interpret,
       )
-      for b in _WIDTHS
+      for b, pack in zip(_WIDTHS, _PACKERS)
     ]
     jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
@@ -258,7 +342,7 @@ def quantize_per_sample(
   """Per-sample mixed-precision quantization of x (N, ...) in two Pallas passes.
 
   Same contract as `reference.quantize_per_sample_reference`: `bits`
-  int32[N] in (1, 2, 4, 8) fitting `capacity_bytes`, `group_size` the
+  int32[N] in 1..8 fitting `capacity_bytes`, `group_size` the
   effective one, `seed` a uint32 scalar or None (round to nearest).
   `interpret` defaults to True off GPU; `rows` (groups per statistics
   program; the packing programs take as many values) bounds the grid in tests.
@@ -365,6 +449,54 @@ def _unpack_width(
     T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
 
 
+def _unpack_planes(
+  data_ref,
+  min_ref,
+  scale_ref,
+  out_ref,
+  sample,
+  t,
+  offset,
+  *,
+  bits,
+  d,
+  groups,
+  group_size,
+  unit,
+  values,
+  capacity,
+  through,
+  interpret,
+):
+  """Decodes a 3/5/6/7-bit sample's bit planes: columns j of program tile t."""
+  tb = values // 8
+  j = t * tb + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
+  in_sample = j < unit
+  planes = []
+  for p in range(bits):
+    at = offset + p * unit + j
+    planes.append(T.load(data_ref, at, in_sample & (at < capacity), jnp.uint8(0)).astype(jnp.int32))
+  for i in range(8):
+    code = None
+    for p, plane in enumerate(planes):
+      field = ((plane >> i) & 1) << p
+      code = field if code is None else code | field
+    pos = i * unit + j
+    r = sample * groups + pos // group_size
+    minimum = T.load(min_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
+    step = T.load(scale_ref, r, in_sample, jnp.bfloat16(0)).astype(jnp.float32)
+    value = decode_values(
+      code.astype(jnp.float32),
+      minimum,
+      step,
+      out_ref.dtype,
+      levels=float((1 << bits) - 1),
+      interpret=interpret,
+      through=through,
+    )
+    T.store(out_ref, sample * d + pos, value.astype(out_ref.dtype), in_sample & (pos < d))
+
+
 def _unpack_kernel(
   data_ref,
   width_ref,
@@ -386,7 +518,7 @@ def _unpack_kernel(
   sample, t = pid // tiles, pid % tiles
   branches = [
     functools.partial(
-      _unpack_width,
+      unpack,
       data_ref,
       min_ref,
       scale_ref,
@@ -401,7 +533,7 @@ def _unpack_kernel(
       through=through,
       interpret=interpret,
     )
-    for b in _WIDTHS
+    for b, unpack in zip(_WIDTHS, _UNPACKERS)
   ]
   jax.lax.switch(width_ref[sample], branches, sample, t, offset_ref[sample])
 
@@ -440,3 +572,8 @@ def dequantize_per_sample(
     interpret=interpret,
   )(p.data, _width_index(p.bits), _offsets(p.bits, dp), p.minimum.reshape(-1), p.scale.reshape(-1))
   return out.reshape(p.shape)
+
+
+# The switch's branch per width: planar for divisors of 8, bit planes otherwise.
+_PACKERS = tuple(_pack_width if 8 % b == 0 else _pack_planes for b in _WIDTHS)
+_UNPACKERS = tuple(_unpack_width if 8 % b == 0 else _unpack_planes for b in _WIDTHS)

@@ -47,11 +47,38 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
   return jnp.cumsum(size) - size
 
 
+def _planar(bits: jax.Array) -> jax.Array:
+  """Whether each width is stored as bit planes (3, 5, 6, 7: not a divisor of 8)."""
+  return (bits == 3) | ((bits >= 5) & (bits <= 7))
+
+
+def _bit_planes(codes: jax.Array) -> jax.Array:
+  """uint8[n, 8, unit] codes -> uint8[n, 8, unit] bit planes: byte j of plane p
+  holds bit p of code (i, j) at bit i."""
+  shifts = jnp.arange(8, dtype=jnp.uint8)
+  fields = ((codes[:, None, :, :] >> shifts[None, :, None, None]) & jnp.uint8(1)) << shifts[
+    None, None, :, None
+  ]
+  return jnp.sum(fields, axis=2, dtype=jnp.uint8)
+
+
+def _from_bit_planes(planes: jax.Array, bits: jax.Array) -> jax.Array:
+  """Inverse of `_bit_planes` for the first bits[n] planes of each sample (the
+  others are the next samples' bytes and are ignored)."""
+  shifts = jnp.arange(8, dtype=jnp.uint8)
+  used = shifts[None, :] < bits[:, None].astype(jnp.uint8)  # (n, plane)
+  planes = jnp.where(used[:, :, None], planes, jnp.uint8(0))
+  fields = ((planes[:, :, None, :] >> shifts[None, None, :, None]) & jnp.uint8(1)) << shifts[
+    None, :, None, None
+  ]
+  return jnp.sum(fields, axis=1, dtype=jnp.uint8)
+
+
 def quantize_per_sample_reference(
   x: jax.Array, bits: jax.Array, *, capacity_bytes: int, group_size: int, seed: jax.Array | None
 ) -> PackedPerSample:
   """The XLA reference of `quantize_per_sample`: `bits` int32[N] already in
-  (1, 2, 4, 8) and fitting `capacity_bytes`, `group_size` the effective one,
+  1..8 and fitting `capacity_bytes`, `group_size` the effective one,
   `seed` a uint32 scalar or None (round to nearest)."""
   dtype = jnp.dtype(x.dtype)
   capacity = int(capacity_bytes)
@@ -102,7 +129,11 @@ def quantize_per_sample_reference(
   w = bits[:, None, None]
   first = jnp.select([w == 8, w == 4, w == 2], [units(lo), units(f4), units(f2)], units(f1))
   second = jax.lax.broadcasted_iota(jnp.int32, (n, 2, 4, unit), 1) == 1
-  chunks = jnp.where(second, units(hi)[:, None], first[:, None]).reshape(n * 8, unit)
+  chunks = jnp.where(second, units(hi)[:, None], first[:, None]).reshape(n, 8, unit)
+  # Widths 3, 5, 6, 7: unit p is bit plane p of the sample's 8 x unit codes
+  # (`jact._core.packing.pack_bits`' layout), the same bytes for any width.
+  planes = _bit_planes(codes.reshape(n, 8, unit))
+  chunks = jnp.where(_planar(bits)[:, None, None], planes, chunks).reshape(n * 8, unit)
   k = jnp.arange(8, dtype=jnp.int32)
   starts = jnp.where(k < bits[:, None], _offsets(bits, dp)[:, None] + k * unit, capacity)
   data = _scatter_rows(jnp.zeros((capacity,), jnp.uint8), chunks, starts.reshape(-1))
@@ -125,8 +156,13 @@ def dequantize_per_sample_reference(p: PackedPerSample, dtype=None) -> jax.Array
   seg = seg.reshape(n, dp)
   w = bits[:, None]
   codes = jnp.select(
-    [w == 8, w == 4, w == 2],
-    [seg, unpack_bits(seg[:, : 4 * unit], 4), unpack_bits(seg[:, : 2 * unit], 2)],
+    [w == 8, w == 4, w == 2, _planar(bits)[:, None]],
+    [
+      seg,
+      unpack_bits(seg[:, : 4 * unit], 4),
+      unpack_bits(seg[:, : 2 * unit], 2),
+      _from_bit_planes(seg.reshape(n, 8, unit), bits).reshape(n, dp),
+    ],
     unpack_bits(seg[:, :unit], 1),
   )
   codes = codes.reshape(n, groups, group_size).astype(jnp.float32)
