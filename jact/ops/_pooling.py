@@ -1,8 +1,8 @@
 """Max and average pooling with minimal residuals (channels-last, Flax semantics).
 
 `max_pool` keeps only the position of the maximum inside each window, packed
-losslessly in the fewest bits from {1, 2, 4, 8} that hold K = prod(window)
-positions (2x2 windows: 2 bits per output, 3x3: 4 bits). `avg_pool` is linear
+losslessly in the fewest bits (1 to 8) that hold K = prod(window)
+positions (2x2 windows: 2 bits per output, 3x3: 4 bits, 5x5: 5 bits). `avg_pool` is linear
 and keeps nothing. Both are exact: forward and gradients equal those of
 `flax.linen.max_pool` / `avg_pool`, ties included (the first maximal position
 of a window in row-major order gets the gradient, as in jax). They differ only
@@ -43,13 +43,13 @@ __all__ = ["max_pool", "avg_pool", "argmax_bits"]
 
 
 def argmax_bits(window_size: int) -> int:
-  """Fewest bits from {1, 2, 4, 8} that hold a position in a window of `window_size`.
+  """Fewest bits (1 to 8) that hold a position in a window of `window_size`.
 
-  >>> argmax_bits(4), argmax_bits(9), argmax_bits(256)
-  (2, 4, 8)
+  >>> argmax_bits(4), argmax_bits(9), argmax_bits(25), argmax_bits(256)
+  (2, 4, 5, 8)
   """
   for bits in SUPPORTED_BITS:
-    if window_size <= 1 << bits:
+    if bits <= 8 and window_size <= 1 << bits:  # positions are uint8 codes
       return bits
   raise ValueError(
     f"max_pool stores the arg-max position in at most 8 bits, so a window may hold at "
