@@ -83,14 +83,73 @@ def _actnn(results: Path, out: dict) -> None:
   _seeds(runs, out)
 
 
+def _seed_of(name: str) -> tuple[str, int]:
+  """(variant, seed) of a run's name: `fp` is seed 0, `fp_seed2` seed 2."""
+  variant, _, seed = name.partition("_seed")
+  return variant, int(seed or 0)
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict | None:
+  """Paired comparison of two variants' final accuracies over the seeds both ran.
+
+  A seed fixes the initial parameters and the batches of every variant, so the runs pair by seed;
+  the statement is a two-sided paired t-test (scipy's `ttest_rel`) on a - b, in points.
+
+  >>> d = paired_difference({0: 0.70, 1: 0.71, 2: 0.69}, {0: 0.68, 1: 0.69, 2: 0.671})
+  >>> d["n"], round(d["mean_points"], 2), d["p"] < 0.05
+  (3, 1.97, True)
+  """
+  from scipy import stats
+
+  seeds = sorted(set(a) & set(b))
+  if len(seeds) < 2:
+    return None
+  diff = 100 * (np.array([a[s] for s in seeds]) - np.array([b[s] for s in seeds]))
+  if np.all(diff == diff[0]):
+    p = 0.0 if diff[0] else 1.0
+  else:
+    p = float(stats.ttest_rel([a[s] for s in seeds], [b[s] for s in seeds]).pvalue)
+  return {
+    "n": len(seeds),
+    "mean_points": float(diff.mean()),
+    "std_points": float(diff.std(ddof=1)),
+    "p": p,
+  }
+
+
+def _significance(by_seed: dict[str, dict[int, float]], out: dict) -> None:
+  """`sig.<variant>.<baseline>.*`: each variant against fp and uniform 2 bits, paired by seed."""
+  for baseline in ("fp", "pergroup2"):
+    for variant, accuracies in by_seed.items():
+      if variant == baseline or baseline not in by_seed:
+        continue
+      d = paired_difference(accuracies, by_seed[baseline])
+      if d is None:
+        continue
+      key = f"sig.{variant}.{baseline}"
+      out[f"{key}.n"] = str(d["n"])
+      out[f"{key}.points"] = f"{d['mean_points']:+.1f}"
+      out[f"{key}.std_points"] = _f(d["std_points"], 1)
+      out[f"{key}.p"] = _f(d["p"], 2)
+      out[f"{key}.verdict"] = (
+        ("above" if d["mean_points"] > 0 else "below") + f" (paired t-test p = {d['p']:.2f} < 0.05)"
+        if d["p"] < 0.05
+        else f"not distinguishable (paired t-test p = {d['p']:.2f})"
+      )
+
+
 def _seeds(runs: dict, out: dict) -> None:
-  """Mean, sample standard deviation and range of the final accuracy over seeds."""
+  """Mean, sample standard deviation and range of the final accuracy over seeds, and the
+  paired comparisons (`_significance`)."""
   by_variant: dict[str, list[float]] = {}
-  for name, r in runs.items():
+  by_seed: dict[str, dict[int, float]] = {}
+  for name, r in sorted(runs.items(), key=lambda item: _seed_of(item[0])):
     if not r.get("complete"):
       continue
-    variant = name.split("_seed")[0]
+    variant, seed = _seed_of(name)
     by_variant.setdefault(variant, []).append(r["final_test_accuracy"])
+    by_seed.setdefault(variant, {})[seed] = r["final_test_accuracy"]
+  _significance(by_seed, out)
   for variant, values in by_variant.items():
     if len(values) < 2:
       continue
