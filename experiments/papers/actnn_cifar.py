@@ -68,8 +68,9 @@ def variant_settings(name: str, acgc_error: float = ACGC_ERROR) -> dict:
     "blpa4": dict(form="blpa", bits=4),
     "blpa2": dict(form="blpa", bits=2),
     "division": dict(form="layers", compressor=jact.compressors.Division(block=8, bits=2)),
-    # AutoQuant: every bounded residual in Fixpoint(b) at the width its bound needs (wider
-    # than 8 bits: kept exact); the call sites' Fixpoint(8) stores the rest.
+    # AutoQuant: every bounded residual in Fixpoint(b) at the width its bound needs (2..16
+    # bits, each stored in exactly b bits; wider than 16: kept exact); the call sites'
+    # Fixpoint(8) stores the rest.
     "acgc": dict(
       form="layers",
       compressor=jact.compressors.Fixpoint(8),

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jact
 from experiments.papers import acgc_sweep, memory_accounting
@@ -45,18 +46,51 @@ def test_needed_levels_scale_as_one_over_e2():
 
 
 def test_sweep_compresses_more_as_e2_grows():
-  levels = {"a.conv.lhs": 4e4, "a.bn.xhat": 1.0, "b.conv.lhs": 1e2}
-  sizes = {"a.conv.lhs": 100, "a.bn.xhat": 100, "b.conv.lhs": 50}
+  levels = {"a.conv.lhs": 4e4, "a.bn.xhat": 1.0, "b.conv.lhs": 1e2, "c.conv.lhs": 1e9}
+  sizes = {"a.conv.lhs": 100, "a.bn.xhat": 100, "b.conv.lhs": 50, "c.conv.lhs": 10}
   rows = acgc_sweep.sweep(
     levels, sizes, {"a.conv.lhs": 0.5, "b.conv.lhs": 0.5}, errors=(0.5, 8.0, 512.0)
   )
   for key in ("compression_jact", "compression_any_width"):
     assert [r[key] for r in rows] == sorted(r[key] for r in rows), key
-  # at e^2 = 0.5 conv a needs sqrt(8e4) = 283 levels: 10 bits, kept exact by jact (widths <= 8)
-  assert rows[0]["any_bits"]["a.conv.lhs"] == 10 and rows[0]["jact_bits"]["a.conv.lhs"] == 32
-  assert rows[0]["kept_exact_jact"] == 1
+  # at e^2 = 0.5 conv a needs sqrt(8e4) = 283 levels: 10 bits, which Fixpoint stores; conv c
+  # needs sqrt(2e9) = 44721 > 2^15 - 1: wider than 16 bits, kept exact
+  assert rows[0]["any_bits"]["a.conv.lhs"] == rows[0]["jact_bits"]["a.conv.lhs"] == 10
+  assert rows[0]["jact_bits"]["c.conv.lhs"] == 32 and rows[0]["kept_exact_jact"] == 1
+  assert rows[1]["jact_bits"]["c.conv.lhs"] == 15 and rows[1]["kept_exact_jact"] == 0
   # zero-value accounting: a 1-bit mask plus the non-zeros at the needed width
   assert rows[0]["compression_autoquantz"] > rows[0]["compression_any_width"]
+
+
+def test_stored_bytes_are_the_plans_measured_residuals():
+  """At the paper's e^2 the measured bytes of each bounded residual are its
+  compressor's layout (Fixpoint at the exact width, exact float32 when wider than
+  16 bits); restricted to 2/4/8 bits more is stored, with ZVC less."""
+  params, batches, loss = _setup()
+  sites = jact.sensitivity.find_residuals(loss, params, batches[0], jax.random.key(0))
+  names = sorted(sites)
+  sizes = {n: sites[n].size for n in names}
+  # needs of 2, 3, 9, 11, 16 bits and beyond 16 (levels at e^2 = 1; the plan is at 0.5)
+  needs = [1.0, 9.0, 255.0**2, 1023.0**2, 32767.0**2, 1e10]
+  levels = {n: needs[i % len(needs)] / 2 for i, n in enumerate(names)}
+  capacities = {n: 0.5 for n in names if n.endswith("conv.lhs")}
+  plans = acgc_sweep.paper_plans(loss, levels, capacities)
+  plain = functools.partial(preact.loss, form="plain")
+  out = acgc_sweep.stored(loss, plain, params, batches[0], plans, sizes)
+  widths = {1.0: 2, 9.0: 3, 255.0**2: 9, 1023.0**2: 11, 32767.0**2: 16}
+  for i, n in enumerate(names):
+    need = needs[i % len(needs)]
+    c = plans["acgc"][n]
+    if need == 1e10:
+      assert c is None and out["acgc"]["bytes"][n] == 4 * sizes[n]
+      continue
+    assert c.bits == widths[need], (n, need, c)
+    assert out["acgc"]["bytes"][n] == c.stored_bytes(sites[n].shape)
+  assert out["acgc_248"]["bounded_bytes"] > out["acgc"]["bounded_bytes"]
+  assert out["autoquantz"]["bounded_bytes"] < out["acgc"]["bounded_bytes"]
+  assert out["acgc"]["compression_bounded"] == pytest.approx(
+    out["float32_bounded_bytes"] / out["acgc"]["bounded_bytes"]
+  )
 
 
 def test_layer_inputs_count_one_copy_per_layer():
