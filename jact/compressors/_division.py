@@ -55,7 +55,7 @@ class Division(Compressor):
 
   Attributes:
     block: pooling block and stride B over each spatial axis (positive int).
-    bits: HFC width Q: 1, 2, 4 or 8.
+    bits: HFC width Q: an integer 1 to 8, or 16.
     group_size: HFC values per quantization group (multiple of 8).
     lfc_dtype: LFC storage dtype: bfloat16 (default), float32 or float16.
     keep: "both" (DIVISION); "lfc" or "hfc" store and reconstruct only that

@@ -43,7 +43,7 @@ def division_compress(
       (N, H, W, C) or (N, D, H, W, C).
     seed: uint32 scalar seed of the HFC's stochastic rounding.
     block: pooling block and stride over each spatial axis (positive int).
-    bits: HFC width: 1, 2, 4 or 8.
+    bits: HFC width: an integer 1 to 8, or 16.
     group_size: HFC values per group, a positive multiple of 8.
     lfc_dtype: LFC storage dtype: bfloat16, float32 or float16.
     implementation: the kernel ("xla", "pallas_triton"; see

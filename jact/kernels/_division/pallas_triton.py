@@ -32,7 +32,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from jact._core.quantize import as_rows
 from jact.kernels import _triton as T
-from jact.kernels._quantize.pallas_triton import encode_tile, packed_out_shape, packing_geometry
+from jact.kernels._quantize.pallas_triton import (
+  encode_codes,
+  pack_planes,
+  packed_out_shape,
+  packing_geometry,
+  plane_layout,
+)
 from jact._core.quantize import Packed, check_group_size, effective_group_size
 from jact._core.packing import check_bits
 
@@ -187,8 +193,8 @@ def _encode_rows(
 ) -> None:
   """Quantizes the HFC of group rows `row` [R] (row = sample * groups + group of the
   (rows, d) view), subtracting each element's LFC value as stored."""
-  k = 8 // bits
-  q = group_size // k
+  k, _ = plane_layout(bits)
+  q = group_size // k  # values per plane (and bytes per byte plane)
   rr = row[:, None]
   j = jax.lax.broadcasted_iota(jnp.int32, (row.shape[0], q_pad), 1)
   sample, group = _div(rr, groups), _rem(rr, groups)
@@ -204,10 +210,9 @@ def _encode_rows(
     valid.append(mask)
     index.append(rr.astype(jnp.uint32) * jnp.uint32(group_size) + (j + p * q).astype(jnp.uint32))
   levels = float((1 << bits) - 1)  # static: the reciprocal is a constant, as in XLA
-  minimum, step, packed = encode_tile(
-    planes, levels, seed, index, bits=bits, interpret=interpret, valid=valid
-  )
-  T.store(data_ref, rr * q + j, packed.astype(jnp.uint8), ok)
+  minimum, step, codes = encode_codes(planes, levels, seed, index, interpret=interpret, valid=valid)
+  for b, byte in enumerate(pack_planes(codes, bits)):  # the packing's byte planes
+    T.store(data_ref, rr * (group_size * bits // 8) + b * q + j, byte.astype(jnp.uint8), ok)
   T.store(min_ref, row, minimum.astype(jnp.bfloat16), row_ok)
   T.store(scale_ref, row, step.astype(jnp.bfloat16), row_ok)
 
