@@ -59,7 +59,7 @@ def convert(
       argument is not modified) or a `flax.nnx.Module` (converted in place;
       the model is returned, or the twin when `model` itself is a supported
       layer).
-    bits: 1, 2, 4 or 8 bits per saved value, or None (no compression).
+    bits: 1 to 8 or 16 bits per saved value, or None (no compression).
     compressor: a `jact.compressors` object storing the saved values instead
       of `bits` (leave `bits` at its default). `bits` alone rounds
       stochastically (unbiased), which needs a key wherever the model is

@@ -44,7 +44,7 @@ def _checked(bits, compressor, api: str, default_bits: int | None):
   """
   if isinstance(bits, Compressor):
     raise TypeError(
-      f"{api}: bits= takes an int width (1, 2, 4 or 8) or None, got the "
+      f"{api}: bits= takes an int width (1 to 8, or 16) or None, got the "
       f"compressor {bits!r}; pass it as compressor={bits!r}."
     )
   if compressor is None:

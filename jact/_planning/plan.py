@@ -1,7 +1,7 @@
 """`BitPlan`: which bit width each residual gets, as a static, hashable value.
 
 A plan maps residual names (the names jact ops and `jact.compressed` give
-their residuals, see `jact.residual_report`) to widths: 1, 2, 4, 8, or None
+their residuals, see `jact.residual_report`) to widths: 1 to 8 or 16, or None
 (kept uncompressed; 32 is accepted as an alias), or a compressor from
 `jact.compressors` (which replaces the call site's method; an integer entry
 changes the width of the call site's method). Names not in the plan get
@@ -103,7 +103,7 @@ class BitPlan(Mapping):
   """Immutable, hashable residual name -> bit width mapping.
 
   Args:
-    bits: mapping of residual names to 1, 2, 4, 8, None (uncompressed) or a
+    bits: mapping of residual names to widths 1 to 8 or 16, None (uncompressed) or a
       `jact.compressors.Compressor`.
     default: width of unlisted names, or `CALL_SITE` ("call") to keep the
       width each call site asked for.

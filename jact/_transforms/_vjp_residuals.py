@@ -103,7 +103,7 @@ def is_array(x) -> bool:
 
 def check_override(name, entry) -> None:
   """A clear error unless `overrides[name] = entry` names a residual and gives
-  it a width (1, 2, 4, 8), None (kept uncompressed) or a compressor."""
+  it a width (`SUPPORTED_BITS`: 1 to 8 or 16), None (kept uncompressed) or a compressor."""
   if not isinstance(name, str):
     raise TypeError(
       f"overrides keys must be residual names (str, e.g. 'compressed.3' as "

@@ -139,7 +139,7 @@ def compressed(
       A callable pytree (an `eqx.Module`, a `jax.tree_util.Partial`) gives
       a `CompressedModule`: a pytree holding it, so its parameters get
       gradients, and passing `key=` on to it when its call takes `key`.
-    bits: bit width of floating residuals (1, 2, 4, 8) or None to keep them.
+    bits: bit width of floating residuals (1 to 8, or 16) or None to keep them.
     compressor: a `jact.compressors` object for the floating residuals
       instead of `bits` (leave `bits` at its default), e.g.
       `PerGroup(4, group_size=128, stochastic=False)` for round-to-nearest

@@ -34,7 +34,7 @@ class PerGroup(Compressor):
   """Per-sample, per-group min/step quantization (ActNN Sec. 4.1, GACT).
 
   Attributes:
-    bits: 1, 2, 4 or 8 bits per value.
+    bits: bits per value, an integer 1 to 8 or 16.
     group_size: values per group (multiple of 8; bf16 minimum and step per group).
     stochastic: unbiased stochastic rounding, or round-to-nearest.
     implementation: the kernel ("xla", "pallas_triton"; see `jact.kernels`),

@@ -19,7 +19,7 @@ from jact.ops._dropout import dropout as dropout_op
 class Dense(_Twin, nn.Dense):
   """`flax.linen.Dense` storing its input compressed (residual "<path>.lhs").
 
-  Attributes (besides Flax's): bits (1, 2, 4, 8 or None) or compressor (a
+  Attributes (besides Flax's): bits (1 to 8, 16 or None) or compressor (a
   `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
   stochastic=False)`); the other rounding twins take the same two.
   """

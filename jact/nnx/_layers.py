@@ -27,7 +27,7 @@ def _own_hook(module, field: str, plain) -> str | None:
 class Linear(_Twin, nnx.Linear):
   """`nnx.Linear` storing its input compressed (residual "<name>.lhs").
 
-  Extra keywords: bits (1, 2, 4, 8 or None) or compressor (a
+  Extra keywords: bits (1 to 8, 16 or None) or compressor (a
   `jact.compressors` object, e.g. `PerGroup(4, group_size=64,
   stochastic=False)`), and name; the other rounding twins take the same.
   """

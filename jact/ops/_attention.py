@@ -68,7 +68,7 @@ def dot_product_attention(
       same key); the key's data is the dropout's residual.
     broadcast_dropout: with `dropout_key`, one mask shared over the batch
       and head axes (Flax's default).
-    bits: width of every residual (1, 2, 4, 8, or None: exact).
+    bits: width of every residual (1 to 8, 16, or None: exact).
     compressor: a `jact.compressors` object for every residual instead of
       `bits` (e.g. `PerGroup(4, group_size=128, stochastic=False)`).
     precision: einsum precision.

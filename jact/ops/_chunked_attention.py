@@ -118,8 +118,8 @@ def chunked_attention(
       lengths). Lengths that are not a multiple are padded inside; padded
       keys are excluded exactly. Peak temporary memory is
       O(batch * heads * query_chunk * key_chunk) per block.
-    bits: None (default: residuals uncompressed, still O(length)) or 1, 2, 4,
-      8: q, k and v (and the output unless recomputed) are stored quantized
+    bits: None (default: residuals uncompressed, still O(length)) or a width 1
+      to 8 or 16: q, k and v (and the output unless recomputed) are stored quantized
       (see the module note on the bias this puts in the gradient; prefer >= 4).
     compressor: a `jact.compressors` object storing q, k and v (and the
       output) instead of `bits` (leave `bits` at None), e.g.

@@ -142,7 +142,7 @@ def dot_general(
   """`lax.dot_general` whose backward uses compressed copies of its operands.
 
   Signature-compatible with `lax.dot_general` (so it can be a Flax
-  `dot_general`), plus the compression keywords: `bits` (1, 2, 4, 8 or None
+  `dot_general`), plus the compression keywords: `bits` (1 to 8, 16 or None
   for uncompressed) or a `jact.compressors` object as `compressor` (PerGroup
   with its group size and rounding mode, BLPA, DIVISION, fixpoint, ...; then
   leave `bits` at its default), as in every jact op. `compress` says which
