@@ -68,16 +68,16 @@ CASES = [
     ["policy", "'nothing_saveable'", "jax.checkpoint_policies.nothing_saveable"],
   ),
   (
-    "compressed-bits-3",
-    lambda: jact.compressed(_block, bits=3),
+    "compressed-bits-9",
+    lambda: jact.compressed(_block, bits=9),
     ValueError,
-    ["bits", "got 3", "Pick 1, 2, 4 or 8"],
+    ["bits", "got 9", "Pick an integer width 1 to 8 or 16"],
   ),
   (
     "compressed-bits-str",
     lambda: jact.compressed(_block, bits="4"),
     ValueError,
-    ["bits", "'4'", "Pick 1, 2, 4 or 8"],
+    ["bits", "'4'", "Pick an integer width 1 to 8 or 16"],
   ),
   (
     "compressed-group-size",
@@ -178,10 +178,10 @@ CASES = [
   ),
   # overrides
   (
-    "overrides-width-3",
-    lambda: jact.compressed(_block, overrides={"compressed.1": 3}),
+    "overrides-width-12",
+    lambda: jact.compressed(_block, overrides={"compressed.1": 12}),
     ValueError,
-    ["overrides['compressed.1'] = 3", "(1, 2, 4, 8)", "None to keep"],
+    ["overrides['compressed.1'] = 12", "(1, 2, 3, 4, 5, 6, 7, 8, 16)", "None to keep"],
   ),
   (
     "overrides-width-str",
@@ -216,7 +216,12 @@ CASES = [
     ValueError,
     ["keep='lfc'", "(8, 256)", "keep='both'"],
   ),
-  ("pergroup-bits-3", lambda: C.PerGroup(3), ValueError, ["bits", "got 3", "Pick 1, 2, 4 or 8"]),
+  (
+    "pergroup-bits-32",
+    lambda: C.PerGroup(32),
+    ValueError,
+    ["bits", "got 32", "Pick an integer width 1 to 8 or 16"],
+  ),
   ("fixpoint-bits-1", lambda: C.Fixpoint(1), ValueError, ["bits", "got 1", "use 2..16 bits"]),
   (
     "zerovalue-capacity",
@@ -244,17 +249,17 @@ CASES = [
     ["unpack_codes", "ArrayImpl", "jact.pack_codes(codes, bits)"],
   ),
   (
-    "pack-codes-bits-3",
-    lambda: jact.pack_codes(jnp.zeros((8, 256), jnp.uint8), 3),
+    "pack-codes-bits-0",
+    lambda: jact.pack_codes(jnp.zeros((8, 256), jnp.uint8), 0),
     ValueError,
-    ["bits", "got 3", "Pick 1, 2, 4 or 8"],
+    ["bits", "got 0", "Pick an integer width 1 to 8 or 16"],
   ),
   # plans
   (
-    "bitplan-width-3",
-    lambda: jact.BitPlan({"a.lhs": 3}),
+    "bitplan-width-12",
+    lambda: jact.BitPlan({"a.lhs": 12}),
     ValueError,
-    ["'a.lhs'", "got 3", "None or 32 keeps"],
+    ["'a.lhs'", "got 12", "None or 32 keeps"],
   ),
   (
     "bitplan-size-negative",
@@ -338,10 +343,10 @@ CASES = [
     ["jact.convert", "builtins.type", "as an instance"],
   ),
   (
-    "convert-bits-3",
-    lambda: jact.convert(nn.Dense(4), bits=3),
+    "convert-bits-9",
+    lambda: jact.convert(nn.Dense(4), bits=9),
     ValueError,
-    ["bits", "got 3", "Pick 1, 2, 4 or 8"],
+    ["bits", "got 9", "Pick an integer width 1 to 8 or 16"],
   ),
   (
     "sharded-batch-axis-int",
@@ -432,8 +437,8 @@ _EDITS = [
   ),
   (
     "plan-width",
-    lambda m: m["plan"]["bits"].__setitem__("a.lhs", 3),
-    r"the plan is not valid .*bits of 'a\.lhs'.*got 3",
+    lambda m: m["plan"]["bits"].__setitem__("a.lhs", 12),
+    r"the plan is not valid .*bits of 'a\.lhs'.*got 12",
   ),
 ]
 
