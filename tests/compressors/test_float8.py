@@ -29,6 +29,11 @@ def _values(seed, shape, spread=12.0):
   return x.astype(np.float32)
 
 
+def _round_trip(c, x, seed):
+  """decompress(compress(x)), jitted (op by op, a compression dispatches for seconds)."""
+  return jax.jit(lambda x, s: c.decompress(c.compress(x, s)))(x, seed)
+
+
 def _grid(fmt):
   """Every finite value of the format, ascending, as float32."""
   v = np.arange(256, dtype=np.uint8).view(ML[fmt]).astype(np.float32)
@@ -107,7 +112,7 @@ def test_round_to_nearest_codes_and_scales_are_bit_exact(fmt, shape):
   codes, scale = _reference_pow2(x, fmt, 32)
   np.testing.assert_array_equal(np.asarray(stored.arrays["codes"]), codes)
   np.testing.assert_array_equal(np.asarray(stored.arrays["scale"]), scale)
-  again = c.compress(jnp.asarray(x), None)
+  again = jax.jit(c.compress)(jnp.asarray(x), None)
   for k in ("codes", "scale"):
     np.testing.assert_array_equal(np.asarray(again.arrays[k]), np.asarray(stored.arrays[k]))
 
@@ -115,7 +120,7 @@ def test_round_to_nearest_codes_and_scales_are_bit_exact(fmt, shape):
 def _bound(c, x, ulps):
   """`ulps` float8 steps at each value, in x's units, per the pow2 block scale."""
   f, c = c.fmt, dataclasses.replace(c, stochastic=False)  # the same scales
-  stored = c.compress(jnp.asarray(x), None)
+  stored = jax.jit(c.compress)(jnp.asarray(x), None)
   scale = np.exp2(np.asarray(stored.arrays["scale"], np.float64) - 127)
   n = x.shape[0] if x.ndim >= 2 else 1
   s = np.repeat(scale, c.block_size, axis=1)[:, : x.size // n].reshape(x.shape)
@@ -132,7 +137,7 @@ def test_round_trip_error_bounds(fmt, stochastic):
   x = _values(3, (8, 512))
   c = C.Float8(fmt, stochastic=stochastic)
   seed = jnp.uint32(11) if stochastic else None
-  y = np.asarray(jax.jit(lambda x, s: c.decompress(c.compress(x, s)))(jnp.asarray(x), seed))
+  y = np.asarray(_round_trip(c, jnp.asarray(x), seed))
   bound, scaled = _bound(c, x, 1.0 if stochastic else 0.5)
   err = np.abs(y.astype(np.float64) - x)
   assert np.all(err <= bound), float(np.max(err / bound))
@@ -172,9 +177,9 @@ def test_block_maxima_at_the_overflow_edge_and_zero_blocks(fmt):
   x[0, :32] = f.max * 4.0  # exactly max * 2^2
   x[0, 32:64] = np.nextafter(np.float32(f.max * 4.0), np.float32(np.inf))
   c = C.Float8(fmt)
-  stored = c.compress(jnp.asarray(x), None)
+  stored = jax.jit(c.compress)(jnp.asarray(x), None)
   assert np.asarray(stored.arrays["scale"]).tolist() == [[129, 130, 1]]
-  y = np.asarray(c.decompress(stored))
+  y = np.asarray(jax.jit(c.decompress)(stored))
   np.testing.assert_array_equal(y[0, :32], x[0, :32])
   np.testing.assert_array_equal(y[0, 64:], 0.0)
   assert np.all(np.abs(y[0, 32:64] - x[0, 32:64]) <= f.max * 4.0 * 2.0 ** -(f.mantissa + 1))
@@ -192,7 +197,7 @@ def test_stochastic_rounding_is_unbiased_over_seeds(fmt, scale):
   samples = np.concatenate([np.asarray(draw(seeds[i : i + 512])) for i in range(0, DRAWS, 512)])
   assert_unbiased(samples, np.asarray(x))
   rtn = C.Float8(fmt, scale=scale)
-  rtn_error = np.asarray(rtn.decompress(rtn.compress(x, None))) - np.asarray(x)
+  rtn_error = np.asarray(_round_trip(rtn, x, None)) - np.asarray(x)
   with pytest.raises(AssertionError, match="biased"):  # the check sees a bias of RTN's size
     assert_unbiased(samples + rtn_error, np.asarray(x))
 
@@ -208,8 +213,8 @@ def test_non_finite_values_come_back_where_they_were_and_leave_the_block_alone(f
   for stochastic in (False, True):
     c = C.Float8(fmt, scale=scale, stochastic=stochastic)
     s = jnp.uint32(2) if stochastic else None
-    y = np.asarray(c.decompress(c.compress(jnp.asarray(bad), s)))
-    y_ref = np.asarray(c.decompress(c.compress(jnp.asarray(ref), s)))
+    y = np.asarray(_round_trip(c, jnp.asarray(bad), s))
+    y_ref = np.asarray(_round_trip(c, jnp.asarray(ref), s))
     assert np.isnan(y[0, 3]) and y[0, 5] == np.inf and y[0, 7] == -np.inf
     assert y[1, 40] == np.inf
     ok = np.isfinite(bad)
@@ -226,7 +231,7 @@ def test_low_precision_inputs(dtype, fmt):
   (plus the input dtype's own rounding of the result)."""
   x = jnp.asarray(_values(7, (4, 128), 6.0)).astype(dtype)
   c = C.Float8(fmt)
-  y = jax.jit(lambda x: c.decompress(c.compress(x, None)))(x)
+  y = _round_trip(c, x, None)
   assert y.dtype == dtype and y.shape == x.shape
   xf, yf = np.asarray(x, np.float64), np.asarray(y, np.float64)
   eps = float(jnp.finfo(dtype).eps)
@@ -240,12 +245,12 @@ def test_low_precision_inputs(dtype, fmt):
 def test_stored_bytes_are_the_arrays(shape, scale):
   c = C.Float8(block_size=32, scale=scale)
   x = jnp.asarray(np.ones(shape, np.float32))
-  stored = c.compress(x, None)
+  stored = jax.jit(c.compress)(x, None)
   assert stored.nbytes == c.stored_bytes(shape) == sum(a.nbytes for a in jax.tree.leaves(stored))
   n = shape[0] if len(shape) >= 2 else 1
   per_row = int(np.prod(shape[1:] if len(shape) >= 2 else shape))
   assert c.stored_bytes(shape) == int(np.prod(shape)) + n * -(-per_row // 32) * c.scale_bytes
-  assert c.decompress(stored).shape == shape
+  assert jax.jit(c.decompress)(stored).shape == shape
 
 
 def test_settings_are_checked_and_json_round_trips():
@@ -303,7 +308,7 @@ def test_a_float8_input_to_an_op_names_a_fix_that_works():
       jnp.float32
     )
   )
-  g = jax.grad(loss)(w)
+  g = jax.jit(jax.grad(loss))(w)
   # float8 values are on the e4m3 grid, the block scales powers of two: stored exactly
   want = jax.grad(lambda w: jnp.sum((x8.astype(jnp.float32) @ w)))(w)
   np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-2)
