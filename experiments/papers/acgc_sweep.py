@@ -248,16 +248,19 @@ def from_previous(params, batch, previous: dict, errors=ERRORS) -> dict:
   layers = previous["layers"]
   table1 = {n: v["levels_sq_at_1"] for n, v in layers.items()}
   densities = {n: v["density"] for n, v in layers.items() if n.endswith("conv.lhs")}
-  peaks = {n: layers[n].get("density_max", min(densities[n] + 1 / 64, 1.0)) for n in densities}
+  peaks = {n: layers[n].get("density_max") or min(densities[n] + 1 / 64, 1.0) for n in densities}
   scale = {n: v.get("levels_sq_at_1_scale_bound") for n, v in layers.items()}
   with_scale = None if None in scale.values() else scale
   out = summarize(params, batch, table1, densities, peaks, with_scale, errors)
-  if with_scale is None:
-    for n, v in out["layers"].items():
+  measured_peaks = all(layers[n].get("density_max") for n in densities)
+  for n, v in out["layers"].items():
+    if with_scale is None:
       v["bits_with_scale_bound"] = layers[n]["bits_with_scale_bound"]
+    if not measured_peaks:
+      v["density_max"] = None  # not measured: the capacities are the mean + 1/64
   out["from_previous"] = dict(
-    date=previous.get("date"),
-    capacity="density_max" if "density_max" in next(iter(layers.values())) else "density + 1/64",
+    previous.get("from_previous") or dict(measured=previous.get("measured")),
+    capacity="density_max" if measured_peaks else "density + 1/64",
   )
   return out
 
@@ -323,7 +326,8 @@ def main(argv=None) -> dict:
     previous = json.loads(a.previous.read_text())
     for name, c in previous["checkpoints"].items():
       if name not in result["checkpoints"]:
-        c = dict(c, date=previous["meta"].get("date"))
+        measured = {k: previous["meta"].get(k) for k in ("date", "command")}
+        c = dict(c, measured=measured)
         result["checkpoints"][name] = from_previous(init, batches[0], c)
   for name in result["checkpoints"]:
     for r in result["checkpoints"][name]["rows"]:
