@@ -26,6 +26,7 @@ ALL = [
   C.ZeroValue(C.Fixpoint(4)),
   C.PerSample(2.5),
   C.PerSample(4, group_size=128, stochastic=False),
+  C.PerSample(3.5, widths=range(1, 9)),
 ]
 
 

@@ -169,3 +169,29 @@ def test_errors():
   for avg in (0.5, float("nan"), None):
     with pytest.raises(ValueError, match="avg_bits"):
       per_sample_capacity(x.shape, avg)
+
+
+def test_per_sample_compressor_at_integer_widths():
+  """`PerSample(widths=...)`: ActNN's 1..8 reach the store, JSON keeps them, a
+  plan budget keeps them, and a bad set names the fix."""
+  C = jact.compressors
+  x = jnp.asarray(
+    np.random.default_rng(4).standard_normal((8, 256)).astype(np.float32)
+    * np.geomspace(0.01, 100.0, 8)[:, None].astype(np.float32)
+  )
+  actnn = C.PerSample(3.0, widths=range(8, 0, -1))
+  assert actnn.widths == (1, 2, 3, 4, 5, 6, 7, 8)
+  assert C.from_dict(actnn.to_dict()) == actnn
+  assert actnn.with_budget(2.5) == C.PerSample(2.5, widths=actnn.widths)
+  stored = jax.jit(actnn.compress)(x, jnp.uint32(1))
+  bits = stored.bits.astype(np.int32)
+  assert set(bits.tolist()) - {1, 2, 4, 8} and int(bits.sum()) <= 24
+  assert stored.nbytes == actnn.stored_bytes(x.shape)
+  # The default widths allocate as before (1, 2, 4, 8 only).
+  default = jax.jit(C.PerSample(3.0).compress)(x, jnp.uint32(1)).bits
+  assert set(default.tolist()) <= {1, 2, 4, 8}
+  for bad in ((), (0, 2), (2, 9), "8", (1.0,)):
+    with pytest.raises(ValueError, match="widths from 1..8"):
+      C.PerSample(2.0, widths=bad)
+  with pytest.raises(ValueError, match="narrowest width 3"):
+    C.PerSample(2.0, widths=(3, 4))
