@@ -33,6 +33,7 @@ from jact._planning import acgc as _acgc
 from jact._core import allocate
 from jact._planning import sensitivity
 from jact._planning.plan import BitPlan
+from jact.compressors import PerGroup, PerSample
 
 __all__ = ["Controller", "ControllerState", "CompressionVarianceWarning"]
 
@@ -96,11 +97,21 @@ class Controller:
     warmup: steps before the first estimation (the initial plan is uniform).
     alert_fraction: warn when predicted compression variance exceeds this
       fraction of the sampling variance (GACT Sec. 4.2).
-    per_sample: give each estimated residual its per-layer budget as a
-      per-sample entry (ActNN L3: widths split among samples in the step).
+    per_sample: ActNN L3. Each re-plan solves ActNN's joint allocation
+      (`jact.allocate.allocate_layers_and_samples`: one width from `allowed`
+      per layer and sample, under `avg_bits`) on c[l, n] = c_l times sample
+      n's share of layer l's per-sample sensitivity in the update's batch
+      (`analytic`; even shares for `numeric`), and gives each residual the
+      mean of its samples' widths as a per-sample entry: `PerSample(mean,
+      widths=allowed)` with `compressor`'s group size and rounding, which
+      splits it among the step's own samples (ActNN Sec. 4.3: per-layer
+      allocation between steps, per-sample allocation inside). `allowed`
+      must be widths from 1..8 (ActNN's are `jact.allocate.ACTNN_WIDTHS`).
     error: e^2 of AC-GC.
     compressor: for "acgc", the fixed-point compressor the widths are for
-      (see `jact.acgc.error_bounded`); None: jact's per-group quantizer.
+      (see `jact.acgc.error_bounded`); for `per_sample`, the per-group
+      quantizer whose group size and rounding the per-sample entries take;
+      None: jact's per-group quantizer (`PerGroup()`).
     scale_bound: for "acgc", also bound normalization scale gradients (not in
       AC-GC's Table 1; see `jact.acgc.error_bounded`).
     decay, chunk_size: estimator settings (see `jact.sensitivity`).
@@ -151,7 +162,24 @@ class Controller:
       raise ValueError(f"avg_bits must be in [1, 32], got {self.avg_bits!r}")
     budget = None if self.estimator == "acgc" else self.avg_bits  # acgc: widths from `error`
     object.__setattr__(self, "allowed", _check_allowed(self.allowed, budget))
+    if self.per_sample and self.estimator != "acgc":
+      if self.allowed[-1] > 8:
+        raise ValueError(
+          f"jact.Controller: per_sample=True gives each sample a width from 1..8 (PerSample "
+          f"stores no wider and keeps no sample uncompressed), got allowed={self.allowed}; "
+          f"e.g. allowed=jact.allocate.ACTNN_WIDTHS"
+        )
+      if self.compressor is not None and not isinstance(self.compressor, PerGroup):
+        raise ValueError(
+          f"jact.Controller: with per_sample=True, compressor gives the per-group quantizer's "
+          f"group size and rounding for the per-sample entries; got {self.compressor!r}: pass "
+          "a jact.compressors.PerGroup, or None for its defaults"
+        )
     object.__setattr__(self, "_impl", self._make_estimator())
+    per_sample = None
+    if self.per_sample and self.estimator == "analytic":
+      per_sample = sensitivity.analytic_per_sample(self.loss_fn)
+    object.__setattr__(self, "_per_sample_sensitivity", per_sample)
     # compiled once per controller (run eagerly, the exact gradients cost hundreds of steps)
     object.__setattr__(
       self,
@@ -199,7 +227,8 @@ class Controller:
       return dataclasses.replace(state, step=state.step + 1)
     k_est, k_var = jax.random.split(key)
     estimates = self._impl.update(state.estimates, params, batch, k_est)
-    plan = self._replan(estimates, state.plan)
+    shares = self._sample_shares(params, batch, k_est) if self.per_sample else None
+    plan = self._replan(estimates, state.plan, shares)
     report = {"step": state.step, "average_bits": plan.average_bits()}
     if self.estimator != "acgc":
       predicted = sensitivity.predicted_variance(estimates, plan)
@@ -216,7 +245,38 @@ class Controller:
         )
     return ControllerState(estimates, plan, state.step + 1, report)
 
-  def _replan(self, estimates, previous: BitPlan) -> BitPlan:
+  def _sample_shares(self, params, batch, key) -> tuple[int, dict]:
+    """(N, {name: float64[N]}): each residual's per-sample share of its sensitivity in
+    this batch (summing to 1); residuals left out get even shares."""
+    leaves = jax.tree.leaves(batch)
+    n = int(leaves[0].shape[0]) if leaves and np.ndim(leaves[0]) else 1
+    if self._per_sample_sensitivity is None:
+      return n, {}
+    shares = {}
+    for name, w in self._per_sample_sensitivity(params, batch, key).items():
+      w = np.asarray(w, np.float64)
+      total = w.sum()
+      if w.shape == (n,) and np.isfinite(total) and total > 0 and (w >= 0).all():
+        shares[name] = w / total
+    return n, shares
+
+  def _joint_plan(self, previous, names, followers, c, d, shares) -> BitPlan:
+    """ActNN's joint layer x sample allocation; each layer's mean width becomes its
+    per-sample entry (see `per_sample`)."""
+    n, by_name = shares
+    even = np.full(n, 1.0 / n)
+    sensitivity_ln = np.stack([c_l * by_name.get(m, even) for c_l, m in zip(c, names)])
+    bits = allocate.allocate_layers_and_samples(sensitivity_ln, d, self.avg_bits, self.allowed)
+    base = self.compressor if self.compressor is not None else PerGroup()
+    entries, budgets = {}, {}
+    for m, row in zip(names, bits):
+      avg = float(row.mean())
+      entry = PerSample(avg, base.group_size, base.stochastic, widths=self.allowed)
+      for k in (m, *followers[m]):
+        entries[k], budgets[k] = entry, avg
+    return previous.replace(entries, budgets=budgets)
+
+  def _replan(self, estimates, previous: BitPlan, shares=None) -> BitPlan:
     sizes = dict(previous.sizes)
     if self.estimator == "acgc":
       return self._impl.plan(estimates).replace(sizes=sizes)
@@ -233,14 +293,12 @@ class Controller:
     d = [sizes[n] + sum(sizes[m] for m in followers[n]) for n in names]
     budget = int(self.avg_bits * sum(d))
     index = {n: i for i, n in enumerate(estimates.names)}
-    bits = allocate.greedy_allocate(
-      np.maximum([c[index[n]] for n in names], 0.0), d, budget, self.allowed
-    )
+    c_named = np.maximum([c[index[n]] for n in names], 0.0)
+    if self.per_sample:
+      return self._joint_plan(previous, names, followers, c_named, d, shares)
+    bits = allocate.greedy_allocate(c_named, d, budget, self.allowed)
     chosen = dict(zip(names, bits))
     chosen.update({m: chosen[n] for n in names for m in followers[n]})
-    if self.per_sample:
-      layer_avg = {n: float(b) for n, b in chosen.items() if b != allocate.UNCOMPRESSED}
-      return previous.replace({n: b for n, b in chosen.items()}, budgets=layer_avg)
     return previous.replace(chosen)
 
   # ------------------------------------------------------------------ checkpoints

@@ -95,11 +95,15 @@ class Level:
     if self.estimator is None:
       raise ValueError(f"{self.name} uses fixed bits ({self.bits}); it has no controller")
     settings = dict(estimator=self.estimator, avg_bits=self.avg_bits, per_sample=self.per_sample)
+    if self.per_sample:
+      settings["allowed"] = _L3_WIDTHS  # ActNN's integer widths
     settings.update(kwargs)
     return Controller(loss_fn, **settings)
 
 
+# ActNN L3: the joint layer x sample allocation at integer widths 1..8 (see Controller).
 _L3 = dict(bits=2, estimator="analytic", avg_bits=2.0, per_sample=True)
+_L3_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 _G1 = dict(bits=4, estimator="numeric", avg_bits=4.0)
 
 #: The presets by name: ActNN's L0-L5 (`actnn:L3` ...) and GACT's L0/L1/L2/CB1/CB2 (`gact:L1` ...).
@@ -114,7 +118,12 @@ LEVELS = {
       conv_only=True,
     ),
     Level("actnn:L2", "per-group quantization of every layer (4 bits)", bits=4),
-    Level("actnn:L3", "L2 + fine-grained (per-sample, per-layer) mixed precision, 2 bits", **_L3),
+    Level(
+      "actnn:L3",
+      "L2 + fine-grained (per-sample, per-layer) mixed precision, 2 bits on average, "
+      "integer widths 1-8",
+      **_L3,
+    ),
     Level("actnn:L4", "L3 + swapping compressed activations to host memory", offload=True, **_L3),
     Level(
       "actnn:L5",

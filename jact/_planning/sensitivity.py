@@ -256,6 +256,16 @@ def numeric(
 # ----------------------------------------------------------------------------- ActNN analytic
 
 
+def _linear_factor(info) -> float:
+  """G/6 * K/(I*A) of ActNN Eq. 9 (dense) and B.1 (conv)."""
+  return (
+    info["group_size"]
+    / 6.0
+    * info["kernel_locations"]
+    / (info["positions"] * info["feature_groups"])
+  )
+
+
 def _layer_sensitivity(info, stats, grad) -> tuple[jax.Array, jax.Array]:
   """(c for the whole tensor at the measured gradient, mean per-sample ||grad||^2)."""
   g = info["group_size"]
@@ -269,8 +279,7 @@ def _layer_sensitivity(info, stats, grad) -> tuple[jax.Array, jax.Array]:
       total = jnp.sum(ranges_sq) * jnp.mean(per_sample_grad)
     else:
       total = jnp.sum(ranges_sq * per_sample_grad)
-    factor = g / 6.0 * info["kernel_locations"] / (info["positions"] * info["feature_groups"])
-    return factor * total, jnp.mean(per_sample_grad)
+    return _linear_factor(info) * total, jnp.mean(per_sample_grad)
   # Normalization storing xhat (jact.ops._norm): first-order error of the parameter and
   # input gradients, per element: v * (g^2 + inv^2 (a^2 + h^2 / M)), v = R_group^2 / 6.
   xhat, inv, scale = stats["xhat"], stats["inv"], stats["scale"]
@@ -281,6 +290,33 @@ def _layer_sensitivity(info, stats, grad) -> tuple[jax.Array, jax.Array]:
   mean_weight = jnp.mean(weight)
   # sum_e v_e w_e ~ (sum over groups of G R^2 / 6) * mean(w)
   return g / 6.0 * jnp.sum(stats["ranges_sq"]) * mean_weight, jnp.mean(per_sample_grad)
+
+
+def analytic_per_sample(loss_fn: Callable[..., Any]) -> Callable[..., dict]:
+  """ActNN's per-sample sensitivities w_n^(l) of one batch (Eq. 9 / B.1, not summed over n).
+
+  Returns a jitted `f(params, batch, key) -> {name: float32[N]}` over the
+  dense and conv residuals whose group ranges are measured per sample (not
+  small samples grouped into one row); one gradient pass. ActNN's joint
+  layer x sample allocation (`jact.allocate.allocate_layers_and_samples`)
+  takes them.
+  """
+
+  @jax.jit
+  def per_sample(params, batch, key):
+    probes = collect_layer_stats(loss_fn, params, batch, key)
+    _, g_probes, info, stats = collect_layer_stats(loss_fn, params, batch, key, probes)
+    out = {}
+    for name, layer in info.items():
+      grad = g_probes[name].astype(jnp.float32)
+      ranges_sq = stats[name]["ranges_sq"]
+      if layer["kind"] not in _LINEAR_KINDS or ranges_sq.shape[0] != grad.shape[0]:
+        continue
+      grad_sq = jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
+      out[name] = _linear_factor(layer) * ranges_sq * grad_sq
+    return out
+
+  return per_sample
 
 
 def _discover_layers(loss_fn, params, batch, key) -> _probe.Collector:

@@ -9,6 +9,7 @@ sample; the output gradients come from a plain-JAX copy of the net.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jact
 
@@ -85,22 +86,22 @@ def test_conv_sensitivity_matches_actnn_formula_by_hand():
   }
 
 
-def test_controller_gives_a_normalization_its_producers_width_within_the_budget():
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((4, 8, 8, 4)), jnp.float32)
+def _net(seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((4, 8, 8, 4)) * np.array([0.2, 1.0, 3.0, 0.5])[:, None, None, None]
   p = dict(
     k1=jnp.asarray(rng.standard_normal((3, 3, 4, 8)) / 6, jnp.float32),
     s=jnp.ones(8),
     b=jnp.zeros(8),
     k2=jnp.asarray(rng.standard_normal((3, 3, 8, 4)) / 8, jnp.float32),
   )
+  return p, jnp.asarray(x, jnp.float32)
+
+
+def test_controller_gives_a_normalization_its_producers_width_within_the_budget():
+  p, x = _net(1)
   controller = jact.Controller(
-    jact_loss,
-    estimator="analytic",
-    avg_bits=2.0,
-    adapt_interval=1,
-    per_sample=True,
-    alert_fraction=1e9,
+    jact_loss, estimator="analytic", avg_bits=2.0, adapt_interval=1, alert_fraction=1e9
   )
   state = controller.update(controller.init(p, x, jax.random.key(0)), p, x, jax.random.key(1))
   plan, c = state.plan, state.estimates.as_dict()
@@ -113,13 +114,53 @@ def test_controller_gives_a_normalization_its_producers_width_within_the_budget(
   assert (plan["conv1.lhs"], plan["conv2.lhs"]) == want
   assert plan["bn1.xhat"] == plan["conv1.lhs"]
   assert sum(plan[n] * d for n, d in sizes.items()) <= 2.0 * sum(sizes.values())
-  assert plan.budget_for("bn1.xhat") == plan.budget_for("conv1.lhs") == plan["conv1.lhs"]
   # Competing on its own (jact's earlier rule) the batch norm's small closed form would
   # have bought conv1 4 bits with a 1-bit batch norm here.
   alone = jact.allocate.greedy_allocate(
     [c["bn1.xhat"], c["conv1.lhs"], c["conv2.lhs"]], [2048, 1024, 2048], budget_bits=2 * 5120
   )
   assert alone[0] == 1 and want != alone[1:]
+
+
+def test_l3_controller_solves_actnn_joint_allocation():
+  """ActNN L3: the joint layer x sample allocation on c_l times each sample's share
+  (this batch's per-sample sensitivities), each layer's mean width as a per-sample
+  PerSample entry at 1..8 that its normalization shares, within the budget."""
+  p, x = _net(1)
+  controller = jact.levels.get("actnn:L3").controller(jact_loss, adapt_interval=1)
+  assert controller.allowed == jact.allocate.ACTNN_WIDTHS and controller.per_sample
+  key = jax.random.key(1)
+  state = controller.update(controller.init(p, x, jax.random.key(0)), p, x, key)
+  plan, c = state.plan, state.estimates.as_dict()
+  # The same allocation by hand, from the estimator's c_l and the per-sample sensitivities.
+  k_est = jax.random.split(key)[0]
+  w = jact._planning.sensitivity.analytic_per_sample(jact_loss)(p, x, k_est)
+  assert set(w) == {"conv1.lhs", "conv2.lhs"} and all(v.shape == (4,) for v in w.values())
+  share = {n: np.asarray(v, np.float64) / np.sum(np.asarray(v, np.float64)) for n, v in w.items()}
+  assert np.ptp(share["conv1.lhs"]) > 0.1  # the samples differ: the shares matter
+  c_ln = np.stack([c["conv1.lhs"] * share["conv1.lhs"], c["conv2.lhs"] * share["conv2.lhs"]])
+  bits = jact.allocate.allocate_layers_and_samples(c_ln, [3072, 2048], 2.0)
+  want = {"conv1.lhs": bits[0].mean(), "bn1.xhat": bits[0].mean(), "conv2.lhs": bits[1].mean()}
+  assert dict(plan.budgets) == pytest.approx(want)
+  for name, avg in want.items():
+    assert plan[name] == jact.compressors.PerSample(avg, widths=jact.allocate.ACTNN_WIDTHS)
+  sizes = dict(plan.sizes)
+  assert sum(want[n] * d for n, d in sizes.items()) <= 2.0 * sum(sizes.values())
+  assert len(set(bits.ravel().tolist())) > 1  # not uniform
+  assert jact.BitPlan.from_json(plan.to_json()) == plan
+  # The plan runs: the step splits each budget among its own samples at 1..8.
+  grad = jax.jit(jact.planned(jax.grad(jact_loss)), static_argnames="plan")
+  g = grad(p, x, jax.random.key(2), plan=plan)
+  assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
+
+
+def test_per_sample_controller_errors():
+  with pytest.raises(ValueError, match="from 1..8"):
+    jact.Controller(jact_loss, estimator="analytic", per_sample=True, allowed=(1, 2, 4, 8, 32))
+  with pytest.raises(ValueError, match="PerGroup"):
+    jact.Controller(
+      jact_loss, estimator="analytic", per_sample=True, compressor=jact.compressors.Fixpoint(4)
+    )
 
 
 def test_normalization_producers_rule():
