@@ -292,6 +292,12 @@ def _acgc(results: Path, out: dict) -> None:
     out[f"acgc.{name}.norm_bits_scale_bound"] = _span(scale)
     density = [v["density"] for n, v in layers.items() if n.endswith("conv.lhs")]
     out[f"acgc.{name}.conv_density"] = f"{min(density):.2f}-{max(density):.2f}"
+    for plan, m in {k: v for k, v in c.get("stored", {}).items() if isinstance(v, dict)}.items():
+      # measured bytes at the paper's e^2 (acgc, acgc_248, autoquantz): bounded residuals
+      # against float32, and the whole step against the plain float32 network
+      out[f"acgc.{name}.stored.{plan}"] = _ratio(m["compression_bounded"])
+      out[f"acgc.{name}.stored.{plan}.step"] = _ratio(m["compression_step"])
+      out[f"acgc.{name}.stored.{plan}.exact"] = str(sum(b is None for b in m["bits"].values()))
 
 
 _MEMORY_MODELS = {

@@ -32,6 +32,7 @@ __all__ = [
   "memory_batch_table",
   "both_caps_table",
   "acgc_sweep_table",
+  "acgc_stored_table",
   "gact_table",
   "loss_curves",
 ]
@@ -316,12 +317,50 @@ def acgc_sweep_table(path) -> str:
     [
       "parameters",
       "e^2",
-      "jact bits (2/4/8, else exact)",
+      "jact bits (Fixpoint 2..16, else exact)",
       "kept exact",
       "jact compression",
       "bits, any width <= 16",
       "compression",
       "AutoQuantZ accounting",
+    ],
+    rows,
+  )
+
+
+def acgc_stored_table(path) -> str:
+  """`experiments.papers.acgc_sweep`: bytes measured at the paper's e^2 under each plan
+  (AC-GC, the same at widths 2/4/8, AutoQuantZ) against float32."""
+  result = load_json(path)
+  if result is None:
+    return f"*{Path(path).name}: not run yet*"
+  labels = dict(
+    acgc="AC-GC (Fixpoint 2..16)", acgc_248="AC-GC at 2/4/8 bits", autoquantz="AutoQuantZ"
+  )
+  rows = []
+  for name, c in result["checkpoints"].items():
+    for plan, label in labels.items():
+      m = c.get("stored", {}).get(plan)
+      if m:
+        exact = sum(b is None for b in m["bits"].values())
+        rows.append(
+          [
+            name,
+            label,
+            exact,
+            f"{m['bounded_bytes'] / 2**20:.1f}",
+            f"{m['compression_bounded']:.2f}x",
+            f"{m['compression_step']:.2f}x",
+          ]
+        )
+  return markdown_table(
+    [
+      "parameters",
+      "plan",
+      "kept exact",
+      "MiB stored (36 residuals)",
+      "vs float32",
+      "whole step vs plain float32",
     ],
     rows,
   )
