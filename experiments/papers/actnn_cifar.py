@@ -62,8 +62,15 @@ def variant_settings(name: str, acgc_error: float = ACGC_ERROR) -> dict:
     "fp": dict(form="plain"),
     "actnn_l2": dict(form="layers", bits=4),
     "pergroup2": dict(form="layers", bits=2),
-    "actnn_l3": dict(
-      form="layers", bits=2, controller=dict(estimator="analytic", avg_bits=2.0, per_sample=True)
+    "actnn_l3": dict(  # jact.levels.get("actnn:L3"): joint allocation at 1..8 bits
+      form="layers",
+      bits=2,
+      controller=dict(
+        estimator="analytic",
+        avg_bits=2.0,
+        per_sample=True,
+        allowed=jact.allocate.ACTNN_WIDTHS,
+      ),
     ),
     "blpa4": dict(form="blpa", bits=4),
     "blpa2": dict(form="blpa", bits=2),

@@ -55,7 +55,7 @@ __all__ = [
 
 UNIFORM_BITS = (1, 2, 4, 8)
 ESTIMATORS = {
-  "actnn_l3": dict(estimator="analytic", per_sample=True),
+  "actnn_l3": dict(estimator="analytic", per_sample=True, allowed=jact.allocate.ACTNN_WIDTHS),
   "gact_numeric": dict(estimator="numeric"),
 }
 
