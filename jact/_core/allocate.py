@@ -48,6 +48,16 @@ ACTNN_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 _MAX_DP_CELLS = 50_000_000
 
 
+def floor_bits(avg_bits: float, count: int) -> int:
+  """floor(avg_bits * count), the product first rounded to 9 decimals, so that a
+  mean of integer widths, s / N, gives back s (2.3 * 10 is 22.999999999999996).
+
+  >>> floor_bits(2.3, 10), floor_bits(15 / 11, 11), floor_bits(2.5, 3)
+  (23, 15, 7)
+  """
+  return math.floor(round(avg_bits * count, 9))
+
+
 def variance_factor(bits: int) -> float:
   """S(b) = (2**b - 1)**-2, the variance factor of a b-bit quantizer (0 for 32).
 
@@ -263,7 +273,7 @@ def allocate_layers_and_samples(
   """ActNN's joint allocation: one width per layer and sample (Prob. 10).
 
   Minimizes sum_{l,n} c[l, n] S(b[l, n]) subject to
-  sum_{l,n} D_l b[l, n] <= floor(avg_bits * N * sum_l D_l): every (layer,
+  sum_{l,n} D_l b[l, n] <= floor_bits(avg_bits, N * sum_l D_l): every (layer,
   sample) pair is one item of D_l values. The greedy (default) is ActNN's
   `calc_precision` -- start at the widest width, lower the item whose next
   step adds the least variance per bit saved, until the budget holds --
@@ -317,7 +327,7 @@ def allocate_layers_and_samples(
     )
   layers, n = c.shape
   items = np.repeat(d, n)
-  budget = math.floor(avg_bits * n * int(d.sum())) if d.size else 0
+  budget = floor_bits(avg_bits, n * int(d.sum())) if d.size else 0
   solve = optimal_allocate if exact else greedy_allocate
   bits = solve(c.reshape(-1), items, budget, widths)
   return np.asarray(bits, np.int32).reshape(layers, n)
@@ -326,7 +336,7 @@ def allocate_layers_and_samples(
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _allocate_per_sample(w, avg_bits, widths):
   n = w.shape[0]
-  budget = math.floor(avg_bits * n)
+  budget = floor_bits(avg_bits, n)
   top = len(widths) - 1  # also the number of steps down per sample
   if n == 0 or top == 0 or widths[-1] * n <= budget:
     return jnp.full((n,), widths[-1], jnp.int32)
@@ -399,9 +409,9 @@ def allocate_per_sample(
 ) -> jax.Array:
   """Per-sample widths for one tensor under an average-bits budget, in JAX.
 
-  The result equals `greedy_allocate(weights, [1] * N, floor(avg_bits * N),
+  The result equals `greedy_allocate(weights, [1] * N, floor_bits(avg_bits, N),
   allowed)` (up to float32 ties among the sort keys): every sample has the
-  same size, so the budget is floor(avg_bits * N) bits per value summed over
+  same size, so the budget is floor_bits(avg_bits, N) bits per value summed over
   the samples. Instead of heap loops, the downward pass is one stable sort
   of the N * (len(allowed) - 1) possible steps and a prefix sum, the
   single-sample alternative is a masked argmin, and each fill pass is
@@ -418,7 +428,7 @@ def allocate_per_sample(
       widths (ActNN's are `ACTNN_WIDTHS`).
 
   Returns:
-    int32[N] widths with sum <= floor(avg_bits * N).
+    int32[N] widths with sum <= floor_bits(avg_bits, N).
   """
   widths = _check_allowed(allowed, uncompressed=False)
   if (

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jact._core.allocate import floor_bits
 from jact._core.quantize import check_group_size, effective_group_size
 from jact._core.stored import Stored, decoder
 
@@ -91,7 +92,7 @@ def _layout(shape: tuple[int, ...], group_size: int) -> tuple[int, int, int]:
 def per_sample_capacity(shape: tuple[int, ...], avg_bits: float, group_size: int = 256) -> int:
   """Static buffer bytes for `shape` at `avg_bits` bits per value on average.
 
-  ceil(floor(avg_bits * N) * Dp / 8), with Dp the per-sample size padded to
+  ceil(floor_bits(avg_bits, N) * Dp / 8), with Dp the per-sample size padded to
   whole groups (as in `jact.quantize`); averages above 8 count as 8. Widths
   from `allocate_per_sample(w, avg_bits)` always fit it.
 
@@ -108,4 +109,4 @@ def per_sample_capacity(shape: tuple[int, ...], avg_bits: float, group_size: int
     raise ValueError(
       f"avg_bits must be a finite number >= 1 (every value needs at least 1 bit), got {avg_bits!r}."
     )
-  return -(-min(math.floor(avg_bits * n), 8 * n) * dp // 8)
+  return -(-min(floor_bits(avg_bits, n), 8 * n) * dp // 8)
