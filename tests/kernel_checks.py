@@ -137,7 +137,7 @@ def cuda_kernels(fn, reference, *args):
   lowered = _compat.lower_for_cuda(fn, *args)
   calls = [line for line in lowered.as_text().splitlines() if "stablehlo.custom_call" in line]
   assert all("@__gpu$xla.gpu.triton" in c for c in calls), calls
-  names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z_]+)"', c)]
+  names = [m for c in calls for m in re.findall(r'\bname = "(jact_[a-z0-9_]+)"', c)]
   assert len(names) == len(calls), calls
   want = jax.eval_shape(reference, *args)
   assert jax.tree.structure(lowered.out_info) == jax.tree.structure(want)

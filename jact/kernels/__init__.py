@@ -1,7 +1,7 @@
 """Kernel registry: an XLA reference for every op, GPU kernels when importable.
 
 Each op ("quantize", "dequantize", "relu_mask", "quantize_per_sample",
-"dequantize_per_sample", "division_compress") has the "xla" reference (the
+"dequantize_per_sample", "division_compress", "float8_compress") has the "xla" reference (the
 tests' oracle) and, where available, "pallas_triton" / "jax_triton" kernels
 returning the same bits. `select` picks one by backend, `implementation=` or
 a `use(...)` context; `dispatch` stages an automatic choice with
@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 
 from jact.kernels._division.reference import division_compress_reference
+from jact.kernels._float8.reference import float8_compress_reference
 from jact.kernels._per_sample.reference import (
   dequantize_per_sample_reference,
   quantize_per_sample_reference,
@@ -51,6 +52,7 @@ _REFERENCES = [
   Implementation("quantize_per_sample", "xla", quantize_per_sample_reference),
   Implementation("dequantize_per_sample", "xla", dequantize_per_sample_reference),
   Implementation("division_compress", "xla", division_compress_reference),
+  Implementation("float8_compress", "xla", float8_compress_reference),
 ]
 
 
@@ -63,6 +65,7 @@ def _pallas_triton() -> list[Implementation]:
   ):  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
     return []
   from jact.kernels._division import pallas_triton as division
+  from jact.kernels._float8 import pallas_triton as float8
   from jact.kernels._per_sample import pallas_triton as per_sample
   from jact.kernels._quantize import pallas_triton as quantize
   from jact.kernels._relu_mask import pallas_triton as relu_mask
@@ -78,6 +81,7 @@ def _pallas_triton() -> list[Implementation]:
       ("quantize_per_sample", per_sample.quantize_per_sample),
       ("dequantize_per_sample", per_sample.dequantize_per_sample),
       ("division_compress", division.division_compress),
+      ("float8_compress", float8.float8_compress),
     ]
   ]
 

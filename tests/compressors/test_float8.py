@@ -14,7 +14,7 @@ import pytest
 
 import jact
 from jact import compressors as C
-from jact.compressors._float8 import FORMATS, round_to_float8
+from jact._core.float8 import FORMATS, round_to_float8
 from stats import DRAWS, assert_unbiased
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}

@@ -377,6 +377,31 @@ def division_compress_cases():
   ]
 
 
+# (name, input shape or "nonfinite" (`nonfinite_groups`), dtype, format, block size, scale,
+# stochastic, blocks a program); the first is the quick one
+FLOAT8 = [
+  ("e4m3-f32-pow2-nearest", (4, 1000), F32, "e4m3", 32, "pow2", False, 2),
+  ("e5m2-bf16-pow2-stochastic", (3, 7, 13), BF16, "e5m2", 32, "pow2", True, 1),
+  ("e4m3-f16-float-stochastic", (5, 20), F16, "e4m3", 16, "float", True, 2),
+  ("e5m2-f32-float-block24", (2, 300), F32, "e5m2", 24, "float", False, 4),
+  ("e4m3-f32-1d-stochastic", (100,), F32, "e4m3", 32, "pow2", True, 1),
+  ("e4m3-f32-nonfinite-kinds", "nonfinite", F32, "e4m3", 16, "pow2", True, 2),
+  ("e5m2-bf16-nonfinite-kinds", "nonfinite", BF16, "e5m2", 16, "float", False, 2),
+]
+
+
+def float8_compress_cases():
+  def case(i, name, shape, dtype, fmt, block, scale, stochastic, rows):
+    def make():
+      x = nonfinite_groups(dtype, i) if shape == "nonfinite" else activation(shape, dtype, i)
+      seed = jnp.uint32(0xF8 + i) if stochastic else None
+      return (x, seed), dict(format=fmt, block_size=block, scale=scale, stochastic=stochastic)
+
+    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=i == 0)
+
+  return [case(i, *c) for i, c in enumerate(FLOAT8)]
+
+
 CASES: dict[str, Callable[[], list[Case]]] = {
   "quantize": quantize_cases,
   "dequantize": dequantize_cases,
@@ -384,6 +409,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
   "quantize_per_sample": quantize_per_sample_cases,
   "dequantize_per_sample": dequantize_per_sample_cases,
   "division_compress": division_compress_cases,
+  "float8_compress": float8_compress_cases,
 }
 """A case generator per op: a few representative argument sets (bits 1/2/4/8,
 float32/bfloat16/float16, a partial last group, a sample smaller than one

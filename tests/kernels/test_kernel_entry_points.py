@@ -12,6 +12,7 @@ import pytest
 from jact import kernels
 from jact.kernels._division.api import division_compress
 from jact.kernels._division.reference import division_compress_reference
+from jact.kernels._float8.api import float8_compress
 from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
 from jact.kernels._quantize.api import dequantize, quantize
 from jact.kernels._relu_mask.api import relu_mask
@@ -27,6 +28,7 @@ ENTRY_POINTS = {
   "quantize_per_sample": quantize_per_sample,
   "dequantize_per_sample": dequantize_per_sample,
   "division_compress": division_compress,
+  "float8_compress": float8_compress,
 }
 
 
@@ -152,6 +154,15 @@ def test_division_entry_point_matches_the_reference():
       lambda: dequantize_per_sample(_x((2, 8))),
       TypeError,
       "takes the PackedPerSample that quantize_per_sample returns, got ArrayImpl",
+    ),
+    (lambda: float8_compress(_x(), None, format="e3m4"), ValueError, "format must be one of"),
+    (lambda: float8_compress(_x(), None, scale="e8m0"), ValueError, "scale one of"),
+    (lambda: float8_compress(_x(), None, block_size=0), ValueError, "block_size must be"),
+    (lambda: float8_compress(_x(), None, stochastic=True), ValueError, "needs a uint32 seed"),
+    (
+      lambda: float8_compress(_x().astype(jnp.int32), None),
+      TypeError,
+      "float32, bfloat16 or float16 array, got int32",
     ),
   ],
 )

@@ -65,6 +65,7 @@ def test_reference_on_cpu_pallas_on_gpu():
     "quantize_per_sample",
     "dequantize_per_sample",
     "division_compress",
+    "float8_compress",
   ):
     assert kernels.select(op, platform="cpu").name == "xla"
     assert kernels.select(op, platform="gpu").name == "pallas_triton"
