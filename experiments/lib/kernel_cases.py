@@ -148,6 +148,16 @@ def _division_case(bits: int = 2, block: int = 8) -> Case:
   )
 
 
+def _float8_case(fmt: str = "e4m3", stochastic: bool = False, dtype=jnp.bfloat16) -> Case:
+  return Case(
+    "float8_compress",
+    f"{fmt} {'stochastic' if stochastic else 'nearest'} {jnp.dtype(dtype).name} MXFP8 blocks",
+    lambda nbytes, key: (_activation(nbytes, key, dtype), _seed(key)),
+    dict(format=fmt, block_size=32, scale="pow2", stochastic=stochastic),
+    lambda args, out: nbytes_of(args[0]) + nbytes_of(out),
+  )
+
+
 CASES = {
   "quantize": [quantize_case(b) for b in (1, 2, 4, 8)] + [quantize_case(2, jnp.bfloat16)],
   "dequantize": [_dequantize_case(b) for b in (2, 4, 8)],
@@ -155,4 +165,5 @@ CASES = {
   "quantize_per_sample": [_quantize_per_sample_case()],
   "dequantize_per_sample": [_dequantize_per_sample_case()],
   "division_compress": [_division_case()],
+  "float8_compress": [_float8_case(), _float8_case(stochastic=True)],
 }
