@@ -1,4 +1,5 @@
-"""`experiments.papers.fp8_compare --small` on the real CIFAR-10 kit (one stage, two seeds).
+"""`experiments.papers.fp8_compare --small` on the real CIFAR-10 kit (one stage, two seeds)
+and on tiny Shakespeare (the char LM, one seed).
 
 Checked: the deterministic methods (round-to-nearest FP8 and 8-bit codes) have no
 variance over keys and the stochastic ones some; the integer codes' error falls as
@@ -41,3 +42,13 @@ def test_small_run(tmp_path):
   assert all(
     s["seeds"] == 2 and s["error_over_sampling"]["std"] is not None for s in summary.values()
   )
+
+
+def test_small_char_lm_run(tmp_path):
+  args = ["--small", "--model", "char_lm", "--seeds", "0", "--results", str(tmp_path)]
+  result = fp8_compare.main(args)
+  assert result["complete"] and (tmp_path / "fp8_compare_char_lm_small.json").exists()
+  rows = {r["method"]: r for r in result["seeds"]["0"]["rows"]}
+  assert all((r["variance"] > 0) == r["unbiased"] and r["error"] > 0 for r in rows.values())
+  assert rows["int2"]["error"] > rows["int4"]["error"] > rows["int8"]["error"]
+  assert rows["fp8_e5m2"]["error"] > rows["fp8_e4m3"]["error"]
