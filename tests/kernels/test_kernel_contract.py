@@ -190,8 +190,16 @@ def quantize_cases():
     case("b4-f16-below-one-group", (5, 20), F16, 4, 256, rows=2),  # one group of 24 > 20 values
     case("b8-f32-nearest", (2, 300), F32, 8, 256, rows=1, stochastic=False),  # 256 + 44
     boundary_case(8, rows=4),
+    # the bit-plane widths (3, 5, 6, 7) and 16 bits (low and high byte planes)
+    case("b3-f32-group200", (4, 1000), F32, 3, 256, rows=4),
+    case("b5-bf16-partial-group", (3, 7, 13), BF16, 5, 64, rows=2),
+    case("b6-f16-below-one-group", (5, 20), F16, 6, 256, rows=2),
+    case("b7-f32-nearest", (2, 300), F32, 7, 256, rows=1, stochastic=False),
+    case("b16-f32-partial-group", (3, 300), F32, 16, 64, rows=2),
+    case("b16-bf16-nearest", (2, 100), BF16, 16, 64, rows=1, stochastic=False),
   ] + [
-    nonfinite_case(bits, dtype, rows=2) for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32))
+    nonfinite_case(bits, dtype, rows=2)
+    for bits, dtype in ((1, F32), (2, F16), (4, BF16), (8, F32), (3, F16), (5, BF16), (16, F32))
   ]
 
 
@@ -256,9 +264,14 @@ def dequantize_cases():
     case("b2-bf16-to-f32-partial-group", (3, 7, 13), BF16, 2, 64, F32, rows=2),
     case("b4-f32-to-f16-clamped", (2, 300), F32, 4, 256, F16, rows=1, scale=1e6, quick=True),
     case("b8-f16-view-shape", (3, 2, 3), F16, 8, 256, None, rows=1, rows_view=True),
+    case("b3-f32", (4, 1000), F32, 3, 256, None, rows=4),
+    case("b5-bf16-to-f32-partial-group", (3, 7, 13), BF16, 5, 64, F32, rows=2),
+    case("b7-f32-to-f16-clamped", (2, 300), F32, 7, 256, F16, rows=1, scale=1e6),
+    case("b6-f16-view-shape", (3, 2, 3), F16, 6, 256, None, rows=1, rows_view=True),
+    case("b16-f32-to-bf16", (2, 300), F32, 16, 64, BF16, rows=2),
   ] + [
     nonfinite_dequantize_case(bits, out)
-    for bits, out in ((1, None), (2, F16), (4, None), (8, BF16))
+    for bits, out in ((1, None), (2, F16), (4, None), (8, BF16), (3, None), (7, F16), (16, BF16))
   ]
 
 
@@ -374,6 +387,8 @@ def division_compress_cases():
     case("b8-bf16-below-one-group", (4, 3, 3, 8), BF16, BF16, 4, 8, 256, 2),
     case("b4-f32-rank3-two-kernels", (3, 13, 24), F32, F16, 4, 4, 256, 2),
     case("b8-f32-rank5-one-pass", (1, 9, 4, 10, 8), F32, BF16, 4, 8, 64, None),
+    case("b3-f32-one-pass", (2, 8, 8, 16), F32, BF16, 4, 3, 256, None),
+    case("b16-f32-rank3-two-kernels", (3, 13, 24), F32, F16, 4, 16, 256, 2),
   ]
 
 
