@@ -254,7 +254,7 @@ def test_conv_grad_and_residual_report():
     (dict(block=0), "block must be a positive int"),
     (dict(block=2.5), "block must be a positive int"),
     (dict(block=True), "block must be a positive int"),
-    (dict(bits=3), "bits must be one of"),
+    (dict(bits=9), "bits must be one of"),
     (dict(group_size=100), "multiple of 8"),
     (dict(lfc_dtype=jnp.int8), "lfc_dtype must be float32, bfloat16 or float16"),
     (dict(lfc_dtype="nonsense"), "lfc_dtype must be"),

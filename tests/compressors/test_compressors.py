@@ -211,7 +211,7 @@ def test_a_per_sample_budget_is_the_per_sample_compressor():
 def test_clear_errors():
   x, w = jnp.ones((4, 256)), jnp.ones((256, 2))
   with pytest.raises(ValueError, match="jact.compressors"):
-    jact.ops.dense(x, w, key=jax.random.key(0), bits=3)
+    jact.ops.dense(x, w, key=jax.random.key(0), bits=9)
 
   def no_key(w):  # a deterministic call site, a plan asking for stochastic rounding
     with jact.use_plan(jact.BitPlan({"fc.lhs": C.Division()})):

@@ -423,7 +423,7 @@ def test_convert_rejects_bad_arguments():
     with pytest.raises(TypeError, match="flax.linen.Module .* or a flax.nnx.Module"):
       convert(obj)
   with pytest.raises(ValueError, match="bits"):
-    convert(CNN(), bits=3)
+    convert(CNN(), bits=9)
   with pytest.raises(ValueError, match="group_size"):
     convert(CNN(), compressor=PerGroup(4, group_size=12))
   with pytest.raises(TypeError, match="unexpected keyword argument 'group_size'"):

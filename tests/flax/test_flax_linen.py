@@ -305,7 +305,7 @@ def test_no_stream_needed_without_stochastic_rounding():
 def test_bad_settings_are_clear_errors():
   x = _normal((6, 7))
   with pytest.raises(ValueError, match="bits"):
-    jnn.Dense(5, bits=3).init({"params": KEY, **JACT}, x)
+    jnn.Dense(5, bits=9).init({"params": KEY, **JACT}, x)
   with pytest.raises(TypeError, match="unexpected keyword argument 'group_size'"):
     jnn.GELU(group_size=7).init(JACT, x)
   with pytest.raises(TypeError, match="dot_general"):

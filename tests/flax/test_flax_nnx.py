@@ -300,7 +300,7 @@ def test_no_stream_needed_without_stochastic_rounding():
 
 def test_bad_settings_are_clear_errors():
   with pytest.raises(ValueError, match="bits"):
-    jnnx.Linear(3, 2, bits=3, rngs=_rngs())
+    jnnx.Linear(3, 2, bits=9, rngs=_rngs())
   with pytest.raises(TypeError, match="unexpected keyword argument 'group_size'"):
     jnnx.GELU(group_size=7, rngs=_rngs())
   with pytest.raises(TypeError, match="dot_general"):

@@ -126,9 +126,9 @@ def test_division_entry_point_matches_the_reference():
       "block must be a positive int .* got 0",
     ),
     (
-      lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=3),
+      lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=9),
       ValueError,
-      r"bits must be one of \(1, 2, 4, 8\), got 3",
+      r"bits must be one of \(1, 2, 3, 4, 5, 6, 7, 8, 16\), got 9",
     ),
     (
       lambda: division_compress(_x(), jnp.uint32(1), block=4, bits=2, group_size=12),
