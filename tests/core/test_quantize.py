@@ -521,7 +521,10 @@ def test_missing_key():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, bits", [((64, 262144), 1), ((64, 262144), 4), ((64, 262016), 2)])
+@pytest.mark.parametrize(
+  "shape, bits",
+  [((64, 262144), 1), ((64, 262144), 4), ((64, 262016), 2), ((64, 262144), 3), ((64, 262144), 16)],
+)
 def test_compiled_temp_memory_is_small(shape, bits):
   """Regression: no tensor-sized temporaries (noise, padding, masks) -- residual bytes are
   not compiled memory unless XLA keeps none of these alive.
