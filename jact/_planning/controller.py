@@ -72,7 +72,7 @@ def _check_allowed(allowed, avg_bits: float | None) -> tuple[int, ...]:
   if not any(b != allocate.UNCOMPRESSED for b in widths):
     raise ValueError(
       f"jact.Controller: allowed must list the widths the allocator may pick, at least one "
-      f"of 1, 2, 4, 8 (32: keep a residual uncompressed), got {allowed!r}; e.g. "
+      f"of 1..8 or 16 (32: keep a residual uncompressed), got {allowed!r}; e.g. "
       "allowed=(1, 2, 4, 8)"
     )
   if avg_bits is not None and widths[0] > avg_bits:

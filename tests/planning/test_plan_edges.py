@@ -206,7 +206,7 @@ def test_save_and_restore_without_orbax_name_the_package_to_install(tmp_path, mo
     ctrl.restore(path, state)
 
 
-@pytest.mark.parametrize("allowed", [(), (32,), (3,)])
+@pytest.mark.parametrize("allowed", [(), (32,), (9,)])
 def test_controller_rejects_allowed_without_a_compressed_width(allowed):
   with pytest.raises(ValueError, match=r"jact\.Controller: allowed .* allowed=\(1, 2, 4, 8\)"):
     jact.Controller(_loss(("fc",)), allowed=allowed)
