@@ -312,3 +312,26 @@ def test_a_float8_input_to_an_op_names_a_fix_that_works():
   # float8 values are on the e4m3 grid, the block scales powers of two: stored exactly
   want = jax.grad(lambda w: jnp.sum((x8.astype(jnp.float32) @ w)))(w)
   np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+  "c", [C.Float8(), C.Float8("e5m2", scale="float", stochastic=True)], ids=repr
+)
+def test_the_pallas_kernel_stores_the_reference_bytes_through_the_compressor(c):
+  """implementation="pallas_triton" (interpret mode here) stores what the XLA reference
+  stores (the kernel contract checks more cases: tests/kernels/test_kernel_contract.py)."""
+  x = jnp.asarray(_values(10, (3, 7, 20), 6.0))
+  seed = jnp.uint32(4) if c.needs_key else None
+  kernel = dataclasses.replace(c, implementation="pallas_triton")
+  got, want = jax.jit(kernel.compress)(x, seed), jax.jit(c.compress)(x, seed)
+  for k in ("codes", "scale"):
+    np.testing.assert_array_equal(np.asarray(got.arrays[k]), np.asarray(want.arrays[k]))
+
+
+def test_the_report_names_the_kernel_lowered_for_cuda():
+  x, w = jnp.ones((8, 256)), jnp.ones((256, 4))
+  loss = lambda w: jnp.sum(jact.ops.dense(x, w, compressor=C.Float8(), name="fc"))
+  with jact.kernels.lowering_for("cuda"):
+    report = jact.residual_report(loss, w)
+  assert report.kernels()["fc.lhs"] == "jact_float8_compress"
+  assert report.by_name()["fc.lhs"].bytes == C.Float8().stored_bytes(x.shape)
