@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from experiments.lib import metadata
 from jact import _compat
 from jact.kernels._division import pallas_triton as division
+from jact.kernels._float8 import pallas_triton as float8
 from jact.kernels._per_sample import pallas_triton as persample
 from jact.kernels._per_sample.reference import quantize_per_sample_reference
 from jact.kernels._quantize import pallas_triton as pergroup
@@ -286,6 +287,18 @@ def _division(shape, block=8, bits=2, group=256, dtype=jnp.float32):
   return (lambda x, s: fn(x, s)), (_spec(shape, dtype), _SEED)
 
 
+def _float8(dtype=jnp.bfloat16, fmt="e4m3", scale="pow2", stochastic=False):
+  fn = functools.partial(
+    float8.float8_compress,
+    format=fmt,
+    block_size=32,
+    scale=scale,
+    stochastic=stochastic,
+    interpret=False,
+  )
+  return (lambda x, s: fn(x, s)), (_spec((256, 16384), dtype), _SEED)
+
+
 KERNELS: dict[str, Callable[[], tuple[Callable, tuple]]] = {
   **{f"quantize {b}-bit f32": functools.partial(_quantize, b) for b in (1, 2, 4, 8)},
   "quantize 2-bit bf16": functools.partial(_quantize, 2, jnp.bfloat16),
@@ -302,6 +315,10 @@ KERNELS: dict[str, Callable[[], tuple[Callable, tuple]]] = {
   "dequantize per sample f32": _dequantize_per_sample,
   "division fused 2-bit": functools.partial(_division, (64, 56, 56, 64)),
   "division pool + residual 2-bit 3-D": functools.partial(_division, (8, 8, 16, 16, 32), block=4),
+  "float8 e4m3 bf16": _float8,
+  "float8 e5m2 f32 float scale stochastic": functools.partial(
+    _float8, jnp.float32, "e5m2", "float", True
+  ),
 }
 
 

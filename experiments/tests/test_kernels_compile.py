@@ -39,6 +39,8 @@ CHECKED = sorted(
     "quantize per sample f32",
     "dequantize per sample f32",
     "division pool + residual 2-bit 3-D",
+    "float8 e4m3 bf16",
+    "float8 e5m2 f32 float scale stochastic",
   }
 )
 

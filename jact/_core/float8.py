@@ -99,11 +99,14 @@ def block_exponent(amax: jax.Array, fmt: Format) -> jax.Array:
   return jnp.clip(exponent(amax) - fmt.emax + over.astype(jnp.int32), -126, 127)
 
 
-def rounded_steps(v: jax.Array, fmt: Format, noise: jax.Array | None):
-  """(int32 magnitude in grid steps, int32 log2 of the step) of v's rounding."""
+def rounded_steps(v: jax.Array, fmt: Format, noise: jax.Array | None, mul=jnp.multiply):
+  """(int32 magnitude in grid steps, int32 log2 of the step) of v's rounding.
+
+  `mul`: the float32 multiply (a kernel passes one that is never fused with the
+  subtraction that follows; the product is exact, so either way the bits agree)."""
   a = jnp.abs(v)
   k = jnp.maximum(exponent(a), fmt.emin) - fmt.mantissa  # log2 of the grid step at a
-  t = a * pow2(-k)  # a in steps: exact, < 2^(mantissa + 1)
+  t = mul(a, pow2(-k))  # a in steps: exact, < 2^(mantissa + 1)
   i = jnp.floor(t)
   frac = t - i  # exact
   if noise is None:
@@ -112,7 +115,7 @@ def rounded_steps(v: jax.Array, fmt: Format, noise: jax.Array | None):
   else:
     # 31 noise bits against frac in units of 2^-31, in int32 (a float -> uint32
     # conversion lowers as a signed one in Triton, which saturates at 2^31)
-    up = (noise >> 1).astype(jnp.int32) < (frac * _F32(2.0**31)).astype(jnp.int32)
+    up = (noise >> 1).astype(jnp.int32) < mul(frac, _F32(2.0**31)).astype(jnp.int32)
   return i.astype(jnp.int32) + up.astype(jnp.int32), k
 
 

@@ -70,7 +70,7 @@ def _kernel(*refs, n, d, nb, block_size, width, rows, format, scale, stochastic,
     scaled = jnp.clip(scaled, -fmt.max, fmt.max)
   scaled = jnp.where(finite, scaled, 0.0)
   noise = rng.hash_uint32(seed, offset.astype(jnp.uint32)) if stochastic else None
-  steps, k = rounded_steps(scaled, fmt, noise)
+  steps, k = rounded_steps(scaled, fmt, noise, functools.partial(T.mul, interpret=interpret))
   codes = code_bits(steps, k, scaled < 0, fmt)
   codes = jnp.where(finite, codes, special_codes(v, fmt))
   T.store(codes_ref, offset, codes, valid)
