@@ -181,3 +181,9 @@ def test_new_widths_are_accepted_by_plans_overrides_and_ops():
     )
   assert errors[16][0] < 1e-3 < errors[3][0] < 0.5, errors
   assert errors[16][1] < 1e-3 < errors[3][1] < 0.5, errors
+
+
+def test_bit_plan_files_keep_every_width():
+  plan = jact.BitPlan({f"l{b}.lhs": b for b in SUPPORTED_BITS} | {"x.lhs": None})
+  again = jact.BitPlan.from_json(plan.to_json())
+  assert again == plan and again["l16.lhs"] == 16 and again["l3.lhs"] == 3
