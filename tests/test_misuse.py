@@ -307,9 +307,9 @@ CASES = [
   ),
   (
     "controller-allowed",
-    lambda: jact.Controller(_dense_loss(("a",)), allowed=(3,)),
+    lambda: jact.Controller(_dense_loss(("a",)), allowed=(9,)),
     ValueError,
-    ["allowed", "(3,)", "allowed=(1, 2, 4, 8)"],
+    ["allowed", "(9,)", "1..8 or 16", "allowed=(1, 2, 4, 8)"],
   ),
   # reports, conversion, sharding
   (
