@@ -301,6 +301,8 @@ def test_joint_allocation_errors():
   [
     (24, 2.5, (1, 2, 4, 8)),
     (20, 1.3, (1, 4, 8)),
+    (16, 2.5, ACTNN_WIDTHS),
+    (12, 3.7, (1, 3, 5, 16)),
   ],
 )
 @pytest.mark.slow
