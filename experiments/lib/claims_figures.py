@@ -194,6 +194,62 @@ def _gact(results: Path, out: dict) -> None:
       out[f"{key}.temp_mib"] = _f(v["temp_bytes"] / 2**20, 1)
 
 
+def _gact_metric(v: dict) -> tuple[str, float]:
+  """(name, value) of a GACT variant's final held-out metric (test accuracy where measured)."""
+  metric = "test_accuracy" if "test_accuracy" in v["final"] else v["best_by"]
+  return metric, float(v["final"][metric])
+
+
+def _gact_seeds(results: Path, out: dict) -> None:
+  """`gseeds.<task>.<variant>.*` over the seeds of the GACT runs (seed 0: `gact/<task>.json`, seed
+  s: `gact_seeds/seed<s>/<task>.json`) and `gsig.<task>.adaptive2.fixed2.*`: adaptive against fixed
+  2 bits, paired by seed (a seed fixes both variants' initialization and batches). For a loss
+  the difference is fixed minus adaptive, for an accuracy adaptive minus fixed: positive means
+  the adaptive plan is better."""
+  by_task: dict[str, dict[str, dict[int, float]]] = {}
+  metrics: dict[str, str] = {}
+  paths = [(0, p) for p in sorted((results / "gact").glob("*.json"))]
+  paths += [
+    (int(p.parent.name.removeprefix("seed")), p)
+    for p in sorted((results / "gact_seeds").glob("seed*/*.json"))
+  ]
+  for seed, path in paths:
+    task = _load(path)
+    if task["seed"] != seed:
+      raise ValueError(f"{path} holds seed {task['seed']}, its folder says {seed}")
+    for name, v in task["variants"].items():
+      metrics[path.stem], value = _gact_metric(v)
+      by_task.setdefault(path.stem, {}).setdefault(name, {})[seed] = value
+  for task, variants in by_task.items():
+    for name, values in variants.items():
+      if len(values) < 2:
+        continue
+      v = np.array([values[s] for s in sorted(values)])
+      key = f"gseeds.{task}.{name}"
+      out[f"{key}.n"] = str(len(v))
+      out[f"{key}.mean"] = _f(v.mean(), 3)
+      out[f"{key}.std"] = _f(v.std(ddof=1), 3)
+      out[f"{key}.values"] = ", ".join(_f(x, 3) for x in v)
+    if "adaptive2" in variants and "fixed2" in variants:
+      better, worse = variants["adaptive2"], variants["fixed2"]
+      if "loss" in metrics[task]:
+        better, worse = worse, better
+      d = paired_difference(better, worse)
+      if d is None:
+        continue
+      key = f"gsig.{task}.adaptive2.fixed2"
+      out[f"{key}.n"] = str(d["n"])
+      out[f"{key}.metric"] = metrics[task].replace("_", " ")
+      out[f"{key}.difference"] = f"{d['mean_points'] / 100:+.3f}"
+      out[f"{key}.p"] = _f(d["p"], 2)
+      out[f"{key}.verdict"] = (
+        ("better" if d["mean_points"] > 0 else "worse")
+        + f" (paired t-test p = {d['p']:.2f} < 0.05)"
+        if d["p"] < 0.05
+        else f"not distinguishable (paired t-test p = {d['p']:.2f})"
+      )
+
+
 def _grad_variance(results: Path, out: dict) -> None:
   for name, prefix in (("grad_variance", "gv"), ("grad_variance_before_bn_rule", "gv_before")):
     gv = _load(results / f"{name}.json")
@@ -488,7 +544,16 @@ def compute(results: str) -> dict:
   out: dict[str, str] = {name: value for name, (value, _) in PAPER.items()}
   _theory(out)
   path = Path(results)
-  for part in (_actnn, _gact, _grad_variance, _memory_batch, _bench_plans, _acgc, _tables):
+  for part in (
+    _actnn,
+    _gact,
+    _gact_seeds,
+    _grad_variance,
+    _memory_batch,
+    _bench_plans,
+    _acgc,
+    _tables,
+  ):
     part(path, out)
   from experiments.lib import notebook_support  # the key table, as summary prints it
   from experiments.lib import summary_table as summary
