@@ -86,9 +86,9 @@ def test_bitplan_is_a_hashable_value_with_json_round_trip():
 @pytest.mark.parametrize(
   "bad, match",
   [
-    (dict(bits={"x": 3}), "bits must be one of"),
+    (dict(bits={"x": 9}), "bits must be one of"),
     (dict(bits={"": 2}), "non-empty strings"),
-    (dict(default=5), "default"),
+    (dict(default=12), "default"),
     (dict(budgets={"x": 0.5}), "per-sample budget"),
   ],
 )
