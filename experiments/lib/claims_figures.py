@@ -250,6 +250,68 @@ def _gact_seeds(results: Path, out: dict) -> None:
       )
 
 
+def _sci3(value: float) -> str:
+  """Three significant figures, e-notation below 0.001: 0.0213, 3.22e-05."""
+  return f"{value:.2e}" if 0 < abs(value) < 1e-3 else f"{value:.3g}"
+
+
+def _fp8(results: Path, out: dict) -> None:
+  """`fp8.<model>.<method>.*` (`experiments.papers.fp8_compare`): each method's gradient error over
+  the sampling variance (mean over seeds), bytes a value, and FP8's error over int8's."""
+  for model, name in (("resnet20", "fp8_compare.json"), ("char_lm", "fp8_compare_char_lm.json")):
+    run = _load(results / name)
+    if not run or not run.get("complete"):
+      continue
+    summary = run["summary"]
+    for method, row in summary.items():
+      key = f"fp8.{model}.{method}"
+      out[f"{key}.seeds"] = str(row["seeds"])
+      out[f"{key}.bytes"] = _f(row["bytes_per_value"], 3)
+      out[f"{key}.error"] = _sci3(row["error_over_sampling"]["mean"])
+      out[f"{key}.mean_error"] = _sci3(row["mean_error_over_sampling"]["mean"])
+    for method in ("fp8_e4m3", "fp8_e4m3_sr", "fp8_e5m2"):
+      if method in summary and "int8" in summary:
+        ratio = (
+          summary[method]["error_over_sampling"]["mean"]
+          / summary["int8"]["error_over_sampling"]["mean"]
+        )
+        out[f"fp8.{model}.{method}.over_int8"] = _ratio(ratio, 0)
+
+
+def _l3_joint(results: Path, out: dict) -> None:
+  """`l3.<method>.*` (`experiments.papers.l3_joint`, initialization): compression variance over
+  uniform 2 bits per seed, bytes over uniform's, and a paired t-test of the variances."""
+  from scipy import stats
+
+  rows: dict[str, dict[int, dict]] = {}
+  for path in sorted(results.glob("l3_joint_seed*.json")):
+    run = _load(path)
+    if not run.get("complete"):
+      continue
+    for row in run["checkpoints"]["0"]:
+      rows.setdefault(row["method"], {})[run["seed"]] = row
+  uniform = rows.get("uniform2", {})
+  for method, by_seed in rows.items():
+    if method in ("sampling", "uniform2"):
+      continue
+    seeds = sorted(set(by_seed) & set(uniform))
+    if not seeds:
+      continue
+    ratios = [by_seed[s]["variance"] / uniform[s]["variance"] for s in seeds]
+    key = f"l3.{method}"
+    out[f"{key}.n"] = str(len(seeds))
+    out[f"{key}.over_uniform2"] = ", ".join(_f(r, 2) for r in ratios)
+    out[f"{key}.over_uniform2_mean"] = _f(float(np.mean(ratios)), 2)
+    out[f"{key}.bytes_over_uniform2"] = ", ".join(
+      _f(by_seed[s]["bytes"] / uniform[s]["bytes"], 4) for s in seeds
+    )
+    if len(seeds) >= 2:
+      p = stats.ttest_rel(
+        [by_seed[s]["variance"] for s in seeds], [uniform[s]["variance"] for s in seeds]
+      ).pvalue
+      out[f"{key}.p"] = _f(float(p), 3)
+
+
 def _grad_variance(results: Path, out: dict) -> None:
   for name, prefix in (("grad_variance", "gv"), ("grad_variance_before_bn_rule", "gv_before")):
     gv = _load(results / f"{name}.json")
