@@ -610,6 +610,8 @@ def compute(results: str) -> dict:
     _actnn,
     _gact,
     _gact_seeds,
+    _fp8,
+    _l3_joint,
     _grad_variance,
     _memory_batch,
     _bench_plans,
