@@ -66,7 +66,7 @@ def test_retired_keywords_are_no_keywords_of_the_twins(make, removed):
 
 def test_bad_settings_fail_when_the_twin_is_built():
   with pytest.raises(ValueError, match="bits"):
-    jnn.Dense(4, bits=3)
+    jnn.Dense(4, bits=9)
   with pytest.raises(TypeError, match="compressor="):
     jnn.Dense(4, bits=PerGroup(2))
   with pytest.raises(ValueError, match="conflict"):
