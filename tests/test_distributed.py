@@ -27,6 +27,8 @@ import sys
 
 import pytest
 
+from devices import EIGHT_CPU_DEVICES
+
 # Both processes: the dense+ReLU stack plain, with jact.ops and under one jact.compressed
 # (2 bits), and the collectives of an optimized HLO text.
 _STACK = r"""
@@ -407,9 +409,7 @@ def _run_on_eight_devices(script_text, directory):
   script.write_text(script_text)
   env = dict(
     os.environ,
-    XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip(),
+    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + EIGHT_CPU_DEVICES).strip(),
     JAX_PLATFORMS="cpu",
   )
   env["PYTHONPATH"] = os.pathsep.join(

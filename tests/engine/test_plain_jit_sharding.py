@@ -19,6 +19,8 @@ import pytest
 
 from conftest import YNN_FLAG
 
+from devices import EIGHT_CPU_DEVICES
+
 _SCRIPT = r"""
 import json
 import jax, jax.numpy as jnp
@@ -138,7 +140,7 @@ def _run_on_eight_devices(script: str) -> dict:
   # YNN fusion off (tests/conftest.py), and with it on a matmul over a shard of
   # the rows rounds differently in the last place than over all of them
   flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(YNN_FLAG)]
-  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
+  env["XLA_FLAGS"] = " ".join(flags + [EIGHT_CPU_DEVICES])
   env["JAX_PLATFORMS"] = "cpu"
   root = pathlib.Path(__file__).resolve().parents[2]
   env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from devices import EIGHT_CPU_DEVICES
+
 _SCRIPT = r"""
 import json, re
 import jax, jax.numpy as jnp
@@ -50,7 +52,7 @@ print(json.dumps({
 def test_fit_under_a_mesh_meets_a_per_device_budget(tmp_path):
   script = tmp_path / "script.py"
   script.write_text(_SCRIPT)
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  flags = os.environ.get("XLA_FLAGS", "") + " " + EIGHT_CPU_DEVICES
   env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
   done = subprocess.run(
     [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900

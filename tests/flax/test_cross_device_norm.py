@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from devices import EIGHT_CPU_DEVICES
+
 import jact
 from jact._convert import ConversionWarning, convert
 
@@ -161,7 +163,7 @@ def test_nnx_convert_keeps_batch_norm_with_axis_name_compressed():
 _COLLECTIVES_SCRIPT = r"""
 import collections, json, re, sys
 import jax, jax.numpy as jnp
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:]
 from test_cross_device_norm import AXIS, ConvBN, convert
 
 x = jnp.ones((jax.local_device_count(), 2, 6, 6, 3))
@@ -197,14 +199,12 @@ def test_converted_batch_norm_adds_no_collectives_on_8_devices(tmp_path):
   script.write_text(_COLLECTIVES_SCRIPT)
   env = dict(
     os.environ,
-    XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip(),
+    XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + EIGHT_CPU_DEVICES).strip(),
     JAX_PLATFORMS="cpu",
   )
-  tests_dir = str(pathlib.Path(__file__).parent)  # this module, imported by the script
+  here = pathlib.Path(__file__).parent  # this module, imported by the script, and its helpers
   done = subprocess.run(
-    [sys.executable, str(script), tests_dir],
+    [sys.executable, str(script), str(here), str(here.parent)],
     env=env,
     capture_output=True,
     text=True,
