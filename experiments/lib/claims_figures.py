@@ -280,7 +280,7 @@ def _fp8(results: Path, out: dict) -> None:
 
 def _l3_joint(results: Path, out: dict) -> None:
   """`l3.<method>.*` (`experiments.papers.l3_joint`, initialization): compression variance over
-  uniform 2 bits per seed, bytes over uniform's, and a t-test over seeds of the log of that ratio."""
+  uniform 2 bits per seed, bytes over uniform's, and a t-test over seeds of that ratio's log."""
   from scipy import stats
 
   rows: dict[str, dict[int, dict]] = {}
