@@ -78,6 +78,9 @@ from jact._compat.pallas import (
   pallas_kernel_name,
   lower_for_cuda,
   gpu_mesh_context,
+  has_pallas_triton,
+  pallas_triton_deprecated,
+  has_jax_triton,
 )
 from jact._compat.gpu_aot import cuda_devices, cudnn_for_target
 
@@ -139,4 +142,7 @@ __all__ = [
   "cuda_devices",
   "cudnn_for_target",
   "lower_for_cuda",
+  "has_pallas_triton",
+  "pallas_triton_deprecated",
+  "has_jax_triton",
 ]

@@ -14,11 +14,64 @@ import jax
 import jax.extend.backend
 import jax.numpy as jnp
 from jax.experimental import pallas as _pallas
-from jax.experimental.pallas import triton as _pallas_triton
 
 from jact._compat._probes import probes, trace_eqns
 
-__all__ = ["lowering_platform", "pallas_kernel_name", "lower_for_cuda", "gpu_mesh_context"]
+try:  # deprecated since jax 0.11, to be removed: the jax-triton kernels replace it
+  from jax.experimental.pallas import triton as _pallas_triton
+except ImportError:  # pragma: no cover - a jax without Pallas' Triton backend
+  _pallas_triton = None
+
+__all__ = [
+  "lowering_platform",
+  "pallas_kernel_name",
+  "lower_for_cuda",
+  "gpu_mesh_context",
+  "has_pallas_triton",
+  "pallas_triton_deprecated",
+  "has_jax_triton",
+]
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+PALLAS_TRITON_DEPRECATED_IN = (0, 11)
+"""The jax release whose Pallas changelog deprecates the Triton backend ("migrate to
+Mosaic GPU, or to the official Triton bindings and jax_triton")."""
+
+
+def has_pallas_triton() -> bool:
+  """This jax still has Pallas' Triton backend (`jax.experimental.pallas.triton`).
+
+  Public (experimental, deprecated since jax 0.11): the module's import."""
+  return _pallas_triton is not None
+
+
+def pallas_triton_deprecated() -> bool:
+  """This jax's Pallas changelog deprecates the Triton backend (jax >= 0.11): the
+  jax-triton kernels are chosen above it. The deprecation is in the changelog only
+  (importing the module warns of nothing), so it is read from the version."""
+  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  return version >= PALLAS_TRITON_DEPRECATED_IN
+
+
+def has_jax_triton() -> bool:
+  """The jax-triton package (`jax_triton.triton_call`) is installed: found, not
+  imported (it imports `triton` and jaxlib's CUDA Triton bindings)."""
+  import importlib.util
+
+  return importlib.util.find_spec("jax_triton") is not None
+
+
+@probes(
+  has_pallas_triton="jax.experimental.pallas.triton imports (deprecated since jax 0.11)",
+  pallas_triton_deprecated="jax.__version__ >= 0.11",
+)
+def _check_backends():
+  assert has_pallas_triton() == (_pallas_triton is not None)
+  if not pallas_triton_deprecated():
+    assert has_pallas_triton(), f"jax {jax.__version__} predates the deprecation yet lacks it"
 
 
 # ----------------------------------------------------------------------------- platform
@@ -148,6 +201,8 @@ def _check_lower_for_cuda():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
 
+  if not has_pallas_triton():  # pragma: no cover - removed from jax: nothing to lower
+    return
   call = _pallas.pallas_call(
     kernel,
     out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),

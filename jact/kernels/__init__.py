@@ -22,7 +22,11 @@ registry".
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from typing import Callable
+
+from jact import _compat
 
 from jact.kernels._division.reference import division_compress_reference
 from jact.kernels._float8.reference import float8_compress_reference
@@ -56,13 +60,18 @@ _REFERENCES = [
 ]
 
 
+_GPU = dict(platforms=("gpu",), max_size=2**31 - 1, lowering_platforms=("cuda",))
+"""Every Triton kernel: NVIDIA GPUs only (inline PTX, Triton's CUDA target), int32 indexing."""
+
+JAX_TRITON_PRIORITY = 20 if _compat.has_jax_triton() else 5
+"""The jax-triton kernels' priority: above the Pallas ones (10) where jax-triton is
+installed, the way forward since jax 0.11 deprecates Pallas' Triton backend; below
+them where it is not (they could not launch), chosen then only by name."""
+
+
 def _pallas_triton() -> list[Implementation]:
-  """The Pallas (Triton backend) kernels, when this jax has that backend."""
-  try:
-    from jax.experimental.pallas import triton as _  # noqa: F401
-  except (
-    ImportError
-  ):  # a jax without Pallas' Triton backend: the references only  # pragma: no cover
+  """The Pallas (Triton backend) kernels, when this jax still has that backend."""
+  if not _compat.has_pallas_triton():  # pragma: no cover - removed from jax
     return []
   from jact.kernels._division import pallas_triton as division
   from jact.kernels._float8 import pallas_triton as float8
@@ -70,10 +79,8 @@ def _pallas_triton() -> list[Implementation]:
   from jact.kernels._quantize import pallas_triton as quantize
   from jact.kernels._relu_mask import pallas_triton as relu_mask
 
-  # inline PTX (`_triton.mul`, ...) makes them NVIDIA-only
-  gpu = dict(platforms=("gpu",), priority=10, max_size=2**31 - 1, lowering_platforms=("cuda",))
   return [
-    Implementation(op, "pallas_triton", fn, **gpu)
+    Implementation(op, "pallas_triton", fn, priority=10, **_GPU)
     for op, fn in [
       ("quantize", quantize.quantize),
       ("dequantize", quantize.dequantize),
@@ -86,30 +93,34 @@ def _pallas_triton() -> list[Implementation]:
   ]
 
 
-def _quantize_jax_triton(*args, **kwargs):
-  """`jact.kernels._quantize.jax_triton.quantize`, imported (with `triton`) when first called."""
-  from jact.kernels._quantize import jax_triton
+JAX_TRITON_KERNELS: tuple[tuple[str, str, str], ...] = (
+  ("quantize", "jact.kernels._quantize.jax_triton", "quantize"),
+)
+"""(op, module, function) of every kernel written in Triton's language and launched
+with jax-triton. Each module imports `triton` and has a `PTX` dict: op -> a function
+compiling the kernel for sm_90 on any host, with the op's arguments
+(`tests/kernels/test_kernel_contract.py` checks it)."""
 
-  return jax_triton.quantize(*args, **kwargs)
+
+def _lazy(module: str, function: str) -> Callable:
+  """`module.function`, imported (with `triton`) when first called."""
+
+  def call(*args, **kwargs):
+    return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+  call.__name__ = call.__qualname__ = f"{function}_jax_triton"
+  call.__doc__ = f"`{module}.{function}`, imported when first called."
+  return call
 
 
 def _jax_triton_kernels() -> list[Implementation]:
-  """The kernels written in Triton's language and launched with jax-triton, when
-  the `triton` package is installed. Below the Pallas kernels in priority:
-  chosen by `use(quantize="jax_triton")` or `implementation="jax_triton"`
-  (jax 0.12 deprecates Pallas' Triton backend; these do not depend on it)."""
+  """The kernels written in Triton's language and launched with jax-triton, when the
+  `triton` package is installed (their interpreter runs them on any host)."""
   if importlib.util.find_spec("triton") is None:  # pragma: no cover
     return []
   return [
-    Implementation(
-      "quantize",
-      "jax_triton",
-      _quantize_jax_triton,
-      platforms=("gpu",),
-      priority=5,
-      max_size=2**31 - 1,
-      lowering_platforms=("cuda",),
-    )
+    Implementation(op, "jax_triton", _lazy(module, fn), priority=JAX_TRITON_PRIORITY, **_GPU)
+    for op, module, fn in JAX_TRITON_KERNELS
   ]
 
 

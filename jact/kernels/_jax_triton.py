@@ -11,7 +11,14 @@ the GPU path on a machine without one.
 
 Operands are float32/float16/uint8/uint16/uint32/int32 arrays; a kernel that
 reads bfloat16 takes its bits as uint16 (numpy, and so the interpreter, has no
-bfloat16).
+bfloat16). Python ints among the operands are runtime scalars (`int32`): sizes
+passed that way, not as `tl.constexpr`, let one compiled kernel serve every
+call site of a shape class (jax-triton caches compiled kernels by their
+constants and operand types).
+
+Lowered for cuda on a host without a GPU (`jact.kernels.lowering_for("cuda")`,
+a deviceless XLA:GPU compile), the kernels are compiled for compute capability
+`TARGET_CAPABILITY` (9.0: H100, H200), which jax-triton cannot read from a device.
 """
 
 from __future__ import annotations
@@ -25,7 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["call", "compile_ptx", "on_gpu"]
+__all__ = ["call", "compile_ptx", "on_gpu", "TARGET_CAPABILITY"]
+
+TARGET_CAPABILITY = 90
+"""The compute capability (major * 10 + minor) kernels are compiled for when
+lowered for cuda on a host without a GPU."""
 
 _TRITON_TYPES = {
   "float32": "fp32",
@@ -61,13 +72,8 @@ def call(
   if not interpret:
     if initial is not None:
       raise ValueError("`initial` outputs are for interpret mode (tests) only")
-    try:
-      import jax_triton
-    except ImportError as e:  # pragma: no cover - GPU only
-      raise ImportError(
-        "the 'jax_triton' kernels need jax-triton on a CUDA jax: "
-        "pip install 'jax-triton>=0.3.1' (or choose implementation='pallas_triton')"
-      ) from e
+    jax_triton = _import_jax_triton()
+    capability = None if on_gpu() else TARGET_CAPABILITY  # deviceless: name the target
     return tuple(
       jax_triton.triton_call(
         *args,
@@ -78,14 +84,43 @@ def call(
         num_warps=num_warps,
         num_stages=1,
         enable_fp_fusion=False,
+        compute_capability=capability,
         **constants,
       )
     )
-  host = functools.partial(_interpret, kernel, grid, out_shape, constants)
+  arrays = [i for i, a in enumerate(args) if not _is_scalar(a)]
+  host = functools.partial(_interpret, kernel, grid, out_shape, constants, args, arrays)
   fills = () if initial is None else tuple(jnp.asarray(f) for f in initial)
+  n = len(arrays)
   return tuple(
-    jax.pure_callback(lambda *a: host(a[: len(args)], a[len(args) :]), out_shape, *args, *fills)
+    jax.pure_callback(
+      lambda *a: host(a[:n], a[n:]), out_shape, *(args[i] for i in arrays), *fills
+    )
   )
+
+
+def _is_scalar(a) -> bool:
+  return isinstance(a, (int, float, np.integer, np.floating)) and not isinstance(a, bool)
+
+
+def _import_jax_triton():
+  """The `jax_triton` module, or an ImportError that says what to install."""
+  try:
+    import jax_triton
+  except ModuleNotFoundError as e:  # pragma: no cover - a GPU machine without it
+    raise ImportError(
+      "the 'jax_triton' kernels need the jax-triton package: pip install -r "
+      "requirements-gpu.txt (offline: pip install --no-index --no-deps "
+      "gpu_data/wheels/jax_triton-*.whl, made by scripts/gpu_bundle.sh), or choose "
+      "implementation='xla'"
+    ) from e
+  except ImportError as e:  # pragma: no cover - installed, but not for this jax/triton
+    raise ImportError(
+      f"jax-triton is installed but does not import with jax {jax.__version__}: {e}. "
+      "requirements-gpu.txt pins the jax-triton that matches each jax; or choose "
+      "implementation='xla'"
+    ) from e
+  return jax_triton
 
 
 class _HostBuffer:
@@ -160,14 +195,19 @@ def _jit_functions_interpreted():
 _INTERPRET_LOCK = threading.Lock()  # the patch above is process-wide
 
 
-def _interpret(kernel, grid, out_shape, constants, args, fills):
+def _interpret(kernel, grid, out_shape, constants, args, arrays, inputs, fills):
+  """Runs `kernel` in Triton's interpreter: `inputs` are the host values of
+  `args`' arrays (at positions `arrays`), the other `args` scalars."""
   outs = [np.empty(o.shape, o.dtype) for o in out_shape]
   for out, fill in zip(outs, fills):
     out[...] = np.asarray(fill).astype(out.dtype)
-  buffers = [_HostBuffer(np.array(a)) for a in args] + [_HostBuffer(o) for o in outs]
+  operands = list(args)
+  for i, value in zip(arrays, inputs):
+    operands[i] = _HostBuffer(np.array(value))
+  buffers = [_HostBuffer(o) for o in outs]
   with _INTERPRET_LOCK, _jit_functions_interpreted(), np.errstate(over="ignore"):
-    _interpreted(kernel.fn)[(grid,)](*buffers, **constants)  # uint32 hashing wraps, as on a GPU
-  return tuple(b.array.reshape(o.shape) for b, o in zip(buffers[len(args) :], out_shape))
+    _interpreted(kernel.fn)[(grid,)](*operands, *buffers, **constants)  # uint32 hashing wraps
+  return tuple(b.array.reshape(o.shape) for b, o in zip(buffers, out_shape))
 
 
 def compile_ptx(
@@ -175,13 +215,17 @@ def compile_ptx(
 ) -> str:
   """PTX of `kernel` compiled by the `triton` package for sm_`arch` on any host,
   with the launch settings `call` uses on a GPU (no contraction, one stage).
-  `arg_dtypes` are the pointer arguments' element types, outputs included."""
+  `arg_dtypes` are the pointer arguments' element types, outputs included; "i32"
+  stands for a runtime int scalar (a Python int operand of `call`)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
 
   names = kernel.arg_names
-  signature = {n: "*" + _TRITON_TYPES[str(jnp.dtype(t))] for n, t in zip(names, arg_dtypes)}
+  signature = {
+    n: t if t == "i32" else "*" + _TRITON_TYPES[str(jnp.dtype(t))]
+    for n, t in zip(names, arg_dtypes)
+  }
   signature.update({n: "constexpr" for n in constants})
   source = ASTSource(kernel, signature=signature, constexprs=dict(constants))
   compiled = triton.compile(

@@ -579,9 +579,15 @@ def test_writes_every_output_element(op, name, case, monkeypatch):
 
 
 def _jax_triton_ptx():
-  from jact.kernels._quantize import jax_triton
+  """op -> its jax-triton kernel's `compile_for_cuda`, from each module's `PTX`."""
+  import importlib
 
-  return {"quantize": jax_triton.compile_for_cuda}
+  from jact.kernels import JAX_TRITON_KERNELS
+
+  ptx = {}
+  for _, module, _ in JAX_TRITON_KERNELS:
+    ptx.update(importlib.import_module(module).PTX)
+  return ptx
 
 
 def _lowers_jax_triton_kernel(op, case):
@@ -591,7 +597,7 @@ def _lowers_jax_triton_kernel(op, case):
   bit-exactness on the device."""
   compile_for_cuda = _jax_triton_ptx().get(op)
   if compile_for_cuda is None:
-    pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to _jax_triton_ptx", pytrace=False)
+    pytest.fail(f"{op}/jax_triton: add its compile_for_cuda to its module's PTX", pytrace=False)
   args, kwargs, _ = _reference(op, case)
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   facts = ptx_facts(compile_for_cuda(*shapes, **kwargs, **case.options.get("jax_triton", {})))

@@ -28,7 +28,7 @@ from jact.kernels import _jax_triton
 from jact.kernels._quantize import pallas_triton as pergroup
 from jact.kernels._triton import check_int32
 
-__all__ = ["quantize", "quantize_kernel", "kernel_constants", "compile_for_cuda"]
+__all__ = ["quantize", "quantize_kernel", "kernel_constants", "compile_for_cuda", "PTX"]
 
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 
@@ -295,3 +295,7 @@ def compile_for_cuda(
   return _jax_triton.compile_ptx(
     quantize_kernel, [x_type, jnp.uint32, jnp.uint8, jnp.uint16, jnp.uint16], arch=arch, **constants
   )
+
+
+PTX = {"quantize": compile_for_cuda}
+"""op -> the function compiling its kernel for sm_90 here (the kernel contract tests)."""
