@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from experiments.gpu.chunks import CHUNKS, STAGES, Chunk, command, select
+from experiments.gpu.extras import ensure_extras
 from experiments.lib.resumable import write_json
 
 __all__ = ["CHUNKS", "STAGES", "Chunk", "select", "command", "probe", "run_chunk", "main"]
@@ -383,7 +384,9 @@ def _campaign(chunks: list[Chunk], args, argv: list[str]) -> int:
   t_start = time.perf_counter()
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  extras = ensure_extras()  # before the chunks' processes import jact
   meta = probe(argv)
+  meta["extras"] = extras
   smoke = args.smoke or meta.get("backend") != "gpu"
   if smoke:
     _banner(

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.gpu.extras import ensure_extras
 from experiments.lib import kernel_cases
 from jact import kernels
 
@@ -79,6 +80,8 @@ def main(argv=None) -> None:
   parser.add_argument("--size-mb", type=float, default=4.0)
   parser.add_argument("--out", required=True, help="folder for <bits>_<dtype>.npz and diff.json")
   args = parser.parse_args(argv)
+  extras = ensure_extras(modules=("jax_triton",))
+  print(f"extras: {extras}", flush=True)
   os.makedirs(args.out, exist_ok=True)
   results = []
   for config in args.configs:
@@ -92,6 +95,7 @@ def main(argv=None) -> None:
       {
         "command": "python -m experiments.gpu.kernel_diff " + " ".join(argv or []),
         "jax": jax.__version__,
+        "extras": extras,
         "results": results,
       },
       f,
