@@ -95,6 +95,7 @@ def _pallas_triton() -> list[Implementation]:
 
 JAX_TRITON_KERNELS: tuple[tuple[str, str, str], ...] = (
   ("quantize", "jact.kernels._quantize.jax_triton", "quantize"),
+  ("float8_compress", "jact.kernels._float8.jax_triton", "float8_compress"),
 )
 """(op, module, function) of every kernel written in Triton's language and launched
 with jax-triton. Each module imports `triton` and has a `PTX` dict: op -> a function

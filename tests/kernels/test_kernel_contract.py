@@ -412,7 +412,8 @@ def float8_compress_cases():
       seed = jnp.uint32(0xF8 + i) if stochastic else None
       return (x, seed), dict(format=fmt, block_size=block, scale=scale, stochastic=stochastic)
 
-    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=i == 0)
+    options = {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)}
+    return Case(name, make, options, quick=i == 0)
 
   return [case(i, *c) for i, c in enumerate(FLOAT8)]
 
