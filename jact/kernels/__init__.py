@@ -95,6 +95,8 @@ def _pallas_triton() -> list[Implementation]:
 
 JAX_TRITON_KERNELS: tuple[tuple[str, str, str], ...] = (
   ("quantize", "jact.kernels._quantize.jax_triton", "quantize"),
+  ("dequantize", "jact.kernels._quantize.jax_triton", "dequantize"),
+  ("relu_mask", "jact.kernels._relu_mask.jax_triton", "relu_mask"),
   ("float8_compress", "jact.kernels._float8.jax_triton", "float8_compress"),
 )
 """(op, module, function) of every kernel written in Triton's language and launched

@@ -257,7 +257,9 @@ def dequantize_cases():
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
       return (packed,), dict(dtype=out)
 
-    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick)
+    return Case(
+      name, make, {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)}, quick
+    )
 
   return [
     case("b1-f32", (4, 1000), F32, 1, 256, None, rows=4),
@@ -289,7 +291,9 @@ def nonfinite_dequantize_case(bits, out):
     packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=bits))
     return (packed,), dict(dtype=out)
 
-  return Case(f"b{bits}-nonfinite-kinds", make, {"pallas_triton": dict(rows=2)})
+  return Case(
+    f"b{bits}-nonfinite-kinds", make, {"pallas_triton": dict(rows=2), "jax_triton": dict(rows=2)}
+  )
 
 
 def relu_mask_cases():
@@ -297,7 +301,7 @@ def relu_mask_cases():
     return Case(
       name,
       lambda: ((activation(shape, dtype, seed=len(shape)),), dict(negative_slope=slope)),
-      {"pallas_triton": dict(tile=tile)},
+      {"pallas_triton": dict(tile=tile), "jax_triton": dict(tile=tile)},
       quick,
     )
 

@@ -1,21 +1,30 @@
-"""Per-group quantize-and-pack written in Triton's language, launched with jax-triton.
+"""Per-group quantize-and-pack and its inverse, written in Triton's language and
+launched with jax-triton.
 
-The same contract, bits and layout as the Pallas kernel
-`pallas_triton.quantize` (registered as the "jax_triton" implementation of
-"quantize", chosen only when asked): it does not depend on Pallas' Triton
-backend, which jax 0.12 deprecates. How it stays bit-exact:
-docs/design.md, "The jax-triton quantize kernel".
+The same contracts, bits and layout as the Pallas kernels
+`pallas_triton.quantize` / `dequantize` (registered as the "jax_triton"
+implementations of "quantize" and "dequantize"), without Pallas' Triton
+backend, which jax 0.12 deprecates: this module imports no Pallas module (the
+layout comes from `layout`). The sizes that vary per call site (group rows,
+groups and values per sample) are runtime arguments, so one compiled kernel
+serves every tensor of a width, group size, dtype and tile. How it stays
+bit-exact: docs/design.md, "The jax-triton quantize kernel".
 
 >>> import jax, jax.numpy as jnp
->>> from jact.kernels._quantize.reference import quantize_reference
+>>> from jact.kernels._quantize.reference import dequantize_reference, quantize_reference
 >>> x = jax.random.normal(jax.random.key(0), (4, 300))
 >>> p = quantize(x, jnp.uint32(5), bits=2, group_size=152, interpret=True)
 >>> r = quantize_reference(x, jnp.uint32(5), bits=2, group_size=152)
 >>> bool((p.data == r.data).all() & (p.scale == r.scale).all() & (p.minimum == r.minimum).all())
 True
+>>> y = dequantize(r, jnp.bfloat16, interpret=True)
+>>> y.dtype, bool((y == dequantize_reference(r, jnp.bfloat16)).all())
+(dtype(bfloat16), True)
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,28 +34,40 @@ import triton.language as tl
 
 from jact._core.quantize import Packed
 from jact.kernels import _jax_triton
-from jact.kernels._quantize import pallas_triton as pergroup
-from jact.kernels._triton import check_int32
+from jact.kernels._quantize.layout import check_int32, packing_geometry
 
-__all__ = ["quantize", "quantize_kernel", "kernel_constants", "compile_for_cuda", "PTX"]
+__all__ = [
+  "quantize",
+  "quantize_kernel",
+  "kernel_constants",
+  "compile_for_cuda",
+  "dequantize",
+  "dequantize_kernel",
+  "dequantize_constants",
+  "compile_dequantize_for_cuda",
+  "PTX",
+]
 
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+_DTYPE_CODE = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
+"""A low-precision dtype's number in the kernels' constexprs (float32: 0)."""
 
 
 @triton.jit
 def quantize_kernel(
   x_ptr,
   seed_ptr,
+  n_rows,
+  groups,
+  d,
   data_ptr,
   min_ptr,
   scale_ptr,
-  N_ROWS: tl.constexpr,
-  GROUPS: tl.constexpr,
-  D: tl.constexpr,
   GROUP_SIZE: tl.constexpr,
   BITS: tl.constexpr,
   ROWS: tl.constexpr,
   Q_PAD: tl.constexpr,
+  ALIGNED: tl.constexpr,
   STOCHASTIC: tl.constexpr,
   IN_BF16: tl.constexpr,
   INV_LEVELS: tl.constexpr,
@@ -55,7 +76,7 @@ def quantize_kernel(
   LATTICE: tl.constexpr,
   DTYPE_MAX: tl.constexpr,
 ):
-  # the packing's layout (`pallas_triton.plane_layout`): K value planes of M values,
+  # the packing's layout (`layout.plane_layout`): K value planes of M values,
   # packed into byte planes of M bytes (one for widths dividing 8, BITS for 3, 5,
   # 6, 7 bits, low and high for 16 bits); Q bytes a group
   K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
@@ -67,12 +88,13 @@ def quantize_kernel(
   p = tl.arange(0, K)[None, :, None]
   j = tl.arange(0, Q_PAD)[None, None, :]
   within = p * M + j  # position in the group
-  col = (row % GROUPS) * GROUP_SIZE + within
-  mask = (row < N_ROWS) & (j < M) & (col < D)
-  if D % GROUP_SIZE == 0:  # groups tile the samples
+  if ALIGNED:  # groups tile the samples (d % GROUP_SIZE == 0)
+    mask = (row < n_rows) & (j < M)
     offset = row * GROUP_SIZE + within
   else:
-    offset = (row // GROUPS) * D + col
+    col = (row % groups) * GROUP_SIZE + within
+    mask = (row < n_rows) & (j < M) & (col < d)
+    offset = (row // groups) * d + col
   if IN_BF16:  # bits as uint16
     raw = tl.load(x_ptr + offset, mask=mask, other=0).to(tl.uint32)
     v = (raw << 16).to(tl.float32, bitcast=True)
@@ -172,7 +194,7 @@ def quantize_kernel(
   code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
   row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
   out = data_ptr + row2 * Q + j2
-  keep = (row2 < N_ROWS) & (j2 < M)
+  keep = (row2 < n_rows) & (j2 < M)
   if BITS == 16:  # the low bytes, then the high bytes
     both = tl.sum(code, axis=1)  # one plane
     tl.store(out, (both & 255).to(tl.uint8), mask=keep)
@@ -186,36 +208,38 @@ def quantize_kernel(
       tl.store(out + b * M, packed.to(tl.uint8), mask=keep)
   # the statistics hold bf16 values: their bf16 bits are the float32's high half
   tl.store(
-    min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=row1 < N_ROWS
+    min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=row1 < n_rows
   )
-  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=row1 < N_ROWS)
+  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=row1 < n_rows)
 
 
 def kernel_constants(
   shape, dtype, *, bits: int, group_size: int, stochastic: bool, rows: int | None = None
-) -> tuple[int, dict]:
-  """(grid, the kernel's constexpr arguments) for an input of `shape` and `dtype`."""
+) -> tuple[int, tuple[int, int, int], dict]:
+  """(grid, the kernel's runtime sizes (group rows, groups per sample, values
+  per sample), its constexpr arguments) for an input of `shape` and `dtype`.
+  The constexprs depend on the width, group size, dtype, rounding, tile and
+  whether groups tile the samples, not on the number of samples or groups:
+  one compiled kernel serves every input of that class."""
   n = shape[0] if len(shape) else 1
   d = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-  groups, n_rows, _, q_pad, r = pergroup.packing_geometry(n, d, group_size, bits, rows)
+  groups, n_rows, _, q_pad, r = packing_geometry(n, d, group_size, bits, rows)
   levels = np.float32((1 << bits) - 1)
   constants = dict(
-    N_ROWS=n_rows,
-    GROUPS=groups,
-    D=d,
     GROUP_SIZE=group_size,
     BITS=bits,
     ROWS=r,
     Q_PAD=q_pad,
+    ALIGNED=d % group_size == 0,
     STOCHASTIC=bool(stochastic),
     IN_BF16=jnp.dtype(dtype) == jnp.bfloat16,
     INV_LEVELS=float(np.float32(1.0) / levels),
     INV_FLAGGED=float(np.float32(1.0) / max(levels - np.float32(1.0), np.float32(1.0))),
     BF16_MAX=_BF16_MAX,
-    LATTICE={jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}.get(jnp.dtype(dtype), 0),
+    LATTICE=_DTYPE_CODE.get(jnp.dtype(dtype), 0),
     DTYPE_MAX=float(jnp.finfo(dtype).max),
   )
-  return -(-n_rows // r), constants
+  return max(1, -(-n_rows // r)), (n_rows, groups, d), constants
 
 
 def quantize(
@@ -238,8 +262,8 @@ def quantize(
   n = x.shape[0] if x.ndim else 1
   d = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
   check_int32(n * d, "the input")
-  groups, n_rows, q, _, _ = pergroup.packing_geometry(n, d, group_size, bits, rows)
-  grid, constants = kernel_constants(
+  groups, n_rows, q, _, _ = packing_geometry(n, d, group_size, bits, rows)
+  grid, sizes, constants = kernel_constants(
     x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
   )
   flat = x.reshape(-1)
@@ -255,6 +279,7 @@ def quantize(
     quantize_kernel,
     flat,
     seed,
+    *sizes,
     grid=grid,
     out_shape=out_shape,
     name="jact_quantize_jax_triton",
@@ -288,14 +313,197 @@ def compile_for_cuda(
   here by the `triton` package (any host; `seed` is unused, as in the kernel's
   signature it is one uint32)."""
   del seed
-  _, constants = kernel_constants(
+  _, _, constants = kernel_constants(
     x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
   )
-  x_type = jnp.uint16 if jnp.dtype(x.dtype) == jnp.bfloat16 else x.dtype
+  x_type = _bits_type(x.dtype)
   return _jax_triton.compile_ptx(
-    quantize_kernel, [x_type, jnp.uint32, jnp.uint8, jnp.uint16, jnp.uint16], arch=arch, **constants
+    quantize_kernel,
+    [x_type, jnp.uint32, "i32", "i32", "i32", jnp.uint8, jnp.uint16, jnp.uint16],
+    arch=arch,
+    **constants,
   )
 
 
-PTX = {"quantize": compile_for_cuda}
+# ----------------------------------------------------------------------------- dequantize
+
+
+@triton.jit
+def dequantize_kernel(
+  data_ptr,
+  min_ptr,
+  scale_ptr,
+  n_rows,
+  groups,
+  d,
+  out_ptr,
+  GROUP_SIZE: tl.constexpr,
+  BITS: tl.constexpr,
+  ROWS: tl.constexpr,
+  Q_PAD: tl.constexpr,
+  ALIGNED: tl.constexpr,
+  THROUGH: tl.constexpr,
+  THROUGH_MAX: tl.constexpr,
+  OUT: tl.constexpr,
+  OUT_MAX: tl.constexpr,
+):
+  # THROUGH / OUT: the quantized tensor's / the output's dtype (`_DTYPE_CODE`: 0 float32,
+  # 1 bfloat16, written as its uint16 bits, 2 float16); the layout as in `quantize_kernel`
+  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
+  M: tl.constexpr = GROUP_SIZE // K
+  Q: tl.constexpr = GROUP_SIZE * BITS // 8
+  LEVELS: tl.constexpr = (1 << BITS) - 1
+  row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+  row = row1[:, None, None]
+  p = tl.arange(0, K)[None, :, None]
+  j = tl.arange(0, Q_PAD)[None, None, :]
+  in_group = (row < n_rows) & (j < M)
+  src = data_ptr + row * Q + j
+  if BITS == 16:  # the low bytes, then the high bytes
+    low = tl.load(src, mask=in_group, other=0).to(tl.int32)
+    code = low | (tl.load(src + M, mask=in_group, other=0).to(tl.int32) << 8)
+  elif 8 % BITS == 0:  # value plane p at bits p * BITS of each byte
+    code = (tl.load(src, mask=in_group, other=0).to(tl.int32) >> (p * BITS)) & LEVELS
+  else:  # bit b of value plane p in bit p of byte plane b
+    code = tl.zeros((ROWS, K, Q_PAD), tl.int32)
+    for b in tl.static_range(BITS):
+      byte = tl.load(src + b * M, mask=in_group, other=0).to(tl.int32)
+      code = code | (((byte >> p) & 1) << b)
+
+  # the group's statistics (bf16 bits), the stored step split (`split_step`)
+  ok = row1 < n_rows
+  minimum = (tl.load(min_ptr + row1, mask=ok, other=0).to(tl.uint32) << 16).to(
+    tl.float32, bitcast=True
+  )
+  u = tl.load(scale_ptr + row1, mask=ok, other=0).to(tl.uint32) << 16
+  flagged = (u >> 31) == 1
+  step = tl.where(flagged, u & 0x7FFC0000, u).to(tl.float32, bitcast=True)
+  kind = tl.where(flagged, (u >> 16) & 3, 0)
+  wide = step >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4 (`grid_scale`)
+  s = tl.where(wide, 0.25, 1.0)
+  inv_s = tl.where(wide, 4.0, 1.0)[:, None, None]
+  st, mn = (step * s)[:, None, None], (minimum * s)[:, None, None]
+
+  # `decode_groups`: the grid value, clamped and rounded to THROUGH, clamped to OUT
+  value = (code.to(tl.float32) * st + mn) * inv_s
+  value = tl.minimum(tl.maximum(value, -THROUGH_MAX), THROUGH_MAX)
+  if THROUGH == 1:  # round to nearest even bfloat16, by the bits (`round_to`)
+    ub = value.to(tl.uint32, bitcast=True)
+    value = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+  elif THROUGH == 2:  # float16: the bits, then subnormals on their 2**-24 grid
+    ub = value.to(tl.uint32, bitcast=True)
+    rounded = ((ub + 0xFFF + ((ub >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    tiny = tl.abs(value) < 6.103515625e-05  # 2**-14
+    scaled = tl.minimum(tl.abs(value), 6.103515625e-05) * 16777216.0  # exact, <= 1024
+    whole = scaled.to(tl.int32)
+    frac = scaled - whole.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    small = (whole + up.to(tl.int32)).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    small = tl.where((ub >> 31) == 1, -small, small)
+    value = tl.where(tiny, small, rounded)
+  if OUT != THROUGH:
+    value = tl.minimum(tl.maximum(value, -OUT_MAX), OUT_MAX)
+  special = tl.where(kind == 2, float("inf"), float("nan"))  # `kind_value`
+  special = tl.where(kind == 3, -float("inf"), special)[:, None, None]
+  value = tl.where(flagged[:, None, None] & (code == LEVELS), special, value)
+
+  within = p * M + j
+  if ALIGNED:
+    keep = in_group
+    dst = out_ptr + row * GROUP_SIZE + within
+  else:
+    col = (row % groups) * GROUP_SIZE + within
+    keep = in_group & (col < d)
+    dst = out_ptr + (row // groups) * d + col
+  if OUT == 1:  # bfloat16, rounded to nearest even by the bits (NaN stays quiet)
+    ub = value.to(tl.uint32, bitcast=True)
+    tl.store(dst, ((ub + 0x7FFF + ((ub >> 16) & 1)) >> 16).to(tl.uint16), mask=keep)
+  elif OUT == 2:
+    tl.store(dst, value.to(tl.float16), mask=keep)
+  else:
+    tl.store(dst, value, mask=keep)
+
+
+def dequantize_constants(
+  packed, dtype=None, *, rows: int | None = None
+) -> tuple[int, tuple[int, int, int], dict]:
+  """(grid, runtime sizes (group rows, groups per sample, values per sample),
+  constexpr arguments) of `dequantize_kernel` for a `Packed` (or one of
+  `jax.ShapeDtypeStruct` leaves) decoded to `dtype`."""
+  dtype = jnp.dtype(dtype or packed.dtype)
+  n, groups, _ = packed.data.shape
+  d = math.prod(packed.shape[1:]) if len(packed.shape) > 1 else 1
+  _, _, _, q_pad, r = packing_geometry(n, d, packed.group_size, packed.bits, rows)
+  constants = dict(
+    GROUP_SIZE=packed.group_size,
+    BITS=packed.bits,
+    ROWS=r,
+    Q_PAD=q_pad,
+    ALIGNED=d == groups * packed.group_size,
+    THROUGH=_DTYPE_CODE.get(jnp.dtype(packed.dtype), 0),
+    THROUGH_MAX=float(jnp.finfo(packed.dtype).max),
+    OUT=_DTYPE_CODE.get(dtype, 0),
+    OUT_MAX=float(jnp.finfo(dtype).max),
+  )
+  n_rows = n * groups
+  return max(1, -(-n_rows // r)), (n_rows, groups, d), constants
+
+
+def dequantize(
+  packed: Packed,
+  dtype=None,
+  *,
+  interpret: bool | None = None,
+  rows: int | None = None,
+  initial=None,
+) -> jax.Array:
+  """Inverse of `quantize` in one Triton pass: the contract of
+  `reference.dequantize_reference` (and `pallas_triton.dequantize`).
+  `interpret`, `rows` and `initial` as in `quantize`."""
+  if interpret is None:
+    interpret = not _jax_triton.on_gpu()
+  dtype = jnp.dtype(dtype or packed.dtype)
+  n, groups, _ = packed.data.shape
+  check_int32(n * groups * packed.group_size, "the tensor")
+  grid, sizes, constants = dequantize_constants(packed, dtype, rows=rows)
+  as_bits = lambda a: jax.lax.bitcast_convert_type(a.reshape(-1), jnp.uint16)
+  (out,) = _jax_triton.call(
+    dequantize_kernel,
+    packed.data.reshape(-1),
+    as_bits(packed.minimum),
+    as_bits(packed.scale),
+    *sizes,
+    grid=grid,
+    out_shape=(jax.ShapeDtypeStruct((n * sizes[2],), _bits_type(dtype)),),
+    name="jact_dequantize_jax_triton",
+    interpret=interpret,
+    initial=initial,
+    **constants,
+  )
+  if dtype == jnp.bfloat16:
+    out = jax.lax.bitcast_convert_type(out, jnp.bfloat16)
+  return out.reshape(packed.view_shape or packed.shape)
+
+
+def compile_dequantize_for_cuda(
+  packed, dtype=None, *, rows: int | None = None, arch: int = 90
+) -> str:
+  """The PTX `dequantize` runs for a `Packed` like `packed` (`jax.ShapeDtypeStruct`
+  leaves will do) on an sm_`arch` GPU, compiled here by the `triton` package."""
+  _, _, constants = dequantize_constants(packed, dtype, rows=rows)
+  out = _bits_type(jnp.dtype(dtype or packed.dtype))
+  return _jax_triton.compile_ptx(
+    dequantize_kernel,
+    [jnp.uint8, jnp.uint16, jnp.uint16, "i32", "i32", "i32", out],
+    arch=arch,
+    **constants,
+  )
+
+
+def _bits_type(dtype):
+  """The element type a kernel reads or writes `dtype` as (bfloat16 as its uint16 bits)."""
+  return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+PTX = {"quantize": compile_for_cuda, "dequantize": compile_dequantize_for_cuda}
 """op -> the function compiling its kernel for sm_90 here (the kernel contract tests)."""

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jact.kernels import _triton as T
 from jact._core import quantize as Q
 from jact._core.quantize import Packed, grid_scale
+from jact.kernels._quantize.layout import packing_geometry, plane_layout, rows_per_program
 
 __all__ = [
   "quantize",
@@ -45,27 +46,6 @@ __all__ = [
   "packing_geometry",
   "packed_out_shape",
 ]
-
-_TILE = 4096  # values per program (a power of two)
-
-
-def rows_per_program(group_size: int, rows: int | None = None) -> int:
-  """Groups per program: `rows` (rounded up to a power of two) or ~_TILE values."""
-  if rows is not None:
-    return T.next_pow2(rows)
-  return max(1, _TILE // T.next_pow2(group_size))
-
-
-def plane_layout(bits: int) -> tuple[int, int]:
-  """(value planes V, byte planes B) of a group in the `jact._core.packing` layout:
-  a group of G values is V planes of M = G // V values packed into B planes of
-  M bytes each (8 // bits and 1 for widths dividing 8, 8 and `bits` for 3, 5, 6,
-  7 bits, 1 and 2 for 16 bits)."""
-  if bits == 16:
-    return 1, 2
-  if 8 % bits:
-    return 8, bits
-  return 8 // bits, 1
 
 
 def pack_planes(codes, bits: int) -> list:
@@ -102,17 +82,6 @@ def unpack_planes(planes, bits: int) -> list:
     return codes
   mask = (1 << bits) - 1
   return [(planes[0] >> (p * bits)) & mask for p in range(8 // bits)]
-
-
-def packing_geometry(n: int, d: int, group_size: int, bits: int, rows: int | None = None):
-  """(groups per sample, group rows N * groups, bytes Q per group, values M per
-  plane (`plane_layout`) padded to a power of two, groups per program) of N
-  samples of d values quantized per group. For widths dividing 8, Q == M."""
-  groups = -(-d // group_size)
-  v, _ = plane_layout(bits)
-  q = group_size * bits // 8
-  q_pad = T.next_pow2(group_size // v)
-  return groups, n * groups, q, q_pad, rows_per_program(v * q_pad, rows)
 
 
 def packed_out_shape(n_rows: int, q: int) -> tuple[jax.ShapeDtypeStruct, ...]:
