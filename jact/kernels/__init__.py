@@ -98,6 +98,8 @@ JAX_TRITON_KERNELS: tuple[tuple[str, str, str], ...] = (
   ("dequantize", "jact.kernels._quantize.jax_triton", "dequantize"),
   ("relu_mask", "jact.kernels._relu_mask.jax_triton", "relu_mask"),
   ("float8_compress", "jact.kernels._float8.jax_triton", "float8_compress"),
+  ("quantize_per_sample", "jact.kernels._per_sample.jax_triton", "quantize_per_sample"),
+  ("dequantize_per_sample", "jact.kernels._per_sample.jax_triton", "dequantize_per_sample"),
 )
 """(op, module, function) of every kernel written in Triton's language and launched
 with jax-triton. Each module imports `triton` and has a `PTX` dict: op -> a function

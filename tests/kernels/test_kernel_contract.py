@@ -353,7 +353,8 @@ def quantize_per_sample_cases():
       x, bits, kwargs = _per_sample_args(shape, dtype, widths, per_value, group_size, seed)
       return (x, bits), kwargs
 
-    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
+    options = {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)}
+    return Case(name, make, options, quick=name == PER_SAMPLE[0][0])
 
   return [case(*c) for c in PER_SAMPLE]
 
@@ -368,7 +369,8 @@ def dequantize_per_sample_cases():
       packed = dataclasses.replace(packed, data=random_bytes(packed.data.shape, seed=len(widths)))
       return (packed,), dict(dtype=out)
 
-    return Case(name, make, {"pallas_triton": dict(rows=rows)}, quick=name == PER_SAMPLE[0][0])
+    options = {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows)}
+    return Case(name, make, options, quick=name == PER_SAMPLE[0][0])
 
   return [case(*c, out=o) for c, o in zip(PER_SAMPLE, PER_SAMPLE_OUTS)]
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jact import kernels
+from jact import _compat, kernels
 from jact.kernels._per_sample import pallas_triton as persample
 from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
 from jact.kernels._per_sample.reference import (
@@ -190,10 +190,13 @@ def test_dispatch_with_traced_widths_and_the_capacity_fallback():
 def test_registry_picks_the_kernel_only_when_asked_on_cpu():
   for op in ("quantize_per_sample", "dequantize_per_sample"):
     assert kernels.select(op).name == "xla"
-    assert kernels.select(op, platform="gpu").name == "pallas_triton"
-    with kernels.use(**{op: "pallas_triton"}):
-      assert kernels.select(op).name == "pallas_triton"
-    assert kernels.select(op, "pallas_triton", size=0).name == "xla"  # empty: the reference
+    # jax-triton above Pallas' Triton backend where jax-triton is installed
+    gpu = "jax_triton" if _compat.has_jax_triton() else "pallas_triton"
+    assert kernels.select(op, platform="gpu").name == gpu
+    for name in ("pallas_triton", "jax_triton"):
+      with kernels.use(**{op: name}):
+        assert kernels.select(op).name == name
+      assert kernels.select(op, name, size=0).name == "xla"  # empty: the reference
 
 
 # --------------------------------------------------------------------------- GPU lowering from CPU
