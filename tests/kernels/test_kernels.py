@@ -395,3 +395,75 @@ def test_the_jax_triton_kernel_is_chosen_by_the_registry_setting(monkeypatch):
     chosen, jitted(jact.quantize, x, key, bits=2, group_size=64, implementation="xla")
   )
   assert_same_bits(grads, jax.jit(jax.grad(loss, argnums=1))(x, w))
+
+
+# ----------------------------------------------------------------- jax-triton shape classes
+
+
+def _jax_triton_constants():
+  """op -> a function of an input shape giving (runtime sizes, constexprs) of its
+  jax-triton kernel: 4 bits, groups of 256, float32 (dequantize: to bfloat16)."""
+  from jact.kernels._quantize import jax_triton as quantize
+  from jact.kernels._relu_mask import jax_triton as relu_mask
+
+  def dequantize(shape):
+    packed = jax.eval_shape(
+      functools.partial(quantize_reference, bits=4, group_size=256),
+      jax.ShapeDtypeStruct(shape, jnp.float32),
+      jax.ShapeDtypeStruct((), jnp.uint32),
+    )
+    return quantize.dequantize_constants(packed, jnp.bfloat16)[1:]
+
+  return {
+    "quantize": lambda shape: quantize.kernel_constants(
+      shape, jnp.float32, bits=4, group_size=256, stochastic=True
+    )[1:],
+    "dequantize": dequantize,
+    "relu_mask": lambda shape: relu_mask.kernel_constants(shape, jnp.float32)[1:],
+  }
+
+
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "relu_mask"])
+def test_jax_triton_sizes_are_runtime_arguments(op):
+  """Inputs that differ only in their number of rows (and groups) give the kernel
+  the same constexprs -- one Triton compile -- and their sizes at run time."""
+  constants = _jax_triton_constants()[op]
+  (sizes_a, a), (sizes_b, b) = constants((4, 512)), constants((6, 512))
+  assert a == b, f"{op}: constexprs differ between call sites: {a} vs {b}"
+  assert sizes_a != sizes_b, (sizes_a, sizes_b)
+
+
+def test_call_sites_of_one_shape_class_share_one_jax_triton_compile():
+  """A program lowered for cuda, with the quantize / dequantize / ReLU mask kernels
+  of three tensors of different numbers of rows and groups (same width, group size,
+  dtype): jax-triton compiles each kernel once -- every launch of an op carries the
+  same PTX -- where per-call-site sizes as constexprs would compile it per tensor."""
+  if not _compat.has_jax_triton():
+    pytest.fail("jax-triton is not installed: pip install -e '.[test]'", pytrace=False)
+  from jact.kernels import _jax_triton
+  from jact.kernels._quantize import jax_triton as quantize
+  from jact.kernels._relu_mask import jax_triton as relu_mask
+
+  def program(xs, seed):
+    out = []
+    for x in xs:
+      packed = quantize.quantize(x, seed, bits=4, group_size=256, interpret=False)
+      y, mask = relu_mask.relu_mask(x, interpret=False)
+      out.append((quantize.dequantize(packed, interpret=False), y, mask.data))
+    return out
+
+  xs = [jnp.zeros(shape) for shape in ((4, 512), (6, 512), (3, 768))]
+  lowered = _compat.lower_for_cuda(program, xs, jnp.uint32(1))
+  ptx = {}
+  for name, code in _jax_triton.lowered_kernels(lowered.as_text()):
+    ptx.setdefault(name, []).append(code)
+  assert sorted(ptx) == [
+    "jact_dequantize_jax_triton",
+    "jact_quantize_jax_triton",
+    "jact_relu_mask_jax_triton",
+  ], sorted(ptx)
+  for name, codes in ptx.items():
+    assert len(codes) == 3 and all(codes), (name, len(codes))
+    if name == "jact_relu_mask_jax_triton":
+      codes = codes[:2]  # rows of 512 and of 768 values: mask tiles of 64 and 128 bytes
+    assert len(set(codes)) == 1, f"{name}: {len(set(codes))} distinct compiles for one class"
