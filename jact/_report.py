@@ -319,13 +319,14 @@ def _inner_jaxpr(eqn, producer_map, jaxpr):
 
 
 def _kernel_of(eqn, jaxpr, producer_map) -> str:
-  """The Pallas kernel behind a value produced by `eqn` (through reshapes), or "xla"."""
+  """The GPU kernel (Pallas or jax-triton) behind a value produced by `eqn` (through
+  reshapes), or "xla"."""
   while _compat.is_view(eqn):
     found = producer_map(jaxpr).get(eqn.invars[0])
     if found is None:
       return "xla"
     eqn = found[0]
-  return _compat.pallas_kernel_name(eqn) or "xla"
+  return _compat.kernel_launch_name(eqn) or "xla"
 
 
 def _check_callable(fn, api: str) -> None:

@@ -433,7 +433,7 @@ def _launched(instr: _Instr, types, comps, target: GpuTarget) -> Op | None:
   if op == "custom-call":
     name = (_attr(instr.attrs, "custom_call_target") or "").strip('"')
     flops, peak, kind = _custom_call_flops(instr, types, target)
-    if "xla.gpu.triton" in name:
+    if "xla.gpu.triton" in name or name == "triton_kernel_call":  # Pallas', jax-triton's
       kind = "jact_kernel"
     return Op(instr.name, kind or "other", flops, _custom_call_bytes(instr, types, name), peak)
   nbytes_io = nbytes(instr.type) + sum(nbytes(types.get(o, "")) for o in instr.operands)

@@ -44,7 +44,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 import jact
-from jact import _compat
+from jact import _compat, kernels
 from experiments.lib import frontier_models, metadata, paths
 from jact._step_time import predict_step_time
 
@@ -152,7 +152,7 @@ def _row(compiled, seconds: float, target: str, label: str) -> dict:
     "host_temp_bytes": int(getattr(m, "host_temp_size_in_bytes", 0)),
     "compile_s": round(seconds, 2),
     "predicted_ms": round(predict_step_time(compiled, target).seconds * 1e3, 3),
-    "kernels": text.count("__gpu$xla.gpu.triton"),
+    "kernels": kernels.kernel_launches(text),
   }
 
 

@@ -81,6 +81,7 @@ from jact._compat.pallas import (
   has_pallas_triton,
   pallas_triton_deprecated,
   has_jax_triton,
+  kernel_launch_name,
 )
 from jact._compat.gpu_aot import cuda_devices, cudnn_for_target
 
@@ -145,4 +146,5 @@ __all__ = [
   "has_pallas_triton",
   "pallas_triton_deprecated",
   "has_jax_triton",
+  "kernel_launch_name",
 ]

@@ -30,6 +30,7 @@ __all__ = [
   "has_pallas_triton",
   "pallas_triton_deprecated",
   "has_jax_triton",
+  "kernel_launch_name",
 ]
 
 
@@ -114,6 +115,17 @@ def pallas_kernel_name(eqn) -> str | None:
   if eqn.primitive is not _pallas.pallas_call_p:
     return None
   return str(eqn.params.get("name") or "pallas_call")
+
+
+def kernel_launch_name(eqn) -> str | None:
+  """The name of the GPU kernel `eqn` launches: a Pallas call's (`pallas_kernel_name`) or
+  a jax-triton call's (`jax_triton.triton_call(..., name=)`), or None for any other eqn.
+
+  Public: `jax_triton.triton_call`; its primitive's name "triton_kernel_call" and
+  `params["name"]` are not (read by name, so jax-triton need not be imported)."""
+  if eqn.primitive.name == "triton_kernel_call":
+    return str(eqn.params.get("name") or "triton_kernel_call")
+  return pallas_kernel_name(eqn)
 
 
 @probes(pallas_kernel_name="jax.experimental.pallas.pallas_call_p and its params['name']")

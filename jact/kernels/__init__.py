@@ -47,6 +47,8 @@ __all__ = [
   "dispatch",
   "use",
   "lowering_for",
+  "KERNEL_CALL_TARGETS",
+  "kernel_launches",
 ]
 
 _REFERENCES = [
@@ -98,6 +100,7 @@ JAX_TRITON_KERNELS: tuple[tuple[str, str, str], ...] = (
   ("dequantize", "jact.kernels._quantize.jax_triton", "dequantize"),
   ("relu_mask", "jact.kernels._relu_mask.jax_triton", "relu_mask"),
   ("float8_compress", "jact.kernels._float8.jax_triton", "float8_compress"),
+  ("division_compress", "jact.kernels._division.jax_triton", "division_compress"),
   ("quantize_per_sample", "jact.kernels._per_sample.jax_triton", "quantize_per_sample"),
   ("dequantize_per_sample", "jact.kernels._per_sample.jax_triton", "dequantize_per_sample"),
 )
@@ -127,6 +130,20 @@ def _jax_triton_kernels() -> list[Implementation]:
     Implementation(op, "jax_triton", _lazy(module, fn), priority=JAX_TRITON_PRIORITY, **_GPU)
     for op, module, fn in JAX_TRITON_KERNELS
   ]
+
+
+KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
+"""The custom-call targets jact's GPU kernels lower to: Pallas' Triton calls, jax-triton's."""
+
+
+def kernel_launches(program_text: str) -> int:
+  """How many of jact's GPU kernel calls (Pallas or jax-triton) a lowered or compiled
+  program's text holds (`lowered.as_text()`, `compiled.as_text()`).
+
+  >>> kernel_launches('custom_call_target="triton_kernel_call" ... @__gpu$xla.gpu.triton(')
+  2
+  """
+  return sum(program_text.count(target) for target in KERNEL_CALL_TARGETS)
 
 
 REGISTRY = Registry(_REFERENCES + _pallas_triton() + _jax_triton_kernels())
