@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -35,6 +36,13 @@ from jax import lax
 
 from jact.compressors import Compressor
 from jact._engine.op import Keep, Save, Store, compressed_op
+from jact.ops._attention_backend import (
+  IMPLEMENTATIONS,
+  cudnn_attention,
+  cudnn_refusal,
+  lowering_for_cuda,
+  platform_choice,
+)
 from jact._engine.rounding import check_float, resolve_compressor
 
 __all__ = ["chunked_attention"]
@@ -96,6 +104,7 @@ def chunked_attention(
   key=None,
   recompute: bool | None = None,
   precision=None,
+  implementation: str | None = None,
   name: str = "chunked_attention",
 ) -> jax.Array:
   """Attention in O(length) memory (forward and saved residuals), flash-attention style.
@@ -132,6 +141,14 @@ def chunked_attention(
       log-sum-exp. None (default): True exactly when bits is set (see the
       module note: without it compressed gradients are far noisier).
     precision: precision of the block einsums.
+    implementation: None (default): cuDNN's fused attention where the program is lowered
+      for cuda (an NVIDIA GPU, `jact.compile_for`) and the call is one it takes (bfloat16
+      or float16, head dim a multiple of 8 up to 128, no bias or mask beyond `causal`,
+      `recompute` not False), the chunked XLA loops elsewhere; "xla": the chunked loops
+      always; "cudnn": the fused kernel, or a ValueError saying why it cannot run. On the
+      fused path q, k and v are the residuals (compressed when `bits` is set) and the
+      backward re-runs the fused forward on their reconstructions before cuDNN's backward;
+      with bits=None the fused kernel keeps what JAX's own attention keeps.
     name: prefix of the residual names (`name.q`, `.k`, `.v`, and `.out`,
       `.lse` unless recomputed).
 
@@ -181,11 +198,37 @@ def chunked_attention(
         f"{mask_in.dtype}; pass mask.astype(bool) or use an additive bias."
       )
     mask = _canonical(mask_in, full, "mask")
+
+  recompute_asked = recompute
+
+  def _fused_refusal(query, keys, value, bias, mask):
+    if recompute_asked is False:
+      return "recompute=False (cuDNN's softmax statistics are not exposed to store)"
+    if not lowering_for_cuda():
+      return (
+        "the program is not lowered for cuda (run it on an NVIDIA GPU, or compile it with "
+        "jact.compile_for / inside jact.kernels.lowering_for('cuda'))"
+      )
+    return cudnn_refusal(query, keys, value, bias=bias, mask=mask, causal=causal)
+
   if recompute is None:
     recompute = compressor is not None
   elif not isinstance(recompute, (bool, np.bool_)):
     raise TypeError(
       f"jact.ops.chunked_attention: recompute must be True, False or None, got {recompute!r}."
+    )
+
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+      f"jact.ops.chunked_attention: implementation must be None, 'cudnn' or 'xla', got "
+      f"{implementation!r}."
+    )
+  refusal = None if implementation == "xla" else _fused_refusal(query, keys, value, bias, mask)
+  fused = implementation != "xla" and refusal is None
+  if implementation == "cudnn" and not fused:
+    raise ValueError(
+      f"jact.ops.chunked_attention: implementation='cudnn' cannot run this call: {refusal}. "
+      "Pass implementation=None to fall back to the chunked path where cuDNN does not apply."
     )
 
   nb = len(batch)
@@ -371,6 +414,37 @@ def chunked_attention(
       db = db.astype(bias.dtype)
     return dq, dk, dv, db, None
 
+  chunked = lambda q, k, v: forward(q, k, v, None, None)[0]
+  on_cudnn = functools.partial(cudnn_attention, causal=causal)
+  if fused and compressor is None:  # JAX's own fused attention, its own residuals
+    uncompressed = compressed_op(
+      storing,
+      stored_backward,
+      op=_OP,
+      name=name,
+      compressor=None,
+      key=key,
+      primal=lambda q, k, v, bias, mask: chunked(q, k, v),
+    )
+    return platform_choice(
+      (query, keys, value),
+      cuda=on_cudnn,
+      default=lambda q, k, v: uncompressed(q, k, v, None, None),
+    )
+  if fused:
+    return compressed_op(
+      lambda q, k, v, bias, mask: (
+        platform_choice((q, k, v), cuda=on_cudnn, default=chunked),
+        {"q": Store(q), "k": Store(k), "v": Store(v)},
+      ),
+      functools.partial(_fused_backward, on_cudnn, forward, backward),
+      op=_OP,
+      name=name,
+      compressor=compressor,
+      key=key,
+      primal=lambda q, k, v, bias, mask: platform_choice((q, k, v), cuda=on_cudnn, default=chunked),
+    )(query, keys, value, None, None)
+
   # bias and mask enter in the canonical rank (a differentiable reshape of the
   # caller's bias, so its gradient comes back in the caller's shape).
   return compressed_op(
@@ -382,3 +456,19 @@ def chunked_attention(
     key=key,
     primal=lambda *args: forward(*args)[0],
   )(query, keys, value, bias, mask)
+
+
+def _fused_backward(on_cudnn, forward, backward, res, g):
+  """The fused path's backward from reconstructed q, k, v: cuDNN's forward re-run and its
+  backward where lowered for cuda, the chunked recompute elsewhere."""
+
+  def cuda(q, k, v, g):
+    _, vjp = jax.vjp(on_cudnn, q, k, v)
+    return vjp(g)
+
+  def default(q, k, v, g):
+    out, lse = forward(q, k, v, None, None)
+    return backward(q, k, v, out, lse, None, None, g)[:3]
+
+  dq, dk, dv = platform_choice((res["q"], res["k"], res["v"], g), cuda=cuda, default=default)
+  return dq, dk, dv, None, None
