@@ -333,5 +333,5 @@ def test_the_report_names_the_kernel_lowered_for_cuda():
   loss = lambda w: jnp.sum(jact.ops.dense(x, w, compressor=C.Float8(), name="fc"))
   with jact.kernels.lowering_for("cuda"):
     report = jact.residual_report(loss, w)
-  assert report.kernels()["fc.lhs"] == "jact_float8_compress"
+  assert report.kernels()["fc.lhs"].startswith("jact_float8_compress")  # Pallas or jax-triton
   assert report.by_name()["fc.lhs"].bytes == C.Float8().stored_bytes(x.shape)

@@ -383,7 +383,7 @@ def division_compress_cases():
         (activation(shape, dtype, seed=bits), jnp.uint32(0xD1 + bits)),
         dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype),
       ),
-      {"pallas_triton": dict(rows=rows)},
+      {"pallas_triton": dict(rows=rows), "jax_triton": dict(rows=rows, tile=32)},
       quick,
     )
 

@@ -13,9 +13,11 @@ from jact.compressors._base import from_dict
 from jact.compressors._division import Division
 from jact._core.division import pool_blocks, pool
 from jact.kernels._division import pallas_triton as division
+from jact.kernels._division import jax_triton as division_jt
+from jact.kernels import _jax_triton
 from jact.kernels._division.reference import division_compress_reference
 from jact import _compat
-from kernel_checks import assert_same_bits, assert_same_packed
+from kernel_checks import assert_same_bits, assert_same_packed, ptx_facts
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """XLA:CPU options for the interpret-mode kernels and their references, compiled
@@ -139,7 +141,7 @@ def test_implementation_field():
   assert from_dict(c.to_dict()) == c and c.to_dict()["implementation"] == "pallas_triton"
   assert from_dict(Division().to_dict()) == Division() and Division().implementation is None
   assert c != Division(block=4) and hash(c) != hash(Division(block=4, implementation="xla"))
-  with pytest.raises(ValueError, match="use one of \\['pallas_triton', 'xla'\\]"):
+  with pytest.raises(ValueError, match="use one of \\['jax_triton', 'pallas_triton', 'xla'\\]"):
     Division(implementation="cuda")
   with pytest.raises(ValueError, match="unknown kernel implementation"):
     Division(implementation=3)
@@ -170,3 +172,91 @@ def test_kernels_lower_for_cuda(shape, block, bits, group_size):
   lowered = _compat.lower_for_cuda(f, x, jax.ShapeDtypeStruct((), jnp.uint32))
   expected = 1 if division.fused(shape, block, group_size) else 2
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == expected
+
+
+# ----------------------------------------------------------------------------- jax-triton kernels
+
+JAX_TRITON_CASES = [
+  # shape, x dtype, lfc dtype, block, bits, group_size, rows, huge values
+  ((2, 10, 10, 8), F32, BF16, 4, 1, 64, 2, "sum"),  # a block's float32 sum overflows: LFC 0
+  ((2, 8, 8, 16), BF16, F32, 4, 2, 256, None, None),
+  ((3, 13, 24), F16, F16, 4, 3, 64, 2, None),  # rank 3, groups straddle bands
+  ((2, 5, 6, 6, 8), F32, BF16, 4, 4, 256, 4, None),  # rank 5
+  ((2, 7, 9, 8), BF16, BF16, 3, 5, 128, 2, None),  # partial blocks on both axes
+  ((2, 10, 10, 8), F32, F16, 4, 6, 64, 2, "float16"),  # a mean beyond float16: LFC 0
+  ((4, 3, 3, 8), F16, BF16, 4, 7, 256, 2, None),  # samples shorter than a group
+  ((2, 20, 16), F32, BF16, 8, 8, 64, None, None),
+  ((4, 1, 1, 4), BF16, F32, 4, 16, 256, 2, None),  # samples of 4 quantized as one row
+]
+
+
+def _huge(x, block, kind):
+  """x with its first sample's first pooling block set to values whose float32 sum
+  overflows ("sum") or whose mean has no float16 ("float16")."""
+  value = {"sum": 3e38, "float16": 7e4}[kind]
+  return x.at[(0,) + (slice(0, block),) * (x.ndim - 2)].set(value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "shape,dtype,lfc_dtype,block,bits,group_size,rows,huge",
+  JAX_TRITON_CASES,
+  ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-b{c[4]}" for c in JAX_TRITON_CASES],
+)
+def test_jax_triton_kernels_are_bit_exact_at_every_width(
+  shape, dtype, lfc_dtype, block, bits, group_size, rows, huge
+):
+  """Triton's interpreter; every width 1-8 and 16, each input and LFC dtype, non-finite
+  values, and LFC values that are not finite (stored as 0: the HFC holds x itself)."""
+  x = activation(shape, dtype, seed=bits, specials=shape[0] > 1)
+  if huge:
+    x = _huge(x, block, huge)
+  seed = jnp.uint32(0xD1 + bits)
+  args = dict(block=block, bits=bits, group_size=group_size, lfc_dtype=lfc_dtype)
+  kernel = jax.jit(
+    functools.partial(division_jt.division_compress, interpret=True, rows=rows, tile=16, **args),
+    compiler_options=FAST_COMPILE,
+  )(x, seed)
+  reference = jax.jit(
+    functools.partial(division_compress_reference, **args), compiler_options=FAST_COMPILE
+  )(x, seed)
+  if huge:
+    assert not np.asarray(reference[0][(0,) * reference[0].ndim], np.float32), "LFC not 0"
+  assert_same_bits(kernel[0], reference[0])
+  assert_same_packed(kernel[1], reference[1])
+
+
+def _jax_triton_launches(shape, dtype=jnp.bfloat16, **args):
+  """(name, PTX) of each jax-triton launch of `division_compress` lowered for cuda here."""
+  f = functools.partial(division_jt.division_compress, interpret=False, **args)
+  x = jax.ShapeDtypeStruct(shape, dtype)
+  lowered = _compat.lower_for_cuda(f, x, jax.ShapeDtypeStruct((), jnp.uint32))
+  return _jax_triton.lowered_kernels(lowered.as_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_jax_triton_kernels_lower_for_cuda_without_contraction(bits):
+  """jax-triton's own sm_90 compile: the pooling and residual launches, with no fused
+  multiply-add nor approximate division (either would change bits on the GPU)."""
+  launches = _jax_triton_launches(
+    (2, 10, 10, 8), block=4, bits=bits, group_size=64, lfc_dtype=jnp.bfloat16
+  )
+  names = [name for name, _ in launches]
+  assert names == ["jact_division_pool_jax_triton", "jact_division_residual_jax_triton"], names
+  for name, ptx in launches:
+    facts = ptx_facts(ptx)
+    assert facts["loads"] and facts["stores"], (name, facts)
+    assert facts["fused_multiply_adds"] == 0 and facts["approximate_divisions"] == 0, (name, facts)
+
+
+@pytest.mark.slow
+def test_jax_triton_kernels_serve_maps_of_any_size():
+  """The map's sizes are runtime arguments: two maps of different extents, samples and
+  group counts (same width, group size and dtypes) run the same compiled kernels."""
+  args = dict(block=4, bits=2, group_size=256, lfc_dtype=jnp.bfloat16)
+  a = _jax_triton_launches((2, 8, 8, 16), **args)
+  b = _jax_triton_launches((3, 8, 12, 16), **args)  # groups of 256 in both
+  assert [ptx for _, ptx in a] == [ptx for _, ptx in b]
+  c = _jax_triton_launches((2, 8, 8, 16), **{**args, "bits": 4})
+  assert [ptx for _, ptx in a] != [ptx for _, ptx in c]  # the width is compiled in
