@@ -32,15 +32,12 @@ import triton.language as tl
 
 from jact._core.float8 import FORMATS, NAN_CODE, row_layout
 from jact.kernels import _jax_triton
+from jact.kernels._quantize.layout import check_int32, next_pow2
 from jact.kernels._triton_rng import hash_uint32
 
 __all__ = ["float8_compress", "float8_kernel", "kernel_constants", "compile_for_cuda", "PTX"]
 
 _TILE = 4096  # values per program by default (a power of two)
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 @triton.jit
@@ -135,8 +132,8 @@ def kernel_constants(
   constexpr arguments) for an input of `shape` and `dtype`."""
   fmt = FORMATS[format]
   n, d, nb = row_layout(shape, block_size)
-  width = _next_pow2(block_size)
-  r = _next_pow2(rows) if rows is not None else max(1, _TILE // width)
+  width = next_pow2(block_size)
+  r = next_pow2(rows) if rows is not None else max(1, _TILE // width)
   constants = dict(
     BLOCK=block_size,
     WIDTH=width,
@@ -179,11 +176,7 @@ def float8_compress(
     interpret = not _jax_triton.on_gpu()
   shape = tuple(x.shape)
   n, d, nb = row_layout(shape, block_size)
-  if n * d >= 2**31:
-    raise ValueError(
-      f"the input has {n * d} elements; the GPU kernels address with int32 offsets "
-      "(< 2**31). Use implementation='xla' for tensors this large."
-    )
+  check_int32(n * d, "the input")
   scale_dtype = jnp.uint8 if scale == "pow2" else jnp.float32
   if n * d == 0:  # nothing to run a program on
     return jnp.zeros(shape, jnp.uint8), jnp.zeros((n, nb), scale_dtype)
