@@ -20,7 +20,9 @@ sizes, for a smoke run on CPU (the figures then mean nothing).
   `jact.save_compressed` and with `jact.offload_compressed` (compressed bytes
   in pinned host memory between forward and backward): step time and device /
   host temp memory. On CPU the offload is a no-op.
-* `attention`: forward + backward of causal attention: plain (einsum, softmax,
+* `attention`: forward + backward of causal attention (float32; on a GPU also bfloat16:
+  cuDNN's fused kernel against jact's attention on it at 4 and 2 bits and its chunked
+  loops, `time_vs_cudnn`): plain (einsum, softmax,
   logits materialized), `jax.nn.dot_product_attention` and
   `jact.ops.chunked_attention` uncompressed and at 8/4 bits, over sequence
   lengths: time and compiled temp memory (out of memory is recorded).
@@ -320,15 +322,44 @@ def _attention_variants(chunk: int, small: bool) -> dict[str, Callable]:
   return variants
 
 
-def measure_attention(small: bool, reps: int) -> list[dict]:
-  batch, heads, depth, chunk = (1, 2, 16, 32) if small else (2, 16, 64, 128)
-  lengths = (64,) if small else (1024, 4096, 16384)
+def _fused_variants(chunk: int) -> dict[str, Callable]:
+  """bfloat16 attention as cuDNN runs it: JAX's fused kernel, jact's attention on it (q, k, v
+  stored at 4 or 2 bits; implementation=None picks cuDNN on a GPU), and jact's chunked loops
+  at two chunk sizes (the default chunks are to be chosen from these rows)."""
+
+  def jact_attention(bits, implementation=None, c=chunk):
+    return lambda q, k, v, key: jact.ops.chunked_attention(
+      q,
+      k,
+      v,
+      causal=True,
+      query_chunk=c,
+      key_chunk=c,
+      bits=bits,
+      key=key,
+      implementation=implementation,
+    )
+
+  return {
+    "cuDNN (bf16)": lambda q, k, v, key: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn"
+    ),
+    "jact 4 bit (bf16, cuDNN)": jact_attention(4),
+    "jact 2 bit (bf16, cuDNN)": jact_attention(2),
+    "jact 4 bit (bf16, chunked)": jact_attention(4, "xla"),
+    f"jact 4 bit (bf16, chunked, chunks {4 * chunk})": jact_attention(4, "xla", 4 * chunk),
+  }
+
+
+def _attention_rows(variants, dtype, lengths, batch, heads, depth, reps) -> list[dict]:
   rows = []
   for length in lengths:
     ks = jax.random.split(jax.random.key(length), 4)
-    q, k, v, ct = (jax.random.normal(kk, (batch, length, heads, depth), jnp.float32) for kk in ks)
+    q, k, v, ct = (
+      jax.random.normal(kk, (batch, length, heads, depth), jnp.float32).astype(dtype) for kk in ks
+    )
     key = jax.random.key(3)
-    for name, attend in _attention_variants(chunk, small).items():
+    for name, attend in variants.items():
 
       def step(q, k, v, key, ct, attend=attend):
         out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, key), q, k, v)
@@ -338,17 +369,38 @@ def measure_attention(small: bool, reps: int) -> list[dict]:
         {
           "variant": name,
           "length": length,
+          "dtype": jnp.dtype(dtype).name,
           "shape": [batch, length, heads, depth],
           **kit.compile_and_time(step, (q, k, v, key, ct), reps),
         }
       )
     del q, k, v, ct
-  for r in rows:
-    base = next(b for b in rows if b["length"] == r["length"] and b["variant"] == "chunked")
-    if "error" not in r and "error" not in base:
-      r["time_vs_chunked"] = r["ms"] / base["ms"]
-  kit.print_rows(rows, ("variant", "length", "ms", "temp_bytes", "time_vs_chunked", "oom"))
   return rows
+
+
+def _relative(rows, base_name: str, column: str) -> None:
+  for r in rows:
+    base = next((b for b in rows if b["length"] == r["length"] and b["variant"] == base_name), None)
+    if base is not None and "error" not in r and "error" not in base:
+      r[column] = r["ms"] / base["ms"]
+
+
+def measure_attention(small: bool, reps: int) -> list[dict]:
+  batch, heads, depth, chunk = (1, 2, 16, 32) if small else (2, 16, 64, 128)
+  lengths = (64,) if small else (1024, 4096, 16384)
+  rows = _attention_rows(
+    _attention_variants(chunk, small), jnp.float32, lengths, batch, heads, depth, reps
+  )
+  _relative(rows, "chunked", "time_vs_chunked")
+  kit.print_rows(rows, ("variant", "length", "ms", "temp_bytes", "time_vs_chunked", "oom"))
+  if small or jax.default_backend() != "gpu":  # cuDNN's kernel runs on an NVIDIA GPU only
+    return rows
+  fused = _attention_rows(
+    _fused_variants(chunk), jnp.bfloat16, (2048, 8192, 16384), batch, heads, depth, reps
+  )
+  _relative(fused, "cuDNN (bf16)", "time_vs_cudnn")
+  kit.print_rows(fused, ("variant", "length", "ms", "temp_bytes", "time_vs_cudnn", "oom"))
+  return rows + fused
 
 
 MEASURES = {

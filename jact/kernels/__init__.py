@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from typing import Callable
 
 from jact import _compat
@@ -136,14 +137,21 @@ KERNEL_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 """The custom-call targets jact's GPU kernels lower to: Pallas' Triton calls, jax-triton's."""
 
 
+_LAUNCH = re.compile(
+  r'custom_call_target="(?:__gpu\$xla\.gpu\.triton|triton_kernel_call)"'  # compiled HLO
+  r"|@(?:__gpu\$xla\.gpu\.triton|triton_kernel_call)\("  # lowered StableHLO
+)
+
+
 def kernel_launches(program_text: str) -> int:
   """How many of jact's GPU kernel calls (Pallas or jax-triton) a lowered or compiled
-  program's text holds (`lowered.as_text()`, `compiled.as_text()`).
+  program's text holds (`lowered.as_text()`, `compiled.as_text()`): custom calls to
+  `KERNEL_CALL_TARGETS`, not mentions in metadata.
 
-  >>> kernel_launches('custom_call_target="triton_kernel_call" ... @__gpu$xla.gpu.triton(')
-  2
+  >>> kernel_launches('custom_call_target="triton_kernel_call", op_name="triton_kernel_call"')
+  1
   """
-  return sum(program_text.count(target) for target in KERNEL_CALL_TARGETS)
+  return len(_LAUNCH.findall(program_text))
 
 
 REGISTRY = Registry(_REFERENCES + _pallas_triton() + _jax_triton_kernels())
