@@ -6,6 +6,7 @@ packed buffer (including the unused tail), bf16 statistics, widths and
 dequantized values. Their GPU lowering is checked from CPU.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from jact import _compat, kernels
+from jact.kernels._per_sample import jax_triton as jt
 from jact.kernels._per_sample import pallas_triton as persample
 from jact.kernels._per_sample.api import dequantize_per_sample, quantize_per_sample
 from jact.kernels._per_sample.reference import (
@@ -241,3 +243,171 @@ def test_kernels_lower_for_cuda(shape, dtype):
       packed,
       kernels=["jact_per_sample_unpack"],
     )
+
+
+# --------------------------------------------------------------------------- the jax-triton kernels
+# (`jact.kernels._per_sample.jax_triton`; tests/kernels/test_kernel_contract.py runs them on
+# its per-sample cases, with outputs pre-filled, and checks their PTX)
+
+
+def _imported_modules(path: str) -> set[str]:
+  """The modules a source file imports (absolute names; `from a import b` gives a and a.b)."""
+  import ast
+
+  names = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      names |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+  return names
+
+
+def test_jax_triton_kernels_import_no_pallas():
+  """Pallas' Triton backend is deprecated (jax >= 0.11): the module and the jact modules
+  it imports, transitively, name neither Pallas nor the Pallas kernels' helpers (packages
+  aside: `jact.kernels` registers the Pallas kernels where jax still has them)."""
+  import importlib.util
+
+  seen, todo = set(), ["jact.kernels._per_sample.jax_triton"]
+  while todo:
+    module = todo.pop()
+    if module in seen:
+      continue
+    seen.add(module)
+    spec = importlib.util.find_spec(module)
+    imported = _imported_modules(spec.origin)
+    bad = sorted(m for m in imported if "pallas" in m or m == "jact.kernels._triton")
+    assert not bad, f"{module} imports {bad}"
+    todo += [m for m in imported if m.startswith("jact.") and _is_module(m)]
+  assert {"jact.kernels._jax_triton", "jact.kernels._quantize.layout"} <= seen, seen
+
+
+def _is_module(name: str) -> bool:
+  """Whether `name` is a module, not a package nor a module's attribute."""
+  import importlib.util
+
+  try:
+    spec = importlib.util.find_spec(name)
+  except ModuleNotFoundError:  # `from module import function`
+    return False
+  return spec is not None and spec.submodule_search_locations is None
+
+
+_jt_quantize = _jit(
+  jt.quantize_per_sample, static_argnames=("capacity_bytes", "group_size", "interpret", "rows")
+)
+_jt_dequantize = _jit(jt.dequantize_per_sample, static_argnames=("dtype", "interpret", "rows"))
+
+
+# (shape, dtype, widths, stochastic, capacity in bytes per value, rows): the roundings and
+# widths the contract's cases leave out (bfloat16 to nearest, float16 stochastic, bit planes
+# in both), over several packing programs a sample
+JT_QUANTIZE = [
+  ((3, 600), jnp.bfloat16, [3, 5, 7], False, 1.0, 1),
+  ((4, 300), jnp.float16, [6, 8, 3, 1], True, 2.0, 1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,dtype,widths,stochastic,per_value,rows", JT_QUANTIZE)
+def test_jax_triton_quantize_is_bit_exact(shape, dtype, widths, stochastic, per_value, rows):
+  x = _activation(shape, dtype, seed=3)
+  g, dp = _geometry(shape)
+  bits = jnp.asarray(widths, jnp.int32)
+  args = dict(
+    capacity_bytes=int(per_value * shape[0] * dp),
+    group_size=g,
+    seed=jnp.uint32(4321) if stochastic else None,
+  )
+  assert jt.geometry(math.prod(shape[1:]), g, rows)[4] > 1  # several programs a sample
+  p = _jt_quantize(x, bits, interpret=True, rows=rows, **args)
+  assert_same_packed(p, _quantize_reference(x, bits, **args))
+
+
+# (shape, input dtype, widths, output dtype): every output dtype through every input dtype,
+# bfloat16 outputs included (the contract's cases give float32 and float16 ones)
+JT_DEQUANTIZE = [
+  ((4, 300), jnp.float32, [1, 2, 4, 8], jnp.bfloat16),
+  ((5, 7, 13), jnp.bfloat16, [8, 3, 2, 5, 1], jnp.bfloat16),
+  ((3, 40), jnp.float16, [7, 6, 4], jnp.bfloat16),
+  ((3, 40), jnp.bfloat16, [1, 6, 8], jnp.float16),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,dtype,widths,out", JT_DEQUANTIZE)
+def test_jax_triton_dequantize_is_bit_exact(shape, dtype, widths, out):
+  """Random bytes: every code, the flagged groups' top one included."""
+  x = _activation(shape, dtype, seed=len(widths))
+  g, dp = _geometry(shape)
+  bits = jnp.asarray(widths, jnp.int32)
+  r = _quantize_reference(x, bits, capacity_bytes=shape[0] * dp, group_size=g, seed=jnp.uint32(8))
+  data = np.random.default_rng(len(widths)).integers(0, 256, r.data.shape, dtype=np.uint8)
+  r = dataclasses.replace(r, data=jnp.asarray(data))
+  assert_same_bits(_jt_dequantize(r, out, interpret=True, rows=1), _dequantize_reference(r, out))
+
+
+@functools.partial(_jit, static_argnames=("capacity", "implementation"))
+def _jt_roundtrip(x, bits, seed, *, capacity, implementation):
+  p = quantize_per_sample(
+    x, bits, capacity_bytes=capacity, seed=seed, implementation=implementation
+  )
+  return p, dequantize_per_sample(p, jnp.float32, implementation=implementation)
+
+
+@pytest.mark.slow
+def test_jax_triton_dispatch_with_traced_widths_and_the_capacity_fallback():
+  shape = (8, 1000)  # groups of 200, default grid
+  x = _activation(shape, jnp.float32, seed=1)
+  capacity = per_sample_capacity(shape, avg_bits=2.0)
+  seed = jnp.uint32(99)
+  # Fits (0 clipped to 1; 3 and 5 as bit planes); then too wide: all fall back to 1 bit.
+  for widths in ([3, 0, 1, 2, 5, 1, 1, 2], [8] * 8):
+    bits = jnp.asarray(widths, jnp.int32)
+    p, y = _jt_roundtrip(x, bits, seed, capacity=capacity, implementation="jax_triton")
+    r, y_ref = _jt_roundtrip(x, bits, seed, capacity=capacity, implementation="xla")
+    assert_same_packed(p, r)
+    assert_same_bits(y, y_ref)
+  assert p.bits.tolist() == [1] * 8
+
+
+@pytest.mark.slow
+def test_jax_triton_kernels_lower_for_cuda_one_compile_a_shape_class():
+  """Lowered for cuda through jax-triton (which compiles each kernel for sm_90 here): the
+  statistics and packing passes, then the unpacking one, with no contraction nor
+  approximate division; two call sites of one shape class (other samples, sample sizes,
+  groups, buffer lengths: runtime arguments) get the same compiled kernels."""
+  from jact import _compat
+  from jact.kernels import _jax_triton
+  from kernel_checks import ptx_facts
+
+  def launches(shape, dtype):
+    d = math.prod(shape[1:])
+    kw = dict(capacity_bytes=shape[0] * d // 4, group_size=256)  # 2 bits on average
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    bits = jax.ShapeDtypeStruct(shape[:1], jnp.int32)
+    seed = jax.ShapeDtypeStruct((), jnp.uint32)
+    quantize = lambda x, b, s: jt.quantize_per_sample(x, b, seed=s, interpret=False, **kw)
+    packed = jax.eval_shape(
+      lambda x, b, s: quantize_per_sample_reference(x, b, seed=s, **kw), x, bits, seed
+    )
+    dequantize = lambda p: jt.dequantize_per_sample(p, jnp.float32, interpret=False)
+    texts = [
+      _compat.lower_for_cuda(quantize, x, bits, seed).as_text(),
+      _compat.lower_for_cuda(dequantize, packed).as_text(),
+    ]
+    return [launch for text in texts for launch in _jax_triton.lowered_kernels(text)]
+
+  small = launches((16, 8192), jnp.bfloat16)  # 2 packing programs a sample
+  assert [name for name, _ in small] == [
+    "jact_per_sample_stats_jax_triton",
+    "jact_per_sample_pack_jax_triton",
+    "jact_per_sample_unpack_jax_triton",
+  ]
+  for name, ptx in small:
+    facts = ptx_facts(ptx)
+    assert ".target sm_90" in ptx and facts["loads"] and facts["stores"], (name, facts)
+    assert facts["fused_multiply_adds"] == 0 and facts["approximate_divisions"] == 0, (name, facts)
+  large = launches((64, 16, 1024), jnp.bfloat16)  # 4 packing programs a sample
+  assert [ptx for _, ptx in large] == [ptx for _, ptx in small]

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from jact._core.persample import PackedPerSample
 from jact.kernels import _jax_triton, _triton_rng
+from jact.kernels._quantize.layout import check_int32, next_pow2, rows_per_program
 from jact.kernels._per_sample.reference import (
   dequantize_per_sample_reference,
   quantize_per_sample_reference,
@@ -56,23 +57,10 @@ __all__ = [
   "PTX",
 ]
 
-_TILE = 4096  # values per program (a power of two)
 _ZERO_TILE = 4096  # most tail bytes one program zeroes
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 _FORMATS = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 """Float dtype -> the kernels' format code (bfloat16 travels as its uint16 bits)."""
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
-def _check_int32(n: int, what: str) -> None:
-  if n >= 2**31:
-    raise ValueError(
-      f"{what} has {n} elements; the Triton kernels address with int32 offsets "
-      "(< 2**31). Use implementation='xla' for tensors this large."
-    )
 
 
 def geometry(d: int, group_size: int, rows: int | None = None) -> tuple[int, int, int, int, int]:
@@ -82,9 +70,9 @@ def geometry(d: int, group_size: int, rows: int | None = None) -> tuple[int, int
   program takes as many values as a statistics program, 8 per column."""
   groups = -(-d // group_size)
   dp = groups * group_size
-  gp = _next_pow2(group_size)
-  r = _next_pow2(rows) if rows is not None else max(1, _TILE // gp)
-  columns = max(1, min(r * gp, _next_pow2(dp)) // 8)
+  gp = next_pow2(group_size)
+  r = rows_per_program(group_size, rows)
+  columns = max(1, min(r * gp, next_pow2(dp)) // 8)
   return groups, dp, r, columns, -(-(dp // 8) // columns)
 
 
@@ -342,8 +330,8 @@ def quantize_per_sample(
     return quantize_per_sample_reference(
       x, bits, capacity_bytes=capacity, group_size=group_size, seed=seed
     )
-  _check_int32(n * d, "the input")
-  _check_int32(capacity, "the buffer")
+  check_int32(n * d, "the input")
+  check_int32(capacity, "the buffer")
   groups, dp, _, _, tiles = geometry(d, group_size, rows)
   stats, pack = _constants(x.shape, x.dtype, capacity, group_size, seed is not None, rows)
   bits = jnp.asarray(bits, jnp.int32)
@@ -409,7 +397,7 @@ def _constants(shape, dtype, capacity, group_size, stochastic, rows):
   dtype = jnp.dtype(dtype)
   stats = dict(
     GROUP_SIZE=group_size,
-    GP=_next_pow2(group_size),
+    GP=next_pow2(group_size),
     ROWS=r,
     ALIGNED=d % group_size == 0,
     FORMAT=_FORMATS[dtype],
@@ -418,7 +406,7 @@ def _constants(shape, dtype, capacity, group_size, stochastic, rows):
   pack = dict(
     GROUP_SIZE=group_size,
     COLUMNS=columns,
-    ZERO_TILE=min(_ZERO_TILE, _next_pow2(-(-capacity // (n * tiles)))),
+    ZERO_TILE=min(_ZERO_TILE, next_pow2(-(-capacity // (n * tiles)))),
     STOCHASTIC=bool(stochastic),
     FORMAT=_FORMATS[dtype],
     DTYPE_MAX=float(jnp.finfo(dtype).max),
@@ -514,8 +502,8 @@ def dequantize_per_sample(
   d = math.prod(p.shape[1:])
   if not n * d:
     return dequantize_per_sample_reference(p, dtype)
-  _check_int32(n * d, "the tensor")
-  _check_int32(p.data.size, "the buffer")
+  check_int32(n * d, "the tensor")
+  check_int32(p.data.size, "the buffer")
   _, dp, _, _, tiles = geometry(d, p.group_size, rows)
   as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16).reshape(-1)
   (out,) = _jax_triton.call(
