@@ -279,11 +279,12 @@ def residual_kernel(
   p = tl.arange(0, K)[None, :, None]
   j = tl.arange(0, Q_PAD)[None, None, :]
   within = p * M + j  # position in the group
-  col = (row % groups) * GROUP_SIZE + within
-  mask = (row < n_rows) & (j < M) & (col < d)
-  if ALIGNED:  # groups tile the rows
+  if ALIGNED:  # groups tile the rows (a mask of whole planes: vector loads)
+    mask = (row < n_rows) & (j < M)
     offset = row * GROUP_SIZE + within
   else:
+    col = (row % groups) * GROUP_SIZE + within
+    mask = (row < n_rows) & (j < M) & (col < d)
     offset = (row // groups) * d + col
   v = _load_float(x_ptr, offset, mask, IN_BF16)
   # the LFC value of the block holding each element (x's flat offset -> (n, z_d, z_h, z_w, c))
