@@ -260,3 +260,20 @@ def test_jax_triton_kernels_serve_maps_of_any_size():
   assert [ptx for _, ptx in a] == [ptx for _, ptx in b]
   c = _jax_triton_launches((2, 8, 8, 16), **{**args, "bits": 4})
   assert [ptx for _, ptx in a] != [ptx for _, ptx in c]  # the width is compiled in
+
+
+def test_magic_division_is_exact_for_every_int32_offset():
+  """The kernels divide offsets by the map's sizes as (x * m) >> shift: exact for every
+  divisor and every x in [0, 2**31), checked at the extremes and where it would fail first
+  (just below multiples of the divisor)."""
+  rng = np.random.default_rng(0)
+  divisors = [*range(1, 2049), *rng.integers(1, 2**31, 2000).tolist(), 2**31 - 1, 2**30 + 1]
+  for d in divisors:
+    m, shift = division_jt.magic(d)
+    assert -(2**31) <= m < 2**31 and 31 <= shift <= 62
+    m %= 2**32
+    top = (2**31 - 1) // d * d
+    xs = {0, 1, d - 1, d, 2**31 - 1, top, top - 1, *rng.integers(0, 2**31, 20).tolist()}
+    xs |= {k * d - 1 for k in range(1, 4)} | {top - k * d - 1 for k in range(3)}
+    for x in (x for x in xs if 0 <= x < 2**31):
+      assert (x * m) >> shift == x // d, (d, x)

@@ -13,7 +13,9 @@ Triton backend, in two launches:
 
 The map's extents, pooling blocks and group counts are runtime scalars: one
 compiled pair of kernels serves every map of a width, group size, input dtype
-and LFC dtype.
+and LFC dtype. An element's block is found by dividing its offset by those
+sizes with multiply-and-shift constants computed on the host (`magic`), not
+with division instructions.
 
 >>> import jax, jax.numpy as jnp
 >>> from jact.kernels._division.reference import division_compress_reference
@@ -49,6 +51,7 @@ __all__ = [
   "residual_kernel",
   "quantize_groups",
   "map_sizes",
+  "magic",
   "compile_for_cuda",
   "PTX",
 ]
@@ -67,6 +70,27 @@ def _load_float(ptr, offset, mask, BF16: tl.constexpr):
     return tl.load(ptr + offset, mask=mask, other=0.0).to(tl.float32)
 
 
+def magic(d: int) -> tuple[int, int]:
+  """(m, shift) with x // d == (x * m) >> shift for every int 0 <= x < 2**31 and
+  0 < d < 2**31 (the product in 64 bits; m < 2**32, passed as the int32 of its bits):
+  how a kernel divides by a size known only at run time without a division
+  instruction (a compiler does the same for a divisor it knows).
+
+  With l = ceil(log2(d)) and m = ceil(2**(31 + l) / d), m * d = 2**(31 + l) + e with
+  0 <= e < d, so x * m / 2**(31 + l) = x / d + x * e / (d * 2**(31 + l)) < x / d + 1 / d:
+  it never reaches the next integer above x / d."""
+  shift = 31 + (d - 1).bit_length()
+  m = -(-(1 << shift) // d)
+  return (m - (1 << 32) if m >= 1 << 31 else m), shift
+
+
+@triton.jit
+def _divide(x, m, shift):
+  """x // d for int32 0 <= x < 2**31, (m, shift) = `magic(d)`."""
+  wide = x.to(tl.uint32, bitcast=True).to(tl.uint64) * m.to(tl.uint32, bitcast=True).to(tl.uint64)
+  return (wide >> shift.to(tl.uint64)).to(tl.int32)
+
+
 @triton.jit
 def pool_kernel(
   x_ptr,
@@ -81,6 +105,14 @@ def pool_kernel(
   block_d,
   block_h,
   block_w,
+  m_channels,
+  s_channels,
+  m_pooled_w,
+  s_pooled_w,
+  m_pooled_h,
+  s_pooled_h,
+  m_pooled_d,
+  s_pooled_d,
   lfc_ptr,
   TILE: tl.constexpr,
   IN_BF16: tl.constexpr,
@@ -90,14 +122,14 @@ def pool_kernel(
   pid * TILE ...: LFC 0 float32, 1 bfloat16 (stored as its bits), 2 float16."""
   t = tl.program_id(0) * TILE + tl.arange(0, TILE)
   valid = t < n_pooled
-  c = t % channels
-  r = t // channels
-  zw0 = (r % pooled_w) * block_w
-  r = r // pooled_w
-  zh0 = (r % pooled_h) * block_h
-  r = r // pooled_h
-  zd0 = (r % pooled_d) * block_d
-  n = r // pooled_d
+  r = _divide(t, m_channels, s_channels)  # (n, od, oh, ow, c) of t, dividing by `magic`
+  c = t - r * channels
+  q = _divide(r, m_pooled_w, s_pooled_w)
+  zw0 = (r - q * pooled_w) * block_w
+  r = _divide(q, m_pooled_h, s_pooled_h)
+  zh0 = (q - r * pooled_h) * block_h
+  n = _divide(r, m_pooled_d, s_pooled_d)
+  zd0 = (r - n * pooled_d) * block_d
   base = n * depth
   # the block's offsets in row-major order: acc = value 0, then acc + each further
   # value (0.0 past a partial block's end and for a non-finite value)
@@ -257,6 +289,20 @@ def residual_kernel(
   block_d,
   block_h,
   block_w,
+  m_channels,
+  s_channels,
+  m_width,
+  s_width,
+  m_height,
+  s_height,
+  m_depth,
+  s_depth,
+  m_block_d,
+  s_block_d,
+  m_block_h,
+  s_block_h,
+  m_block_w,
+  s_block_w,
   data_ptr,
   min_ptr,
   scale_ptr,
@@ -288,14 +334,15 @@ def residual_kernel(
     offset = (row // groups) * d + col
   v = _load_float(x_ptr, offset, mask, IN_BF16)
   # the LFC value of the block holding each element (x's flat offset -> (n, z_d, z_h, z_w, c))
-  c = offset % channels
-  r = offset // channels
-  ow = (r % width) // block_w
-  r = r // width
-  oh = (r % height) // block_h
-  r = r // height
-  od = (r % depth) // block_d
-  n = r // depth
+  # (dividing by `magic`: no division instruction)
+  r = _divide(offset, m_channels, s_channels)
+  c = offset - r * channels
+  q = _divide(r, m_width, s_width)
+  ow = _divide(r - q * width, m_block_w, s_block_w)
+  r = _divide(q, m_height, s_height)
+  oh = _divide(q - r * height, m_block_h, s_block_h)
+  n = _divide(r, m_depth, s_depth)
+  od = _divide(r - n * depth, m_block_d, s_block_d)
   up = _load_float(
     lfc_ptr, (((n * pooled_d + od) * pooled_h + oh) * pooled_w + ow) * channels + c, mask, LFC_BF16
   )
@@ -326,6 +373,11 @@ def map_sizes(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
   blocks = tuple(max(1, min(block, s)) for s in dims)
   pooled = tuple(-(-s // b) for s, b in zip(dims, blocks))
   return (*dims, shape[-1], *pooled, *blocks)
+
+
+def _magics(sizes, which) -> tuple[int, ...]:
+  """`magic` (m, shift) of sizes[i] for each i in `which`, flattened."""
+  return tuple(v for i in which for v in magic(sizes[i]))
 
 
 def _lfc_type(dtype) -> int:
@@ -364,10 +416,10 @@ def _plan(shape, dtype, *, block, bits, group_size, lfc_dtype, rows, tile):
     BF16_MAX=_BF16_MAX,
   )
   return dict(
-    pool_sizes=(n_pooled, *sizes),
+    pool_sizes=(n_pooled, *sizes, *_magics(sizes, (3, 6, 5, 4))),
     pool=pool,
     pool_grid=max(1, -(-n_pooled // t)),
-    residual_sizes=(n_rows, groups, d, *sizes),
+    residual_sizes=(n_rows, groups, d, *sizes, *_magics(sizes, (3, 2, 1, 0, 7, 8, 9))),
     residual=residual,
     residual_grid=max(1, -(-n_rows // r)),
     view=view,
@@ -497,11 +549,11 @@ def compile_for_cuda(
   )
   x_type, lfc_type = _bits_type(x.dtype), _bits_type(lfc_dtype)
   pool = _jax_triton.compile_ptx(
-    pool_kernel, [x_type, *["i32"] * 11, lfc_type], arch=arch, **plan["pool"]
+    pool_kernel, [x_type, *["i32"] * 19, lfc_type], arch=arch, **plan["pool"]
   )
   residual = _jax_triton.compile_ptx(
     residual_kernel,
-    [x_type, lfc_type, jnp.uint32, *["i32"] * 13, jnp.uint8, jnp.uint16, jnp.uint16],
+    [x_type, lfc_type, jnp.uint32, *["i32"] * 27, jnp.uint8, jnp.uint16, jnp.uint16],
     arch=arch,
     **plan["residual"],
   )
