@@ -277,3 +277,24 @@ def test_magic_division_is_exact_for_every_int32_offset():
     xs |= {k * d - 1 for k in range(1, 4)} | {top - k * d - 1 for k in range(3)}
     for x in (x for x in xs if 0 <= x < 2**31):
       assert (x * m) >> shift == x // d, (d, x)
+
+
+@pytest.mark.slow
+def test_division_compressor_stores_the_reference_bits_with_the_jax_triton_kernels():
+  """`Division(implementation="jax_triton")` (Triton's interpreter here) stores and
+  reconstructs what the XLA reference does, at a bit-plane width."""
+  x = activation((2, 10, 10, 8), jnp.bfloat16, seed=5, specials=True)
+  seed = jnp.uint32(9)
+  compressors = [
+    Division(block=4, bits=3, group_size=64, implementation=name) for name in ("jax_triton", "xla")
+  ]
+
+  @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+  def run(x, seed):
+    stored = [c.compress(x, seed) for c in compressors]
+    return stored, [c.decompress(s) for c, s in zip(compressors, stored)]
+
+  stored, out = run(x, seed)
+  for a, b in zip(jax.tree.leaves(stored[0].arrays), jax.tree.leaves(stored[1].arrays)):
+    assert_same_bits(a, b)
+  assert_same_bits(out[0], out[1])
