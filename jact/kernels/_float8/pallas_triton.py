@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jact._core import rng
@@ -63,7 +64,7 @@ def _kernel(*refs, n, d, nb, block_size, width, rows, format, scale, stochastic,
     stored = (e + 127).astype(jnp.uint8)
     scaled = T.mul(v, pow2(-e)[:, None], interpret)
   else:
-    stored = T.div(amax, jnp.float32(fmt.max), interpret)
+    stored = T.mul(amax, jnp.float32(np.float32(1.0) / np.float32(fmt.max)), interpret)
     s = jnp.broadcast_to(stored[:, None], v.shape)
     positive = s > 0
     scaled = jnp.where(positive, T.div(v, jnp.where(positive, s, 1.0), interpret), 0.0)

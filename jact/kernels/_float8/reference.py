@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jact._core import rng
 from jact._core.float8 import (
@@ -48,7 +49,10 @@ def float8_compress_reference(
     stored = (e + 127).astype(jnp.uint8)
     scaled = v * per_value(pow2(-e))
   else:
-    stored = amax / jnp.float32(fmt.max)
+    # amax times the float32 reciprocal of the format's max, written out: XLA rewrites a
+    # division by a constant into that product on every backend, so the kernels (whose
+    # division would be exact) multiply by the same constant
+    stored = amax * (np.float32(1.0) / np.float32(fmt.max))
     s = per_value(stored)
     scaled = jnp.clip(jnp.where(s > 0, v / jnp.where(s > 0, s, 1.0), 0.0), -fmt.max, fmt.max)
   scaled = jnp.where(jnp.isfinite(v), scaled, 0.0)
