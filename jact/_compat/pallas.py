@@ -128,6 +128,35 @@ def kernel_launch_name(eqn) -> str | None:
   return pallas_kernel_name(eqn)
 
 
+@probes(
+  kernel_launch_name="jax-triton's triton_kernel_call primitive, by name, and its params['name']",
+  has_jax_triton="importlib.util.find_spec('jax_triton')",
+)
+def _check_kernel_launch_name():
+  assert kernel_launch_name(trace_eqns(jnp.sin, 1.0)[0]) is None
+  if not has_jax_triton():  # nothing else to read: the Pallas names are probed below
+    return
+  import jax_triton
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def double(x_ptr, o_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, tl.load(x_ptr + i) * 2.0)
+
+  call = lambda x: jax_triton.triton_call(
+    x,
+    kernel=double,
+    out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+    grid=(1,),
+    name="jact_probe",
+    N=8,
+  )
+  (eqn,) = [e for e in trace_eqns(call, jnp.ones(8)) if kernel_launch_name(e) is not None]
+  assert kernel_launch_name(eqn) == "jact_probe", f"launch name read as {kernel_launch_name(eqn)!r}"
+
+
 @probes(pallas_kernel_name="jax.experimental.pallas.pallas_call_p and its params['name']")
 def _check_pallas_kernel_name():
   def kernel(x_ref, o_ref):

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import tempfile
 import threading
 import zlib
 from typing import Any, Sequence
@@ -228,12 +230,28 @@ def compile_ptx(
   }
   signature.update({n: "constexpr" for n in constants})
   source = ASTSource(kernel, signature=signature, constexprs=dict(constants))
-  compiled = triton.compile(
-    source,
-    target=GPUTarget("cuda", arch, 32),
-    options={"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False},
-  )
+  with _triton_cache_dir():
+    compiled = triton.compile(
+      source,
+      target=GPUTarget("cuda", arch, 32),
+      options={"num_warps": num_warps, "num_stages": 1, "enable_fp_fusion": False},
+    )
   return compiled.asm["ptx"]
+
+
+@contextlib.contextmanager
+def _triton_cache_dir():
+  """A cache folder for `triton.compile`: importing jax-triton sets TRITON_CACHE_DIR to ""
+  (it compiles without Triton's cache), after which `triton.compile` finds no folder and
+  raises "Could not create or locate cache dir"."""
+  if os.environ.get("TRITON_CACHE_DIR", None) != "":
+    yield
+    return
+  os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "jact-triton-cache")
+  try:
+    yield
+  finally:
+    os.environ["TRITON_CACHE_DIR"] = ""
 
 
 _BACKEND_CONFIG = re.compile(r'@triton_kernel_call\(.*?backend_config = "((?:[^"\\]|\\.)*)"')
