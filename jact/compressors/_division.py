@@ -60,7 +60,7 @@ class Division(Compressor):
     lfc_dtype: LFC storage dtype: bfloat16 (default), float32 or float16.
     keep: "both" (DIVISION); "lfc" or "hfc" store and reconstruct only that
       part -- the paper's ablations "w/o HFC" and "w/o LFC" (biased).
-    implementation: the "division_compress" kernel ("xla", "pallas_triton";
+    implementation: the "division_compress" kernel ("xla", "jax_triton", "pallas_triton";
       see `jact.kernels`), or None for the best one on the backend. Every
       kernel stores the same bits.
   """

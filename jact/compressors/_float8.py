@@ -59,7 +59,7 @@ class Float8(Compressor):
       value, one float32).
     stochastic: unbiased stochastic rounding (needs a key), or round to
       nearest even.
-    implementation: the kernel ("xla", "pallas_triton"; see `jact.kernels`),
+    implementation: the kernel ("xla", "jax_triton", "pallas_triton"; see `jact.kernels`),
       or None for the best one on the backend. Every kernel stores the same bits.
 
   Stored: one uint8 code per value (in the input's shape) + one scale a block

@@ -37,7 +37,7 @@ class PerGroup(Compressor):
     bits: bits per value, an integer 1 to 8 or 16.
     group_size: values per group (multiple of 8; bf16 minimum and step per group).
     stochastic: unbiased stochastic rounding, or round-to-nearest.
-    implementation: the kernel ("xla", "pallas_triton"; see `jact.kernels`),
+    implementation: the kernel ("xla", "jax_triton", "pallas_triton"; see `jact.kernels`),
       or None for the best one on the backend. Every kernel stores the same bits.
   """
 
@@ -56,7 +56,7 @@ class PerGroup(Compressor):
         f"stochastic must be True (unbiased stochastic rounding, needs a key) or False "
         f"(round-to-nearest), got {type(self.stochastic).__name__} {self.stochastic!r}."
       )
-    for op in ("quantize", "dequantize"):  # the kernel runs both ways (jax_triton: quantize only)
+    for op in ("quantize", "dequantize"):  # the kernel runs both ways
       check_implementation(self.implementation, op)
 
   @property

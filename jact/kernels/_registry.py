@@ -52,7 +52,7 @@ class Implementation:
 
   Attributes:
     op: the op it implements ("quantize", "dequantize", ...).
-    name: its name ("xla", "pallas_triton", ...).
+    name: its name ("xla", "jax_triton", "pallas_triton", ...).
     fn: the callable, with the reference's signature.
     platforms: backends it runs on (`jax.default_backend()` values); empty
       means every backend.

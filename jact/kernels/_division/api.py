@@ -46,7 +46,7 @@ def division_compress(
     bits: HFC width: an integer 1 to 8, or 16.
     group_size: HFC values per group, a positive multiple of 8.
     lfc_dtype: LFC storage dtype: bfloat16, float32 or float16.
-    implementation: the kernel ("xla", "pallas_triton"; see
+    implementation: the kernel ("xla", "jax_triton", "pallas_triton"; see
       `jact.kernels.available("division_compress")`); default: the best one
       for the backend, or the one chosen with `jact.kernels.use(...)`.
 

@@ -43,7 +43,7 @@ def float8_compress(
     block_size: values per block (a positive int).
     scale: "pow2" (E8M0 uint8 exponents) or "float" (float32 scales).
     stochastic: unbiased stochastic rounding, or round to nearest even.
-    implementation: the kernel ("xla", "pallas_triton"; see
+    implementation: the kernel ("xla", "jax_triton", "pallas_triton"; see
       `jact.kernels.available("float8_compress")`); default: the best one for
       the backend, or the one chosen with `jact.kernels.use(...)`.
   """

@@ -2,9 +2,11 @@
 
 * `reference`: the XLA reference (`quantize_reference`, `dequantize_reference`),
   every kernel's oracle and the implementation off GPU;
-* `pallas_triton`: the Pallas (Triton backend) kernels;
-* `jax_triton`: a quantize kernel written in Triton's language, launched with
-  jax-triton (imports `triton`);
+* `jax_triton`: the quantize and dequantize kernels written in Triton's language,
+  launched with jax-triton (imports `triton`; jact's primary GPU path);
+* `pallas_triton`: the Pallas (Triton backend) kernels, kept while jax has that
+  deprecated backend;
+* `layout`: the packing layout both kernel families share (no Pallas, no Triton);
 * `api`: the validated entry points `quantize` / `dequantize` (`jact.quantize`,
   `jact.dequantize`).
 

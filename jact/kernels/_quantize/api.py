@@ -54,7 +54,7 @@ def quantize(
     group_size: values per group, a positive multiple of 8.
     stochastic: unbiased stochastic rounding (default) or round-to-nearest.
     seed: a uint32 scalar seed (see `jact.rng.seed_from_key`) used instead of key.
-    implementation: kernel to run ("xla", "pallas_triton", see
+    implementation: kernel to run ("xla", "jax_triton", "pallas_triton", see
       `jact.kernels.available("quantize")`); default: the best one for the
       backend, or the one chosen with `jact.kernels.use(quantize=...)`.
 

@@ -33,7 +33,7 @@ def relu_mask(
     x: float32, bfloat16 or float16 array; the mask is packed one row per
       index of axis 0 (`jact.pack_codes`).
     negative_slope: None (ReLU) or a static real number (leaky ReLU).
-    implementation: the kernel ("xla", "pallas_triton"; see
+    implementation: the kernel ("xla", "jax_triton", "pallas_triton"; see
       `jact.kernels.available("relu_mask")`); default: the best one for the
       backend, or the one chosen with `jact.kernels.use(relu_mask=...)`.
   """
