@@ -25,7 +25,7 @@ Each row is written to the JSON as soon as it is measured (a run cut short keeps
 skips rows already there unless `--fresh`).
 
     python -m experiments.bench.frontier [--models lm_6x512 resnet50_224 ...]
-        [--configs plain remat_nothing jact2 ...] [--attention xla cudnn] [--fit 0.5 0.25]
+        [--configs plain remat_nothing jact2 jact2_xla ...] [--attention xla cudnn] [--fit 0.5 0.25]
         [--json experiments/results/frontier.json] [--fresh]
     python -m experiments.bench.frontier --small --json /tmp/frontier.json     # a quick check
 """
@@ -66,7 +66,10 @@ POLICIES = {
 JACT = {"jact8": 8, "jact4": 4, "jact2": 2}
 CONVERT = {"convert8": 8, "convert4": 4, "convert2": 2}  # Flax blocks: jact.convert(module)
 JACT_CHECKPOINT = {"jact_ckpt4": 4, "jact_ckpt2": 2}
-CONFIGS = ("plain", *POLICIES, *JACT, *CONVERT, *JACT_CHECKPOINT)
+# jact.compressed with the XLA quantizer, which XLA may fuse into the residual's producer (and
+# the dequantize into its consumer), instead of the Triton kernels: which wins is measured on a GPU
+JACT_XLA = {"jact4_xla": 4, "jact2_xla": 2}
+CONFIGS = ("plain", *POLICIES, *JACT, *JACT_XLA, *CONVERT, *JACT_CHECKPOINT)
 FIT_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
 # --small: every model shrunk to compile in seconds (a check of the pipeline, not a result)
 SMALL = {
@@ -98,6 +101,14 @@ def wrap_for(config: str) -> Callable:
       return lambda p, x, key: c(p, x, key=key)
 
     return compressed
+  if config in JACT_XLA:
+    compressor = jact.compressors.PerGroup(JACT_XLA[config], implementation="xla")
+
+    def compressed_xla(block):
+      c = jact.compressed(block, compressor=compressor)
+      return lambda p, x, key: c(p, x, key=key)
+
+    return compressed_xla
   if config in CONVERT:
     bits = CONVERT[config]
 
