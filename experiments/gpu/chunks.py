@@ -168,9 +168,9 @@ CHUNKS = (
       "--configs",
       "plain",
       "remat_nothing",
-      "remat_dots_no_batch",
       "jact4",
       "jact2",
+      "jact2_xla",
       "jact_ckpt2",
       "--fit",
       "--fresh",
@@ -190,40 +190,9 @@ CHUNKS = (
     ),
     170,
     "the frontier on the device (the 6x512 LM and ResNet-50 224x224 at batch 128; plain, JAX's "
-    "remat, jact 4/2 bits, jact.checkpoint): step time measured, device temp bytes next to the "
+    "remat, jact 4/2 bits with the Triton kernels and 2 bits with the XLA quantizer XLA fuses "
+    "into producers (the registry's kernel-or-XLA choice), jact.checkpoint): step time measured, device temp bytes next to the "
     "deviceless XLA:GPU compile's (the time model's error on them)",
-  ),
-  Chunk(
-    "kernel_or_xla",
-    "iii",
-    "bench.frontier",
-    (
-      "--measure",
-      "--models",
-      "lm_6x512",
-      "resnet50_224",
-      "--attention",
-      "xla",
-      "--configs",
-      "jact2",
-      "jact2_xla",
-      "--fresh",
-    ),
-    (
-      "--measure",
-      "--small",
-      "--models",
-      "lm_6x512",
-      "--attention",
-      "xla",
-      "--configs",
-      "jact2",
-      "jact2_xla",
-      "--fresh",
-    ),
-    120,
-    "jact 2 bits with the Triton kernels vs the XLA quantizer XLA fuses into producers: step time "
-    "(the registry's kernel-or-XLA choice is to be made from these rows)",
   ),
   Chunk(
     "largest_batch",
