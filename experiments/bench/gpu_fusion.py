@@ -19,15 +19,18 @@ input x) a row records:
 * `compress_ops`, `compress_ops_bytes`: the launched ops holding some of its compression, and
   their bytes accessed (operands + outputs, as `jact._step_time` counts them; a fusion that also
   computes x's producer counts whole);
-* `producer_fused`: some of x's producer is computed in a fusion of the compression (x reaches
-  the compression as a computed value, not read from HBM); never for a kernel, a custom call
-  opaque to XLA;
-* `full_precision_reads`: how many times the compression's launched ops read x (or a same-size
-  float copy of it) from HBM;
-* `x_written`: whether x (or such a copy) reaches HBM at all -- `producer_fused` without it is
-  the case the issue hopes for: the producer's fusion writes the codes, never x;
-* `x_readers`, `x_readers_bytes`: every launched op reading those buffers of x (the forward's
-  own consumers included), and their bytes accessed.
+* `placement`, where the compression starts: "one pass" -- in a fusion that computes x and
+  writes it for x's other consumers (a multi-output fusion: the producer's own pass over memory
+  also starts the compression); "recomputed" -- in a fusion that computes x from its producer's
+  inputs without writing it (XLA moved or duplicated the producer's elementwise tail into it;
+  x itself, where another op needs it, is written by another fusion this cannot identify);
+  "read back" -- x is read from HBM (always so for a kernel: a custom call is opaque to XLA);
+* `x_reads`: how many times the compression's launched ops read x (or a same-size float copy
+  of it) back from HBM: 1 for a kernel, 0 for the ideal "one pass"; a "recomputed" compression
+  reads its producer's inputs instead, which this does not count;
+* `x_readers`, `x_readers_bytes`: every launched op reading the buffers of x identified above
+  (read back by the compression, or written by its one-pass fusion; none for "recomputed"),
+  the forward's own consumers included, and their bytes accessed.
 
 Per program: launched ops and bytes accessed (`jact._step_time.predict_step_time`; a loop body
 counted once per trip), those holding any compression or decompression (`compress_launches`,
@@ -86,6 +89,8 @@ COMPRESS_OPS = ("quantize", "relu_mask", "quantize_per_sample", "division_compre
 COMPRESS_OPS += ("float8_compress",)
 """The kernel ops that write a residual's compressed form in the forward pass."""
 DECOMPRESS_OPS = ("dequantize", "dequantize_per_sample")
+PLACEMENTS = ("one pass", "recomputed", "read back", "?")
+"""Where a residual's compression starts (see `residuals`)."""
 DEFAULT_MODELS = ("lm_6x512", "resnet50_224")
 _TAG = re.compile(r"\bjfz(\d+)_")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -348,24 +353,28 @@ def residuals(text: str, calls: list[KernelCall], target: str = "h200") -> list[
     if call.op not in COMPRESS_OPS:
       continue
     ops = [l for l in launches if call.tag in l.tags]
-    fp_reads, sources, producer_fused = 0, set(), False
+    one_pass = recomputed = read_back = False
+    x_reads, x_buffers = 0, set()
     for launch in ops:
       by_name = by_comp[launch.computation]
       if launch.instr.opcode == "fusion":
         computed, outputs, read = _entries(launch, comps, call, numbers)
-        operands = [launch.instr.operands[i] for i in read]
-        producer_fused |= computed
+        x_operands = [launch.instr.operands[i] for i in read]
         many = len(_root_outputs(comps, _callee(launch.instr))) > 1
-        sources |= {(launch.computation, (launch.name, i if many else None)) for i in outputs}
+        x_buffers |= {(launch.computation, (launch.name, i if many else None)) for i in outputs}
+        one_pass |= computed and bool(outputs)
+        recomputed |= computed and not outputs
       else:  # a kernel: its float operands of x's size are x
-        operands = [
-          o for o in launch.instr.operands if o in by_name and _is_x(by_name[o].type, call.size)
-        ]
-      fp_reads += len(operands)
-      sources |= {(launch.computation, _source(by_name, o)) for o in operands}
+        x_operands = [o for o in launch.instr.operands if _is_x(by_name[o].type, call.size)]
+      read_back |= bool(x_operands)
+      x_reads += len(x_operands)
+      x_buffers |= {(launch.computation, _source(by_name, o)) for o in x_operands}
     readers = set()
-    for comp, source in sources:
+    for comp, source in x_buffers:
       readers.update(readers_of[comp].get(source, ()))
+    placement = (
+      "one pass" if one_pass else "recomputed" if recomputed else "read back" if read_back else "?"
+    )
     rows.append(
       {
         "tag": call.tag,
@@ -378,9 +387,8 @@ def residuals(text: str, calls: list[KernelCall], target: str = "h200") -> list[
         "compress_ops": len(ops),
         "compress_ops_bytes": sum(l.bytes for l in ops),
         "compress_ops_shared": sum(len(l.tags) > 1 for l in ops),
-        "producer_fused": producer_fused,
-        "x_written": bool(sources),
-        "full_precision_reads": fp_reads,
+        "placement": placement,
+        "x_reads": x_reads,
         "x_readers": len(readers),
         "x_readers_bytes": sum(bytes_of[r] for r in readers),
       }
@@ -446,36 +454,51 @@ def triton_calls(text: str) -> dict:
 
 
 @contextlib.contextmanager
-def _timing_compile(record: dict):
-  """Records the CPU and wall seconds spent in `jax.stages.Lowered.compile`."""
+def _timing_compile(record: dict, fallback: dict | None):
+  """Records the CPU and wall seconds spent in `jax.stages.Lowered.compile`. Where XLA:GPU's
+  Triton gemm tiling fails without a GPU to autotune on ("Couldn't find output tile sizes"), the
+  same lowered program is compiled again with `fallback` options (seconds of that compile)."""
   original = jax.stages.Lowered.compile
 
-  def compile(self, *args, **kwargs):
+  def timed(self, options):
     cpu, wall = time.process_time(), time.perf_counter()
     try:
-      return original(self, *args, **kwargs)
+      return original(self, compiler_options=options)
     finally:
       record["compile_cpu_s"] = time.process_time() - cpu
       record["compile_wall_s"] = time.perf_counter() - wall
+
+  def compile(self, compiler_options=None):
+    try:
+      return timed(self, compiler_options)
+    except jax.errors.JaxRuntimeError as e:
+      if fallback is None or "output tile sizes" not in str(e):
+        raise
+      record["compiler_options"] = fallback
+      record["failed_compile_cpu_s"] = round(record["compile_cpu_s"], 2)
+      return timed(self, {**(compiler_options or {}), **fallback})
 
   with patched(jax.stages.Lowered, "compile", compile):
     yield
 
 
-def compile_timed(step, args, target: str, options=None):
-  """`jact.compile_for(step, *args)` and its seconds: trace + lower, XLA:GPU's compile."""
+def compile_timed(step, args, target: str, fallback: dict | None = frontier.CUBLAS_ONLY):
+  """`jact.compile_for(step, *args)` traced once, and its seconds: trace + lower, XLA:GPU's
+  compile (and the compiler options of a fallback compile, see `_timing_compile`)."""
   record: dict = {}
   cpu, wall = time.process_time(), time.perf_counter()
-  with _timing_compile(record):
-    compiled = jact.compile_for(step, *args, target=target, compiler_options=options)
+  with _timing_compile(record, fallback):
+    compiled = jact.compile_for(step, *args, target=target)
   total_cpu, total_wall = time.process_time() - cpu, time.perf_counter() - wall
+  failed = record.get("failed_compile_cpu_s", 0.0)
   seconds = {
-    "trace_lower_cpu_s": round(total_cpu - record["compile_cpu_s"], 2),
+    "trace_lower_cpu_s": round(total_cpu - record["compile_cpu_s"] - failed, 2),
     "compile_cpu_s": round(record["compile_cpu_s"], 2),
     "trace_lower_wall_s": round(total_wall - record["compile_wall_s"], 2),
     "compile_wall_s": round(record["compile_wall_s"], 2),
   }
-  return compiled, seconds
+  extra = {k: record[k] for k in ("compiler_options", "failed_compile_cpu_s") if k in record}
+  return compiled, {**seconds, **extra}
 
 
 def _config(bits: int | None) -> str:
@@ -490,14 +513,7 @@ def measure(model, bits: int | None, mode: str, target: str = "h200") -> dict:
     if mode == "xla":
       stack.enter_context(_xla_everywhere())
     calls = stack.enter_context(tagged_kernels())
-    try:
-      compiled, seconds, options = *compile_timed(step, args, target), None
-    except jax.errors.JaxRuntimeError as e:  # see frontier.CUBLAS_ONLY
-      if "output tile sizes" not in str(e):
-        raise
-      calls.clear()
-      options = frontier.CUBLAS_ONLY
-      compiled, seconds = compile_timed(step, args, target, options)
+    compiled, seconds = compile_timed(step, args, target)
   text = compiled.as_text()
   predicted = predict_step_time(text, target)
   rows = residuals(text, calls, target)
@@ -527,20 +543,16 @@ def measure(model, bits: int | None, mode: str, target: str = "h200") -> dict:
     "residuals": rows,
     "summary": _summary(rows),
   }
-  return row if options is None else {**row, "compiler_options": options}
+  return row
 
 
 def _summary(rows: list[dict]) -> dict:
   """Totals over a program's compressed residuals."""
-  count = lambda **kw: sum(all(r[k] == v for k, v in kw.items()) for r in rows)
   total = lambda key: sum(r[key] for r in rows)
   return {
     "residuals": len(rows),
-    "not_found": count(compress_ops=0),
-    "producer_fused": count(producer_fused=True),
-    "producer_fused_x_not_written": count(producer_fused=True, x_written=False),
-    "x_read_back": sum(r["full_precision_reads"] > 0 for r in rows),
-    **{k: total(k) for k in ("x_bytes", "compress_ops", "full_precision_reads", "x_readers")},
+    **{p: sum(r["placement"] == p for r in rows) for p in PLACEMENTS},
+    **{k: total(k) for k in ("x_bytes", "compress_ops", "x_reads", "x_readers")},
     "x_readers_bytes": total("x_readers_bytes"),
   }
 
@@ -570,12 +582,12 @@ def _with_ratios(rows: list[dict]) -> None:
 
 
 def evidence(rows: list[dict]) -> list[dict]:
-  """Per model, width, op and input (shape, dtype): the XLA quantizer's launches and
-  full-precision reads next to the kernel's -- what a deviceless compile can say about the
+  """Per model, width, op and input (shape, dtype): the XLA quantizer's placements, launches
+  and reads of x next to the kernel's -- what a deviceless compile can say about the
   registry's choice (no timing: on a GPU the choice must be measured)."""
   by = {_key(r): r for r in rows}
   out = []
-  for (model, attention, config, mode), xla in sorted(by.items()):
+  for (model, attention, config, mode), xla in sorted(by.items(), key=str):
     kernel = by.get((model, attention, config, "kernel"))
     if mode != "xla" or kernel is None:
       continue
@@ -596,21 +608,18 @@ def evidence(rows: list[dict]) -> list[dict]:
           "kernel": b["implementation"],
           "residuals": 0,
           "x_bytes": a["x_bytes"],
+          "xla_placements": {},
           "xla_compress_ops": 0,
-          "xla_full_precision_reads": 0,
-          "xla_producer_fused": 0,
-          "xla_x_not_written": 0,
+          "xla_x_reads": 0,
           "kernel_compress_ops": 0,
-          "kernel_full_precision_reads": 0,
+          "kernel_x_reads": 0,
         },
       )
       g["residuals"] += 1
-      g["xla_compress_ops"] += a["compress_ops"]
-      g["xla_full_precision_reads"] += a["full_precision_reads"]
-      g["xla_producer_fused"] += a["producer_fused"]
-      g["xla_x_not_written"] += not a["x_written"]
-      g["kernel_compress_ops"] += b["compress_ops"]
-      g["kernel_full_precision_reads"] += b["full_precision_reads"]
+      g["xla_placements"][a["placement"]] = g["xla_placements"].get(a["placement"], 0) + 1
+      for side, r in (("xla", a), ("kernel", b)):
+        g[f"{side}_compress_ops"] += r["compress_ops"]
+        g[f"{side}_x_reads"] += r["x_reads"]
     out += list(groups.values())
   return out
 
@@ -624,8 +633,9 @@ def _print(row: dict) -> None:
     f"trace+lower {row['trace_lower_cpu_s']:6.1f} s  compile {row['compile_cpu_s']:6.1f} s "
     f"(x{ratio.get('compile_cpu', 1):.1f})  launches {row['launches']:5d}  "
     f"{row['bytes_accessed'] / 2**30:7.2f} GiB  residuals {s['residuals']:3d} "
-    f"(fused {s['producer_fused']}, x not written {s['producer_fused_x_not_written']}, "
-    f"read back {s['x_read_back']})  triton {t['call_sites']} sites / {t['distinct']} kernels",
+    f"(one pass {s['one pass']}, recomputed {s['recomputed']}, read back {s['read back']}; "
+    f"{s['x_reads']} reads of x)  triton {t['call_sites']} sites / "
+    f"{t['distinct']} kernels",
     flush=True,
   )
 

@@ -46,10 +46,10 @@ def _call(name, operand, tag, ptx="add.f32", grid=b"1"):
   )
 
 
-# x = exp(p) three ways: written by its fusion and read by a kernel (tag 0, also read by a tanh);
-# compressed in the fusion that computes it, which also writes x (tag 1, read by a tanh); and
-# compressed where it is computed, never written (tag 2). Kernels 3 and 4 share tag 0's code
-# (4 with another grid); 5 has other code.
+# x = exp(p) three ways: written by its fusion and read back by a kernel (tag 0, also read by a
+# tanh); compressed in the fusion that computes it and writes it for a tanh (tag 1, one pass);
+# compressed in a fusion recomputing it from p, not writing it (tag 2). Kernels 3 and 4 share
+# tag 0's code (4 with another grid); 5 has other code.
 HLO = "\n".join(
   [
     "HloModule m",
@@ -115,26 +115,15 @@ def _calls():
 
 def test_residuals_of_a_known_program():
   rows = {r["tag"]: r for r in gpu_fusion.residuals(HLO, _calls())}
-  pick = lambda r: (
-    {k: r[k] for k in ("compress_ops", "producer_fused", "x_written")}
-    | {k: r[k] for k in ("full_precision_reads", "x_readers")}
-  )
-  # the kernel reads x back from HBM; x's other reader is the tanh
-  assert pick(rows[0]) == dict(
-    compress_ops=1, producer_fused=False, x_written=True, full_precision_reads=1, x_readers=2
-  )
-  # compressed where x is computed, x written for the tanh, never read back to compress it
-  assert pick(rows[1]) == dict(
-    compress_ops=1, producer_fused=True, x_written=True, full_precision_reads=0, x_readers=1
-  )
-  # the case the issue hopes for: codes written by the producer, x never in HBM
-  assert pick(rows[2]) == dict(
-    compress_ops=1, producer_fused=True, x_written=False, full_precision_reads=0, x_readers=0
-  )
+  keys = ("compress_ops", "placement", "x_reads", "x_readers")
+  pick = lambda r: tuple(r[k] for k in keys)
+  assert pick(rows[0]) == (1, "read back", 1, 2)  # the kernel reads x; so does the tanh
+  assert pick(rows[1]) == (1, "one pass", 0, 1)  # x written for the tanh, codes in the same pass
+  assert pick(rows[2]) == (1, "recomputed", 0, 0)  # exp recomputed from p
   assert rows[0]["compress_ops_bytes"] == 16 * 4 + 4
   summary = gpu_fusion._summary(list(rows.values()))
-  assert (summary["producer_fused"], summary["producer_fused_x_not_written"]) == (2, 1)
-  assert summary["x_read_back"] == 1
+  assert [summary[p] for p in gpu_fusion.PLACEMENTS] == [1, 1, 1, 0]
+  assert summary["x_reads"] == 1
 
 
 def test_triton_calls_counts_code_not_grids():
@@ -173,7 +162,7 @@ def test_small_run(tmp_path):
   # a kernel is opaque: one launch per residual, reading x back from HBM once
   assert set(kernel["implementations"]["quantize"]) <= {"jax_triton", "pallas_triton"}
   assert all(
-    (r["compress_ops"], r["full_precision_reads"], r["producer_fused"]) == (1, 1, False)
+    (r["compress_ops"], r["x_reads"], r["placement"]) == (1, 1, "read back")
     for r in kernel["residuals"]
   )
   sites = sum(n for impls in kernel["implementations"].values() for n in impls.values())
