@@ -219,6 +219,15 @@ def _is_x(type_text: str, size: int) -> bool:
   return len(arrays) == 1 and arrays[0][0] in _FLOAT and arrays[0][1] == size
 
 
+def _is_x_bits(type_text: str, call: KernelCall) -> bool:
+  """x as a kernel takes it: a float array of its size, or its bits (bfloat16 as uint16)."""
+  arrays = _elements(type_text)
+  if _is_x(type_text, call.size):
+    return True
+  bits = {2: "u16", 4: "u32"}.get(np.dtype(call.dtype).itemsize)
+  return len(arrays) == 1 and arrays[0] == (bits, call.size)
+
+
 @dataclasses.dataclass
 class _Launch:
   name: str
@@ -353,7 +362,7 @@ def residuals(text: str, calls: list[KernelCall], target: str = "h200") -> list[
     if call.op not in COMPRESS_OPS:
       continue
     ops = [l for l in launches if call.tag in l.tags]
-    one_pass = recomputed = read_back = False
+    one_pass = recomputed = read_back = kernel = False
     x_reads, x_buffers = 0, set()
     for launch in ops:
       by_name = by_comp[launch.computation]
@@ -364,16 +373,23 @@ def residuals(text: str, calls: list[KernelCall], target: str = "h200") -> list[
         x_buffers |= {(launch.computation, (launch.name, i if many else None)) for i in outputs}
         one_pass |= computed and bool(outputs)
         recomputed |= computed and not outputs
-      else:  # a kernel: its float operands of x's size are x
-        x_operands = [o for o in launch.instr.operands if _is_x(by_name[o].type, call.size)]
+      else:  # a kernel: its operands of x's size are x (or x's bits)
+        x_operands = [o for o in launch.instr.operands if _is_x_bits(by_name[o].type, call)]
+        kernel = True
       read_back |= bool(x_operands)
       x_reads += len(x_operands)
       x_buffers |= {(launch.computation, _source(by_name, o)) for o in x_operands}
     readers = set()
     for comp, source in x_buffers:
       readers.update(readers_of[comp].get(source, ()))
-    placement = (
-      "one pass" if one_pass else "recomputed" if recomputed else "read back" if read_back else "?"
+    placement = (  # a kernel reads x from HBM, whatever fusions its operand's bitcast joined
+      "read back"
+      if kernel or (read_back and not (one_pass or recomputed))
+      else "one pass"
+      if one_pass
+      else "recomputed"
+      if recomputed
+      else "?"
     )
     rows.append(
       {
@@ -564,6 +580,13 @@ def _key(row: dict) -> tuple:
   return (row["model"], row["attention"], row["config"], row["mode"])
 
 
+def _order(row: dict) -> tuple:
+  """Rows by model (the frontier's order), then plain, then width and mode."""
+  models = list(frontier_models.MODELS)
+  model = models.index(row["model"]) if row["model"] in models else len(models)
+  return (model, row["attention"], row["config"] != "plain", row["config"], row["mode"] or "")
+
+
 def _with_ratios(rows: list[dict]) -> None:
   """Each jact row's figures over its model's plain row (`vs_plain`)."""
   plain = {(r["model"], r["attention"]): r for r in rows if r["config"] == "plain"}
@@ -677,6 +700,7 @@ def main(argv=None) -> dict:
         continue
       row = {**label, **measure(model, bits, mode, args.target)}
       payload["rows"].append(row)
+      payload["rows"].sort(key=_order)
       _with_ratios(payload["rows"])
       payload["evidence"] = evidence(payload["rows"])
       path.parent.mkdir(parents=True, exist_ok=True)

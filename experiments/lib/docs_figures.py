@@ -341,6 +341,88 @@ def _train_sharded(results: Path, out: dict) -> None:
   out["train_sharded.plain.collective_mib"] = _mib(received, 0)
 
 
+_GPU_FUSION_MODELS = {
+  "lm_6x512": "LM 6x512",
+  "resnet50_224": "ResNet-50 224",
+  "vit_b16": "ViT-B/16",
+  "llama1b_2048": "Llama 1.1B, 2048",
+  "llama1b_8192": "Llama 1.1B, 8192",
+}
+
+
+def _gpu_fusion_program(row: dict) -> str:
+  if row["mode"] is None:
+    return "plain"
+  chosen = {i for impls in row["implementations"].values() for i in impls}
+  kernels = "/".join(sorted(chosen - {"xla"})) + " kernels"
+  how = "XLA quantizer" if row["mode"] == "xla" else kernels
+  how += " (some calls XLA)" if row["mode"] == "kernel" and "xla" in chosen else ""
+  return f"{row['config'][4:]} bits, {how}"
+
+
+def _gpu_fusion(results: Path, out: dict) -> None:
+  """gpu_fusion.json: where the compression lands in XLA:GPU's program, and its compile time."""
+  payload = _load(results / "gpu_fusion.json")
+  if payload is None:
+    return
+  rows = [r for r in payload["rows"] if r["model"] in _GPU_FUSION_MODELS]
+  by = {(r["model"], r["config"], r["mode"]): r for r in rows}
+  table = [
+    "| model | program | launches | GB accessed | CPU-s: trace+lower, XLA compile | vs plain "
+    "| residuals: one pass / recomputed / read back | launches, reads of x per residual "
+    "| Triton call sites / shape classes / kernels |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    s, t, n = r["summary"], r["triton"], r["summary"]["residuals"]
+    cublas = " (cuBLAS gemms)" if r.get("compiler_options") else ""
+    cells = [
+      _GPU_FUSION_MODELS[r["model"]] + cublas,
+      _gpu_fusion_program(r),
+      str(r["launches"]),
+      f"{r['bytes_accessed'] / 1e9:.1f}",
+      f"{r['trace_lower_cpu_s']:.1f}, {r['compile_cpu_s']:.1f}",
+      f"{r['vs_plain']['total_cpu']:.1f}x" if "vs_plain" in r else "-",
+      f"{s['one pass']} / {s['recomputed']} / {s['read back']}" if n else "-",
+      f"{s['compress_ops'] / n:.1f}, {s['x_reads'] / n:.1f}" if n else "-",
+      f"{t['call_sites']} / {t['shape_classes']} / {t['distinct']}" if t["call_sites"] else "-",
+    ]
+    table.append("| " + " | ".join(cells) + " |")
+  out["table.gpu_fusion"] = "\n".join(table)
+  jact = [r for r in rows if r["mode"] is not None]
+  ratio = lambda mode, key: [r["vs_plain"][key] for r in jact if r["mode"] == mode]  # noqa: E731
+  out["gpu_fusion.total_xla_over_plain"] = _span(ratio("xla", "total_cpu"))
+  out["gpu_fusion.total_kernel_over_plain"] = _span(ratio("kernel", "total_cpu"))
+  out["gpu_fusion.compile_xla_over_plain"] = _span(ratio("xla", "compile_cpu"))
+  out["gpu_fusion.compile_kernel_over_plain"] = _span(ratio("kernel", "compile_cpu"))
+  xla = [r for r in jact if r["mode"] == "xla" and r["summary"]["residuals"]]
+  per = lambda r, key: r["summary"][key] / r["summary"]["residuals"]  # noqa: E731
+  out["gpu_fusion.xla_ops_per_residual"] = _span([per(r, "compress_ops") for r in xla], 1, "")
+  out["gpu_fusion.xla_fewest_ops"] = str(
+    min(x["compress_ops"] for r in xla for x in r["residuals"])
+  )
+  kernels = [r for r in jact if r["mode"] == "kernel" and r["triton"]["call_sites"]]
+  out["gpu_fusion.kernel_sites"] = _span([r["triton"]["call_sites"] for r in kernels], 0, "")
+  out["gpu_fusion.kernel_distinct"] = _span([r["triton"]["distinct"] for r in kernels], 0, "")
+  out["gpu_fusion.kernel_classes"] = _span([r["triton"]["shape_classes"] for r in kernels], 0, "")
+  pairs = [(a, by.get((a["model"], a["config"], "kernel"))) for a in xla if a["config"] == "jact2"]
+  pairs = [(a, b) for a, b in pairs if b is not None]
+  for key, name in (("bytes_accessed", "bytes"), ("launches", "launches")):
+    ordered = sorted(pairs, key=lambda p: p[0][key] / p[1][key])  # noqa: B023
+    out[f"gpu_fusion.{name}_xla_over_kernel"] = ", ".join(
+      f"{a[key] / b[key]:.2f}x ({_GPU_FUSION_MODELS[a['model']]})" for a, b in ordered
+    )
+    out[f"gpu_fusion.{name}_kernel_over_plain"] = _span([b["vs_plain"][key] for _, b in pairs], 2)
+  for model, short in (("lm_6x512", "lm"), ("resnet50_224", "resnet50")):
+    a = by.get((model, "jact2", "xla"))
+    if a is None:
+      continue
+    s = a["summary"]
+    out[f"gpu_fusion.{short}.residuals"] = str(s["residuals"])
+    for placement in ("one pass", "recomputed"):
+      out[f"gpu_fusion.{short}.{placement.replace(' ', '_')}"] = str(s[placement])
+
+
 @functools.cache
 def compute(results: str) -> dict:
   """name -> figure, from the results folder `results` (a resolved path string)."""
@@ -348,6 +430,7 @@ def compute(results: str) -> dict:
   path = Path(results)
   for part in (
     _frontier,
+    _gpu_fusion,
     _time_model,
     _bench_fit,
     _compile_time,

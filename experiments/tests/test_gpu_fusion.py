@@ -16,7 +16,7 @@ import pytest
 
 import jact
 from experiments.bench import frontier, gpu_fusion
-from experiments.lib import frontier_models
+from experiments.lib import docs_figures, frontier_models
 from jact import _gpu_target
 from jact._step_time import predict_step_time
 
@@ -148,8 +148,8 @@ def test_constant_derived_values_carry_no_tag():
 @needs_plugin
 def test_small_run(tmp_path):
   """The whole benchmark on the 2-layer LM at 2 bits: both quantizers found per residual, the
-  kernel's call sites counted, ratios to plain, and the evidence paired."""
-  path = tmp_path / "fusion.json"
+  kernel's call sites counted, ratios to plain, the evidence paired, the docs' figures made."""
+  path = tmp_path / "gpu_fusion.json"
   payload = gpu_fusion.main(["--small", "--models", "lm_6x512", "--bits", "2", "--json", str(path)])
   assert json.loads(path.read_text())["rows"] == payload["rows"]
   rows = {(r["config"], r["mode"]): r for r in payload["rows"]}
@@ -158,7 +158,7 @@ def test_small_run(tmp_path):
   assert plain["summary"]["residuals"] == 0 and plain["triton"]["call_sites"] == 0
   quantizes = xla["implementations"]["quantize"]["xla"]
   assert xla["summary"]["residuals"] == quantizes > 0
-  assert xla["triton"]["call_sites"] == 0 and xla["summary"]["not_found"] == 0
+  assert xla["triton"]["call_sites"] == 0 and xla["summary"]["?"] == 0
   # a kernel is opaque: one launch per residual, reading x back from HBM once
   assert set(kernel["implementations"]["quantize"]) <= {"jax_triton", "pallas_triton"}
   assert all(
@@ -171,6 +171,10 @@ def test_small_run(tmp_path):
   assert kernel["vs_plain"]["launches"] > 1 and kernel["compile_cpu_s"] > 0
   assert {e["config"] for e in payload["evidence"]} == {"jact2"}
   assert sum(e["residuals"] for e in payload["evidence"]) == quantizes
+  figures: dict = {}
+  docs_figures._gpu_fusion(tmp_path, figures)  # docs/frontier.md's table and figures
+  assert len(figures["table.gpu_fusion"].splitlines()) == 2 + len(rows)
+  assert figures["gpu_fusion.lm.residuals"] == str(quantizes)
 
 
 @needs_plugin
