@@ -556,10 +556,31 @@ def measure(model, bits: int | None, mode: str, target: str = "h200") -> dict:
     "kernel_calls": len(calls),
     "implementations": implementations,
     "triton": {**triton_calls(text), "shape_classes": len(classes)},
-    "residuals": rows,
+    "residuals": residual_groups(rows),
     "summary": _summary(rows),
   }
   return row
+
+
+def residual_groups(rows: list[dict]) -> list[dict]:
+  """`residuals` rows grouped by op and input (shape, dtype, keyword arguments), in trace order:
+  how many, their placements, their launches, reads of x and readers summed, and the fewest
+  launches one of them takes."""
+  groups: dict[tuple, dict] = {}
+  fixed = ("tag", "placement", "compress_ops", "compress_ops_bytes", "compress_ops_shared")
+  summed = ("compress_ops", "compress_ops_shared", "x_reads", "x_readers", "x_readers_bytes")
+  for r in rows:
+    head = {k: v for k, v in r.items() if k not in fixed + summed}
+    g = groups.setdefault(
+      json.dumps(head, sort_keys=True),
+      {**head, "count": 0, "placements": {}, **{k: 0 for k in summed}},
+    )
+    g["count"] += 1
+    g["compress_ops_min"] = min(g.get("compress_ops_min", r["compress_ops"]), r["compress_ops"])
+    g["placements"][r["placement"]] = g["placements"].get(r["placement"], 0) + 1
+    for k in summed:
+      g[k] += r[k]
+  return list(groups.values())
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -604,6 +625,13 @@ def _with_ratios(rows: list[dict]) -> None:
     }
 
 
+def _input(group: dict) -> str:
+  """A residual group's op and input, whatever implementation took it."""
+  skip = ("implementation", "count", "placements", "compress_ops", "compress_ops_shared")
+  skip += ("x_reads", "x_readers", "x_readers_bytes", "compress_ops_min")
+  return json.dumps({k: v for k, v in group.items() if k not in skip}, sort_keys=True)
+
+
 def evidence(rows: list[dict]) -> list[dict]:
   """Per model, width, op and input (shape, dtype): the XLA quantizer's placements, launches
   and reads of x next to the kernel's -- what a deviceless compile can say about the
@@ -614,12 +642,19 @@ def evidence(rows: list[dict]) -> list[dict]:
     kernel = by.get((model, attention, config, "kernel"))
     if mode != "xla" or kernel is None:
       continue
-    groups: dict[tuple, dict] = {}
-    for a, b in zip(xla["residuals"], kernel["residuals"]):
-      if (a["op"], a["shape"], a["dtype"]) != (b["op"], b["shape"], b["dtype"]):
+    kernels: dict[str, dict] = {}
+    for g in kernel["residuals"]:  # calls the kernel does not take keep the reference
+      b = kernels.setdefault(_input(g), {"count": 0, "implementation": [], "placements": {}})
+      b["implementation"].append(g["implementation"])
+      for k in ("count", "compress_ops", "x_reads"):
+        b[k] = b.get(k, 0) + g[k]
+      for p, n in g["placements"].items():
+        b["placements"][p] = b["placements"].get(p, 0) + n
+    for a in xla["residuals"]:
+      b = kernels.get(_input(a))
+      if b is None or b["count"] != a["count"]:
         raise RuntimeError(f"{model} {config}: the two programs traced different calls")
-      g = groups.setdefault(
-        (a["op"], tuple(a["shape"]), a["dtype"]),
+      out.append(
         {
           "model": model,
           "attention": attention,
@@ -628,22 +663,13 @@ def evidence(rows: list[dict]) -> list[dict]:
           "shape": a["shape"],
           "dtype": a["dtype"],
           "bits": a.get("bits"),
-          "kernel": b["implementation"],
-          "residuals": 0,
+          "residuals": a["count"],
           "x_bytes": a["x_bytes"],
-          "xla_placements": {},
-          "xla_compress_ops": 0,
-          "xla_x_reads": 0,
-          "kernel_compress_ops": 0,
-          "kernel_x_reads": 0,
-        },
+          "kernel": "/".join(b["implementation"]),
+          **{f"xla_{k}": a[k] for k in ("placements", "compress_ops", "x_reads")},
+          **{f"kernel_{k}": b[k] for k in ("placements", "compress_ops", "x_reads")},
+        }
       )
-      g["residuals"] += 1
-      g["xla_placements"][a["placement"]] = g["xla_placements"].get(a["placement"], 0) + 1
-      for side, r in (("xla", a), ("kernel", b)):
-        g[f"{side}_compress_ops"] += r["compress_ops"]
-        g[f"{side}_x_reads"] += r["x_reads"]
-    out += list(groups.values())
   return out
 
 
