@@ -399,7 +399,7 @@ def _gpu_fusion(results: Path, out: dict) -> None:
   per = lambda r, key: r["summary"][key] / r["summary"]["residuals"]  # noqa: E731
   out["gpu_fusion.xla_ops_per_residual"] = _span([per(r, "compress_ops") for r in xla], 1, "")
   out["gpu_fusion.xla_fewest_ops"] = str(
-    min(x["compress_ops"] for r in xla for x in r["residuals"])
+    min(g["compress_ops_min"] for r in xla for g in r["residuals"])
   )
   kernels = [r for r in jact if r["mode"] == "kernel" and r["triton"]["call_sites"]]
   out["gpu_fusion.kernel_sites"] = _span([r["triton"]["call_sites"] for r in kernels], 0, "")
