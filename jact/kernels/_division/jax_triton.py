@@ -43,6 +43,7 @@ from jact._core.quantize import Packed, as_rows, check_group_size, effective_gro
 from jact.kernels import _jax_triton
 from jact.kernels._division.reference import division_compress_reference
 from jact.kernels._quantize.layout import check_int32, next_pow2, packing_geometry
+from jact.kernels._triton_groups import group_statistics
 from jact.kernels._triton_rng import uniform
 
 __all__ = [
@@ -198,47 +199,8 @@ def quantize_groups(
   within = p * M + tl.arange(0, Q_PAD)[None, None, :]
 
   # group statistics (`jact._core.quantize.group_codes`)
-  finite = tl.abs(v) < float("inf")
-  lo = tl.min(tl.min(tl.where(finite, v, float("inf")), axis=2), axis=1)  # [ROWS]
-  hi = tl.max(tl.max(tl.where(finite, v, -float("inf")), axis=2), axis=1)
-  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
-  has_nan = tl.max(tl.max(((v != v) & mask).to(tl.int32), axis=2), axis=1) > 0
-  has_pos = tl.max(tl.max((v == float("inf")).to(tl.int32), axis=2), axis=1) > 0
-  has_neg = tl.max(tl.max((v == -float("inf")).to(tl.int32), axis=2), axis=1) > 0
-  kind = tl.where(has_neg, 3, 0)
-  kind = tl.where(has_pos, 2, kind)
-  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
-  flagged = kind != 0
-  finite_levels = tl.where(flagged, LEVELS - 1.0, LEVELS * 1.0)  # the top code means non-finite
-  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
-  any_finite = lo <= hi
-  lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
-  hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
-  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
-  u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
-  down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
-  minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  minimum = tl.maximum(minimum, -BF16_MAX)
-  wide = (hi - minimum) >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4
-  s = tl.where(wide, 0.25, 1.0)
-  inv_s = tl.where(wide, 4.0, 1.0)
-  span = hi * s - minimum * s
-  inv_levels = tl.where(single, 0.0, tl.where(flagged, INV_FLAGGED, INV_LEVELS))
-  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
-  up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
-  step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  step = tl.minimum(step, BF16_MAX)
-  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
-  u = step.to(tl.uint32, bitcast=True)
-  rounded = (u + 0x30000) & 0xFFFCFFFF
-  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
-  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
-  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
-  positive = step > 0.0
-  inv_step = tl.where(
-    positive,
-    tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(positive, step * s, 1.0)),
-    0.0,
+  finite, hi, finite_levels, minimum, s, _, stored, inv_step = group_statistics(
+    v, mask, LEVELS, INV_LEVELS, INV_FLAGGED, BF16_MAX
   )
 
   # codes, stochastically rounded (the noise of each value's index in the groups)

@@ -47,6 +47,7 @@ from jact.kernels._per_sample.reference import (
   dequantize_per_sample_reference,
   quantize_per_sample_reference,
 )
+from jact.kernels._triton_groups import group_statistics
 
 __all__ = [
   "quantize_per_sample",
@@ -159,49 +160,15 @@ def _stats_kernel(
   ok = row1 < n_rows
   levels = ((1 << tl.load(bits_ptr + row1 // groups, mask=ok, other=1)) - 1).to(tl.float32)
 
-  finite = (v == v) & (tl.abs(v) != float("inf"))
-  lo = tl.min(tl.where(finite, v, float("inf")), axis=1)
-  hi = tl.max(tl.where(finite, v, -float("inf")), axis=1)
-  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
-  has_nan = tl.max(((v != v) & mask).to(tl.int32), axis=1) > 0
-  has_pos = tl.max((v == float("inf")).to(tl.int32), axis=1) > 0
-  has_neg = tl.max((v == -float("inf")).to(tl.int32), axis=1) > 0
-  kind = tl.where(has_neg, 3, 0)
-  kind = tl.where(has_pos, 2, kind)
-  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
-  flagged = kind != 0
-  finite_levels = levels - flagged.to(tl.float32)  # the top code means non-finite
-  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
-  any_finite = lo <= hi
-  lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
-  hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
-  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
-  u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
-  down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
-  minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  minimum = tl.maximum(minimum, -BF16_MAX)
-  wide = (hi - minimum) >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4
-  s = tl.where(wide, 0.25, 1.0)
-  inv_s = tl.where(wide, 4.0, 1.0)
   one = tl.full(levels.shape, 1.0, tl.float32)
-  inv_levels = tl.where(
-    single,
-    0.0,
-    tl.where(flagged, tl.div_rn(one, tl.maximum(levels - 1.0, 1.0)), tl.div_rn(one, levels)),
+  _, hi, _, minimum, _, _, stored, inv_step = group_statistics(
+    v[:, None, :],  # a group a row, in one plane
+    mask[:, None, :],
+    levels,
+    tl.div_rn(one, levels),
+    tl.div_rn(one, tl.maximum(levels - 1.0, 1.0)),
+    BF16_MAX,
   )
-  span = hi * s - minimum * s
-  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
-  up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
-  step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  step = tl.minimum(step, BF16_MAX)
-  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
-  u = step.to(tl.uint32, bitcast=True)
-  rounded = (u + 0x30000) & 0xFFFCFFFF
-  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
-  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
-  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
-  positive = step > 0.0
-  inv_step = tl.where(positive, tl.div_rn(one, tl.where(positive, step * s, 1.0)), 0.0)
   # the statistics hold bf16 values: their bf16 bits are the float32's high half
   tl.store(min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=ok)
   tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=ok)

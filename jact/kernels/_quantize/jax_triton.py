@@ -35,6 +35,8 @@ import triton.language as tl
 from jact._core.quantize import Packed
 from jact.kernels import _jax_triton
 from jact.kernels._quantize.layout import check_int32, packing_geometry
+from jact.kernels._triton_groups import group_statistics
+from jact.kernels._triton_rng import uniform
 
 __all__ = [
   "quantize",
@@ -103,47 +105,8 @@ def quantize_kernel(
   v = tl.where(mask, v, float("nan"))
 
   # group statistics (`jact._core.quantize.group_codes`)
-  finite = (v == v) & (tl.abs(v) != float("inf"))
-  lo = tl.min(tl.min(tl.where(finite, v, float("inf")), axis=2), axis=1)  # [ROWS]
-  hi = tl.max(tl.max(tl.where(finite, v, -float("inf")), axis=2), axis=1)
-  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
-  has_nan = tl.max(tl.max(((v != v) & mask).to(tl.int32), axis=2), axis=1) > 0
-  has_pos = tl.max(tl.max((v == float("inf")).to(tl.int32), axis=2), axis=1) > 0
-  has_neg = tl.max(tl.max((v == -float("inf")).to(tl.int32), axis=2), axis=1) > 0
-  kind = tl.where(has_neg, 3, 0)
-  kind = tl.where(has_pos, 2, kind)
-  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
-  flagged = kind != 0
-  finite_levels = tl.where(flagged, LEVELS - 1.0, LEVELS * 1.0)  # the top code means non-finite
-  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
-  any_finite = lo <= hi
-  lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
-  hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
-  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
-  u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
-  down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
-  minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  minimum = tl.maximum(minimum, -BF16_MAX)
-  wide = (hi - minimum) >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4
-  s = tl.where(wide, 0.25, 1.0)
-  inv_s = tl.where(wide, 4.0, 1.0)
-  span = hi * s - minimum * s
-  inv_levels = tl.where(single, 0.0, tl.where(flagged, INV_FLAGGED, INV_LEVELS))
-  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
-  up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
-  step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
-  step = tl.minimum(step, BF16_MAX)
-  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
-  u = step.to(tl.uint32, bitcast=True)
-  rounded = (u + 0x30000) & 0xFFFCFFFF
-  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
-  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
-  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
-  positive = step > 0.0
-  inv_step = tl.where(
-    positive,
-    tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(positive, step * s, 1.0)),
-    0.0,
+  finite, hi, finite_levels, minimum, s, step, stored, inv_step = group_statistics(
+    v, mask, LEVELS, INV_LEVELS, INV_FLAGGED, BF16_MAX
   )
 
   # codes, stochastically rounded, packed plane by plane into bytes
@@ -151,21 +114,8 @@ def quantize_kernel(
   s3, inv_step3 = s[:, None, None], inv_step[:, None, None]
   clipped = tl.where(v != v, mn, tl.minimum(tl.maximum(v, mn), hi3))
   scaled = (clipped * s3 - mn * s3) * inv_step3
-  if STOCHASTIC:  # jact._core.rng.hash_uint32(seed, flat index), then uniform_from_bits
-    seed = tl.load(seed_ptr)
-    index = row.to(tl.uint32) * GROUP_SIZE + within.to(tl.uint32)
-    h = seed
-    for round in tl.static_range(3):  # lowbias32(lowbias32(index * G + lowbias32(seed)) ^ seed)
-      if round == 1:
-        h = index * 0x9E3779B9 + h
-      if round == 2:
-        h = h ^ seed
-      h = h ^ (h >> 16)
-      h = h * 0x7FEB352D
-      h = h ^ (h >> 15)
-      h = h * 0x846CA68B
-      h = h ^ (h >> 16)
-    noise = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+  if STOCHASTIC:  # jact._core.rng's uniform of the hash of (seed, flat index)
+    noise = uniform(tl.load(seed_ptr), row.to(tl.uint32) * GROUP_SIZE + within.to(tl.uint32))
   else:
     noise = 0.5
   top = finite_levels[:, None, None]

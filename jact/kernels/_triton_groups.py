@@ -1,0 +1,75 @@
+"""Per-group quantization statistics in Triton's language, for the kernels
+launched with jax-triton.
+
+`group_statistics(v, mask, ...)` is the statistics half of
+`jact._core.quantize.group_codes` for a [ROWS, K, Q_PAD] tile of groups: the
+quantize, DIVISION and per-sample kernels call it, so their groups get the
+same bits. Every float operation is one IEEE operation rounded to nearest (the
+callers compile without contraction); the kernels' contract tests
+(tests/kernels/test_kernel_contract.py) check the results against the
+reference through those kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["group_statistics"]
+
+
+@triton.jit
+def group_statistics(v, mask, LEVELS, INV_LEVELS, INV_FLAGGED, BF16_MAX):
+  """The statistics of the groups of v [ROWS, K, Q_PAD] (float32, NaN where not
+  `mask`, a group a row).
+
+  LEVELS is 2**bits - 1 and INV_LEVELS, INV_FLAGGED the float32 1 / LEVELS and
+  1 / max(LEVELS - 1, 1): constexprs, or float32 [ROWS] where each group has
+  its own width. Returns (finite [ROWS, K, Q_PAD], then per group [ROWS]: hi the
+  finite maximum (0 where none), finite_levels the finite values' largest code,
+  minimum rounded down to bf16, s the grid scale (1/4 for ranges >= 2**100),
+  step (bf16, flagged rounded up to 4 ulps), stored its float32 bits with the
+  non-finite kind and flag, inv_step 1 / (step * s) or 0)."""
+  finite = (v == v) & (tl.abs(v) != float("inf"))
+  lo = tl.min(tl.min(tl.where(finite, v, float("inf")), axis=2), axis=1)  # [ROWS]
+  hi = tl.max(tl.max(tl.where(finite, v, -float("inf")), axis=2), axis=1)
+  # the non-finite kind (`nonfinite_kind`): NaN 1, +inf 2, -inf 3, NaN for both infinities
+  has_nan = tl.max(tl.max(((v != v) & mask).to(tl.int32), axis=2), axis=1) > 0
+  has_pos = tl.max(tl.max((v == float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  has_neg = tl.max(tl.max((v == -float("inf")).to(tl.int32), axis=2), axis=1) > 0
+  kind = tl.where(has_neg, 3, 0)
+  kind = tl.where(has_pos, 2, kind)
+  kind = tl.where(has_nan | (has_pos & has_neg), 1, kind)
+  flagged = kind != 0
+  finite_levels = tl.where(flagged, LEVELS - 1.0, LEVELS * 1.0)  # the top code means non-finite
+  single = finite_levels == 0.0  # 1 bit, flagged: one level, the midpoint
+  any_finite = lo <= hi
+  lo = tl.where(any_finite & (lo != 0.0), lo, 0.0)
+  hi = tl.where(any_finite & (hi != 0.0), hi, 0.0)
+  lo = tl.where(single, lo * 0.5 + hi * 0.5, lo)
+  u = lo.to(tl.uint32, bitcast=True)  # rounded down to bf16 (`bf16_round_directed`)
+  down = ((u & 0xFFFF) != 0) & ((u >> 31) == 1)
+  minimum = ((u & 0xFFFF0000) + (down.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
+  minimum = tl.maximum(minimum, -BF16_MAX)
+  wide = (hi - minimum) >= 1.2676506002282294e30  # 2**100: the grid scaled by 1/4
+  s = tl.where(wide, 0.25, 1.0)
+  inv_s = tl.where(wide, 4.0, 1.0)
+  span = hi * s - minimum * s
+  inv_levels = tl.where(single, 0.0, tl.where(flagged, INV_FLAGGED, INV_LEVELS))
+  u = (span * inv_levels * inv_s).to(tl.uint32, bitcast=True)  # rounded up to bf16
+  up = ((u & 0xFFFF) != 0) & ((u >> 31) == 0)
+  step = ((u & 0xFFFF0000) + (up.to(tl.uint32) << 16)).to(tl.float32, bitcast=True)
+  step = tl.minimum(step, BF16_MAX)
+  # flagged groups (`flag_step`): the step rounded up to 4 bf16 ulps, kind and sign bit added
+  u = step.to(tl.uint32, bitcast=True)
+  rounded = (u + 0x30000) & 0xFFFCFFFF
+  rounded = tl.minimum(tl.maximum(rounded, 0x00800000), 0x7F7C0000)
+  stored = tl.where(flagged, rounded | (kind.to(tl.uint32) << 16) | 0x80000000, u)
+  step = tl.where(flagged, rounded, u).to(tl.float32, bitcast=True)
+  positive = step > 0.0
+  inv_step = tl.where(
+    positive,
+    tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(positive, step * s, 1.0)),
+    0.0,
+  )
+  return finite, hi, finite_levels, minimum, s, step, stored, inv_step
