@@ -1,11 +1,13 @@
-"""Per-group quantization statistics in Triton's language, for the kernels
-launched with jax-triton.
+"""Per-group quantization in Triton's language, for the kernels launched with
+jax-triton.
 
 `group_statistics(v, mask, ...)` is the statistics half of
-`jact._core.quantize.group_codes` for a [ROWS, K, Q_PAD] tile of groups: the
+`jact._core.quantize.group_codes` for a [ROWS, K, Q_PAD] tile of groups (the
 quantize, DIVISION and per-sample kernels call it, so their groups get the
-same bits. Every float operation is one IEEE operation rounded to nearest (the
-callers compile without contraction); the kernels' contract tests
+same bits); `store_groups` packs the tile's codes into the packing's byte
+planes and stores the statistics (quantize and DIVISION). Every float
+operation is one IEEE operation rounded to nearest (the callers compile
+without contraction); the kernels' contract tests
 (tests/kernels/test_kernel_contract.py) check the results against the
 reference through those kernels.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["group_statistics"]
+__all__ = ["group_statistics", "store_groups"]
 
 
 @triton.jit
@@ -73,3 +75,46 @@ def group_statistics(v, mask, LEVELS, INV_LEVELS, INV_FLAGGED, BF16_MAX):
     0.0,
   )
   return finite, hi, finite_levels, minimum, s, step, stored, inv_step
+
+
+@triton.jit
+def store_groups(
+  code,
+  minimum,
+  stored,
+  row1,
+  n_rows,
+  data_ptr,
+  min_ptr,
+  scale_ptr,
+  GROUP_SIZE: tl.constexpr,
+  BITS: tl.constexpr,
+  Q_PAD: tl.constexpr,
+):
+  """Stores the int32 codes [ROWS, K, Q_PAD] of the groups `row1` [ROWS] (those
+  below `n_rows`) packed plane by plane into their Q bytes (`jact._core.packing`,
+  the layout of `jact.kernels._quantize.layout.plane_layout`), and their
+  statistics, bf16 values, as uint16 bits: `minimum` and `stored` from
+  `group_statistics`."""
+  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
+  M: tl.constexpr = GROUP_SIZE // K
+  Q: tl.constexpr = GROUP_SIZE * BITS // 8
+  p = tl.arange(0, K)[None, :, None]
+  row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
+  out = data_ptr + row2 * Q + j2
+  keep = (row2 < n_rows) & (j2 < M)
+  if BITS == 16:  # the low bytes, then the high bytes
+    both = tl.sum(code, axis=1)  # one plane
+    tl.store(out, (both & 255).to(tl.uint8), mask=keep)
+    tl.store(out + M, (both >> 8).to(tl.uint8), mask=keep)
+  elif 8 % BITS == 0:
+    packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
+    tl.store(out, packed.to(tl.uint8), mask=keep)
+  else:  # byte plane b: bit b of value plane i in its bit i
+    for b in tl.static_range(BITS):
+      packed = tl.sum(((code >> b) & 1) << p, axis=1)
+      tl.store(out + b * M, packed.to(tl.uint8), mask=keep)
+  # the statistics hold bf16 values: their bf16 bits are the float32's high half
+  ok = row1 < n_rows
+  tl.store(min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=ok)
+  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=ok)

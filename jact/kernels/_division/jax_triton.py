@@ -43,7 +43,7 @@ from jact._core.quantize import Packed, as_rows, check_group_size, effective_gro
 from jact.kernels import _jax_triton
 from jact.kernels._division.reference import division_compress_reference
 from jact.kernels._quantize.layout import check_int32, next_pow2, packing_geometry
-from jact.kernels._triton_groups import group_statistics
+from jact.kernels._triton_groups import group_statistics, store_groups
 from jact.kernels._triton_rng import uniform
 
 __all__ = [
@@ -192,7 +192,6 @@ def quantize_groups(
   groups' own values (v is NaN elsewhere). `seed` is the uint32 seed."""
   K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
   M: tl.constexpr = GROUP_SIZE // K
-  Q: tl.constexpr = GROUP_SIZE * BITS // 8
   LEVELS: tl.constexpr = (1 << BITS) - 1
   row = row1[:, None, None]
   p = tl.arange(0, K)[None, :, None]
@@ -211,26 +210,10 @@ def quantize_groups(
   code = tl.minimum(tl.maximum(tl.floor(scaled + noise), 0.0), finite_levels[:, None, None])
   code = tl.where(mask & ~finite, LEVELS, code.to(tl.int32))
 
-  # packed plane by plane into bytes (`jact._core.packing`)
-  row2, j2 = row1[:, None], tl.arange(0, Q_PAD)[None, :]
-  out = data_ptr + row2 * Q + j2
-  keep = (row2 < n_rows) & (j2 < M)
-  if BITS == 16:  # the low bytes, then the high bytes
-    both = tl.sum(code, axis=1)  # one plane
-    tl.store(out, (both & 255).to(tl.uint8), mask=keep)
-    tl.store(out + M, (both >> 8).to(tl.uint8), mask=keep)
-  elif 8 % BITS == 0:
-    packed = tl.sum(code << (p * BITS), axis=1)  # planes hold disjoint bits: sum == or
-    tl.store(out, packed.to(tl.uint8), mask=keep)
-  else:  # byte plane b: bit b of value plane i in its bit i
-    for b in tl.static_range(BITS):
-      packed = tl.sum(((code >> b) & 1) << p, axis=1)
-      tl.store(out + b * M, packed.to(tl.uint8), mask=keep)
-  # the statistics hold bf16 values: their bf16 bits are the float32's high half
-  tl.store(
-    min_ptr + row1, (minimum.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16), mask=row1 < n_rows
+  # packed plane by plane into bytes (`jact._core.packing`), then the statistics
+  store_groups(
+    code, minimum, stored, row1, n_rows, data_ptr, min_ptr, scale_ptr, GROUP_SIZE, BITS, Q_PAD
   )
-  tl.store(scale_ptr + row1, (stored >> 16).to(tl.uint16), mask=row1 < n_rows)
 
 
 @triton.jit
