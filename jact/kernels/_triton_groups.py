@@ -1,6 +1,7 @@
 """Per-group quantization in Triton's language, for the kernels launched with
 jax-triton.
 
+`group_tile` lays a program's groups out as a [ROWS, K, Q_PAD] tile;
 `group_statistics(v, mask, ...)` is the statistics half of
 `jact._core.quantize.group_codes` for a [ROWS, K, Q_PAD] tile of groups (the
 quantize, DIVISION and per-sample kernels call it, so their groups get the
@@ -17,7 +18,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["group_statistics", "store_groups"]
+__all__ = ["group_tile", "group_statistics", "store_groups"]
+
+
+@triton.jit
+def group_tile(
+  n_rows,
+  groups,
+  d,
+  GROUP_SIZE: tl.constexpr,
+  BITS: tl.constexpr,
+  ROWS: tl.constexpr,
+  Q_PAD: tl.constexpr,
+  ALIGNED: tl.constexpr,
+):
+  """The [ROWS, K, Q_PAD] tile of this program's group rows of an (n, d) input
+  (`n_rows` = n * `groups` groups of GROUP_SIZE, the last of a sample partial
+  unless ALIGNED, d % GROUP_SIZE == 0): its K value planes of M values
+  (`jact.kernels._quantize.layout.plane_layout`). Returns (row1 [ROWS] the group
+  rows, within each value's position in its group, mask its own values, offset
+  their flat offsets in the input)."""
+  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
+  M: tl.constexpr = GROUP_SIZE // K
+  row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+  row = row1[:, None, None]
+  j = tl.arange(0, Q_PAD)[None, None, :]
+  within = tl.arange(0, K)[None, :, None] * M + j
+  if ALIGNED:  # a mask of whole planes: vector loads
+    mask = (row < n_rows) & (j < M)
+    offset = row * GROUP_SIZE + within
+  else:
+    col = (row % groups) * GROUP_SIZE + within
+    mask = (row < n_rows) & (j < M) & (col < d)
+    offset = (row // groups) * d + col
+  return row1, within, mask, offset
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from jact._core.quantize import Packed, as_rows, check_group_size, effective_gro
 from jact.kernels import _jax_triton
 from jact.kernels._division.reference import division_compress_reference
 from jact.kernels._quantize.layout import check_int32, next_pow2, packing_geometry
-from jact.kernels._triton_groups import group_statistics, store_groups
+from jact.kernels._triton_groups import group_statistics, group_tile, store_groups
 from jact.kernels._triton_rng import uniform
 
 __all__ = [
@@ -263,20 +263,7 @@ def residual_kernel(
   BF16_MAX: tl.constexpr,
 ):
   """The packed HFC of group rows pid * ROWS ... of the (rows, d) view of x."""
-  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
-  M: tl.constexpr = GROUP_SIZE // K
-  row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-  row = row1[:, None, None]
-  p = tl.arange(0, K)[None, :, None]
-  j = tl.arange(0, Q_PAD)[None, None, :]
-  within = p * M + j  # position in the group
-  if ALIGNED:  # groups tile the rows (a mask of whole planes: vector loads)
-    mask = (row < n_rows) & (j < M)
-    offset = row * GROUP_SIZE + within
-  else:
-    col = (row % groups) * GROUP_SIZE + within
-    mask = (row < n_rows) & (j < M) & (col < d)
-    offset = (row // groups) * d + col
+  row1, _, mask, offset = group_tile(n_rows, groups, d, GROUP_SIZE, BITS, ROWS, Q_PAD, ALIGNED)
   v = _load_float(x_ptr, offset, mask, IN_BF16)
   # the LFC value of the block holding each element (x's flat offset -> (n, z_d, z_h, z_w, c))
   # (dividing by `magic`: no division instruction)

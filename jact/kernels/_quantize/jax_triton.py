@@ -35,7 +35,7 @@ import triton.language as tl
 from jact._core.quantize import Packed
 from jact.kernels import _jax_triton
 from jact.kernels._quantize.layout import check_int32, packing_geometry
-from jact.kernels._triton_groups import group_statistics, store_groups
+from jact.kernels._triton_groups import group_statistics, group_tile, store_groups
 from jact.kernels._triton_rng import uniform
 
 __all__ = [
@@ -78,24 +78,9 @@ def quantize_kernel(
   LATTICE: tl.constexpr,
   DTYPE_MAX: tl.constexpr,
 ):
-  # the packing's layout (`layout.plane_layout`): K value planes of M values,
-  # packed into byte planes of M bytes (one for widths dividing 8, BITS for 3, 5,
-  # 6, 7 bits, low and high for 16 bits): `store_groups`
-  K: tl.constexpr = 1 if BITS == 16 else (8 // BITS if 8 % BITS == 0 else 8)
-  M: tl.constexpr = GROUP_SIZE // K
+  # the groups as the packing's K value planes of M values (`group_tile`)
   LEVELS: tl.constexpr = (1 << BITS) - 1
-  row1 = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-  row = row1[:, None, None]
-  p = tl.arange(0, K)[None, :, None]
-  j = tl.arange(0, Q_PAD)[None, None, :]
-  within = p * M + j  # position in the group
-  if ALIGNED:  # groups tile the samples (d % GROUP_SIZE == 0)
-    mask = (row < n_rows) & (j < M)
-    offset = row * GROUP_SIZE + within
-  else:
-    col = (row % groups) * GROUP_SIZE + within
-    mask = (row < n_rows) & (j < M) & (col < d)
-    offset = (row // groups) * d + col
+  row1, within, mask, offset = group_tile(n_rows, groups, d, GROUP_SIZE, BITS, ROWS, Q_PAD, ALIGNED)
   if IN_BF16:  # bits as uint16
     raw = tl.load(x_ptr + offset, mask=mask, other=0).to(tl.uint32)
     v = (raw << 16).to(tl.float32, bitcast=True)
@@ -114,7 +99,8 @@ def quantize_kernel(
   clipped = tl.where(v != v, mn, tl.minimum(tl.maximum(v, mn), hi3))
   scaled = (clipped * s3 - mn * s3) * inv_step3
   if STOCHASTIC:  # jact._core.rng's uniform of the hash of (seed, flat index)
-    noise = uniform(tl.load(seed_ptr), row.to(tl.uint32) * GROUP_SIZE + within.to(tl.uint32))
+    index = row1[:, None, None].to(tl.uint32) * GROUP_SIZE + within.to(tl.uint32)  # flat
+    noise = uniform(tl.load(seed_ptr), index)
   else:
     noise = 0.5
   top = finite_levels[:, None, None]
