@@ -191,8 +191,8 @@ CHUNKS = (
     170,
     "the frontier on the device (the 6x512 LM and ResNet-50 224x224 at batch 128; plain, JAX's "
     "remat, jact 4/2 bits with the Triton kernels and 2 bits with the XLA quantizer XLA fuses "
-    "into producers (the registry's kernel-or-XLA choice), jact.checkpoint): step time measured, device temp bytes next to the "
-    "deviceless XLA:GPU compile's (the time model's error on them)",
+    "into producers (the registry's kernel-or-XLA choice), jact.checkpoint): step time measured, "
+    "device temp bytes next to the deviceless XLA:GPU compile's (the time model's error on them)",
   ),
   Chunk(
     "largest_batch",
