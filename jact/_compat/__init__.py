@@ -82,6 +82,7 @@ from jact._compat.pallas import (
   pallas_triton_deprecated,
   has_jax_triton,
   kernel_launch_name,
+  import_jax_triton,
 )
 from jact._compat.gpu_aot import cuda_devices, cudnn_for_target
 
@@ -147,4 +148,5 @@ __all__ = [
   "pallas_triton_deprecated",
   "has_jax_triton",
   "kernel_launch_name",
+  "import_jax_triton",
 ]

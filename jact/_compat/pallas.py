@@ -8,6 +8,7 @@ semi-public or private JAX.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Sequence
 
 import jax
@@ -31,6 +32,7 @@ __all__ = [
   "pallas_triton_deprecated",
   "has_jax_triton",
   "kernel_launch_name",
+  "import_jax_triton",
 ]
 
 
@@ -55,6 +57,24 @@ def pallas_triton_deprecated() -> bool:
   (importing the module warns of nothing), so it is read from the version."""
   version = tuple(int(p) for p in jax.__version__.split(".")[:2])
   return version >= PALLAS_TRITON_DEPRECATED_IN
+
+
+def import_jax_triton():
+  """The `jax_triton` module, imported without its side effect on the process: importing it
+  sets TRITON_CACHE_DIR to "" (it compiles without Triton's file cache), after which every
+  `triton.compile` in the process raises "Could not create or locate cache dir". The
+  variable is put back as it was.
+
+  Public: `jax_triton.triton_call`; the variable it sets is its module-level code."""
+  before = os.environ.get("TRITON_CACHE_DIR")
+  import jax_triton
+
+  if before is None:
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+      del os.environ["TRITON_CACHE_DIR"]
+  else:
+    os.environ["TRITON_CACHE_DIR"] = before
+  return jax_triton
 
 
 def has_jax_triton() -> bool:
@@ -131,14 +151,17 @@ def kernel_launch_name(eqn) -> str | None:
 @probes(
   kernel_launch_name="jax-triton's triton_kernel_call primitive, by name, and its params['name']",
   has_jax_triton="importlib.util.find_spec('jax_triton')",
+  import_jax_triton="import jax_triton, and the TRITON_CACHE_DIR it sets",
 )
 def _check_kernel_launch_name():
   assert kernel_launch_name(trace_eqns(jnp.sin, 1.0)[0]) is None
   if not has_jax_triton():  # nothing else to read: the Pallas names are probed below
     return
-  import jax_triton
   import triton
   import triton.language as tl
+
+  jax_triton = import_jax_triton()
+  assert os.environ.get("TRITON_CACHE_DIR") != "", "jax-triton's import left TRITON_CACHE_DIR empty"
 
   @triton.jit
   def double(x_ptr, o_ptr, N: tl.constexpr):

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jact import _compat
+
 __all__ = ["call", "compile_ptx", "on_gpu", "lowered_kernels", "TARGET_CAPABILITY"]
 
 TARGET_CAPABILITY = 90
@@ -108,7 +110,7 @@ def _is_scalar(a) -> bool:
 def _import_jax_triton():
   """The `jax_triton` module, or an ImportError that says what to install."""
   try:
-    import jax_triton
+    jax_triton = _compat.import_jax_triton()
   except ModuleNotFoundError as e:  # pragma: no cover - a GPU machine without it
     raise ImportError(
       "the 'jax_triton' kernels need the jax-triton package: pip install -r "
