@@ -3,8 +3,9 @@
 # GPU machine that has Python 3.12 and jax/flax/optax/triton but no network: the CIFAR-10
 # and tiny Shakespeare files of the data kit (about 22 MB) and the wheels of the extras the
 # campaign imports that such a machine may lack (Pillow, to decode CIFAR-10's JPEGs, and
-# jax-triton 0.3.1, which launches the "jax_triton" kernel; about 5 MB). Everything stays under
-# the 64 MiB a device call takes along.
+# jax-triton 0.3.1, which launches jact's GPU kernels; about 5 MB). The campaign installs
+# these wheels itself when they are missing (experiments/gpu/extras.py). Everything stays
+# under the 64 MiB a device call takes along.
 #
 #   scripts/gpu_bundle.sh [DATA_DIR]      (default: $JACT_DATA, else ../shared/data)
 set -euo pipefail
