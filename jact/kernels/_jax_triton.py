@@ -38,7 +38,15 @@ import numpy as np
 
 from jact import _compat
 
-__all__ = ["call", "compile_ptx", "on_gpu", "lowered_kernels", "TARGET_CAPABILITY"]
+__all__ = [
+  "call",
+  "compile_ptx",
+  "on_gpu",
+  "operand_type",
+  "flat_operand",
+  "lowered_kernels",
+  "TARGET_CAPABILITY",
+]
 
 TARGET_CAPABILITY = 90
 """The compute capability (major * 10 + minor) kernels are compiled for when
@@ -56,6 +64,17 @@ _TRITON_TYPES = {
 
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def operand_type(dtype):
+  """The element type a kernel reads or writes `dtype` as (bfloat16 as its uint16 bits)."""
+  return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def flat_operand(x: jax.Array) -> jax.Array:
+  """`x` flattened as a kernel takes it (bfloat16 as its uint16 bits)."""
+  flat = x.reshape(-1)
+  return jax.lax.bitcast_convert_type(flat, jnp.uint16) if flat.dtype == jnp.bfloat16 else flat
 
 
 def call(

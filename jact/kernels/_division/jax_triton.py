@@ -362,11 +362,6 @@ def _plan(shape, dtype, *, block, bits, group_size, lfc_dtype, rows, tile):
   )
 
 
-def _bits_type(dtype):
-  """The array type a kernel takes for `dtype` (bfloat16 as its uint16 bits)."""
-  return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
-
-
 def division_compress(
   x: jax.Array,
   seed: jax.Array,
@@ -404,16 +399,14 @@ def division_compress(
     rows=rows,
     tile=tile,
   )
-  flat = x.reshape(-1)
-  if flat.dtype == jnp.bfloat16:
-    flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+  flat = _jax_triton.flat_operand(x)
   n_pooled = plan["pool_sizes"][0]
   (lfc,) = _jax_triton.call(
     pool_kernel,
     flat,
     *plan["pool_sizes"],
     grid=plan["pool_grid"],
-    out_shape=(jax.ShapeDtypeStruct((n_pooled,), _bits_type(lfc_dtype)),),
+    out_shape=(jax.ShapeDtypeStruct((n_pooled,), _jax_triton.operand_type(lfc_dtype)),),
     name="jact_division_pool_jax_triton",
     interpret=interpret,
     **plan["pool"],
@@ -479,7 +472,7 @@ def compile_for_cuda(
     rows=rows,
     tile=tile,
   )
-  x_type, lfc_type = _bits_type(x.dtype), _bits_type(lfc_dtype)
+  x_type, lfc_type = _jax_triton.operand_type(x.dtype), _jax_triton.operand_type(lfc_dtype)
   pool = _jax_triton.compile_ptx(
     pool_kernel, [x_type, *["i32"] * 19, lfc_type], arch=arch, **plan["pool"]
   )

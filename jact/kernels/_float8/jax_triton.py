@@ -189,9 +189,7 @@ def float8_compress(
     stochastic=stochastic,
     rows=rows,
   )
-  flat = x.reshape(-1)
-  if flat.dtype == jnp.bfloat16:
-    flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+  flat = _jax_triton.flat_operand(x)
   seed = jnp.asarray(seed if stochastic else 0, jnp.uint32).reshape(1)
   codes, stored = _jax_triton.call(
     float8_kernel,
@@ -235,7 +233,7 @@ def compile_for_cuda(
     stochastic=stochastic,
     rows=rows,
   )
-  x_type = jnp.uint16 if jnp.dtype(x.dtype) == jnp.bfloat16 else x.dtype
+  x_type = _jax_triton.operand_type(x.dtype)
   scale_type = jnp.uint8 if scale == "pow2" else jnp.float32
   return _jax_triton.compile_ptx(
     float8_kernel,

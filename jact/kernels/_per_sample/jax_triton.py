@@ -83,11 +83,6 @@ def _offsets(bits: jax.Array, dp: int) -> jax.Array:
   return jnp.cumsum(size) - size
 
 
-def _as_kernel_operand(x: jax.Array) -> jax.Array:
-  """bfloat16 as its uint16 bits (the interpreter's numpy has no bfloat16)."""
-  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
-
-
 # ----------------------------------------------------------------------------- shared pieces
 
 
@@ -302,7 +297,7 @@ def quantize_per_sample(
   groups, dp, _, _, tiles = geometry(d, group_size, rows)
   stats, pack = _constants(x.shape, x.dtype, capacity, group_size, seed is not None, rows)
   bits = jnp.asarray(bits, jnp.int32)
-  flat = _as_kernel_operand(x.reshape(-1))
+  flat = _jax_triton.flat_operand(x)
   calls = dict(interpret=interpret, initial=initial)
   n_rows = n * groups
   minimum, scale, hi, inv_step = _jax_triton.call(
@@ -512,10 +507,6 @@ def _unpack_constants(p: PackedPerSample, dtype, rows) -> dict:
 # ----------------------------------------------------------------------------- PTX
 
 
-def _operand_type(dtype):
-  return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
-
-
 def compile_quantize_for_cuda(
   x: jax.ShapeDtypeStruct,
   bits,
@@ -531,7 +522,7 @@ def compile_quantize_for_cuda(
   the `triton` package (any host; `bits` is unused: int32[N] in the kernels)."""
   del bits
   stats, pack = _constants(x.shape, x.dtype, capacity_bytes, group_size, seed is not None, rows)
-  x_type, i32 = _operand_type(x.dtype), "i32"
+  x_type, i32 = _jax_triton.operand_type(x.dtype), "i32"
   u16, f32, u8 = jnp.uint16, jnp.float32, jnp.uint8
   stats_types = [x_type, jnp.int32, i32, i32, i32, u16, u16, f32, f32]
   pack_types = [x_type, jnp.int32, jnp.int32, u16, u16, f32, f32, jnp.uint32]
@@ -552,7 +543,7 @@ def compile_dequantize_for_cuda(
   of any array-like with a dtype) on an sm_`arch` GPU, compiled here."""
   dtype = jnp.dtype(dtype or p.dtype)
   types = [jnp.uint8, jnp.uint8, jnp.int32, jnp.uint16, jnp.uint16] + ["i32"] * 4
-  types.append(_operand_type(dtype))
+  types.append(_jax_triton.operand_type(dtype))
   return _jax_triton.compile_ptx(
     _unpack_kernel, types, arch=arch, **_unpack_constants(p, dtype, rows)
   )

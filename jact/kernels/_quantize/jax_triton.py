@@ -186,9 +186,7 @@ def quantize(
   grid, sizes, constants = kernel_constants(
     x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
   )
-  flat = x.reshape(-1)
-  if flat.dtype == jnp.bfloat16:
-    flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+  flat = _jax_triton.flat_operand(x)
   seed = jnp.asarray(seed if stochastic else 0, jnp.uint32).reshape(1)
   out_shape = (
     jax.ShapeDtypeStruct((n_rows * q,), jnp.uint8),
@@ -236,7 +234,7 @@ def compile_for_cuda(
   _, _, constants = kernel_constants(
     x.shape, x.dtype, bits=bits, group_size=group_size, stochastic=stochastic, rows=rows
   )
-  x_type = _bits_type(x.dtype)
+  x_type = _jax_triton.operand_type(x.dtype)
   return _jax_triton.compile_ptx(
     quantize_kernel,
     [x_type, jnp.uint32, "i32", "i32", "i32", jnp.uint8, jnp.uint16, jnp.uint16],
@@ -394,7 +392,7 @@ def dequantize(
     as_bits(packed.scale),
     *sizes,
     grid=grid,
-    out_shape=(jax.ShapeDtypeStruct((n * sizes[2],), _bits_type(dtype)),),
+    out_shape=(jax.ShapeDtypeStruct((n * sizes[2],), _jax_triton.operand_type(dtype)),),
     name="jact_dequantize_jax_triton",
     interpret=interpret,
     initial=initial,
@@ -411,18 +409,13 @@ def compile_dequantize_for_cuda(
   """The PTX `dequantize` runs for a `Packed` like `packed` (`jax.ShapeDtypeStruct`
   leaves will do) on an sm_`arch` GPU, compiled here by the `triton` package."""
   _, _, constants = dequantize_constants(packed, dtype, rows=rows)
-  out = _bits_type(jnp.dtype(dtype or packed.dtype))
+  out = _jax_triton.operand_type(jnp.dtype(dtype or packed.dtype))
   return _jax_triton.compile_ptx(
     dequantize_kernel,
     [jnp.uint8, jnp.uint16, jnp.uint16, "i32", "i32", "i32", out],
     arch=arch,
     **constants,
   )
-
-
-def _bits_type(dtype):
-  """The element type a kernel reads or writes `dtype` as (bfloat16 as its uint16 bits)."""
-  return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
 
 
 PTX = {"quantize": compile_for_cuda, "dequantize": compile_dequantize_for_cuda}

@@ -133,9 +133,7 @@ def relu_mask(
   )
   rows, _, q, _ = sizes
   check_int32(rows * q, "the mask")
-  flat = x.reshape(-1)
-  if flat.dtype == jnp.bfloat16:
-    flat = jax.lax.bitcast_convert_type(flat, jnp.uint16)
+  flat = _jax_triton.flat_operand(x)
   y, mask = _jax_triton.call(
     relu_mask_kernel,
     flat,
@@ -166,7 +164,7 @@ def compile_for_cuda(
   """The PTX `relu_mask` runs for an input like `x` on an sm_`arch` GPU, compiled
   here by the `triton` package (any host)."""
   _, _, constants = kernel_constants(x.shape, x.dtype, negative_slope=negative_slope, tile=tile)
-  x_type = jnp.uint16 if jnp.dtype(x.dtype) == jnp.bfloat16 else x.dtype
+  x_type = _jax_triton.operand_type(x.dtype)
   return _jax_triton.compile_ptx(
     relu_mask_kernel,
     [x_type, "i32", "i32", "i32", "i32", x_type, jnp.uint8],
